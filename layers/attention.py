@@ -1,0 +1,131 @@
+"""Multi-head attention with MHA / GQA / MQA, causal mask, optional sliding window.
+
+Three implementations, chosen per model (`impl`):
+
+    "xla"    jax.nn.dot_product_attention(implementation="xla"): runs everywhere,
+             but materialises the [t, s] scores per head: memory quadratic in
+             the sequence (20 GiB for one 8192-token, 32-head layer's forward
+             and backward on an H200 target, DESIGN.md section 5).
+    "cudnn"  jax.nn.dot_product_attention(implementation="cudnn"): cuDNN flash
+             attention on NVIDIA GPUs; cannot be compiled without cuDNN.
+    "flash"  layers/flash_attention.py: blockwise attention in plain JAX with its
+             own backward pass; memory linear in the sequence, compiles
+             everywhere (the planner plans with it).
+
+Tags: q, k and v after RoPE as QKV; the attention context as ATTN_CONTEXT; the
+output projection as ATTN_OUT. Decoding uses a per-layer KV cache
+({"k": [b, S, kv, h], "v": ...}) written at `cache_index`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from layers import names
+from layers.params import normal, param
+from layers.rope import RopeScaling, apply_rope, inverse_frequencies
+
+IMPLEMENTATIONS = ("xla", "cudnn", "flash")
+
+
+def check_head_layout(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> int:
+    """Validate the head counts; returns head_dim (d_model // num_heads when None)."""
+    if num_heads <= 0 or num_kv_heads <= 0:
+        raise ValueError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be positive")
+    if head_dim is None:
+        if d_model % num_heads:
+            raise ValueError(f"num_heads ({num_heads}) does not divide d_model ({d_model})")
+        head_dim = d_model // num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) does not divide num_heads ({num_heads})")
+    return head_dim
+
+
+def _reference_mask(q_positions_bt, kv_positions_bs, sliding_window):
+    """Boolean [b, 1, t, s] mask: causal by position, optionally windowed."""
+    q = q_positions_bt[:, None, :, None]
+    k = kv_positions_bs[:, None, None, :]
+    mask = k <= q
+    if sliding_window is not None:
+        mask &= k > q - sliding_window
+    return mask
+
+
+class Attention(nnx.Module):
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
+                 rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
+                 sliding_window: int | None = None, impl: str = "xla", qkv_bias: bool = False,
+                 dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
+                 flash_block_size: int = 512, rngs: nnx.Rngs):
+        head_dim = check_head_layout(d_model, num_heads, num_kv_heads, head_dim)
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown attention impl {impl!r}; known: {IMPLEMENTATIONS}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sliding_window = sliding_window
+        self.impl = impl
+        self.dtype = dtype
+        self.flash_block_size = flash_block_size
+        # Plain Python config, not arrays: the frequencies are recomputed (constant-folded) per call.
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        init = normal(init_std)
+        self.wq = param(rngs, init, (d_model, num_heads, head_dim), (names.EMBED, names.HEADS, names.HEAD_DIM), param_dtype)
+        self.wk = param(rngs, init, (d_model, num_kv_heads, head_dim), (names.EMBED, names.KV_HEADS, names.HEAD_DIM), param_dtype)
+        self.wv = param(rngs, init, (d_model, num_kv_heads, head_dim), (names.EMBED, names.KV_HEADS, names.HEAD_DIM), param_dtype)
+        self.wo = param(rngs, init, (num_heads, head_dim, d_model), (names.HEADS, names.HEAD_DIM, names.EMBED), param_dtype)
+        if qkv_bias:
+            zeros = jax.nn.initializers.zeros
+            self.bq = param(rngs, zeros, (num_heads, head_dim), (names.HEADS, names.HEAD_DIM), param_dtype)
+            self.bk = param(rngs, zeros, (num_kv_heads, head_dim), (names.KV_HEADS, names.HEAD_DIM), param_dtype)
+            self.bv = param(rngs, zeros, (num_kv_heads, head_dim), (names.KV_HEADS, names.HEAD_DIM), param_dtype)
+        else:
+            self.bq = self.bk = self.bv = None
+
+    def _project(self, x_btd, w, b):
+        y = jnp.einsum("btd,dnh->btnh", x_btd, w[...].astype(self.dtype))
+        return y if b is None else y + b[...].astype(self.dtype)
+
+    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, cache: dict | None = None,
+                 cache_index: jax.Array | None = None):
+        """Returns (out_btd, new_cache). `cache` is None in training."""
+        x_btd = x_btd.astype(self.dtype)
+        inv_freq = inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        q_btnh = apply_rope(self._project(x_btd, self.wq, self.bq), positions_bt, inv_freq)
+        k_btkh = apply_rope(self._project(x_btd, self.wk, self.bk), positions_bt, inv_freq)
+        v_btkh = self._project(x_btd, self.wv, self.bv)
+        q_btnh = checkpoint_name(q_btnh, names.QKV)
+        k_btkh = checkpoint_name(k_btkh, names.QKV)
+        v_btkh = checkpoint_name(v_btkh, names.QKV)
+
+        if cache is not None:
+            k_bskh = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_btkh.astype(cache["k"].dtype), cache_index, 1)
+            v_bskh = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_btkh.astype(cache["v"].dtype), cache_index, 1)
+            cache = {"k": k_bskh, "v": v_bskh}
+            batch, max_len = k_bskh.shape[:2]
+            kv_positions_bs = jnp.broadcast_to(jnp.arange(max_len), (batch, max_len))
+            context_btnh = self._attend(q_btnh, k_bskh.astype(self.dtype), v_bskh.astype(self.dtype),
+                                        positions_bt, kv_positions_bs)
+        else:
+            context_btnh = self._attend(q_btnh, k_btkh, v_btkh, None, None)
+        context_btnh = checkpoint_name(context_btnh, names.ATTN_CONTEXT)
+        out_btd = jnp.einsum("btnh,nhd->btd", context_btnh, self.wo[...].astype(self.dtype))
+        return checkpoint_name(out_btd, names.ATTN_OUT), cache
+
+    def _attend(self, q_btnh, k_bskh, v_bskh, q_positions_bt, kv_positions_bs):
+        if self.impl == "flash":
+            from layers.flash_attention import flash_attention
+            return flash_attention(q_btnh, k_bskh, v_bskh, causal=True, sliding_window=self.sliding_window,
+                                   q_positions_bt=q_positions_bt, kv_positions_bs=kv_positions_bs,
+                                   block_q=self.flash_block_size, block_k=self.flash_block_size)
+        if q_positions_bt is not None:
+            # Decoding against a cache: positions decide the mask (the cache's
+            # unwritten tail has positions beyond the query and is masked).
+            mask = _reference_mask(q_positions_bt, kv_positions_bs, self.sliding_window)
+            return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, implementation="xla")
+        window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True,
+                                            local_window_size=window, implementation=self.impl)

@@ -1,0 +1,480 @@
+"""Blockwise (flash-style) attention in plain JAX, with its own backward pass.
+
+`flash_attention(q_btnh, k_bskh, v_bskh, ...)` computes
+softmax(scale * q k^T + mask) v without ever holding the [t, s] score matrix:
+memory is linear in the sequence length. It uses only standard lax ops
+(`lax.fori_loop`, `lax.cond`, `einsum`, dynamic slices), so it compiles on every
+backend, including XLA's GPU compiler run deviceless (DESIGN.md section 5),
+where cuDNN and Pallas attention cannot be traced.
+
+Algorithm (FlashAttention-2, Dao 2023):
+
+  forward   for each query block i (lax.map over blocks):
+              for each key block j (fori_loop), online softmax in fp32:
+                s    = scale * q_i k_j^T, masked to -inf
+                m'   = max(m, rowmax(s));  p = exp(s - m')
+                l    = exp(m - m') l + rowsum(p)
+                acc  = exp(m - m') acc + p v_j
+              o_i = acc / l;  lse_i = m + log(l)
+  backward  residuals are only q, k, v, o and lse ([b, n, t], fp32).
+            D = rowsum(dO * O). For each key block j (fori_loop):
+              for each query block i (fori_loop), recompute
+                p   = exp(scale * q_i k_j^T - lse_i)      (0 where masked)
+                dv_j += p^T dO_i
+                ds  = p * (dO_i v_j^T - D_i)
+                dk_j += scale * ds^T q_i
+                dq_i += scale * ds k_j                    (dq kept in fp32)
+
+Blocks that the mask hides entirely (the upper triangle under `causal`, blocks
+left of a `sliding_window`) are skipped with `lax.cond`, in both passes. The skip
+test is computed from the actual positions, so it stays exact for any positions.
+
+Conventions:
+  * Grouped-query attention: query head i reads kv head i // (n // kv), the same
+    grouping as `jax.nn.dot_product_attention`; k and v are never repeated.
+  * Masks come from positions (default `arange`, for queries and keys alike):
+      causal          key j visible to query i iff pos_k[j] <= pos_q[i]
+      sliding_window  w: additionally pos_q[i] - w < pos_k[j], i.e. the query
+                      sees itself and the w - 1 keys before it. This equals
+                      `jax.nn.dot_product_attention(..., is_causal=True,
+                      local_window_size=(w - 1, 0))`.
+    With t != s and default positions the mask is aligned top-left (query i at
+    position i), as in `jax.nn.dot_product_attention`; for decoding with a cache
+    pass `q_positions_bt` (e.g. cache_len + arange(t)).
+  * A query row that sees no key at all gets output 0 (not NaN) and
+    logsumexp -inf; its gradients are 0.
+  * Softmax statistics and all accumulators are fp32 whatever the input dtype;
+    matmul operands stay in the input dtype (bf16 inputs run bf16 matmuls with
+    fp32 accumulation, as FlashAttention does). The output has q's dtype.
+  * v may have a different head_dim from q and k (as in MLA); q and k must match.
+
+Remat: the forward rule tags its residuals with `checkpoint_name`: the output
+as `names.ATTN_CONTEXT` and the logsumexp as `ATTN_LSE`. Under `jax.checkpoint`
+with a policy that saves both names, the backward pass reuses them and does not
+rerun the attention forward; with any other policy the forward is recomputed,
+which is always correct.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from layers import names
+
+# checkpoint_name tag of the per-row logsumexp residual, [b, n, t] fp32. Save it
+# together with names.ATTN_CONTEXT to keep the attention forward out of the
+# backward pass. (Lives here, not in names.py, because it is only meaningful
+# for this kernel's residuals.)
+ATTN_LSE = "attn_lse"
+
+
+class _Config(NamedTuple):
+    """Static (hashable) settings of one call; nondiff argument of the custom_vjp."""
+
+    causal: bool
+    sliding_window: int | None
+    block_q: int
+    block_k: int
+    scale: float
+
+
+# ----------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------
+
+
+def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_window: int | None = None,
+                    q_positions_bt=None, kv_positions_bs=None, block_q: int = 512, block_k: int = 512,
+                    scale: float | None = None) -> jax.Array:
+    """Blockwise attention, memory linear in sequence length; see the module docstring.
+
+    Args:
+      q_btnh: queries [batch, t, num_heads, head_dim].
+      k_bskh: keys [batch, s, num_kv_heads, head_dim]; num_heads % num_kv_heads == 0.
+      v_bskh: values [batch, s, num_kv_heads, head_dim_v].
+      causal: mask keys whose position is after the query's position.
+      sliding_window: w >= 1; the query sees keys with q_pos - w < k_pos <= q_pos.
+        Requires causal=True.
+      q_positions_bt, kv_positions_bs: integer positions, [batch, t] / [batch, s]
+        (or [t] / [s], shared by the batch). Default arange.
+      block_q, block_k: tile sizes; clipped to the sequence lengths. Lengths need
+        not be multiples of them.
+      scale: score scale; default 1 / sqrt(head_dim).
+
+    Returns:
+      o_btnh: [batch, t, num_heads, head_dim_v], dtype of q.
+    """
+    o_btnh, _ = flash_attention_with_lse(
+        q_btnh, k_bskh, v_bskh, causal=causal, sliding_window=sliding_window,
+        q_positions_bt=q_positions_bt, kv_positions_bs=kv_positions_bs,
+        block_q=block_q, block_k=block_k, scale=scale)
+    return o_btnh
+
+
+def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_window: int | None = None,
+                             q_positions_bt=None, kv_positions_bs=None, block_q: int = 512,
+                             block_k: int = 512, scale: float | None = None):
+    """As `flash_attention`, also returning the per-row logsumexp lse_bnt ([b, n, t], fp32).
+
+    Both outputs are differentiable (the lse cotangent enters as ds += p * dlse),
+    so partial attentions over disjoint key sets can be merged exactly, e.g. for
+    a split KV cache or sequence-parallel attention. Rows that see no key have
+    lse = -inf.
+    """
+    q_btnh, k_bskh, v_bskh = jnp.asarray(q_btnh), jnp.asarray(k_bskh), jnp.asarray(v_bskh)
+    cfg = _check_inputs(q_btnh, k_bskh, v_bskh, causal, sliding_window, block_q, block_k, scale)
+    b, t = q_btnh.shape[:2]
+    s = k_bskh.shape[1]
+    q_pos_bt = _positions(q_positions_bt, b, t, "q_positions_bt")
+    kv_pos_bs = _positions(kv_positions_bs, b, s, "kv_positions_bs")
+    return _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+
+
+# ----------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, causal, sliding_window, block_q, block_k, scale) -> _Config:
+    for name, x in (("q_btnh", q), ("k_bskh", k), ("v_bskh", v)):
+        if x.ndim != 4:
+            raise ValueError(f"flash_attention: {name} must have rank 4 [batch, seq, heads, head_dim], "
+                             f"got shape {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"flash_attention: {name} must be floating point, got {x.dtype}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"flash_attention: k and v must agree in [batch, s, num_kv_heads], "
+                         f"got k {k.shape} and v {v.shape}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"flash_attention: batch sizes differ: q {q.shape[0]}, k/v {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"flash_attention: head_dim of q ({q.shape[3]}) and k ({k.shape[3]}) must match")
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"flash_attention: num_heads ({num_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(blk, int) or isinstance(blk, bool) or blk <= 0:
+            raise ValueError(f"flash_attention: {name} must be a positive int, got {blk!r}")
+    if sliding_window is not None:
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+            raise ValueError(f"flash_attention: sliding_window must be a positive int or None, "
+                             f"got {sliding_window!r}")
+        if not causal:
+            # A look-back window without the causal bound would let a query see
+            # every future key; no model we know wants that, so refuse it.
+            raise ValueError("flash_attention: sliding_window requires causal=True")
+    if scale is None:
+        scale = q.shape[3] ** -0.5
+    # Clip blocks to the lengths so short sequences are not padded to 512.
+    t, s = q.shape[1], k.shape[1]
+    return _Config(causal=bool(causal), sliding_window=sliding_window,
+                   block_q=max(1, min(block_q, t)), block_k=max(1, min(block_k, s)),
+                   scale=float(scale))
+
+
+def _positions(pos, b, n, name):
+    if pos is None:
+        return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    pos = jnp.asarray(pos)
+    if not jnp.issubdtype(pos.dtype, jnp.integer):
+        raise ValueError(f"flash_attention: {name} must be integer, got {pos.dtype}")
+    if pos.shape not in ((n,), (b, n)):
+        raise ValueError(f"flash_attention: {name} must have shape ({b}, {n}) or ({n},), got {pos.shape}")
+    return jnp.broadcast_to(pos.astype(jnp.int32), (b, n))
+
+
+# ----------------------------------------------------------------------------
+# layout: "rows"
+# ----------------------------------------------------------------------------
+#
+# Inside the kernel the g = n // kv query heads that share a kv head are folded
+# into the query axis: per kv head there are r = t * g rows (row = t_index * g +
+# group_index). Grouped-query attention is then plain attention with g times
+# more rows, and every einsum has (b, kv) as leading batch dims, so XLA emits
+# dots with no transposes inside the loops. A block of block_q tokens is a
+# contiguous block of block_q * g rows.
+
+
+def _pad_axis(x, axis, size):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _to_rows(x_btnh, kv, tp):
+    """[b, t, n, h] -> [b, kv, tp * g, h], zero-padded to tp tokens."""
+    b, t, n, h = x_btnh.shape
+    x_btkgh = _pad_axis(x_btnh.reshape(b, t, kv, n // kv, h), 1, tp)
+    return jnp.transpose(x_btkgh, (0, 2, 1, 3, 4)).reshape(b, kv, tp * (n // kv), h)
+
+
+def _from_rows(x_bkrh, t, g):
+    """[b, kv, tp * g, h] -> [b, t, kv * g, h] (drops the padding)."""
+    b, kv, r, h = x_bkrh.shape
+    x_btkgh = jnp.transpose(x_bkrh.reshape(b, kv, r // g, g, h), (0, 2, 1, 3, 4))
+    return x_btkgh.reshape(b, r // g, kv * g, h)[:, :t]
+
+
+def _stat_to_rows(x_bnt, kv, tp):
+    """Per-row statistic [b, n, t] -> [b, kv, tp * g], zero-padded."""
+    b, n, t = x_bnt.shape
+    x_bkgt = _pad_axis(x_bnt.reshape(b, kv, n // kv, t), 3, tp)
+    return jnp.transpose(x_bkgt, (0, 1, 3, 2)).reshape(b, kv, tp * (n // kv))
+
+
+def _stat_from_rows(x_bkr, t, g):
+    """[b, kv, tp * g] -> [b, kv * g, t]."""
+    b, kv, r = x_bkr.shape
+    x_bkgt = jnp.transpose(x_bkr.reshape(b, kv, r // g, g), (0, 1, 3, 2))
+    return x_bkgt.reshape(b, kv * g, r // g)[:, :, :t]
+
+
+class _Layout(NamedTuple):
+    """Padded row-layout views shared by the forward and backward passes."""
+
+    q_bkrh: jax.Array         # [b, kv, Tp * g, h]
+    k_bksh: jax.Array         # [b, kv, Sp, h]
+    v_bksh: jax.Array         # [b, kv, Sp, hv]
+    q_pos_br: jax.Array       # [b, Tp * g] int32, each token's position repeated g times
+    q_valid_br: jax.Array     # [b, Tp * g] bool, False on padding
+    kv_pos_bs: jax.Array      # [b, Sp] int32
+    kv_valid_bs: jax.Array    # [b, Sp] bool
+    visit_ij: jax.Array       # [nq, nk] bool: block (i, j) may hold a visible entry
+    num_q_blocks: int
+    num_k_blocks: int
+    rows_per_block: int       # block_q * g
+    tp: int                   # padded t
+
+
+def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs) -> _Layout:
+    b, t, n, _ = q_btnh.shape
+    s, kv = k_bskh.shape[1], k_bskh.shape[2]
+    g = n // kv
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = -(-t // bq), -(-s // bk)
+    tp, sp = nq * bq, nk * bk
+    q_valid_bt = jnp.broadcast_to(jnp.arange(tp) < t, (b, tp))
+    kv_valid_bs = jnp.broadcast_to(jnp.arange(sp) < s, (b, sp))
+    q_pos_bt = _pad_axis(q_pos_bt, 1, tp)
+    kv_pos_bs = _pad_axis(kv_pos_bs, 1, sp)
+
+    # Which blocks may hold a visible entry: per block, the range of valid
+    # positions; a block is skipped only if no batch row can see into it.
+    if cfg.causal:
+        big = jnp.iinfo(jnp.int32).max
+        q_max_bi = jnp.where(q_valid_bt, q_pos_bt, -big).reshape(b, nq, bq).max(-1)
+        q_min_bi = jnp.where(q_valid_bt, q_pos_bt, big).reshape(b, nq, bq).min(-1)
+        k_min_bj = jnp.where(kv_valid_bs, kv_pos_bs, big).reshape(b, nk, bk).min(-1)
+        k_max_bj = jnp.where(kv_valid_bs, kv_pos_bs, -big).reshape(b, nk, bk).max(-1)
+        visit_bij = k_min_bj[:, None, :] <= q_max_bi[:, :, None]
+        if cfg.sliding_window is not None:
+            # q_min is +big on an all-padding block: big - w cannot overflow.
+            visit_bij &= k_max_bj[:, None, :] > q_min_bi[:, :, None] - cfg.sliding_window
+        visit_ij = visit_bij.any(0)
+    else:
+        visit_ij = jnp.ones((nq, nk), bool)
+
+    def kv_heads_first(x_bskh):
+        return jnp.transpose(_pad_axis(x_bskh, 1, sp), (0, 2, 1, 3))
+
+    return _Layout(
+        q_bkrh=_to_rows(q_btnh, kv, tp), k_bksh=kv_heads_first(k_bskh), v_bksh=kv_heads_first(v_bskh),
+        q_pos_br=jnp.repeat(q_pos_bt, g, axis=1), q_valid_br=jnp.repeat(q_valid_bt, g, axis=1),
+        kv_pos_bs=kv_pos_bs, kv_valid_bs=kv_valid_bs, visit_ij=visit_ij,
+        num_q_blocks=nq, num_k_blocks=nk, rows_per_block=bq * g, tp=tp)
+
+
+def _block_mask(cfg: _Config, lay: _Layout, r0, k0):
+    """[b, 1, R, bk] visibility of rows r0.. against keys k0.. (broadcasts over kv)."""
+    rows, bk = lay.rows_per_block, cfg.block_k
+    q_pos_br = _slice(lay.q_pos_br, r0, rows, 1)
+    k_pos_bs = _slice(lay.kv_pos_bs, k0, bk, 1)
+    mask_brs = _slice(lay.q_valid_br, r0, rows, 1)[:, :, None] & _slice(lay.kv_valid_bs, k0, bk, 1)[:, None, :]
+    if cfg.causal:
+        mask_brs &= k_pos_bs[:, None, :] <= q_pos_br[:, :, None]
+    if cfg.sliding_window is not None:
+        mask_brs &= k_pos_bs[:, None, :] > q_pos_br[:, :, None] - cfg.sliding_window
+    return mask_brs[:, None]
+
+
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _maybe_skip(cfg: _Config, visit, body, carry):
+    # Only causal / windowed masks can hide whole blocks; otherwise skip the cond.
+    if not cfg.causal:
+        return body(carry)
+    return lax.cond(visit, body, lambda c: c, carry)
+
+
+# ----------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------
+
+
+def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
+    b, t, n, _ = q_btnh.shape
+    kv, hv = v_bskh.shape[2], v_bskh.shape[3]
+    g = n // kv
+    bk = cfg.block_k
+    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+    rows = lay.rows_per_block
+
+    def q_block(i):
+        r0 = i * rows
+        q_bkrh = _slice(lay.q_bkrh, r0, rows, 2)
+
+        def k_step(j, carry):
+            def visit(carry):
+                m_bkr, l_bkr, acc_bkrh = carry
+                k0 = j * bk
+                k_bksh = _slice(lay.k_bksh, k0, bk, 2)
+                v_bksh = _slice(lay.v_bksh, k0, bk, 2)
+                s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh,
+                                    preferred_element_type=jnp.float32) * cfg.scale
+                s_bkrs = jnp.where(_block_mask(cfg, lay, r0, k0), s_bkrs, -jnp.inf)
+                m_new = jnp.maximum(m_bkr, s_bkrs.max(-1))
+                # A row with nothing visible yet has m = -inf; shift by 0 there
+                # so exp() sees -inf - 0 = -inf (-> 0), never -inf - -inf (NaN).
+                m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+                p_bkrs = jnp.exp(s_bkrs - m_safe[..., None])
+                alpha_bkr = jnp.exp(m_bkr - m_safe)
+                l_bkr = alpha_bkr * l_bkr + p_bkrs.sum(-1)
+                pv_bkrh = jnp.einsum("bkrs,bksh->bkrh", p_bkrs.astype(v_bksh.dtype), v_bksh,
+                                     preferred_element_type=jnp.float32)
+                return m_new, l_bkr, alpha_bkr[..., None] * acc_bkrh + pv_bkrh
+
+            return _maybe_skip(cfg, lay.visit_ij[i, j], visit, carry)
+
+        init = (jnp.full((b, kv, rows), -jnp.inf, jnp.float32),
+                jnp.zeros((b, kv, rows), jnp.float32),
+                jnp.zeros((b, kv, rows, hv), jnp.float32))
+        m_bkr, l_bkr, acc_bkrh = lax.fori_loop(0, lay.num_k_blocks, k_step, init)
+        seen = l_bkr > 0
+        l_safe = jnp.where(seen, l_bkr, 1.0)
+        o_bkrh = (acc_bkrh / l_safe[..., None]).astype(q_btnh.dtype)
+        lse_bkr = jnp.where(seen, m_bkr + jnp.log(l_safe), -jnp.inf)
+        return o_bkrh, lse_bkr
+
+    # Query blocks are independent: lax.map keeps one block's state live at a time.
+    o_ibkrh, lse_ibkr = lax.map(q_block, jnp.arange(lay.num_q_blocks))
+    o_bkrh = jnp.transpose(o_ibkrh, (1, 2, 0, 3, 4)).reshape(b, kv, lay.tp * g, hv)
+    lse_bkr = jnp.transpose(lse_ibkr, (1, 2, 0, 3)).reshape(b, kv, lay.tp * g)
+    return _from_rows(o_bkrh, t, g), _stat_from_rows(lse_bkr, t, g)
+
+
+# ----------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------
+
+
+def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt, do_btnh, dlse_bnt):
+    b, t, n, h = q_btnh.shape
+    s, kv, hv = v_bskh.shape[1], v_bskh.shape[2], v_bskh.shape[3]
+    g = n // kv
+    bk = cfg.block_k
+    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+    rows, tp = lay.rows_per_block, lay.tp
+    sp = lay.num_k_blocks * bk
+
+    do_bkrh = _to_rows(do_btnh, kv, tp)
+    # D = rowsum(dO * O): the softmax-Jacobian term, fp32. An lse cotangent adds
+    # p * dlse to ds, i.e. it enters as D - dlse. Padded rows get D = 0, dO = 0.
+    d_bnt = jnp.einsum("btnh,btnh->bnt", do_btnh.astype(jnp.float32), o_btnh.astype(jnp.float32))
+    if dlse_bnt is not None:
+        d_bnt = d_bnt - dlse_bnt.astype(jnp.float32)
+    d_bkr = _stat_to_rows(d_bnt, kv, tp)
+    # Fully-masked rows have lse = -inf; use 0 there (p is masked to 0 anyway)
+    # so exp(s - lse) never evaluates -inf - -inf.
+    lse_bkr = _stat_to_rows(jnp.where(jnp.isneginf(lse_bnt), 0.0, lse_bnt), kv, tp)
+
+    def k_block(j, carry):
+        dq_bkrh, dk_bksh, dv_bksh = carry
+        k0 = j * bk
+        k_bksh_j = _slice(lay.k_bksh, k0, bk, 2)
+        v_bksh_j = _slice(lay.v_bksh, k0, bk, 2)
+
+        def q_step(i, carry):
+            def visit(carry):
+                dq_bkrh, dk_bksh_j, dv_bksh_j = carry
+                r0 = i * rows
+                q_bkrh = _slice(lay.q_bkrh, r0, rows, 2)
+                do_bkrh_i = _slice(do_bkrh, r0, rows, 2)
+                s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh_j,
+                                    preferred_element_type=jnp.float32) * cfg.scale
+                p_bkrs = jnp.where(_block_mask(cfg, lay, r0, k0),
+                                   jnp.exp(s_bkrs - _slice(lse_bkr, r0, rows, 2)[..., None]), 0.0)
+                dv_bksh_j = dv_bksh_j + jnp.einsum("bkrs,bkrh->bksh", p_bkrs.astype(do_bkrh_i.dtype),
+                                                   do_bkrh_i, preferred_element_type=jnp.float32)
+                dp_bkrs = jnp.einsum("bkrh,bksh->bkrs", do_bkrh_i, v_bksh_j,
+                                     preferred_element_type=jnp.float32)
+                # Fold the score scale into ds once rather than into both grads.
+                ds_bkrs = p_bkrs * (dp_bkrs - _slice(d_bkr, r0, rows, 2)[..., None]) * cfg.scale
+                dk_bksh_j = dk_bksh_j + jnp.einsum("bkrs,bkrh->bksh", ds_bkrs.astype(q_bkrh.dtype), q_bkrh,
+                                                   preferred_element_type=jnp.float32)
+                dq_bkrh_i = jnp.einsum("bkrs,bksh->bkrh", ds_bkrs.astype(k_bksh_j.dtype), k_bksh_j,
+                                       preferred_element_type=jnp.float32)
+                # dq lives in one fp32 buffer for all rows: read-add-write the
+                # block in place (FlashAttention-2's atomic add, serialised).
+                dq_bkrh = lax.dynamic_update_slice_in_dim(
+                    dq_bkrh, _slice(dq_bkrh, r0, rows, 2) + dq_bkrh_i, r0, 2)
+                return dq_bkrh, dk_bksh_j, dv_bksh_j
+
+            return _maybe_skip(cfg, lay.visit_ij[i, j], visit, carry)
+
+        init = (dq_bkrh, jnp.zeros((b, kv, bk, h), jnp.float32), jnp.zeros((b, kv, bk, hv), jnp.float32))
+        dq_bkrh, dk_bksh_j, dv_bksh_j = lax.fori_loop(0, lay.num_q_blocks, q_step, init)
+        dk_bksh = lax.dynamic_update_slice_in_dim(dk_bksh, dk_bksh_j, k0, 2)
+        dv_bksh = lax.dynamic_update_slice_in_dim(dv_bksh, dv_bksh_j, k0, 2)
+        return dq_bkrh, dk_bksh, dv_bksh
+
+    init = (jnp.zeros((b, kv, tp * g, h), jnp.float32),
+            jnp.zeros((b, kv, sp, h), jnp.float32),
+            jnp.zeros((b, kv, sp, hv), jnp.float32))
+    dq_bkrh, dk_bksh, dv_bksh = lax.fori_loop(0, lay.num_k_blocks, k_block, init)
+    dq_btnh = _from_rows(dq_bkrh, t, g).astype(q_btnh.dtype)
+    dk_bskh = jnp.transpose(dk_bksh, (0, 2, 1, 3))[:, :s].astype(k_bskh.dtype)
+    dv_bskh = jnp.transpose(dv_bksh, (0, 2, 1, 3))[:, :s].astype(v_bskh.dtype)
+    return dq_btnh, dk_bskh, dv_bskh
+
+
+# ----------------------------------------------------------------------------
+# custom_vjp wiring
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
+    return _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+
+
+def _flash_fwd(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
+    o_btnh, lse_bnt = _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+    # Named so a remat policy can keep them (see module docstring).
+    o_btnh = checkpoint_name(o_btnh, names.ATTN_CONTEXT)
+    lse_bnt = checkpoint_name(lse_bnt, ATTN_LSE)
+    residuals = (q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt)
+    return (o_btnh, lse_bnt), residuals
+
+
+def _flash_bwd(cfg, residuals, cotangents):
+    q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt = residuals
+    do_btnh, dlse_bnt = cotangents
+    dq, dk, dv = _backward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt,
+                           do_btnh, dlse_bnt)
+    # Positions are integers: no cotangent.
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

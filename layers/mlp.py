@@ -1,0 +1,50 @@
+"""Feed-forward layers: gated (SwiGLU, GeGLU) and plain GELU MLPs.
+
+Both tag their matmul outputs: the up/gate projections as MLP_HIDDEN and the
+down projection as MLP_OUT, so an OffloadPolicy can keep, offload or recompute
+them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from layers import names
+from layers.params import normal, param
+
+ACTIVATIONS = {
+    "swiglu": jax.nn.silu,
+    "geglu": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+}
+GATED = {"swiglu", "geglu"}
+
+
+class MLP(nnx.Module):
+    """`kind` is "swiglu" / "geglu" (gated, three matrices) or "gelu" (two matrices)."""
+
+    def __init__(self, d_model: int, hidden: int, *, kind: str = "swiglu", dtype=jnp.float32,
+                 param_dtype=jnp.float32, init_std: float = 0.02, rngs: nnx.Rngs):
+        if kind not in ACTIVATIONS:
+            raise ValueError(f"unknown mlp kind {kind!r}; known kinds: {sorted(ACTIVATIONS)}")
+        self.kind = kind
+        self.dtype = dtype
+        init = normal(init_std)
+        self.w_up = param(rngs, init, (d_model, hidden), (names.EMBED, names.MLP), param_dtype)
+        if kind in GATED:
+            self.w_gate = param(rngs, init, (d_model, hidden), (names.EMBED, names.MLP), param_dtype)
+        self.w_down = param(rngs, init, (hidden, d_model), (names.MLP, names.EMBED), param_dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x_btd = x_btd.astype(self.dtype)
+        act = ACTIVATIONS[self.kind]
+        up_btf = checkpoint_name(x_btd @ self.w_up[...].astype(self.dtype), names.MLP_HIDDEN)
+        if self.kind in GATED:
+            gate_btf = checkpoint_name(x_btd @ self.w_gate[...].astype(self.dtype), names.MLP_HIDDEN)
+            hidden_btf = act(gate_btf) * up_btf
+        else:
+            hidden_btf = act(up_btf)
+        return checkpoint_name(hidden_btf @ self.w_down[...].astype(self.dtype), names.MLP_OUT)

@@ -1,0 +1,35 @@
+"""The names of the offload contract and the logical axis names.
+
+Every offload-aware block tags its intermediate activations with
+`jax.ad_checkpoint.checkpoint_name(x, NAME)` using the constants below. An
+`OffloadPolicy` (layers/offload.py) then decides per name whether the value
+stays in HBM, is recomputed in the backward pass, or goes to pinned host memory.
+A block that tags the standard names gets every policy preset for free.
+
+Logical axis names label every parameter dimension (`logical_axes` metadata on
+`nnx.Param`); layers/sharding.py maps them to mesh axes.
+"""
+
+# --- activation names (checkpoint_name tags) --------------------------------
+BLOCK_INPUT = "block_input"      # residual stream entering a block, [b, t, d]
+QKV = "qkv"                      # query/key/value projections after RoPE
+ATTN_CONTEXT = "attn_context"    # softmax(q k^T) v, before the output projection
+ATTN_OUT = "attn_out"            # attention output projection, [b, t, d]
+MLP_HIDDEN = "mlp_hidden"        # MLP up (and gate) projections, [b, t, f]
+MLP_OUT = "mlp_out"              # MLP down projection, [b, t, d]
+
+ACTIVATION_NAMES = (BLOCK_INPUT, QKV, ATTN_CONTEXT, ATTN_OUT, MLP_HIDDEN, MLP_OUT)
+# Outputs of matrix multiplications (and attention): expensive to recompute.
+DOT_NAMES = (QKV, ATTN_CONTEXT, ATTN_OUT, MLP_HIDDEN, MLP_OUT)
+
+# --- logical axis names -------------------------------------------------------
+BATCH = "batch"
+SEQ = "seq"
+EMBED = "embed"
+VOCAB = "vocab"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+LAYERS = "layers"
+NORM = "norm"

@@ -1,0 +1,53 @@
+"""Rotary position embeddings (RoFormer), with Llama 3.1 frequency scaling.
+
+Uses the "rotate half" layout of Hugging Face Llama checkpoints: the first and
+second halves of each head dimension form the rotated pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 scaling: long wavelengths are slowed by `factor`, short ones kept,
+    and the band between is interpolated smoothly."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return np.where(is_medium, interpolated, scaled).astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h2: np.ndarray) -> jax.Array:
+    """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq]."""
+    angles_bth2 = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h2)
+    cos = jnp.cos(angles_bth2)[:, :, None, :]
+    sin = jnp.sin(angles_bth2)[:, :, None, :]
+    x32 = x_btnh.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_btnh.dtype)

@@ -1,0 +1,117 @@
+"""Logical-axis sharding: rules that map logical axis names to mesh axes.
+
+Parameters carry `logical_axes` metadata (one logical name per dimension, see
+layers/names.py). A mesh has the axes ("data", "fsdp", "tensor"). The rules say
+which mesh axis (or axes) shards each logical axis; a dimension whose size the
+mesh axes do not divide is replicated instead, so odd test sizes and MQA
+(one KV head) work on any mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from layers import names
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axes. Batch is split over data and fsdp (FSDP is data
+# parallel for activations); weights are split over fsdp on their embed axis
+# and over tensor on heads / MLP / vocab (Megatron-style).
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    names.BATCH: ("data", "fsdp"),
+    names.SEQ: (),
+    names.EMBED: ("fsdp",),
+    names.VOCAB: ("tensor",),
+    names.HEADS: ("tensor",),
+    names.KV_HEADS: ("tensor",),
+    names.HEAD_DIM: (),
+    names.MLP: ("tensor",),
+    names.LAYERS: (),
+    names.NORM: (),
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh; one axis may be -1 (filled from the device count)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh axis sizes must be positive or -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh data={data} fsdp={fsdp} tensor={tensor} does not divide {len(devices)} devices")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {int(np.prod(sizes))} devices, "
+            f"but {len(devices)} devices are available")
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None, rules: Mapping[str, Sequence[str]] = DEFAULT_RULES
+                    ) -> PartitionSpec:
+    """PartitionSpec for one array. With `shape` and `mesh`, undividable dims are replicated."""
+    used: set[str] = set()
+    spec = []
+    for dim, axis in enumerate(logical_axes):
+        if axis is None:
+            spec.append(None)
+            continue
+        if axis not in rules:
+            raise ValueError(f"no sharding rule for logical axis {axis!r}; rules cover {sorted(rules)}")
+        mesh_axes = tuple(a for a in rules[axis] if a not in used)
+        if mesh is not None:
+            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+            if shape is not None:
+                size = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+                if shape[dim] % size:
+                    mesh_axes = ()
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return PartitionSpec(*spec)
+
+
+def variable_axes(var: nnx.Variable) -> tuple[str | None, ...]:
+    axes = var.get_metadata().get("logical_axes")
+    if axes is None:
+        return (None,) * np.ndim(var.get_value())
+    if len(axes) != np.ndim(var.get_value()):
+        raise ValueError(f"logical_axes {axes} do not match a value of shape {np.shape(var.get_value())}")
+    return tuple(axes)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES, memory_kind: str | None = None):
+    """A NamedSharding per variable of an nnx.State (same tree structure)."""
+    def one(var):
+        spec = logical_to_spec(variable_axes(var), np.shape(var.get_value()), mesh, rules)
+        return var.replace(NamedSharding(mesh, spec, memory_kind=memory_kind))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, rules=DEFAULT_RULES) -> NamedSharding:
+    """Sharding of a [batch, seq, ...] input batch."""
+    return NamedSharding(mesh, logical_to_spec((names.BATCH,) + (None,) * (ndim - 1), None, mesh, rules))
+
+
+def create_sharded(make_module, mesh: Mesh | None = None, rules=DEFAULT_RULES):
+    """Build an nnx.Module with its parameters initialised by one jitted program.
+
+    Eager initialisation compiles one tiny program per parameter shape (seconds
+    for a small model); one jit is faster, and with a mesh each parameter is
+    created directly in its shard, so a model larger than one device's memory
+    is never materialised whole.
+    """
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
+    out_shardings = None if mesh is None else state_shardings(abstract_state, mesh, rules)
+    state = jax.jit(lambda: nnx.split(make_module())[1], out_shardings=out_shardings)()
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,103 @@
+"""BlockStack: N blocks initialised stacked, scanned, with remat and offload applied from outside.
+
+The layers' parameters are created with `nnx.vmap`, so every parameter has a
+leading layer axis (logical axis "layers"). The forward pass is a `lax.scan`
+over that axis: one compiled block body however deep the model (fast compiles),
+and the setting under which XLA's host offload really lowers device memory
+(DESIGN.md section 4: with a Python loop, offload can raise it).
+
+A `RematPlan` splits the stack into segments; each segment is its own scan whose
+body is wrapped in `jax.checkpoint` with that segment's policy (or not wrapped,
+for "no remat"). At build time the stack traces one block abstractly and
+collects the names it tags; a plan that names anything else is an error, so a
+policy can never silently do nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+from flax import nnx
+
+from layers import names
+from layers.block import BlockConfig, BlockContext, TransformerBlock
+from layers.offload import OffloadPolicy, RematPlan
+
+
+def tagged_names(closed_jaxpr) -> set[str]:
+    """Every checkpoint_name tag in a (closed) jaxpr, sub-jaxprs included."""
+    found: set[str] = set()
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                found.add(eqn.params["name"])
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(closed_jaxpr.jaxpr)
+    return found
+
+
+class BlockStack(nnx.Module):
+    def __init__(self, cfg: BlockConfig, num_layers: int, *, block_cls: type = TransformerBlock,
+                 remat: str | OffloadPolicy | RematPlan = "recompute_all", rngs: nnx.Rngs):
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        if not (isinstance(block_cls, type) and issubclass(block_cls, TransformerBlock)):
+            raise TypeError(f"block_cls must subclass TransformerBlock, got {block_cls!r}")
+        self.num_layers = num_layers
+        self.plan = RematPlan.parse(remat)
+        self.segments = self.plan.resolve(num_layers)
+
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs):
+            return block_cls(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        for _, var in nnx.iter_graph(self.blocks):
+            if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
+                var.set_metadata(logical_axes=(names.LAYERS,) + tuple(var.get_metadata()["logical_axes"]))
+        self.block_names = frozenset(self._trace_tagged_names(cfg))
+        unknown = self.plan.names() - self.block_names
+        if unknown:
+            raise ValueError(
+                f"remat plan names {sorted(unknown)}, which {block_cls.__name__} never tags "
+                f"(it tags {sorted(self.block_names)}); the policy would silently do nothing")
+
+    def _trace_tagged_names(self, cfg: BlockConfig) -> set[str]:
+        graphdef, state = nnx.split(self.blocks)
+        layer_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+        x = jax.ShapeDtypeStruct((1, 8, cfg.d_model), jnp.dtype(cfg.dtype))
+
+        def one_block(layer_state, x_btd):
+            positions_bt = jnp.arange(x_btd.shape[1])[None]
+            return nnx.merge(graphdef, layer_state)(x_btd, BlockContext(positions_bt))[0]
+
+        return tagged_names(jax.make_jaxpr(one_block)(layer_state, x))
+
+    def __call__(self, x_btd: jax.Array, ctx: BlockContext, cache: dict | None = None):
+        """Runs all layers. `cache` (decoding) holds arrays with a leading layer axis."""
+        graphdef, state = nnx.split(self.blocks)
+        new_caches = []
+        for start, stop, policy in self.segments:
+            take = lambda a: a[start:stop]  # noqa: E731 — a slice of the layer axis
+            seg_cache = None if cache is None else jax.tree.map(take, cache)
+            x_btd, seg_cache = self._scan(graphdef, jax.tree.map(take, state), x_btd, ctx, seg_cache, policy)
+            new_caches.append(seg_cache)
+        if cache is None:
+            return x_btd, None
+        return x_btd, jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *new_caches)
+
+    @staticmethod
+    def _scan(graphdef, seg_state, x_btd, ctx, seg_cache, policy: OffloadPolicy):
+        def body(x_btd, layer):
+            layer_state, layer_cache = layer
+            return nnx.merge(graphdef, layer_state)(x_btd, ctx, layer_cache)
+
+        if policy.remat:
+            # prevent_cse=False: inside scan, CSE cannot merge the recompute away.
+            body = jax.checkpoint(body, policy=policy.to_jax(), prevent_cse=False)
+        return jax.lax.scan(body, x_btd, (seg_state, seg_cache))

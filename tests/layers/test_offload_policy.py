@@ -1,0 +1,90 @@
+"""OffloadPolicy and RematPlan: every preset gives the no-remat loss and gradients; bad specs fail loudly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from layers import names
+from layers.sharding import create_sharded
+from layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, preset
+from models.llama import Llama, llama_config
+
+
+@pytest.fixture(scope="module")
+def params():
+    # Initialise once (one compile); each policy's model is built abstractly and
+    # given these parameters, since a policy never changes the weights.
+    return nnx.state(create_sharded(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0))), nnx.Param)
+
+
+def loss_and_grads(remat, params):
+    cfg = llama_config("tiny_odd", remat=remat)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    nnx.update(model, params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 19), 0, cfg.vocab_size)
+
+    def loss_fn(model):
+        logits = model(tokens[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    loss, grads = jax.jit(nnx.value_and_grad(loss_fn))(model)
+    return float(loss), jax.tree.map(np.asarray, nnx.state(grads, nnx.Param))
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    return loss_and_grads("save_all", params)
+
+
+CUSTOM = OffloadPolicy.of({names.QKV: "host", names.MLP_HIDDEN: "device", names.BLOCK_INPUT: "host"})
+
+
+@pytest.mark.parametrize("remat", sorted(PRESETS) + [CUSTOM, "offload_dots:1,save_dots:1,recompute_all",
+                                                     OffloadPolicy.of({names.MLP_OUT: "recompute"}, default="device")],
+                         ids=str)
+def test_every_policy_matches_no_remat(remat, params, reference):
+    ref_loss, ref_grads = reference
+    loss, grads = loss_and_grads(remat, params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+def test_no_remat_is_not_recompute_all():
+    assert not preset("save_all").remat and preset("recompute_all").remat
+    with pytest.raises(ValueError, match="no jax.checkpoint policy"):
+        preset("save_all").to_jax()
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(ValueError, match="unknown offload preset 'offload_everything'"):
+        RematPlan.parse("offload_everything")
+
+
+def test_bad_placement_is_named():
+    with pytest.raises(ValueError, match="'nowhere'"):
+        OffloadPolicy.of({names.QKV: "nowhere"})
+
+
+def test_policy_naming_untagged_activation_fails_at_build():
+    with pytest.raises(ValueError, match=r"names \['router_logits'\].*never tags"):
+        nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0),
+                                     remat=OffloadPolicy.of({"router_logits": "host"})))
+
+
+def test_segment_boundary_beyond_layers():
+    with pytest.raises(ValueError, match="boundary 5 is beyond the stack's 3 layers"):
+        llama_config("tiny_odd", remat="offload_dots:5,recompute_all")
+
+
+def test_segments_resolve_in_order():
+    plan = RematPlan.parse("offload_dots:2,save_dots:1,recompute_all")
+    spans = [(a, b, p) for a, b, p in plan.resolve(6)]
+    assert [(a, b) for a, b, _ in spans] == [(0, 2), (2, 3), (3, 6)]
+    assert spans[0][2].names_with(Placement.HOST) and spans[2][2] == preset("recompute_all")
+
+
+def test_plan_must_cover_all_layers():
+    with pytest.raises(ValueError, match="covers 2 of 4 layers"):
+        RematPlan.parse("offload_dots:2").resolve(4)
