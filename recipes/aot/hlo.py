@@ -1,0 +1,312 @@
+"""Reading host-memory traffic out of compiled (post-optimisation) HLO text.
+
+XLA marks a buffer that lives in host memory with memory space 5 in its layout,
+printed ``f32[8,1024]{1,0:S(5)}``. After its host-offload passes, data crosses
+between HBM and host memory in a few instruction shapes:
+
+* ``copy-start``/``copy-done`` (async) or ``copy`` whose source or destination is
+  in S(5): whole host-resident arguments or outputs being moved;
+* ``dynamic-update-slice`` into an S(5) buffer (offloading one layer's activation
+  inside a scanned loop) and ``dynamic-slice`` out of one (bringing it back), often
+  wrapped as async ``fusion-start``/``fusion-done`` pairs.
+
+``host_traffic`` walks the program from its entry computation, follows while
+loops (multiplying by their ``known_trip_count``), calls and conditional branches,
+and for each instruction that reads host memory and writes device memory (or the
+reverse) adds up the device-side bytes. It is an estimate meant for transfer-time
+arithmetic, not an exact count:
+
+* A conditional's branches are all counted (an upper bound).
+* A while loop without a known trip count is counted once and flagged.
+* Fused computations are not entered; the fusion's own operands and result are
+  what cross the link.
+* Numbers are per device: in an SPMD program every device runs this HLO.
+
+Nothing here imports JAX, so it can be tested anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+HOST_MEMORY_SPACE = "S(5)"
+
+_ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = {
+    "while": ("body", "condition"),
+    "call": ("to_apply",),
+    "conditional": ("true_computation", "false_computation", "branch_computations"),
+}
+# Instructions that rename or route buffers without moving bytes between memories.
+_NOT_TRANSFERS = {
+    "parameter", "tuple", "get-tuple-element", "bitcast", "constant", "while", "call",
+    "conditional", "copy-done", "fusion-done", "async-done", "async-update",
+    "opt-barrier", "after-all", "add-dependency", "custom-call", "send-done", "recv-done",
+}
+
+_BITS_PER_ELEMENT = {
+    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
+    "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
+    "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0,
+}
+
+
+def _bits_per_element(dtype: str) -> int:
+    if dtype in _BITS_PER_ELEMENT:
+        return _BITS_PER_ELEMENT[dtype]
+    if dtype.startswith("f8") or dtype.startswith("f4") or dtype.startswith("f6"):
+        return int(dtype[1])   # f8e4m3fn, f4e2m1fn, f6e3m2fn ...
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayShape:
+    dtype: str
+    dims: tuple[int, ...]
+    on_host: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.dims) * _bits_per_element(self.dtype) // 8
+
+
+# A shape is an ArrayShape or a tuple of shapes.
+Shape = ArrayShape | tuple
+
+
+def parse_shape(text: str) -> Shape:
+    """Parse an HLO shape such as ``(f32[2]{0}, bf16[4,8]{1,0:S(5)})``."""
+    text = _COMMENT.sub("", text).strip()
+    shape, rest = _parse_shape_prefix(text)
+    if rest.strip():
+        raise ValueError(f"trailing text after HLO shape: {rest!r}")
+    return shape
+
+
+def _parse_shape_prefix(text: str) -> tuple[Shape, str]:
+    text = text.lstrip()
+    if text.startswith("("):
+        elements = []
+        rest = text[1:].lstrip()
+        while not rest.startswith(")"):
+            element, rest = _parse_shape_prefix(rest)
+            elements.append(element)
+            rest = rest.lstrip()
+            if rest.startswith(","):
+                rest = rest[1:].lstrip()
+        return tuple(elements), rest[1:]
+    match = _ARRAY_SHAPE.match(text)
+    if match is None:
+        raise ValueError(f"not an HLO shape: {text[:80]!r}")
+    dtype, dims, layout = match.groups()
+    shape = ArrayShape(dtype=dtype,
+                       dims=tuple(int(d) for d in dims.split(",") if d),
+                       on_host=bool(layout) and HOST_MEMORY_SPACE in layout)
+    return shape, text[match.end():]
+
+
+def _arrays(shape: Shape) -> list[ArrayShape]:
+    if isinstance(shape, ArrayShape):
+        return [shape]
+    return [array for element in shape for array in _arrays(element)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: Shape
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+
+def _matching_paren(text: str, start: int) -> int:
+    """Index of the parenthesis closing the one at ``start``."""
+    depth = 0
+    for index in range(start, len(text)):
+        char = text[index]
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth == 0:
+                return index
+    raise ValueError(f"unbalanced parentheses in {text[:120]!r}")
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    line = line.strip()
+    if line.startswith("ROOT "):
+        line = line[5:]
+    if " = " not in line:
+        return None
+    name, rest = line.split(" = ", 1)
+    rest = _COMMENT.sub("", rest)
+    if rest.startswith("("):
+        end = _matching_paren(rest, 0) + 1
+    else:
+        end = rest.index(" ")
+    shape = parse_shape(rest[:end])
+    rest = rest[end:].lstrip()
+    open_paren = rest.index("(")
+    opcode = rest[:open_paren]
+    close_paren = _matching_paren(rest, open_paren)
+    operand_text = rest[open_paren + 1:close_paren]
+    # Older XLA prints "f32[2]{0} %x" as an operand; the name is the last word.
+    operands = tuple(part.split()[-1].lstrip("%") for part in _split_top_level(operand_text)
+                     if part.strip())
+    return Instruction(name=name.lstrip("%"), shape=shape, opcode=opcode,
+                       operands=operands, attributes=rest[close_paren + 1:])
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for char in text:
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return parts
+
+
+def parse_computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
+    """Computations by name, and the entry computation's name."""
+    computations: dict[str, list[Instruction]] = {}
+    entry = None
+    current: list[Instruction] | None = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            stripped = line.strip()
+            if stripped.endswith("{") and not line.startswith((" ", "HloModule")):
+                is_entry = stripped.startswith("ENTRY ")
+                name = stripped.removeprefix("ENTRY ").split()[0].lstrip("%")
+                current = computations.setdefault(name, [])
+                if is_entry:
+                    entry = name
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        try:
+            instruction = _parse_instruction(line)
+        except ValueError:
+            # A line in a form this reader does not know: the traffic estimate
+            # is worth less than a planner that stops over it.
+            instruction = None
+        if instruction is not None:
+            current.append(instruction)
+    return computations, entry
+
+
+def _called_computations(instruction: Instruction) -> list[str]:
+    names = []
+    for key in _CALLED.get(instruction.opcode, ()):
+        match = re.search(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", instruction.attributes)
+        if match:
+            value = match.group(1).strip("{}")
+            names.extend(part.strip().lstrip("%") for part in value.split(",") if part.strip())
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTraffic:
+    """Bytes moved between device and host memory in one execution (per device)."""
+
+    device_to_host_bytes: int
+    host_to_device_bytes: int
+    async_transfers: int        # static count of async start instructions moving host data
+    sync_transfers: int         # static count of synchronous ones
+    unknown_trip_counts: int    # while loops counted once because XLA gave no trip count
+
+
+def _transfer_bytes(instruction: Instruction, shapes: dict[str, Shape]) -> tuple[int, int]:
+    """(device->host, host->device) bytes one execution of ``instruction`` moves."""
+    if instruction.opcode == "copy-start":
+        # copy-start's shape is (destination, source, context).
+        destination, source = instruction.shape[0], instruction.shape[1]
+        destination_arrays, source_arrays = _arrays(destination), _arrays(source)
+        to_host = sum(d.nbytes for d, s in zip(destination_arrays, source_arrays)
+                      if d.on_host and not s.on_host)
+        to_device = sum(d.nbytes for d, s in zip(destination_arrays, source_arrays)
+                        if s.on_host and not d.on_host)
+        return to_host, to_device
+    if instruction.opcode.endswith("-start") and isinstance(instruction.shape, tuple):
+        # fusion-start / async-start: ((operands...), result, context).
+        operand_arrays = _arrays(instruction.shape[0])
+        result_arrays = _arrays(instruction.shape[1])
+    else:
+        operand_arrays = [array for name in instruction.operands if name in shapes
+                          for array in _arrays(shapes[name])]
+        result_arrays = _arrays(instruction.shape)
+    reads_host = any(array.on_host for array in operand_arrays)
+    writes_host = any(array.on_host for array in result_arrays)
+    # Scalars are loop indices and offsets, not payload.
+    device_operand_bytes = sum(array.nbytes for array in operand_arrays
+                               if not array.on_host and array.dims)
+    device_result_bytes = sum(array.nbytes for array in result_arrays if not array.on_host)
+    to_host = device_operand_bytes if writes_host else 0
+    to_device = device_result_bytes if reads_host else 0
+    return to_host, to_device
+
+
+def host_traffic(hlo_text: str) -> HostTraffic:
+    """Estimate the host<->device bytes one run of a compiled program moves."""
+    computations, entry = parse_computations(hlo_text)
+    totals = {"to_host": 0, "to_device": 0, "async": 0, "sync": 0, "unknown": 0}
+    if entry is None:
+        return HostTraffic(0, 0, 0, 0, 0)
+    seen_static: set[tuple[str, str]] = set()
+
+    def visit(computation: str, multiplier: int, depth: int) -> None:
+        if depth > 64 or computation not in computations:
+            return
+        instructions = computations[computation]
+        shapes = {instruction.name: instruction.shape for instruction in instructions}
+        for instruction in instructions:
+            if instruction.opcode in _CALLED:
+                inner = multiplier
+                if instruction.opcode == "while":
+                    trip = _TRIP_COUNT.search(instruction.attributes)
+                    if trip:
+                        inner = multiplier * int(trip.group(1))
+                    else:
+                        totals["unknown"] += 1
+                for called in _called_computations(instruction):
+                    visit(called, inner, depth + 1)
+                continue
+            if instruction.opcode in _NOT_TRANSFERS:
+                continue
+            to_host, to_device = _transfer_bytes(instruction, shapes)
+            if not (to_host or to_device):
+                continue
+            totals["to_host"] += to_host * multiplier
+            totals["to_device"] += to_device * multiplier
+            key = (computation, instruction.name)
+            if key not in seen_static:
+                seen_static.add(key)
+                totals["async" if instruction.opcode.endswith("-start") else "sync"] += 1
+
+    visit(entry, 1, 0)
+    return HostTraffic(device_to_host_bytes=totals["to_host"],
+                       host_to_device_bytes=totals["to_device"],
+                       async_transfers=totals["async"], sync_transfers=totals["sync"],
+                       unknown_trip_counts=totals["unknown"])
+
+
+def count_host_memory_annotations(hlo_text: str) -> int:
+    """How many shapes in the HLO are in host memory (``S(5)``): the offload ground truth.
+
+    Counts mentions, not distinct allocations: a host buffer threaded through a
+    loop is counted at every instruction that names it.
+    """
+    return hlo_text.count(HOST_MEMORY_SPACE)

@@ -1,0 +1,199 @@
+"""Run deviceless GPU compiles in a child process set up for them.
+
+PJRT plugins are discovered when JAX initialises its backends, and a process that
+trains (or tests) on CPU has usually done that long before it wants to plan. So
+compiles for a GPU target run in a child: ``python -m <module> <args>`` with the
+plugin folder first on ``PYTHONPATH``, ``JAX_PLATFORMS=cpu`` (JAX runs on the CPU;
+the plugin is only used as a compiler), ptxas on ``PATH``. The child prints one
+JSON document on stdout; everything else it or XLA prints goes to stderr, which
+the parent keeps and shows only when the child fails. ``JAX_PLATFORMS=cpu`` also
+makes the plugin skip its CUDA library checks, whose "Unable to load cuDNN"
+traceback would otherwise greet every start (and unregister the plugin); should
+it appear anyway, it is cut from the stderr shown.
+
+A child module looks like (importing JAX at the top is fine: backends start
+later, after ``serve_compile_process`` has set the process up)::
+
+    import jax
+    from recipes.aot import compile as aot
+
+    def main(argv: list[str]) -> dict:
+        mesh = aot.compile_only_mesh("h200", {"data": 8})
+        ...
+        return {"report": aot.compile_report(jax.jit(step), *args).to_dict()}
+
+    if __name__ == "__main__":
+        serve_compile_process(main)
+
+and the parent calls ``run_in_compile_process("my.module", ["--target", "h200"])``.
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from recipes.aot import plugin
+
+STDERR_TAIL_LINES = 40
+# The plugin's report that CUDA runtime libraries (not needed to compile) are
+# missing: a traceback from its first line to the "Is it installed?" line.
+_NOISE_START = "Jax plugin configuration error"
+_NOISE_END = "Is it installed?"
+
+
+class CompileToolchainMissing(RuntimeError):
+    """The plugin or the CUDA toolkit is missing; the message says how to install it."""
+
+
+class CompileProcessError(RuntimeError):
+    """The compile process failed; the message holds the command and its stderr tail."""
+
+    def __init__(self, message: str, stderr: str = ""):
+        super().__init__(message)
+        self.stderr = stderr
+
+
+def _package_root() -> Path:
+    """The folder that holds the ``recipes`` package, so the child imports this copy."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _prepend_path(existing: str | None, *entries: str) -> str:
+    parts = [entry for entry in entries if entry]
+    parts += [part for part in (existing or "").split(os.pathsep) if part and part not in parts]
+    return os.pathsep.join(parts)
+
+
+def _toolchain_env_updates(env: Mapping[str, str]) -> dict[str, str]:
+    """PATH and XLA_FLAGS changes that let XLA find ptxas and libdevice where we found them."""
+    updates = {}
+    ptxas = plugin.find_ptxas()
+    if ptxas is not None:
+        updates["PATH"] = _prepend_path(env.get("PATH"), str(ptxas.parent))
+    cuda_root = plugin.find_cuda_root()
+    flags = env.get("XLA_FLAGS", "")
+    if cuda_root is not None and cuda_root != Path("/usr/local/cuda") \
+            and "--xla_gpu_cuda_data_dir" not in flags:
+        updates["XLA_FLAGS"] = f"{flags} --xla_gpu_cuda_data_dir={cuda_root}".strip()
+    return updates
+
+
+def compile_process_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a compile process, derived from ``base`` (default: ours)."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), str(plugin.plugin_dir()),
+                                      str(_package_root()))
+    # JAX stays on the CPU; the cuda plugin is registered but only compiles.
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update(_toolchain_env_updates(env))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _useful_stderr_tail(stderr: str, lines: int = STDERR_TAIL_LINES) -> str:
+    kept, in_noise = [], False
+    for line in stderr.splitlines():
+        if _NOISE_START in line:
+            in_noise = True
+        if not in_noise and line.strip():
+            kept.append(line)
+        if in_noise and _NOISE_END in line:
+            in_noise = False
+    return "\n".join(kept[-lines:])
+
+
+def run_in_compile_process(module: str, args: Sequence[str] = (), *,
+                           timeout_s: float | None = 900,
+                           env: Mapping[str, str] | None = None) -> Any:
+    """Run ``python -m module *args`` as a compile process; return the JSON it prints.
+
+    Raises CompileToolchainMissing before starting when the plugin or CUDA toolkit
+    is missing, and CompileProcessError when the child fails, times out or prints
+    something other than one JSON document.
+    """
+    reason = plugin.missing_reason()
+    if reason is not None:
+        raise CompileToolchainMissing(f"deviceless GPU compiles need:\n{reason}")
+    command = [sys.executable, "-m", module, *map(str, args)]
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                                   env=compile_process_env(env))
+    except subprocess.TimeoutExpired as error:
+        stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) \
+            else (error.stderr or "")
+        raise CompileProcessError(
+            f"compile process `python {' '.join(command[1:])}` did not finish in {timeout_s} s; "
+            f"last stderr lines:\n{_useful_stderr_tail(stderr)}", stderr) from None
+    if completed.returncode != 0:
+        raise CompileProcessError(
+            f"compile process `python {' '.join(command[1:])}` failed with exit code "
+            f"{completed.returncode}; last stderr lines:\n{_useful_stderr_tail(completed.stderr)}",
+            completed.stderr)
+    try:
+        return json.loads(completed.stdout)
+    except json.JSONDecodeError as error:
+        raise CompileProcessError(
+            f"compile process `python {' '.join(command[1:])}` printed no single JSON document on "
+            f"stdout ({error}); stdout began {completed.stdout[:300]!r}; last stderr lines:\n"
+            f"{_useful_stderr_tail(completed.stderr)}", completed.stderr) from None
+
+
+def prepare_compile_process() -> None:
+    """Make this process able to compile for GPUs: call before JAX initialises backends.
+
+    Puts the plugin folder on sys.path, sets JAX_PLATFORMS=cpu and the toolchain
+    environment. Works after ``import jax`` as long as no backend was initialised
+    yet (plugins are discovered at backend start); after that it raises, unless
+    the plugin is already loaded.
+    """
+    jax_imported = "jax" in sys.modules
+    if jax_imported:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            # No public way to ask which plugins registered.
+            if "cuda" in xla_bridge._backend_factories:   # noqa: SLF001
+                return
+            raise RuntimeError(
+                "JAX initialised its backends before the GPU compiler plugin was on "
+                "sys.path; compile in a fresh process (run_in_compile_process)")
+    directory = str(plugin.plugin_dir())
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.update(_toolchain_env_updates(os.environ))
+    if jax_imported:
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+
+
+def serve_compile_process(main: Callable[[list[str]], Any]) -> NoReturn:
+    """Entry point of a compile-process module: set up, run ``main(argv)``, print its JSON.
+
+    File descriptor 1 is pointed at stderr while ``main`` runs, so that stray
+    prints from Python or from XLA's C++ cannot corrupt the JSON document, which
+    goes to the original stdout at the end.
+    """
+    json_stdout = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        prepare_compile_process()
+        result = main(sys.argv[1:])
+        text = json.dumps(result)
+    except SystemExit:
+        raise
+    except BaseException:   # report every failure, including KeyboardInterrupt, on stderr
+        traceback.print_exc()
+        sys.exit(1)
+    json_stdout.write(text + "\n")
+    json_stdout.flush()
+    sys.exit(0)

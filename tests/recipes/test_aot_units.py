@@ -1,0 +1,142 @@
+"""Fast tests of the deviceless-compile layer's pure-Python parts: HLO reading, targets, plugin paths.
+
+No compile happens here (see test_aot.py for those), so these run anywhere.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.aot import hlo, plugin, targets
+
+# A hand-written post-optimisation module in the form XLA prints it: a loop of 4
+# iterations offloads one 1x128x256 bf16 slice per iteration through an async
+# fusion, and the entry brings a host-resident f32[64,32] argument to the device.
+_OFFLOADING_HLO = """\
+HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[64,32]{1,0:S(5)})->f32[]}
+
+%wrapped_dynamic-update-slice_computation (param_0: bf16[4,128,256], param_1: bf16[1,128,256], param_2: s32[]) -> bf16[4,128,256] {
+  %param_0 = bf16[4,128,256]{2,1,0:S(5)} parameter(0)
+  %param_1 = bf16[1,128,256]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  ROOT %dynamic-update-slice.1 = bf16[4,128,256]{2,1,0:S(5)} dynamic-update-slice(%param_0, %param_1, %param_2, %param_2, %param_2)
+}
+
+%body (arg_tuple.1: (s32[], bf16[4,128,256])) -> (s32[], bf16[4,128,256]) {
+  %arg_tuple.1 = (s32[], bf16[4,128,256]{2,1,0:S(5)}) parameter(0)
+  %index = s32[] get-tuple-element(%arg_tuple.1), index=0
+  %buffer = bf16[4,128,256]{2,1,0:S(5)} get-tuple-element(%arg_tuple.1), index=1
+  %slice = bf16[1,128,256]{2,1,0} fusion(), kind=kLoop, calls=%make_slice
+  %dus-start = ((bf16[4,128,256]{2,1,0:S(5)}, bf16[1,128,256]{2,1,0}, s32[]), bf16[4,128,256]{2,1,0:S(5)}, u32[]) fusion-start(%buffer, %slice, %index), kind=kCustom, calls=%wrapped_dynamic-update-slice_computation
+  %dus-done = bf16[4,128,256]{2,1,0:S(5)} fusion-done(%dus-start)
+  ROOT %tuple.2 = (s32[], /*index=1*/bf16[4,128,256]{2,1,0:S(5)}) tuple(%index, %dus-done)
+}
+
+%condition (arg_tuple.2: (s32[], bf16[4,128,256])) -> pred[] {
+  %arg_tuple.2 = (s32[], bf16[4,128,256]{2,1,0:S(5)}) parameter(0)
+  ROOT %done = pred[] constant(false)
+}
+
+ENTRY %main.7 (host_arg: f32[64,32]) -> f32[] {
+  %host_arg = f32[64,32]{1,0:S(5)} parameter(0)
+  %copy-start = (f32[64,32]{1,0}, f32[64,32]{1,0:S(5)}, u32[]) copy-start(%host_arg)
+  %copy-done = f32[64,32]{1,0} copy-done(%copy-start)
+  %buffer = bf16[4,128,256]{2,1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer"
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,128,256]{2,1,0:S(5)}) tuple(%zero, %buffer)
+  %loop = (s32[], bf16[4,128,256]{2,1,0:S(5)}) while(%init), condition=%condition, body=%body, backend_config={"known_trip_count":{"n":"4"},"known_init_step":{"init":"0","step":"1"}}
+  ROOT %sum = f32[] fusion(%copy-done), kind=kInput, calls=%reduce
+}
+"""
+
+
+def test_shapes_parse_with_tuples_comments_and_host_layouts():
+    shape = hlo.parse_shape("(s32[], /*index=1*/bf16[4,128,256]{2,1,0:S(5)}, f32[3]{0})")
+    assert isinstance(shape, tuple) and len(shape) == 3
+    assert shape[1] == hlo.ArrayShape("bf16", (4, 128, 256), on_host=True)
+    assert shape[1].nbytes == 4 * 128 * 256 * 2
+    assert shape[2].on_host is False and shape[0].dims == ()
+
+
+def test_host_traffic_counts_loop_offloads_per_iteration_and_argument_copies():
+    traffic = hlo.host_traffic(_OFFLOADING_HLO)
+    slice_bytes = 128 * 256 * 2
+    assert traffic.device_to_host_bytes == 4 * slice_bytes
+    assert traffic.host_to_device_bytes == 64 * 32 * 4
+    assert traffic.async_transfers == 2 and traffic.sync_transfers == 0
+    assert traffic.unknown_trip_counts == 0
+
+
+def test_host_traffic_flags_loops_without_a_trip_count():
+    without_trip_count = _OFFLOADING_HLO.replace('"known_trip_count":{"n":"4"},', "")
+    traffic = hlo.host_traffic(without_trip_count)
+    assert traffic.unknown_trip_counts == 1
+    assert traffic.device_to_host_bytes == 128 * 256 * 2
+
+
+def test_host_memory_annotations_are_counted():
+    assert hlo.count_host_memory_annotations(_OFFLOADING_HLO) > 0
+    assert hlo.count_host_memory_annotations("f32[2]{0} add(...)") == 0
+
+
+def test_target_facts_match_their_hardware():
+    h100 = targets.get_target("h100")
+    assert 79e9 < h100.hbm_bytes < 86e9            # "80GB" as CUDA reports it
+    assert h100.peak_bf16_flops == 989e12
+    assert h100.sm_version == "sm_90a"
+    assert targets.get_target("h200").hbm_bytes > 140e9
+    assert targets.get_target("a100").sm_version == "sm_80"
+    assert targets.get_target("b200").sm_version == "sm_100a"
+    gh200 = targets.get_target("GH200")                 # alias, any case
+    assert gh200.name == "gh200-96gb" and gh200.host_link_bytes_per_s > 5 * h100.host_link_bytes_per_s
+
+
+def test_target_config_text_carries_the_device_facts():
+    text = targets.get_target("b200").target_config_text
+    assert 'name: "NVIDIA B200"' in text
+    assert "device_memory_size: 191514411008" in text
+    assert "major: 10" in text and "ACCELERATED_FEATURES" in text
+    assert "minor:" not in text.split("dnn_version_info")[0]   # minor 0 is the proto default
+
+
+def test_unknown_target_names_the_known_ones():
+    with pytest.raises(ValueError, match="h100.*h200|known targets"):
+        targets.get_target("tpu-v5e")
+
+
+def test_unsupported_target_says_why():
+    with pytest.raises(ValueError, match="not supported: .*sm_70"):
+        targets.get_target("v100")
+
+
+def test_install_command_pins_both_wheels_to_jaxlib(monkeypatch, tmp_path):
+    monkeypatch.setenv(plugin.PLUGIN_DIR_ENV, str(tmp_path / "gpu-plugin"))
+    version = plugin.required_version()
+    assert plugin.install_command() == [
+        sys.executable, "-m", "pip", "install", "--no-deps", "--target",
+        str(tmp_path / "gpu-plugin"),
+        f"jax-cuda13-plugin=={version}", f"jax-cuda13-pjrt=={version}"]
+
+
+def test_missing_plugin_reason_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv(plugin.PLUGIN_DIR_ENV, str(tmp_path / "empty"))
+    assert plugin.installed_version() is None
+    reason = plugin.plugin_missing_reason()
+    assert reason is not None and "pip install --no-deps" in reason and "empty" in reason
+
+
+def test_default_plugin_dir_is_inside_the_checkouts_venv(monkeypatch):
+    monkeypatch.delenv(plugin.PLUGIN_DIR_ENV, raising=False)
+    repo_root = Path(plugin.__file__).resolve().parents[2]
+    assert plugin.plugin_dir() == repo_root / ".venv" / "spillway-gpu-plugin"
+
+
+def test_install_never_replaces_a_folder_holding_other_files(monkeypatch, tmp_path):
+    folder = tmp_path / "not-a-plugin"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    monkeypatch.setenv(plugin.PLUGIN_DIR_ENV, str(folder))
+    with pytest.raises(plugin.PluginInstallError, match="refusing"):
+        plugin.install()
+    assert (folder / "notes.txt").read_text() == "keep me"
