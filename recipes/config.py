@@ -1,0 +1,226 @@
+"""The Recipe: frozen dataclasses for a whole run, `--set a.b=value` overrides, JSON round-trip.
+
+A recipe is plain data: the model config (models/), data, optimizer, offload,
+mesh, checkpoint and train settings. Recipes are Python functions returning a
+`Recipe` (recipes/registry.py); variants come from `dataclasses.replace` or
+from `--set` on the command line, which is type-checked against the field's
+annotation so a typo or a bad value fails before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+from layers.rope import RopeScaling
+from models.llama import LlamaConfig
+from recipes.optimizer import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin:stdlib"        # see data/sources.py: builtin:stdlib, path, or a Hub name
+    text_field: str = "text"
+    tokenizer: str | None = None          # path to a sentencepiece .model; None trains one on the corpus
+    tokenizer_type: str = "bpe"           # "bpe" | "unigram" when training
+    seq_len: int = 256
+    val_fraction: float = 0.02
+    cache_dir: str = ".cache/spillway"
+    num_proc: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
+    optimizer_state: str = "device"       # "device" | "host"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = -1                        # -1: all remaining devices
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None                # None: runs/<recipe name>
+    every_steps: int = 100
+    keep: int = 3
+    async_save: bool = True
+    init_from: str | None = None          # fine-tune: load weights (only) from this checkpoint dir or step dir
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    global_batch: int = 16                # sequences per optimizer step
+    grad_accum: int = 1                   # micro-batches per step (global_batch % grad_accum == 0)
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    profile_steps: str | None = None      # "START:STOP": a jax.profiler trace of those steps
+    sample_prompt: str = "def "
+    sample_tokens: int = 64
+    resume: bool = True                   # continue from the latest checkpoint in checkpoint.dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    model: LlamaConfig
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    offload: OffloadConfig = OffloadConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    train: TrainConfig = TrainConfig()
+    description: str = ""
+
+    def __post_init__(self):
+        if self.train.global_batch % self.train.grad_accum:
+            raise ValueError(f"train.grad_accum ({self.train.grad_accum}) does not divide "
+                             f"train.global_batch ({self.train.global_batch})")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        if self.offload.optimizer_state not in ("device", "host"):
+            raise ValueError(f"offload.optimizer_state must be 'device' or 'host', got {self.offload.optimizer_state!r}")
+
+    @property
+    def run_dir(self) -> str:
+        return self.checkpoint.dir or f"runs/{self.name}"
+
+    def model_config(self) -> LlamaConfig:
+        """The model config with the recipe's activation plan applied."""
+        return dataclasses.replace(self.model, remat=self.offload.activations)
+
+    def optimizer_config(self) -> OptimizerConfig:
+        """The optimizer config with the recipe's state placement and step count applied."""
+        return dataclasses.replace(self.optimizer, state_memory=self.offload.optimizer_state,
+                                   total_steps=max(self.train.steps, self.optimizer.warmup_steps))
+
+    # --- serialisation --------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        return _from_dict(cls, d, "")
+
+
+def _from_dict(cls, d: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} in {where or cls.__name__}")
+    kwargs = {}
+    for key, value in d.items():
+        kwargs[key] = _coerce(hints[key], value, f"{where}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(annotation, value, where: str):
+    """Convert a JSON value (or a --set string) to the annotated type, or explain why not."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in options:
+                return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, where)
+            except (ValueError, TypeError) as err:
+                errors.append(str(err))
+        raise ValueError(f"{where}: {value!r} fits none of {annotation}: {'; '.join(errors)}")
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if isinstance(value, dict):
+            return _from_dict(annotation, value, where + ".")
+        raise ValueError(f"{where}: expected a mapping for {annotation.__name__}, got {value!r}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected an integer, got {value!r}") from None
+        if not as_float.is_integer():
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return int(as_float)
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if annotation is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `--set data.source=2024` means the string
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: unsupported field type {annotation}")
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """Apply ["a.b=value", ...]; unknown fields and bad values raise ValueError naming them."""
+    for item in overrides:
+        path, sep, raw = item.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        recipe = _replace_path(recipe, path.strip().split("."), raw.strip(), path.strip())
+    return recipe
+
+
+def _replace_path(obj, keys: list[str], raw: str, full: str):
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    key = keys[0]
+    if key not in fields:
+        raise ValueError(f"unknown field {full!r}: {type(obj).__name__} has no field {key!r} "
+                         f"(fields: {sorted(fields)})")
+    annotation = typing.get_type_hints(type(obj))[key]
+    current = getattr(obj, key)
+    if len(keys) == 1:
+        value = _coerce(annotation, _parse_scalar(raw, annotation), full)
+    else:
+        if not dataclasses.is_dataclass(current):
+            if current is None and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+                cls = next(a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a))
+                current = cls()
+            else:
+                raise ValueError(f"unknown field {full!r}: {key!r} is not a group of fields")
+        value = _replace_path(current, keys[1:], raw, full)
+    try:
+        return dataclasses.replace(obj, **{key: value})
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--set {full}={raw}: {err}") from None
+
+
+def _parse_scalar(raw: str, annotation) -> Any:
+    # JSON literals for numbers/bools/null; anything else stays a string.
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+__all__ = ["Recipe", "DataConfig", "OffloadConfig", "MeshConfig", "CheckpointConfig", "TrainConfig",
+           "OptimizerConfig", "LlamaConfig", "RopeScaling", "apply_overrides"]
