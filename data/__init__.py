@@ -1,0 +1,62 @@
+"""spillway's data pipeline: corpus sources, tokenizers, tokenize-and-pack, resumable batches.
+
+This package depends on numpy, `datasets` and `sentencepiece` only (no JAX,
+nothing else of this project), so data preparation runs anywhere, quickly.
+
+    docs = load_documents("builtin:stdlib")
+    tokenizer = train_tokenizer(docs, vocab_size=4096, cache_dir=".cache/data")
+    packed = prepare_tokens("builtin:stdlib", tokenizer, seq_len=256, cache_dir=".cache/data")
+    batches = BatchLoader(packed.train, global_batch_size=32, seed=0)
+"""
+
+from .corpus import BUILTIN_STDLIB, DEFAULT_MAX_BYTES, default_corpus_files, stdlib_root
+from .loader import BatchLoader, eval_batches
+from .packing import PackedData, prepare_tokens, token_dtype
+from .sources import (
+    HubSpec,
+    LocalSpec,
+    load_documents,
+    parse_hub_spec,
+    parse_local_spec,
+    select_text_column,
+    source_fingerprint,
+)
+from .tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    Tokenizer,
+    check_vocab,
+    load_tokenizer,
+    padded_vocab_size,
+    train_tokenizer,
+)
+
+__all__ = [
+    "BOS_ID",
+    "BUILTIN_STDLIB",
+    "DEFAULT_MAX_BYTES",
+    "EOS_ID",
+    "PAD_ID",
+    "UNK_ID",
+    "BatchLoader",
+    "HubSpec",
+    "LocalSpec",
+    "PackedData",
+    "Tokenizer",
+    "check_vocab",
+    "default_corpus_files",
+    "eval_batches",
+    "load_documents",
+    "load_tokenizer",
+    "padded_vocab_size",
+    "parse_hub_spec",
+    "parse_local_spec",
+    "prepare_tokens",
+    "select_text_column",
+    "source_fingerprint",
+    "stdlib_root",
+    "token_dtype",
+    "train_tokenizer",
+]

@@ -1,0 +1,121 @@
+"""Deterministic, resumable batches of packed rows for one or many processes.
+
+The global batch sequence depends only on (rows, global_batch_size, seed,
+shuffle): epoch `e` visits the rows in the permutation drawn from
+`(seed, e)`, `global_batch_size` rows per step, and the last partial batch of
+an epoch is dropped (the next epoch's permutation differs, so no row is
+starved). Each process takes its contiguous slice of every global batch, so
+the batches a run sees are the same whatever its process count, and a run can
+resume on a different number of hosts from the same `state()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+
+class BatchLoader:
+    """Iterator of int32 [global_batch_size // process_count, seq_len + 1] batches, forever."""
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+        shuffle: bool = True,
+    ):
+        if rows.ndim != 2:
+            raise ValueError(f"rows must be a [num_rows, seq_len + 1] array, got shape {rows.shape}")
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        if global_batch_size % process_count:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not divisible by process_count "
+                f"{process_count}; every process must get the same number of rows"
+            )
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+        if len(rows) < global_batch_size:
+            raise ValueError(
+                f"only {len(rows)} rows for a global batch of {global_batch_size}; "
+                f"use a smaller batch or a larger corpus"
+            )
+        self.rows = rows
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.process_index = process_index
+        self.process_count = process_count
+        self.local_batch_size = global_batch_size // process_count
+        self.batches_per_epoch = len(rows) // global_batch_size
+        self.epoch = 0
+        self.position = 0  # index of the next batch within the epoch
+        self._order: np.ndarray | None = None
+        self._order_epoch = -1
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+            else:
+                self._order = np.arange(len(self.rows))
+            self._order_epoch = self.epoch
+        return self._order
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        start = self.position * self.global_batch_size + self.process_index * self.local_batch_size
+        indices = self._epoch_order()[start : start + self.local_batch_size]
+        self.position += 1
+        return np.asarray(self.rows[indices], dtype=np.int32)
+
+    def state(self) -> dict:
+        """Where the loader stands, as plain JSON-able values (store it with the checkpoint)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_rows": len(self.rows),
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continue exactly where `state()` was taken; refuses a state from other data or settings."""
+        expected = {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_rows": len(self.rows),
+            "global_batch_size": self.global_batch_size,
+        }
+        mismatched = {k: (state.get(k), v) for k, v in expected.items() if k in state and state[k] != v}
+        if mismatched:
+            details = ", ".join(f"{k}: saved {saved}, now {now}" for k, (saved, now) in mismatched.items())
+            raise ValueError(f"loader state does not match this loader ({details})")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+
+def eval_batches(
+    rows: np.ndarray, *, global_batch_size: int, process_index: int = 0, process_count: int = 1
+) -> Iterator[np.ndarray]:
+    """One in-order pass over `rows` (e.g. the validation split), same slicing as `BatchLoader`."""
+    loader = BatchLoader(
+        rows,
+        global_batch_size=global_batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=False,
+    )
+    for _ in range(loader.batches_per_epoch):
+        yield next(loader)

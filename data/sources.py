@@ -1,0 +1,225 @@
+"""Corpus sources: turn a source spec string into a `datasets` dataset with a "text" column.
+
+A source spec is one of:
+
+- `builtin:stdlib[:MAX_BYTES]`: the embedded default corpus (see `corpus.py`),
+  optionally capped at MAX_BYTES;
+- a local `.txt` / `.py` / `.md` file, or a folder of them: one document per file;
+- a local `.jsonl` / `.json` file or folder: one document per record, text in `text_field`;
+- a local `.parquet` file or folder: one document per row, text in `text_field`;
+- `hf:owner/name[:config]`, or a bare `owner/name` that is not an existing path:
+  a Hugging Face Hub dataset, streamed (nothing is downloaded up front).
+
+Loading goes through `datasets.load_dataset` with its packaged builders
+("text", "json", "parquet"), so local corpora get Arrow caching and memory
+mapping for free. `source_fingerprint` names a source's content for cache keys
+without loading it, so a warm cache never re-reads the corpus.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from .cache import stable_key
+from .corpus import BUILTIN_STDLIB, default_corpus_files
+
+TEXT_SUFFIXES = (".txt", ".py", ".md")
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+_BUILDER_BY_SUFFIX = {
+    **{suffix: "text" for suffix in TEXT_SUFFIXES},
+    **{suffix: "json" for suffix in JSON_SUFFIXES},
+    **{suffix: "parquet" for suffix in PARQUET_SUFFIXES},
+}
+HUB_PREFIX = "hf:"
+# A Hub repository id: exactly one slash, no path-like prefix. Anything else
+# that does not exist on disk is reported as a missing path, not sent to the Hub.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    """A parsed Hub source: the repository id and an optional config name."""
+
+    repo_id: str
+    config: str | None = None
+
+    def load_dataset_kwargs(self, *, split: str, streaming: bool) -> dict[str, Any]:
+        """The keyword arguments `datasets.load_dataset` gets for this source."""
+        return {"path": self.repo_id, "name": self.config, "split": split, "streaming": streaming}
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """A parsed local source: the packaged builder and the files it reads, sorted."""
+
+    builder: str
+    files: tuple[Path, ...]
+
+
+def parse_hub_spec(source: str) -> HubSpec | None:
+    """The Hub dataset a spec names, or None when the spec is not a Hub id.
+
+    `hf:owner/name[:config]` is always a Hub id; a bare `owner/name` is one only
+    when no such local path exists and it has no local-file suffix (so a
+    mistyped `corpus/train.jsonl` is a missing file, not a network request).
+    """
+    if source.startswith(HUB_PREFIX):
+        repo_id, _, config = source[len(HUB_PREFIX) :].partition(":")
+        if not _HUB_ID.match(repo_id):
+            raise ValueError(f"{source!r}: expected hf:owner/name[:config]")
+        return HubSpec(repo_id, config or None)
+    if os.path.exists(source) or not _HUB_ID.match(source):
+        return None
+    if Path(source).suffix.lower() in _BUILDER_BY_SUFFIX:
+        return None
+    return HubSpec(source)
+
+
+def _builder_for(path: Path) -> str | None:
+    return _BUILDER_BY_SUFFIX.get(path.suffix.lower())
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    # Hidden files and folders (.git, .cache) are never corpus.
+    return sorted(
+        path
+        for path in folder.rglob("*")
+        if path.is_file()
+        and _builder_for(path) is not None
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+
+
+def _builtin_options(source: str) -> dict[str, int]:
+    # `builtin:stdlib:N` caps the built-in corpus at N bytes (smoke tests, demos).
+    _, _, cap = source[len(BUILTIN_STDLIB) :].partition(":")
+    if not cap:
+        return {}
+    if not cap.isdigit():
+        raise ValueError(f"{source!r}: expected {BUILTIN_STDLIB}[:MAX_BYTES] with an integer byte cap")
+    return {"max_bytes": int(cap)}
+
+
+def parse_local_spec(source: str) -> LocalSpec:
+    """Resolve `builtin:stdlib` or a local file/folder into its builder and files."""
+    if source == BUILTIN_STDLIB or source.startswith(BUILTIN_STDLIB + ":"):
+        return LocalSpec("text", tuple(default_corpus_files(**_builtin_options(source))))
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"corpus path {str(path)!r} does not exist (and is not builtin:stdlib or a Hub id "
+            f"like hf:owner/name)"
+        )
+    if path.is_file():
+        builder = _builder_for(path)
+        if builder is None:
+            raise ValueError(
+                f"corpus file {str(path)!r} has an unsupported type; supported: "
+                f"{', '.join(_BUILDER_BY_SUFFIX)}"
+            )
+        return LocalSpec(builder, (path,))
+    files = _folder_files(path)
+    if not files:
+        raise ValueError(
+            f"corpus folder {str(path)!r} holds no supported files "
+            f"({', '.join(_BUILDER_BY_SUFFIX)})"
+        )
+    builders = sorted({_builder_for(file) for file in files})
+    if len(builders) > 1:
+        raise ValueError(
+            f"corpus folder {str(path)!r} mixes file kinds ({', '.join(builders)}); "
+            f"point the source at a folder holding one kind"
+        )
+    return LocalSpec(builders[0], tuple(files))
+
+
+def source_fingerprint(source: str, *, text_field: str = "text", split: str = "train") -> str:
+    """A key that changes whenever the source's content may have changed.
+
+    Local files are keyed by path, size and modification time (as `make` does),
+    which is cheap for any corpus size. Hub sources are keyed by their spec:
+    a Hub dataset is assumed not to change under the same id and config.
+    """
+    hub = parse_hub_spec(source)
+    if hub is not None:
+        return stable_key("hub", hub.repo_id, hub.config, split, text_field)
+    local = parse_local_spec(source)
+    stats = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in local.files]
+    return stable_key("local", local.builder, stats, split, text_field)
+
+
+def select_text_column(
+    dataset: datasets.Dataset | datasets.IterableDataset, text_field: str, source: str
+) -> datasets.Dataset | datasets.IterableDataset:
+    """Keep only `text_field`, renamed to "text"; `source` names the corpus in errors.
+
+    A stream whose schema is unknown until read is renamed lazily; a missing
+    field then shows up as a KeyError when it is first iterated.
+    """
+    columns = dataset.column_names
+    if columns is not None:
+        if text_field not in columns:
+            raise ValueError(
+                f"source {source!r} has no text field {text_field!r}; its columns are {columns}"
+            )
+        feature = dataset.features[text_field] if dataset.features else None
+        if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"source {source!r}: field {text_field!r} holds {feature}, not text")
+    dataset = dataset.select_columns([text_field])
+    if text_field != "text":
+        dataset = dataset.rename_column(text_field, "text")
+    return dataset
+
+
+def _has_text(batch: dict[str, list]) -> list[bool]:
+    return [bool(text and not text.isspace()) for text in batch["text"]]
+
+
+def load_documents(
+    source: str,
+    *,
+    text_field: str = "text",
+    split: str = "train",
+    streaming: bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> datasets.Dataset | datasets.IterableDataset:
+    """Load a corpus as documents in a single "text" column, empty documents dropped.
+
+    `streaming=None` streams Hub sources and loads local ones into an Arrow
+    cache (under `cache_dir`, default the `datasets` cache). Streamed sources
+    are checked lazily: an empty stream shows up when it is tokenized.
+    """
+    cache = None if cache_dir is None else str(cache_dir)
+    hub = parse_hub_spec(source)
+    if hub is not None:
+        dataset = datasets.load_dataset(
+            **hub.load_dataset_kwargs(split=split, streaming=True if streaming is None else streaming),
+            cache_dir=cache,
+        )
+    else:
+        local = parse_local_spec(source)
+        builder_options: dict[str, Any] = {}
+        if local.builder == "text":
+            # One document per file; undecodable bytes become U+FFFD rather
+            # than aborting a whole corpus over one stray file.
+            builder_options = {"sample_by": "document", "encoding_errors": "replace"}
+        dataset = datasets.load_dataset(
+            local.builder,
+            data_files=[str(path) for path in local.files],
+            split=split,
+            streaming=bool(streaming),
+            cache_dir=cache,
+            **builder_options,
+        )
+    dataset = select_text_column(dataset, text_field, source)
+    dataset = dataset.filter(_has_text, batched=True)
+    if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:
+        raise ValueError(f"source {source!r} holds no non-empty documents")
+    return dataset

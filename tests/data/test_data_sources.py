@@ -1,0 +1,205 @@
+"""Source specs: local text/json/parquet files and folders, the builtin corpus, Hub ids."""
+
+import json
+import os
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import data.sources
+from data import (
+    HubSpec,
+    default_corpus_files,
+    load_documents,
+    parse_hub_spec,
+    source_fingerprint,
+)
+
+from tiny_corpus import make_documents
+
+
+def test_text_folder_gives_one_document_per_supported_file(text_folder, tmp_path):
+    documents = load_documents(str(text_folder), cache_dir=tmp_path / "hf")
+    assert documents.column_names == ["text"]
+    expected = [
+        path.read_text()
+        for path in sorted(text_folder.rglob("*"))
+        if path.suffix in {".txt", ".md", ".py"} and ".hidden" not in path.parts
+    ]
+    assert documents["text"] == expected
+    assert len(documents) == 12
+
+
+def test_single_text_file(tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text("first line\n\n  indented second\n")
+    documents = load_documents(str(path), cache_dir=tmp_path / "hf")
+    assert documents["text"] == ["first line\n\n  indented second\n"]
+
+
+def test_builtin_stdlib_slice_matches_corpus_files(tmp_path):
+    documents = load_documents("builtin:stdlib:200000", cache_dir=tmp_path / "hf")
+    files = default_corpus_files(max_bytes=200_000)
+    assert len(documents) == len(files)
+    assert documents[0]["text"] == files[0].read_text()
+
+
+def test_jsonl_with_custom_text_field(tmp_path):
+    path = tmp_path / "records.jsonl"
+    records = [{"id": i, "content": text} for i, text in enumerate(make_documents(3))]
+    records.append({"id": 3, "content": "   "})  # blank: dropped
+    path.write_text("\n".join(json.dumps(record) for record in records))
+    documents = load_documents(str(path), text_field="content", cache_dir=tmp_path / "hf")
+    assert documents.column_names == ["text"]
+    assert documents["text"] == make_documents(3)
+
+
+def test_json_folder(tmp_path):
+    folder = tmp_path / "json"
+    folder.mkdir()
+    for index in range(2):
+        (folder / f"part{index}.json").write_text(json.dumps([{"text": f"document {index}"}]))
+    documents = load_documents(str(folder), cache_dir=tmp_path / "hf")
+    assert documents["text"] == ["document 0", "document 1"]
+
+
+def test_parquet_file_and_folder(tmp_path):
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    for index in range(2):
+        table = pa.table({"body": [f"row {index}a", f"row {index}b"], "score": [1, 2]})
+        pq.write_table(table, folder / f"part{index}.parquet")
+    documents = load_documents(str(folder), text_field="body", cache_dir=tmp_path / "hf")
+    assert documents["text"] == ["row 0a", "row 0b", "row 1a", "row 1b"]
+    single = load_documents(str(folder / "part1.parquet"), text_field="body", cache_dir=tmp_path / "hf")
+    assert single["text"] == ["row 1a", "row 1b"]
+
+
+def test_missing_path_is_named(tmp_path):
+    missing = tmp_path / "nowhere" / "corpus.txt"
+    with pytest.raises(FileNotFoundError, match="nowhere/corpus.txt.*does not exist"):
+        load_documents(str(missing))
+
+
+def test_folder_without_supported_files_is_named(tmp_path):
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    (folder / "cat.png").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="pictures.*holds no supported files"):
+        load_documents(str(folder))
+
+
+def test_unsupported_file_type_is_named(tmp_path):
+    path = tmp_path / "table.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="table.csv.*unsupported type"):
+        load_documents(str(path))
+
+
+def test_folder_mixing_file_kinds_is_rejected(tmp_path):
+    (tmp_path / "notes.txt").write_text("text")
+    (tmp_path / "records.jsonl").write_text('{"text": "json"}\n')
+    with pytest.raises(ValueError, match="mixes file kinds \\(json, text\\)"):
+        load_documents(str(tmp_path))
+
+
+def test_corpus_of_only_empty_documents_is_rejected(tmp_path):
+    folder = tmp_path / "blank"
+    folder.mkdir()
+    (folder / "a.txt").write_text("")
+    (folder / "b.txt").write_text(" \n\n\t")
+    with pytest.raises(ValueError, match="blank.*no non-empty documents"):
+        load_documents(str(folder), cache_dir=tmp_path / "hf")
+
+
+def test_missing_text_field_names_field_and_columns(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"body": "hello", "id": 1}\n')
+    with pytest.raises(ValueError, match="no text field 'content'.*'body'"):
+        load_documents(str(path), text_field="content", cache_dir=tmp_path / "hf")
+
+
+def test_non_text_field_is_rejected(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"text": "hello", "n": 1}\n')
+    with pytest.raises(ValueError, match="field 'n' holds .*int64.*not text"):
+        load_documents(str(path), text_field="n", cache_dir=tmp_path / "hf")
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("hf:roneneldan/TinyStories", HubSpec("roneneldan/TinyStories")),
+        ("hf:allenai/c4:en", HubSpec("allenai/c4", "en")),
+        ("HuggingFaceFW/fineweb-edu", HubSpec("HuggingFaceFW/fineweb-edu")),
+        ("corpus/train.jsonl", None),  # looks like a file: a missing path, not a Hub id
+        ("./owner/name", None),
+        ("a/b/c", None),
+        ("builtin:stdlib", None),
+    ],
+)
+def test_hub_spec_parsing(spec, expected):
+    assert parse_hub_spec(spec) == expected
+
+
+def test_existing_local_path_wins_over_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "owner").mkdir()
+    (tmp_path / "owner" / "name").mkdir()
+    assert parse_hub_spec("owner/name") is None
+
+
+def test_malformed_hf_spec_is_rejected():
+    with pytest.raises(ValueError, match="expected hf:owner/name"):
+        parse_hub_spec("hf:just-a-name")
+
+
+def test_hub_spec_becomes_streaming_load_dataset_call(monkeypatch):
+    assert HubSpec("allenai/c4", "en").load_dataset_kwargs(split="train", streaming=True) == {
+        "path": "allenai/c4",
+        "name": "en",
+        "split": "train",
+        "streaming": True,
+    }
+    calls = []
+
+    def fake_load_dataset(**kwargs):
+        calls.append(kwargs)
+        rows = [{"content": "a streamed document", "url": "x"}, {"content": "", "url": "y"}]
+        return datasets.Dataset.from_list(rows).to_iterable_dataset()
+
+    monkeypatch.setattr(data.sources.datasets, "load_dataset", fake_load_dataset)
+    documents = load_documents("hf:owner/name:cfg", text_field="content", split="validation")
+    assert calls == [
+        {"path": "owner/name", "name": "cfg", "split": "validation", "streaming": True, "cache_dir": None}
+    ]
+    assert isinstance(documents, datasets.IterableDataset)
+    assert [row["text"] for row in documents] == ["a streamed document"]
+
+
+def test_fingerprint_follows_file_changes(text_folder):
+    before = source_fingerprint(str(text_folder))
+    assert source_fingerprint(str(text_folder)) == before
+    assert source_fingerprint(str(text_folder), text_field="body") != before
+    changed = text_folder / "doc00.txt"
+    changed.write_text(changed.read_text() + " more")
+    stat = changed.stat()
+    os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert source_fingerprint(str(text_folder)) != before
+
+
+def test_stream_with_unknown_schema_is_renamed_lazily(monkeypatch):
+    def rows():
+        yield {"content": "first", "url": "a"}
+        yield {"content": " ", "url": "b"}
+        yield {"content": "second", "url": "c"}
+
+    def fake_load_dataset(**kwargs):
+        return datasets.IterableDataset.from_generator(rows)  # column_names is None until read
+
+    monkeypatch.setattr(data.sources.datasets, "load_dataset", fake_load_dataset)
+    documents = load_documents("owner/name", text_field="content")
+    assert documents.column_names is None
+    assert [row["text"] for row in documents] == ["first", "second"]

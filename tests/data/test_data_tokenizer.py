@@ -1,0 +1,150 @@
+"""Tokenizer training, caching, pickling, loading and the vocabulary check."""
+
+import pickle
+
+import pytest
+import sentencepiece as spm
+
+from data import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    Tokenizer,
+    check_vocab,
+    default_corpus_files,
+    load_documents,
+    load_tokenizer,
+    padded_vocab_size,
+    train_tokenizer,
+)
+from tiny_corpus import make_documents
+
+
+def test_trained_tokenizer_has_fixed_special_ids_and_round_trips(tokenizer):
+    assert tokenizer.vocab_size == 400
+    assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id) == (
+        PAD_ID,
+        UNK_ID,
+        BOS_ID,
+        EOS_ID,
+    )
+    # Indentation, blank lines, characters never seen in training (byte fallback).
+    texts = ["def f(x):\n\n        return x  # naïve ✓ 漢字\n", "  leading spaces", "the model"]
+    encoded = tokenizer.encode(texts)
+    assert len(encoded) == 3 and all(isinstance(i, int) for ids in encoded for i in ids)
+    assert [tokenizer.decode(ids) for ids in encoded] == texts
+    assert UNK_ID not in {i for ids in encoded for i in ids}
+
+
+def test_encode_refuses_a_bare_string(tokenizer):
+    with pytest.raises(TypeError, match="list of strings"):
+        tokenizer.encode("the model")
+
+
+def test_pickles_as_proto_bytes_and_rebuilds_lazily(tokenizer):
+    tokenizer.encode(["warm the processor"])
+    state = tokenizer.__getstate__()
+    assert set(state) == {"model_proto", "path"}
+    clone = pickle.loads(pickle.dumps(tokenizer))
+    assert clone._processor is None
+    assert clone.fingerprint == tokenizer.fingerprint
+    assert clone.encode(["the model reads"]) == tokenizer.encode(["the model reads"])
+
+
+def test_second_training_call_loads_from_cache(tmp_path, monkeypatch):
+    documents = make_documents(30, seed=2)
+    first = train_tokenizer(documents, vocab_size=380, cache_dir=tmp_path)
+    assert first.path is not None and first.path.parent == tmp_path
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("trained again instead of loading the cache")
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", refuse)
+    second = train_tokenizer(documents, vocab_size=380, cache_dir=tmp_path)
+    assert second.fingerprint == first.fingerprint
+    with pytest.raises(AssertionError, match="trained again"):
+        train_tokenizer(documents, vocab_size=390, cache_dir=tmp_path)  # new settings: new key
+
+
+def test_training_is_deterministic_without_cache():
+    documents = make_documents(30, seed=3)
+    a = train_tokenizer(documents, vocab_size=380)
+    b = train_tokenizer(documents, vocab_size=380)
+    assert a.fingerprint == b.fingerprint
+
+
+def test_unigram_and_no_byte_fallback():
+    # Unigram needs more varied text than the tiny corpus to fill even a small vocabulary.
+    documents = [path.read_text() for path in default_corpus_files(max_bytes=100_000)]
+    unigram = train_tokenizer(documents, vocab_size=500, model_type="unigram")
+    assert unigram.vocab_size == 500
+    assert unigram.decode(unigram.encode([documents[0]])[0]) == documents[0]
+    bpe = train_tokenizer(make_documents(40, seed=4), vocab_size=300, byte_fallback=False)
+    assert bpe.vocab_size == 300
+    assert bpe.decode(bpe.encode(["the model reads"])[0]) == "the model reads"
+
+
+def test_trains_on_a_slice_of_the_stdlib_corpus(tmp_path):
+    documents = load_documents("builtin:stdlib:1000000", cache_dir=tmp_path / "hf")
+    tokenizer = train_tokenizer(documents, vocab_size=1024, cache_dir=tmp_path)
+    texts = documents["text"]
+    encoded = tokenizer.encode(texts, num_threads=2)
+    assert [tokenizer.decode(ids) for ids in encoded[:5]] == texts[:5]
+    utf8_bytes = sum(len(text.encode()) for text in texts)
+    assert utf8_bytes / sum(map(len, encoded)) > 2.5  # it learned real pieces, not bytes
+
+
+def test_vocab_too_small_for_the_characters_is_explained():
+    with pytest.raises(ValueError, match="vocab_size=270 is too small: this corpus needs at least \\d+"):
+        train_tokenizer(make_documents(10), vocab_size=270)
+
+
+def test_vocab_too_large_for_the_corpus_is_explained():
+    with pytest.raises(ValueError, match="vocab_size=20000 is too large for this corpus.*at most \\d+"):
+        train_tokenizer(make_documents(10), vocab_size=20000)
+
+
+def test_empty_training_text_is_rejected():
+    with pytest.raises(ValueError, match="no non-empty text"):
+        train_tokenizer(["", "   \n\n"], vocab_size=300)
+
+
+def test_unknown_model_type_is_rejected():
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        train_tokenizer(make_documents(2), vocab_size=300, model_type="wordpiece")
+
+
+def test_save_and_load(tokenizer, tmp_path):
+    path = tokenizer.save(tmp_path / "tok.model")
+    loaded = load_tokenizer(path)
+    assert loaded.fingerprint == tokenizer.fingerprint
+    assert loaded.path == path
+
+
+def test_load_missing_or_invalid_model_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="absent.model.*does not exist"):
+        load_tokenizer(tmp_path / "absent.model")
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="junk.model.*not a sentencepiece model"):
+        load_tokenizer(junk)
+
+
+def test_check_vocab(tokenizer):
+    check_vocab(tokenizer, 400)
+    check_vocab(tokenizer, padded_vocab_size(400))  # 512: padded embeddings are fine
+    expected = "tokenizer vocabulary \\(400 ids\\) is larger than the model's embedding \\(256 rows\\)"
+    with pytest.raises(ValueError, match=expected):
+        check_vocab(tokenizer, 256)
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(400) == 512
+    assert padded_vocab_size(512) == 512
+    assert padded_vocab_size(32000, multiple=64) == 32000
+
+
+def test_tokenizer_repr_names_size(tokenizer):
+    assert repr(tokenizer).startswith("Tokenizer(vocab_size=400")
+    assert isinstance(Tokenizer(tokenizer.model_proto).vocab_size, int)
