@@ -1,0 +1,532 @@
+"""Checkpoints for a training run: glue between the train loop and orbax's CheckpointManager.
+
+A run directory holds one folder per finalised step, in orbax's layout:
+
+    <run>/<step>/params/               parameter tree (orbax StandardSave: OCDBT + tensorstore)
+    <run>/<step>/opt_state/            optimizer state tree (host-resident leaves included)
+    <run>/<step>/loader_state/metadata JSON: where the data loader resumes
+    <run>/<step>/meta/metadata         JSON: step, rng, tokens seen, ...
+    <run>/<step>/recipe/recipe.json    the resolved recipe, verbatim: `cat` it
+
+Orbax does the hard parts and this file leans on them:
+
+* async saves: `save()` returns once the arrays are copied off the accelerator;
+  tensorstore writes them in a background thread while training goes on.
+* atomic finalisation: a step is written into `<step>.orbax-checkpoint-tmp`
+  and renamed to `<step>` when every item is committed. Orbax's step discovery
+  only lists finalised names, so a process killed mid-save (SIGKILL, OOM, node
+  loss) leaves the previous step as the latest; the stale tmp folder is deleted
+  the next time a `RunCheckpointer` opens the directory.
+* keep-last-K garbage collection (`max_to_keep`).
+* restoring straight into target shardings: every array is read into the
+  NamedSharding (mesh, spec, memory kind) of the abstract target, so a run saved
+  on one mesh restores onto another, and optimizer state saved from
+  `pinned_host` memory comes back there when the target says so.
+
+What this file adds is the run's policy and the failure reporting:
+
+* which steps to save (`step % every_steps == 0`, or forced), never re-saving a
+  step, never saving a step older than the newest one (resume would skip it);
+* one exception type, `CheckpointError`, carrying the path and what is wrong,
+  for every failure a user can cause: no checkpoint, a corrupt one, one whose
+  parameter tree does not match the model (checked against the checkpoint's
+  own metadata before any array is read, naming keys and both shapes), a JSON
+  field that is not JSON, an async save that failed in the background;
+* a SIGTERM handler for preemption: save the current step, wait for it, exit 143.
+
+dtypes are not compared: orbax casts to the target's dtype on restore, which is
+what a fine-tune that loads fp32 weights into bf16 wants.
+
+Multi-host: every process must call `save`, `restore` and `wait` (orbax
+synchronises them); JSON items and the recipe are written by process 0 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+PARAMS = "params"
+OPT_STATE = "opt_state"
+LOADER_STATE = "loader_state"
+META = "meta"
+RECIPE = "recipe"
+RECIPE_FILENAME = "recipe.json"
+
+SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM  # 143, what a shell reports for a SIGTERM'd process
+
+_ARRAY_ITEMS = (PARAMS, OPT_STATE)
+_JSON_ITEMS = (LOADER_STATE, META)
+_MAX_LISTED_DIFFERENCES = 20  # a wholly different model would otherwise print every key
+_MAX_CAUSE_CHARS = 400
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or restored; the message names the path and the reason."""
+
+
+def _cause(e: BaseException) -> str:
+    """The exception in one readable line: tensorstore errors embed a full JSON spec, kept in the
+    chained traceback (`raise ... from e`) but not in our message."""
+    text = " ".join(str(e).split())
+    if len(text) > _MAX_CAUSE_CHARS:
+        text = text[:_MAX_CAUSE_CHARS] + " ..."
+    return f"{type(e).__name__}: {text}"
+
+
+# -- the recipe as a plain file -------------------------------------------------------------
+#
+# orbax's JsonCheckpointHandler re-serialises whatever it is given; the recipe arrives
+# already serialised (the recipe module chose its formatting), so it is stored verbatim
+# and read back byte for byte.
+
+
+def _write_text(path: epath.Path, text: str) -> None:
+    path.write_text(text)
+
+
+class _TextFileHandler(ocp.AsyncCheckpointHandler):
+    """Stores one string as `<item dir>/<filename>`; written by process 0 in the background commit."""
+
+    def __init__(self, filename: str):
+        self._filename = filename
+
+    async def async_save(self, directory: epath.Path, args: _TextSave):
+        async def write():
+            if jax.process_index() == 0:
+                _write_text(directory / self._filename, args.text)
+
+        # the item directory may still be being created; this future waits for orbax's signal
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="recipe_text_save")]
+
+    def save(self, directory: epath.Path, args: _TextSave):
+        if jax.process_index() == 0:
+            _write_text(directory / self._filename, args.text)
+
+    def restore(self, directory: epath.Path, args: _TextRestore | None = None) -> str:
+        return (directory / self._filename).read_text()
+
+
+@ocp.args.register_with_handler(_TextFileHandler, for_save=True)
+@dataclasses.dataclass
+class _TextSave(ocp.args.CheckpointArgs):
+    text: str
+
+
+@ocp.args.register_with_handler(_TextFileHandler, for_restore=True)
+@dataclasses.dataclass
+class _TextRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
+    handlers: dict[str, ocp.CheckpointHandler] = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
+    handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
+    handlers[RECIPE] = _TextFileHandler(RECIPE_FILENAME)
+    return handlers
+
+
+# -- run directory and step folders ---------------------------------------------------------
+
+_STEP_NAMES = ocp.step.standard_name_format()  # "<step>", no prefix: what `ls` shows is the step
+
+
+def _absolute(path: str | os.PathLike) -> epath.Path:
+    # orbax's background writer rejects relative paths, and only says so from its thread
+    return epath.Path(os.path.abspath(os.fspath(path)))
+
+
+def _finalised_steps(run_dir: epath.Path) -> list[int]:
+    """Steps whose save completed; `<step>.orbax-checkpoint-tmp` folders are not listed."""
+    return sorted(m.step for m in _STEP_NAMES.find_all(run_dir))
+
+
+def _is_step_dir(path: epath.Path) -> bool:
+    # a run directory holds numbered folders; a step folder holds the items
+    return any((path / name).is_dir() for name in (PARAMS, OPT_STATE, META))
+
+
+def _resolve_step_dir(path: str | os.PathLike) -> epath.Path:
+    """A step folder, given either a step folder or a run directory (whose latest step is used)."""
+    path = _absolute(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected a run directory or a step folder)")
+    if ocp.step.is_path_temporary(path):
+        raise CheckpointError(f"{path}: an unfinished save (orbax tmp folder), not a checkpoint; "
+                              f"use a finalised step folder or the run directory")
+    if _is_step_dir(path):
+        if not ocp.step.is_checkpoint_finalized(path):
+            raise CheckpointError(f"{path}: this step's save never finished")
+        return path
+    steps = _finalised_steps(path)
+    if not steps:
+        raise CheckpointError(f"{path}: no checkpoint found (no finalised step folder in this directory)")
+    return path / _STEP_NAMES.build_name(steps[-1])
+
+
+# -- comparing a checkpoint's tree with the restore target -----------------------------------
+
+
+def _key_str(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _flat_by_path(tree) -> dict[str, Any]:
+    """{'layers/0/kernel': leaf}. Orbax's metadata stores every node as a dict with string keys,
+    the live tree has dataclass attributes, list indices and nnx.State keys: joining the keys as
+    strings makes the two comparable."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(_key_str(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _as_restore_target(tree, what: str):
+    """ShapeDtypeStructs with shardings; live arrays are accepted and described by their sharding."""
+
+    def one(path, leaf):
+        if isinstance(leaf, jax.Array):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+            return leaf
+        raise CheckpointError(
+            f"{what}: leaf {'/'.join(_key_str(k) for k in path)!r} is {leaf!r}; restoring needs a "
+            f"jax.ShapeDtypeStruct with a sharding (or a jax.Array) for every leaf, so that arrays "
+            f"land on the mesh and memory kind you want")
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _describe_differences(saved: Mapping[str, Any], target: Mapping[str, Any]) -> list[str]:
+    lines = []
+    for key in sorted(saved.keys() & target.keys()):
+        saved_shape, target_shape = tuple(saved[key].shape), tuple(target[key].shape)
+        if saved_shape != target_shape:
+            lines.append(f"shape differs at {key!r}: checkpoint {saved_shape}, target {target_shape}")
+    for key in sorted(target.keys() - saved.keys()):
+        lines.append(f"missing from the checkpoint: {key!r} (target shape {tuple(target[key].shape)})")
+    for key in sorted(saved.keys() - target.keys()):
+        lines.append(f"only in the checkpoint: {key!r} (checkpoint shape {tuple(saved[key].shape)})")
+    return lines
+
+
+def _check_compatible(item_dir: epath.Path, saved_metadata, abstract_tree) -> None:
+    saved_tree = getattr(saved_metadata, "tree", saved_metadata)  # TreeMetadata wraps the tree
+    differences = _describe_differences(_flat_by_path(saved_tree), _flat_by_path(abstract_tree))
+    if differences:
+        shown = differences[:_MAX_LISTED_DIFFERENCES]
+        if len(differences) > len(shown):
+            shown.append(f"... and {len(differences) - len(shown)} more")
+        raise CheckpointError(f"{item_dir}: checkpoint does not match the restore target "
+                              f"({len(differences)} difference(s)):\n  " + "\n  ".join(shown))
+
+
+# -- reading one step folder ------------------------------------------------------------------
+
+
+def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
+                      extra_items: Mapping[str, ocp.args.CheckpointArgs]) -> dict[str, Any]:
+    """Restores the array items in `abstract_trees` (after checking them against the saved
+    metadata) and the `extra_items` (JSON, text) from one finalised step folder."""
+    handlers = _item_handlers()
+    wanted = list(abstract_trees) + list(extra_items)
+    for name in wanted:
+        if not (step_dir / name).is_dir():
+            raise CheckpointError(f"{step_dir}: item {name!r} is missing from this checkpoint "
+                                  f"(corrupt, or not written by recipes.checkpoint)")
+    for name, tree in abstract_trees.items():
+        try:
+            saved_metadata = handlers[name].metadata(step_dir / name)
+        except Exception as e:  # unreadable or garbage _METADATA
+            raise CheckpointError(f"{step_dir / name}: cannot read the checkpoint's metadata, the "
+                                  f"checkpoint is corrupt: {_cause(e)}") from e
+        _check_compatible(step_dir / name, saved_metadata, tree)
+
+    restore_args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract_trees.items()}
+    restore_args.update(extra_items)
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{n: handlers[n] for n in wanted}))
+    try:
+        restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**restore_args))
+    except Exception as e:  # missing or truncated array files, garbage JSON, ...
+        # shapes and keys were checked above, so what is left is almost always damage on disk
+        raise CheckpointError(f"{step_dir}: restoring failed, the checkpoint is corrupt or unreadable "
+                              f"(or a target sharding cannot hold its array): {_cause(e)}") from e
+    finally:
+        checkpointer.close()
+    return {name: restored[name] for name in wanted}
+
+
+def _json_text(value, what: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} must be JSON-serialisable (it is saved as JSON): {e}") from e
+
+
+# -- the run's checkpointer ---------------------------------------------------------------------
+
+
+class RunCheckpointer:
+    """Saves and restores one training run in `directory`.
+
+    `keep`: how many of the newest steps to keep on disk. `every_steps`: the
+    save period used by `should_save` / `save`. `async_save`: write in a
+    background thread (errors surface at the next `save`, `wait` or `close`).
+
+    Open a RunCheckpointer only from the run that writes the directory: opening
+    one deletes unfinished `<step>.orbax-checkpoint-tmp` folders, which would
+    include a save in progress by another job. Readers (evaluation, fine-tunes)
+    use `restore_params_only` and `read_recipe_json`, which never write.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int, every_steps: int, async_save: bool = True):
+        if keep < 1:
+            raise CheckpointError(f"{directory}: keep must be >= 1, got {keep}")
+        if every_steps < 1:
+            raise CheckpointError(f"{directory}: every_steps must be >= 1, got {every_steps}")
+        self.directory = _absolute(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: exists and is not a directory")
+        self.keep = keep
+        self.every_steps = every_steps
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            step_name_format=_STEP_NAMES,
+            # a save killed mid-way leaves <step>.orbax-checkpoint-tmp behind: reclaim the space
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
+        except Exception as e:
+            raise CheckpointError(f"{self.directory}: cannot open the checkpoint directory: "
+                                  f"{_cause(e)}") from e
+        self._step_in_flight: int | None = None
+        self._closed = False
+        # SIGTERM bookkeeping (see install_sigterm_handler)
+        self._save_now: Callable[[], None] | None = None
+        self._previous_sigterm_handler = None
+        self._busy_depth = 0  # > 0 while save/wait/restore runs: orbax is not re-entrant
+        self._sigterm_pending = False
+        self._terminating = False
+
+    # -- queries
+
+    def latest_step(self) -> int | None:
+        """Newest step saved: finalised on disk, or (in this process) in flight. Unfinished saves
+        left by a killed process are never reported."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def should_save(self, step: int) -> bool:
+        return step % self.every_steps == 0
+
+    def step_dir(self, step: int) -> epath.Path:
+        return self.directory / _STEP_NAMES.build_name(step)
+
+    # -- save
+
+    def save(self, step: int, *, params, opt_state, loader_state: dict, meta: dict, recipe_json: str,
+             force: bool = False) -> None:
+        """Starts saving `step` if it is due (`should_save`) or `force`; returns once the arrays are
+        copied off the accelerator (async) or written (sync). A step already saved is not saved again
+        (a SIGTERM right after the periodic save of the same step costs nothing)."""
+        self._check_open()
+        if not (force or self.should_save(step)):
+            return
+        # validate the JSON parts here, in the caller's thread, rather than fail in orbax's background thread
+        _json_text(loader_state, f"{self.directory}: loader_state")
+        _json_text(meta, f"{self.directory}: meta")
+        try:
+            json.loads(recipe_json)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.directory}: recipe_json is not valid JSON: {e}") from e
+
+        with self._deferring_sigterm():
+            self.wait()  # orbax would wait for the previous save anyway; this reports its failure clearly
+            latest = self.latest_step()
+            if latest is not None and step == latest:
+                return
+            if latest is not None and step < latest:
+                raise CheckpointError(
+                    f"{self.directory}: refusing to save step {step}: step {latest} is newer, and resuming "
+                    f"picks the newest step, so step {step} would be skipped (or deleted by keep={self.keep}). "
+                    f"Delete the newer steps or save into another directory.")
+            args = ocp.args.Composite(**{
+                PARAMS: ocp.args.StandardSave(params),
+                OPT_STATE: ocp.args.StandardSave(opt_state),
+                LOADER_STATE: ocp.args.JsonSave(loader_state),
+                META: ocp.args.JsonSave(meta),
+                RECIPE: _TextSave(recipe_json),
+            })
+            try:
+                # force: the decision is ours (should_save above); orbax's own policy would also
+                # save the first step it sees, whatever its number
+                self._manager.save(step, args=args, force=True)
+            except Exception as e:
+                raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
+            self._step_in_flight = step
+
+    def wait(self) -> None:
+        """Blocks until the async save in flight (if any) is finalised; raises CheckpointError if it failed."""
+        with self._deferring_sigterm():
+            step = self._step_in_flight
+            self._step_in_flight = None
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:
+                where = self.step_dir(step) if step is not None else self.directory
+                previous = self.latest_step()  # orbax has dropped the failed step by now
+                intact = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+                raise CheckpointError(
+                    f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}") from e
+
+    # -- restore
+
+    def restore(self, step: int | None = None, *, abstract_params, abstract_opt_state) -> dict:
+        """Restores `step` (default: the latest) into the shardings of the abstract targets.
+
+        Returns {"params", "opt_state", "loader_state", "meta", "recipe_json"}.
+        """
+        self._check_open()
+        abstract_params = _as_restore_target(abstract_params, "abstract_params")
+        abstract_opt_state = _as_restore_target(abstract_opt_state, "abstract_opt_state")
+        with self._deferring_sigterm():
+            self.wait()  # a step in flight is not readable until finalised
+            steps = self.all_steps()
+            if step is None:
+                if not steps:
+                    raise CheckpointError(f"{self.directory}: no checkpoint found")
+                step = steps[-1]
+            elif step not in steps:
+                raise CheckpointError(f"{self.step_dir(step)}: no checkpoint for step {step} "
+                                      f"(steps present: {steps or 'none'})")
+            items = _restore_step_dir(
+                self.step_dir(step),
+                {PARAMS: abstract_params, OPT_STATE: abstract_opt_state},
+                {LOADER_STATE: ocp.args.JsonRestore(), META: ocp.args.JsonRestore(), RECIPE: _TextRestore()},
+            )
+        return {
+            "params": items[PARAMS],
+            "opt_state": items[OPT_STATE],
+            "loader_state": items[LOADER_STATE],
+            "meta": items[META],
+            "recipe_json": items[RECIPE],
+        }
+
+    # -- shutdown
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: this RunCheckpointer is closed")
+
+    def close(self) -> None:
+        """Waits for the save in flight, closes orbax, and puts back the SIGTERM handler found at install."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._uninstall_sigterm_handler()
+            self._manager.close()
+
+    def __enter__(self) -> RunCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- preemption
+
+    def install_sigterm_handler(self, save_now: Callable[[], None]) -> None:
+        """On SIGTERM: call `save_now()` (the loop's closure that saves the current step with
+        force=True), wait for the save to finish, then exit with status 143.
+
+        The handler runs in the main thread between two Python bytecodes. If that moment is inside
+        `save`, `wait` or `restore` (orbax is not re-entrant), it runs as soon as that call returns.
+        A second SIGTERM while saving is ignored. If `save_now` fails, its exception propagates
+        from wherever the main thread was, so the failure is not mistaken for a clean 143.
+        Must be called from the main thread (Python's rule for signal handlers).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise CheckpointError("install_sigterm_handler must be called from the main thread")
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self._save_now is None:  # installed twice: keep the handler that was there before us
+            self._previous_sigterm_handler = previous
+        self._save_now = save_now
+
+    def _uninstall_sigterm_handler(self) -> None:
+        if self._save_now is None:
+            return
+        self._save_now = None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._terminating:
+            return
+        if self._busy_depth > 0:
+            self._sigterm_pending = True
+            return
+        self._save_and_exit()
+
+    def _save_and_exit(self) -> None:
+        self._terminating = True
+        save_now = self._save_now
+        if save_now is not None:
+            save_now()
+        self.close()  # waits for the save, restores the previous handler
+        raise SystemExit(SIGTERM_EXIT_STATUS)
+
+    @contextmanager
+    def _deferring_sigterm(self) -> Iterator[None]:
+        self._busy_depth += 1
+        try:
+            yield
+        finally:
+            self._busy_depth -= 1
+        if self._busy_depth == 0 and self._sigterm_pending and not self._terminating:
+            self._sigterm_pending = False
+            self._save_and_exit()
+
+
+# -- fine-tuning entry points -----------------------------------------------------------------------
+
+
+def restore_params_only(path: str | os.PathLike, abstract_params) -> tuple[Any, dict]:
+    """Loads the parameters (and the meta dict) of a checkpoint, for a fine-tune.
+
+    `path` is a run directory (its latest step is used) or one step folder. The optimizer state
+    is not read. Arrays land in the shardings of `abstract_params`, on any mesh.
+    """
+    step_dir = _resolve_step_dir(path)
+    items = _restore_step_dir(step_dir, {PARAMS: _as_restore_target(abstract_params, "abstract_params")},
+                              {META: ocp.args.JsonRestore()})
+    return items[PARAMS], items[META]
+
+
+def read_recipe_json(path: str | os.PathLike) -> str:
+    """The recipe saved beside a step, verbatim. `path`: a step folder, or a run directory (latest step)."""
+    step_dir = _resolve_step_dir(path)
+    recipe_file = step_dir / RECIPE / RECIPE_FILENAME
+    try:
+        return recipe_file.read_text()
+    except OSError as e:
+        raise CheckpointError(f"{recipe_file}: cannot read the saved recipe: {e}") from e
