@@ -49,7 +49,7 @@ class BlockStack(nnx.Module):
             raise TypeError(f"block_cls must subclass TransformerBlock, got {block_cls!r}")
         self.num_layers = num_layers
         self.plan = RematPlan.parse(remat)
-        self.segments = self.plan.resolve(num_layers)
+        self.segments = tuple(self.plan.resolve(num_layers))  # hashable: graphdefs are jit static args
 
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)

@@ -27,7 +27,7 @@ def _cmd_train(args) -> int:
         from recipes.planner import apply_plan
         recipe = apply_plan(recipe, args.plan, gpu=args.gpu, devices=args.devices)
     from recipes.train import train
-    train(recipe)
+    train(recipe, stop_after=args.stop_after)
     return 0
 
 
@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", choices=["auto"], help="pick the offload plan with `spillway plan` first")
     p.add_argument("--gpu", default="h200", help="target GPU for --plan auto")
     p.add_argument("--devices", type=int, default=None, help="GPUs for --plan auto (default: the mesh's)")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="save and leave after N steps of this invocation (time-limited jobs); rerun to resume")
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")

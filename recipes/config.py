@@ -101,7 +101,7 @@ class Recipe:
     def optimizer_config(self) -> OptimizerConfig:
         """The optimizer config with the recipe's state placement and step count applied."""
         return dataclasses.replace(self.optimizer, state_memory=self.offload.optimizer_state,
-                                   total_steps=max(self.train.steps, self.optimizer.warmup_steps))
+                                   total_steps=max(self.train.steps, self.optimizer.warmup_steps + 1))
 
     # --- serialisation --------------------------------------------------------
     def to_dict(self) -> dict:
@@ -181,40 +181,46 @@ def _coerce(annotation, value, where: str):
 
 
 def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
-    """Apply ["a.b=value", ...]; unknown fields and bad values raise ValueError naming them."""
+    """Apply ["a.b=value", ...]; unknown fields and bad values raise ValueError naming them.
+
+    All overrides are applied before the recipe is validated, so changing
+    several coupled fields at once (d_model and num_heads, say) works.
+    """
+    if not overrides:
+        return recipe
+    tree = recipe.to_dict()
     for item in overrides:
         path, sep, raw = item.partition("=")
-        if not sep or not path:
+        if not sep or not path.strip():
             raise ValueError(f"--set expects key=value, got {item!r}")
-        recipe = _replace_path(recipe, path.strip().split("."), raw.strip(), path.strip())
-    return recipe
+        path = path.strip()
+        _set_path(tree, Recipe, path.split("."), raw.strip(), path)
+    try:
+        return Recipe.from_dict(tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--set {' '.join(overrides)}: {err}") from None
 
 
-def _replace_path(obj, keys: list[str], raw: str, full: str):
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
+    fields = {f.name for f in dataclasses.fields(cls)}
     key = keys[0]
     if key not in fields:
-        raise ValueError(f"unknown field {full!r}: {type(obj).__name__} has no field {key!r} "
-                         f"(fields: {sorted(fields)})")
-    annotation = typing.get_type_hints(type(obj))[key]
-    current = getattr(obj, key)
+        raise ValueError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} (fields: {sorted(fields)})")
+    annotation = typing.get_type_hints(cls)[key]
+    nested = [a for a in (typing.get_args(annotation) or (annotation,)) if dataclasses.is_dataclass(a)]
     if len(keys) == 1:
-        value = _coerce(annotation, _parse_scalar(raw, annotation), full)
-    else:
-        if not dataclasses.is_dataclass(current):
-            if current is None and typing.get_origin(annotation) in (typing.Union, types.UnionType):
-                cls = next(a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a))
-                current = cls()
-            else:
-                raise ValueError(f"unknown field {full!r}: {key!r} is not a group of fields")
-        value = _replace_path(current, keys[1:], raw, full)
-    try:
-        return dataclasses.replace(obj, **{key: value})
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"--set {full}={raw}: {err}") from None
+        if nested and not (raw.lower() in ("none", "null") and type(None) in typing.get_args(annotation)):
+            raise ValueError(f"{full!r} is a group of fields; set one of them, e.g. {full}.<field>=...")
+        tree[key] = _coerce(annotation, _parse_scalar(raw), full)
+        return
+    if not nested:
+        raise ValueError(f"unknown field {full!r}: {key!r} is not a group of fields")
+    if tree.get(key) is None:
+        tree[key] = dataclasses.asdict(nested[0]())  # e.g. model.rope_scaling.factor on a model without scaling
+    _set_path(tree[key], nested[0], keys[1:], raw, full)
 
 
-def _parse_scalar(raw: str, annotation) -> Any:
+def _parse_scalar(raw: str) -> Any:
     # JSON literals for numbers/bools/null; anything else stays a string.
     try:
         return json.loads(raw)

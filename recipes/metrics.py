@@ -1,0 +1,124 @@
+"""What a person watching a run sees and keeps: progress, JSON-lines metrics, TensorBoard, a loss plot.
+
+`RunLogger` writes every logged step as one JSON line (metrics.jsonl) and as
+TensorBoard scalars (tb/), and draws loss.png at the end. Only process 0
+writes; other processes log nothing. MFU is model FLOPs per second over the
+device's peak: the target's published bf16 peak on GPUs, and on a CPU the
+measured rate of a large float32 matmul (so the figure means "fraction of what
+this machine's matmul can do").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense bf16 peak per device for GPUs the train loop may meet (FLOP/s).
+GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "B200": 2.25e15}
+
+
+def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a float32 size^3 matmul on the default device (best of `repeats`)."""
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops_per_device() -> tuple[float, str]:
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        for name, flops in GPU_PEAK_FLOPS.items():
+            if name in device.device_kind:
+                return flops, f"{device.device_kind} bf16 peak"
+        return float("nan"), f"unknown GPU {device.device_kind}"
+    return measure_cpu_matmul_flops(), "measured CPU f32 matmul"
+
+
+def device_memory_in_use() -> int | None:
+    """Bytes in use on device 0, where the backend reports it (GPUs do; CPUs may not)."""
+    stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
+    if not stats:
+        return None
+    return stats.get("bytes_in_use")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def check_finite(step: int, loss: float) -> None:
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"loss is {loss} at step {step}: stopping. Try a lower optimizer.learning_rate, a smaller "
+            f"optimizer.clip_norm, or check the data; the last checkpoint is kept.")
+
+
+class RunLogger:
+    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.history: list[dict] = []
+        self._jsonl = None
+        self._tb = None
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            if tensorboard:
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, np.number)) else v)
+                                for k, v in metrics.items()}}
+        self.history.append(row)
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def plot_loss(self, path: str | os.PathLike | None = None) -> Path | None:
+        """Train (and validation) loss against step, as a PNG. Reads the whole metrics.jsonl (resumed runs too)."""
+        if not self.enabled:
+            return None
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [json.loads(line) for line in open(self.run_dir / "metrics.jsonl")]
+        path = Path(path or self.run_dir / "loss.png")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, label in (("loss", "train"), ("val_loss", "validation")):
+            points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
+            if points:
+                ax.plot(*zip(*points), label=label, marker="o" if key == "val_loss" else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(self.run_dir.name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()

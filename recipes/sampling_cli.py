@@ -1,0 +1,49 @@
+"""`spillway generate`: rebuild a run's model from its checkpoint and recipe, then sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from data import load_tokenizer
+from layers.sharding import make_mesh
+from recipes.config import Recipe
+from recipes.generate import generate
+
+
+def _run_dir_of(path: Path) -> Path:
+    """A run dir holds tokenizer.model; accept the run dir, its checkpoints/ dir, or a step dir."""
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / "tokenizer.model").is_file():
+            return candidate
+    raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.model found)")
+
+
+def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_p: float,
+                             seed: int = 0) -> str:
+    import json
+
+    from recipes.checkpoint import read_recipe_json, restore_params_only
+    from recipes.train import build_model
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    run_dir = _run_dir_of(path)
+    ckpt = path if path != run_dir else run_dir / "checkpoints"
+    recipe = Recipe.from_dict(json.loads(read_recipe_json(ckpt)))
+    mesh = make_mesh(1, -1, 1, devices=jax.devices()[:1])
+    graphdef, params = build_model(recipe, mesh, seed=0)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
+    params, _ = restore_params_only(ckpt, abstract)
+    model = nnx.merge(graphdef, params)
+    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
+    room = recipe.model.max_seq_len - len(prompt_ids)
+    if room <= 0:
+        raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the model's max_seq_len is {recipe.model.max_seq_len}")
+    new_ids = generate(model, prompt_ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
+                       top_p=top_p, seed=seed, stop_id=tokenizer.eos_id)
+    return tokenizer.decode(prompt_ids + new_ids)
