@@ -122,6 +122,46 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
 
 
+def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetup:
+    """setup() without allocating anything: `params` are ShapeDtypeStructs carrying their shardings.
+
+    For compiling the train step ahead of time (the planner compiles it for a GPU
+    target on a mesh of compile-only devices, recipes/planner_child.py), where an
+    8B model must never be built concretely. `platform` is the target's: it decides
+    donation as donate_opt_state_ok does at run time. Mirrors setup() step for
+    step (same parameter shardings as create_sharded, same jit options): keep the
+    two in step.
+    """
+    cfg = recipe.model_config()
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(recipe.train.seed))))
+    param_sh = state_shardings(abstract_state, mesh)
+    params = _abstract(abstract_state, param_sh)
+    opt_cfg = recipe.optimizer_config()
+    optimizer = Optimizer(opt_cfg, make_layouts(abstract_state, opt_cfg))
+    opt_sh = optimizer.state_shardings(param_sh)
+    batch_sh = batch_sharding(mesh)
+    if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
+        raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
+                         f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
+    donate = (0, 1) if donate_opt_state_ok(platform) else (0,)
+    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum),
+                   in_shardings=(param_sh, opt_sh, batch_sh),
+                   out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
+                   donate_argnums=donate)
+    return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
+
+
+def abstract_step_arguments(s: TrainSetup) -> tuple:
+    """(params, opt_state, tokens) as ShapeDtypeStructs with the step's shardings, for `.lower()`.
+
+    Tokens are [global_batch, seq_len + 1] int32, as the loader delivers them.
+    """
+    opt_state = _abstract(jax.eval_shape(s.optimizer.init, s.params), s.opt_state_shardings)
+    tokens = jax.ShapeDtypeStruct((s.recipe.train.global_batch, s.recipe.data.seq_len + 1), jnp.int32,
+                                  sharding=s.batch_sharding)
+    return s.params, opt_state, tokens
+
+
 def _abstract(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
@@ -194,9 +234,10 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     s = setup(recipe)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
-    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
     if recipe.offload.optimizer_state == "host":
-        check_host_memory(s.optimizer.host_bytes(opt_state))
+        # Before allocating: pinned memory the host cannot give fails here, not mid-init.
+        check_host_memory(s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings)))
+    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
     params = s.params
     loader = train_loader(packed, recipe, jax.process_index(), jax.process_count())
 
@@ -315,4 +356,6 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                            top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id)
         sample = tokenizer.decode(prompt_ids + new_ids)
         say("sample:\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
+    # Process 0 did extra work above; leave together, or jax.distributed's shutdown barrier can time out.
+    distributed.barrier("spillway-train-end")
     return RunResult(run_dir, step, logger.history, sample, model, tokenizer)

@@ -1,0 +1,462 @@
+"""AdamW for the train loop, with optimizer state that can live in pinned host memory.
+
+The maths is optax's
+
+    optax.chain(optax.clip_by_global_norm(clip_norm),
+                optax.adamw(schedule, b1, b2, eps, weight_decay, mask=decay_mask))
+
+written out once per piece, op for op (tests/recipes/test_optimizer.py checks
+it against that chain for 20 steps), so that one function serves every
+placement and device and host leaves give the same numbers:
+
+* state_memory="device": the leaf's mu / nu / master live in HBM and are
+  updated whole, as optax would.
+* state_memory="host": they live in `pinned_host` memory. Inside the jitted
+  step, stacked leaves (leading layer axis: the scanned blocks) are streamed
+  through HBM one layer at a time, double-buffered (recipes/host_optimizer.py);
+  non-stacked leaves (embedding, final norm, head) visit HBM in one piece each.
+  Measured for 16 layers of 4096x14336 on an H200 target: 4.8 GiB of HBM
+  against 10.5 GiB with the state on device (benchmarks/optimizer_state_toy.py).
+* update_on_host=True: host leaves are updated by the host CPU instead
+  (jax.experimental.compute_on("device_host")); the state never enters HBM
+  (3.5 GiB, params and grads only), but the update runs at host memory speed
+  and XLA gives the host computation temporaries the size of the state.
+
+Gradients are upcast to fp32 first: the global norm, the moments and the
+update are computed in fp32 whatever the gradient dtype (identical to optax
+given fp32 gradients). Low-precision (bf16) parameters get an fp32 master copy
+in the state (cfg.master_weights); the new parameter is then
+master.astype(bf16). Without a master copy (master_weights=False) a bf16
+parameter is updated in fp32 and rounded back each step.
+
+Where state lives is decided per parameter by a `LeafLayout` tree;
+`make_layouts` builds one from an nnx.State, reading the parameters'
+`logical_axes` (a leading "layers" axis means stacked) and an optional
+`optimizer_memory` metadata override (layers/params.py).
+
+Host state is created by the host CPU too (`init`), so initialising never
+needs the state in HBM either.
+
+Donating the optimizer state to the jitted step saves a copy of it, but on CPU
+a donated pinned_host buffer that XLA aliases to a device-memory output of the
+same shape aborts the process ("PjRtBuffer's memory kind does not match
+sharding's memory kind"; reproduced with this optimizer, fp32 params, jax
+0.10.2); `donate_opt_state_ok()` says when donation is safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from recipes import host_optimizer as streaming
+
+DEVICE = "device"
+HOST = "host"
+STATE_MEMORIES = (DEVICE, HOST)
+PINNED_HOST = "pinned_host"  # the XLA memory kind that holds host-resident state
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    state_memory: str = DEVICE     # "device" | "host": default for every parameter
+    master_weights: bool = True    # fp32 master copy in the state for low-precision params
+    # Host leaves updated by the host CPU (compute_on("device_host")) instead of
+    # streamed through HBM: no state in HBM at all, but host-speed maths and a
+    # host temp the size of the state (benchmarks/optimizer_state_toy.py).
+    update_on_host: bool = False
+
+    def __post_init__(self):
+        if self.state_memory not in STATE_MEMORIES:
+            raise ValueError(f"state_memory must be one of {STATE_MEMORIES}, got {self.state_memory!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm}")
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            raise ValueError(f"need 0 <= warmup_steps <= total_steps, got {self.warmup_steps}, {self.total_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """How the optimizer treats one parameter leaf."""
+    stacked: bool        # leading axis is the layer axis (scanned blocks): stream it a layer at a time
+    state_memory: str    # "device" | "host", already resolved (metadata override or config default)
+    decay: bool          # weight decay applies
+    master: bool = False  # keep an fp32 master copy (low-precision params with cfg.master_weights)
+
+    def __post_init__(self):
+        if self.state_memory not in STATE_MEMORIES:
+            raise ValueError(f"LeafLayout.state_memory must be one of {STATE_MEMORIES}, got {self.state_memory!r}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OptState:
+    """AdamW state. mu / nu / master mirror the params tree; master holds None where no copy is kept."""
+    count: jax.Array  # int32 scalar: steps taken
+    mu: Any
+    nu: Any
+    master: Any
+
+
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Linear warmup from 0 to cfg.learning_rate, then cosine decay to min_lr_ratio * learning_rate."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.total_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+# --- platform checks ---------------------------------------------------------
+
+def host_memory_available(device: jax.Device | None = None) -> bool:
+    """Whether `device` (default: the first runtime device) has a pinned_host memory space."""
+    device = device or jax.devices()[0]
+    try:
+        return any(m.kind == PINNED_HOST for m in device.addressable_memories())
+    except Exception:  # platforms without the memories API
+        return False
+
+
+def donate_opt_state_ok(platform: str | None = None) -> bool:
+    """Whether the train step may donate the optimizer state.
+
+    False on CPU: a donated pinned_host argument that XLA aliases to a
+    device-memory output of the same shape aborts the process there (JAX
+    0.10.2, DESIGN.md section 4). `platform` defaults to the runtime backend;
+    pass the target's ("cuda") when compiling for a GPU without one.
+    """
+    return (platform or jax.default_backend()) != "cpu"
+
+
+def _meminfo_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError("MemTotal not found in /proc/meminfo")
+
+
+class HostMemoryError(MemoryError):
+    """The host-resident optimizer state would not fit in this host's RAM."""
+
+
+def check_host_memory(bytes_needed: int, host_ram_bytes: int | None = None) -> None:
+    """Raise HostMemoryError if `bytes_needed` of pinned host memory exceed the host's RAM.
+
+    Pinned memory cannot be swapped, so overcommitting it kills the process (or
+    the machine) mid-run instead of failing early. Call this before the first
+    step with the per-process host bytes (`Optimizer.host_bytes`).
+    """
+    if bytes_needed < 0:
+        raise ValueError(f"bytes_needed must be >= 0, got {bytes_needed}")
+    if host_ram_bytes is None:
+        host_ram_bytes = _meminfo_total_bytes()
+    if bytes_needed > host_ram_bytes:
+        raise HostMemoryError(
+            f"host-resident optimizer state needs {bytes_needed / 2**30:.2f} GiB of pinned host memory, "
+            f"but this host has {host_ram_bytes / 2**30:.2f} GiB of RAM: keep more state on device "
+            f"(state_memory='device' for some parameters) or shard it over more hosts")
+
+
+# --- layouts -----------------------------------------------------------------
+
+def _is_variable(x) -> bool:
+    from flax import nnx
+    return isinstance(x, nnx.Variable)
+
+
+def _default_decay(logical_axes: tuple | None, shape: tuple[int, ...], stacked: bool) -> bool:
+    """Decay matrices; not norms, biases (vectors) or the embedding table (vocab-first axes)."""
+    from layers import names
+    per_layer_ndim = len(shape) - (1 if stacked else 0)
+    if per_layer_ndim < 2:
+        return False
+    return not (logical_axes and logical_axes[0] == names.VOCAB)
+
+
+def make_layouts(params, cfg: OptimizerConfig, *,
+                 decay_fn: Callable[[tuple | None, tuple[int, ...], bool], bool] = _default_decay,
+                 memory_fn: Callable[[str, Any], str | None] | None = None):
+    """A LeafLayout per parameter of `params` (an nnx.State, or a plain tree of arrays).
+
+    stacked: the parameter's logical_axes start with "layers". state_memory: a
+    `memory_fn(path, leaf)` result if given and not None, else the parameter's
+    `optimizer_memory` metadata, else cfg.state_memory. decay:
+    `decay_fn(logical_axes, shape, stacked)`. master: cfg.master_weights and
+    the parameter is not float32.
+    """
+    from layers import names
+
+    def one(path, leaf):
+        metadata = leaf.get_metadata() if _is_variable(leaf) else {}
+        value = leaf.get_value() if _is_variable(leaf) else leaf
+        axes = metadata.get("logical_axes")
+        axes = tuple(axes) if axes is not None else None
+        stacked = bool(axes) and axes[0] == names.LAYERS
+        memory = (memory_fn(jax.tree_util.keystr(path), leaf) if memory_fn else None) \
+            or metadata.get("optimizer_memory") or cfg.state_memory
+        return LeafLayout(stacked=stacked, state_memory=memory,
+                          decay=bool(decay_fn(axes, tuple(value.shape), stacked)),
+                          master=cfg.master_weights and jnp.dtype(value.dtype) != jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
+
+
+def _normalized_paths(tree, is_leaf=None) -> list[str]:
+    # nnx.Variable nodes add a `.value` step to leaf paths; layouts built over
+    # Variables do not have it. Drop it so both spellings of one tree match.
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        keys = [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
+        paths.append(jax.tree_util.keystr(tuple(keys)))
+    return paths
+
+
+# --- the per-leaf AdamW maths (optax's, op for op) ------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _StepScalars:
+    """Everything the per-piece update needs besides the piece itself (traced scalars)."""
+    grad_norm: jax.Array
+    count_inc: jax.Array
+    learning_rate: jax.Array
+
+
+def _adamw_piece(cfg: OptimizerConfig, layout: LeafLayout, scalars: _StepScalars,
+                 grad, param, state):
+    """One piece (a leaf, or one layer of a stacked leaf) of clip + AdamW + apply.
+
+    state is (mu, nu) or (mu, nu, master), fp32. Returns (new param in param's
+    dtype, new state). The operations and their order follow optax 0.2.8
+    (clip_by_global_norm, scale_by_adam, add_decayed_weights,
+    scale_by_learning_rate, apply_updates) so the numbers match.
+    """
+    g = grad.astype(jnp.float32)
+    if cfg.clip_norm is not None:
+        keep = jnp.squeeze(scalars.grad_norm < cfg.clip_norm)
+        g = lax.select(keep, g, (g / scalars.grad_norm.astype(g.dtype)) * cfg.clip_norm)
+    mu, nu = state[0], state[1]
+    # optax's update_moment with order 1 and 2; `g ** 1` kept so the traced ops match.
+    mu = (1 - cfg.b1) * (g ** 1) + cfg.b1 * mu
+    nu = (1 - cfg.b2) * (g ** 2) + cfg.b2 * nu
+    mu_hat = mu / (1 - cfg.b1 ** scalars.count_inc).astype(mu.dtype)
+    nu_hat = nu / (1 - cfg.b2 ** scalars.count_inc).astype(nu.dtype)
+    update = mu_hat / (jnp.sqrt(nu_hat + 0.0) + cfg.eps)  # + eps_root (0.0), as optax
+    weights = state[2] if layout.master else param.astype(jnp.float32)
+    if layout.decay and cfg.weight_decay != 0.0:
+        update = update + cfg.weight_decay * weights
+    # scale_by_learning_rate: step size -lr(count), cast to the update's dtype
+    update = jnp.array(-1 * scalars.learning_rate, dtype=update.dtype) * update
+    new_weights = (weights + update).astype(jnp.float32)  # optax.apply_updates
+    if layout.master:
+        return new_weights.astype(param.dtype), (mu, nu, new_weights)
+    return new_weights.astype(param.dtype), (mu, nu)
+
+
+def _host_sharding(sharding):
+    """The same mesh and spec in pinned_host memory.
+
+    Compile-only devices (a deviceless GPU compile) report no memories, and a
+    NamedSharding over them silently drops the memory kind; one over the
+    mesh's abstract mesh keeps it (DESIGN.md section 5), so fall back to that
+    rather than lose the host placement.
+    """
+    host = sharding.with_memory_kind(PINNED_HOST)
+    if host.memory_kind != PINNED_HOST and isinstance(sharding, NamedSharding):
+        host = NamedSharding(sharding.mesh.abstract_mesh, sharding.spec, memory_kind=PINNED_HOST)
+    return host
+
+
+# --- the optimizer -----------------------------------------------------------
+
+class Optimizer:
+    """Clip-by-global-norm + AdamW with a cosine schedule; per-leaf state placement.
+
+    Functional: `init` and `update` are pure and traceable, for use inside one
+    jitted train step:
+
+        opt = Optimizer(cfg, make_layouts(params, cfg))
+        state_sh = opt.state_shardings(param_shardings)
+        check_host_memory(opt.host_bytes(opt.abstract_state(params, param_shardings)))
+        opt_state = jax.jit(opt.init, out_shardings=state_sh)(params)
+        step = jax.jit(train_step, donate_argnums=... if donate_opt_state_ok() else ...)
+        # in train_step: params, opt_state, stats = opt.update(grads, opt_state, params)
+    """
+
+    def __init__(self, cfg: OptimizerConfig, layout_tree, *, stream_prefetch: bool = True):
+        # stream_prefetch=False streams without double buffering: one layer's
+        # state less in HBM, no chance for its copy to overlap the update
+        # (benchmarks/optimizer_state_toy.py measures both).
+        self.cfg = cfg
+        self.stream_prefetch = stream_prefetch
+        self.schedule = make_schedule(cfg)
+        self.layout_tree = layout_tree
+        self._layouts: list[LeafLayout] = jax.tree.leaves(layout_tree, is_leaf=lambda x: isinstance(x, LeafLayout))
+        bad = [x for x in self._layouts if not isinstance(x, LeafLayout)]
+        if bad:
+            raise TypeError(f"layout_tree leaves must be LeafLayout, found {type(bad[0]).__name__}")
+        self._layout_paths = _normalized_paths(layout_tree, is_leaf=lambda x: isinstance(x, LeafLayout))
+        if any(x.master for x in self._layouts) and not cfg.master_weights:
+            raise ValueError("a LeafLayout asks for a master copy but cfg.master_weights is False")
+        if any(x.state_memory == HOST for x in self._layouts) and not host_memory_available():
+            raise ValueError(
+                f"host-resident optimizer state was requested, but the {jax.default_backend()} platform "
+                f"({jax.devices()[0].device_kind}) exposes no '{PINNED_HOST}' memory space; "
+                f"use state_memory='device'")
+
+    # -- tree plumbing
+
+    def _flatten_like_layouts(self, tree, what: str):
+        leaves, treedef = jax.tree.flatten(tree)
+        if len(leaves) != len(self._layouts) or _normalized_paths(tree) != self._layout_paths:
+            raise ValueError(
+                f"{what} do not match the layout tree: {len(leaves)} leaves {_normalized_paths(tree)[:4]}... "
+                f"against {len(self._layouts)} layouts {self._layout_paths[:4]}...")
+        return leaves, treedef
+
+    def _check_leaf(self, path: str, layout: LeafLayout, shape, dtype):
+        low_precision = jnp.dtype(dtype) != jnp.float32
+        if self.cfg.master_weights and low_precision and not layout.master:
+            raise ValueError(f"parameter {path} is {jnp.dtype(dtype).name} and cfg.master_weights is True, "
+                             f"but its LeafLayout has master=False: build layouts with make_layouts")
+        if layout.master and not low_precision:
+            raise ValueError(f"parameter {path} is float32: it needs no master copy (LeafLayout.master=True)")
+        if layout.stacked and len(shape) < 1:
+            raise ValueError(f"parameter {path} is marked stacked but is a scalar")
+
+    # -- public API
+
+    def init(self, params) -> OptState:
+        """Zero moments (fp32) and fp32 master copies; host leaves placed in pinned_host memory.
+
+        Called on concrete arrays, it compiles itself with out_shardings =
+        state_shardings(the params' shardings), so every leaf lands in its
+        parameter's sharding. Inside a jit, pass those out_shardings to the jit.
+        """
+        leaves = jax.tree.leaves(params)
+        if leaves and all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
+            shardings = jax.tree.map(lambda p: p.sharding, params)
+            return jax.jit(self._init, out_shardings=self.state_shardings(shardings))(params)
+        return self._init(params)
+
+    def _init(self, params) -> OptState:
+        leaves, treedef = self._flatten_like_layouts(params, "params")
+        mu, nu, master = [], [], []
+        for path, layout, p in zip(self._layout_paths, self._layouts, leaves):
+            self._check_leaf(path, layout, p.shape, p.dtype)
+            if layout.state_memory == HOST:
+                state = streaming.new_host_state(p, layout.master)
+            else:
+                zeros = jnp.zeros(p.shape, jnp.float32)
+                state = (zeros, zeros) + ((p.astype(jnp.float32),) if layout.master else ())
+            mu.append(state[0])
+            nu.append(state[1])
+            master.append(state[2] if layout.master else None)
+        return OptState(count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mu),
+                        nu=treedef.unflatten(nu), master=treedef.unflatten(master))
+
+    def state_shardings(self, param_shardings) -> OptState:
+        """NamedShardings for the state: each leaf keeps its parameter's mesh and spec; host leaves
+        get memory_kind pinned_host. Usable as jit in/out_shardings and orbax restore targets.
+
+        Works with shardings over an abstract mesh (deviceless compiles), whose
+        memory kinds survive where compile-only devices would drop them.
+        """
+        leaves, treedef = self._flatten_like_layouts(param_shardings, "param_shardings")
+        if not all(isinstance(s, (NamedSharding, SingleDeviceSharding)) for s in leaves):
+            raise TypeError("param_shardings must be a tree of NamedSharding (or SingleDeviceSharding)")
+        state_leaves = [_host_sharding(s) if layout.state_memory == HOST else s
+                        for s, layout in zip(leaves, self._layouts)]
+        master = [s if layout.master else None for s, layout in zip(state_leaves, self._layouts)]
+        first = leaves[0]
+        count = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) \
+            else first.with_memory_kind(DEVICE)
+        return OptState(count=count, mu=treedef.unflatten(state_leaves), nu=treedef.unflatten(state_leaves),
+                        master=treedef.unflatten(master))
+
+    def abstract_state(self, params, param_shardings=None) -> OptState:
+        """The state as ShapeDtypeStructs carrying `state_shardings`, without allocating it.
+
+        For orbax restore targets, and for `check_host_memory(opt.host_bytes(...))`
+        before `init` pins any memory. `param_shardings` defaults to the params' own.
+        """
+        if param_shardings is None:
+            param_shardings = jax.tree.map(lambda p: p.sharding, params)
+        shapes = jax.eval_shape(self._init, params)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            shapes, self.state_shardings(param_shardings))
+
+    def host_bytes(self, opt_state_or_abstract) -> int:
+        """Pinned host bytes this process holds for the state (arrays, or ShapeDtypeStructs with shardings)."""
+        return streaming.tree_nbytes_by_memory_kind(opt_state_or_abstract).get(PINNED_HOST, 0)
+
+    def update(self, grads, opt_state: OptState, params):
+        """One AdamW step. Returns (new params, new opt_state, {"grad_norm", "learning_rate"})."""
+        cfg = self.cfg
+        grad_leaves, _ = self._flatten_like_layouts(grads, "grads")
+        param_leaves, treedef = self._flatten_like_layouts(params, "params")
+        mu = treedef.flatten_up_to(opt_state.mu)
+        nu = treedef.flatten_up_to(opt_state.nu)
+        master = treedef.flatten_up_to(opt_state.master)
+
+        # Clipping needs the norm over all gradients before any piece is
+        # updated. Same reduction order as optax.tree.norm over the same tree.
+        grad_norm = optax.tree.norm([g.astype(jnp.float32) for g in grad_leaves])
+        scalars = _StepScalars(grad_norm=grad_norm, count_inc=optax.safe_increment(opt_state.count),
+                               learning_rate=self.schedule(opt_state.count))
+
+        def piece_fn(k):
+            return functools.partial(_adamw_piece, cfg, self._layouts[k], scalars)
+
+        def state_of(k):
+            return (mu[k], nu[k]) + ((master[k],) if self._layouts[k].master else ())
+
+        new_params = list(param_leaves)
+        new_states: list[tuple] = [None] * len(param_leaves)
+        host_stacked = []
+        for k, layout in enumerate(self._layouts):
+            if layout.state_memory == DEVICE:
+                new_params[k], new_states[k] = piece_fn(k)(grad_leaves[k], param_leaves[k], state_of(k))
+                new_params[k] = new_params[k].astype(param_leaves[k].dtype)
+            elif cfg.update_on_host:
+                new_params[k], new_states[k] = streaming.update_on_host(
+                    piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k))
+            elif layout.stacked:
+                host_stacked.append(k)
+            else:
+                new_params[k], new_states[k] = streaming.update_in_one_piece(
+                    piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k))
+
+        shapes = [p.shape for p in param_leaves]
+        for group in streaming.group_by_layer_count(host_stacked, shapes).values():
+            group_params, group_states = streaming.stream_stacked_update(
+                [piece_fn(k) for k in group], [grad_leaves[k] for k in group],
+                [param_leaves[k] for k in group], [state_of(k) for k in group], prefetch=self.stream_prefetch)
+            for k, p, s in zip(group, group_params, group_states):
+                new_params[k], new_states[k] = p, s
+
+        new_mu = [s[0] for s in new_states]
+        new_nu = [s[1] for s in new_states]
+        new_master = [s[2] if layout.master else None for s, layout in zip(new_states, self._layouts)]
+        new_state = OptState(count=scalars.count_inc, mu=treedef.unflatten(new_mu),
+                             nu=treedef.unflatten(new_nu), master=treedef.unflatten(new_master))
+        return treedef.unflatten(new_params), new_state, {
+            "grad_norm": grad_norm, "learning_rate": scalars.learning_rate}

@@ -1,0 +1,345 @@
+"""recipes/optimizer.py against plain optax, on CPU.
+
+The reference is the chain the optimizer promises to equal:
+optax.chain(clip_by_global_norm, adamw(schedule, mask=decay)). The device path,
+the streamed host path and the host-compute path must all track it for 20
+jitted steps. CPU lowers memory-kind moves to no-ops, so these tests prove the
+maths and the placement bookkeeping (memory kinds, shardings, checkpoints);
+the HBM saving itself is measured by benchmarks/optimizer_state_toy.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from recipes import optimizer as opt_lib
+from recipes.optimizer import LeafLayout, Optimizer, OptimizerConfig
+
+LAYERS = 4
+STEPS = 20
+
+
+def toy_params(dtype=jnp.float32, seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "embed": (0.02 * jax.random.normal(k[0], (32, 8))).astype(dtype),
+        "blocks": {
+            "w": (0.1 * jax.random.normal(k[1], (LAYERS, 8, 16))).astype(dtype),
+            "norm": (1.0 + 0.1 * jax.random.normal(k[2], (LAYERS, 16))).astype(dtype),
+        },
+        "head": (0.1 * jax.random.normal(k[3], (8, 32))).astype(dtype),
+    }
+
+
+DECAY = {"embed": False, "blocks": {"w": True, "norm": False}, "head": True}
+STACKED = {"embed": False, "blocks": {"w": True, "norm": True}, "head": False}
+
+
+def toy_layouts(memory: str, master: bool):
+    return jax.tree.map(lambda s, d: LeafLayout(stacked=s, state_memory=memory, decay=d, master=master),
+                        STACKED, DECAY)
+
+
+def toy_grads(params, step, scale):
+    keys = jax.random.split(jax.random.key(1000 + step), len(jax.tree.leaves(params)))
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([(scale * jax.random.normal(k, p.shape)).astype(p.dtype)
+                              for k, p in zip(keys, leaves)])
+
+
+def reference_chain(cfg: OptimizerConfig):
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
+        optax.adamw(opt_lib.make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay, mask=DECAY))
+
+
+def host_leaves(opt_state, layouts):
+    """(name, array) for every state array whose parameter has host-resident state."""
+    flat_layouts = jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+    out = []
+    for name in ("mu", "nu", "master"):
+        tree = getattr(opt_state, name)
+        for layout, leaf in zip(flat_layouts, jax.tree.structure(STACKED).flatten_up_to(tree)):
+            if layout.state_memory == "host" and leaf is not None:
+                out.append((name, leaf))
+    return out
+
+
+def run_against_optax(cfg: OptimizerConfig, param_dtype, grad_scale: float, stream_prefetch: bool = True):
+    """20 jitted steps of our optimizer and of the optax chain (on fp32 masters); returns both."""
+    params = toy_params(param_dtype)
+    master_ref = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    layouts = toy_layouts(cfg.state_memory, master=param_dtype != jnp.float32 and cfg.master_weights)
+    opt = Optimizer(cfg, layouts, stream_prefetch=stream_prefetch)
+    tx = reference_chain(cfg)
+    opt_state, ref_state = opt.init(params), tx.init(master_ref)
+    for _, leaf in host_leaves(opt_state, layouts):
+        assert leaf.sharding.memory_kind == "pinned_host"
+
+    step = jax.jit(opt.update)
+
+    @jax.jit
+    def ref_step(grads, state, master):
+        updates, state = tx.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), state, master)
+        return optax.apply_updates(master, updates), state, optax.tree.norm(grads)
+
+    norms = []
+    for i in range(STEPS):
+        grads = toy_grads(params, i, grad_scale)
+        params, opt_state, stats = step(grads, opt_state, params)
+        master_ref, ref_state, ref_norm = ref_step(grads, ref_state, master_ref)
+        norms.append((float(stats["grad_norm"]), float(ref_norm)))
+    return params, opt_state, master_ref, ref_state, layouts, norms
+
+
+def assert_tree_close(actual, expected, rtol=1e-6, atol=1e-7):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol)
+
+
+CASES = {
+    # name: (state_memory, update_on_host, grad_scale, clip_norm, stream_prefetch)
+    "device_clipped": ("device", False, 10.0, 1.0, True),
+    "host_streamed_clipped": ("host", False, 10.0, 1.0, True),
+    "host_streamed_unclipped": ("host", False, 0.01, None, True),
+    "host_streamed_no_prefetch": ("host", False, 10.0, 1.0, False),
+    "host_compute_on": ("host", True, 10.0, 1.0, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_params_match_optax(case):
+    memory, on_host, scale, clip, prefetch = CASES[case]
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, total_steps=STEPS, state_memory=memory,
+                          update_on_host=on_host, clip_norm=clip)
+    params, opt_state, ref_params, ref_state, layouts, norms = run_against_optax(cfg, jnp.float32, scale, prefetch)
+    if clip is not None:
+        assert all(ours > clip for ours, _ in norms), "grad scale should make clipping active"
+    np.testing.assert_allclose(*zip(*norms), rtol=1e-6)
+    assert_tree_close(params, ref_params)
+    adam = ref_state[1][0]
+    assert_tree_close(opt_state.mu, adam.mu)
+    assert_tree_close(opt_state.nu, adam.nu)
+    assert int(opt_state.count) == STEPS
+    assert jax.tree.leaves(opt_state.master) == []
+    for name, leaf in host_leaves(opt_state, layouts):
+        assert leaf.sharding.memory_kind == "pinned_host", name
+    if memory == "host":
+        assert len(host_leaves(opt_state, layouts)) == 8
+
+
+@pytest.mark.parametrize("memory,on_host", [("device", False), ("host", False), ("host", True)])
+def test_bf16_params_with_master_weights_match_optax_on_fp32_masters(memory, on_host):
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, total_steps=STEPS, state_memory=memory,
+                          update_on_host=on_host)
+    params, opt_state, ref_master, _, layouts, _ = run_against_optax(cfg, jnp.bfloat16, 10.0)
+    assert_tree_close(opt_state.master, ref_master)
+    for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(ref_master)):
+        assert p.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(p, np.float32),
+                                      np.asarray(m.astype(jnp.bfloat16), np.float32))
+    if memory == "host":
+        kinds = {name: leaf.sharding.memory_kind for name, leaf in host_leaves(opt_state, layouts)}
+        assert set(kinds) == {"mu", "nu", "master"} and set(kinds.values()) == {"pinned_host"}
+
+
+def test_weight_decay_mask_is_respected():
+    """With zero gradients only weight decay moves parameters: exactly the decayed leaves shrink."""
+    cfg = OptimizerConfig(learning_rate=0.1, warmup_steps=0, total_steps=10, state_memory="host",
+                          weight_decay=0.5)
+    params = toy_params()
+    opt = Optimizer(cfg, toy_layouts("host", master=False))
+    grads = jax.tree.map(jnp.zeros_like, params)
+    new_params, _, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+    for decayed, old, new in zip(jax.tree.leaves(DECAY), jax.tree.leaves(params), jax.tree.leaves(new_params)):
+        if decayed:
+            np.testing.assert_allclose(np.asarray(new), np.asarray(old) * (1 - 0.1 * 0.5), rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+
+
+def test_mixed_placement_and_bf16_grads():
+    """Host blocks, device embedding/head; bf16 grads on fp32 params equal optax on the upcast grads."""
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=STEPS)
+    layouts = jax.tree.map(lambda s, d: LeafLayout(s, "host" if s else "device", d), STACKED, DECAY)
+    opt, tx = Optimizer(cfg, layouts), reference_chain(cfg)
+    params = ref = toy_params()
+    state, ref_state = opt.init(params), tx.init(ref)
+    assert state.mu["blocks"]["w"].sharding.memory_kind == "pinned_host"
+    assert state.mu["embed"].sharding.memory_kind == "device"
+    step = jax.jit(opt.update)
+
+    @jax.jit
+    def ref_step(grads, ref_state, ref):
+        updates, ref_state = tx.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_state, ref)
+        return optax.apply_updates(ref, updates), ref_state
+
+    for i in range(3):
+        grads = jax.tree.map(lambda g: g.astype(jnp.bfloat16), toy_grads(params, i, 5.0))
+        params, state, _ = step(grads, state, params)
+        ref, ref_state = ref_step(grads, ref_state, ref)
+    assert_tree_close(params, ref)
+
+
+def test_schedule_warmup_then_cosine_to_min_ratio():
+    cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    schedule = opt_lib.make_schedule(cfg)
+    np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
+                               [0.0, 0.5, 1.0, 0.55, 0.1], rtol=1e-6, atol=1e-7)
+
+
+# --- placement: FSDP shardings, checkpoints ------------------------------------
+
+def fsdp_specs():
+    return {"embed": P("fsdp", None), "blocks": {"w": P(None, "fsdp", None), "norm": P(None, None)},
+            "head": P("fsdp", None)}
+
+
+def test_state_shares_param_fsdp_sharding_on_8_devices():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices: tests/conftest.py sets --xla_force_host_platform_device_count=8")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("data", "fsdp"))
+    param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), fsdp_specs())
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=STEPS)
+    layouts = jax.tree.map(lambda s, d: LeafLayout(s, "device" if s is False and d is False else "host", d),
+                           STACKED, DECAY)  # the embedding's state stays on device, everything else on host
+    opt, tx = Optimizer(cfg, layouts), reference_chain(cfg)
+    state_sh = opt.state_shardings(param_sh)
+    params = jax.device_put(toy_params(), param_sh)
+    state = jax.jit(opt.init, out_shardings=state_sh)(params)
+    eager_state = opt.init(params)  # outside jit: must land in the same shardings
+    assert jax.tree.map(lambda x: x.sharding, eager_state) == jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(opt.update, in_shardings=(param_sh, state_sh, param_sh),
+                   out_shardings=(param_sh, state_sh, None))
+    ref, ref_state = toy_params(), tx.init(toy_params())
+    for i in range(3):
+        grads = jax.device_put(toy_grads(params, i, 10.0), param_sh)
+        params, state, _ = step(grads, state, params)
+        updates, ref_state = tx.update(toy_grads(ref, i, 10.0), ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    assert_tree_close(params, ref)
+    flat_layouts = jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+    for tree in (state.mu, state.nu):
+        for layout, spec, leaf in zip(flat_layouts, jax.tree.leaves(fsdp_specs()), jax.tree.leaves(tree)):
+            assert leaf.sharding.mesh.shape == mesh.shape
+            assert leaf.sharding.spec == spec
+            assert leaf.sharding.memory_kind == ("pinned_host" if layout.state_memory == "host" else "device")
+
+
+def test_orbax_roundtrip_keeps_host_state_in_pinned_host(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    param_sh = jax.tree.map(lambda _: NamedSharding(mesh, P()), STACKED)
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=STEPS, state_memory="host")
+    opt = Optimizer(cfg, toy_layouts("host", master=True))
+    params = jax.device_put(toy_params(jnp.bfloat16), param_sh)
+    state = opt.init(params)
+    params, state, _ = jax.jit(opt.update)(toy_grads(params, 0, 1.0), state, params)
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "opt_state", state)
+    checkpointer.wait_until_finished()
+    state_sh = opt.state_shardings(param_sh)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+    restored = checkpointer.restore(tmp_path / "opt_state", target)
+
+    assert isinstance(restored, opt_lib.OptState)
+    for name in ("mu", "nu", "master"):
+        for got, want in zip(jax.tree.leaves(getattr(restored, name)), jax.tree.leaves(getattr(state, name))):
+            assert got.sharding.memory_kind == "pinned_host"
+            # compare on NumPy copies: one op over host and device arrays is an error
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(restored.count) == 1
+
+
+# --- layouts from nnx metadata ---------------------------------------------------
+
+def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
+    from flax import nnx
+
+    from layers import names
+
+    class Toy(nnx.Module):
+        def __init__(self):
+            self.embed = nnx.Param(jnp.ones((32, 8), jnp.bfloat16), logical_axes=(names.VOCAB, names.EMBED))
+            self.w = nnx.Param(jnp.ones((LAYERS, 8, 16), jnp.bfloat16),
+                               logical_axes=(names.LAYERS, names.EMBED, names.MLP))
+            self.norm = nnx.Param(jnp.ones((LAYERS, 16), jnp.float32), logical_axes=(names.LAYERS, names.NORM),
+                                  optimizer_memory="device")
+
+    cfg = OptimizerConfig(state_memory="host")
+    state = nnx.state(Toy(), nnx.Param)
+    layouts = opt_lib.make_layouts(state, cfg)
+    assert layouts["embed"] == LeafLayout(stacked=False, state_memory="host", decay=False, master=True)
+    assert layouts["w"] == LeafLayout(stacked=True, state_memory="host", decay=True, master=True)
+    assert layouts["norm"] == LeafLayout(stacked=True, state_memory="device", decay=False, master=False)
+
+    opt = Optimizer(cfg, layouts)
+    opt_state = opt.init(state)
+    assert opt_state.master["w"].get_value().sharding.memory_kind == "pinned_host"
+    grads = jax.tree.map(jnp.ones_like, state)
+    new_state, _, stats = jax.jit(opt.update)(grads, opt_state, state)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert float(stats["learning_rate"]) == 0.0  # warmup starts at zero
+
+
+# --- bad input --------------------------------------------------------------------
+
+def test_bad_state_memory_is_rejected():
+    with pytest.raises(ValueError, match="state_memory"):
+        OptimizerConfig(state_memory="hbm")
+    with pytest.raises(ValueError, match="state_memory"):
+        LeafLayout(stacked=False, state_memory="cpu", decay=True)
+
+
+def test_host_state_without_pinned_host_memory_is_rejected(monkeypatch):
+    assert opt_lib.host_memory_available()  # CPU JAX exposes pinned_host
+    monkeypatch.setattr(opt_lib, "host_memory_available", lambda device=None: False)
+    with pytest.raises(ValueError, match="pinned_host"):
+        Optimizer(OptimizerConfig(state_memory="host"), toy_layouts("host", master=False))
+    Optimizer(OptimizerConfig(), toy_layouts("device", master=False))  # device state needs nothing
+
+
+def test_check_host_memory():
+    opt_lib.check_host_memory(2**30, host_ram_bytes=2**31)
+    with pytest.raises(opt_lib.HostMemoryError, match="GiB"):
+        opt_lib.check_host_memory(2**31 + 1, host_ram_bytes=2**31)
+    opt_lib.check_host_memory(1)  # default: /proc/meminfo
+    with pytest.raises(opt_lib.HostMemoryError):
+        opt_lib.check_host_memory(2**62)
+
+
+def test_host_bytes_counts_pinned_state():
+    cfg = OptimizerConfig(state_memory="host")
+    opt = Optimizer(cfg, toy_layouts("host", master=True))
+    params = toy_params(jnp.bfloat16)
+    n_params = sum(p.size for p in jax.tree.leaves(params))
+    # before init allocates anything, from shapes and shardings alone
+    assert opt.host_bytes(opt.abstract_state(params)) == 3 * 4 * n_params  # mu, nu, master in fp32
+    assert opt.host_bytes(opt.init(params)) == 3 * 4 * n_params
+
+
+def test_layout_and_dtype_mismatches_are_rejected():
+    cfg = OptimizerConfig()
+    with pytest.raises(ValueError, match="do not match the layout tree"):
+        Optimizer(cfg, toy_layouts("device", master=False)).init({"embed": jnp.ones((32, 8))})
+    with pytest.raises(ValueError, match="master=False"):
+        Optimizer(cfg, toy_layouts("device", master=False)).init(toy_params(jnp.bfloat16))
+    with pytest.raises(ValueError, match="master_weights is False"):
+        Optimizer(dataclasses.replace(cfg, master_weights=False), toy_layouts("device", master=True))
+    with pytest.raises(ValueError, match="clip_norm"):
+        OptimizerConfig(clip_norm=0.0)
+
+
+def test_donation_guard():
+    assert opt_lib.donate_opt_state_ok() is (jax.default_backend() != "cpu")
+    assert opt_lib.donate_opt_state_ok("cuda") is True
+    assert opt_lib.donate_opt_state_ok("cpu") is False
