@@ -53,7 +53,7 @@ def tiny() -> Recipe:
         optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=30, weight_decay=0.1, clip_norm=1.0),
         offload=OffloadConfig(activations="save_all"),
         checkpoint=CheckpointConfig(every_steps=100, keep=2),
-        train=TrainConfig(steps=300, global_batch=16, log_every=10, eval_every=100, eval_batches=4,
+        train=TrainConfig(steps=500, global_batch=16, log_every=10, eval_every=100, eval_batches=4,
                           sample_prompt="def ", sample_tokens=80),
     )
 

@@ -22,12 +22,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from data import eval_batches
 from layers.sharding import batch_sharding, create_sharded, make_mesh, state_shardings
 from models.llama import Llama
 from recipes import distributed
 from recipes.config import Recipe
-from recipes.data_pipeline import prepare, train_loader
 from recipes.generate import generate
 from recipes.metrics import RunLogger, check_finite, device_memory_in_use, peak_flops_per_device
 from recipes.optimizer import Optimizer, check_host_memory, donate_opt_state_ok, make_layouts
@@ -213,9 +211,13 @@ class _StopRequested:
 def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int | None = None) -> RunResult:
     """Run (or resume) the recipe. `stop_after`: leave after that many steps of this invocation, with a
     checkpoint, as a time-limited job would; the next call resumes."""
+    # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
+    # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from tqdm import tqdm
 
+    from data import eval_batches
     from recipes.checkpoint import RunCheckpointer, restore_params_only
+    from recipes.data_pipeline import prepare, train_loader
 
     distributed.maybe_initialize()
     main = distributed.is_main_process()
