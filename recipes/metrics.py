@@ -38,7 +38,7 @@ def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def peak_flops_per_device() -> tuple[float, str]:
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     if device.platform == "gpu":
         for name, flops in GPU_PEAK_FLOPS.items():
             if name in device.device_kind:
@@ -48,8 +48,11 @@ def peak_flops_per_device() -> tuple[float, str]:
 
 
 def device_memory_in_use() -> int | None:
-    """Bytes in use on device 0, where the backend reports it (GPUs do; CPUs may not)."""
-    stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
+    """Bytes in use on this process's first device, where the backend reports it (GPUs do; CPUs may not)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except (AttributeError, jax.errors.JaxRuntimeError):
+        stats = None
     if not stats:
         return None
     return stats.get("bytes_in_use")

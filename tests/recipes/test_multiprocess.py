@@ -44,7 +44,6 @@ def _losses(run_dir):
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     cache = tmp_path / "cache"
     single = subprocess.run(_command(tmp_path / "single", cache), env=_env(4), capture_output=True, text=True,
