@@ -30,6 +30,7 @@ class DataConfig:
     val_fraction: float = 0.02
     cache_dir: str = ".cache/spillway"
     num_proc: int = 2
+    max_tokens: int | None = None         # cap on tokens taken from the source; required for streamed Hub sources
 
 
 @dataclasses.dataclass(frozen=True)

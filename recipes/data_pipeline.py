@@ -32,7 +32,7 @@ def prepare(recipe: Recipe) -> tuple[Tokenizer, PackedData]:
         packed = prepare_tokens(recipe.data.source, tokenizer, seq_len=recipe.data.seq_len,
                                 cache_dir=recipe.data.cache_dir, val_fraction=recipe.data.val_fraction,
                                 num_proc=recipe.data.num_proc, seed=recipe.train.seed,
-                                text_field=recipe.data.text_field)
+                                text_field=recipe.data.text_field, max_tokens=recipe.data.max_tokens)
         return tokenizer, packed
 
     if distributed.is_main_process():

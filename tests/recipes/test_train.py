@@ -80,6 +80,53 @@ def test_finetune_from_checkpoint_onto_another_mesh(full_run, data_cache, tmp_pa
     assert tuple(spec) == (None, "fsdp", "tensor")
 
 
+def test_gradient_accumulation_matches_one_big_batch(data_cache, tmp_path):
+    whole = train(micro(data_cache, tmp_path / "whole", "train.steps=2"), progress=False)
+    accumulated = train(micro(data_cache, tmp_path / "accum", "train.steps=2", "train.grad_accum=4"),
+                        progress=False)
+    assert losses(accumulated) == pytest.approx(losses(whole), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(whole.model), jax.tree.leaves(accumulated.model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_profile_trace_for_a_step_range(data_cache, tmp_path):
+    result = train(micro(data_cache, tmp_path / "prof", "train.steps=3", "train.profile_steps=1:2"),
+                   progress=False)
+    assert list((result.run_dir / "profile").rglob("*.xplane.pb"))
+
+
+def test_sigterm_saves_and_exits_143(data_cache, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "term"
+    recipe = micro(data_cache, run_dir, "train.steps=100000", "checkpoint.every_steps=100000")
+    argv = [sys.executable, "-m", "recipes.cli", "train", "tiny"]
+    for key, value in [("data.source", recipe.data.source), ("data.cache_dir", recipe.data.cache_dir),
+                       ("data.seq_len", 32), ("data.num_proc", 1), ("model.vocab_size", 512),
+                       ("model.d_model", 32), ("model.num_layers", 2), ("model.num_heads", 4),
+                       ("model.num_kv_heads", 2), ("model.mlp_hidden", 64), ("model.max_seq_len", 64),
+                       ("train.global_batch", 8), ("train.steps", 100000), ("train.log_every", 1),
+                       ("train.eval_every", 0), ("checkpoint.dir", run_dir),
+                       ("checkpoint.every_steps", 100000)]:
+        argv += ["--set", f"{key}={value}"]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert child.poll() is None, child.communicate()[1][-2000:]
+        time.sleep(0.5)
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 143, err[-2000:]
+    saved = RunCheckpointer(run_dir / "checkpoints", keep=3, every_steps=100000).latest_step()
+    assert saved is not None and saved >= 3
+
+
 def test_non_finite_loss_stops_the_run_naming_the_step(data_cache, tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"loss is (nan|inf) at step \d+"):
         train(micro(data_cache, tmp_path / "nan", "optimizer.learning_rate=1e30", "optimizer.clip_norm=null",
