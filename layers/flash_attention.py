@@ -318,11 +318,21 @@ def _block_mask(cfg: _Config, lay: _Layout, g, q0, k0):
     return mask_brs[:, None]
 
 
-def _maybe_skip(cfg: _Config, visit, body, carry):
-    # Only causal / windowed masks can hide whole blocks; otherwise skip the cond.
-    if not cfg.causal:
-        return body(carry)
-    return lax.cond(visit, body, lambda c: c, carry)
+def _visited_range(visit_n):
+    """[lo, hi) covering every True entry of a block-visibility row (lo = hi = 0 if none).
+
+    The loops run over this range with traced bounds (a while loop) instead of
+    testing each block with lax.cond: under jax.grad of a lax.scan over layers,
+    a cond inside this kernel made XLA keep per-(query block, key block)
+    residuals, memory quadratic in the sequence. Blocks inside the range that
+    see nothing (only possible with unsorted positions) are computed fully
+    masked, which is correct.
+    """
+    n = visit_n.shape[0]
+    any_visible = visit_n.any()
+    lo = jnp.argmax(visit_n)
+    hi = n - jnp.argmax(visit_n[::-1])
+    return jnp.where(any_visible, lo, 0), jnp.where(any_visible, hi, 0)
 
 
 # ----------------------------------------------------------------------------
@@ -344,31 +354,29 @@ def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
         q_bkrh = _to_rows(_slice(lay.q_btnh, q0, bq, 1), kv)
 
         def k_step(j, carry):
-            def visit(carry):
-                m_bkr, l_bkr, acc_bkrh = carry
-                k0 = j * bk
-                k_bksh = _kv_heads_first(_slice(lay.k_bskh, k0, bk, 1))
-                v_bksh = _kv_heads_first(_slice(lay.v_bskh, k0, bk, 1))
-                s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh,
-                                    preferred_element_type=jnp.float32) * cfg.scale
-                s_bkrs = jnp.where(_block_mask(cfg, lay, g, q0, k0), s_bkrs, -jnp.inf)
-                m_new = jnp.maximum(m_bkr, s_bkrs.max(-1))
-                # A row with nothing visible yet has m = -inf; shift by 0 there
-                # so exp() sees -inf - 0 = -inf (-> 0), never -inf - -inf (NaN).
-                m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-                p_bkrs = jnp.exp(s_bkrs - m_safe[..., None])
-                alpha_bkr = jnp.exp(m_bkr - m_safe)
-                l_bkr = alpha_bkr * l_bkr + p_bkrs.sum(-1)
-                pv_bkrh = jnp.einsum("bkrs,bksh->bkrh", p_bkrs.astype(v_bksh.dtype), v_bksh,
-                                     preferred_element_type=jnp.float32)
-                return m_new, l_bkr, alpha_bkr[..., None] * acc_bkrh + pv_bkrh
-
-            return _maybe_skip(cfg, lay.visit_ij[i, j], visit, carry)
+            m_bkr, l_bkr, acc_bkrh = carry
+            k0 = j * bk
+            k_bksh = _kv_heads_first(_slice(lay.k_bskh, k0, bk, 1))
+            v_bksh = _kv_heads_first(_slice(lay.v_bskh, k0, bk, 1))
+            s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh,
+                                preferred_element_type=jnp.float32) * cfg.scale
+            s_bkrs = jnp.where(_block_mask(cfg, lay, g, q0, k0), s_bkrs, -jnp.inf)
+            m_new = jnp.maximum(m_bkr, s_bkrs.max(-1))
+            # A row with nothing visible yet has m = -inf; shift by 0 there
+            # so exp() sees -inf - 0 = -inf (-> 0), never -inf - -inf (NaN).
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+            p_bkrs = jnp.exp(s_bkrs - m_safe[..., None])
+            alpha_bkr = jnp.exp(m_bkr - m_safe)
+            l_bkr = alpha_bkr * l_bkr + p_bkrs.sum(-1)
+            pv_bkrh = jnp.einsum("bkrs,bksh->bkrh", p_bkrs.astype(v_bksh.dtype), v_bksh,
+                                 preferred_element_type=jnp.float32)
+            return m_new, l_bkr, alpha_bkr[..., None] * acc_bkrh + pv_bkrh
 
         init = (jnp.full((b, kv, rows), -jnp.inf, jnp.float32),
                 jnp.zeros((b, kv, rows), jnp.float32),
                 jnp.zeros((b, kv, rows, hv), jnp.float32))
-        m_bkr, l_bkr, acc_bkrh = lax.fori_loop(0, lay.num_k_blocks, k_step, init)
+        k_lo, k_hi = _visited_range(lay.visit_ij[i])
+        m_bkr, l_bkr, acc_bkrh = lax.fori_loop(k_lo, k_hi, k_step, init)
         seen = l_bkr > 0
         l_safe = jnp.where(seen, l_bkr, 1.0)
         o_bkrh = (acc_bkrh / l_safe[..., None]).astype(q_btnh.dtype)
@@ -415,35 +423,33 @@ def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh,
         v_bksh = _kv_heads_first(_slice(lay.v_bskh, k0, bk, 1))
 
         def q_step(i, carry):
-            def visit(carry):
-                dq_btnh, dk_bksh, dv_bksh = carry
-                q0 = i * bq
-                q_bkrh = _to_rows(_slice(lay.q_btnh, q0, bq, 1), kv)
-                do_bkrh = _to_rows(_slice(do_btnh, q0, bq, 1), kv)
-                lse_bkr = _stat_to_rows(_slice(lse_bnt, q0, bq, 2), kv)
-                d_bkr = _stat_to_rows(_slice(d_bnt, q0, bq, 2), kv)
-                s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh,
-                                    preferred_element_type=jnp.float32) * cfg.scale
-                p_bkrs = jnp.where(_block_mask(cfg, lay, g, q0, k0), jnp.exp(s_bkrs - lse_bkr[..., None]), 0.0)
-                dv_bksh = dv_bksh + jnp.einsum("bkrs,bkrh->bksh", p_bkrs.astype(do_bkrh.dtype), do_bkrh,
-                                               preferred_element_type=jnp.float32)
-                dp_bkrs = jnp.einsum("bkrh,bksh->bkrs", do_bkrh, v_bksh, preferred_element_type=jnp.float32)
-                # Fold the score scale into ds once rather than into both grads.
-                ds_bkrs = p_bkrs * (dp_bkrs - d_bkr[..., None]) * cfg.scale
-                dk_bksh = dk_bksh + jnp.einsum("bkrs,bkrh->bksh", ds_bkrs.astype(q_bkrh.dtype), q_bkrh,
-                                               preferred_element_type=jnp.float32)
-                dq_bkrh = jnp.einsum("bkrs,bksh->bkrh", ds_bkrs.astype(k_bksh.dtype), k_bksh,
-                                     preferred_element_type=jnp.float32)
-                # dq lives in one fp32 buffer for all of t: read-add-write the
-                # block in place (FlashAttention-2's atomic add, serialised).
-                dq_btnh = lax.dynamic_update_slice_in_dim(
-                    dq_btnh, _slice(dq_btnh, q0, bq, 1) + _from_rows(dq_bkrh, g), q0, 1)
-                return dq_btnh, dk_bksh, dv_bksh
-
-            return _maybe_skip(cfg, lay.visit_ij[i, j], visit, carry)
+            dq_btnh, dk_bksh, dv_bksh = carry
+            q0 = i * bq
+            q_bkrh = _to_rows(_slice(lay.q_btnh, q0, bq, 1), kv)
+            do_bkrh = _to_rows(_slice(do_btnh, q0, bq, 1), kv)
+            lse_bkr = _stat_to_rows(_slice(lse_bnt, q0, bq, 2), kv)
+            d_bkr = _stat_to_rows(_slice(d_bnt, q0, bq, 2), kv)
+            s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh,
+                                preferred_element_type=jnp.float32) * cfg.scale
+            p_bkrs = jnp.where(_block_mask(cfg, lay, g, q0, k0), jnp.exp(s_bkrs - lse_bkr[..., None]), 0.0)
+            dv_bksh = dv_bksh + jnp.einsum("bkrs,bkrh->bksh", p_bkrs.astype(do_bkrh.dtype), do_bkrh,
+                                           preferred_element_type=jnp.float32)
+            dp_bkrs = jnp.einsum("bkrh,bksh->bkrs", do_bkrh, v_bksh, preferred_element_type=jnp.float32)
+            # Fold the score scale into ds once rather than into both grads.
+            ds_bkrs = p_bkrs * (dp_bkrs - d_bkr[..., None]) * cfg.scale
+            dk_bksh = dk_bksh + jnp.einsum("bkrs,bkrh->bksh", ds_bkrs.astype(q_bkrh.dtype), q_bkrh,
+                                           preferred_element_type=jnp.float32)
+            dq_bkrh = jnp.einsum("bkrs,bksh->bkrh", ds_bkrs.astype(k_bksh.dtype), k_bksh,
+                                 preferred_element_type=jnp.float32)
+            # dq lives in one fp32 buffer for all of t: read-add-write the
+            # block in place (FlashAttention-2's atomic add, serialised).
+            dq_btnh = lax.dynamic_update_slice_in_dim(
+                dq_btnh, _slice(dq_btnh, q0, bq, 1) + _from_rows(dq_bkrh, g), q0, 1)
+            return dq_btnh, dk_bksh, dv_bksh
 
         init = (dq_btnh, jnp.zeros((b, kv, bk, h), jnp.float32), jnp.zeros((b, kv, bk, hv), jnp.float32))
-        dq_btnh, dk_bksh, dv_bksh = lax.fori_loop(0, lay.num_q_blocks, q_step, init)
+        q_lo, q_hi = _visited_range(lay.visit_ij[:, j])
+        dq_btnh, dk_bksh, dv_bksh = lax.fori_loop(q_lo, q_hi, q_step, init)
         # dk, dv of a key block are complete after its q loop: cast and store.
         dk_bskh = lax.dynamic_update_slice_in_dim(dk_bskh, _kv_heads_first(dk_bksh).astype(dk_bskh.dtype), k0, 1)
         dv_bskh = lax.dynamic_update_slice_in_dim(dv_bskh, _kv_heads_first(dv_bksh).astype(dv_bskh.dtype), k0, 1)

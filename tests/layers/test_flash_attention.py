@@ -288,6 +288,27 @@ def test_memory_is_linear_in_sequence_length():
     assert naive > score_bytes, (naive, score_bytes)
 
 
+def test_memory_stays_linear_inside_a_scan_over_layers():
+    # Regression: a lax.cond block-skip inside the kernel made grad-of-scan keep
+    # per-(query block, key block) residuals: 120 -> 400 MiB from t=2048 to 4096
+    # (quadratic); now 32 -> 61 MiB.
+    def temp_bytes(t, b=1, n=4, h=64, layers=2):
+        x = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32)
+        w = jax.ShapeDtypeStruct((layers, h, h), jnp.float32)
+
+        def loss(w, x):
+            def layer(x, w_hh):
+                q = x @ w_hh
+                return flash_attention(q, x[:, :, :2], x[:, :, :2], block_q=256, block_k=256), None
+            return jnp.sum(jax.lax.scan(layer, x, w)[0] ** 2)
+
+        return jax.jit(jax.grad(loss)).lower(w, x).compile().memory_analysis().temp_size_in_bytes
+
+    short, long = temp_bytes(2048), temp_bytes(4096)
+    assert long / short < 2.5, (short, long)          # linear growth, not 4x
+    assert long < 1 * 4 * 4096 * 4096 * 4 / 2, long   # well below one fp32 score matrix
+
+
 # ----------------------------------------------------------------------------
 # input validation
 # ----------------------------------------------------------------------------
