@@ -128,7 +128,7 @@ def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 
 def host_memory_available(device: jax.Device | None = None) -> bool:
     """Whether `device` (default: the first runtime device) has a pinned_host memory space."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     try:
         return any(m.kind == PINNED_HOST for m in device.addressable_memories())
     except Exception:  # platforms without the memories API
@@ -432,6 +432,7 @@ class Optimizer:
         new_params = list(param_leaves)
         new_states: list[tuple] = [None] * len(param_leaves)
         host_stacked = []
+        previous_one_piece = None  # one-piece host leaves visit HBM in turn (host_optimizer.update_in_one_piece)
         for k, layout in enumerate(self._layouts):
             if layout.state_memory == DEVICE:
                 new_params[k], new_states[k] = piece_fn(k)(grad_leaves[k], param_leaves[k], state_of(k))
@@ -443,7 +444,8 @@ class Optimizer:
                 host_stacked.append(k)
             else:
                 new_params[k], new_states[k] = streaming.update_in_one_piece(
-                    piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k))
+                    piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k), after=previous_one_piece)
+                previous_one_piece = new_states[k]
 
         shapes = [p.shape for p in param_leaves]
         for group in streaming.group_by_layer_count(host_stacked, shapes).values():

@@ -1,0 +1,335 @@
+#!/usr/bin/env python
+"""HBM and host memory of the Llama 3.1 8B train step on one H200, compiled without a GPU.
+
+The project's first HBM figures. The train step is the real one
+(recipes.train.make_train_step through recipes.train.abstract_setup: the
+recipe's shardings and donation), compiled for the target by XLA's GPU
+compiler running deviceless (DESIGN.md section 5); nothing is allocated.
+Sections (--sections, comma-separated):
+
+  presets     every activation preset (layers/offload.py), optimizer state on
+              device: HBM, host bytes, host<->device traffic, compile time.
+  optimizer   optimizer state on device vs in pinned host memory, streamed a
+              layer at a time (recipes/host_optimizer.py), vs in host memory
+              but copied whole into HBM for the update (every leaf updated in
+              one piece: the design DESIGN.md section 4 warns about). The HBM
+              saved is compared with the state's own bytes.
+  search      the longest sequence (multiple of 1024, up to --max-seq) that
+              fits --headroom x HBM, for the plans without any offload and for
+              the offloading ones (recipes/planner_child.search_one).
+  chunked_loss  a what-if for the search: the same step with the loss computed
+              over sequence chunks (the [seq, vocab] logits never exist whole;
+              each chunk's are recomputed in the backward pass). Not what
+              `spillway train` runs: it measures a proposed change.
+  codegen     one plan compiled with the planner's fast code generation and
+              exactly as for a run: the memory figures must agree.
+
+Run:  .venv/bin/python benchmarks/llama_hbm.py [--recipe llama3_8b] [--gpu h200]
+          [--seq 8192] [--batch 1] [--sections presets,optimizer,search,codegen]
+
+GiB = 2^30 bytes, per GPU. HBM = argument + output - alias + temp bytes in
+device memory; host = the same in pinned host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from recipes.aot.subprocess_runner import prepare_compile_process  # noqa: E402  (imports no JAX)
+
+GiB = 2**30
+GB = 10**9
+SECTIONS = ("presets", "optimizer", "search", "chunked_loss", "codegen")
+SEARCH_HEADER = (f"{'activations / optimizer state':40s} {'longest':>8s} {'HBM there':>9s} {'compiles':>8s} "
+                 f"{'seconds':>8s}   [seq:HBM GiB of each compile]")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="llama3_8b")
+    parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    parser.add_argument("--sections", default="presets,optimizer,search,codegen")
+    parser.add_argument("--headroom", type=float, default=0.9)
+    parser.add_argument("--max-seq", type=int, default=131072, help="search cap (sets model.max_seq_len)")
+    parser.add_argument("--search-plans", default="save_all/device,recompute_all/device,recompute_all/host,"
+                        "offload_inputs/host,offload_dots/host,offload_dots/device",
+                        help="ACTIVATIONS/OPTIMIZER_STATE pairs to search")
+    parser.add_argument("--loss-chunk", type=int, default=1024, help="tokens per loss chunk (chunked_loss)")
+    parser.add_argument("--full-codegen", action="store_true",
+                        help="compile exactly as for a run (default: the planner's fast code generation)")
+    args = parser.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    return args
+
+
+def with_offload(recipe, activations: str, optimizer_state: str):
+    from recipes.config import OffloadConfig
+    return dataclasses.replace(recipe, offload=OffloadConfig(activations=activations,
+                                                             optimizer_state=optimizer_state))
+
+
+def optimizer_state_bytes(recipe) -> int:
+    """Bytes of AdamW state as recipes/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.llama import Llama
+
+    model = nnx.eval_shape(lambda: Llama(recipe.model_config(), rngs=nnx.Rngs(0)))
+    total = 0
+    for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        master = recipe.optimizer.master_weights and x.dtype != jnp.float32
+        total += x.size * (12 if master else 8)
+    return total
+
+
+def compile_whole_state_variant(recipe, mesh, options):
+    """Host-resident state, but every host leaf copied into HBM in one piece for its update.
+
+    The same train step with the optimizer's layouts marked not stacked: each
+    leaf then takes recipes/host_optimizer.update_in_one_piece. A variant for
+    comparison only; training never builds it.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from recipes.aot.compile import CompileReport
+    from recipes.optimizer import LeafLayout, Optimizer
+    from recipes.train import abstract_setup, abstract_step_arguments, make_train_step
+
+    s = abstract_setup(recipe, mesh, platform="cuda")
+    layouts = jax.tree.map(lambda layout: dataclasses.replace(layout, stacked=False), s.optimizer.layout_tree,
+                           is_leaf=lambda x: isinstance(x, LeafLayout))
+    optimizer = Optimizer(s.optimizer.cfg, layouts)
+    opt_sh = optimizer.state_shardings(s.param_shardings)
+    step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum),
+                   in_shardings=(s.param_shardings, opt_sh, s.batch_sharding),
+                   out_shardings=(s.param_shardings, opt_sh, NamedSharding(mesh, PartitionSpec())),
+                   donate_argnums=(0, 1))
+    s = dataclasses.replace(s, optimizer=optimizer, opt_state_shardings=opt_sh, train_step=step)
+    arguments = abstract_step_arguments(s)
+    started = time.perf_counter()
+    lowered = step.lower(*arguments)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile(compiler_options=options)
+    return CompileReport.from_compiled(compiled, lower_seconds=lowered_at - started,
+                                       compile_seconds=time.perf_counter() - lowered_at)
+
+
+def make_chunked_loss_step(s, chunk: int):
+    """The train step of setup `s` with the cross-entropy computed `chunk` tokens at a time (what-if).
+
+    The model runs up to its final norm; a scan over sequence chunks then makes
+    each chunk's logits, its loss, and nothing else: the body is rematerialised
+    with nothing saved, so the backward pass recomputes one chunk's logits at a
+    time. Logits memory no longer grows with the sequence; the cost is one more
+    output-head matmul (2 * d_model * vocab FLOPs a token).
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from layers.block import BlockContext
+
+    graphdef, optimizer = s.graphdef, s.optimizer
+
+    def loss_fn(params, tokens_bt):
+        model = nnx.merge(graphdef, params)
+        inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
+        b, t = inputs_bt.shape
+        if t % chunk:
+            raise ValueError(f"sequence {t} is not a multiple of the loss chunk {chunk}")
+        positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
+        x_btd, _ = model.layers(model.embed(inputs_bt), BlockContext(positions_bt), None)
+        x_btd = model.final_norm(x_btd)
+        w_dv = model.embed.table[...].T if model.head is None else model.head.w[...]
+        dtype = x_btd.dtype
+        n = t // chunk
+        x_nbcd = x_btd.reshape(b, n, chunk, -1).swapaxes(0, 1)
+        y_nbc = targets_bt.reshape(b, n, chunk).swapaxes(0, 1)
+
+        @jax.checkpoint
+        def chunk_loss(x_bcd, y_bc):
+            logits_bcv = (x_bcd @ w_dv.astype(dtype)).astype(jnp.float32)
+            target_bc = jnp.take_along_axis(logits_bcv, y_bc[..., None], axis=-1)[..., 0]
+            return jnp.sum(jax.nn.logsumexp(logits_bcv, axis=-1) - target_bc)
+
+        total, _ = jax.lax.scan(lambda acc, xy: (acc + chunk_loss(*xy), None), jnp.float32(0), (x_nbcd, y_nbc))
+        return total / (b * t)
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(params, opt_state, tokens_bt):
+        loss, grads = grad_fn(params, tokens_bt)
+        params, opt_state, stats = optimizer.update(grads, opt_state, params)
+        return params, opt_state, {"loss": loss, **stats}
+
+    return jax.jit(train_step, in_shardings=(s.param_shardings, s.opt_state_shardings, s.batch_sharding),
+                   out_shardings=(s.param_shardings, s.opt_state_shardings, NamedSharding(s.mesh, PartitionSpec())),
+                   donate_argnums=(0, 1))
+
+
+def chunked_loss_measure(recipe, mesh, options, chunk: int):
+    """A search_one `measure`: HBM and host bytes of the chunked-loss step at a sequence length."""
+    from recipes.aot.compile import CompileReport
+    from recipes.train import abstract_setup, abstract_step_arguments
+
+    def measure(seq_len: int) -> dict:
+        planned = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, seq_len=seq_len))
+        s = abstract_setup(planned, mesh, platform="cuda")
+        step = make_chunked_loss_step(s, chunk)
+        compiled = step.lower(*abstract_step_arguments(s)).compile(compiler_options=options)
+        report = CompileReport.from_compiled(compiled)
+        return {"hbm_bytes": report.hbm_bytes, "host_bytes": report.host_bytes}
+
+    return measure
+
+
+def print_search(label: str, result: dict) -> None:
+    best = result["best"]
+    at = result["points"].get(str(best), {}).get("hbm_bytes") if best else None
+    note = " (cap)" if result["at_cap"] else ("" if result["resolved"] else
+                                             f" (unresolved below {result['first_fail']})")
+    points = " ".join(f"{k}:{v['hbm_bytes'] / GiB:.1f}" for k, v in result["points"].items())
+    print(f"{label:40s} {best if best else 'none':>8} {'-' if at is None else f'{at / GiB:.1f}':>9s} "
+          f"{result['compiles']:8d} {result['seconds']:8.1f}{note}   [{points}]", flush=True)
+
+
+def report_line(label: str, r, width: int = 40) -> str:
+    return (f"{label:{width}s} {r.hbm_bytes / GiB:8.2f} {r.argument_bytes / GiB:8.2f} {r.temp_bytes / GiB:8.2f} "
+            f"{r.host_bytes / GiB:8.2f} {r.host_temp_bytes / GiB:8.2f} {r.host_buffer_count:6d} "
+            f"{r.host_to_device_bytes / GB:8.2f} {r.device_to_host_bytes / GB:8.2f} "
+            f"{r.lower_seconds:6.1f} {r.compile_seconds:7.1f}")
+
+
+def report_header(first: str, width: int = 40) -> str:
+    header = (f"{first:{width}s} {'HBM':>8s} {'args':>8s} {'temp':>8s} {'host':>8s} {'host tmp':>8s} "
+              f"{'S(5)':>6s} {'H->D GB':>8s} {'D->H GB':>8s} {'lower':>6s} {'compile':>7s}")
+    return header + "\n" + "-" * len(header)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prepare_compile_process()
+    import jax
+
+    from layers.offload import PRESETS
+    from layers.sharding import make_mesh
+    from recipes import planner
+    from recipes.aot.compile import gpu_topology
+    from recipes.aot.targets import get_target
+    from recipes.planner_child import _measure, compile_step, search_one
+    from recipes.registry import get_recipe
+
+    started = time.perf_counter()
+    target = get_target(args.gpu)
+    overrides = [f"model.max_seq_len={max(args.max_seq, args.seq)}", f"data.seq_len={args.seq}",
+                 f"train.global_batch={args.batch}", *args.set]
+    recipe, warnings = planner.planned_recipe(get_recipe(args.recipe, overrides))
+    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor,
+                     devices=gpu_topology(target, 1).devices)
+    options = None if args.full_codegen else planner.compiler_options()
+    state_bytes = optimizer_state_bytes(recipe)
+    m = recipe.model
+    print(f"jax {jax.__version__}; {target.display_name} ({target.hbm_bytes / GiB:.1f} GiB HBM), deviceless "
+          f"compile, {'full' if options is None else 'fast'} code generation")
+    print(f"recipe {recipe.name}: {m.num_params() / 1e9:.3f}B params, {m.num_layers} layers, {m.param_dtype} "
+          f"weights, {m.dtype} compute, attention {m.attention_impl}; batch {args.batch} x seq {args.seq}")
+    print(f"optimizer state (AdamW, fp32 mu + nu + fp32 master of non-fp32 params): {state_bytes / GiB:.2f} GiB "
+          f"({state_bytes / m.num_params():.2f} bytes/param); params {m.num_params() * 2 / GiB:.2f} GiB bf16")
+    for w in warnings:
+        print(f"warning: {w}")
+
+    if "presets" in args.sections:
+        print(f"\n[presets] activation presets, optimizer state on device (GiB per GPU; seconds)")
+        print(report_header("activations"))
+        for name in PRESETS:
+            report, _ = compile_step(with_offload(recipe, name, "device"), mesh, options)
+            print(report_line(name, report), flush=True)
+
+    if "optimizer" in args.sections:
+        print(f"\n[optimizer] optimizer state placement, activations recompute_all (GiB per GPU; seconds)")
+        print(report_header("optimizer state"))
+        device, _ = compile_step(with_offload(recipe, "recompute_all", "device"), mesh, options)
+        print(report_line("device", device), flush=True)
+        streamed, _ = compile_step(with_offload(recipe, "recompute_all", "host"), mesh, options)
+        print(report_line("host, streamed per layer", streamed), flush=True)
+        try:
+            whole = compile_whole_state_variant(with_offload(recipe, "recompute_all", "host"), mesh, options)
+            print(report_line("host, whole leaves copied to HBM", whole), flush=True)
+        except Exception as error:   # a variant for comparison; report and go on
+            print(f"{'host, whole leaves copied to HBM':40s} FAILED: {type(error).__name__}: {error}"[:300])
+        saved = device.hbm_bytes - streamed.hbm_bytes
+        print(f"HBM saved by streaming the state from host: {saved / GiB:.2f} GiB = {saved / state_bytes:.1%} of "
+              f"the {state_bytes / GiB:.2f} GiB state (target >= 90%); host holds "
+              f"{streamed.host_argument_bytes / GiB:.2f} GiB of it")
+
+    if "search" in args.sections:
+        limits = {"hbm_bytes": args.headroom * target.hbm_bytes,
+                  "host_bytes_per_device": target.default_host_ram_bytes}
+        print(f"\n[search] longest sequence that fits {args.headroom:g} x HBM = {limits['hbm_bytes'] / GiB:.1f} GiB "
+              f"(multiples of 1024, cap {args.max_seq}), batch {args.batch}")
+        header = SEARCH_HEADER
+        print(header + "\n" + "-" * len(header))
+        found = {}
+        for pair in args.search_plans.split(","):
+            activations, state = pair.split("/")
+            planned = with_offload(recipe, activations, state)
+            result = search_one(_measure(planned, mesh, "seq_len", options), args.seq, None, limits,
+                                step=1024, cap=args.max_seq, max_compiles=10)
+            found[pair] = result
+            print_search(pair, result)
+        baseline = max((r["best"] or 0 for p, r in found.items()
+                        if p.endswith("/device") and p.split("/")[0] in ("save_all", "recompute_all")), default=0)
+        best_pair = max(found, key=lambda p: found[p]["best"] or 0)
+        if baseline:
+            print(f"longest without offload: {baseline}; best plan {best_pair}: {found[best_pair]['best']} "
+                  f"= {(found[best_pair]['best'] or 0) / baseline:.1f}x (target >= 4x)")
+
+    if "chunked_loss" in args.sections:
+        limits = {"hbm_bytes": args.headroom * target.hbm_bytes,
+                  "host_bytes_per_device": target.default_host_ram_bytes}
+        print(f"\n[chunked_loss] what-if: loss over {args.loss_chunk}-token chunks; longest sequence that fits "
+              f"{limits['hbm_bytes'] / GiB:.1f} GiB (cap {args.max_seq})")
+        header = SEARCH_HEADER
+        print(header + "\n" + "-" * len(header))
+        for pair in args.search_plans.split(","):
+            activations, state = pair.split("/")
+            planned = with_offload(recipe, activations, state)
+            result = search_one(chunked_loss_measure(planned, mesh, options, args.loss_chunk), args.seq, None,
+                                limits, step=1024, cap=args.max_seq, max_compiles=10)
+            print_search(pair, result)
+
+    if "codegen" in args.sections:
+        print(f"\n[codegen] offload_dots / host compiled with fast and with full code generation")
+        print(report_header("code generation"))
+        planned = with_offload(recipe, "offload_dots", "host")
+        fast, _ = compile_step(planned, mesh, planner.compiler_options())
+        print(report_line("fast (LLVM -O0, no ptxas)", fast), flush=True)
+        full, _ = compile_step(planned, mesh, None)
+        print(report_line("full (as for a run)", full), flush=True)
+        same = all(getattr(fast, k) == getattr(full, k) for k in (
+            "hbm_bytes", "host_bytes", "temp_bytes", "host_temp_bytes", "device_to_host_bytes",
+            "host_to_device_bytes"))
+        print(f"memory figures identical: {same}")
+
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Training FLOPs of one step, counted from the model's shapes, including what remat recomputes.
+
+A deviceless GPU compile reports no FLOPs (`cost_analysis()` is empty there,
+DESIGN.md section 5), so the planner counts them itself. What is counted:
+
+* matrix multiplications: the q/k/v, output, MLP gate/up/down projections and
+  the output head, 2 FLOPs per multiply-add;
+* attention: the scores q k^T and the context p v, over the (query, key)
+  pairs that the mask lets through: t (t + 1) / 2 per sequence when causal
+  (what a flash kernel that skips masked blocks does, up to its diagonal
+  blocks), t^2 when `attention="full"` (what XLA's dense attention computes:
+  it multiplies first and masks after);
+* the backward pass: twice the forward matmuls (one product for the input
+  gradient, one for the weight gradient). Flash attention's backward also
+  recomputes the scores from q, k and the saved logsumexp: half of an
+  attention forward more, counted in `backward`;
+* remat recompute, from the offload plan (see `recompute_per_layer`).
+
+Not counted: elementwise work (norms, RoPE, SiLU, softmax exponentials,
+residual adds, the loss), the embedding lookup (a gather) and the optimizer
+update. For a model whose matmuls dominate, that is a few percent
+(tests/recipes/test_planner.py compares with XLA's own count on CPU).
+
+Pure arithmetic on a LlamaConfig: nothing is traced or compiled, no device is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from layers import names
+from layers.offload import OffloadPolicy, Placement, RematPlan
+
+# The flash kernel's logsumexp residual (layers/flash_attention.py); named
+# here to avoid importing JAX through that module.
+ATTN_LSE = "attn_lse"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs of one block for a whole batch, by the product that makes them."""
+
+    qkv: float
+    attn_scores: float
+    attn_context: float
+    attn_out: float
+    mlp_hidden: float      # gate and up projections
+    mlp_out: float         # down projection
+
+    @property
+    def attention(self) -> float:
+        return self.attn_scores + self.attn_context
+
+    @property
+    def total(self) -> float:
+        return self.qkv + self.attention + self.attn_out + self.mlp_hidden + self.mlp_out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one train step (all devices together)."""
+
+    forward: float
+    backward: float
+    recompute: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+    def to_dict(self) -> dict:
+        return {"forward": self.forward, "backward": self.backward, "recompute": self.recompute,
+                "total": self.total}
+
+
+def attention_pairs(seq_len: int, *, causal: bool = True, sliding_window: int | None = None) -> int:
+    """(query, key) pairs one sequence's attention computes."""
+    t = seq_len
+    if not causal:
+        return t * t
+    if sliding_window is None or sliding_window >= t:
+        return t * (t + 1) // 2
+    w = sliding_window
+    # Query i sees min(i + 1, w) keys: a triangle, then a band of width w.
+    return w * (w + 1) // 2 + (t - w) * w
+
+
+def layer_flops(cfg, batch: int, seq_len: int, *, attention: str = "causal") -> LayerFlops:
+    """Forward FLOPs of one block of `cfg` (a LlamaConfig) for `batch` sequences of `seq_len`.
+
+    attention: "causal" counts only the pairs the mask keeps (flash), "full"
+    every pair (XLA's dense attention, which masks after multiplying).
+    """
+    if attention not in ("causal", "full"):
+        raise ValueError(f"attention must be 'causal' or 'full', got {attention!r}")
+    tokens = batch * seq_len
+    d, h = cfg.d_model, cfg.resolved_head_dim
+    n, kv = cfg.num_heads, cfg.num_kv_heads
+    pairs = batch * attention_pairs(seq_len, causal=attention == "causal",
+                                    sliding_window=cfg.sliding_window if attention == "causal" else None)
+    return LayerFlops(
+        qkv=2.0 * tokens * d * (n + 2 * kv) * h,
+        attn_scores=2.0 * pairs * n * h,
+        attn_context=2.0 * pairs * n * h,
+        attn_out=2.0 * tokens * n * h * d,
+        mlp_hidden=2.0 * tokens * d * cfg.mlp_hidden * 2,   # SwiGLU: gate and up
+        mlp_out=2.0 * tokens * cfg.mlp_hidden * d,
+    )
+
+
+def head_flops(cfg, batch: int, seq_len: int) -> float:
+    """The output projection to the vocabulary (tied or not, the same product)."""
+    return 2.0 * batch * seq_len * cfg.d_model * cfg.vocab_size
+
+
+def forward_flops(cfg, batch: int, seq_len: int, *, attention: str = "causal") -> float:
+    return cfg.num_layers * layer_flops(cfg, batch, seq_len, attention=attention).total \
+        + head_flops(cfg, batch, seq_len)
+
+
+def _kept(policy: OffloadPolicy, name: str) -> bool:
+    """Whether the policy keeps `name` for the backward pass (in HBM or in host memory)."""
+    for tagged, placement in policy.placements:
+        if tagged == name:
+            return placement in (Placement.DEVICE, Placement.HOST)
+    return policy.default == Placement.DEVICE
+
+
+def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl: str) -> float:
+    """Forward FLOPs the backward pass of one block re-runs under `policy`.
+
+    What the backward pass of a Llama block reads, and so what must be
+    recomputed when the policy keeps it nowhere:
+
+      q, k, v (QKV)            the attention backward    -> the qkv projection
+      attention residuals      the attention backward    -> flash: o and lse
+                               (ATTN_CONTEXT, attn_lse); without both the
+                               kernel's forward re-runs. Dense attention: the
+                               probabilities (never named) are always
+                               recomputed from q, k; p v only if ATTN_CONTEXT
+                               is not kept.
+      ATTN_CONTEXT             the input of the output projection
+      ATTN_OUT                 the MLP norm's input x + attn_out -> the output projection
+      MLP_HIDDEN               SiLU(gate) * up and its derivative -> gate and up projections
+      MLP_OUT                  nothing: the backward of a residual add needs no values,
+                               so the down projection is never recomputed (JAX's remat
+                               drops unused recompute).
+
+    Elementwise work between the products is recomputed too, and not counted.
+    """
+    if not policy.remat:
+        return 0.0
+    flops = 0.0
+    if not _kept(policy, names.QKV):
+        flops += layer.qkv
+    context_kept = _kept(policy, names.ATTN_CONTEXT)
+    if attention_impl in ("flash", "cudnn"):
+        # Flash-style kernels need their own forward's output and logsumexp.
+        if not (context_kept and _kept(policy, ATTN_LSE)):
+            flops += layer.attention
+    else:
+        flops += layer.attn_scores
+        if not context_kept:
+            flops += layer.attn_context
+    if not _kept(policy, names.ATTN_OUT):
+        flops += layer.attn_out
+    if not _kept(policy, names.MLP_HIDDEN):
+        flops += layer.mlp_hidden
+    return flops
+
+
+def train_step_flops(cfg, batch: int, seq_len: int, *, remat: str | OffloadPolicy | RematPlan | None = None,
+                     attention_impl: str | None = None) -> StepFlops:
+    """FLOPs of one forward + backward (+ remat recompute) over `batch` sequences of `seq_len`.
+
+    remat: the activation plan (default cfg.remat); attention_impl: default
+    cfg.attention_impl. Dense ("xla") attention is counted over every pair,
+    flash-style kernels over the causal ones.
+    """
+    impl = attention_impl or cfg.attention_impl
+    plan = RematPlan.parse(cfg.remat if remat is None else remat)
+    layer = layer_flops(cfg, batch, seq_len, attention="full" if impl == "xla" else "causal")
+    head = head_flops(cfg, batch, seq_len)
+    forward = cfg.num_layers * layer.total + head
+    backward = 2.0 * forward
+    if impl in ("flash", "cudnn"):
+        backward += cfg.num_layers * layer.attn_scores   # scores recomputed in the kernel's backward
+    recompute = sum((stop - start) * recompute_per_layer(policy, layer, impl)
+                    for start, stop, policy in plan.resolve(cfg.num_layers))
+    return StepFlops(forward=forward, backward=backward, recompute=recompute)

@@ -1,0 +1,624 @@
+"""`spillway plan`: what a recipe's train step needs on a GPU, measured by compiling it there without the GPU.
+
+For a recipe and a target GPU the planner compiles the real train step
+(recipes.train.make_train_step, through recipes.train.abstract_setup: the same
+shardings and donation as training) once per candidate plan, in one child
+process that has the GPU compiler plugin (recipes/planner_child.py, DESIGN.md
+section 5). A candidate is an activation plan (an offload preset or a
+per-segment mix, layers/offload.py) with the optimizer state on device or in
+pinned host memory. Per candidate it reports, per GPU:
+
+    HBM          argument + output - alias + temp bytes of device memory (XLA's
+                 buffer assignment), compared with headroom x the GPU's memory;
+    host         the same over pinned host memory; all GPUs of the host
+                 together are compared with the host's RAM;
+    transfer     bytes the step moves host->device and device->host (read from
+                 the compiled HLO) and the time the host link needs for them
+                 (full duplex: the larger direction over the per-direction rate);
+    compute      FLOPs (recipes/flops.py: forward, backward, the plan's remat
+                 recompute) at the GPU's peak dense bf16 rate: a lower bound;
+    step         max(compute, transfer): assumes transfers overlap compute fully.
+
+The pick is the fastest estimated step among the candidates that fit.
+`apply_plan` (`spillway train --plan auto`) applies it to the recipe, or
+refuses with the numbers when nothing fits, so a run that would run out of
+memory never starts.
+
+Attention: plans are made with the blockwise "flash" implementation (memory
+linear in the sequence). A recipe with "cudnn" attention (which cannot be
+compiled without cuDNN) is planned with flash instead and the output says so;
+"xla" attention is planned as is, with a warning that it materialises scores.
+
+Search (`--search seq_len` / `--search batch`): per candidate, the longest
+sequence (a multiple of 1024, or of a smaller power of two for recipes shorter
+than that, up to model.max_seq_len: raise it with --set to search further) or the largest global batch that fits. See planner_child for
+how the compiles are bounded.
+
+Compile speed. The plan only needs XLA's buffer assignment and the optimised
+HLO, both settled before machine code is generated. So by default the compile
+process runs LLVM without optimisations and hands PTX to a stand-in for ptxas
+that writes no machine code (recipes/planner_child.py would otherwise spend
+about half of every compile assembling ~200 kernels it never runs). Set
+SPILLWAY_PLAN_FULL_CODEGEN=1 to compile exactly as for a run; the memory
+figures are the same (tests/recipes/test_planner.py checks that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from layers.offload import RematPlan
+from recipes import flops as flop_count
+from recipes.config import Recipe
+
+GiB = 2**30
+GB = 10**9
+OPTIMIZER_STATES = ("device", "host")
+# Single-policy plans, in the order the table shows them.
+PRESET_PLANS = ("save_all", "recompute_all", "offload_inputs", "save_dots", "offload_dots",
+                "save_qkv_offload_mlp")
+FULL_CODEGEN_ENV = "SPILLWAY_PLAN_FULL_CODEGEN"
+SEQ_SEARCH_STEP = 1024
+BATCH_SEARCH_CAP = 4096
+MAX_COMPILES_PER_SEARCH = 10
+
+
+# --- candidates -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    activations: str        # a RematPlan spec
+    optimizer_state: str    # "device" | "host"
+
+    @property
+    def label(self) -> str:
+        return f"{self.activations} / opt state {self.optimizer_state}"
+
+    @property
+    def offloads_activations(self) -> bool:
+        return any(segment.policy.offloads for segment in RematPlan.parse(self.activations).segments)
+
+    @property
+    def no_offload(self) -> bool:
+        """Nothing in host memory: the baseline a GPU without offload support would run."""
+        return self.optimizer_state == "device" and not self.offloads_activations
+
+    def to_dict(self) -> dict:
+        return {"activations": self.activations, "optimizer_state": self.optimizer_state}
+
+
+def activation_plans(num_layers: int) -> list[str]:
+    """The presets, and per-segment mixes over the first half of the layers."""
+    plans = list(PRESET_PLANS)
+    half = num_layers // 2
+    if 0 < half < num_layers:
+        plans += [f"offload_dots:{half},recompute_all", f"save_dots:{half},recompute_all"]
+    return plans
+
+
+def candidates(recipe: Recipe) -> list[Candidate]:
+    return [Candidate(plan, state) for state in OPTIMIZER_STATES
+            for plan in activation_plans(recipe.model.num_layers)]
+
+
+# --- inputs: target, mesh, attention --------------------------------------------
+
+def resolve_mesh(recipe: Recipe, devices: int) -> dict[str, int]:
+    """The recipe's mesh axes for `devices` GPUs on one host; ValueError when they cannot match.
+
+    The same rule as layers.sharding.make_mesh (one axis may be -1 and is filled
+    from the device count), checked here so a mismatch fails before any compile.
+    """
+    if devices < 1:
+        raise ValueError(f"--devices must be at least 1, got {devices}")
+    sizes = {"data": recipe.mesh.data, "fsdp": recipe.mesh.fsdp, "tensor": recipe.mesh.tensor}
+    described = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    if list(sizes.values()).count(-1) > 1 or any(v == 0 or v < -1 for v in sizes.values()):
+        raise ValueError(f"recipe mesh {described}: sizes must be positive, with at most one -1")
+    known = math.prod(v for v in sizes.values() if v != -1)
+    for axis, size in sizes.items():
+        if size == -1:
+            if devices % known:
+                raise ValueError(f"recipe mesh {described} does not fit {devices} GPUs: "
+                                 f"{devices} is not a multiple of {known}")
+            sizes[axis] = devices // known
+    if math.prod(sizes.values()) != devices:
+        raise ValueError(f"recipe mesh {described} needs {math.prod(sizes.values())} GPUs, "
+                         f"but --devices is {devices}: change --devices or --set mesh.<axis>=...")
+    batch_ways = sizes["data"] * sizes["fsdp"]
+    if devices > 1 and recipe.train.global_batch % batch_ways:
+        raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
+                         f"data x fsdp mesh size ({batch_ways}) on {devices} GPUs: "
+                         f"--set train.global_batch=...")
+    return sizes
+
+
+def planned_recipe(recipe: Recipe) -> tuple[Recipe, list[str]]:
+    """The recipe as it is compiled (attention cudnn -> flash), and warnings to show."""
+    impl = recipe.model.attention_impl
+    if impl == "cudnn":
+        return (dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention_impl="flash")),
+                ["attention: the recipe uses cuDNN attention, which cannot be compiled without cuDNN; "
+                 "planned with 'flash' (layers/flash_attention.py, also memory-linear in the sequence). "
+                 "Train with model.attention_impl=flash to run what was planned."])
+    if impl == "xla":
+        return recipe, ["attention: 'xla' materialises the [seq, seq] scores per head (memory quadratic "
+                        "in the sequence); --set model.attention_impl=flash for long sequences."]
+    return recipe, []
+
+
+def _check_toolchain() -> None:
+    from recipes.aot import plugin
+    reason = plugin.missing_reason()
+    if reason is not None:
+        raise ValueError("planning compiles the train step for the GPU without one, which needs the GPU "
+                         f"compiler plugin and the CUDA toolkit's ptxas:\n{reason}\n"
+                         f"plugin install command: {plugin.install_command_text()}")
+
+
+# --- the result -------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PlanRow:
+    """One candidate: its compile report (or error), FLOPs, times and verdict."""
+
+    candidate: Candidate
+    attention_impl: str
+    report: dict | None            # CompileReport.to_dict(); None when the compile failed
+    error: str | None
+    flops: dict
+    compute_s: float
+    compile_s: float
+    transfer_s: float | None = None  # host link time for the step's transfers; None when not compiled
+    fits: bool = False
+    why_not: str = ""              # "" when it fits
+    pick: bool = False
+
+    @property
+    def step_s(self) -> float | None:
+        """max(compute, transfer): the step if transfers overlap compute fully."""
+        return None if self.transfer_s is None else max(self.compute_s, self.transfer_s)
+
+    @property
+    def dropped_offload(self) -> bool:
+        """An offloading plan whose compiled step keeps no activation in host memory: XLA ignored it.
+
+        Offloaded activations live in host memory from the forward to the
+        backward pass: host *temp* buffers (S(5) in the HLO). Host-resident
+        optimizer state is a host *argument*, so it cannot mask a dropped offload.
+        """
+        return (self.report is not None and self.candidate.offloads_activations
+                and (self.report["host_buffer_count"] == 0 or self.report["host_temp_bytes"] == 0))
+
+    def to_dict(self) -> dict:
+        r = self.report or {}
+        return {
+            "plan": self.candidate.activations, "optimizer_state": self.candidate.optimizer_state,
+            "attention_impl": self.attention_impl, "pick": self.pick, "fits": self.fits,
+            "why_not": self.why_not, "error": self.error,
+            "hbm_bytes": r.get("hbm_bytes"), "host_bytes": r.get("host_bytes"),
+            "host_temp_bytes": r.get("host_temp_bytes"), "host_buffer_count": r.get("host_buffer_count"),
+            "device_to_host_bytes": r.get("device_to_host_bytes"),
+            "host_to_device_bytes": r.get("host_to_device_bytes"),
+            "transfer_s": self.transfer_s, "compute_s": self.compute_s, "step_s": self.step_s,
+            "flops": self.flops, "compile_s": self.compile_s, "report": self.report,
+        }
+
+
+@dataclasses.dataclass
+class Plan:
+    recipe: Recipe                 # as compiled (attention possibly switched to flash)
+    target: Any                    # recipes.aot.targets.GpuTarget
+    devices: int
+    mesh: dict
+    headroom: float
+    host_ram_bytes: float
+    rows: list[PlanRow]
+    warnings: list[str]
+    search: dict | None
+    timing: dict
+    full_codegen_check: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def hbm_limit_bytes(self) -> float:
+        return self.headroom * self.target.hbm_bytes
+
+    @property
+    def picked(self) -> PlanRow | None:
+        return next((row for row in self.rows if row.pick), None)
+
+    def judge(self) -> "Plan":
+        """Set every row's verdict against the limits, and the pick (in place; returns self)."""
+        for row in self.rows:
+            row.pick = False
+            if row.report is None:
+                row.fits, row.why_not = False, "compile failed"
+                continue
+            reasons = []
+            if row.report["hbm_bytes"] > self.hbm_limit_bytes:
+                reasons.append(f"HBM {row.report['hbm_bytes'] / GiB:.1f} > {self.hbm_limit_bytes / GiB:.1f} GiB")
+            host_total = row.report["host_bytes"] * self.devices
+            if host_total > self.host_ram_bytes:
+                reasons.append(f"host {host_total / GiB:.1f} > {self.host_ram_bytes / GiB:.1f} GiB")
+            if row.dropped_offload:
+                reasons.append("offload dropped: no activation in host memory in the compiled step")
+            row.fits, row.why_not = not reasons, "; ".join(reasons)
+        fitting = [row for row in self.rows if row.fits]
+        if fitting:
+            min(fitting, key=lambda row: (row.step_s, row.report["hbm_bytes"])).pick = True
+        return self
+
+    def rejudged(self, *, headroom: float | None = None, host_ram_bytes: float | None = None) -> "Plan":
+        """The same compiles judged against other limits (nothing is compiled again)."""
+        other = dataclasses.replace(
+            self, headroom=self.headroom if headroom is None else headroom,
+            host_ram_bytes=self.host_ram_bytes if host_ram_bytes is None else host_ram_bytes,
+            rows=[dataclasses.replace(row) for row in self.rows])
+        return other.judge()
+
+    def summary(self) -> dict:
+        r, t = self.recipe, self.target
+        return {
+            "recipe": r.name, "params": r.model.num_params(), "layers": r.model.num_layers,
+            "seq_len": r.data.seq_len, "global_batch": r.train.global_batch, "grad_accum": r.train.grad_accum,
+            "tokens_per_step": r.data.seq_len * r.train.global_batch,
+            "dtype": r.model.dtype, "param_dtype": r.model.param_dtype,
+            "attention_impl": r.model.attention_impl,
+            "target": t.name, "target_display_name": t.display_name, "devices": self.devices,
+            "mesh": self.mesh, "hbm_bytes_per_gpu": t.hbm_bytes, "headroom": self.headroom,
+            "hbm_limit_bytes": self.hbm_limit_bytes, "host_ram_bytes": self.host_ram_bytes,
+            "host_link": t.host_link, "host_link_bytes_per_s": t.host_link_bytes_per_s,
+            "peak_bf16_flops": t.peak_bf16_flops,
+        }
+
+    def to_dict(self) -> dict:
+        picked = self.picked
+        return {"summary": self.summary(), "warnings": self.warnings,
+                "plans": [row.to_dict() for row in self.rows],
+                "pick": None if picked is None else picked.candidate.to_dict(),
+                "search": self.search, "timing": self.timing,
+                "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
+
+
+ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
+               "Transfer time: the larger direction at the host link's per-direction rate. Compute time: "
+               "recipes/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
+               "max(compute, transfer): assumes transfers fully overlap compute.")
+
+
+# --- planning ---------------------------------------------------------------------
+
+def _row(candidate: Candidate, result: dict, recipe: Recipe, target, devices: int) -> PlanRow:
+    model = recipe.model
+    counted = flop_count.train_step_flops(model, recipe.train.global_batch, recipe.data.seq_len,
+                                          remat=candidate.activations, attention_impl=model.attention_impl)
+    row = PlanRow(candidate, model.attention_impl, result.get("report"), result.get("error"), counted.to_dict(),
+                  compute_s=counted.total / (devices * target.peak_bf16_flops),
+                  compile_s=result.get("seconds", 0.0))
+    if row.report is not None:
+        row.transfer_s = max(row.report["device_to_host_bytes"],
+                              row.report["host_to_device_bytes"]) / target.host_link_bytes_per_s
+    return row
+
+
+def compiler_options() -> dict | None:
+    """XLA options for the planner's compiles: fast code generation, unless SPILLWAY_PLAN_FULL_CODEGEN=1.
+
+    Memory figures come from buffer assignment and the optimised HLO, which
+    precede code generation; these options only make LLVM skip optimisations
+    and replace ptxas by a stand-in that writes no machine code.
+    """
+    if os.environ.get(FULL_CODEGEN_ENV, "") not in ("", "0"):
+        return None
+    from recipes.aot import plugin
+    options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+               "xla_gpu_disable_gpuasm_optimizations": True}
+    stand_in = _ptxas_stand_in(plugin.find_ptxas(), plugin.find_cuda_root())
+    if stand_in is not None:
+        options["xla_gpu_cuda_data_dir"] = str(stand_in)
+    return options
+
+
+def _ptxas_stand_in(real_ptxas: Path | None, cuda_root: Path | None) -> Path | None:
+    """A CUDA folder whose bin/ptxas answers version queries with the real one and writes no code.
+
+    XLA looks for ptxas and libdevice under --xla_gpu_cuda_data_dir first. The
+    folder links the real toolkit's nvvm/ (libdevice) and holds a script that
+    passes `--version` through (XLA picks PTX features by it) and otherwise
+    writes a placeholder to the `-o` file: a deviceless compile never loads it.
+    """
+    if real_ptxas is None or cuda_root is None:
+        return None
+    folder = Path(tempfile.gettempdir()) / f"spillway-ptxas-stand-in-{os.getuid()}"
+    script = folder / "bin" / "ptxas"
+    text = f"""#!/bin/sh
+# spillway plan: placeholder ptxas (see recipes/planner.py). Version queries go to the real one.
+for arg in "$@"; do
+  case "$arg" in --version|-V|--help) exec "{real_ptxas}" "$@";; esac
+done
+out=""; previous=""
+for arg in "$@"; do
+  [ "$previous" = "-o" ] && out="$arg"
+  case "$arg" in --output-file=*) out="${{arg#--output-file=}}";; esac
+  previous="$arg"
+done
+[ -n "$out" ] && printf 'spillway-plan: no machine code' > "$out"
+exit 0
+"""
+    try:
+        (folder / "bin").mkdir(parents=True, exist_ok=True)
+        if not script.exists() or script.read_text() != text:
+            temporary = script.with_suffix(f".{os.getpid()}")
+            temporary.write_text(text)
+            temporary.chmod(0o755)
+            temporary.replace(script)
+        nvvm = folder / "nvvm"
+        if not nvvm.exists():
+            try:
+                nvvm.symlink_to(cuda_root / "nvvm")
+            except FileExistsError:
+                pass
+    except OSError:
+        return None   # fall back to the real toolchain
+    return folder
+
+
+def _run_child(request: dict) -> dict:
+    from recipes.aot.subprocess_runner import run_in_compile_process
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spillway-plan-", delete=False) as f:
+        json.dump(request, f)
+        path = f.name
+    started = time.perf_counter()
+    try:
+        answer = run_in_compile_process("recipes.planner_child", [path], timeout_s=3600)
+    finally:
+        os.unlink(path)
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    # Python, JAX and the plugin starting, before the child's main() ran.
+    answer["startup_seconds"] = time.perf_counter() - started - answer["seconds"] + answer["setup_seconds"]
+    return answer
+
+
+def _search_request(recipe: Recipe, axis: str, mesh: dict, hbm_limit: float, host_ram: float,
+                    devices: int) -> dict:
+    if axis == "seq_len":
+        cap = recipe.model.max_seq_len
+        step = SEQ_SEARCH_STEP
+        # Small models (short caps, short recipes): a finer step, so the recipe's
+        # own length is on the grid and "none fits" means none.
+        while step > 16 and (cap < 4 * step or recipe.data.seq_len < step):
+            step //= 2
+    elif axis == "batch":
+        step = math.lcm(mesh["data"] * mesh["fsdp"], recipe.train.grad_accum)
+        cap = max(step, BATCH_SEARCH_CAP - BATCH_SEARCH_CAP % step)
+    else:
+        raise ValueError(f"--search must be seq_len or batch, got {axis!r}")
+    return {"axis": axis, "step": step, "cap": cap, "max_compiles_per_plan": MAX_COMPILES_PER_SEARCH,
+            "limits": {"hbm_bytes": hbm_limit, "host_bytes_per_device": host_ram / devices}}
+
+
+def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float = 0.9,
+         host_ram_gb: float | None = None, search: str | None = None,
+         plans: list[Candidate] | None = None, verify_full_codegen: int = 0) -> Plan:
+    """Compile the recipe's train step for every candidate on `devices` x `gpu`; rows and the pick.
+
+    host_ram_gb: RAM of the host for pinned memory, in GB (10^9 bytes); default
+    the target's per-GPU share times `devices`. plans: candidates to compile
+    (default `candidates(recipe)`). verify_full_codegen: also compile the first
+    N candidates exactly as for a run and record both figures
+    (Plan.full_codegen_check). ValueError for bad inputs (unknown GPU, mesh not
+    matching, toolchain missing), saying what to do.
+    """
+    from recipes.aot.targets import get_target
+
+    started = time.perf_counter()
+    target = get_target(gpu)
+    if not 0 < headroom <= 1:
+        raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
+    if host_ram_gb is not None and host_ram_gb <= 0:
+        raise ValueError(f"--host-ram-gb must be positive, got {host_ram_gb}")
+    mesh = resolve_mesh(recipe, devices)
+    compiled_recipe, warnings = planned_recipe(recipe)
+    host_ram = host_ram_gb * GB if host_ram_gb is not None else target.default_host_ram_bytes * devices
+    search_request = None if search is None else _search_request(
+        compiled_recipe, search, mesh, headroom * target.hbm_bytes, host_ram, devices)
+    todo = plans if plans is not None else candidates(compiled_recipe)
+    for candidate in todo:   # a bad spec is an error here, before any compile
+        RematPlan.parse(candidate.activations).resolve(compiled_recipe.model.num_layers)
+    _check_toolchain()
+    options = compiler_options()
+    answer = _run_child({"recipe": compiled_recipe.to_dict(), "target": target.name, "devices": devices,
+                         "candidates": [c.to_dict() for c in todo], "compiler_options": options,
+                         "verify_full_codegen": list(range(min(verify_full_codegen, len(todo)))),
+                         "search": search_request})
+    rows = [_row(c, result, compiled_recipe, target, devices) for c, result in zip(todo, answer["results"])]
+    result = Plan(compiled_recipe, target, devices, answer["mesh"], headroom, host_ram, rows, warnings,
+                  None, {}).judge()
+    for row in rows:
+        if row.dropped_offload:
+            warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
+                            f"none in host memory (XLA dropped the offload)")
+        if row.error:
+            warnings.append(f"{row.candidate.label}: compile failed: {row.error.splitlines()[0][:300]}")
+    for index, full in answer["full_codegen"].items():
+        fast = answer["results"][int(index)]
+        keys = ("hbm_bytes", "host_bytes", "temp_bytes", "host_temp_bytes", "host_buffer_count",
+                "device_to_host_bytes", "host_to_device_bytes")
+        result.full_codegen_check.append({
+            **todo[int(index)].to_dict(),
+            "fast": {k: fast["report"][k] for k in keys} if "report" in fast else fast.get("error"),
+            "full": {k: full["report"][k] for k in keys} if "report" in full else full.get("error"),
+            "fast_compile_s": fast.get("seconds"), "full_compile_s": full.get("seconds")})
+    if search_request is not None:
+        result.search = {**{k: v for k, v in search_request.items() if k != "limits"},
+                         "results": [{**c.to_dict(), **found} for c, found in zip(todo, answer["searches"])]}
+    result.timing = {
+        "total_s": time.perf_counter() - started, "child_s": answer["seconds"],
+        "child_startup_s": answer["startup_seconds"],
+        "compiles": len(todo) + len(answer["full_codegen"]) + sum(
+            found["compiles"] for found in (answer["searches"] or [])),
+        "jax_version": answer["jax_version"], "fast_codegen": options is not None}
+    return result
+
+
+def choose(result: Plan) -> PlanRow:
+    """The picked row, or ValueError with the numbers when no candidate fits."""
+    picked = result.picked
+    if picked is None:
+        raise ValueError(f"no offload plan fits {result.recipe.name} on {result.devices} x "
+                         f"{result.target.display_name}: " + _nothing_fits_numbers(result))
+    return picked
+
+
+# --- output -------------------------------------------------------------------------
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms >= 10 or ms == 0 else f"{ms:.3f}"
+
+
+def render(p: Plan) -> str:
+    s = p.summary()
+    t = p.target
+    lines = [
+        f"spillway plan: {s['recipe']} on {p.devices} x {t.display_name} (deviceless compile, "
+        f"jax {p.timing['jax_version']})",
+        f"  model      {s['params'] / 1e9:.3f}B params, {s['layers']} layers, {s['param_dtype']} weights, "
+        f"{s['dtype']} compute; attention {s['attention_impl']}",
+        f"  step       {s['global_batch']} x {s['seq_len']} = {s['tokens_per_step']} tokens/step "
+        f"(grad_accum {s['grad_accum']}); mesh " + " ".join(f"{k}={v}" for k, v in p.mesh.items()),
+        f"  limits     HBM {p.headroom:g} x {t.hbm_bytes / GiB:.1f} GiB = {p.hbm_limit_bytes / GiB:.1f} GiB per GPU; "
+        f"host RAM {p.host_ram_bytes / GiB:.1f} GiB for {p.devices} GPU(s)",
+        f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction; "
+        f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
+    ]
+    lines += [f"  warning    {w}" for w in p.warnings]
+    header = (f"  {'plan':36s} {'opt':6s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'xfer GB':>8s} "
+              f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s}  fits")
+    lines += ["", header, "  " + "-" * (len(header) - 2)]
+    for row in p.rows:
+        r = row.report or {}
+        moved = None if not r else (r["device_to_host_bytes"] + r["host_to_device_bytes"]) / GB
+        fits = "yes" if row.fits else f"no ({row.why_not})"
+        lines.append(
+            f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.optimizer_state:6s} "
+            f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
+            f"{'-' if moved is None else f'{moved:.2f}':>8s} "
+            f"{_ms(row.transfer_s):>8s} "
+            f"{_ms(row.compute_s):>8s} {_ms(row.step_s):>8s}  {fits}")
+    picked = p.picked
+    lines.append("")
+    if picked is None:
+        lines.append("  no plan fits: " + _nothing_fits_numbers(p))
+    else:
+        lines.append(f"  * pick: {picked.candidate.label} (fastest estimated step among the plans that fit)")
+    lines.append("  " + ASSUMPTIONS)
+    lines.append("  xfer GB: both directions together; HBM/host GiB per GPU (2^30 bytes).")
+    if p.search is not None:
+        lines += ["", *render_search(p)]
+    lines.append(f"  {p.timing['compiles']} compiles in {p.timing['total_s']:.1f} s "
+                 f"(compile process start-up {p.timing['child_startup_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def render_search(p: Plan) -> list[str]:
+    search = p.search
+    axis = search["axis"]
+    unit = "tokens" if axis == "seq_len" else "sequences"
+    lines = [f"  search: largest {axis} that fits, per plan (multiples of {search['step']} {unit}, "
+             f"cap {search['cap']})"]
+    header = f"  {'plan':36s} {'opt':6s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    best_baseline = max((r["best"] or 0 for r in search["results"]
+                         if Candidate(r["activations"], r["optimizer_state"]).no_offload), default=0)
+    for r in search["results"]:
+        notes = []
+        if r["at_cap"]:
+            notes.append("fits at the cap")
+        elif not r["resolved"]:
+            notes.append(f"unresolved between {r['best']} and {r['first_fail']}")
+        if r["errors"]:
+            notes.append(r["errors"][0].splitlines()[0][:120])
+        if Candidate(r["activations"], r["optimizer_state"]).no_offload:
+            notes.append("no offload")
+        elif best_baseline and r["best"]:
+            notes.append(f"{r['best'] / best_baseline:.1f}x the best without offload")
+        lines.append(f"  {r['activations']:36s} {r['optimizer_state']:6s} "
+                     f"{'none' if r['best'] is None else r['best']:>10} {r['compiles']:8d} {r['seconds']:8.1f}  "
+                     + "; ".join(notes))
+    return lines
+
+
+def _nothing_fits_numbers(p: Plan) -> str:
+    compiled = [row for row in p.rows if row.report is not None]
+    if not compiled:
+        return "every compile failed (see the warnings)"
+    smallest = min(compiled, key=lambda row: row.report["hbm_bytes"])
+    return (f"the smallest HBM is {smallest.report['hbm_bytes'] / GiB:.2f} GiB ({smallest.candidate.label}, "
+            f"host {smallest.report['host_bytes'] * p.devices / GiB:.2f} GiB) against a limit of "
+            f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({p.headroom:g} x {p.target.hbm_bytes / GiB:.2f} GiB "
+            f"{p.target.display_name}) and {p.host_ram_bytes / GiB:.2f} GiB host RAM; reduce data.seq_len or "
+            f"train.global_batch (or raise train.grad_accum), or use more GPUs")
+
+
+# --- entry points ---------------------------------------------------------------------
+
+def plan_command(args) -> int:
+    """`spillway plan`: print the table (or --json); exit 0 even when nothing fits (the table says so)."""
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe(args.recipe, args.set)
+    result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
+                  search=args.search)
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render(result))
+    return 0
+
+
+def apply_plan(recipe: Recipe, how: str = "auto", *, gpu: str = "h200", devices: int | None = None,
+               headroom: float = 0.9, host_ram_gb: float | None = None, echo=print) -> Recipe:
+    """The recipe with the picked plan's offload settings, or ValueError with the numbers if none fits."""
+    if how != "auto":
+        raise ValueError(f"--plan must be 'auto', got {how!r}")
+    if devices is None:
+        devices = _default_devices(recipe)
+    result = plan(recipe, gpu, devices, headroom=headroom, host_ram_gb=host_ram_gb)
+    picked = choose(result)
+    r = picked.report
+    echo(f"plan auto: {picked.candidate.label}: HBM {r['hbm_bytes'] / GiB:.2f} GiB of "
+         f"{result.hbm_limit_bytes / GiB:.2f} GiB, host {r['host_bytes'] / GiB:.2f} GiB per GPU, "
+         f"estimated step {picked.step_s * 1e3:.0f} ms on {devices} x {result.target.display_name} "
+         f"({result.timing['compiles']} compiles, {result.timing['total_s']:.0f} s)")
+    for warning in result.warnings:
+        echo(f"plan auto: warning: {warning}")
+    return dataclasses.replace(recipe, offload=dataclasses.replace(
+        recipe.offload, activations=picked.candidate.activations,
+        optimizer_state=picked.candidate.optimizer_state))
+
+
+def _default_devices(recipe: Recipe) -> int:
+    """The mesh's GPU count when fully given; else every device this process sees."""
+    sizes = (recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
+    if all(size > 0 for size in sizes):
+        return math.prod(sizes)
+    import jax
+    return jax.device_count()

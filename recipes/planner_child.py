@@ -1,0 +1,281 @@
+"""The planner's compile process: the recipe's train step compiled for a GPU target, once per candidate plan.
+
+Started by recipes/planner.py through `run_in_compile_process` (the GPU compiler
+plugin can only join a JAX process at backend start, so compiles happen here,
+never in the caller). One process compiles every candidate, so start-up (JAX,
+the plugin, the topology) is paid once.
+
+    python -m recipes.planner_child REQUEST.json
+
+The request (written by planner.py) holds the resolved recipe as a dict, the
+target name, the number of GPUs, the candidate plans (activation plan x
+optimizer-state placement) and optionally a search. For each candidate the
+recipe's offload settings are replaced, the train step is built abstractly
+(recipes.train.abstract_setup: the same make_train_step, shardings and
+donation as training; nothing allocated) on a mesh of compile-only GPUs and
+compiled; the answer is one JSON document with a CompileReport per candidate
+(or the error that candidate hit).
+
+Also in the request: `compiler_options` (XLA options for every compile: the
+planner's fast code generation, or None to compile as for a run) and
+`verify_full_codegen` (candidates to compile a second time with None, so the
+caller can compare the figures).
+
+Search (`"search": {"axis": "seq_len" | "batch", ...}`, `search_one`): per
+candidate, the largest data.seq_len or train.global_batch (a multiple of the
+request's step) that fits the request's limits. It starts from the compile at
+the recipe's own value, brackets the answer with powers of two (skipping those
+that a straight line through two fitting points says fit too), then narrows
+the bracket: a guess by linear interpolation of HBM between its ends, then the
+guess's neighbour (under affine HBM that pair closes the bracket), then a
+bisection, and again. HBM grows with both, so the answer is exact to the step;
+compiles per candidate are capped, and an unfinished search says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import jax
+
+from recipes.aot.subprocess_runner import serve_compile_process
+
+
+def _with_plan(recipe, candidate: dict):
+    from recipes.config import OffloadConfig
+    return dataclasses.replace(recipe, offload=OffloadConfig(activations=candidate["activations"],
+                                                             optimizer_state=candidate["optimizer_state"]))
+
+
+def _with_value(recipe, axis: str, value: int):
+    if axis == "seq_len":
+        return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, seq_len=value))
+    return dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, global_batch=value))
+
+
+def compile_step(recipe, mesh, compiler_options: dict | None = None):
+    """(CompileReport, build seconds) of `recipe`'s train step on `mesh` (compile-only GPUs).
+
+    `compiler_options` are XLA debug options for this compile only (the
+    planner's fast code generation, see recipes/planner.py); None compiles as
+    for a run.
+    """
+    from recipes.aot.compile import CompileReport
+    from recipes.train import abstract_setup, abstract_step_arguments
+
+    started = time.perf_counter()
+    s = abstract_setup(recipe, mesh, platform="cuda")
+    arguments = abstract_step_arguments(s)
+    built = time.perf_counter()
+    # The parameters carry concrete shardings on the compile-only mesh, so the
+    # call names its devices and needs no mesh context (recipes.aot.compile).
+    lowered = s.train_step.lower(*arguments)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile(compiler_options=compiler_options)
+    compiled_at = time.perf_counter()
+    report = CompileReport.from_compiled(
+        compiled, lower_seconds=lowered_at - built, compile_seconds=compiled_at - lowered_at,
+        device_kind=mesh.devices.flat[0].device_kind, num_devices=mesh.size)
+    return report, built - started
+
+
+def _attempt(recipe, mesh, compiler_options: dict | None) -> dict:
+    """One compile as a JSON-ready dict: the report, or the error it raised."""
+    started = time.perf_counter()
+    try:
+        report, built = compile_step(recipe, mesh, compiler_options)
+    except Exception as error:   # one failing candidate must not hide the others
+        return {"error": f"{type(error).__name__}: {error}"[:3000],
+                "seconds": time.perf_counter() - started}
+    return {"report": report.to_dict(), "build_seconds": built,
+            "seconds": time.perf_counter() - started}
+
+
+def _round_down(value: float, step: int) -> int:
+    return int(value // step) * step
+
+
+def _next_power_of_two_above(value: int) -> int:
+    return 1 << int(value).bit_length()
+
+
+def search_one(measure, start_value: int, start_point: dict | None, limits: dict, *,
+               step: int, cap: int, max_compiles: int) -> dict:
+    """Largest value (a multiple of `step`, <= cap) whose compile fits `limits`.
+
+    measure(value) -> {"hbm_bytes", "host_bytes", ...} compiles the step at
+    `value` (or raises). `start_point` is the compile at `start_value` already
+    made for the plan table (None if it failed); it costs nothing here.
+    Pure logic over `measure`, so tests can drive it with synthetic curves.
+    """
+    points: dict[int, dict] = {}
+
+    def fits(point: dict) -> bool:
+        return (point["hbm_bytes"] <= limits["hbm_bytes"]
+                and point["host_bytes"] <= limits["host_bytes_per_device"])
+
+    if start_point is not None:
+        points[start_value] = {**start_point, "fits": fits(start_point)}
+    compiles, started = 0, time.perf_counter()
+    errors: list[str] = []
+
+    def probe(value: int) -> bool | None:
+        """Whether `value` fits; None when out of compiles or the compile failed."""
+        nonlocal compiles
+        if value in points:
+            return points[value]["fits"]
+        if compiles >= max_compiles:
+            return None
+        compiles += 1
+        try:
+            point = measure(value)
+        except Exception as error:   # report it with the search, do not lose the other plans
+            errors.append(f"{value}: {type(error).__name__}: {error}"[:1000])
+            return None
+        points[value] = {**point, "fits": fits(point)}
+        return points[value]["fits"]
+
+    def predicted_limit(lo: int, hi: int) -> int | None:
+        """Where HBM, linear through the points at lo and hi, reaches the limit (None: not rising)."""
+        a, b = points[lo]["hbm_bytes"], points[hi]["hbm_bytes"]
+        if b <= a:
+            return None
+        return lo + _round_down((limits["hbm_bytes"] - a) / (b - a) * (hi - lo), step)
+
+    # 1. Bracket with powers of two: lo fits, hi does not.
+    first = min(cap, max(step, _round_down(start_value, step)))
+    lo = hi = None
+    ok = probe(first)
+    if ok:
+        lo = first
+        while lo < cap:
+            value = _next_power_of_two_above(lo)
+            previous = max((v for v in points if v < lo and points[v]["fits"]), default=None)
+            if previous is not None:
+                # Two fitting points: skip the powers of two that the trend says fit too.
+                guess = predicted_limit(previous, lo)
+                if guess is not None and guess >= value:
+                    value = _next_power_of_two_above(guess)
+            value = min(value, cap)
+            ok = probe(value)
+            if ok is None:
+                break
+            if ok:
+                lo = value
+            else:
+                hi = value
+                break
+    elif ok is False:
+        hi = first
+        value = _next_power_of_two_above(first) // (4 if first & (first - 1) == 0 else 2)
+        while value >= step:
+            ok = probe(value)
+            if ok is None:
+                break
+            if ok:
+                lo = value
+                break
+            hi = value
+            value //= 2
+
+    # 2. Narrow [lo, hi] to one step: interpolate, check the neighbour, bisect if that did not close it.
+    mode = "interpolate"
+    while lo is not None and hi is not None and hi - lo > step:
+        middle = lo + max(step, _round_down((hi - lo) // 2, step))
+        if mode == "interpolate":
+            guess = predicted_limit(lo, hi)
+            guess = middle if guess is None else min(max(guess, lo + step), hi - step)
+        elif mode == "neighbour_up":
+            guess = lo + step
+        elif mode == "neighbour_down":
+            guess = hi - step
+        else:
+            guess = middle
+        ok = probe(guess)
+        if ok is None:
+            break
+        if ok:
+            lo = guess
+        else:
+            hi = guess
+        if mode == "interpolate":
+            mode = "neighbour_up" if ok else "neighbour_down"
+        elif mode.startswith("neighbour"):
+            mode = "bisect"
+        else:
+            mode = "interpolate"
+
+    resolved = (lo is not None and (lo == cap or (hi is not None and hi - lo <= step))) or \
+        (lo is None and hi is not None and hi <= step)
+    return {
+        "best": lo,                 # largest value known to fit (None: none fits)
+        "first_fail": hi,           # smallest value known not to fit (None: none failed up to the cap)
+        "resolved": bool(resolved),
+        "at_cap": lo is not None and lo == cap,
+        "compiles": compiles,
+        "seconds": time.perf_counter() - started,
+        "points": {str(k): v for k, v in sorted(points.items())},
+        "errors": errors,
+    }
+
+
+def _measure(recipe, mesh, axis: str, compiler_options: dict | None):
+    """A `measure` for search_one: compile the step with `axis` set to the value."""
+    def measure(value: int) -> dict:
+        report, _ = compile_step(_with_value(recipe, axis, value), mesh, compiler_options)
+        return {"hbm_bytes": report.hbm_bytes, "host_bytes": report.host_bytes}
+    return measure
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    from layers.sharding import make_mesh
+    from recipes.aot.compile import gpu_topology
+    from recipes.config import Recipe
+
+    started = time.perf_counter()
+    with open(argv[0]) as f:
+        request = json.load(f)
+    recipe = Recipe.from_dict(request["recipe"])
+    options = request.get("compiler_options")
+    try:
+        topology = gpu_topology(request["target"], request["devices"])
+        mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor, devices=topology.devices)
+    except ValueError as error:
+        return {"error": str(error)}
+    ready = time.perf_counter()
+
+    plans = [_with_plan(recipe, candidate) for candidate in request["candidates"]]
+    results = [_attempt(planned, mesh, options) for planned in plans]
+
+    # The same candidates compiled exactly as for a run: the figures must not move.
+    full_codegen = {str(i): _attempt(plans[i], mesh, None) for i in request.get("verify_full_codegen", [])}
+
+    searches = None
+    search = request.get("search")
+    if search:
+        axis = search["axis"]
+        start_value = recipe.data.seq_len if axis == "seq_len" else recipe.train.global_batch
+        searches = []
+        for planned, result in zip(plans, results):
+            start = result.get("report")
+            start_point = None if start is None else {k: start[k] for k in ("hbm_bytes", "host_bytes")}
+            searches.append(search_one(_measure(planned, mesh, axis, options), start_value, start_point,
+                                       search["limits"], step=search["step"], cap=search["cap"],
+                                       max_compiles=search["max_compiles_per_plan"]))
+    return {
+        "jax_version": jax.__version__,
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "mesh": dict(mesh.shape),
+        "setup_seconds": ready - started,
+        "results": results,
+        "full_codegen": full_codegen,
+        "searches": searches,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+if __name__ == "__main__":
+    serve_compile_process(main)

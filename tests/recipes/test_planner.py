@@ -1,0 +1,354 @@
+"""`spillway plan`: the train step of a small scanned Llama compiled for an H200 without a GPU.
+
+One module fixture runs the planner once over every candidate plan (16
+compiles in one compile process, about a minute on 2 cores); every test that
+needs compiled figures reads that result, and the CLI tests replay it through
+`plan_command` / `apply_plan` without compiling again. The rest (FLOP counts,
+the seq_len search logic, input errors) needs no GPU compiler.
+
+Ground truth for offload (DESIGN.md section 3): an offloading plan must show
+activations in host memory in the compiled step (S(5) buffers and host temp
+bytes). A preset that XLA silently dropped fails here.
+
+Skipped only where the CUDA toolkit's ptxas/libdevice is missing; a missing
+plugin fails with the install command (`make test` installs it).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from layers import names
+from layers.offload import PRESETS, RematPlan
+from models.llama import Llama, llama_config
+from recipes import cli, flops, planner
+from recipes.aot import plugin
+from recipes.planner_child import search_one
+from recipes.registry import get_recipe
+from recipes.train import make_loss_fn
+
+needs_toolchain = pytest.mark.skipif(plugin.cuda_toolkit_missing_reason() is not None,
+                                     reason=f"no CUDA toolkit: {plugin.cuda_toolkit_missing_reason()}")
+
+# A Llama small enough to compile fast, with activations and optimizer state of
+# comparable size (tens of MB each), so that both kinds of offload show.
+SMALL_LLAMA = ["model.num_layers=4", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=2",
+               "model.mlp_hidden=1024", "model.vocab_size=1024", "model.max_seq_len=1024",
+               "model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.attention_impl=flash",
+               "model.flash_block_size=128", "data.seq_len=512", "train.global_batch=4"]
+
+
+def small_recipe(*extra):
+    return get_recipe("tiny", SMALL_LLAMA + list(extra))
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    reason = plugin.plugin_missing_reason()
+    if reason is not None:
+        pytest.fail(f"deviceless GPU compile tests need the compiler plugin: {reason}")
+    return planner.plan(small_recipe(), "h200", 1)
+
+
+def rows_by_key(result):
+    return {(row.candidate.activations, row.candidate.optimizer_state): row for row in result.rows}
+
+
+# --- candidates and inputs (no compile) ---------------------------------------------
+
+def test_candidates_are_every_preset_and_mix_times_both_state_placements():
+    recipe = small_recipe()
+    plans = planner.candidates(recipe)
+    activations = {c.activations for c in plans}
+    assert set(planner.PRESET_PLANS) <= activations
+    assert {"offload_dots:2,recompute_all", "save_dots:2,recompute_all"} <= activations
+    assert len(plans) == len(activations) * 2 == len(set(plans))
+    for spec in activations:
+        RematPlan.parse(spec).resolve(recipe.model.num_layers)   # all valid for the model
+    assert set(planner.PRESET_PLANS) <= set(PRESETS)
+
+
+def run_cli(argv, capsys):
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_unknown_gpu_lists_the_known_ones(capsys):
+    code, _, err = run_cli(["plan", "tiny", "--gpu", "rtx9090"], capsys)
+    assert code == 2
+    assert "unknown GPU target 'rtx9090'" in err and "h100" in err and "h200" in err
+
+
+def test_recipe_that_does_not_build_gives_the_config_error(capsys):
+    code, _, err = run_cli(["plan", "tiny", "--gpu", "h200", "--set", "model.num_heads=5"], capsys)
+    assert code == 2
+    assert "model.num_heads=5" in err and "num_heads (5) does not divide d_model (192)" in err
+
+
+def test_mesh_that_does_not_match_the_devices_is_refused(capsys):
+    code, _, err = run_cli(["plan", "tiny", "--devices", "2", "--set", "mesh.fsdp=1"], capsys)
+    assert code == 2
+    assert "needs 1 GPUs, but --devices is 2" in err
+    code, _, err = run_cli(["plan", "tiny", "--devices", "3", "--set", "mesh.data=2"], capsys)
+    assert code == 2 and "does not fit 3 GPUs" in err
+    with pytest.raises(ValueError, match="must be divisible by the data x fsdp mesh size"):
+        planner.resolve_mesh(small_recipe("train.global_batch=3"), 2)
+    assert planner.resolve_mesh(small_recipe(), 4) == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+def test_missing_plugin_names_the_install_command(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv(plugin.PLUGIN_DIR_ENV, str(tmp_path / "no-plugin-here"))
+    code, _, err = run_cli(["plan", "tiny", "--gpu", "h200"], capsys)
+    assert code == 2
+    assert plugin.install_command_text() in err
+
+
+def test_cudnn_attention_is_planned_with_flash_and_xla_warns():
+    recipe, warnings = planner.planned_recipe(small_recipe("model.attention_impl=cudnn"))
+    assert recipe.model.attention_impl == "flash" and "cuDNN" in warnings[0]
+    recipe, warnings = planner.planned_recipe(small_recipe("model.attention_impl=xla"))
+    assert recipe.model.attention_impl == "xla" and "materialises" in warnings[0]
+
+
+# --- the compiled plans ------------------------------------------------------------------
+
+@needs_toolchain
+def test_every_candidate_compiled_for_the_h200(small_plan):
+    assert [row.candidate for row in small_plan.rows] == planner.candidates(small_plan.recipe)
+    for row in small_plan.rows:
+        assert row.error is None, row.error
+        assert row.report["device_kind"] == "NVIDIA H200 141GB HBM3e"
+        assert row.attention_impl == "flash"
+
+
+@needs_toolchain
+def test_offloading_plans_keep_activations_in_host_memory(small_plan):
+    """The ground truth: S(5) buffers and host bytes for every plan that offloads, none otherwise."""
+    for row in small_plan.rows:
+        r = row.report
+        if row.candidate.offloads_activations:
+            assert r["host_buffer_count"] > 0, f"{row.candidate.label}: XLA dropped the offload"
+            assert r["host_temp_bytes"] > 0, f"{row.candidate.label}: no activation in host memory"
+            assert r["device_to_host_bytes"] > 0 and r["host_to_device_bytes"] > 0
+            assert not row.dropped_offload
+        else:
+            assert r["host_temp_bytes"] == 0, row.candidate.label
+        if row.candidate.optimizer_state == "host":
+            assert r["host_argument_bytes"] > 0 and r["host_buffer_count"] > 0, row.candidate.label
+        elif not row.candidate.offloads_activations:
+            assert r["host_bytes"] == 0 and r["host_buffer_count"] == 0, row.candidate.label
+
+
+@needs_toolchain
+def test_hbm_orders_as_the_policies_say(small_plan):
+    rows = rows_by_key(small_plan)
+    hbm = {key: row.report["hbm_bytes"] for key, row in rows.items()}
+    for state in planner.OPTIMIZER_STATES:
+        assert hbm["offload_dots", state] <= hbm["save_dots", state]
+        assert hbm["recompute_all", state] < hbm["save_all", state]
+        assert hbm["save_dots", state] < hbm["save_all", state]
+    for plan in planner.activation_plans(small_plan.recipe.model.num_layers):
+        assert hbm[plan, "host"] < hbm[plan, "device"], plan
+
+
+@needs_toolchain
+def test_transfers_and_times(small_plan):
+    for row in small_plan.rows:
+        moved = max(row.report["device_to_host_bytes"], row.report["host_to_device_bytes"])
+        assert row.transfer_s == pytest.approx(moved / small_plan.target.host_link_bytes_per_s)
+        assert row.step_s == max(row.compute_s, row.transfer_s)
+        expected = flops.train_step_flops(small_plan.recipe.model, 4, 512, remat=row.candidate.activations)
+        assert row.flops["total"] == pytest.approx(expected.total)
+    rows = rows_by_key(small_plan)
+    # Optimizer state in host memory: fp32 mu and nu, plus an fp32 master copy of each bf16
+    # parameter (the norm scales are fp32 and need none). It all crosses the link both ways.
+    model = nnx.eval_shape(lambda: Llama(small_plan.recipe.model, rngs=nnx.Rngs(0)))
+    state_bytes = sum(x.size * (12 if x.dtype == jnp.bfloat16 else 8)
+                      for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    for plan in planner.activation_plans(small_plan.recipe.model.num_layers):
+        report = rows[plan, "host"].report
+        assert report["host_argument_bytes"] == state_bytes
+        assert report["host_to_device_bytes"] >= state_bytes and report["device_to_host_bytes"] >= state_bytes
+    assert rows["recompute_all", "device"].flops["recompute"] > rows["save_dots", "device"].flops["recompute"] > 0
+    assert rows["save_all", "device"].flops["recompute"] == 0
+
+
+@needs_toolchain
+def test_pick_fits_and_is_the_fastest_that_fits(small_plan):
+    picked = small_plan.picked
+    assert picked is not None and picked.fits
+    assert sum(row.pick for row in small_plan.rows) == 1
+    assert picked.step_s == min(row.step_s for row in small_plan.rows if row.fits)
+    assert all(row.report["hbm_bytes"] <= small_plan.hbm_limit_bytes for row in small_plan.rows if row.fits)
+
+
+@needs_toolchain
+def test_nothing_fits_under_a_tiny_headroom_and_the_message_has_numbers(small_plan):
+    smallest = min(row.report["hbm_bytes"] for row in small_plan.rows)
+    tight = small_plan.rejudged(headroom=smallest * 0.5 / small_plan.target.hbm_bytes)
+    assert tight.picked is None and not any(row.fits for row in tight.rows)
+    with pytest.raises(ValueError, match=r"no offload plan fits .* smallest HBM is \d+\.\d+ GiB") as error:
+        planner.choose(tight)
+    assert f"{smallest / 2**30:.2f} GiB" in str(error.value)
+    # Host RAM is a limit too: with almost none, only plans without host memory fit.
+    no_host = small_plan.rejudged(host_ram_bytes=1)
+    assert {row.candidate.no_offload for row in no_host.rows if row.fits} == {True}
+
+
+@needs_toolchain
+def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
+    monkeypatch.setattr(planner, "plan", lambda *args, **kwargs: small_plan)
+    code, out, _ = run_cli(["plan", "tiny", "--gpu", "h200"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    for row in small_plan.rows:
+        assert any(line[2:].split()[:2] == [row.candidate.activations, row.candidate.optimizer_state]
+                   for line in lines), row.candidate.label
+    assert sum(line.startswith("* ") for line in lines) == 1
+    assert "H200" in out and "tokens/step" in out and "attention flash" in out
+    assert "assumes transfers fully overlap compute" in out
+
+    code, out, _ = run_cli(["plan", "tiny", "--gpu", "h200", "--json"], capsys)
+    document = json.loads(out)
+    assert code == 0
+    assert [(p["plan"], p["optimizer_state"]) for p in document["plans"]] == [
+        (row.candidate.activations, row.candidate.optimizer_state) for row in small_plan.rows]
+    assert document["pick"] == small_plan.picked.candidate.to_dict()
+    assert document["summary"]["params"] == small_plan.recipe.model.num_params()
+    assert document["summary"]["tokens_per_step"] == 4 * 512
+    for key in ("hbm_bytes", "host_bytes", "transfer_s", "compute_s", "step_s", "fits"):
+        assert all(key in p for p in document["plans"])
+
+
+@needs_toolchain
+def test_apply_plan_applies_the_pick_or_refuses(small_plan, monkeypatch):
+    calls = []
+
+    def replay(recipe, gpu, devices, **kwargs):
+        calls.append((gpu, devices, kwargs))
+        return small_plan
+    monkeypatch.setattr(planner, "plan", replay)
+    recipe = small_recipe()
+    planned = planner.apply_plan(recipe, "auto", gpu="h200", devices=1, echo=lambda *a: None)
+    assert planned.offload.activations == small_plan.picked.candidate.activations
+    assert planned.offload.optimizer_state == small_plan.picked.candidate.optimizer_state
+    assert planned.model == recipe.model and planned.data == recipe.data
+    assert calls[0][:2] == ("h200", 1)
+
+    tight = small_plan.rejudged(headroom=1e-6)
+    monkeypatch.setattr(planner, "plan", lambda *args, **kwargs: tight)
+    with pytest.raises(ValueError, match=r"no offload plan fits .*GiB"):
+        planner.apply_plan(recipe, "auto", gpu="h200", devices=1)
+
+
+@pytest.mark.slow
+@needs_toolchain
+def test_fast_codegen_gives_the_same_memory_figures():
+    """The planner skips LLVM optimisation and ptxas: memory must be what a full compile says."""
+    recipe = small_recipe()
+    result = planner.plan(recipe, "h200", 1, plans=[planner.Candidate("offload_dots", "host")],
+                          verify_full_codegen=1)
+    (check,) = result.full_codegen_check
+    assert check["fast"] == check["full"]
+
+
+@pytest.mark.slow
+@needs_toolchain
+def test_seq_len_search_finds_the_boundary():
+    recipe = small_recipe("data.seq_len=256", "model.max_seq_len=8192")
+    plans = [planner.Candidate("save_all", "device"), planner.Candidate("offload_dots", "host")]
+    result = planner.plan(recipe, "h200", 1, plans=plans, search="seq_len", headroom=0.002)
+    found = {r["activations"]: r for r in result.search["results"]}
+    assert found["offload_dots"]["best"] > found["save_all"]["best"]
+    for r in found.values():
+        assert r["resolved"]
+        points = {int(k): v for k, v in r["points"].items()}
+        assert points[r["best"]]["fits"]
+        if r["first_fail"] is not None:
+            assert not points[r["first_fail"]]["fits"] and r["first_fail"] - r["best"] == result.search["step"]
+
+
+# --- search logic (synthetic HBM curves, no compile) ----------------------------------
+
+@pytest.mark.parametrize("curve", ["affine", "convex", "step", "concave"])
+@pytest.mark.parametrize("boundary", [700, 5000, 9000, 49_999, 200_000])
+def test_search_is_exact_and_bounded(curve, boundary):
+    shapes = {"affine": lambda s: 1e6 + 2e3 * s,
+              "convex": lambda s: 1e6 + 2e3 * s + 0.05 * s * s,
+              "step": lambda s: 1e6 + 2e3 * s + (3e7 if s > 30_000 else 0),
+              "concave": lambda s: 1e6 + 6e5 * s ** 0.5}
+    hbm = shapes[curve]
+    limit = hbm(boundary)
+    measured = []
+
+    def measure(value):
+        measured.append(value)
+        return {"hbm_bytes": hbm(value), "host_bytes": 0}
+
+    result = search_one(measure, 8192, measure(8192), {"hbm_bytes": limit, "host_bytes_per_device": 1},
+                        step=1024, cap=131072, max_compiles=10)
+    truth = max((v for v in range(1024, 131073, 1024) if hbm(v) <= limit), default=None)
+    assert result["best"] == truth and result["resolved"]
+    assert result["compiles"] == len(measured) - 1 <= 10
+    assert all(v % 1024 == 0 for v in measured)
+    assert result["at_cap"] == (truth == 131072)
+
+
+def test_search_reports_compile_errors_and_stops():
+    def measure(value):
+        if value > 10_000:
+            raise RuntimeError("compiler fell over")
+        return {"hbm_bytes": value, "host_bytes": 0}
+
+    result = search_one(measure, 8192, measure(8192), {"hbm_bytes": 1e9, "host_bytes_per_device": 1},
+                        step=1024, cap=131072, max_compiles=10)
+    assert result["best"] == 8192 and not result["resolved"]
+    assert "compiler fell over" in result["errors"][0]
+
+
+# --- FLOP count against XLA's own ------------------------------------------------------
+
+@pytest.mark.parametrize("remat", ["save_all", "recompute_all"])
+def test_flop_count_matches_xla_cost_analysis_on_cpu(remat):
+    """recipes/flops.py against `cost_analysis()['flops']` of the CPU compile, within 2%.
+
+    One layer: XLA's cost analysis counts a while loop's body once, whatever its
+    trip count, so a scanned stack of L layers would read as one. Dense ("xla")
+    attention, whose every (query, key) pair XLA multiplies. The rest of the
+    difference is elementwise work flops.py leaves out (norms, RoPE, SiLU,
+    softmax, the loss): 0.7-0.9% here.
+    """
+    cfg = llama_config("tiny", vocab_size=512, d_model=256, num_layers=1, num_heads=4, num_kv_heads=2,
+                       mlp_hidden=768, max_seq_len=256, dtype="float32", attention_impl="xla", remat=remat)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    batch, seq = 2, 128
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+    loss_fn = make_loss_fn(graphdef)
+    forward_xla = jax.jit(loss_fn).lower(params, tokens).compile().cost_analysis()["flops"]
+    step_xla = jax.jit(jax.value_and_grad(loss_fn)).lower(params, tokens).compile().cost_analysis()["flops"]
+
+    counted = flops.train_step_flops(cfg, batch, seq, attention_impl="xla")
+    assert counted.forward == flops.forward_flops(cfg, batch, seq, attention="full")
+    assert forward_xla == pytest.approx(counted.forward, rel=0.02)
+    assert step_xla == pytest.approx(counted.total, rel=0.02)
+    assert (counted.recompute > 0) == (remat == "recompute_all")
+
+
+def test_recompute_follows_what_the_policy_keeps():
+    cfg = llama_config("llama3_1_8b", attention_impl="flash")
+    layer = flops.layer_flops(cfg, 1, 8192)
+    per_layer = {name: flops.recompute_per_layer(PRESETS[name], layer, "flash") for name in PRESETS}
+    assert per_layer["save_all"] == 0
+    # recompute_all re-runs the block forward except the down projection (its output is never read back).
+    assert per_layer["recompute_all"] == pytest.approx(layer.total - layer.mlp_out)
+    assert per_layer["offload_inputs"] == per_layer["recompute_all"]
+    # The dot presets keep the matmul outputs but not the flash kernel's logsumexp
+    # (flops.ATTN_LSE), so the attention forward still re-runs in the backward pass.
+    assert per_layer["save_dots"] == per_layer["offload_dots"] == pytest.approx(layer.attention)
+    assert flops.attention_pairs(8, causal=True) == 36 and flops.attention_pairs(8, causal=False) == 64
+    assert flops.attention_pairs(8, sliding_window=3) == 6 + 5 * 3
+    assert names.MLP_OUT in names.DOT_NAMES
