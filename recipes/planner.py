@@ -622,3 +622,21 @@ def _default_devices(recipe: Recipe) -> int:
         return math.prod(sizes)
     import jax
     return jax.device_count()
+
+
+def predict_cases(cases: dict[str, tuple[str, list[str]]], gpu: str = "h200", devices: int = 1) -> dict:
+    """Deviceless figures for named (recipe, --set overrides) cases, each compiled with its own plan.
+
+    For benchmarks/gpu_suite.py: the predictions a GPU run is compared with.
+    """
+    from recipes.registry import get_recipe
+
+    out = {}
+    for name, (recipe_name, overrides) in cases.items():
+        recipe = get_recipe(recipe_name, overrides)
+        candidate = Candidate(recipe.offload.activations, recipe.offload.optimizer_state)
+        row = plan(recipe, gpu, devices, plans=[candidate]).rows[0]
+        out[name] = {"error": row.error} if row.report is None else {
+            "hbm_bytes": row.report["hbm_bytes"], "host_bytes": row.report["host_bytes"],
+            "fits": row.fits, "compute_s": row.compute_s, "transfer_s": row.transfer_s}
+    return out

@@ -102,22 +102,11 @@ def build_model(recipe: Recipe, mesh, seed: int):
 
 
 def setup(recipe: Recipe, mesh=None) -> TrainSetup:
+    """Build the model in its shards and the jitted train step."""
     mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed)
     param_sh = jax.tree.map(lambda v: v.sharding, params)
-    opt_cfg = recipe.optimizer_config()
-    optimizer = Optimizer(opt_cfg, make_layouts(params, opt_cfg))
-    opt_sh = optimizer.state_shardings(param_sh)
-    batch_sh = batch_sharding(mesh)
-    if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
-        raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
-                         f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
-    donate = (0, 1) if donate_opt_state_ok() else (0,)
-    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum),
-                   in_shardings=(param_sh, opt_sh, batch_sh),
-                   out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=donate)
-    return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
+    return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
 
 
 def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetup:
@@ -126,26 +115,29 @@ def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetu
     For compiling the train step ahead of time (the planner compiles it for a GPU
     target on a mesh of compile-only devices, recipes/planner_child.py), where an
     8B model must never be built concretely. `platform` is the target's: it decides
-    donation as donate_opt_state_ok does at run time. Mirrors setup() step for
-    step (same parameter shardings as create_sharded, same jit options): keep the
-    two in step.
+    donation as donate_opt_state_ok does at run time.
     """
     cfg = recipe.model_config()
     graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(recipe.train.seed))))
     param_sh = state_shardings(abstract_state, mesh)
-    params = _abstract(abstract_state, param_sh)
-    opt_cfg = recipe.optimizer_config()
-    optimizer = Optimizer(opt_cfg, make_layouts(abstract_state, opt_cfg))
-    opt_sh = optimizer.state_shardings(param_sh)
-    batch_sh = batch_sharding(mesh)
+    return _assemble(recipe, mesh, graphdef, _abstract(abstract_state, param_sh), param_sh,
+                     donate_opt_state_ok(platform), layout_source=abstract_state)
+
+
+def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
+              layout_source=None) -> TrainSetup:
+    """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step."""
     if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
         raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
                          f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
-    donate = (0, 1) if donate_opt_state_ok(platform) else (0,)
+    opt_cfg = recipe.optimizer_config()
+    optimizer = Optimizer(opt_cfg, make_layouts(params if layout_source is None else layout_source, opt_cfg))
+    opt_sh = optimizer.state_shardings(param_sh)
+    batch_sh = batch_sharding(mesh)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=donate)
+                   donate_argnums=(0, 1) if donate_opt_state else (0,))
     return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
 
 

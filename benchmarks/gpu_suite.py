@@ -1,0 +1,161 @@
+"""The one prepared GPU benchmark: step time and measured peak HBM of real train steps, beside the
+deviceless prediction for the same step. One call, under 8 minutes on one H200, prints a table.
+
+    python -m benchmarks.gpu_suite --predict      # here, on a CPU machine: deviceless HBM predictions
+                                                  #   -> benchmarks/gpu_predictions.json (commit it)
+    python -m benchmarks.gpu_suite                # on the GPU machine: measure every case, print the table
+
+Each case runs in its own child process, so each peak is that case's alone
+(`memory_stats()["peak_bytes_in_use"]` cannot be reset). A case that runs out of
+memory is reported as OOM, not as a failure of the suite. Cases stop being
+started once the time budget is spent, and say so. Tokens are random: the
+GPU machine has no `datasets`, and data does not change step time or memory.
+
+Cases: Llama 3.2 1B and Llama 3.1 8B train steps at batch 1, sequence 8192,
+bf16 weights with fp32 master state, flash attention, under several activation
+plans, with the optimizer state on device and in pinned host memory (the step
+time overhead of host-resident state is the ratio of those two rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PREDICTIONS = Path(__file__).with_name("gpu_predictions.json")
+SEQ_LEN = 8192
+
+# name -> (recipe, activation plan, optimizer state)
+CASES = {
+    "1b/save_all/device": ("llama3_1b", "save_all", "device"),
+    "1b/recompute_all/device": ("llama3_1b", "recompute_all", "device"),
+    "1b/offload_dots/device": ("llama3_1b", "offload_dots", "device"),
+    "1b/recompute_all/host": ("llama3_1b", "recompute_all", "host"),
+    "8b/offload_dots/host": ("llama3_8b", "offload_dots", "host"),
+    "8b/recompute_all/host": ("llama3_8b", "recompute_all", "host"),
+    "8b/recompute_all/device": ("llama3_8b", "recompute_all", "device"),
+}
+
+
+def case_overrides(activations: str, optimizer_state: str) -> list[str]:
+    return [f"offload.activations={activations}", f"offload.optimizer_state={optimizer_state}",
+            "train.global_batch=1", f"data.seq_len={SEQ_LEN}", "mesh.fsdp=-1"]
+
+
+def measure_case(name: str, warmup: int = 2, timed: int = 5) -> dict:
+    """Child process: build, compile, run `timed` steps; step time and peak bytes."""
+    import jax
+    import numpy as np
+
+    from recipes.metrics import GPU_PEAK_FLOPS
+    from recipes.registry import get_recipe
+    from recipes.train import setup
+
+    recipe_name, activations, state = CASES[name]
+    recipe = get_recipe(recipe_name, case_overrides(activations, state))
+    t0 = time.perf_counter()
+    s = setup(recipe)
+    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
+    tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, (1, SEQ_LEN + 1), dtype=np.int32)
+    batch = jax.device_put(tokens, s.batch_sharding)
+    compiled = s.train_step.lower(s.params, opt_state, batch).compile()
+    m = compiled.memory_analysis()
+    compile_s = time.perf_counter() - t0
+    params = s.params
+    times = []
+    for i in range(warmup + timed):
+        start = time.perf_counter()
+        params, opt_state, metrics = compiled(params, opt_state, batch)
+        jax.block_until_ready((params, metrics))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    step_s = statistics.median(times)
+    peak = next((v for k, v in GPU_PEAK_FLOPS.items() if k in device.device_kind), float("nan"))
+    flops = recipe.model.flops_per_token(SEQ_LEN) * SEQ_LEN
+    return {"case": name, "device": device.device_kind, "jax": jax.__version__,
+            "compiled_hbm_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes, "host_temp_bytes": m.host_temp_size_in_bytes,
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "step_s": step_s,
+            "tokens_per_s": SEQ_LEN / step_s, "mfu": flops / step_s / peak, "compile_s": compile_s,
+            "loss": float(metrics["loss"])}
+
+
+def run_child(name: str, timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.gpu_suite", "--child", name]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                             cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        return {"case": name, "error": f"timeout after {timeout_s:.0f}s"}
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if out.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = out.stderr[-2000:]
+    kind = "OOM" if "RESOURCE_EXHAUSTED" in tail or "Out of memory" in tail else "error"
+    return {"case": name, "error": kind, "detail": tail.splitlines()[-1] if tail else ""}
+
+
+def predict() -> None:
+    """Deviceless predictions (HBM bytes per case for one H200) from the planner's compile process."""
+    from recipes.planner import predict_cases
+    cases = {name: (recipe, case_overrides(act, state)) for name, (recipe, act, state) in CASES.items()}
+    PREDICTIONS.write_text(json.dumps(predict_cases(cases, gpu="h200"), indent=2, sort_keys=True))
+    print(f"wrote {PREDICTIONS}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--predict", action="store_true", help="deviceless predictions (CPU machine)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this long")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    args = ap.parse_args()
+    if args.predict:
+        predict()
+        return 0
+    if args.child:
+        print(json.dumps(measure_case(args.child)), flush=True)
+        return 0
+
+    predictions = json.loads(PREDICTIONS.read_text()) if PREDICTIONS.exists() else {}
+    start = time.perf_counter()
+    rows = []
+    for name in args.cases.split(","):
+        left = args.budget_s - (time.perf_counter() - start)
+        if left < 30:
+            rows.append({"case": name, "error": "skipped (time budget)"})
+            continue
+        rows.append(run_child(name, timeout_s=left))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+    gib = 2**30
+    print(f"\n{'case':26s} {'predicted HBM':>13s} {'GPU-compiled':>12s} {'measured peak':>13s} {'peak/pred':>9s} "
+          f"{'step ms':>8s} {'tok/s':>8s} {'MFU':>6s}")
+    for r in rows:
+        pred = predictions.get(r["case"], {}).get("hbm_bytes")
+        if "error" in r:
+            print(f"{r['case']:26s} {(pred or 0) / gib:12.2f}G  {r['error']} {r.get('detail', '')[:80]}")
+            continue
+        ratio = r["peak_bytes_in_use"] / pred if pred and r["peak_bytes_in_use"] else float("nan")
+        print(f"{r['case']:26s} {(pred or float('nan')) / gib:12.2f}G {r['compiled_hbm_bytes'] / gib:11.2f}G "
+              f"{(r['peak_bytes_in_use'] or float('nan')) / gib:12.2f}G {ratio:9.3f} {r['step_s'] * 1e3:8.1f} "
+              f"{r['tokens_per_s']:8.0f} {r['mfu']:6.1%}")
+    by_case = {r["case"]: r for r in rows if "error" not in r}
+    for size in ("1b", "8b"):
+        dev, host = by_case.get(f"{size}/recompute_all/device"), by_case.get(f"{size}/recompute_all/host")
+        if dev and host:
+            print(f"{size}: host-resident optimizer state step time overhead: {host['step_s'] / dev['step_s']:.3f}x")
+    print(f"total {time.perf_counter() - start:.0f}s; {os.uname().nodename}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
