@@ -17,10 +17,6 @@ Sections (--sections, comma-separated):
   search      the longest sequence (multiple of 1024, up to --max-seq) that
               fits --headroom x HBM, for the plans without any offload and for
               the offloading ones (recipes/planner_child.search_one).
-  chunked_loss  a what-if for the search: the same step with the loss computed
-              over sequence chunks (the [seq, vocab] logits never exist whole;
-              each chunk's are recomputed in the backward pass). Not what
-              `spillway train` runs: it measures a proposed change.
   codegen     one plan compiled with the planner's fast code generation and
               exactly as for a run: the memory figures must agree.
 
@@ -45,7 +41,7 @@ from recipes.aot.subprocess_runner import prepare_compile_process  # noqa: E402 
 
 GiB = 2**30
 GB = 10**9
-SECTIONS = ("presets", "optimizer", "search", "chunked_loss", "codegen")
+SECTIONS = ("presets", "optimizer", "search", "codegen")
 SEARCH_HEADER = (f"{'activations / optimizer state':40s} {'longest':>8s} {'HBM there':>9s} {'compiles':>8s} "
                  f"{'seconds':>8s}   [seq:HBM GiB of each compile]")
 
@@ -63,7 +59,6 @@ def parse_args(argv=None):
     parser.add_argument("--search-plans", default="save_all/device,recompute_all/device,recompute_all/host,"
                         "offload_inputs/host,offload_dots/host,offload_dots/device",
                         help="ACTIVATIONS/OPTIMIZER_STATE pairs to search")
-    parser.add_argument("--loss-chunk", type=int, default=1024, help="tokens per loss chunk (chunked_loss)")
     parser.add_argument("--full-codegen", action="store_true",
                         help="compile exactly as for a run (default: the planner's fast code generation)")
     args = parser.parse_args(argv)
@@ -115,7 +110,7 @@ def compile_whole_state_variant(recipe, mesh, options):
                            is_leaf=lambda x: isinstance(x, LeafLayout))
     optimizer = Optimizer(s.optimizer.cfg, layouts)
     opt_sh = optimizer.state_shardings(s.param_shardings)
-    step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum),
+    step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk),
                    in_shardings=(s.param_shardings, opt_sh, s.batch_sharding),
                    out_shardings=(s.param_shardings, opt_sh, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0, 1))
@@ -127,76 +122,6 @@ def compile_whole_state_variant(recipe, mesh, options):
     compiled = lowered.compile(compiler_options=options)
     return CompileReport.from_compiled(compiled, lower_seconds=lowered_at - started,
                                        compile_seconds=time.perf_counter() - lowered_at)
-
-
-def make_chunked_loss_step(s, chunk: int):
-    """The train step of setup `s` with the cross-entropy computed `chunk` tokens at a time (what-if).
-
-    The model runs up to its final norm; a scan over sequence chunks then makes
-    each chunk's logits, its loss, and nothing else: the body is rematerialised
-    with nothing saved, so the backward pass recomputes one chunk's logits at a
-    time. Logits memory no longer grows with the sequence; the cost is one more
-    output-head matmul (2 * d_model * vocab FLOPs a token).
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from layers.block import BlockContext
-
-    graphdef, optimizer = s.graphdef, s.optimizer
-
-    def loss_fn(params, tokens_bt):
-        model = nnx.merge(graphdef, params)
-        inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
-        b, t = inputs_bt.shape
-        if t % chunk:
-            raise ValueError(f"sequence {t} is not a multiple of the loss chunk {chunk}")
-        positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
-        x_btd, _ = model.layers(model.embed(inputs_bt), BlockContext(positions_bt), None)
-        x_btd = model.final_norm(x_btd)
-        w_dv = model.embed.table[...].T if model.head is None else model.head.w[...]
-        dtype = x_btd.dtype
-        n = t // chunk
-        x_nbcd = x_btd.reshape(b, n, chunk, -1).swapaxes(0, 1)
-        y_nbc = targets_bt.reshape(b, n, chunk).swapaxes(0, 1)
-
-        @jax.checkpoint
-        def chunk_loss(x_bcd, y_bc):
-            logits_bcv = (x_bcd @ w_dv.astype(dtype)).astype(jnp.float32)
-            target_bc = jnp.take_along_axis(logits_bcv, y_bc[..., None], axis=-1)[..., 0]
-            return jnp.sum(jax.nn.logsumexp(logits_bcv, axis=-1) - target_bc)
-
-        total, _ = jax.lax.scan(lambda acc, xy: (acc + chunk_loss(*xy), None), jnp.float32(0), (x_nbcd, y_nbc))
-        return total / (b * t)
-
-    grad_fn = jax.value_and_grad(loss_fn)
-
-    def train_step(params, opt_state, tokens_bt):
-        loss, grads = grad_fn(params, tokens_bt)
-        params, opt_state, stats = optimizer.update(grads, opt_state, params)
-        return params, opt_state, {"loss": loss, **stats}
-
-    return jax.jit(train_step, in_shardings=(s.param_shardings, s.opt_state_shardings, s.batch_sharding),
-                   out_shardings=(s.param_shardings, s.opt_state_shardings, NamedSharding(s.mesh, PartitionSpec())),
-                   donate_argnums=(0, 1))
-
-
-def chunked_loss_measure(recipe, mesh, options, chunk: int):
-    """A search_one `measure`: HBM and host bytes of the chunked-loss step at a sequence length."""
-    from recipes.aot.compile import CompileReport
-    from recipes.train import abstract_setup, abstract_step_arguments
-
-    def measure(seq_len: int) -> dict:
-        planned = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, seq_len=seq_len))
-        s = abstract_setup(planned, mesh, platform="cuda")
-        step = make_chunked_loss_step(s, chunk)
-        compiled = step.lower(*abstract_step_arguments(s)).compile(compiler_options=options)
-        report = CompileReport.from_compiled(compiled)
-        return {"hbm_bytes": report.hbm_bytes, "host_bytes": report.host_bytes}
-
-    return measure
 
 
 def print_search(label: str, result: dict) -> None:
@@ -299,20 +224,6 @@ def main(argv=None) -> int:
         if baseline:
             print(f"longest without offload: {baseline}; best plan {best_pair}: {found[best_pair]['best']} "
                   f"= {(found[best_pair]['best'] or 0) / baseline:.1f}x (target >= 4x)")
-
-    if "chunked_loss" in args.sections:
-        limits = {"hbm_bytes": args.headroom * target.hbm_bytes,
-                  "host_bytes_per_device": target.default_host_ram_bytes}
-        print(f"\n[chunked_loss] what-if: loss over {args.loss_chunk}-token chunks; longest sequence that fits "
-              f"{limits['hbm_bytes'] / GiB:.1f} GiB (cap {args.max_seq})")
-        header = SEARCH_HEADER
-        print(header + "\n" + "-" * len(header))
-        for pair in args.search_plans.split(","):
-            activations, state = pair.split("/")
-            planned = with_offload(recipe, activations, state)
-            result = search_one(chunked_loss_measure(planned, mesh, options, args.loss_chunk), args.seq, None,
-                                limits, step=1024, cap=args.max_seq, max_compiles=10)
-            print_search(pair, result)
 
     if "codegen" in args.sections:
         print(f"\n[codegen] offload_dots / host compiled with fast and with full code generation")

@@ -142,11 +142,23 @@ class Llama(nnx.Module):
         if positions_bt is None:
             start = 0 if cache_index is None else cache_index
             positions_bt = jnp.broadcast_to(start + jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        x_btd, new_cache = self.hidden_states(tokens_bt, positions_bt, cache, cache_index)
+        logits_btv = self.logits(x_btd)
+        return logits_btv if cache is None else (logits_btv, new_cache)
+
+    def hidden_states(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: dict | None = None,
+                      cache_index: jax.Array | None = None):
+        """Final-normed hidden states [b, t, d] (and the cache): everything but the output head.
+
+        Split from `logits` so a loss can apply the head a chunk of tokens at a
+        time and never hold all [t, vocab] logits (recipes/train.py).
+        """
         x_btd = self.embed(tokens_bt)
         x_btd, new_cache = self.layers(x_btd, BlockContext(positions_bt, cache_index), cache)
-        x_btd = self.final_norm(x_btd)
-        logits_btv = self.embed.attend(x_btd) if self.head is None else self.head(x_btd)
-        return logits_btv if cache is None else (logits_btv, new_cache)
+        return self.final_norm(x_btd), new_cache
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        return self.embed.attend(x_btd) if self.head is None else self.head(x_btd)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
         """Zeroed KV cache for decoding: {"k", "v"}: [layers, batch, max_len, kv_heads, head_dim]."""

@@ -60,6 +60,7 @@ class TrainConfig:
     steps: int = 1000
     global_batch: int = 16                # sequences per optimizer step
     grad_accum: int = 1                   # micro-batches per step (global_batch % grad_accum == 0)
+    loss_chunk: int = 0                   # >0: apply the output head this many tokens at a time (saves HBM)
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100

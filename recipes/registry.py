@@ -70,7 +70,7 @@ def _gpu_recipe(name: str, preset: str, description: str, **model_overrides) -> 
         offload=OffloadConfig(activations="recompute_all", optimizer_state="device"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
         checkpoint=CheckpointConfig(every_steps=1000, keep=3),
-        train=TrainConfig(steps=100_000, global_batch=1, log_every=10, eval_every=1000),
+        train=TrainConfig(steps=100_000, global_batch=1, log_every=10, eval_every=1000, loss_chunk=1024),
     )
 
 

@@ -39,21 +39,52 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     return jnp.mean(log_z_bt - target_logit_bt)
 
 
-def make_loss_fn(graphdef):
+def chunked_cross_entropy(logits_fn, x_btd: jax.Array, targets_bt: jax.Array, chunk: int) -> jax.Array:
+    """cross_entropy(logits_fn(x), targets) computed `chunk` tokens at a time.
+
+    Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so
+    only one chunk's [b, chunk, vocab] float32 logits exist at once instead of
+    the whole sequence's (4.2 GB for 8192 tokens of a 128k vocabulary). Costs
+    one extra output-head matmul.
+    """
+    b, t, d = x_btd.shape
+    if t % chunk:
+        raise ValueError(f"train.loss_chunk ({chunk}) must divide the sequence length ({t})")
+
+    @jax.checkpoint
+    def chunk_loss_sum(x_bcd, targets_bc):
+        return cross_entropy(logits_fn(x_bcd), targets_bc) * targets_bc.size
+
+    def step(total, chunk_inputs):
+        return total + chunk_loss_sum(*chunk_inputs), None
+
+    x_nbcd = x_btd.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)
+    targets_nbc = targets_bt.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (x_nbcd, targets_nbc))
+    return total / targets_bt.size
+
+
+def make_loss_fn(graphdef, loss_chunk: int = 0):
+    """Mean next-token loss of a [batch, seq+1] token batch; `loss_chunk` > 0 applies the head in chunks."""
     def loss_fn(params, tokens_bt):
         model = nnx.merge(graphdef, params)
-        return cross_entropy(model(tokens_bt[:, :-1]), tokens_bt[:, 1:].astype(jnp.int32))
+        inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
+        if not loss_chunk or loss_chunk >= inputs_bt.shape[1]:
+            return cross_entropy(model(inputs_bt), targets_bt)
+        positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
+        x_btd, _ = model.hidden_states(inputs_bt, positions_bt)
+        return chunked_cross_entropy(model.logits, x_btd, targets_bt, loss_chunk)
     return loss_fn
 
 
-def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int):
+def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0):
     """(params, opt_state, tokens [batch, seq+1]) -> (params, opt_state, metrics).
 
     With grad_accum > 1 the batch is split into micro-batches whose gradients
     are summed in float32 by a scan, so activation memory is that of one
     micro-batch.
     """
-    loss_fn = make_loss_fn(graphdef)
+    loss_fn = make_loss_fn(graphdef, loss_chunk)
     grad_fn = jax.value_and_grad(loss_fn)
 
     def train_step(params, opt_state, tokens_bt):
@@ -134,7 +165,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     optimizer = Optimizer(opt_cfg, make_layouts(params if layout_source is None else layout_source, opt_cfg))
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
-    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum),
+    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0, 1) if donate_opt_state else (0,))
