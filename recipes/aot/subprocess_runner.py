@@ -95,6 +95,9 @@ def compile_process_env(base: Mapping[str, str] | None = None) -> dict[str, str]
     env["JAX_PLATFORMS"] = "cpu"
     env.update(_toolchain_env_updates(env))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # XLA's C++ warnings (e.g. "Can't reduce memory use below ... by rematerialization"
+    # for every plan that does not fit) would bury the table; the table says it.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
 
