@@ -29,7 +29,7 @@ class DataConfig:
     seq_len: int = 256
     val_fraction: float = 0.02
     cache_dir: str = ".cache/spillway"
-    num_proc: int = 2
+    num_proc: int = 1                     # tokenizing processes; >1 forks after JAX has started threads (warns)
     max_tokens: int | None = None         # cap on tokens taken from the source; required for streamed Hub sources
 
 
