@@ -31,11 +31,6 @@ import dataclasses
 from layers import names
 from layers.offload import OffloadPolicy, Placement, RematPlan
 
-# The flash kernel's logsumexp residual (layers/flash_attention.py); named
-# here to avoid importing JAX through that module.
-ATTN_LSE = "attn_lse"
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerFlops:
     """Forward FLOPs of one block for a whole batch, by the product that makes them."""
@@ -133,9 +128,9 @@ def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl
     recomputed when the policy keeps it nowhere:
 
       q, k, v (QKV)            the attention backward    -> the qkv projection
-      attention residuals      the attention backward    -> flash: o and lse
-                               (ATTN_CONTEXT, attn_lse); without both the
-                               kernel's forward re-runs. Dense attention: the
+      attention residuals      the attention backward    -> flash: o and lse, both
+                               tagged ATTN_CONTEXT; without them the kernel's
+                               forward re-runs. Dense attention: the
                                probabilities (never named) are always
                                recomputed from q, k; p v only if ATTN_CONTEXT
                                is not kept.
@@ -155,8 +150,8 @@ def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl
         flops += layer.qkv
     context_kept = _kept(policy, names.ATTN_CONTEXT)
     if attention_impl in ("flash", "cudnn"):
-        # Flash-style kernels need their own forward's output and logsumexp.
-        if not (context_kept and _kept(policy, ATTN_LSE)):
+        # Flash-style kernels need their own forward's output and logsumexp (one tag).
+        if not context_kept:
             flops += layer.attention
     else:
         flops += layer.attn_scores
