@@ -53,7 +53,7 @@ def measure_case(name: str, warmup: int = 2, timed: int = 5) -> dict:
     import jax
     import numpy as np
 
-    from recipes.metrics import GPU_PEAK_FLOPS
+    from recipes.metrics import peak_flops_per_device
     from recipes.registry import get_recipe
     from recipes.train import setup
 
@@ -78,7 +78,7 @@ def measure_case(name: str, warmup: int = 2, timed: int = 5) -> dict:
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     step_s = statistics.median(times)
-    peak = next((v for k, v in GPU_PEAK_FLOPS.items() if k in device.device_kind), float("nan"))
+    peak, _ = peak_flops_per_device()
     flops = recipe.model.flops_per_token(SEQ_LEN) * SEQ_LEN
     return {"case": name, "device": device.device_kind, "jax": jax.__version__,
             "compiled_hbm_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes

@@ -3,7 +3,7 @@
 `RunLogger` writes every logged step as one JSON line (metrics.jsonl) and as
 TensorBoard scalars (tb/), and draws loss.png at the end. Only process 0
 writes; other processes log nothing. MFU is model FLOPs per second over the
-device's peak: the target's published bf16 peak on GPUs, and on a CPU the
+device's peak: the target's published bf16 peak on GPUs (recipes/aot/targets.py), and on a CPU the
 measured rate of a large float32 matmul (so the figure means "fraction of what
 this machine's matmul can do").
 """
@@ -19,10 +19,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-# Dense bf16 peak per device for GPUs the train loop may meet (FLOP/s).
-GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "B200": 2.25e15}
-
 
 def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a float32 size^3 matmul on the default device (best of `repeats`)."""
@@ -40,10 +36,11 @@ def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
 def peak_flops_per_device() -> tuple[float, str]:
     device = jax.local_devices()[0]
     if device.platform == "gpu":
-        for name, flops in GPU_PEAK_FLOPS.items():
-            if name in device.device_kind:
-                return flops, f"{device.device_kind} bf16 peak"
-        return float("nan"), f"unknown GPU {device.device_kind}"
+        from recipes.aot.targets import target_for_device_kind  # the planner's GPU facts, one table
+        target = target_for_device_kind(device.device_kind)
+        if target is None:
+            return float("nan"), f"unknown GPU {device.device_kind}"
+        return target.peak_bf16_flops, f"{device.device_kind} bf16 peak"
     return measure_cpu_matmul_flops(), "measured CPU f32 matmul"
 
 

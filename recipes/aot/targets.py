@@ -220,6 +220,16 @@ ALIASES: Mapping[str, str] = {
 }
 
 
+def target_for_device_kind(device_kind: str) -> GpuTarget | None:
+    """The target whose GPU family a runtime `device.device_kind` names ("NVIDIA H200" -> h200), or None.
+
+    Families are matched by the first word of the display name, longest first,
+    so "GH200" is not taken for "H200".
+    """
+    by_family = sorted(TARGETS.values(), key=lambda t: -len(t.display_name.split()[0]))
+    return next((t for t in by_family if t.display_name.split()[0] in device_kind), None)
+
+
 def target_names() -> list[str]:
     """Names of the targets that compile."""
     return sorted(TARGETS)

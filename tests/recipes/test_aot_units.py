@@ -140,3 +140,11 @@ def test_install_never_replaces_a_folder_holding_other_files(monkeypatch, tmp_pa
     with pytest.raises(plugin.PluginInstallError, match="refusing"):
         plugin.install()
     assert (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_runtime_device_kinds_map_to_targets():
+    from recipes.aot.targets import target_for_device_kind
+    assert target_for_device_kind("NVIDIA H200").name == "h200"
+    assert target_for_device_kind("NVIDIA GH200 480GB").name == "gh200-96gb"  # not taken for H200
+    assert target_for_device_kind("NVIDIA A100-SXM4-80GB").peak_bf16_flops == 312e12
+    assert target_for_device_kind("Tesla V100-SXM2-32GB") is None
