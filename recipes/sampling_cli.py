@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from data import load_tokenizer
-from layers.sharding import make_mesh
+from layers.sharding import make_mesh, state_shardings
 from recipes.config import Recipe
 from recipes.generate import generate
 
@@ -26,7 +26,7 @@ def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tem
     import json
 
     from recipes.checkpoint import read_recipe_json, restore_params_only
-    from recipes.train import build_model
+    from recipes.train import abstract_model, abstract_with_shardings
 
     path = Path(path)
     if not path.exists():
@@ -35,9 +35,10 @@ def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tem
     ckpt = path if path != run_dir else run_dir / "checkpoints"
     recipe = Recipe.from_dict(json.loads(read_recipe_json(ckpt)))
     mesh = make_mesh(1, -1, 1, devices=jax.devices()[:1])
-    graphdef, params = build_model(recipe, mesh, seed=0)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
-    params, _ = restore_params_only(ckpt, abstract)
+    # Restore straight into the abstract model's shards: no random initialisation to throw away.
+    graphdef, abstract_state = abstract_model(recipe)
+    target = abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
+    params, _ = restore_params_only(ckpt, target)
     model = nnx.merge(graphdef, params)
     tokenizer = load_tokenizer(run_dir / "tokenizer.model")
     prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]

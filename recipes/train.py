@@ -148,11 +148,16 @@ def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetu
     8B model must never be built concretely. `platform` is the target's: it decides
     donation as donate_opt_state_ok does at run time.
     """
-    cfg = recipe.model_config()
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(recipe.train.seed))))
+    graphdef, abstract_state = abstract_model(recipe)
     param_sh = state_shardings(abstract_state, mesh)
-    return _assemble(recipe, mesh, graphdef, _abstract(abstract_state, param_sh), param_sh,
+    return _assemble(recipe, mesh, graphdef, abstract_with_shardings(abstract_state, param_sh), param_sh,
                      donate_opt_state_ok(platform), layout_source=abstract_state)
+
+
+def abstract_model(recipe: Recipe):
+    """(graphdef, parameter state of ShapeDtypeStructs with their metadata): the model, nothing allocated."""
+    cfg = recipe.model_config()
+    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(recipe.train.seed))))
 
 
 def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
@@ -177,13 +182,14 @@ def abstract_step_arguments(s: TrainSetup) -> tuple:
 
     Tokens are [global_batch, seq_len + 1] int32, as the loader delivers them.
     """
-    opt_state = _abstract(jax.eval_shape(s.optimizer.init, s.params), s.opt_state_shardings)
+    opt_state = abstract_with_shardings(jax.eval_shape(s.optimizer.init, s.params), s.opt_state_shardings)
     tokens = jax.ShapeDtypeStruct((s.recipe.train.global_batch, s.recipe.data.seq_len + 1), jnp.int32,
                                   sharding=s.batch_sharding)
     return s.params, opt_state, tokens
 
 
-def _abstract(tree, shardings):
+def abstract_with_shardings(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s arrays carrying `shardings`: targets for lowering and restoring."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
@@ -273,14 +279,16 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     step = 0
     latest = checkpointer.latest_step() if cfg.resume else None
     if latest is not None:
-        restored = checkpointer.restore(latest, abstract_params=_abstract(params, s.param_shardings),
-                                        abstract_opt_state=_abstract(opt_state, s.opt_state_shardings))
+        restored = checkpointer.restore(
+            latest, abstract_params=abstract_with_shardings(params, s.param_shardings),
+            abstract_opt_state=abstract_with_shardings(opt_state, s.opt_state_shardings))
         params, opt_state = restored["params"], restored["opt_state"]
         loader.restore(restored["loader_state"])
         step = int(restored["meta"]["step"])
         say(f"resumed from {run_dir / 'checkpoints'} at step {step}")
     elif recipe.checkpoint.init_from:
-        params, meta = restore_params_only(recipe.checkpoint.init_from, _abstract(params, s.param_shardings))
+        params, meta = restore_params_only(recipe.checkpoint.init_from,
+                                           abstract_with_shardings(params, s.param_shardings))
         say(f"fine-tuning from {recipe.checkpoint.init_from} (weights of step {meta.get('step')}); "
             f"fresh optimizer state and schedule")
 
