@@ -180,14 +180,14 @@ def main(argv=None) -> int:
         print(f"warning: {w}")
 
     if "presets" in args.sections:
-        print(f"\n[presets] activation presets, optimizer state on device (GiB per GPU; seconds)")
+        print("\n[presets] activation presets, optimizer state on device (GiB per GPU; seconds)")
         print(report_header("activations"))
         for name in PRESETS:
             report, _ = compile_step(with_offload(recipe, name, "device"), mesh, options)
             print(report_line(name, report), flush=True)
 
     if "optimizer" in args.sections:
-        print(f"\n[optimizer] optimizer state placement, activations recompute_all (GiB per GPU; seconds)")
+        print("\n[optimizer] optimizer state placement, activations recompute_all (GiB per GPU; seconds)")
         print(report_header("optimizer state"))
         device, _ = compile_step(with_offload(recipe, "recompute_all", "device"), mesh, options)
         print(report_line("device", device), flush=True)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                   f"= {(found[best_pair]['best'] or 0) / baseline:.1f}x (target >= 4x)")
 
     if "codegen" in args.sections:
-        print(f"\n[codegen] offload_dots / host compiled with fast and with full code generation")
+        print("\n[codegen] offload_dots / host compiled with fast and with full code generation")
         print(report_header("code generation"))
         planned = with_offload(recipe, "offload_dots", "host")
         fast, _ = compile_step(planned, mesh, planner.compiler_options())
