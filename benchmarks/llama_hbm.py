@@ -110,7 +110,8 @@ def compile_whole_state_variant(recipe, mesh, options):
                            is_leaf=lambda x: isinstance(x, LeafLayout))
     optimizer = Optimizer(s.optimizer.cfg, layouts)
     opt_sh = optimizer.state_shardings(s.param_shardings)
-    step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk),
+    step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk,
+                                   mesh),
                    in_shardings=(s.param_shardings, opt_sh, s.batch_sharding),
                    out_shardings=(s.param_shardings, opt_sh, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0, 1))

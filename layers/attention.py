@@ -25,8 +25,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from layers import names
+from layers.names import RESIDUAL_AXES
 from layers.params import normal, param
 from layers.rope import RopeScaling, apply_rope, inverse_frequencies
+from layers.sharding import constrain
+
+_Q_AXES = (names.BATCH, names.SEQ, names.ACT_HEADS, None)
+_KV_AXES = (names.BATCH, names.SEQ, names.ACT_KV_HEADS, None)
 
 IMPLEMENTATIONS = ("xla", "cudnn", "flash")
 
@@ -97,9 +102,9 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(self._project(x_btd, self.wq, self.bq), positions_bt, inv_freq)
         k_btkh = apply_rope(self._project(x_btd, self.wk, self.bk), positions_bt, inv_freq)
         v_btkh = self._project(x_btd, self.wv, self.bv)
-        q_btnh = checkpoint_name(q_btnh, names.QKV)
-        k_btkh = checkpoint_name(k_btkh, names.QKV)
-        v_btkh = checkpoint_name(v_btkh, names.QKV)
+        q_btnh = checkpoint_name(constrain(q_btnh, _Q_AXES), names.QKV)
+        k_btkh = checkpoint_name(constrain(k_btkh, _KV_AXES), names.QKV)
+        v_btkh = checkpoint_name(constrain(v_btkh, _KV_AXES), names.QKV)
 
         if cache is not None:
             k_bskh = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_btkh.astype(cache["k"].dtype), cache_index, 1)
@@ -111,9 +116,9 @@ class Attention(nnx.Module):
                                         positions_bt, kv_positions_bs)
         else:
             context_btnh = self._attend(q_btnh, k_btkh, v_btkh, None, None)
-        context_btnh = checkpoint_name(context_btnh, names.ATTN_CONTEXT)
+        context_btnh = checkpoint_name(constrain(context_btnh, _Q_AXES), names.ATTN_CONTEXT)
         out_btd = jnp.einsum("btnh,nhd->btd", context_btnh, self.wo[...].astype(self.dtype))
-        return checkpoint_name(out_btd, names.ATTN_OUT), cache
+        return checkpoint_name(constrain(out_btd, RESIDUAL_AXES), names.ATTN_OUT), cache
 
     def _attend(self, q_btnh, k_bskh, v_bskh, q_positions_bt, kv_positions_bs):
         if self.impl == "flash":

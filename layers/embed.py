@@ -7,7 +7,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import names
+from layers.names import RESIDUAL_AXES
 from layers.params import normal, param
+from layers.sharding import constrain
+
+_LOGITS_AXES = (names.BATCH, names.SEQ, names.ACT_VOCAB)
 
 
 class Embedding(nnx.Module):
@@ -18,11 +22,11 @@ class Embedding(nnx.Module):
         self.table = param(rngs, normal(init_std), (vocab_size, d_model), (names.VOCAB, names.EMBED), param_dtype)
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        return jnp.take(self.table[...], tokens_bt, axis=0).astype(self.dtype)
+        return constrain(jnp.take(self.table[...], tokens_bt, axis=0).astype(self.dtype), RESIDUAL_AXES)
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
         """Tied output head: logits = x @ table^T."""
-        return x_btd.astype(self.dtype) @ self.table[...].astype(self.dtype).T
+        return constrain(x_btd.astype(self.dtype) @ self.table[...].astype(self.dtype).T, _LOGITS_AXES)
 
 
 class LMHead(nnx.Module):
@@ -32,4 +36,4 @@ class LMHead(nnx.Module):
         self.w = param(rngs, normal(init_std), (d_model, vocab_size), (names.EMBED, names.VOCAB), param_dtype)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        return x_btd.astype(self.dtype) @ self.w[...].astype(self.dtype)
+        return constrain(x_btd.astype(self.dtype) @ self.w[...].astype(self.dtype), _LOGITS_AXES)

@@ -13,7 +13,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from layers import names
+from layers.names import RESIDUAL_AXES
 from layers.params import normal, param
+from layers.sharding import constrain
+
+_HIDDEN_AXES = (names.BATCH, names.SEQ, names.ACT_MLP)
 
 ACTIVATIONS = {
     "swiglu": jax.nn.silu,
@@ -41,10 +45,13 @@ class MLP(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x_btd = x_btd.astype(self.dtype)
         act = ACTIVATIONS[self.kind]
-        up_btf = checkpoint_name(x_btd @ self.w_up[...].astype(self.dtype), names.MLP_HIDDEN)
+        up_btf = checkpoint_name(constrain(x_btd @ self.w_up[...].astype(self.dtype), _HIDDEN_AXES),
+                                 names.MLP_HIDDEN)
         if self.kind in GATED:
-            gate_btf = checkpoint_name(x_btd @ self.w_gate[...].astype(self.dtype), names.MLP_HIDDEN)
+            gate_btf = checkpoint_name(constrain(x_btd @ self.w_gate[...].astype(self.dtype), _HIDDEN_AXES),
+                                       names.MLP_HIDDEN)
             hidden_btf = act(gate_btf) * up_btf
         else:
             hidden_btf = act(up_btf)
-        return checkpoint_name(hidden_btf @ self.w_down[...].astype(self.dtype), names.MLP_OUT)
+        out_btd = constrain(hidden_btf @ self.w_down[...].astype(self.dtype), RESIDUAL_AXES)
+        return checkpoint_name(out_btd, names.MLP_OUT)

@@ -33,3 +33,16 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 LAYERS = "layers"
 NORM = "norm"
+
+# Activation feature axes. Separate from the parameter axes because the two
+# shard differently: a weight's embed axis is split over "fsdp", but an
+# activation is split over the batch on "fsdp", and splitting its embed axis
+# too would leave each device a slice of d_model for the whole global batch.
+ACT_EMBED = "act_embed"
+ACT_HEADS = "act_heads"
+ACT_KV_HEADS = "act_kv_heads"
+ACT_MLP = "act_mlp"
+ACT_VOCAB = "act_vocab"
+
+# The residual stream [batch, seq, d_model] between and inside blocks.
+RESIDUAL_AXES = (BATCH, SEQ, ACT_EMBED)

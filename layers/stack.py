@@ -23,6 +23,7 @@ from flax import nnx
 from layers import names
 from layers.block import BlockConfig, BlockContext, TransformerBlock
 from layers.offload import OffloadPolicy, RematPlan
+from layers.sharding import constrain
 
 
 def tagged_names(closed_jaxpr) -> set[str]:
@@ -94,8 +95,12 @@ class BlockStack(nnx.Module):
     @staticmethod
     def _scan(graphdef, seg_state, x_btd, ctx, seg_cache, policy: OffloadPolicy):
         def body(x_btd, layer):
+            # The residual stream is pinned at the block boundary too, so a
+            # subclass's own forward() keeps the batch layout between blocks.
             layer_state, layer_cache = layer
-            return nnx.merge(graphdef, layer_state)(x_btd, ctx, layer_cache)
+            x_btd, layer_cache = nnx.merge(graphdef, layer_state)(constrain(x_btd, names.RESIDUAL_AXES), ctx,
+                                                                  layer_cache)
+            return constrain(x_btd, names.RESIDUAL_AXES), layer_cache
 
         if policy.remat:
             # prevent_cse=False: inside scan, CSE cannot merge the recompute away.

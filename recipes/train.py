@@ -22,7 +22,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from layers.sharding import batch_sharding, create_sharded, make_mesh, state_shardings
+from layers import names
+from layers.sharding import (activation_sharding, batch_sharding, constrain, create_sharded, make_mesh,
+                             state_shardings)
 from models.llama import Llama
 from recipes import distributed
 from recipes.config import Recipe
@@ -64,10 +66,19 @@ def chunked_cross_entropy(logits_fn, x_btd: jax.Array, targets_bt: jax.Array, ch
     return total / targets_bt.size
 
 
-def make_loss_fn(graphdef, loss_chunk: int = 0):
-    """Mean next-token loss of a [batch, seq+1] token batch; `loss_chunk` > 0 applies the head in chunks."""
+def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
+    """Mean next-token loss of a [batch, seq+1] token batch; `loss_chunk` > 0 applies the head in chunks.
+
+    With a `mesh`, the layers pin their activations to the batch sharding
+    while this is traced (layers.sharding.activation_sharding).
+    """
     def loss_fn(params, tokens_bt):
+        with activation_sharding(mesh):
+            return _loss(params, tokens_bt)
+
+    def _loss(params, tokens_bt):
         model = nnx.merge(graphdef, params)
+        tokens_bt = constrain(tokens_bt, (names.BATCH, None))
         inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
         if not loss_chunk or loss_chunk >= inputs_bt.shape[1]:
             return cross_entropy(model(inputs_bt), targets_bt)
@@ -77,21 +88,23 @@ def make_loss_fn(graphdef, loss_chunk: int = 0):
     return loss_fn
 
 
-def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0):
+def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0, mesh=None):
     """(params, opt_state, tokens [batch, seq+1]) -> (params, opt_state, metrics).
 
     With grad_accum > 1 the batch is split into micro-batches whose gradients
     are summed in float32 by a scan, so activation memory is that of one
-    micro-batch.
+    micro-batch. Micro-batch m takes rows m, m + grad_accum, ... so that every
+    device's shard of the batch holds rows of every micro-batch: each
+    micro-batch stays spread over all devices, with no reshuffle.
     """
-    loss_fn = make_loss_fn(graphdef, loss_chunk)
+    loss_fn = make_loss_fn(graphdef, loss_chunk, mesh)
     grad_fn = jax.value_and_grad(loss_fn)
 
     def train_step(params, opt_state, tokens_bt):
         if grad_accum == 1:
             loss, grads = grad_fn(params, tokens_bt)
         else:
-            micro_mbt = tokens_bt.reshape(grad_accum, -1, tokens_bt.shape[-1])
+            micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
 
             def accumulate(grad_sum, micro_bt):
                 loss, grads = grad_fn(params, micro_bt)
@@ -107,8 +120,8 @@ def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk:
     return train_step
 
 
-def make_eval_step(graphdef):
-    return make_loss_fn(graphdef)
+def make_eval_step(graphdef, mesh=None):
+    return make_loss_fn(graphdef, mesh=mesh)
 
 
 @dataclasses.dataclass
@@ -170,7 +183,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     optimizer = Optimizer(opt_cfg, make_layouts(params if layout_source is None else layout_source, opt_cfg))
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
-    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk),
+    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0, 1) if donate_opt_state else (0,))
@@ -300,7 +313,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     logger = RunLogger(run_dir, enabled=main)
     if main:
         tokenizer.save(run_dir / "tokenizer.model")  # `spillway generate RUN_DIR` needs it
-    eval_step = jax.jit(make_eval_step(s.graphdef), in_shardings=(s.param_shardings, s.batch_sharding))
+    eval_step = jax.jit(make_eval_step(s.graphdef, s.mesh), in_shardings=(s.param_shardings, s.batch_sharding))
     tokens_per_step = cfg.global_batch * packed.seq_len
     flops_per_step = recipe.model.flops_per_token(packed.seq_len) * tokens_per_step
     peak_flops, peak_source = peak_flops_per_device()

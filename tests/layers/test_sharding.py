@@ -1,4 +1,4 @@
-"""Sharding on 8 fake CPU devices: parameters follow the logical rules; a sharded step runs."""
+"""Sharding on 8 fake CPU devices: parameters and activations follow the logical rules; a sharded step runs."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from layers.sharding import batch_sharding, create_sharded, logical_to_spec, make_mesh
+from layers.sharding import activation_sharding, batch_sharding, constrain, create_sharded, logical_to_spec, make_mesh
 from models.llama import Llama, llama_config
 
 
@@ -71,4 +71,70 @@ def test_sharded_forward_and_backward_match_single_device(sharded_model):
     ref_loss, ref_grads = jax.jit(nnx.value_and_grad(loss_fn))(single, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(grads.layers.blocks.mlp.w_up.get_value(), ref_grads.layers.blocks.mlp.w_up.get_value(),
+                               rtol=1e-4, atol=1e-6)
+
+
+def _constraint_specs(fn, *args):
+    """PartitionSpecs of every sharding_constraint in fn's jaxpr (sub-jaxprs included)."""
+    import jax.extend.core as jex_core
+    found = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "sharding_constraint":
+                found.append(eqn.params["sharding"].spec)
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_constrain_is_a_no_op_without_a_mesh_and_checks_the_rank():
+    x = jnp.ones((4, 6, 8))
+    assert _constraint_specs(lambda x: constrain(x, ("batch", "seq", "act_embed")), x) == []
+    with activation_sharding(make_mesh(2, 2, 2)):
+        with pytest.raises(ValueError, match="do not match an activation of shape"):
+            constrain(x, ("batch", "act_embed"))
+
+
+def test_activations_are_split_over_the_batch_not_over_d_model(sharded_model):
+    """Inside activation_sharding the residual stream is batch-sharded over data x fsdp, heads and
+    MLP hidden over tensor: never the weights' fsdp-on-embed layout."""
+    model, mesh = sharded_model
+    tokens = jnp.zeros((4, 12), jnp.int32)
+
+    def forward(model, tokens):
+        with activation_sharding(mesh):
+            return model(tokens)
+
+    specs = _constraint_specs(forward, model, tokens)
+    residual = P(("data", "fsdp"), None, None)
+    # embedding, block input and output (the scanned body is traced once), attention out, MLP out
+    assert specs.count(residual) == 5, specs
+    assert P(("data", "fsdp"), None, "tensor") in specs          # MLP hidden (96 / 2) and logits
+    assert P(("data", "fsdp"), None, "tensor", None) in specs    # query heads (4 / 2)
+    assert all("fsdp" not in (spec[-1] or ()) for spec in specs), "an activation's feature axis on fsdp"
+
+
+def test_forward_and_backward_with_activation_constraints_match_single_device(sharded_model):
+    model, mesh = sharded_model
+    tokens = jax.random.randint(jax.random.key(1), (4, 13), 0, 130)
+
+    def loss_fn(model, tokens):
+        with activation_sharding(mesh):
+            logits = model(tokens[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    loss, grads = jax.jit(nnx.value_and_grad(loss_fn))(model, jax.device_put(tokens, batch_sharding(mesh)))
+    local = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), nnx.state(model))
+    single = nnx.merge(nnx.graphdef(model), local)
+
+    def plain_loss(model, tokens):
+        logits = model(tokens[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    ref_loss, ref_grads = jax.jit(nnx.value_and_grad(plain_loss))(single, tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grads.layers.blocks.attn.wq.get_value(), ref_grads.layers.blocks.attn.wq.get_value(),
                                rtol=1e-4, atol=1e-6)

@@ -245,6 +245,29 @@ def test_apply_plan_applies_the_pick_or_refuses(small_plan, monkeypatch):
         planner.apply_plan(recipe, "auto", gpu="h200", devices=1)
 
 
+@needs_toolchain
+def test_per_gpu_activation_memory_stays_flat_as_gpus_and_batch_grow():
+    """One sequence per GPU: per-GPU activation bytes must not grow with the GPU count.
+
+    Regression: without activation sharding constraints XLA copied the
+    weights' layout (embed split over fsdp) onto the activations, so each GPU
+    held a d_model slice of the whole global batch and temp grew ~linearly
+    with the device count (save_all 819 GiB per GPU planned for 8 H100s).
+    """
+    plans = [planner.Candidate("save_all", "device"), planner.Candidate("offload_dots", "device")]
+    per_gpu = {}
+    for devices in (2, 8):
+        result = planner.plan(small_recipe("model.d_model=512", "model.num_heads=8", "model.num_kv_heads=8",
+                                           f"train.global_batch={devices}", "data.seq_len=1024"),
+                              "h100", devices, plans=plans)
+        per_gpu[devices] = {row.candidate.activations: row.report for row in result.rows}
+    for activations in ("save_all", "offload_dots"):
+        two, eight = per_gpu[2][activations], per_gpu[8][activations]
+        assert eight["temp_bytes"] <= 1.2 * two["temp_bytes"], (activations, two["temp_bytes"], eight["temp_bytes"])
+    assert per_gpu[8]["offload_dots"]["host_bytes"] <= 1.05 * per_gpu[2]["offload_dots"]["host_bytes"]
+    assert per_gpu[8]["offload_dots"]["host_bytes"] > 0
+
+
 @pytest.mark.slow
 @needs_toolchain
 def test_fast_codegen_gives_the_same_memory_figures():
