@@ -106,7 +106,8 @@ def compile_whole_state_variant(recipe, mesh, options):
     from recipes.train import abstract_setup, abstract_step_arguments, make_train_step
 
     s = abstract_setup(recipe, mesh, platform="cuda")
-    layouts = jax.tree.map(lambda layout: dataclasses.replace(layout, stacked=False), s.optimizer.layout_tree,
+    layouts = jax.tree.map(lambda layout: dataclasses.replace(layout, stacked=False, stream_axis=None),
+                           s.optimizer.layout_tree,
                            is_leaf=lambda x: isinstance(x, LeafLayout))
     optimizer = Optimizer(s.optimizer.cfg, layouts)
     opt_sh = optimizer.state_shardings(s.param_shardings)

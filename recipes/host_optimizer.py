@@ -13,6 +13,11 @@ the state through HBM one layer at a time, so HBM only ever holds a layer or two
         write back(layer i)             HBM -> host, dynamic_update_slice into the host buffer
     update + write back(layer L-1)      nothing left to prefetch
 
+A large leaf outside the stack (Llama 3 8B's embedding and head: 5.9 GiB of
+state each) goes the same way in pieces of rows along an axis its sharding
+does not split (`stream_leaf_update`, pieces of at most PIECE_ELEMENTS), one
+leaf after the other; small leaves (norm scales) visit HBM whole.
+
 The prefetched slices travel in the loop carry (double buffering). `lax.scan`
 over the layer axis measured worse (DESIGN.md section 5: 6.1 GB against 4.5 GB,
 plus a host temp the size of the state), hence `fori_loop` + `dynamic_slice` +
@@ -21,7 +26,7 @@ plus a host temp the size of the state), hence `fori_loop` + `dynamic_slice` +
 What XLA (jaxlib 0.10.2, H200 target) makes of it, read from the compiled HLO:
 the slice copies become async `dynamic-slice-start/done` (host -> HBM) and
 `dynamic-update-slice-start/done` (HBM -> host) fusions; with the barrier in
-`stream_stacked_update` the update of layer i runs inside the window of the
+`stream_update` the update of layer i runs inside the window of the
 prefetch of layer i+1 (at most two copies in flight: with a master copy, two of
 the three prefetches overlap). The write-back of layer i is ordered after that
 prefetch, so the two link directions do not overlap each other. Double
@@ -51,6 +56,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# Largest piece of a non-stacked leaf streamed through HBM, in elements: 64 Mi
+# elements is 256 MiB per fp32 state array, about one layer of the largest
+# stacked Llama 3 8B leaf (4096 x 14336), so non-stacked leaves never set a
+# higher peak than the layer loop does.
+PIECE_ELEMENTS = 1 << 26
+
 # (grad piece, param piece, state pieces on device) -> (new param piece, new state pieces on device)
 PieceUpdate = Callable[[jax.Array, jax.Array, tuple[jax.Array, ...]], tuple[jax.Array, tuple[jax.Array, ...]]]
 
@@ -65,62 +76,69 @@ def to_host(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Host)
 
 
-def _layer(x: jax.Array, i) -> jax.Array:
-    # keepdims-style slice [1, ...]: the piece keeps the leaf's rank, so the
-    # leaf's PartitionSpec (layer axis unsharded) applies to it unchanged.
-    return lax.dynamic_slice_in_dim(x, i, 1, axis=0)
-
-
-def _put_layer(x: jax.Array, piece: jax.Array, i) -> jax.Array:
-    return lax.dynamic_update_slice_in_dim(x, piece, i, axis=0)
-
-
-def stream_stacked_update(
+def stream_update(
     update_fns: Sequence[PieceUpdate],
     grads: Sequence[jax.Array],
     params: Sequence[jax.Array],
     host_states: Sequence[tuple[jax.Array, ...]],
     *,
+    axis: int = 0,
+    piece: int = 1,
     prefetch: bool = True,
 ) -> tuple[list[jax.Array], list[tuple[jax.Array, ...]]]:
-    """Update stacked leaves layer by layer, streaming their host state through device memory.
+    """Update leaves piece by piece along `axis`, streaming their host state through device memory.
 
-    All leaves share the leading layer axis of length L. `grads[k]` and
-    `params[k]` are in device memory, `host_states[k]` is a tuple of host
-    arrays (e.g. mu, nu, master), each [L, ...]. `update_fns[k]` updates one
-    layer of leaf k. Returns (new params, new host states), same layout.
+    Stacked leaves go a layer at a time (axis 0, piece 1, the defaults); a
+    large non-stacked leaf (embedding, head) goes `piece` rows at a time
+    along an axis its sharding does not split. All leaves share
+    shape[axis], a multiple of `piece`. `grads[k]` and `params[k]` are in
+    device memory, `host_states[k]` is a tuple of host arrays (e.g. mu, nu,
+    master) of the param's shape. `update_fns[k]` updates one piece of leaf k
+    (elementwise, so any piece will do). Returns (new params, new host
+    states), same layout.
     """
-    num_layers = params[0].shape[0]
-    if any(p.shape[0] != num_layers for p in params) or any(
-            s.shape[0] != num_layers for states in host_states for s in states):
-        raise ValueError("stream_stacked_update needs every leaf to share the layer axis length "
-                         f"{num_layers}; got {[p.shape for p in params]}")
+    length = params[0].shape[axis]
+    if any(p.shape[axis] != length for p in params) or any(
+            s.shape[axis] != length for states in host_states for s in states):
+        raise ValueError(f"stream_update needs every leaf to share the length of axis {axis} "
+                         f"({length}); got {[p.shape for p in params]}")
+    if piece <= 0 or length % piece:
+        raise ValueError(f"stream_update: piece {piece} must divide the axis length {length}")
+    num_pieces = length // piece
+
+    def _piece(x: jax.Array, i) -> jax.Array:
+        # keepdims-style slice: the piece keeps the leaf's rank, so the leaf's
+        # PartitionSpec (this axis unsharded) applies to it unchanged.
+        return lax.dynamic_slice_in_dim(x, i * piece, piece, axis=axis)
+
+    def _put_piece(x: jax.Array, new_piece: jax.Array, i) -> jax.Array:
+        return lax.dynamic_update_slice_in_dim(x, new_piece, i * piece, axis=axis)
 
     def fetch(states, i):
-        return [tuple(to_device(_layer(s, i)) for s in leaf_states) for leaf_states in states]
+        return [tuple(to_device(_piece(s, i)) for s in leaf_states) for leaf_states in states]
 
-    def compute_layer(i, params, on_device):
-        """The update of layer i, on device; returns new param pieces and new state pieces."""
-        return [fn(_layer(g, i), _layer(p, i), leaf_dev)
+    def compute_piece(i, params, on_device):
+        """The update of piece i, on device; returns new param pieces and new state pieces."""
+        return [fn(_piece(g, i), _piece(p, i), leaf_dev)
                 for fn, g, p, leaf_dev in zip(update_fns, grads, params, on_device)]
 
-    def write_layer(i, params, states, results):
+    def write_piece(i, params, states, results):
         new_params, new_states = [], []
         for p, leaf_states, (new_p, new_dev) in zip(params, states, results):
-            new_params.append(_put_layer(p, new_p.astype(p.dtype), i))
-            new_states.append(tuple(_put_layer(s, to_host(d.astype(s.dtype)), i)
+            new_params.append(_put_piece(p, new_p.astype(p.dtype), i))
+            new_states.append(tuple(_put_piece(s, to_host(d.astype(s.dtype)), i)
                                     for s, d in zip(leaf_states, new_dev)))
         return new_params, new_states
 
-    def update_layer(i, params, states, on_device):
-        return write_layer(i, params, states, compute_layer(i, params, on_device))
+    def update_piece(i, params, states, on_device):
+        return write_piece(i, params, states, compute_piece(i, params, on_device))
 
     def body(i, carry):
         params, states, current = carry
         # Issued before the update of layer i and independent of it: the copy
         # that can overlap the update. It reads row i+1 of the host buffers.
         upcoming = fetch(states, i + 1)
-        results = compute_layer(i, params, current)
+        results = compute_piece(i, params, current)
         # The write-back below updates row i of the same host buffers in
         # place. XLA cannot tell rows i and i+1 apart; without an order
         # between the prefetch's read and that write it copies every host
@@ -130,24 +148,57 @@ def stream_stacked_update(
         new_states = [new_dev for _, new_dev in results]
         upcoming, new_states, states = lax.optimization_barrier((upcoming, new_states, states))
         results = [(new_p, new_dev) for (new_p, _), new_dev in zip(results, new_states)]
-        params, states = write_layer(i, params, states, results)
+        params, states = write_piece(i, params, states, results)
         return params, states, upcoming
 
     if not prefetch:
         def body_without_prefetch(i, carry):
             params, states = carry
-            return update_layer(i, params, states, fetch(states, i))
-        return lax.fori_loop(0, num_layers, body_without_prefetch, (list(params), list(host_states)))
+            return update_piece(i, params, states, fetch(states, i))
+        return lax.fori_loop(0, num_pieces, body_without_prefetch, (list(params), list(host_states)))
 
     carry = (list(params), list(host_states), fetch(host_states, 0))
-    params_out, states_out, last = lax.fori_loop(0, num_layers - 1, body, carry)
-    return update_layer(num_layers - 1, params_out, states_out, last)
+    params_out, states_out, last = lax.fori_loop(0, num_pieces - 1, body, carry)
+    return update_piece(num_pieces - 1, params_out, states_out, last)
+
+
+def stream_leaf_update(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
+                       host_state: tuple[jax.Array, ...], *, axis: int, piece: int, after: Any = None,
+                       prefetch: bool = True) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """A non-stacked host leaf streamed in pieces of `piece` rows along `axis`.
+
+    `after`: the new host state of the previous leaf updated this way (or
+    None); this leaf's state starts moving only once that exists, so the
+    loops of two leaves never hold HBM at the same time. Whole, Llama 3 8B's
+    embedding or head state is 5.9 GiB in HBM at once (mu, nu and master, fp32,
+    128256 x 4096); in 8 pieces of 16,032 rows it is 0.73 GiB a piece
+    (twice that while the next piece is prefetched).
+    """
+    if after is not None:
+        host_state, _ = lax.optimization_barrier((tuple(host_state), after))
+    (new_p,), (new_state,) = stream_update([update_fn], [grad], [param], [tuple(host_state)],
+                                           axis=axis, piece=piece, prefetch=prefetch)
+    return new_p, new_state
+
+
+def piece_rows(shape: Sequence[int], axis: int, max_elements: int) -> int:
+    """Rows per piece along `axis`: the largest divisor of shape[axis] whose piece has <= max_elements.
+
+    At least one row, whatever its size.
+    """
+    length = shape[axis]
+    row_elements = math.prod(shape) // length if length else 0
+    best = 1
+    for rows in range(1, length + 1):
+        if length % rows == 0 and rows * row_elements <= max_elements:
+            best = rows
+    return best
 
 
 def update_in_one_piece(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
                         host_state: tuple[jax.Array, ...], *, after: Any = None
                         ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Update a non-stacked host leaf (embedding, final norm, head): its whole state visits HBM once.
+    """Update a small non-stacked host leaf (a norm scale): its whole state visits HBM once.
 
     `after`: the new host state of the previous one-piece update (or None). This
     leaf's state is copied into HBM only once that exists, so one leaf's state

@@ -40,11 +40,16 @@ def toy_params(dtype=jnp.float32, seed=0):
 
 DECAY = {"embed": False, "blocks": {"w": True, "norm": False}, "head": True}
 STACKED = {"embed": False, "blocks": {"w": True, "norm": True}, "head": False}
+# Non-stacked leaves stream along their vocabulary axis (as make_layouts picks for a Llama).
+STREAM_AXIS = {"embed": 0, "blocks": {"w": None, "norm": None}, "head": 1}
+# With this piece size the embedding and head go in 4 pieces each.
+SMALL_PIECES = 64
 
 
 def toy_layouts(memory: str, master: bool):
-    return jax.tree.map(lambda s, d: LeafLayout(stacked=s, state_memory=memory, decay=d, master=master),
-                        STACKED, DECAY)
+    return jax.tree.map(lambda s, d, a: LeafLayout(stacked=s, state_memory=memory, decay=d, master=master,
+                                                   stream_axis=a),
+                        STACKED, DECAY, STREAM_AXIS)
 
 
 def toy_grads(params, step, scale):
@@ -73,12 +78,13 @@ def host_leaves(opt_state, layouts):
     return out
 
 
-def run_against_optax(cfg: OptimizerConfig, param_dtype, grad_scale: float, stream_prefetch: bool = True):
+def run_against_optax(cfg: OptimizerConfig, param_dtype, grad_scale: float, stream_prefetch: bool = True,
+                      piece_elements: int = opt_lib.streaming.PIECE_ELEMENTS):
     """20 jitted steps of our optimizer and of the optax chain (on fp32 masters); returns both."""
     params = toy_params(param_dtype)
     master_ref = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     layouts = toy_layouts(cfg.state_memory, master=param_dtype != jnp.float32 and cfg.master_weights)
-    opt = Optimizer(cfg, layouts, stream_prefetch=stream_prefetch)
+    opt = Optimizer(cfg, layouts, stream_prefetch=stream_prefetch, stream_piece_elements=piece_elements)
     tx = reference_chain(cfg)
     opt_state, ref_state = opt.init(params), tx.init(master_ref)
     for _, leaf in host_leaves(opt_state, layouts):
@@ -105,22 +111,26 @@ def assert_tree_close(actual, expected, rtol=1e-6, atol=1e-7):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol)
 
 
+WHOLE = opt_lib.streaming.PIECE_ELEMENTS   # the toy's embedding and head fit one piece
 CASES = {
-    # name: (state_memory, update_on_host, grad_scale, clip_norm, stream_prefetch)
-    "device_clipped": ("device", False, 10.0, 1.0, True),
-    "host_streamed_clipped": ("host", False, 10.0, 1.0, True),
-    "host_streamed_unclipped": ("host", False, 0.01, None, True),
-    "host_streamed_no_prefetch": ("host", False, 10.0, 1.0, False),
-    "host_compute_on": ("host", True, 10.0, 1.0, True),
+    # name: (state_memory, update_on_host, grad_scale, clip_norm, stream_prefetch, piece_elements)
+    "device_clipped": ("device", False, 10.0, 1.0, True, WHOLE),
+    "host_streamed_clipped": ("host", False, 10.0, 1.0, True, WHOLE),
+    "host_streamed_unclipped": ("host", False, 0.01, None, True, WHOLE),
+    "host_streamed_no_prefetch": ("host", False, 10.0, 1.0, False, WHOLE),
+    "host_embed_head_in_pieces": ("host", False, 10.0, 1.0, True, SMALL_PIECES),
+    "host_embed_head_in_pieces_no_prefetch": ("host", False, 10.0, 1.0, False, SMALL_PIECES),
+    "host_compute_on": ("host", True, 10.0, 1.0, True, WHOLE),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp32_params_match_optax(case):
-    memory, on_host, scale, clip, prefetch = CASES[case]
+    memory, on_host, scale, clip, prefetch, piece_elements = CASES[case]
     cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, total_steps=STEPS, state_memory=memory,
                           update_on_host=on_host, clip_norm=clip)
-    params, opt_state, ref_params, ref_state, layouts, norms = run_against_optax(cfg, jnp.float32, scale, prefetch)
+    params, opt_state, ref_params, ref_state, layouts, norms = run_against_optax(
+        cfg, jnp.float32, scale, prefetch, piece_elements)
     if clip is not None:
         assert all(ours > clip for ours, _ in norms), "grad scale should make clipping active"
     np.testing.assert_allclose(*zip(*norms), rtol=1e-6)
@@ -136,11 +146,13 @@ def test_fp32_params_match_optax(case):
         assert len(host_leaves(opt_state, layouts)) == 8
 
 
-@pytest.mark.parametrize("memory,on_host", [("device", False), ("host", False), ("host", True)])
-def test_bf16_params_with_master_weights_match_optax_on_fp32_masters(memory, on_host):
+@pytest.mark.parametrize("memory,on_host,piece_elements", [("device", False, WHOLE), ("host", False, WHOLE),
+                                                          ("host", False, SMALL_PIECES), ("host", True, WHOLE)])
+def test_bf16_params_with_master_weights_match_optax_on_fp32_masters(memory, on_host, piece_elements):
     cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, total_steps=STEPS, state_memory=memory,
                           update_on_host=on_host)
-    params, opt_state, ref_master, _, layouts, _ = run_against_optax(cfg, jnp.bfloat16, 10.0)
+    params, opt_state, ref_master, _, layouts, _ = run_against_optax(cfg, jnp.bfloat16, 10.0,
+                                                                     piece_elements=piece_elements)
     assert_tree_close(opt_state.master, ref_master)
     for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(ref_master)):
         assert p.dtype == jnp.bfloat16
@@ -209,9 +221,11 @@ def test_state_shares_param_fsdp_sharding_on_8_devices():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("data", "fsdp"))
     param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), fsdp_specs())
     cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=STEPS)
-    layouts = jax.tree.map(lambda s, d: LeafLayout(s, "device" if s is False and d is False else "host", d),
-                           STACKED, DECAY)  # the embedding's state stays on device, everything else on host
-    opt, tx = Optimizer(cfg, layouts), reference_chain(cfg)
+    layouts = jax.tree.map(lambda s, d, a: LeafLayout(s, "device" if s is False and d is False else "host", d,
+                                                      stream_axis=a),
+                           STACKED, DECAY, STREAM_AXIS)  # the embedding's state stays on device, the rest on host
+    # The head (sharded over fsdp on axis 0) streams in pieces along its unsharded axis 1.
+    opt, tx = Optimizer(cfg, layouts, stream_piece_elements=SMALL_PIECES), reference_chain(cfg)
     state_sh = opt.state_shardings(param_sh)
     params = jax.device_put(toy_params(), param_sh)
     state = jax.jit(opt.init, out_shardings=state_sh)(params)
@@ -278,7 +292,8 @@ def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
     cfg = OptimizerConfig(state_memory="host")
     state = nnx.state(Toy(), nnx.Param)
     layouts = opt_lib.make_layouts(state, cfg)
-    assert layouts["embed"] == LeafLayout(stacked=False, state_memory="host", decay=False, master=True)
+    assert layouts["embed"] == LeafLayout(stacked=False, state_memory="host", decay=False, master=True,
+                                          stream_axis=0)
     assert layouts["w"] == LeafLayout(stacked=True, state_memory="host", decay=True, master=True)
     assert layouts["norm"] == LeafLayout(stacked=True, state_memory="device", decay=False, master=False)
 
@@ -343,3 +358,29 @@ def test_donation_guard():
     assert opt_lib.donate_opt_state_ok() is (jax.default_backend() != "cpu")
     assert opt_lib.donate_opt_state_ok("cuda") is True
     assert opt_lib.donate_opt_state_ok("cpu") is False
+
+
+# --- streaming pieces of non-stacked leaves ---------------------------------------
+
+def test_piece_rows_is_the_largest_divisor_under_the_limit():
+    from recipes.host_optimizer import piece_rows
+    assert piece_rows((128256, 4096), 0, 1 << 26) == 16032            # 8 pieces of 250 MiB (fp32)
+    assert piece_rows((4096, 128256), 1, 1 << 26) == 16032
+    assert piece_rows((32, 8), 0, 64) == 8
+    assert piece_rows((7, 100), 0, 10) == 1                           # one row even above the limit
+    assert piece_rows((4096,), 0, 1 << 26) == 4096                    # small: one piece
+
+
+def test_stream_axis_avoids_the_fsdp_sharded_axis():
+    from layers import names
+    assert opt_lib._stream_axis((names.VOCAB, names.EMBED), (128256, 4096)) == 0
+    assert opt_lib._stream_axis((names.EMBED, names.VOCAB), (4096, 128256)) == 1
+    assert opt_lib._stream_axis((names.NORM,), (4096,)) is None
+    assert opt_lib._stream_axis(None, (8, 32)) == 1                   # no metadata: the longest axis
+
+
+def test_stream_update_rejects_pieces_that_do_not_divide():
+    from recipes.host_optimizer import stream_update
+    x = jnp.ones((6, 4))
+    with pytest.raises(ValueError, match="piece 4 must divide the axis length 6"):
+        stream_update([lambda g, p, s: (p, s)], [x], [x], [(x,)], axis=0, piece=4)
