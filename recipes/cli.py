@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search", choices=["seq_len", "batch"], default=None,
                    help="also find the longest sequence / largest batch that fits per plan")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--workers", type=int, default=None,
+                   help="compile processes at once (default: one per core, at most 4)")
     p.set_defaults(fn=_cmd_plan)
     return parser
 

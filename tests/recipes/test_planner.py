@@ -268,6 +268,40 @@ def test_per_gpu_activation_memory_stays_flat_as_gpus_and_batch_grow():
     assert per_gpu[8]["offload_dots"]["host_bytes"] > 0
 
 
+def test_candidates_split_over_compile_processes_come_back_in_order(monkeypatch):
+    """`_run_children` deals candidates round-robin and merges answers as one process would give them."""
+    seen = []
+
+    def fake_child(request):
+        seen.append([c["activations"] for c in request["candidates"]])
+        names = [c["activations"] for c in request["candidates"]]
+        return {"jax_version": "x", "device_kind": "k", "mesh": {}, "setup_seconds": 0.0, "seconds": len(names),
+                "startup_seconds": 0.5, "results": [{"report": {"name": n}} for n in names],
+                "full_codegen": {str(j): {"report": {"name": n}} for j in request["verify_full_codegen"]
+                                 for n in [names[j]]},
+                "searches": [{"best": n} for n in names]}
+
+    monkeypatch.setattr(planner, "_run_child", fake_child)
+    names = [f"plan{i}" for i in range(7)]
+    request = {"candidates": [{"activations": n, "optimizer_state": "device"} for n in names],
+               "verify_full_codegen": [0, 1, 4], "search": {"axis": "seq_len"}}
+    merged = planner._run_children(request, workers=3)
+    assert sorted(map(tuple, seen)) == [("plan0", "plan3", "plan6"), ("plan1", "plan4"), ("plan2", "plan5")]
+    assert [r["report"]["name"] for r in merged["results"]] == names
+    assert [s["best"] for s in merged["searches"]] == names
+    assert {k: v["report"]["name"] for k, v in merged["full_codegen"].items()} == {
+        "0": "plan0", "1": "plan1", "4": "plan4"}
+    assert merged["seconds"] == 3
+    assert planner._run_children(request, workers=1)["results"] == merged["results"]
+    assert planner.default_workers(1) == 1
+
+
+def test_workers_below_one_are_refused(monkeypatch):
+    monkeypatch.setattr(planner, "_check_toolchain", lambda: None)
+    with pytest.raises(ValueError, match="--workers must be at least 1"):
+        planner.plan(small_recipe(), "h200", 1, workers=0)
+
+
 @pytest.mark.slow
 @needs_toolchain
 def test_fast_codegen_gives_the_same_memory_figures():
