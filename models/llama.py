@@ -160,6 +160,22 @@ class Llama(nnx.Module):
     def logits(self, x_btd: jax.Array) -> jax.Array:
         return self.embed.attend(x_btd) if self.head is None else self.head(x_btd)
 
+    def split_head(self):
+        """(logits_fn, head_params) with logits_fn(head_params, x) == self.logits(x).
+
+        The output head as a pure function of its own parameters (the tied
+        embedding table or the separate head), for losses that need the head's
+        gradient explicitly (recipes/train.py's chunked loss).
+        """
+        module = self.embed if self.head is None else self.head
+        graphdef, head_params = nnx.split(module)
+
+        def logits_fn(head_params, x_btd):
+            head = nnx.merge(graphdef, head_params)
+            return head.attend(x_btd) if isinstance(head, Embedding) else head(x_btd)
+
+        return logits_fn, head_params
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
         """Zeroed KV cache for decoding: {"k", "v"}: [layers, batch, max_len, kv_heads, head_dim]."""
         cfg = self.cfg

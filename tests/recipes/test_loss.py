@@ -27,3 +27,25 @@ def test_chunk_must_divide_the_sequence():
     tokens = jax.ShapeDtypeStruct((2, 25), jnp.int32)
     with pytest.raises(ValueError, match=r"loss_chunk \(7\) must divide the sequence length \(24\)"):
         jax.eval_shape(make_loss_fn(graphdef, loss_chunk=7), params, tokens)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_chunked_head_gradient_is_accumulated_in_float32(tie):
+    """bf16 weights, 16 chunks: the head's gradient must match the whole-sequence one to bf16 rounding.
+
+    The whole-sequence head gradient is one matmul (fp32 accumulation, one
+    rounding to bf16). Summing 16 per-chunk gradients in bf16 would round 16
+    times; summed in fp32 and rounded once, chunked and whole differ by at most
+    about one bf16 step.
+    """
+    cfg = llama_config("tiny_odd", remat="recompute_all", dtype="bfloat16", param_dtype="bfloat16",
+                       tie_embeddings=tie)
+    graphdef, params = nnx.split(create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    tokens = jax.random.randint(jax.random.key(0), (2, 65), 0, cfg.vocab_size)
+    whole = jax.jit(jax.grad(make_loss_fn(graphdef)))(params, tokens)
+    chunked = jax.jit(jax.grad(make_loss_fn(graphdef, loss_chunk=4)))(params, tokens)
+    head = (lambda g: g["embed"]["table"]) if tie else (lambda g: g["head"]["w"])
+    whole_head = np.asarray(head(whole).get_value(), np.float32)
+    chunk_head = np.asarray(head(chunked).get_value(), np.float32)
+    scale = np.abs(whole_head).max()
+    assert np.abs(chunk_head - whole_head).max() <= 2 ** -7 * scale, np.abs(chunk_head - whole_head).max() / scale
