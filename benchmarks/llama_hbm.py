@@ -19,6 +19,10 @@ Sections (--sections, comma-separated):
               the offloading ones (recipes/planner_child.search_one).
   codegen     one plan compiled with the planner's fast code generation and
               exactly as for a run: the memory figures must agree.
+  devices     per-GPU bytes as the GPU count grows (--device-counts) with one
+              sequence per GPU, FSDP mesh, save_all, 4 layers to keep it
+              quick: temp must stay flat (activations split by batch), args
+              must shrink (weights and state split over fsdp).
 
 Run:  .venv/bin/python benchmarks/llama_hbm.py [--recipe llama3_8b] [--gpu h200]
           [--seq 8192] [--batch 1] [--sections presets,optimizer,search,codegen]
@@ -41,7 +45,7 @@ from recipes.aot.subprocess_runner import prepare_compile_process  # noqa: E402 
 
 GiB = 2**30
 GB = 10**9
-SECTIONS = ("presets", "optimizer", "search", "codegen")
+SECTIONS = ("presets", "optimizer", "search", "codegen", "devices")
 SEARCH_HEADER = (f"{'activations / optimizer state':40s} {'longest':>8s} {'HBM there':>9s} {'compiles':>8s} "
                  f"{'seconds':>8s}   [seq:HBM GiB of each compile]")
 
@@ -59,6 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--search-plans", default="save_all/device,recompute_all/device,recompute_all/host,"
                         "offload_inputs/host,offload_dots/host,offload_dots/device",
                         help="ACTIVATIONS/OPTIMIZER_STATE pairs to search")
+    parser.add_argument("--device-counts", default="1,2,4,8", help="GPU counts for the devices section")
     parser.add_argument("--full-codegen", action="store_true",
                         help="compile exactly as for a run (default: the planner's fast code generation)")
     args = parser.parse_args(argv)
@@ -194,7 +199,7 @@ def main(argv=None) -> int:
         device, _ = compile_step(with_offload(recipe, "recompute_all", "device"), mesh, options)
         print(report_line("device", device), flush=True)
         streamed, _ = compile_step(with_offload(recipe, "recompute_all", "host"), mesh, options)
-        print(report_line("host, streamed per layer", streamed), flush=True)
+        print(report_line("host, streamed in pieces", streamed), flush=True)
         try:
             whole = compile_whole_state_variant(with_offload(recipe, "recompute_all", "host"), mesh, options)
             print(report_line("host, whole leaves copied to HBM", whole), flush=True)
@@ -239,6 +244,19 @@ def main(argv=None) -> int:
             "hbm_bytes", "host_bytes", "temp_bytes", "host_temp_bytes", "device_to_host_bytes",
             "host_to_device_bytes"))
         print(f"memory figures identical: {same}")
+
+    if "devices" in args.sections:
+        counts = [int(n) for n in args.device_counts.split(",")]
+        print(f"\n[devices] save_all, 4 layers, one {args.seq}-token sequence per GPU, fsdp over all GPUs "
+              "(GiB per GPU; seconds)")
+        print(report_header("GPUs"))
+        for n in counts:
+            per_gpu = get_recipe(args.recipe, overrides + ["model.num_layers=4", f"train.global_batch={n}",
+                                                           "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"])
+            per_gpu, _ = planner.planned_recipe(per_gpu)
+            gpus = make_mesh(1, -1, 1, devices=gpu_topology(target, n).devices)
+            report, _ = compile_step(with_offload(per_gpu, "save_all", "device"), gpus, options)
+            print(report_line(f"{n} x {target.name}", report), flush=True)
 
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0

@@ -32,7 +32,10 @@ What this file adds is the run's policy and the failure reporting:
   parameter tree does not match the model (checked against the checkpoint's
   own metadata before any array is read, naming keys and both shapes), a JSON
   field that is not JSON, an async save that failed in the background;
-* a SIGTERM handler for preemption: save the current step, wait for it, exit 143.
+
+Preemption (SIGTERM) is the train loop's: it sets a flag and saves at the
+next step boundary (recipes/train.py), never in the middle of a step or of a
+save here.
 
 dtypes are not compared: orbax casts to the target's dtype on restore, which is
 what a fine-tune that loads fp32 weights into bf16 wants.
@@ -47,9 +50,7 @@ import dataclasses
 import json
 import os
 import signal
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -317,12 +318,6 @@ class RunCheckpointer:
                                   f"{_cause(e)}") from e
         self._step_in_flight: int | None = None
         self._closed = False
-        # SIGTERM bookkeeping (see install_sigterm_handler)
-        self._save_now: Callable[[], None] | None = None
-        self._previous_sigterm_handler = None
-        self._busy_depth = 0  # > 0 while save/wait/restore runs: orbax is not re-entrant
-        self._sigterm_pending = False
-        self._terminating = False
 
     # -- queries
 
@@ -358,44 +353,42 @@ class RunCheckpointer:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{self.directory}: recipe_json is not valid JSON: {e}") from e
 
-        with self._deferring_sigterm():
-            self.wait()  # orbax would wait for the previous save anyway; this reports its failure clearly
-            latest = self.latest_step()
-            if latest is not None and step == latest:
-                return
-            if latest is not None and step < latest:
-                raise CheckpointError(
-                    f"{self.directory}: refusing to save step {step}: step {latest} is newer, and resuming "
-                    f"picks the newest step, so step {step} would be skipped (or deleted by keep={self.keep}). "
-                    f"Delete the newer steps or save into another directory.")
-            args = ocp.args.Composite(**{
-                PARAMS: ocp.args.StandardSave(params),
-                OPT_STATE: ocp.args.StandardSave(opt_state),
-                LOADER_STATE: ocp.args.JsonSave(loader_state),
-                META: ocp.args.JsonSave(meta),
-                RECIPE: _TextSave(recipe_json),
-            })
-            try:
-                # force: the decision is ours (should_save above); orbax's own policy would also
-                # save the first step it sees, whatever its number
-                self._manager.save(step, args=args, force=True)
-            except Exception as e:
-                raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
-            self._step_in_flight = step
+        self.wait()  # orbax would wait for the previous save anyway; this reports its failure clearly
+        latest = self.latest_step()
+        if latest is not None and step == latest:
+            return
+        if latest is not None and step < latest:
+            raise CheckpointError(
+                f"{self.directory}: refusing to save step {step}: step {latest} is newer, and resuming "
+                f"picks the newest step, so step {step} would be skipped (or deleted by keep={self.keep}). "
+                f"Delete the newer steps or save into another directory.")
+        args = ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardSave(params),
+            OPT_STATE: ocp.args.StandardSave(opt_state),
+            LOADER_STATE: ocp.args.JsonSave(loader_state),
+            META: ocp.args.JsonSave(meta),
+            RECIPE: _TextSave(recipe_json),
+        })
+        try:
+            # force: the decision is ours (should_save above); orbax's own policy would also
+            # save the first step it sees, whatever its number
+            self._manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
+        self._step_in_flight = step
 
     def wait(self) -> None:
         """Blocks until the async save in flight (if any) is finalised; raises CheckpointError if it failed."""
-        with self._deferring_sigterm():
-            step = self._step_in_flight
-            self._step_in_flight = None
-            try:
-                self._manager.wait_until_finished()
-            except Exception as e:
-                where = self.step_dir(step) if step is not None else self.directory
-                previous = self.latest_step()  # orbax has dropped the failed step by now
-                intact = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
-                raise CheckpointError(
-                    f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}") from e
+        step = self._step_in_flight
+        self._step_in_flight = None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            where = self.step_dir(step) if step is not None else self.directory
+            previous = self.latest_step()  # orbax has dropped the failed step by now
+            intact = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}") from e
 
     # -- restore
 
@@ -407,21 +400,20 @@ class RunCheckpointer:
         self._check_open()
         abstract_params = _as_restore_target(abstract_params, "abstract_params")
         abstract_opt_state = _as_restore_target(abstract_opt_state, "abstract_opt_state")
-        with self._deferring_sigterm():
-            self.wait()  # a step in flight is not readable until finalised
-            steps = self.all_steps()
-            if step is None:
-                if not steps:
-                    raise CheckpointError(f"{self.directory}: no checkpoint found")
-                step = steps[-1]
-            elif step not in steps:
-                raise CheckpointError(f"{self.step_dir(step)}: no checkpoint for step {step} "
-                                      f"(steps present: {steps or 'none'})")
-            items = _restore_step_dir(
-                self.step_dir(step),
-                {PARAMS: abstract_params, OPT_STATE: abstract_opt_state},
-                {LOADER_STATE: ocp.args.JsonRestore(), META: ocp.args.JsonRestore(), RECIPE: _TextRestore()},
-            )
+        self.wait()  # a step in flight is not readable until finalised
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"{self.directory}: no checkpoint found")
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(f"{self.step_dir(step)}: no checkpoint for step {step} "
+                                  f"(steps present: {steps or 'none'})")
+        items = _restore_step_dir(
+            self.step_dir(step),
+            {PARAMS: abstract_params, OPT_STATE: abstract_opt_state},
+            {LOADER_STATE: ocp.args.JsonRestore(), META: ocp.args.JsonRestore(), RECIPE: _TextRestore()},
+        )
         return {
             "params": items[PARAMS],
             "opt_state": items[OPT_STATE],
@@ -437,14 +429,13 @@ class RunCheckpointer:
             raise CheckpointError(f"{self.directory}: this RunCheckpointer is closed")
 
     def close(self) -> None:
-        """Waits for the save in flight, closes orbax, and puts back the SIGTERM handler found at install."""
+        """Waits for the save in flight and closes orbax."""
         if self._closed:
             return
         self._closed = True
         try:
             self.wait()
         finally:
-            self._uninstall_sigterm_handler()
             self._manager.close()
 
     def __enter__(self) -> RunCheckpointer:
@@ -452,59 +443,6 @@ class RunCheckpointer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-    # -- preemption
-
-    def install_sigterm_handler(self, save_now: Callable[[], None]) -> None:
-        """On SIGTERM: call `save_now()` (the loop's closure that saves the current step with
-        force=True), wait for the save to finish, then exit with status 143.
-
-        The handler runs in the main thread between two Python bytecodes. If that moment is inside
-        `save`, `wait` or `restore` (orbax is not re-entrant), it runs as soon as that call returns.
-        A second SIGTERM while saving is ignored. If `save_now` fails, its exception propagates
-        from wherever the main thread was, so the failure is not mistaken for a clean 143.
-        Must be called from the main thread (Python's rule for signal handlers).
-        """
-        if threading.current_thread() is not threading.main_thread():
-            raise CheckpointError("install_sigterm_handler must be called from the main thread")
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self._save_now is None:  # installed twice: keep the handler that was there before us
-            self._previous_sigterm_handler = previous
-        self._save_now = save_now
-
-    def _uninstall_sigterm_handler(self) -> None:
-        if self._save_now is None:
-            return
-        self._save_now = None
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if self._terminating:
-            return
-        if self._busy_depth > 0:
-            self._sigterm_pending = True
-            return
-        self._save_and_exit()
-
-    def _save_and_exit(self) -> None:
-        self._terminating = True
-        save_now = self._save_now
-        if save_now is not None:
-            save_now()
-        self.close()  # waits for the save, restores the previous handler
-        raise SystemExit(SIGTERM_EXIT_STATUS)
-
-    @contextmanager
-    def _deferring_sigterm(self) -> Iterator[None]:
-        self._busy_depth += 1
-        try:
-            yield
-        finally:
-            self._busy_depth -= 1
-        if self._busy_depth == 0 and self._sigterm_pending and not self._terminating:
-            self._sigterm_pending = False
-            self._save_and_exit()
 
 
 # -- fine-tuning entry points -----------------------------------------------------------------------

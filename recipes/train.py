@@ -290,7 +290,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     from tqdm import tqdm
 
     from data import eval_batches
-    from recipes.checkpoint import RunCheckpointer, restore_params_only
+    from recipes.checkpoint import SIGTERM_EXIT_STATUS, RunCheckpointer, restore_params_only
     from recipes.data_pipeline import prepare, train_loader
 
     distributed.maybe_initialize()
@@ -415,7 +415,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                     bar.write(f"SIGTERM: saving step {step} and stopping") if main else None
                     save(step, force=True)
                     checkpointer.wait()
-                    raise SystemExit(143)
+                    raise SystemExit(SIGTERM_EXIT_STATUS)
         finally:
             bar.close()
             checkpointer.wait()

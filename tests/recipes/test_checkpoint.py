@@ -4,14 +4,14 @@ The state saved here looks like a run's: a params tree sharded over a
 ("data", "model") mesh, and an AdamW-like state dataclass whose moments live in
 pinned_host memory and whose master copy is None for some leaves. Host-memory
 and device-memory arrays cannot meet in one op, so values are compared as NumPy
-copies. The two crash tests (SIGKILL mid-save, SIGTERM) run a real child process.
+copies. The crash test (SIGKILL mid-save) runs a real child process; SIGTERM is the
+train loop's (tests/recipes/test_train.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -413,99 +413,3 @@ def test_sigkill_during_save_leaves_previous_step_usable(tmp_path):
     tmp_step.mkdir()  # as a killed save leaves it: restoring from it directly is refused too
     with pytest.raises(CheckpointError, match="unfinished save"):
         restore_params_only(tmp_step, single_device_target(params))
-
-
-def test_sigterm_saves_current_step_and_exits_143(tmp_path):
-    run_dir = tmp_path / "run"
-    child = run_child("""
-        ckpt = RunCheckpointer(run_dir, keep=3, every_steps=100)
-        state = {"step": 0}
-        def save_now():
-            step = state["step"]
-            ckpt.save(step, params=small_params(step), opt_state=small_opt(step), loader_state={"pos": step},
-                      meta={"step": step}, recipe_json='{"why": "sigterm"}', force=True)
-            print(f"saved {step} on SIGTERM", flush=True)
-        ckpt.install_sigterm_handler(save_now)
-        while True:  # the "train loop": steps never reach the save period
-            state["step"] += 1
-            if state["step"] == 5:
-                print("ready", flush=True)
-            time.sleep(0.01)
-    """, run_dir)
-    assert child.stdout.readline().strip() == "ready"
-    child.send_signal(signal.SIGTERM)
-    stdout, stderr = child.communicate(timeout=60)
-    assert child.returncode == 143, stderr[-3000:]
-    saved_step = int(stdout.split()[1])
-    assert saved_step >= 5
-
-    params, opt = expected_small_state(saved_step)
-    with RunCheckpointer(run_dir, keep=3, every_steps=100) as ckpt:
-        assert ckpt.latest_step() == saved_step
-        restored = ckpt.restore(None, abstract_params=single_device_target(params),
-                                abstract_opt_state=single_device_target(opt))
-    assert_trees_equal(restored["params"], params)
-    assert restored["meta"] == {"step": saved_step}
-    assert json.loads(restored["recipe_json"]) == {"why": "sigterm"}
-
-
-def test_sigterm_during_a_save_waits_for_it_before_saving_again(tmp_path, monkeypatch):
-    """The handler runs in the main thread wherever it is; inside wait() (or save) it must not
-    re-enter orbax, but run once that call returns."""
-    import threading
-
-    params, opt_state = make_state(mesh_of((2, 4)))
-    write_may_finish = threading.Event()
-    real_write = ckpt_lib._write_text
-
-    def slow_write(path, text):  # holds step 1's background commit open until released
-        write_may_finish.wait(timeout=30)
-        real_write(path, text)
-
-    monkeypatch.setattr(ckpt_lib, "_write_text", slow_write)
-    calls = []
-
-    def save_now():
-        calls.append(write_may_finish.is_set())  # True: step 1 was finished before this ran
-        save_step(ckpt, 2, params, opt_state)
-
-    def sigterm_then_release():
-        # signal only once the main thread is inside wait(): before that, a SIGTERM would
-        # (rightly) run the handler at once, which is not the case under test
-        deadline = time.monotonic() + 10
-        while ckpt._busy_depth == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.3)  # room for a handler that ran too early to show up as calls == [False]
-        write_may_finish.set()
-
-    previous = signal.getsignal(signal.SIGTERM)
-    ckpt = RunCheckpointer(tmp_path, keep=3, every_steps=1)
-    try:
-        ckpt.install_sigterm_handler(save_now)
-        save_step(ckpt, 1, params, opt_state)
-        threading.Thread(target=sigterm_then_release).start()
-        with pytest.raises(SystemExit) as excinfo:
-            ckpt.wait()
-    finally:
-        write_may_finish.set()
-        ckpt.close()
-        signal.signal(signal.SIGTERM, previous)
-    assert excinfo.value.code == 143
-    assert calls == [True]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
-
-
-def test_close_restores_the_previous_sigterm_handler(tmp_path):
-    def previous(signum, frame):
-        pass
-
-    old = signal.signal(signal.SIGTERM, previous)
-    try:
-        ckpt = RunCheckpointer(tmp_path, keep=1, every_steps=1)
-        ckpt.install_sigterm_handler(lambda: None)
-        assert signal.getsignal(signal.SIGTERM) != previous
-        ckpt.close()
-        assert signal.getsignal(signal.SIGTERM) is previous
-    finally:
-        signal.signal(signal.SIGTERM, old)
