@@ -6,6 +6,10 @@ over that axis: one compiled block body however deep the model (fast compiles),
 and the setting under which XLA's host offload really lowers device memory
 (DESIGN.md section 4: with a Python loop, offload can raise it).
 
+Between blocks the residual stream is pinned to the batch sharding
+(`layers.sharding.constrain`): blocks, subclasses too, hand each other batch-sharded
+activations whatever their forward() does inside.
+
 A `RematPlan` splits the stack into segments; each segment is its own scan whose
 body is wrapped in `jax.checkpoint` with that segment's policy (or not wrapped,
 for "no remat"). At build time the stack traces one block abstractly and
