@@ -1,5 +1,6 @@
 """The one prepared GPU benchmark: step time and measured peak HBM of real train steps, beside the
-deviceless prediction for the same step. One call, under 8 minutes on one H200, prints a table.
+deviceless prediction for the same step (HBM, and the planner's step-time estimate). One call,
+under 8 minutes on one H200, prints a table.
 
     python -m benchmarks.gpu_suite --predict      # here, on a CPU machine: deviceless HBM predictions
                                                   #   -> benchmarks/gpu_predictions.json (commit it)
@@ -138,16 +139,17 @@ def main() -> int:
 
     gib = 2**30
     print(f"\n{'case':26s} {'predicted HBM':>13s} {'GPU-compiled':>12s} {'measured peak':>13s} {'peak/pred':>9s} "
-          f"{'step ms':>8s} {'tok/s':>8s} {'MFU':>6s}")
+          f"{'step ms':>8s} {'pred ms':>8s} {'tok/s':>8s} {'MFU':>6s}")
     for r in rows:
         pred = predictions.get(r["case"], {}).get("hbm_bytes")
+        pred_step = predictions.get(r["case"], {}).get("step_s") or float("nan")
         if "error" in r:
             print(f"{r['case']:26s} {(pred or 0) / gib:12.2f}G  {r['error']} {r.get('detail', '')[:80]}")
             continue
         ratio = r["peak_bytes_in_use"] / pred if pred and r["peak_bytes_in_use"] else float("nan")
         print(f"{r['case']:26s} {(pred or float('nan')) / gib:12.2f}G {r['compiled_hbm_bytes'] / gib:11.2f}G "
               f"{(r['peak_bytes_in_use'] or float('nan')) / gib:12.2f}G {ratio:9.3f} {r['step_s'] * 1e3:8.1f} "
-              f"{r['tokens_per_s']:8.0f} {r['mfu']:6.1%}")
+              f"{pred_step * 1e3:8.1f} {r['tokens_per_s']:8.0f} {r['mfu']:6.1%}")
     by_case = {r["case"]: r for r in rows if "error" not in r}
     for size in ("1b", "8b"):
         dev, host = by_case.get(f"{size}/recompute_all/device"), by_case.get(f"{size}/recompute_all/host")

@@ -13,11 +13,19 @@ pinned host memory. Per candidate it reports, per GPU:
     host         the same over pinned host memory; all GPUs of the host
                  together are compared with the host's RAM;
     transfer     bytes the step moves host->device and device->host (read from
-                 the compiled HLO) and the time the host link needs for them
-                 (full duplex: the larger direction over the per-direction rate);
+                 the compiled HLO) and the time the host link needs for them:
+                 both directions added, because this step never uses them at
+                 once (see step);
     compute      FLOPs (recipes/flops.py: forward, backward, the plan's remat
                  recompute) at the GPU's peak dense bf16 rate: a lower bound;
-    step         max(compute, transfer): assumes transfers overlap compute fully.
+    step         three phases added up. Forward: max(forward compute,
+                 activations going to host); backward: max(backward + recompute
+                 compute, activations coming back); update: host-resident
+                 optimizer state copied in and out of HBM, which overlaps no
+                 compute and whose two directions run one after the other
+                 (recipes/host_optimizer.py orders each write-back after the
+                 next prefetch). Within forward and backward, transfers are
+                 assumed to overlap compute fully.
 
 The pick is the fastest estimated step among the candidates that fit.
 `apply_plan` (`spillway train --plan auto`) applies it to the recipe, or
@@ -178,14 +186,19 @@ class PlanRow:
     compute_s: float
     compile_s: float
     transfer_s: float | None = None  # host link time for the step's transfers; None when not compiled
+    forward_s: float | None = None   # the three phases of the step estimate (module docstring)
+    backward_s: float | None = None
+    update_s: float | None = None
     fits: bool = False
     why_not: str = ""              # "" when it fits
     pick: bool = False
 
     @property
     def step_s(self) -> float | None:
-        """max(compute, transfer): the step if transfers overlap compute fully."""
-        return None if self.transfer_s is None else max(self.compute_s, self.transfer_s)
+        """Forward + backward + update estimate (module docstring); None when not compiled."""
+        if self.forward_s is None:
+            return None
+        return self.forward_s + self.backward_s + self.update_s
 
     @property
     def dropped_offload(self) -> bool:
@@ -209,6 +222,7 @@ class PlanRow:
             "device_to_host_bytes": r.get("device_to_host_bytes"),
             "host_to_device_bytes": r.get("host_to_device_bytes"),
             "transfer_s": self.transfer_s, "compute_s": self.compute_s, "step_s": self.step_s,
+            "forward_s": self.forward_s, "backward_s": self.backward_s, "update_s": self.update_s,
             "flops": self.flops, "compile_s": self.compile_s, "report": self.report,
         }
 
@@ -289,9 +303,12 @@ class Plan:
 
 
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
-               "Transfer time: the larger direction at the host link's per-direction rate. Compute time: "
+               "Transfer time: both directions added, at the host link's per-direction rate. Compute time: "
                "recipes/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
-               "max(compute, transfer): assumes transfers fully overlap compute.")
+               "forward + backward + update: offloaded activations go to host during the forward and come "
+               "back during the backward, each hidden under that phase's compute if it is shorter; "
+               "host-resident optimizer state crosses the link both ways during the update, one direction "
+               "after the other, with no compute to hide behind.")
 
 
 # --- planning ---------------------------------------------------------------------
@@ -300,12 +317,20 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, devices: in
     model = recipe.model
     counted = flop_count.train_step_flops(model, recipe.train.global_batch, recipe.data.seq_len,
                                           remat=candidate.activations, attention_impl=model.attention_impl)
+    rate = devices * target.peak_bf16_flops
     row = PlanRow(candidate, model.attention_impl, result.get("report"), result.get("error"), counted.to_dict(),
-                  compute_s=counted.total / (devices * target.peak_bf16_flops),
-                  compile_s=result.get("seconds", 0.0))
+                  compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
     if row.report is not None:
-        row.transfer_s = max(row.report["device_to_host_bytes"],
-                              row.report["host_to_device_bytes"]) / target.host_link_bytes_per_s
+        link = target.host_link_bytes_per_s
+        to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
+        # Host-resident optimizer state is the step's host *argument*; the
+        # update streams all of it in and back out. The rest of the traffic is
+        # offloaded activations.
+        state = min(row.report["host_argument_bytes"], to_host, from_host)
+        row.forward_s = max(counted.forward / rate, (to_host - state) / link)
+        row.backward_s = max((counted.backward + counted.recompute) / rate, (from_host - state) / link)
+        row.update_s = 2 * state / link
+        row.transfer_s = (to_host + from_host) / link
     return row
 
 
@@ -543,6 +568,12 @@ def _ms(seconds: float | None) -> str:
     return f"{ms:.1f}" if ms >= 10 or ms == 0 else f"{ms:.3f}"
 
 
+def _phases(row: PlanRow) -> str:
+    if row.forward_s is None:
+        return "-"
+    return "/".join(f"{seconds * 1e3:.0f}" for seconds in (row.forward_s, row.backward_s, row.update_s))
+
+
 def render(p: Plan) -> str:
     s = p.summary()
     t = p.target
@@ -560,7 +591,7 @@ def render(p: Plan) -> str:
     ]
     lines += [f"  warning    {w}" for w in p.warnings]
     header = (f"  {'plan':36s} {'opt':6s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'xfer GB':>8s} "
-              f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s}  fits")
+              f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
     lines += ["", header, "  " + "-" * (len(header) - 2)]
     for row in p.rows:
         r = row.report or {}
@@ -571,7 +602,7 @@ def render(p: Plan) -> str:
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "
             f"{_ms(row.transfer_s):>8s} "
-            f"{_ms(row.compute_s):>8s} {_ms(row.step_s):>8s}  {fits}")
+            f"{_ms(row.compute_s):>8s} {_ms(row.step_s):>8s} {_phases(row):>18s}  {fits}")
     picked = p.picked
     lines.append("")
     if picked is None:
@@ -688,5 +719,5 @@ def predict_cases(cases: dict[str, tuple[str, list[str]]], gpu: str = "h200", de
         row = plan(recipe, gpu, devices, plans=[candidate]).rows[0]
         out[name] = {"error": row.error} if row.report is None else {
             "hbm_bytes": row.report["hbm_bytes"], "host_bytes": row.report["host_bytes"],
-            "fits": row.fits, "compute_s": row.compute_s, "transfer_s": row.transfer_s}
+            "fits": row.fits, "compute_s": row.compute_s, "transfer_s": row.transfer_s, "step_s": row.step_s}
     return out
