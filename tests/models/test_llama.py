@@ -9,7 +9,6 @@ from flax import nnx
 from layers import names
 from layers.block import TransformerBlock
 from layers.norm import RMSNorm
-from layers.offload import PRESETS
 from layers.sharding import create_sharded
 from models.llama import PRESETS as LLAMA_PRESETS
 from models.llama import Llama, count_params, llama_config
