@@ -49,8 +49,15 @@ def case_overrides(activations: str, optimizer_state: str) -> list[str]:
             "train.global_batch=1", f"data.seq_len={SEQ_LEN}", "mesh.fsdp=-1"]
 
 
-def measure_case(name: str, warmup: int = 2, timed: int = 5) -> dict:
-    """Child process: build, compile, run `timed` steps; step time and peak bytes."""
+def measure_case(name: str, warmup: int = 2, timed: int = 5, *, case: tuple[str, str, str] | None = None,
+                 seq_len: int = SEQ_LEN, extra_overrides: tuple[str, ...] = ()) -> dict:
+    """Child process: build, compile, run `timed` steps; step time and peak bytes.
+
+    `case` (recipe, activations, optimizer state) replaces CASES[name], and
+    `seq_len` / `extra_overrides` change the step: for the CPU smoke test
+    (tests/recipes/test_gpu_suite_smoke.py) that keeps this script from
+    failing for the first time on a GPU.
+    """
     import jax
     import numpy as np
 
@@ -58,12 +65,15 @@ def measure_case(name: str, warmup: int = 2, timed: int = 5) -> dict:
     from recipes.registry import get_recipe
     from recipes.train import setup
 
-    recipe_name, activations, state = CASES[name]
-    recipe = get_recipe(recipe_name, case_overrides(activations, state))
+    recipe_name, activations, state = case or CASES[name]
+    overrides = case_overrides(activations, state) + [f"data.seq_len={seq_len}", *extra_overrides]
+    recipe = get_recipe(recipe_name, overrides)
+    batch_size = recipe.train.global_batch
     t0 = time.perf_counter()
     s = setup(recipe)
     opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
-    tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, (1, SEQ_LEN + 1), dtype=np.int32)
+    tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, (batch_size, seq_len + 1),
+                                                dtype=np.int32)
     batch = jax.device_put(tokens, s.batch_sharding)
     compiled = s.train_step.lower(s.params, opt_state, batch).compile()
     m = compiled.memory_analysis()
@@ -80,12 +90,13 @@ def measure_case(name: str, warmup: int = 2, timed: int = 5) -> dict:
     stats = device.memory_stats() or {}
     step_s = statistics.median(times)
     peak, _ = peak_flops_per_device()
-    flops = recipe.model.flops_per_token(SEQ_LEN) * SEQ_LEN
+    tokens_per_step = batch_size * seq_len
+    flops = recipe.model.flops_per_token(seq_len) * tokens_per_step
     return {"case": name, "device": device.device_kind, "jax": jax.__version__,
             "compiled_hbm_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes, "host_temp_bytes": m.host_temp_size_in_bytes,
             "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "step_s": step_s,
-            "tokens_per_s": SEQ_LEN / step_s, "mfu": flops / step_s / peak, "compile_s": compile_s,
+            "tokens_per_s": tokens_per_step / step_s, "mfu": flops / step_s / peak, "compile_s": compile_s,
             "loss": float(metrics["loss"])}
 
 
@@ -110,6 +121,31 @@ def predict() -> None:
     cases = {name: (recipe, case_overrides(act, state)) for name, (recipe, act, state) in CASES.items()}
     PREDICTIONS.write_text(json.dumps(predict_cases(cases, gpu="h200"), indent=2, sort_keys=True))
     print(f"wrote {PREDICTIONS}")
+
+
+def render_table(rows: list[dict], predictions: dict) -> str:
+    """The printed table: measured beside predicted, per case, and the host-state overhead."""
+    gib = 2**30
+    lines = [f"\n{'case':26s} {'predicted HBM':>13s} {'GPU-compiled':>12s} {'measured peak':>13s} "
+             f"{'peak/pred':>9s} {'step ms':>8s} {'pred ms':>8s} {'tok/s':>8s} {'MFU':>6s}"]
+    for r in rows:
+        pred = predictions.get(r["case"], {}).get("hbm_bytes")
+        pred_step = predictions.get(r["case"], {}).get("step_s") or float("nan")
+        if "error" in r:
+            lines.append(f"{r['case']:26s} {(pred or 0) / gib:12.2f}G  {r['error']} {r.get('detail', '')[:80]}")
+            continue
+        peak = r["peak_bytes_in_use"]
+        ratio = peak / pred if pred and peak else float("nan")
+        lines.append(f"{r['case']:26s} {(pred or float('nan')) / gib:12.2f}G {r['compiled_hbm_bytes'] / gib:11.2f}G "
+                     f"{(peak or float('nan')) / gib:12.2f}G {ratio:9.3f} {r['step_s'] * 1e3:8.1f} "
+                     f"{pred_step * 1e3:8.1f} {r['tokens_per_s']:8.0f} {r['mfu']:6.1%}")
+    by_case = {r["case"]: r for r in rows if "error" not in r}
+    for size in ("1b", "8b"):
+        dev, host = by_case.get(f"{size}/recompute_all/device"), by_case.get(f"{size}/recompute_all/host")
+        if dev and host:
+            lines.append(f"{size}: host-resident optimizer state step time overhead: "
+                         f"{host['step_s'] / dev['step_s']:.3f}x")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -137,24 +173,7 @@ def main() -> int:
         rows.append(run_child(name, timeout_s=left))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
-    gib = 2**30
-    print(f"\n{'case':26s} {'predicted HBM':>13s} {'GPU-compiled':>12s} {'measured peak':>13s} {'peak/pred':>9s} "
-          f"{'step ms':>8s} {'pred ms':>8s} {'tok/s':>8s} {'MFU':>6s}")
-    for r in rows:
-        pred = predictions.get(r["case"], {}).get("hbm_bytes")
-        pred_step = predictions.get(r["case"], {}).get("step_s") or float("nan")
-        if "error" in r:
-            print(f"{r['case']:26s} {(pred or 0) / gib:12.2f}G  {r['error']} {r.get('detail', '')[:80]}")
-            continue
-        ratio = r["peak_bytes_in_use"] / pred if pred and r["peak_bytes_in_use"] else float("nan")
-        print(f"{r['case']:26s} {(pred or float('nan')) / gib:12.2f}G {r['compiled_hbm_bytes'] / gib:11.2f}G "
-              f"{(r['peak_bytes_in_use'] or float('nan')) / gib:12.2f}G {ratio:9.3f} {r['step_s'] * 1e3:8.1f} "
-              f"{pred_step * 1e3:8.1f} {r['tokens_per_s']:8.0f} {r['mfu']:6.1%}")
-    by_case = {r["case"]: r for r in rows if "error" not in r}
-    for size in ("1b", "8b"):
-        dev, host = by_case.get(f"{size}/recompute_all/device"), by_case.get(f"{size}/recompute_all/host")
-        if dev and host:
-            print(f"{size}: host-resident optimizer state step time overhead: {host['step_s'] / dev['step_s']:.3f}x")
+    print(render_table(rows, predictions))
     print(f"total {time.perf_counter() - start:.0f}s; {os.uname().nodename}")
     return 0
 
