@@ -2,8 +2,9 @@
 
 Started by recipes/planner.py through `run_in_compile_process` (the GPU compiler
 plugin can only join a JAX process at backend start, so compiles happen here,
-never in the caller). One process compiles every candidate, so start-up (JAX,
-the plugin, the topology) is paid once.
+never in the caller). One process compiles all the candidates it is given, so
+start-up (JAX, the plugin, the topology) is paid once per process; the planner
+deals the candidates over a few such processes at once (`planner.default_workers`).
 
     python -m recipes.planner_child REQUEST.json
 
