@@ -100,8 +100,9 @@ def compile_whole_state_variant(recipe, mesh, options):
     """Host-resident state, but every host leaf copied into HBM in one piece for its update.
 
     The same train step with the optimizer's layouts marked not stacked: each
-    leaf then takes recipes/host_optimizer.update_in_one_piece. A variant for
-    comparison only; training never builds it.
+    leaf then visits HBM whole (recipes/host_optimizer.update_outside_stack
+    without a stream axis). A variant for comparison only; training never
+    builds it.
     """
     import jax
     from jax.sharding import NamedSharding, PartitionSpec

@@ -15,7 +15,7 @@ the state through HBM one layer at a time, so HBM only ever holds a layer or two
 
 A large leaf outside the stack (Llama 3 8B's embedding and head: 5.9 GiB of
 state each) goes the same way in pieces of rows along an axis its sharding
-does not split (`stream_leaf_update`, pieces of at most PIECE_ELEMENTS), one
+does not split (`update_outside_stack`, pieces of at most PIECE_ELEMENTS), one
 leaf after the other; small leaves (norm scales) visit HBM whole.
 
 The prefetched slices travel in the loop carry (double buffering). `lax.scan`
@@ -162,22 +162,34 @@ def stream_update(
     return update_piece(num_pieces - 1, params_out, states_out, last)
 
 
-def stream_leaf_update(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
-                       host_state: tuple[jax.Array, ...], *, axis: int, piece: int, after: Any = None,
-                       prefetch: bool = True) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """A non-stacked host leaf streamed in pieces of `piece` rows along `axis`.
+def update_outside_stack(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
+                         host_state: tuple[jax.Array, ...], *, axis: int | None,
+                         max_elements: int = PIECE_ELEMENTS, after: Any = None, prefetch: bool = True
+                         ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Update a non-stacked host leaf (embedding, final norm, head), its state visiting HBM in turn.
+
+    A leaf larger than `max_elements` goes through `stream_update` in pieces
+    of rows along `axis` (an axis its sharding does not split; None: whole).
+    Whole, Llama 3 8B's embedding or head state is 5.9 GiB in HBM at once (mu,
+    nu and master, fp32, 128256 x 4096); in 8 pieces of 16,032 rows it is
+    0.73 GiB a piece (twice that while the next piece is prefetched). A small
+    leaf (a norm scale) visits HBM whole.
 
     `after`: the new host state of the previous leaf updated this way (or
-    None); this leaf's state starts moving only once that exists, so the
-    loops of two leaves never hold HBM at the same time. Whole, Llama 3 8B's
-    embedding or head state is 5.9 GiB in HBM at once (mu, nu and master, fp32,
-    128256 x 4096); in 8 pieces of 16,032 rows it is 0.73 GiB a piece
-    (twice that while the next piece is prefetched).
+    None). This leaf's state starts moving only once that exists, so two
+    leaves never hold HBM at the same time. Unordered, XLA brought Llama 3
+    8B's whole embedding and head state in together: 44.5 GiB of HBM against
+    38.6 GiB in order, for the train step compiled for an H200
+    (benchmarks/llama_hbm.py, before the pieces).
     """
     if after is not None:
         host_state, _ = lax.optimization_barrier((tuple(host_state), after))
+    rows = None if axis is None else piece_rows(param.shape, axis, max_elements)
+    if rows is None or rows == param.shape[axis]:
+        new_p, new_dev = update_fn(grad, param, tuple(to_device(s) for s in host_state))
+        return new_p.astype(param.dtype), tuple(to_host(d.astype(s.dtype)) for s, d in zip(host_state, new_dev))
     (new_p,), (new_state,) = stream_update([update_fn], [grad], [param], [tuple(host_state)],
-                                           axis=axis, piece=piece, prefetch=prefetch)
+                                           axis=axis, piece=rows, prefetch=prefetch)
     return new_p, new_state
 
 
@@ -193,23 +205,6 @@ def piece_rows(shape: Sequence[int], axis: int, max_elements: int) -> int:
         if length % rows == 0 and rows * row_elements <= max_elements:
             best = rows
     return best
-
-
-def update_in_one_piece(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
-                        host_state: tuple[jax.Array, ...], *, after: Any = None
-                        ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Update a small non-stacked host leaf (a norm scale): its whole state visits HBM once.
-
-    `after`: the new host state of the previous one-piece update (or None). This
-    leaf's state is copied into HBM only once that exists, so one leaf's state
-    is in HBM at a time. Unordered, XLA brought Llama 3 8B's embedding and head
-    state in together (5.9 GiB each): 44.5 GiB of HBM against 38.6 GiB in
-    order, for the train step compiled for an H200 (benchmarks/llama_hbm.py).
-    """
-    if after is not None:
-        host_state, _ = lax.optimization_barrier((tuple(host_state), after))
-    new_p, new_dev = update_fn(grad, param, tuple(to_device(s) for s in host_state))
-    return new_p.astype(param.dtype), tuple(to_host(d.astype(s.dtype)) for s, d in zip(host_state, new_dev))
 
 
 def update_on_host(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,

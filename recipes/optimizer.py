@@ -433,15 +433,6 @@ class Optimizer:
         """Pinned host bytes this process holds for the state (arrays, or ShapeDtypeStructs with shardings)."""
         return streaming.tree_nbytes_by_memory_kind(opt_state_or_abstract).get(PINNED_HOST, 0)
 
-    def _update_outside_stack(self, update_fn, layout: LeafLayout, grad, param, host_state, after):
-        """A non-stacked host leaf: streamed in pieces of rows if it is large, else whole."""
-        axis = layout.stream_axis
-        rows = None if axis is None else streaming.piece_rows(param.shape, axis, self.stream_piece_elements)
-        if rows is None or rows == param.shape[axis]:
-            return streaming.update_in_one_piece(update_fn, grad, param, host_state, after=after)
-        return streaming.stream_leaf_update(update_fn, grad, param, host_state, axis=axis, piece=rows,
-                                            after=after, prefetch=self.stream_prefetch)
-
     def update(self, grads, opt_state: OptState, params):
         """One AdamW step. Returns (new params, new opt_state, {"grad_norm", "learning_rate"})."""
         cfg = self.cfg
@@ -477,8 +468,10 @@ class Optimizer:
             elif layout.stacked:
                 host_stacked.append(k)
             else:
-                new_params[k], new_states[k] = self._update_outside_stack(
-                    piece_fn(k), layout, grad_leaves[k], param_leaves[k], state_of(k), previous_one_piece)
+                new_params[k], new_states[k] = streaming.update_outside_stack(
+                    piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k), axis=layout.stream_axis,
+                    max_elements=self.stream_piece_elements, after=previous_one_piece,
+                    prefetch=self.stream_prefetch)
                 previous_one_piece = new_states[k]
 
         shapes = [p.shape for p in param_leaves]

@@ -510,11 +510,11 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     options = compiler_options()
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
+    workers = default_workers(len(todo)) if workers is None else min(workers, len(todo))
     answer = _run_children({"recipe": compiled_recipe.to_dict(), "target": target.name, "devices": devices,
                             "candidates": [c.to_dict() for c in todo], "compiler_options": options,
                             "verify_full_codegen": list(range(min(verify_full_codegen, len(todo)))),
-                            "search": search_request},
-                           default_workers(len(todo)) if workers is None else workers)
+                            "search": search_request}, workers)
     rows = [_row(c, result, compiled_recipe, target, devices) for c, result in zip(todo, answer["results"])]
     result = Plan(compiled_recipe, target, devices, answer["mesh"], headroom, host_ram, rows, warnings,
                   None, {}).judge()
@@ -542,7 +542,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
         "compiles": len(todo) + len(answer["full_codegen"]) + sum(
             found["compiles"] for found in (answer["searches"] or [])),
         "jax_version": answer["jax_version"], "fast_codegen": options is not None,
-        "workers": default_workers(len(todo)) if workers is None else min(workers, len(todo))}
+        "workers": workers}
     return result
 
 
