@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 # The deviceless GPU compiler (jax-cuda13 plugin, version = installed jaxlib) goes
 # into its own folder, loaded only by the planner's compile process.
 gpu-plugin: $(STAMP)
-	$(PY) -m recipes.aot.plugin install
+	$(PY) -m spillway.recipes.plan.plugin install
 
 train: $(STAMP)
 	$(VENV)/bin/spillway train tiny $(ARGS)

@@ -61,9 +61,10 @@ def measure_case(name: str, warmup: int = 2, timed: int = 5, *, case: tuple[str,
     import jax
     import numpy as np
 
-    from recipes.metrics import peak_flops_per_device
-    from recipes.registry import get_recipe
-    from recipes.train import setup
+    from spillway.recipes.train.metrics import peak_flops_per_device
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.plan.flops import model_flops_per_token
+    from spillway.recipes.train.step import setup
 
     recipe_name, activations, state = case or CASES[name]
     overrides = case_overrides(activations, state) + [f"data.seq_len={seq_len}", *extra_overrides]
@@ -91,7 +92,7 @@ def measure_case(name: str, warmup: int = 2, timed: int = 5, *, case: tuple[str,
     step_s = statistics.median(times)
     peak, _ = peak_flops_per_device()
     tokens_per_step = batch_size * seq_len
-    flops = recipe.model.flops_per_token(seq_len) * tokens_per_step
+    flops = model_flops_per_token(recipe.decoder_spec(), seq_len) * tokens_per_step
     return {"case": name, "device": device.device_kind, "jax": jax.__version__,
             "compiled_hbm_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes, "host_temp_bytes": m.host_temp_size_in_bytes,
@@ -117,7 +118,7 @@ def run_child(name: str, timeout_s: float) -> dict:
 
 def predict() -> None:
     """Deviceless predictions (HBM bytes per case for one H200) from the planner's compile process."""
-    from recipes.planner import predict_cases
+    from spillway.recipes.plan.planner import predict_cases
     cases = {name: (recipe, case_overrides(act, state)) for name, (recipe, act, state) in CASES.items()}
     PREDICTIONS.write_text(json.dumps(predict_cases(cases, gpu="h200"), indent=2, sort_keys=True))
     print(f"wrote {PREDICTIONS}")

@@ -2,7 +2,7 @@
 """HBM and host memory of the Llama 3.1 8B train step on one H200, compiled without a GPU.
 
 The project's first HBM figures. The train step is the real one
-(recipes.train.make_train_step through recipes.train.abstract_setup: the
+(spillway.recipes.train.make_train_step through spillway.recipes.train.abstract_setup: the
 recipe's shardings and donation), compiled for the target by XLA's GPU
 compiler running deviceless (DESIGN.md section 5); nothing is allocated.
 Sections (--sections, comma-separated):
@@ -10,7 +10,7 @@ Sections (--sections, comma-separated):
   presets     every activation preset (layers/offload.py), optimizer state on
               device: HBM, host bytes, host<->device traffic, compile time.
   optimizer   optimizer state on device vs in pinned host memory, streamed a
-              layer at a time (recipes/host_optimizer.py), vs in host memory
+              layer at a time (recipes/train/host_optimizer.py), vs in host memory
               but copied whole into HBM for the update (every leaf updated in
               one piece: the design DESIGN.md section 4 warns about). The HBM
               saved is compared with the state's own bytes.
@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from recipes.aot.subprocess_runner import prepare_compile_process  # noqa: E402  (imports no JAX)
+from spillway.recipes.plan.subprocess_runner import prepare_compile_process  # noqa: E402  (imports no JAX)
 
 GiB = 2**30
 GB = 10**9
@@ -75,20 +75,18 @@ def parse_args(argv=None):
 
 
 def with_offload(recipe, activations: str, optimizer_state: str):
-    from recipes.config import OffloadConfig
+    from spillway.recipes.config import OffloadConfig
     return dataclasses.replace(recipe, offload=OffloadConfig(activations=activations,
                                                              optimizer_state=optimizer_state))
 
 
 def optimizer_state_bytes(recipe) -> int:
-    """Bytes of AdamW state as recipes/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
+    """Bytes of AdamW state as recipes/train/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.llama import Llama
-
-    model = nnx.eval_shape(lambda: Llama(recipe.model_config(), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(0)))
     total = 0
     for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
         master = recipe.optimizer.master_weights and x.dtype != jnp.float32
@@ -107,9 +105,9 @@ def compile_whole_state_variant(recipe, mesh, options):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from recipes.aot.compile import CompileReport
-    from recipes.optimizer import LeafLayout, Optimizer
-    from recipes.train import abstract_setup, abstract_step_arguments, make_train_step
+    from spillway.recipes.plan.compile import CompileReport
+    from spillway.recipes.train.optimizer import LeafLayout, Optimizer
+    from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, make_train_step
 
     s = abstract_setup(recipe, mesh, platform="cuda")
     layouts = jax.tree.map(lambda layout: dataclasses.replace(layout, stacked=False, stream_axis=None),
@@ -160,13 +158,13 @@ def main(argv=None) -> int:
     prepare_compile_process()
     import jax
 
-    from layers.offload import PRESETS
-    from layers.sharding import make_mesh
-    from recipes import planner
-    from recipes.aot.compile import gpu_topology
-    from recipes.aot.targets import get_target
-    from recipes.planner_child import _measure, compile_step, search_one
-    from recipes.registry import get_recipe
+    from spillway.layers.offload import PRESETS
+    from spillway.layers.sharding import make_mesh
+    from spillway.recipes.plan import planner
+    from spillway.recipes.plan.compile import gpu_topology
+    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.plan.child import _measure, compile_step, search_one
+    from spillway.recipes.registry import get_recipe
 
     started = time.perf_counter()
     target = get_target(args.gpu)

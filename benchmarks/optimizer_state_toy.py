@@ -43,7 +43,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from recipes.aot.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
 
 GiB = 2**30
 
@@ -90,7 +90,7 @@ def prefetch_overlap(hlo_text: str) -> tuple[int, int]:
     and its done; in a loop body the printed order is the order the stream
     runs them.
     """
-    from recipes.aot import hlo
+    from spillway.recipes.plan import hlo
 
     computations, _ = hlo.parse_computations(hlo_text)
     loop_bodies = {match.group(1) for instructions in computations.values() for instr in instructions
@@ -117,8 +117,8 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from recipes.aot import compile as aot
-    from recipes.optimizer import LeafLayout, Optimizer, OptimizerConfig, donate_opt_state_ok
+    from spillway.recipes.plan import compile as aot
+    from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig, donate_opt_state_ok
 
     cfg = OptimizerConfig(state_memory=variant.state_memory, master_weights=variant.master,
                           update_on_host=variant.update_on_host)
@@ -162,8 +162,8 @@ def measure(argv: list[str]) -> dict:
     prepare_compile_process()
     import jax
 
-    from recipes.aot import compile as aot
-    from recipes.aot.targets import get_target
+    from spillway.recipes.plan import compile as aot
+    from spillway.recipes.plan.targets import get_target
 
     target = get_target(args.target)
     mesh = aot.compile_only_mesh(target, {"data": 1, "fsdp": 1, "tensor": 1})

@@ -8,9 +8,9 @@
     stack         BlockStack: stacked init, scan, remat/offload from outside
 """
 
-from layers.block import BlockConfig, BlockContext, TransformerBlock
-from layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, Segment, preset
-from layers.stack import BlockStack
+from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
+from spillway.layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, Segment, preset
+from spillway.layers.stack import BlockStack
 
 __all__ = ["BlockConfig", "BlockContext", "BlockStack", "OffloadPolicy", "PRESETS", "Placement", "RematPlan",
            "Segment", "TransformerBlock", "preset"]

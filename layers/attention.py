@@ -12,6 +12,11 @@ Three implementations, chosen per model (`impl`):
              own backward pass; memory linear in the sequence, compiles
              everywhere (the planner plans with it).
 
+Options for the families: biases on the q/k/v projections (Qwen2, GPT-2) and
+on the output projection (GPT-2), an RMSNorm over each head's q and k before
+RoPE (Qwen3), and no RoPE at all (GPT-2, whose positions are learned and added
+to the embedding).
+
 Tags: q, k and v after RoPE as QKV; the attention context as ATTN_CONTEXT; the
 output projection as ATTN_OUT. Decoding uses a per-layer KV cache
 ({"k": [b, S, kv, h], "v": ...}) written at `cache_index`.
@@ -24,11 +29,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from layers import names
-from layers.names import RESIDUAL_AXES
-from layers.params import normal, param
-from layers.rope import RopeScaling, apply_rope, inverse_frequencies
-from layers.sharding import constrain
+from spillway.layers import names
+from spillway.layers.names import RESIDUAL_AXES
+from spillway.layers.norm import RMSNorm
+from spillway.layers.params import normal, param
+from spillway.layers.rope import RopeScaling, apply_rope, inverse_frequencies
+from spillway.layers.sharding import constrain
 
 _Q_AXES = (names.BATCH, names.SEQ, names.ACT_HEADS, None)
 _KV_AXES = (names.BATCH, names.SEQ, names.ACT_KV_HEADS, None)
@@ -63,6 +69,7 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
                  rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
                  sliding_window: int | None = None, impl: str = "xla", qkv_bias: bool = False,
+                 out_bias: bool = False, qk_norm: bool = False, qk_norm_eps: float = 1e-6, rope: bool = True,
                  dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
                  flash_block_size: int = 512, rngs: nnx.Rngs):
         head_dim = check_head_layout(d_model, num_heads, num_kv_heads, head_dim)
@@ -76,19 +83,24 @@ class Attention(nnx.Module):
         self.dtype = dtype
         self.flash_block_size = flash_block_size
         # Plain Python config, not arrays: the frequencies are recomputed (constant-folded) per call.
-        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.rope, self.rope_theta, self.rope_scaling = rope, rope_theta, rope_scaling
         init = normal(init_std)
         self.wq = param(rngs, init, (d_model, num_heads, head_dim), (names.EMBED, names.HEADS, names.HEAD_DIM), param_dtype)
         self.wk = param(rngs, init, (d_model, num_kv_heads, head_dim), (names.EMBED, names.KV_HEADS, names.HEAD_DIM), param_dtype)
         self.wv = param(rngs, init, (d_model, num_kv_heads, head_dim), (names.EMBED, names.KV_HEADS, names.HEAD_DIM), param_dtype)
         self.wo = param(rngs, init, (num_heads, head_dim, d_model), (names.HEADS, names.HEAD_DIM, names.EMBED), param_dtype)
+        zeros = jax.nn.initializers.zeros
         if qkv_bias:
-            zeros = jax.nn.initializers.zeros
-            self.bq = param(rngs, zeros, (num_heads, head_dim), (names.HEADS, names.HEAD_DIM), param_dtype)
-            self.bk = param(rngs, zeros, (num_kv_heads, head_dim), (names.KV_HEADS, names.HEAD_DIM), param_dtype)
-            self.bv = param(rngs, zeros, (num_kv_heads, head_dim), (names.KV_HEADS, names.HEAD_DIM), param_dtype)
+            bias_axes, kv_bias_axes = (names.HEADS, names.HEAD_DIM), (names.KV_HEADS, names.HEAD_DIM)
+            self.bq = param(rngs, zeros, (num_heads, head_dim), bias_axes, param_dtype, weight_decay=False)
+            self.bk = param(rngs, zeros, (num_kv_heads, head_dim), kv_bias_axes, param_dtype, weight_decay=False)
+            self.bv = param(rngs, zeros, (num_kv_heads, head_dim), kv_bias_axes, param_dtype, weight_decay=False)
         else:
             self.bq = self.bk = self.bv = None
+        self.bo = param(rngs, zeros, (d_model,), (names.NORM,), param_dtype, weight_decay=False) if out_bias else None
+        # Qwen3: one RMSNorm (scale over head_dim) shared by all query heads, one by all key heads.
+        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, rngs=rngs) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, rngs=rngs) if qk_norm else None
 
     def _project(self, x_btd, w, b):
         y = jnp.einsum("btd,dnh->btnh", x_btd, w[...].astype(self.dtype))
@@ -98,10 +110,15 @@ class Attention(nnx.Module):
                  cache_index: jax.Array | None = None):
         """Returns (out_btd, new_cache). `cache` is None in training."""
         x_btd = x_btd.astype(self.dtype)
-        inv_freq = inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-        q_btnh = apply_rope(self._project(x_btd, self.wq, self.bq), positions_bt, inv_freq)
-        k_btkh = apply_rope(self._project(x_btd, self.wk, self.bk), positions_bt, inv_freq)
+        q_btnh = self._project(x_btd, self.wq, self.bq)
+        k_btkh = self._project(x_btd, self.wk, self.bk)
         v_btkh = self._project(x_btd, self.wv, self.bv)
+        if self.q_norm is not None:
+            q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        if self.rope:
+            inv_freq = inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+            q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
+            k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
         q_btnh = checkpoint_name(constrain(q_btnh, _Q_AXES), names.QKV)
         k_btkh = checkpoint_name(constrain(k_btkh, _KV_AXES), names.QKV)
         v_btkh = checkpoint_name(constrain(v_btkh, _KV_AXES), names.QKV)
@@ -118,11 +135,13 @@ class Attention(nnx.Module):
             context_btnh = self._attend(q_btnh, k_btkh, v_btkh, None, None)
         context_btnh = checkpoint_name(constrain(context_btnh, _Q_AXES), names.ATTN_CONTEXT)
         out_btd = jnp.einsum("btnh,nhd->btd", context_btnh, self.wo[...].astype(self.dtype))
+        if self.bo is not None:
+            out_btd = out_btd + self.bo[...].astype(self.dtype)
         return checkpoint_name(constrain(out_btd, RESIDUAL_AXES), names.ATTN_OUT), cache
 
     def _attend(self, q_btnh, k_bskh, v_bskh, q_positions_bt, kv_positions_bs):
         if self.impl == "flash":
-            from layers.flash_attention import flash_attention
+            from spillway.layers.flash_attention import flash_attention
             return flash_attention(q_btnh, k_bskh, v_bskh, causal=True, sliding_window=self.sliding_window,
                                    q_positions_bt=q_positions_bt, kv_positions_bs=kv_positions_bs,
                                    block_q=self.flash_block_size, block_k=self.flash_block_size)

@@ -1,7 +1,8 @@
 """TransformerBlock: the offload-aware block users subclass.
 
 The base class builds the four standard sublayers from a narrow `BlockConfig`
-(attn_norm, attn, mlp_norm, mlp) and runs a pre-norm Llama block. Its
+(attn_norm, attn, mlp_norm, mlp), each through a small factory method a
+subclass can override, and runs a pre-norm block (Llama, GPT-2, Mistral, Qwen). Its
 `__call__` tags the block input (BLOCK_INPUT) and hands over to `forward`,
 which subclasses override. Because attention and MLP tag QKV, ATTN_CONTEXT,
 ATTN_OUT, MLP_HIDDEN and MLP_OUT themselves, a subclass that reuses them (or
@@ -21,43 +22,62 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from layers import names
-from layers.attention import Attention, check_head_layout
-from layers.mlp import MLP
-from layers.norm import RMSNorm
-from layers.rope import RopeScaling
+from spillway.layers import names
+from spillway.layers.attention import Attention, check_head_layout
+from spillway.layers.execution import Execution
+from spillway.layers.mlp import ACTIVATIONS, GATED, MLP
+from spillway.layers.norm import NORM_KINDS, make_norm
+from spillway.layers.rope import RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """What one block needs to know; never the whole model or recipe."""
+    """What one block needs to know; never the whole model or recipe.
+
+    The architecture switches cover the dense families: the norm kind ("rms" |
+    "layer"), attention options (q/k/v and output biases, q/k RMSNorm, RoPE or
+    none, a sliding window) and the MLP (gated or plain, with or without
+    biases). How it runs (dtypes, attention kernel, init scale) is `execution`.
+    """
 
     d_model: int
     num_heads: int
     num_kv_heads: int
     mlp_hidden: int
     head_dim: int | None = None
-    mlp_kind: str = "swiglu"
+    norm: str = "rms"               # "rms" | "layer" (layers/norm.py)
     norm_eps: float = 1e-5
+    mlp_kind: str = "swiglu"        # "swiglu" | "geglu" | "gelu" (layers/mlp.py)
+    mlp_bias: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    rope: bool = True
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
-    attention_impl: str = "xla"
-    flash_block_size: int = 512
-    qkv_bias: bool = False
-    dtype: str = "float32"          # compute dtype
-    param_dtype: str = "float32"
-    init_std: float = 0.02
+    execution: Execution = Execution()
 
     def __post_init__(self):
         for field in ("d_model", "num_heads", "num_kv_heads", "mlp_hidden"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"BlockConfig.{field} must be positive, got {getattr(self, field)}")
         check_head_layout(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"BlockConfig.norm must be one of {NORM_KINDS}, got {self.norm!r}")
+        if self.mlp_kind not in ACTIVATIONS:
+            raise ValueError(f"BlockConfig.mlp_kind must be one of {sorted(ACTIVATIONS)}, got {self.mlp_kind!r}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.mlp_kind in GATED
 
 
 class BlockContext(NamedTuple):
@@ -72,16 +92,28 @@ class TransformerBlock(nnx.Module):
 
     def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(
-            cfg.d_model, cfg.num_heads, cfg.num_kv_heads, head_dim=cfg.head_dim,
+        self.attn_norm = self.make_norm(rngs)
+        self.attn = self.make_attention(rngs)
+        self.mlp_norm = self.make_norm(rngs)
+        self.mlp = self.make_mlp(rngs)
+
+    # Factories: a subclass overrides one to swap a part (a MoE layer for the MLP, say).
+    def make_norm(self, rngs: nnx.Rngs) -> nnx.Module:
+        return make_norm(self.cfg.norm, self.cfg.d_model, eps=self.cfg.norm_eps, rngs=rngs)
+
+    def make_attention(self, rngs: nnx.Rngs) -> nnx.Module:
+        cfg, ex = self.cfg, self.cfg.execution
+        return Attention(
+            cfg.d_model, cfg.num_heads, cfg.num_kv_heads, head_dim=cfg.head_dim, rope=cfg.rope,
             rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, sliding_window=cfg.sliding_window,
-            impl=cfg.attention_impl, qkv_bias=cfg.qkv_bias, dtype=dtype, param_dtype=param_dtype,
-            init_std=cfg.init_std, flash_block_size=cfg.flash_block_size, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.mlp = MLP(cfg.d_model, cfg.mlp_hidden, kind=cfg.mlp_kind, dtype=dtype, param_dtype=param_dtype,
-                       init_std=cfg.init_std, rngs=rngs)
+            impl=ex.attention_impl, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, qk_norm=cfg.qk_norm,
+            qk_norm_eps=cfg.norm_eps, dtype=ex.compute_dtype, param_dtype=ex.parameter_dtype,
+            init_std=ex.init_std, flash_block_size=ex.flash_block_size, rngs=rngs)
+
+    def make_mlp(self, rngs: nnx.Rngs) -> nnx.Module:
+        cfg, ex = self.cfg, self.cfg.execution
+        return MLP(cfg.d_model, cfg.mlp_hidden, kind=cfg.mlp_kind, bias=cfg.mlp_bias, dtype=ex.compute_dtype,
+                   param_dtype=ex.parameter_dtype, init_std=ex.init_std, rngs=rngs)
 
     def __call__(self, x_btd: jax.Array, ctx: BlockContext, cache: dict | None = None):
         """Returns (x_btd, cache). Tags the block input so policies can offload it."""

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from layers import names
+from spillway.layers import names
 
 
 

@@ -1,4 +1,4 @@
-"""Feed-forward layers: gated (SwiGLU, GeGLU) and plain GELU MLPs.
+"""Feed-forward layers: gated (SwiGLU, GeGLU) and plain GELU MLPs, with or without biases.
 
 Both tag their matmul outputs: the up/gate projections as MLP_HIDDEN and the
 down projection as MLP_OUT, so an OffloadPolicy can keep, offload or recompute
@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from layers import names
-from layers.names import RESIDUAL_AXES
-from layers.params import normal, param
-from layers.sharding import constrain
+from spillway.layers import names
+from spillway.layers.names import RESIDUAL_AXES
+from spillway.layers.params import normal, param
+from spillway.layers.sharding import constrain
 
 _HIDDEN_AXES = (names.BATCH, names.SEQ, names.ACT_MLP)
 
@@ -30,7 +30,7 @@ GATED = {"swiglu", "geglu"}
 class MLP(nnx.Module):
     """`kind` is "swiglu" / "geglu" (gated, three matrices) or "gelu" (two matrices)."""
 
-    def __init__(self, d_model: int, hidden: int, *, kind: str = "swiglu", dtype=jnp.float32,
+    def __init__(self, d_model: int, hidden: int, *, kind: str = "swiglu", bias: bool = False, dtype=jnp.float32,
                  param_dtype=jnp.float32, init_std: float = 0.02, rngs: nnx.Rngs):
         if kind not in ACTIVATIONS:
             raise ValueError(f"unknown mlp kind {kind!r}; known kinds: {sorted(ACTIVATIONS)}")
@@ -41,17 +41,26 @@ class MLP(nnx.Module):
         if kind in GATED:
             self.w_gate = param(rngs, init, (d_model, hidden), (names.EMBED, names.MLP), param_dtype)
         self.w_down = param(rngs, init, (hidden, d_model), (names.MLP, names.EMBED), param_dtype)
+        zeros = jax.nn.initializers.zeros
+        bias_param = lambda size, axis: param(rngs, zeros, (size,), (axis,), param_dtype, weight_decay=False)  # noqa: E731
+        self.b_up = bias_param(hidden, names.MLP) if bias else None
+        self.b_gate = bias_param(hidden, names.MLP) if bias and kind in GATED else None
+        self.b_down = bias_param(d_model, names.NORM) if bias else None
+
+    def _linear(self, x, w, b):
+        y = x @ w[...].astype(self.dtype)
+        return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x_btd = x_btd.astype(self.dtype)
         act = ACTIVATIONS[self.kind]
-        up_btf = checkpoint_name(constrain(x_btd @ self.w_up[...].astype(self.dtype), _HIDDEN_AXES),
+        up_btf = checkpoint_name(constrain(self._linear(x_btd, self.w_up, self.b_up), _HIDDEN_AXES),
                                  names.MLP_HIDDEN)
         if self.kind in GATED:
-            gate_btf = checkpoint_name(constrain(x_btd @ self.w_gate[...].astype(self.dtype), _HIDDEN_AXES),
+            gate_btf = checkpoint_name(constrain(self._linear(x_btd, self.w_gate, self.b_gate), _HIDDEN_AXES),
                                        names.MLP_HIDDEN)
             hidden_btf = act(gate_btf) * up_btf
         else:
             hidden_btf = act(up_btf)
-        out_btd = constrain(hidden_btf @ self.w_down[...].astype(self.dtype), RESIDUAL_AXES)
+        out_btd = constrain(self._linear(hidden_btf, self.w_down, self.b_down), RESIDUAL_AXES)
         return checkpoint_name(out_btd, names.MLP_OUT)

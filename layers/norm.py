@@ -1,4 +1,10 @@
-"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 whatever the input dtype."""
+"""Normalisation layers: RMSNorm (Llama, Mistral, Qwen) and LayerNorm with bias (GPT-2).
+
+Both compute their statistics in float32 whatever the input dtype (a bf16
+mean of squares loses too much precision) and return the input's dtype.
+`make_norm(kind, ...)` is the factory blocks and models use, so a config names
+the kind ("rms" | "layer") instead of a class.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,44 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from layers import names
-from layers.params import ones, param
+from spillway.layers import names
+from spillway.layers.params import param, zeros, ones
+
+NORM_KINDS = ("rms", "layer")
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.eps = eps
-        self.scale = param(rngs, ones, (dim,), (names.NORM,), param_dtype)
+        self.scale = param(rngs, ones, (dim,), (names.NORM,), param_dtype, weight_decay=False)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        # Statistics in fp32: bf16 mean-of-squares loses too much precision.
         x32 = x_btd.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """(x - mean) / std * scale + bias over the last axis (Ba et al., 2016)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(rngs, ones, (dim,), (names.NORM,), param_dtype, weight_decay=False)
+        self.bias = param(rngs, zeros, (dim,), (names.NORM,), param_dtype, weight_decay=False)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x32 = x_btd.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        centred = x32 - mean
+        inv_std = jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        out = centred * inv_std * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return out.astype(x_btd.dtype)
+
+
+def make_norm(kind: str, dim: int, *, eps: float, param_dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
+    """The norm layer a config names: "rms" or "layer"."""
+    if kind == "rms":
+        return RMSNorm(dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
+    if kind == "layer":
+        return LayerNorm(dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
+    raise ValueError(f"unknown norm kind {kind!r}; known: {NORM_KINDS}")

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import jax
 
-from layers import names
+from spillway.layers import names
 
 
 class Placement(str, enum.Enum):

@@ -2,9 +2,12 @@
 
 `param(rngs, init, shape, logical_axes, dtype)` makes an `nnx.Param` whose
 `logical_axes` metadata names each dimension (layers/names.py). Sharding rules
-(layers/sharding.py) and the optimizer (recipes/optimizer.py, which reads an
-optional `optimizer_memory` override: "device" or "host") read this metadata;
-layers never decide placement themselves.
+(layers/sharding.py) and the optimizer (recipes/train/optimizer.py) read this
+metadata. Two optional keys concern the optimizer: `optimizer_memory`
+("device" or "host": where this parameter's state lives, overriding the
+recipe) and `weight_decay` (False for norms, biases and embeddings, which the
+layers that make them set; the optimizer decays what does not say otherwise).
+Layers never decide placement themselves.
 """
 
 from __future__ import annotations
@@ -31,3 +34,8 @@ def normal(stddev: float):
 def ones(key, shape, dtype):
     del key
     return jnp.ones(shape, dtype)
+
+
+def zeros(key, shape, dtype):
+    del key
+    return jnp.zeros(shape, dtype)

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from layers import names
+from spillway.layers import names
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

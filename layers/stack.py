@@ -24,10 +24,10 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from flax import nnx
 
-from layers import names
-from layers.block import BlockConfig, BlockContext, TransformerBlock
-from layers.offload import OffloadPolicy, RematPlan
-from layers.sharding import constrain
+from spillway.layers import names
+from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
+from spillway.layers.offload import OffloadPolicy, RematPlan
+from spillway.layers.sharding import constrain
 
 
 def tagged_names(closed_jaxpr) -> set[str]:
@@ -75,7 +75,7 @@ class BlockStack(nnx.Module):
     def _trace_tagged_names(self, cfg: BlockConfig) -> set[str]:
         graphdef, state = nnx.split(self.blocks)
         layer_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
-        x = jax.ShapeDtypeStruct((1, 8, cfg.d_model), jnp.dtype(cfg.dtype))
+        x = jax.ShapeDtypeStruct((1, 8, cfg.d_model), cfg.execution.compute_dtype)
 
         def one_block(layer_state, x_btd):
             positions_bt = jnp.arange(x_btd.shape[1])[None]

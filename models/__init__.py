@@ -1,5 +1,14 @@
-"""spillway's model families: one file each, a frozen Config with presets plus the model class."""
+"""spillway's model zoo: one file per family, each registering a `Family` (models/registry.py).
 
-from models.llama import PRESETS, Llama, LlamaConfig, count_params, llama_config
+    registry   the family spec: FAMILIES, get_family, lookups by config and HF model_type
+    decoder    DecoderSpec and DecoderLM, the decoder-only model the dense families build
+    hf         the generic Hugging Face engine: from_hf, to_hf
+    llama, gpt2, mistral, qwen   the families
+"""
 
-__all__ = ["Llama", "LlamaConfig", "PRESETS", "count_params", "llama_config"]
+from spillway.models.decoder import DecoderLM, DecoderSpec, count_params
+from spillway.models.hf import from_hf, to_hf
+from spillway.models.registry import FAMILIES, Family, family_names, get_family
+
+__all__ = ["DecoderLM", "DecoderSpec", "FAMILIES", "Family", "count_params", "family_names", "from_hf",
+           "get_family", "to_hf"]

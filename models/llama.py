@@ -1,27 +1,29 @@
-"""Llama 2, 3, 3.1 and 3.2: config presets at their published sizes, and the model.
+"""Llama 2, 3, 3.1 and 3.2: config presets at their published sizes, and the Hugging Face table.
 
-One readable file: `LlamaConfig` (a frozen dataclass, with presets by name) and
-`Llama` (embedding, a BlockStack of offload-aware TransformerBlocks, final
-RMSNorm, tied or separate output head). Architecture differences between the
-generations are all config: vocabulary, GQA, RoPE theta, Llama 3.1/3.2 RoPE
-scaling, tied embeddings (3.2 1B/3B).
+`LlamaConfig` holds the architecture only (dtypes and kernels are the recipe's
+`Execution`). Differences between the generations are all config: vocabulary,
+GQA, RoPE theta, Llama 3.1/3.2 RoPE scaling, tied embeddings (3.2 1B/3B). The
+model is the generic `DecoderLM` (models/decoder.py): pre-norm RMSNorm blocks,
+SwiGLU MLP, no biases, RoPE.
+
+Hugging Face: `nn.Linear` stores [out, in]; spillway stores [in, out] with the
+heads split out (q_proj [heads*head_dim, d] -> wq [d, heads, head_dim]). No
+RoPE permutation is needed: HF checkpoints already use the rotate-half layout
+of layers/rope.py (Meta's original consolidated.*.pth files are not read).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from layers.block import BlockConfig, BlockContext, TransformerBlock
-from layers.embed import Embedding, LMHead
-from layers.norm import RMSNorm
-from layers.offload import OffloadPolicy, RematPlan
-from layers.rope import RopeScaling
-from layers.stack import BlockStack
+from spillway.layers.block import BlockConfig
+from spillway.layers.execution import Execution
+from spillway.layers.rope import RopeScaling
+from spillway.models import hf
+from spillway.models.decoder import DecoderLM, DecoderSpec
+from spillway.models.registry import Family, register_family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,52 +40,27 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_seq_len: int = 4096
-    sliding_window: int | None = None
-    attention_impl: str = "xla"     # "xla" | "cudnn" | "flash" (layers/attention.py)
-    flash_block_size: int = 512
-    dtype: str = "bfloat16"         # compute dtype
-    param_dtype: str = "float32"
-    remat: str = "recompute_all"    # a RematPlan spec: preset or "preset:K,preset"
-    init_std: float = 0.02
 
     def __post_init__(self):
-        for field in ("vocab_size", "num_layers", "max_seq_len"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"LlamaConfig.{field} must be positive, got {getattr(self, field)}")
-        self.block_config()  # validates the head layout and sizes with field names
-        RematPlan.parse(self.remat).resolve(self.num_layers)
+        self.decoder_spec(Execution())  # validates sizes and the head layout, naming the field
 
-    def block_config(self) -> BlockConfig:
+    def block_config(self, execution: Execution = Execution(), **extra) -> BlockConfig:
         return BlockConfig(
             d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            mlp_hidden=self.mlp_hidden, head_dim=self.head_dim, mlp_kind="swiglu", norm_eps=self.norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, sliding_window=self.sliding_window,
-            attention_impl=self.attention_impl, flash_block_size=self.flash_block_size,
-            dtype=self.dtype, param_dtype=self.param_dtype, init_std=self.init_std)
+            mlp_hidden=self.mlp_hidden, head_dim=self.head_dim, norm="rms", norm_eps=self.norm_eps,
+            mlp_kind="swiglu", rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            execution=execution, **extra)
+
+    def decoder_spec(self, execution: Execution = Execution()) -> DecoderSpec:
+        return DecoderSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, max_seq_len=self.max_seq_len,
+                           block=self.block_config(execution), tie_embeddings=self.tie_embeddings)
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
 
     def num_params(self) -> int:
-        """Parameter count from the shapes alone (no allocation)."""
-        h = self.resolved_head_dim
-        attn = self.d_model * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.d_model * self.mlp_hidden
-        per_layer = attn + mlp + 2 * self.d_model
-        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-        return self.vocab_size * self.d_model + self.num_layers * per_layer + self.d_model + head
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward), without remat recompute.
-
-        6 * (non-embedding-lookup params) for the matmuls plus the attention scores
-        and context: 6 * layers * seq * heads * head_dim (causal halves the 12).
-        """
-        matmul_params = self.num_params() - self.vocab_size * self.d_model * (0 if self.tie_embeddings else 1)
-        matmul_params -= self.num_layers * 2 * self.d_model + self.d_model  # norms are not matmuls
-        attention = 6 * self.num_layers * seq_len * self.num_heads * self.resolved_head_dim
-        return 6.0 * matmul_params + attention
+        return self.decoder_spec().num_params()
 
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
@@ -108,83 +85,122 @@ PRESETS: dict[str, LlamaConfig] = {
                                tie_embeddings=True, max_seq_len=131072),
     # Test and CPU sizes. Odd numbers on purpose in "tiny_odd" to catch shape bugs.
     "tiny": LlamaConfig(vocab_size=4096, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                        mlp_hidden=704, max_seq_len=256, dtype="float32"),
+                        mlp_hidden=704, max_seq_len=256),
     "tiny_odd": LlamaConfig(vocab_size=131, d_model=60, num_layers=3, num_heads=6, num_kv_heads=2,
-                            mlp_hidden=92, max_seq_len=64, rope_scaling=_LLAMA31_SCALING, rope_theta=500000.0,
-                            dtype="float32"),
+                            mlp_hidden=92, max_seq_len=64, rope_scaling=_LLAMA31_SCALING, rope_theta=500000.0),
 }
 
 
+class Llama(DecoderLM):
+    """A Llama: `Llama(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
+
+
+# --- Hugging Face ----------------------------------------------------------------
+
+def rope_scaling_from_hf(scaling: dict | None) -> RopeScaling | None:
+    if scaling is None:
+        return None
+    kind = scaling["rope_type"]
+    hf.refuse(kind != "llama3", f"unsupported rope_type {kind!r} in the Hugging Face config: spillway implements "
+                                f"only 'default' (no scaling) and 'llama3' RoPE")
+    hf.require(scaling, ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               "rope_scaling")
+    return RopeScaling(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                       high_freq_factor=float(scaling["high_freq_factor"]),
+                       original_max_position=int(scaling["original_max_position_embeddings"]))
+
+
+def rope_scaling_to_hf(scaling: RopeScaling | None) -> dict | None:
+    if scaling is None:
+        return None
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position}
+
+
+def llama_fields_from_hf(hf_config: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """The LlamaConfig fields of a Llama-shaped Hugging Face config (Llama, Mistral, Qwen share them)."""
+    hf.require(hf_config, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size"), family)
+    hidden_act = hf_config.get("hidden_act", "silu")
+    hf.refuse(hidden_act != "silu", f"hidden_act {hidden_act!r} is not supported: the {family} MLP is SwiGLU ('silu')")
+    d_model, num_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim")
+    if head_dim is not None and d_model % num_heads == 0 and head_dim == d_model // num_heads:
+        head_dim = None  # the default; left unset so configs compare equal to the presets
+    rope_theta, scaling = hf.rope_settings(hf_config)
+    return dict(
+        vocab_size=hf_config["vocab_size"], d_model=d_model, num_layers=hf_config["num_hidden_layers"],
+        num_heads=num_heads, num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+        mlp_hidden=hf_config["intermediate_size"], head_dim=head_dim, rope_theta=rope_theta,
+        rope_scaling=rope_scaling_from_hf(scaling),
+        # transformers' own defaults, for keys a config.json omits.
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        max_seq_len=int(hf_config.get("max_position_embeddings", 2048)),
+    )
+
+
+def llama_fields_to_hf(cfg) -> dict[str, Any]:
+    """config.json keys of the LlamaConfig fields, in the transformers < 5 spelling (5 still reads it)."""
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "intermediate_size": cfg.mlp_hidden, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling_to_hf(cfg.rope_scaling), "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_seq_len,
+    }
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
+    hf.refuse(bool(hf_config.get("attention_bias", False)),
+              "attention_bias=True is not supported: Llama has no q/k/v/o projection biases")
+    hf.refuse(bool(hf_config.get("mlp_bias", False)), "mlp_bias=True is not supported: Llama's MLP has no biases")
+    return LlamaConfig(**llama_fields_from_hf(hf_config, "Llama"))
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_fields_to_hf(cfg),
+            "attention_bias": False, "mlp_bias": False}
+
+
+def llama_weights(cfg, *, qkv_bias: bool = False, qk_norm: bool = False) -> list[hf.HFWeight]:
+    """Every tensor of a Llama-shaped checkpoint (Mistral and Qwen add q/k/v biases or q/k norms)."""
+    W, p = hf.HFWeight, "model.layers.{i}."
+    weights = [
+        W("model.embed_tokens.weight", ("embed", "table"), hf.COPY),
+        W(p + "self_attn.q_proj.weight", ("attn", "wq"), hf.IN_HEADS),
+        W(p + "self_attn.k_proj.weight", ("attn", "wk"), hf.IN_HEADS),
+        W(p + "self_attn.v_proj.weight", ("attn", "wv"), hf.IN_HEADS),
+        W(p + "self_attn.o_proj.weight", ("attn", "wo"), hf.OUT_HEADS),
+        W(p + "mlp.gate_proj.weight", ("mlp", "w_gate"), hf.LINEAR),
+        W(p + "mlp.up_proj.weight", ("mlp", "w_up"), hf.LINEAR),
+        W(p + "mlp.down_proj.weight", ("mlp", "w_down"), hf.LINEAR),
+        W(p + "input_layernorm.weight", ("attn_norm", "scale"), hf.VECTOR),
+        # In Llama-shaped checkpoints this is the MLP's pre-norm (Gemma 2 uses the name for a post-norm).
+        W(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), hf.VECTOR),
+    ]
+    if qkv_bias:
+        weights += [W(p + f"self_attn.{x}_proj.bias", ("attn", f"b{x}"), hf.VECTOR) for x in "qkv"]
+    if qk_norm:
+        weights += [W(p + f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "scale"), hf.VECTOR) for x in "qk"]
+    weights.append(W("model.norm.weight", ("final_norm", "scale"), hf.VECTOR))
+    if not cfg.tie_embeddings:
+        weights.append(W("lm_head.weight", ("head", "w"), hf.LINEAR))
+    return weights
+
+
+FAMILY = register_family(Family(
+    name="llama",
+    config_cls=LlamaConfig,
+    presets=PRESETS,
+    description="Llama 2 / 3 / 3.1 / 3.2: RMSNorm, SwiGLU, RoPE (3.1 scaling), GQA",
+    hf=hf.HFTable(model_types=("llama",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                  weights=llama_weights),
+    model_cls=Llama,
+))
+
+
 def llama_config(name: str, **overrides) -> LlamaConfig:
-    try:
-        base = PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown Llama preset {name!r}; known presets: {sorted(PRESETS)}") from None
-    return dataclasses.replace(base, **overrides)
-
-
-class Llama(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, block_cls: type = TransformerBlock,
-                 remat: str | OffloadPolicy | RematPlan | None = None):
-        self.cfg = cfg
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        self.embed = Embedding(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
-                               init_std=cfg.init_std, rngs=rngs)
-        self.layers = BlockStack(cfg.block_config(), cfg.num_layers, block_cls=block_cls,
-                                 remat=cfg.remat if remat is None else remat, rngs=rngs)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.head = None if cfg.tie_embeddings else LMHead(
-            cfg.d_model, cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std, rngs=rngs)
-
-    def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
-                 cache: dict | None = None, cache_index: jax.Array | None = None):
-        """Logits [b, t, vocab] in the compute dtype; with a cache, returns (logits, cache)."""
-        if positions_bt is None:
-            start = 0 if cache_index is None else cache_index
-            positions_bt = jnp.broadcast_to(start + jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        x_btd, new_cache = self.hidden_states(tokens_bt, positions_bt, cache, cache_index)
-        logits_btv = self.logits(x_btd)
-        return logits_btv if cache is None else (logits_btv, new_cache)
-
-    def hidden_states(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: dict | None = None,
-                      cache_index: jax.Array | None = None):
-        """Final-normed hidden states [b, t, d] (and the cache): everything but the output head.
-
-        Split from `logits` so a loss can apply the head a chunk of tokens at a
-        time and never hold all [t, vocab] logits (recipes/train.py).
-        """
-        x_btd = self.embed(tokens_bt)
-        x_btd, new_cache = self.layers(x_btd, BlockContext(positions_bt, cache_index), cache)
-        return self.final_norm(x_btd), new_cache
-
-    def logits(self, x_btd: jax.Array) -> jax.Array:
-        return self.embed.attend(x_btd) if self.head is None else self.head(x_btd)
-
-    def split_head(self):
-        """(logits_fn, head_params) with logits_fn(head_params, x) == self.logits(x).
-
-        The output head as a pure function of its own parameters (the tied
-        embedding table or the separate head), for losses that need the head's
-        gradient explicitly (recipes/train.py's chunked loss).
-        """
-        module = self.embed if self.head is None else self.head
-        graphdef, head_params = nnx.split(module)
-
-        def logits_fn(head_params, x_btd):
-            head = nnx.merge(graphdef, head_params)
-            return head.attend(x_btd) if isinstance(head, Embedding) else head(x_btd)
-
-        return logits_fn, head_params
-
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
-        """Zeroed KV cache for decoding: {"k", "v"}: [layers, batch, max_len, kv_heads, head_dim]."""
-        cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
-        dtype = jnp.dtype(dtype or cfg.dtype)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def count_params(cfg: LlamaConfig) -> int:
-    """Parameters of the built model, counted from abstract shapes (nothing allocated)."""
-    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
+    return FAMILY.config(name, **overrides)

@@ -13,26 +13,26 @@ import sys
 
 
 def _cmd_recipes(args) -> int:
-    from recipes.registry import get_recipe, recipe_names
+    from spillway.recipes.registry import get_recipe, recipe_names
     for name in recipe_names():
         recipe = get_recipe(name)
-        print(f"{name:20s} {recipe.model.num_params() / 1e6:9.1f}M  {recipe.description}")
+        print(f"{name:20s} {recipe.family:8s} {recipe.num_params() / 1e6:9.1f}M  {recipe.description}")
     return 0
 
 
 def _cmd_train(args) -> int:
-    from recipes.registry import get_recipe
+    from spillway.recipes.registry import get_recipe
     recipe = get_recipe(args.recipe, args.set)
     if args.plan:
-        from recipes.planner import apply_plan
+        from spillway.recipes.plan.planner import apply_plan
         recipe = apply_plan(recipe, args.plan, gpu=args.gpu, devices=args.devices)
-    from recipes.train import train
+    from spillway.recipes.train.loop import train
     train(recipe, stop_after=args.stop_after)
     return 0
 
 
 def _cmd_generate(args) -> int:
-    from recipes.sampling_cli import generate_from_checkpoint
+    from spillway.recipes.generate import generate_from_checkpoint
     text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     print(text)
@@ -40,7 +40,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from recipes.planner import plan_command
+    from spillway.recipes.plan.planner import plan_command
     return plan_command(args)
 
 

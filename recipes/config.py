@@ -1,7 +1,8 @@
 """The Recipe: frozen dataclasses for a whole run, `--set a.b=value` overrides, JSON round-trip.
 
-A recipe is plain data: the model config (models/), data, optimizer, offload,
-mesh, checkpoint and train settings. Recipes are Python functions returning a
+A recipe is plain data: the model family and its config (models/), how the
+model executes (dtypes, attention kernel), an optional block class, data,
+optimizer, offload, mesh, checkpoint and train settings. Recipes are Python functions returning a
 `Recipe` (recipes/registry.py); variants come from `dataclasses.replace` or
 from `--set` on the command line, which is type-checked against the field's
 annotation so a typo or a bad value fails before anything is built.
@@ -15,9 +16,11 @@ import types
 import typing
 from typing import Any
 
-from layers.rope import RopeScaling
-from models.llama import LlamaConfig
-from recipes.optimizer import OptimizerConfig
+from spillway.layers.execution import Execution
+from spillway.layers.offload import RematPlan
+from spillway.layers.rope import RopeScaling
+from spillway.models.registry import get_family
+from spillway.recipes.train.optimizer import OptimizerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,10 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     name: str
-    model: LlamaConfig
+    family: str                           # a models/ family name (spillway recipes lists them)
+    model: Any                            # that family's config (architecture only)
+    execution: Execution = Execution()    # dtypes, attention kernel, init scale: shared by all families
+    block: str | None = None              # "package.module:Class" or "package.module.Class": a TransformerBlock subclass
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     offload: OffloadConfig = OffloadConfig()
@@ -84,11 +90,19 @@ class Recipe:
     description: str = ""
 
     def __post_init__(self):
+        family = get_family(self.family)
+        if not isinstance(self.model, family.config_cls):
+            raise ValueError(f"model is a {type(self.model).__name__}, but family {self.family!r} takes a "
+                             f"{family.config_cls.__name__}")
         if self.train.global_batch % self.train.grad_accum:
             raise ValueError(f"train.grad_accum ({self.train.grad_accum}) does not divide "
                              f"train.global_batch ({self.train.global_batch})")
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        try:
+            RematPlan.parse(self.offload.activations).resolve(self.model.num_layers)
+        except ValueError as err:
+            raise ValueError(f"offload.activations: {err}") from None
         if self.offload.optimizer_state not in ("device", "host"):
             raise ValueError(f"offload.optimizer_state must be 'device' or 'host', got {self.offload.optimizer_state!r}")
 
@@ -96,9 +110,22 @@ class Recipe:
     def run_dir(self) -> str:
         return self.checkpoint.dir or f"runs/{self.name}"
 
-    def model_config(self) -> LlamaConfig:
-        """The model config with the recipe's activation plan applied."""
-        return dataclasses.replace(self.model, remat=self.offload.activations)
+    def decoder_spec(self):
+        """The model's shapes (models/decoder.py DecoderSpec) with this recipe's execution settings."""
+        return get_family(self.family).spec(self.model, self.execution)
+
+    def num_params(self) -> int:
+        return self.decoder_spec().num_params()
+
+    def block_class(self) -> type:
+        """The TransformerBlock subclass `block` names (the base class when None)."""
+        from spillway.layers.block import TransformerBlock
+        return TransformerBlock if self.block is None else resolve_block_class(self.block)
+
+    def build_model(self, rngs):
+        """The model with the recipe's activation plan (call under nnx.eval_shape for shapes only)."""
+        return get_family(self.family).build(self.model, self.execution, rngs=rngs,
+                                             remat=self.offload.activations, block_cls=self.block_class())
 
     def optimizer_config(self) -> OptimizerConfig:
         """The optimizer config with the recipe's state placement and step count applied."""
@@ -114,10 +141,60 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Recipe":
-        return _from_dict(cls, d, "")
+        return _from_dict(cls, upgrade_legacy_recipe_dict(d), "")
+
+
+def resolve_block_class(path: str) -> type:
+    """Import "package.module:Class" (or "package.module.Class") and check it is a TransformerBlock subclass."""
+    import importlib
+
+    from spillway.layers.block import TransformerBlock
+    module_name, sep, class_name = path.partition(":")
+    if not sep:
+        module_name, _, class_name = path.rpartition(".")
+    if not module_name or not class_name:
+        raise ValueError(f"block: {path!r} is not a dotted path 'package.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"block: cannot import module {module_name!r} ({err})") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, TransformerBlock)):
+        raise ValueError(f"block: {path!r} is not a TransformerBlock subclass")
+    return cls
+
+
+_EXECUTION_FIELDS = ("dtype", "param_dtype", "attention_impl", "flash_block_size", "init_std")
+
+
+def upgrade_legacy_recipe_dict(d: dict) -> dict:
+    """A recipe.json written before families existed (a Llama whose config held dtypes and remat) -> today's.
+
+    Runs saved by earlier versions stay loadable: the family is Llama, the
+    execution fields move to `execution`, and the activation plan the model
+    config carried was always overwritten by `offload.activations`.
+    """
+    if "family" in d or not isinstance(d.get("model"), dict):
+        return d
+    d = dict(d)
+    model = dict(d["model"])
+    execution = {k: model.pop(k) for k in _EXECUTION_FIELDS if k in model}
+    model.pop("remat", None)
+    model.pop("sliding_window", None) if model.get("sliding_window") is None else None
+    d.update(family="llama", model=model, execution={**execution, **d.get("execution", {})})
+    return d
+
+
+def _model_config_class(tree: dict):
+    family = tree.get("family")
+    if not isinstance(family, str):
+        raise ValueError(f"family must be a model family name, got {family!r}")
+    return get_family(family).config_cls
 
 
 def _from_dict(cls, d: dict, where: str):
+    if cls is Recipe and isinstance(d.get("model"), dict):
+        d = dict(d, model=_from_dict(_model_config_class(d), d["model"], "model."))
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
@@ -173,6 +250,8 @@ def _coerce(annotation, value, where: str):
             return float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if annotation is Any:
+        return value
     if annotation is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # `--set data.source=2024` means the string
@@ -209,6 +288,11 @@ def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
     if key not in fields:
         raise ValueError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} (fields: {sorted(fields)})")
     annotation = typing.get_type_hints(cls)[key]
+    if cls is Recipe and key == "model":
+        annotation = _model_config_class(tree)   # the family decides what `model.*` holds
+    if cls is Recipe and key == "family" and len(keys) == 1:
+        raise ValueError("family cannot be changed with --set (the model config is the family's): "
+                         "pick a recipe of that family (`spillway recipes` lists them)")
     nested = [a for a in (typing.get_args(annotation) or (annotation,)) if dataclasses.is_dataclass(a)]
     if len(keys) == 1:
         if nested and not (raw.lower() in ("none", "null") and type(None) in typing.get_args(annotation)):
@@ -231,4 +315,4 @@ def _parse_scalar(raw: str) -> Any:
 
 
 __all__ = ["Recipe", "DataConfig", "OffloadConfig", "MeshConfig", "CheckpointConfig", "TrainConfig",
-           "OptimizerConfig", "LlamaConfig", "RopeScaling", "apply_overrides"]
+           "OptimizerConfig", "Execution", "RopeScaling", "apply_overrides", "resolve_block_class"]

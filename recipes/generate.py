@@ -1,73 +1,50 @@
-"""Sampling from a trained model: KV-cache decoding with temperature and top-p.
-
-The prompt is processed in one call (prefill) that writes the cache; then one
-jitted step per new token reads and extends it. Temperature 0 is greedy.
-"""
+"""`spillway generate`: rebuild a run's model from its checkpoint and recipe, then sample."""
 
 from __future__ import annotations
 
-import functools
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-
-def sample_token(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """One token per row: greedy at temperature 0, else nucleus sampling."""
-    if temperature <= 0:
-        return jnp.argmax(logits_bv, axis=-1)
-    logits_bv = logits_bv.astype(jnp.float32) / temperature
-    if top_p < 1.0:
-        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
-        cumulative_bv = jnp.cumsum(jax.nn.softmax(sorted_bv, axis=-1), axis=-1)
-        # Keep the smallest prefix whose probability reaches top_p (at least one token).
-        cutoff_index_b = jnp.sum(cumulative_bv < top_p, axis=-1, keepdims=True)
-        cutoff_b1 = jnp.take_along_axis(sorted_bv, cutoff_index_b, axis=-1)
-        logits_bv = jnp.where(logits_bv < cutoff_b1, -jnp.inf, logits_bv)
-    return jax.random.categorical(key, logits_bv, axis=-1)
+from spillway.data import load_tokenizer
+from spillway.layers.sharding import make_mesh, state_shardings
+from spillway.recipes.config import Recipe
+from spillway.recipes.sampling import generate
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p"))
-def _prefill(graphdef, state, tokens_bt, cache, key, temperature, top_p):
-    model = nnx.merge(graphdef, state)
-    logits_btv, cache = model(tokens_bt, cache=cache, cache_index=jnp.int32(0))
-    return sample_token(logits_btv[:, -1], key, temperature, top_p), cache
+def _run_dir_of(path: Path) -> Path:
+    """A run dir holds tokenizer.model; accept the run dir, its checkpoints/ dir, or a step dir."""
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / "tokenizer.model").is_file():
+            return candidate
+    raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.model found)")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p"), donate_argnames=("cache",))
-def _decode_step(graphdef, state, token_b, cache, index, key, temperature, top_p):
-    model = nnx.merge(graphdef, state)
-    logits_btv, cache = model(token_b[:, None], cache=cache, cache_index=index)
-    return sample_token(logits_btv[:, -1], key, temperature, top_p), cache
+def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_p: float,
+                             seed: int = 0) -> str:
+    import json
 
+    from spillway.recipes.train.checkpoint import read_recipe_json, restore_params_only
+    from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
-def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.8, top_p: float = 0.95,
-             seed: int = 0, stop_id: int | None = None) -> list[int]:
-    """Continue `prompt_ids`; returns only the new tokens (stops early at `stop_id`)."""
-    if not prompt_ids:
-        raise ValueError("generate needs a non-empty prompt")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    max_len = len(prompt_ids) + max_new_tokens
-    if max_len > model.cfg.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_seq_len ({model.cfg.max_seq_len})")
-    graphdef, state = nnx.split(model)
-    cache = model.init_cache(1, max_len)
-    key = jax.random.key(seed)
-    key, sub = jax.random.split(key)
-    token, cache = _prefill(graphdef, state, jnp.asarray([prompt_ids], jnp.int32), cache, sub, temperature, top_p)
-    out = []
-    for i in range(max_new_tokens):
-        token_id = int(np.asarray(token)[0])
-        if stop_id is not None and token_id == stop_id:
-            break
-        out.append(token_id)
-        if i == max_new_tokens - 1:
-            break
-        key, sub = jax.random.split(key)
-        token, cache = _decode_step(graphdef, state, token, cache, jnp.int32(len(prompt_ids) + i), sub,
-                                    temperature, top_p)
-    return out
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    run_dir = _run_dir_of(path)
+    ckpt = path if path != run_dir else run_dir / "checkpoints"
+    recipe = Recipe.from_dict(json.loads(read_recipe_json(ckpt)))
+    mesh = make_mesh(1, -1, 1, devices=jax.devices()[:1])
+    # Restore straight into the abstract model's shards: no random initialisation to throw away.
+    graphdef, abstract_state = abstract_model(recipe)
+    target = abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
+    params, _ = restore_params_only(ckpt, target)
+    model = nnx.merge(graphdef, params)
+    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
+    room = recipe.model.max_seq_len - len(prompt_ids)
+    if room <= 0:
+        raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the model's max_seq_len is {recipe.model.max_seq_len}")
+    new_ids = generate(model, prompt_ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
+                       top_p=top_p, seed=seed, stop_id=tokenizer.eos_id)
+    return tokenizer.decode(prompt_ids + new_ids)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from models.llama import llama_config
-from recipes.config import (CheckpointConfig, DataConfig, MeshConfig, OffloadConfig, OptimizerConfig, Recipe,
-                            TrainConfig, apply_overrides)
+from spillway.layers.execution import Execution
+from spillway.models.llama import llama_config
+from spillway.recipes.config import (CheckpointConfig, DataConfig, MeshConfig, OffloadConfig, OptimizerConfig, Recipe,
+                                     TrainConfig, apply_overrides)
 
 _RECIPES: dict[str, Callable[[], Recipe]] = {}
 
@@ -47,8 +48,10 @@ def tiny() -> Recipe:
     return Recipe(
         name="tiny",
         description="4-layer Llama (5M params) on the embedded stdlib corpus; the CPU main job",
+        family="llama",
         model=llama_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6, num_kv_heads=2,
-                           mlp_hidden=512, max_seq_len=128, dtype="float32"),
+                           mlp_hidden=512, max_seq_len=128),
+        execution=Execution(dtype="float32"),
         data=DataConfig(seq_len=128),
         optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=30, weight_decay=0.1, clip_norm=1.0),
         offload=OffloadConfig(activations="save_all"),
@@ -58,12 +61,16 @@ def tiny() -> Recipe:
     )
 
 
+GPU_EXECUTION = Execution(dtype="bfloat16", param_dtype="bfloat16", attention_impl="flash")
+
+
 def _gpu_recipe(name: str, preset: str, description: str, **model_overrides) -> Recipe:
     return Recipe(
         name=name,
         description=description,
-        model=llama_config(preset, dtype="bfloat16", param_dtype="bfloat16", attention_impl="flash",
-                           **model_overrides),
+        family="llama",
+        model=llama_config(preset, **model_overrides),
+        execution=GPU_EXECUTION,
         data=DataConfig(tokenizer=None, seq_len=8192, num_proc=16),
         optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, total_steps=100_000, weight_decay=0.1, clip_norm=1.0,
                                   master_weights=True),

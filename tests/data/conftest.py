@@ -14,7 +14,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import datasets  # noqa: E402
 import pytest  # noqa: E402
 
-from data import train_tokenizer  # noqa: E402
+from spillway.data import train_tokenizer  # noqa: E402
 from tiny_corpus import make_documents  # noqa: E402
 
 datasets.disable_progress_bars()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from data import DEFAULT_MAX_BYTES, default_corpus_files, stdlib_root
+from spillway.data import DEFAULT_MAX_BYTES, default_corpus_files, stdlib_root
 
 
 def test_small_cap_selects_sorted_library_sources():

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from data import BatchLoader, eval_batches
+from spillway.data import BatchLoader, eval_batches
 
 SEQ = 5
 

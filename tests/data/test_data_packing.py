@@ -6,9 +6,9 @@ import datasets
 import numpy as np
 import pytest
 
-import data.packing
-import data.sources
-from data import PackedData, load_documents, prepare_tokens, token_dtype
+import spillway.data.packing as packing_module
+import spillway.data.sources as sources_module
+from spillway.data import PackedData, load_documents, prepare_tokens, token_dtype
 
 
 def _expected_stream(folder, tokenizer, tmp_path):
@@ -47,7 +47,7 @@ def test_second_call_loads_the_cache_without_tokenizing(text_folder, tokenizer, 
     def refuse(*args, **kwargs):
         raise AssertionError("the corpus was loaded and tokenized again")
 
-    monkeypatch.setattr(data.packing, "load_documents", refuse)
+    monkeypatch.setattr(packing_module, "load_documents", refuse)
     second = prepare_tokens(str(text_folder), tokenizer, **arguments)
     assert second.from_cache and not first.from_cache
     np.testing.assert_array_equal(first.train, second.train)
@@ -94,7 +94,7 @@ def test_streamed_source_needs_and_honours_max_tokens(tokenizer, tmp_path, monke
         documents = datasets.Dataset.from_dict({"text": ["the model reads tokens " * 10] * 50})
         return documents.to_iterable_dataset()
 
-    monkeypatch.setattr(data.sources.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(sources_module.datasets, "load_dataset", fake_load_dataset)
     with pytest.raises(ValueError, match="'hf:owner/name' is streamed; pass max_tokens"):
         prepare_tokens("hf:owner/name", tokenizer, seq_len=8, cache_dir=tmp_path)
     packed = prepare_tokens(
@@ -106,7 +106,7 @@ def test_streamed_source_needs_and_honours_max_tokens(tokenizer, tmp_path, monke
 @pytest.mark.parametrize("interruption", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_interrupted_write_leaves_nothing_behind(text_folder, tokenizer, tmp_path, monkeypatch, interruption):
     cache = tmp_path / "cache"
-    real_write = data.packing._write_array
+    real_write = packing_module._write_array
     written = []
 
     def write_then_fail(path, array):
@@ -115,13 +115,13 @@ def test_interrupted_write_leaves_nothing_behind(text_folder, tokenizer, tmp_pat
         if len(written) == 1:  # train.npy is complete, val.npy and meta.json are not
             raise interruption
 
-    monkeypatch.setattr(data.packing, "_write_array", write_then_fail)
+    monkeypatch.setattr(packing_module, "_write_array", write_then_fail)
     with pytest.raises(type(interruption)):
         prepare_tokens(str(text_folder), tokenizer, seq_len=16, val_fraction=0.2, cache_dir=cache)
     assert written == ["train.npy"]
     assert list((cache / "packed").iterdir()) == []
 
-    monkeypatch.setattr(data.packing, "_write_array", real_write)
+    monkeypatch.setattr(packing_module, "_write_array", real_write)
     packed = prepare_tokens(str(text_folder), tokenizer, seq_len=16, val_fraction=0.2, cache_dir=cache)
     assert not packed.from_cache
     assert json.loads((packed.path / "meta.json").read_text())["val_rows"] == len(packed.val)

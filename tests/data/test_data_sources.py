@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import data.sources
-from data import (
+import spillway.data.sources as sources_module
+from spillway.data import (
     HubSpec,
     default_corpus_files,
     load_documents,
@@ -170,7 +170,7 @@ def test_hub_spec_becomes_streaming_load_dataset_call(monkeypatch):
         rows = [{"content": "a streamed document", "url": "x"}, {"content": "", "url": "y"}]
         return datasets.Dataset.from_list(rows).to_iterable_dataset()
 
-    monkeypatch.setattr(data.sources.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(sources_module.datasets, "load_dataset", fake_load_dataset)
     documents = load_documents("hf:owner/name:cfg", text_field="content", split="validation")
     assert calls == [
         {"path": "owner/name", "name": "cfg", "split": "validation", "streaming": True, "cache_dir": None}
@@ -199,7 +199,7 @@ def test_stream_with_unknown_schema_is_renamed_lazily(monkeypatch):
     def fake_load_dataset(**kwargs):
         return datasets.IterableDataset.from_generator(rows)  # column_names is None until read
 
-    monkeypatch.setattr(data.sources.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(sources_module.datasets, "load_dataset", fake_load_dataset)
     documents = load_documents("owner/name", text_field="content")
     assert documents.column_names is None
     assert [row["text"] for row in documents] == ["first", "second"]

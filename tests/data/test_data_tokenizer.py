@@ -5,7 +5,7 @@ import pickle
 import pytest
 import sentencepiece as spm
 
-from data import (
+from spillway.data import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layers import names
-from layers.flash_attention import flash_attention, flash_attention_with_lse
+from spillway.layers import names
+from spillway.layers.flash_attention import flash_attention, flash_attention_with_lse
 
 RTOL = ATOL = 1e-5  # float32
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from layers.attention import Attention
-from layers.embed import Embedding, LMHead
-from layers.mlp import MLP
-from layers.norm import RMSNorm
-from layers.rope import RopeScaling, apply_rope, inverse_frequencies
+from spillway.layers.attention import Attention
+from spillway.layers.embed import Embedding, LMHead
+from spillway.layers.mlp import MLP
+from spillway.layers.norm import RMSNorm
+from spillway.layers.rope import RopeScaling, apply_rope, inverse_frequencies
 
 
 def test_rmsnorm_normalises_in_float32():
@@ -107,7 +107,7 @@ def test_tied_and_separate_heads():
 
 
 def test_every_parameter_has_logical_axes():
-    from models.llama import Llama, llama_config
+    from spillway.models.llama import Llama, llama_config
     model = nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0)))
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from layers import names
-from layers.sharding import create_sharded
-from layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, preset
-from models.llama import Llama, llama_config
+from spillway.layers import names
+from spillway.layers.sharding import create_sharded
+from spillway.layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, preset
+from spillway.models.llama import Llama, llama_config
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +20,8 @@ def params():
 
 
 def loss_and_grads(remat, params):
-    cfg = llama_config("tiny_odd", remat=remat)
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    cfg = llama_config("tiny_odd")
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat=remat))
     nnx.update(model, params)
     tokens = jax.random.randint(jax.random.key(1), (2, 19), 0, cfg.vocab_size)
 
@@ -75,7 +75,7 @@ def test_policy_naming_untagged_activation_fails_at_build():
 
 def test_segment_boundary_beyond_layers():
     with pytest.raises(ValueError, match="boundary 5 is beyond the stack's 3 layers"):
-        llama_config("tiny_odd", remat="offload_dots:5,recompute_all")
+        nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0), remat="offload_dots:5,recompute_all"))
 
 
 def test_segments_resolve_in_order():

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from layers.sharding import activation_sharding, batch_sharding, constrain, create_sharded, logical_to_spec, make_mesh
-from models.llama import Llama, llama_config
+from spillway.layers.sharding import activation_sharding, batch_sharding, constrain, create_sharded, logical_to_spec, make_mesh
+from spillway.models.llama import Llama, llama_config
 
 
 def test_eight_fake_devices():
@@ -31,10 +31,9 @@ def test_undividable_dims_are_replicated():
 
 @pytest.fixture(scope="module")
 def sharded_model():
-    cfg = llama_config("tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130,
-                       remat="offload_dots")
+    cfg = llama_config("tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    return create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh), mesh
+    return create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat="offload_dots"), mesh), mesh
 
 
 def test_parameters_are_sharded_as_the_rules_say(sharded_model):

@@ -1,4 +1,4 @@
-"""Hugging Face Llama import and export (models/hf_import.py), and KV-cache decoding.
+"""Hugging Face Llama import and export (models/hf.py with models/llama.py's table), and KV-cache decoding.
 
 Parity: a tiny random `transformers.LlamaForCausalLM` with odd sizes (hidden 60,
 6 heads over 2 KV heads, head_dim 10, intermediate 92, 3 layers, vocabulary
@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from layers.rope import RopeScaling
-from layers.sharding import make_mesh
-from models.hf_import import (export_hf_state_dict, hf_config_from_llama, llama_config_from_hf, load_hf_llama,
-                              save_hf_llama)
-from models.llama import llama_config
+from spillway.layers.rope import RopeScaling
+from spillway.layers.sharding import make_mesh
+from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
+from spillway.models.llama import config_from_hf as llama_config_from_hf
+from spillway.models.llama import config_to_hf as hf_config_from_llama
+from spillway.models.llama import llama_config
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 131, 60, 3, 6, 2, 10, 92
 SEQ = 40
@@ -113,9 +114,9 @@ def test_transformers5_and_legacy_rope_spellings_agree():
 
 
 def test_config_round_trips_and_defaults():
-    cfg = llama_config_from_hf(hf_config(rope_scaling=LLAMA3_ROPE, tie=True), remat="save_all")
-    assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16) and cfg.tie_embeddings and cfg.remat == "save_all"
-    assert llama_config_from_hf(hf_config_from_llama(cfg), remat="save_all") == cfg
+    cfg = llama_config_from_hf(hf_config(rope_scaling=LLAMA3_ROPE, tie=True))
+    assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16) and cfg.tie_embeddings
+    assert llama_config_from_hf(hf_config_from_llama(cfg)) == cfg
     sparse = {k: LLAMA31_8B_HF[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                             "num_attention_heads", "intermediate_size")}
     cfg = llama_config_from_hf(sparse)  # transformers' LlamaConfig defaults fill the rest
@@ -129,12 +130,14 @@ def test_config_round_trips_and_defaults():
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"model_type": "falcon"}, "model_type 'falcon' is not supported"),
+    ({"model_type": None}, "has no model_type"),
     ({"vocab_size": None}, "lacks ['vocab_size']"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_configs_fail_by_name(change, message):
+    """Through the dispatch on model_type, as from_hf reads a config.json."""
     with pytest.raises(ValueError, match=re.escape(message)):
-        llama_config_from_hf(dict(LLAMA31_8B_HF, **change))
+        family_config_from_hf(dict(LLAMA31_8B_HF, **change))
 
 
 # --- checkpoint checks and round trip (no torch) ----------------------------------
@@ -142,7 +145,7 @@ def test_unsupported_configs_fail_by_name(change, message):
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_export_inverts_import(tie):
     state_dict = random_state_dict(tie=tie)
-    model = load_hf_llama(state_dict, config=hf_config(rope_scaling=LLAMA3_ROPE, tie=tie), **FLOAT32)
+    model = from_hf(state_dict, config=hf_config(rope_scaling=LLAMA3_ROPE, tie=tie), **FLOAT32)
     exported = export_hf_state_dict(model)
     assert list(exported) == list(hf_shapes(tie=tie))  # transformers' order, no lm_head when tied
     for name, array in state_dict.items():
@@ -153,9 +156,9 @@ def test_tied_checkpoint_may_list_the_head_only_as_the_embedding():
     state_dict = random_state_dict(tie=True)
     config = hf_config(tie=True)
     # transformers' state_dict() lists a tied head under its own name: accepted when it is the embedding.
-    load_hf_llama(dict(state_dict, **{"lm_head.weight": state_dict["model.embed_tokens.weight"]}), config=config)
+    from_hf(dict(state_dict, **{"lm_head.weight": state_dict["model.embed_tokens.weight"]}), config=config)
     with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
-        load_hf_llama(dict(state_dict, **{"lm_head.weight": np.zeros((VOCAB, HIDDEN), np.float32)}), config=config)
+        from_hf(dict(state_dict, **{"lm_head.weight": np.zeros((VOCAB, HIDDEN), np.float32)}), config=config)
 
 
 def test_checkpoint_errors_name_the_tensors():
@@ -166,22 +169,22 @@ def test_checkpoint_errors_name_the_tensors():
     state_dict["model.layers.2.self_attn.k_proj.weight"] = np.zeros((HEAD_DIM, HIDDEN), np.float32)
     state_dict["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(HEAD_DIM // 2, np.float32)  # ignored
     with pytest.raises(ValueError) as err:
-        load_hf_llama(state_dict, config=config)
+        from_hf(state_dict, config=config)
     message = str(err.value)
     assert "missing tensors (1): ['model.layers.1.mlp.up_proj.weight']" in message
     assert "unexpected tensors (1): ['model.layers.0.self_attn.q_proj.bias']" in message
     assert "model.layers.2.self_attn.k_proj.weight: checkpoint (10, 60), config expects (20, 60)" in message
     with pytest.raises(ValueError, match=re.escape("missing tensors (9)")):  # a 4-layer config, 3-layer checkpoint
-        load_hf_llama(random_state_dict(), config=dict(config, num_hidden_layers=4))
+        from_hf(random_state_dict(), config=dict(config, num_hidden_layers=4))
     with pytest.raises(ValueError, match="needs config="):
-        load_hf_llama(random_state_dict())
+        from_hf(random_state_dict())
 
 
 def test_saved_directory_loads_back_in_bfloat16(tmp_path):
-    model = load_hf_llama(random_state_dict(), config=hf_config(rope_scaling=LLAMA3_ROPE), **FLOAT32)
-    save_hf_llama(model, tmp_path, dtype="bfloat16")
-    loaded = load_hf_llama(tmp_path, **FLOAT32)  # config from config.json; bf16 tensors via ml_dtypes
-    assert loaded.cfg == model.cfg
+    model = from_hf(random_state_dict(), config=hf_config(rope_scaling=LLAMA3_ROPE), **FLOAT32)
+    to_hf(model, tmp_path, dtype="bfloat16")
+    loaded = from_hf(tmp_path, **FLOAT32)  # config from config.json; bf16 tensors via ml_dtypes
+    assert loaded.config == model.config
     exported = export_hf_state_dict(loaded)
     for name, array in export_hf_state_dict(model).items():
         np.testing.assert_array_equal(exported[name], array.astype(jnp.bfloat16).astype(np.float32), err_msg=name)
@@ -189,7 +192,7 @@ def test_saved_directory_loads_back_in_bfloat16(tmp_path):
 
 def test_load_onto_a_mesh_shards_the_parameters():
     mesh = make_mesh(data=1, fsdp=4, tensor=2)  # 8 CPU devices (tests/conftest.py)
-    model = load_hf_llama(random_state_dict(), config=hf_config(), mesh=mesh, **FLOAT32)
+    model = from_hf(random_state_dict(), config=hf_config(), mesh=mesh, **FLOAT32)
     assert model.layers.blocks.attn.wq[...].sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)
     np.testing.assert_array_equal(np.asarray(model.layers.blocks.attn.wq[...])[1, :, :, 0],
                                   random_state_dict()["model.layers.1.self_attn.q_proj.weight"].T[:, ::HEAD_DIM])
@@ -242,11 +245,11 @@ def test_logits_match_transformers(hf, rope_scaling, tie, remat):
     config = hf_config(rope_scaling=rope_scaling, tie=tie)
     reference = hf_model(hf, config)
     expected = hf_logits(hf, reference)
-    model = load_hf_llama(numpy_state_dict(reference), config=config, remat=remat, **FLOAT32)
+    model = from_hf(numpy_state_dict(reference), config=config, remat=remat, **FLOAT32)
     assert_parity(forward(model, TOKENS), expected)
     if rope_scaling is not None and remat == "save_all":
         # The comparison must be able to see the scaling: without it the logits are far off.
-        unscaled = load_hf_llama(numpy_state_dict(reference), config=dict(config, rope_scaling=None),
+        unscaled = from_hf(numpy_state_dict(reference), config=dict(config, rope_scaling=None),
                                  remat=remat, **FLOAT32)
         assert np.abs(np.asarray(forward(unscaled, TOKENS)) - expected).max() > 100 * PARITY_ATOL
 
@@ -257,8 +260,8 @@ def test_logits_match_from_save_pretrained_directory(hf, tmp_path, max_shard_siz
     sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     reference.save_pretrained(tmp_path, safe_serialization=True, **sharding)
     assert (tmp_path / "model.safetensors.index.json").exists() == (max_shard_size is not None)
-    model = load_hf_llama(tmp_path, remat="save_all", **FLOAT32)  # config.json as this transformers writes it
-    assert model.cfg == llama_config_from_hf(hf_config(rope_scaling=LLAMA3_ROPE), remat="save_all", **FLOAT32)
+    model = from_hf(tmp_path, remat="save_all", **FLOAT32)  # config.json as this transformers writes it
+    assert model.config == llama_config_from_hf(hf_config(rope_scaling=LLAMA3_ROPE))
     assert_parity(forward(model, TOKENS), hf_logits(hf, reference))
 
 
@@ -266,8 +269,8 @@ def test_exported_model_loads_in_transformers(hf, tmp_path):
     _, transformers = hf
     config = hf_config(rope_scaling=LLAMA3_ROPE, tie=True)
     reference = hf_model(hf, config)
-    model = load_hf_llama(numpy_state_dict(reference), config=config, remat="save_all", **FLOAT32)
-    save_hf_llama(model, tmp_path)
+    model = from_hf(numpy_state_dict(reference), config=config, remat="save_all", **FLOAT32)
+    to_hf(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
     reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     np.testing.assert_array_equal(hf_logits(hf, reloaded), hf_logits(hf, reference))
@@ -281,7 +284,7 @@ def test_cached_greedy_decode_matches_full_recompute():
     Two remat segments (offload, then none) so the per-segment caches are split and rejoined.
     """
     prompt_len, new_tokens = 5, 3
-    model = load_hf_llama(random_state_dict(), config=hf_config(rope_scaling=LLAMA3_ROPE),
+    model = from_hf(random_state_dict(), config=hf_config(rope_scaling=LLAMA3_ROPE),
                           remat="offload_dots:1,save_all", **FLOAT32)
     prompt = jnp.asarray(TOKENS[:, :prompt_len], jnp.int32)
     cache = model.init_cache(batch=2, max_len=prompt_len + new_tokens)

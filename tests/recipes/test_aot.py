@@ -1,6 +1,6 @@
 """Deviceless GPU compiles: offload shows up as host memory, HBM orders as it should.
 
-The compiles run in one child process (``recipes.aot.selfcheck`` through
+The compiles run in one child process (``spillway.recipes.plan.selfcheck`` through
 ``run_in_compile_process``): this pytest process initialised JAX without the GPU
 compiler plugin, and a PJRT plugin can only join at backend start.
 
@@ -10,16 +10,16 @@ mismatched plugin fails, with the install command: ``make test`` installs it.
 
 import pytest
 
-from recipes.aot import plugin, targets
-from recipes.aot.subprocess_runner import CompileProcessError, run_in_compile_process
+from spillway.recipes.plan import plugin, targets
+from spillway.recipes.plan.subprocess_runner import CompileProcessError, run_in_compile_process
 
 pytestmark = pytest.mark.skipif(plugin.cuda_toolkit_missing_reason() is not None,
                                 reason=f"no CUDA toolkit: {plugin.cuda_toolkit_missing_reason()}")
 
 
 def _report(data):
-    # Imported here: recipes.aot.compile imports JAX, which only matters once a test runs.
-    from recipes.aot.compile import CompileReport
+    # Imported here: spillway.recipes.plan.compile imports JAX, which only matters once a test runs.
+    from spillway.recipes.plan.compile import CompileReport
     return CompileReport.from_dict(data)
 
 
@@ -28,7 +28,7 @@ def selfcheck():
     reason = plugin.plugin_missing_reason()
     if reason is not None:
         pytest.fail(f"deviceless GPU compile tests need the compiler plugin: {reason}")
-    return run_in_compile_process("recipes.aot.selfcheck", ["--target", "h200"], timeout_s=300)
+    return run_in_compile_process("spillway.recipes.plan.selfcheck", ["--target", "h200"], timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -105,5 +105,5 @@ def test_a_failing_compile_process_reports_its_stderr():
     if plugin.plugin_missing_reason() is not None:
         pytest.fail(plugin.plugin_missing_reason())
     with pytest.raises(CompileProcessError, match="unknown checks"):
-        run_in_compile_process("recipes.aot.selfcheck", ["--checks", "no-such-check"],
+        run_in_compile_process("spillway.recipes.plan.selfcheck", ["--checks", "no-such-check"],
                                timeout_s=120)

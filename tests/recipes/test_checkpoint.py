@@ -1,4 +1,4 @@
-"""recipes/checkpoint.py on 8 fake CPU devices (tests/conftest.py).
+"""recipes/train/checkpoint.py on 8 fake CPU devices (tests/conftest.py).
 
 The state saved here looks like a run's: a params tree sharded over a
 ("data", "model") mesh, and an AdamW-like state dataclass whose moments live in
@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from recipes import checkpoint as ckpt_lib
-from recipes.checkpoint import CheckpointError, RunCheckpointer, read_recipe_json, restore_params_only
+from spillway.recipes.train import checkpoint as ckpt_lib
+from spillway.recipes.train.checkpoint import CheckpointError, RunCheckpointer, read_recipe_json, restore_params_only
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PINNED_HOST = "pinned_host"
@@ -335,7 +335,7 @@ CHILD_PRELUDE = textwrap.dedent("""
     import os, sys, time
     import numpy as np
     import jax, jax.numpy as jnp
-    from recipes.checkpoint import RunCheckpointer
+    from spillway.recipes.train.checkpoint import RunCheckpointer
 
     run_dir = sys.argv[1]
 

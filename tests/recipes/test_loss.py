@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from layers.sharding import create_sharded
-from models.llama import Llama, llama_config
-from recipes.train import make_loss_fn
+from spillway.layers.execution import Execution
+from spillway.layers.sharding import create_sharded
+from spillway.models.llama import Llama, llama_config
+from spillway.recipes.train.step import make_loss_fn
 
 
 def test_chunked_loss_matches_whole_sequence():
-    cfg = llama_config("tiny_odd", remat="recompute_all")
-    graphdef, params = nnx.split(create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    cfg = llama_config("tiny_odd")
+    graphdef, params = nnx.split(create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat="recompute_all")))
     tokens = jax.random.randint(jax.random.key(0), (2, 25), 0, cfg.vocab_size)
     whole_loss, whole_grads = jax.jit(jax.value_and_grad(make_loss_fn(graphdef)))(params, tokens)
     chunk_loss, chunk_grads = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, loss_chunk=8)))(params, tokens)
@@ -38,9 +39,9 @@ def test_chunked_head_gradient_is_accumulated_in_float32(tie):
     times; summed in fp32 and rounded once, chunked and whole differ by at most
     about one bf16 step.
     """
-    cfg = llama_config("tiny_odd", remat="recompute_all", dtype="bfloat16", param_dtype="bfloat16",
-                       tie_embeddings=tie)
-    graphdef, params = nnx.split(create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    cfg = llama_config("tiny_odd", tie_embeddings=tie)
+    bf16 = Execution(dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, params = nnx.split(create_sharded(lambda: Llama(cfg, bf16, rngs=nnx.Rngs(0), remat="recompute_all")))
     tokens = jax.random.randint(jax.random.key(0), (2, 65), 0, cfg.vocab_size)
     whole = jax.jit(jax.grad(make_loss_fn(graphdef)))(params, tokens)
     chunked = jax.jit(jax.grad(make_loss_fn(graphdef, loss_chunk=4)))(params, tokens)

@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 
 def _command(run_dir, cache_dir):
-    return [sys.executable, "-m", "recipes.cli", "train", "tiny",
+    return [sys.executable, "-m", "spillway.recipes.cli", "train", "tiny",
             "--set", "data.source=builtin:stdlib:300000", "--set", f"data.cache_dir={cache_dir}",
             "--set", "data.seq_len=32", "--set", "data.num_proc=1", "--set", "model.vocab_size=512",
             "--set", "model.d_model=32", "--set", "model.num_layers=2", "--set", "model.num_heads=4",

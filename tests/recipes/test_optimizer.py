@@ -1,4 +1,4 @@
-"""recipes/optimizer.py against plain optax, on CPU.
+"""recipes/train/optimizer.py against plain optax, on CPU.
 
 The reference is the chain the optimizer promises to equal:
 optax.chain(clip_by_global_norm, adamw(schedule, mask=decay)). The device path,
@@ -19,8 +19,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from recipes import optimizer as opt_lib
-from recipes.optimizer import LeafLayout, Optimizer, OptimizerConfig
+from spillway.recipes.train import optimizer as opt_lib
+from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig
 
 LAYERS = 4
 STEPS = 20
@@ -279,7 +279,7 @@ def test_orbax_roundtrip_keeps_host_state_in_pinned_host(tmp_path):
 def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
     from flax import nnx
 
-    from layers import names
+    from spillway.layers import names
 
     class Toy(nnx.Module):
         def __init__(self):
@@ -363,7 +363,7 @@ def test_donation_guard():
 # --- streaming pieces of non-stacked leaves ---------------------------------------
 
 def test_piece_rows_is_the_largest_divisor_under_the_limit():
-    from recipes.host_optimizer import piece_rows
+    from spillway.recipes.train.host_optimizer import piece_rows
     assert piece_rows((128256, 4096), 0, 1 << 26) == 16032            # 8 pieces of 250 MiB (fp32)
     assert piece_rows((4096, 128256), 1, 1 << 26) == 16032
     assert piece_rows((32, 8), 0, 64) == 8
@@ -372,7 +372,7 @@ def test_piece_rows_is_the_largest_divisor_under_the_limit():
 
 
 def test_stream_axis_avoids_the_fsdp_sharded_axis():
-    from layers import names
+    from spillway.layers import names
     assert opt_lib._stream_axis((names.VOCAB, names.EMBED), (128256, 4096)) == 0
     assert opt_lib._stream_axis((names.EMBED, names.VOCAB), (4096, 128256)) == 1
     assert opt_lib._stream_axis((names.NORM,), (4096,)) is None
@@ -380,7 +380,7 @@ def test_stream_axis_avoids_the_fsdp_sharded_axis():
 
 
 def test_stream_update_rejects_pieces_that_do_not_divide():
-    from recipes.host_optimizer import stream_update
+    from spillway.recipes.train.host_optimizer import stream_update
     x = jnp.ones((6, 4))
     with pytest.raises(ValueError, match="piece 4 must divide the axis length 6"):
         stream_update([lambda g, p, s: (p, s)], [x], [x], [(x,)], axis=0, piece=4)

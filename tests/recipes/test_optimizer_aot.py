@@ -2,7 +2,7 @@
 
 CPU JAX treats memory kinds as no-ops, so only a GPU compile can show that
 streaming the state lowers HBM. One child process (the compile process of
-recipes.aot) runs benchmarks/optimizer_state_toy.py on a small stacked toy and
+spillway.recipes.plan) runs benchmarks/optimizer_state_toy.py on a small stacked toy and
 returns its reports; this pytest process has JAX without the compiler plugin.
 
 Skipped only where the CUDA toolkit's ptxas/libdevice is missing; a missing
@@ -11,8 +11,8 @@ plugin fails with the install command (`make test` installs it).
 
 import pytest
 
-from recipes.aot import plugin
-from recipes.aot.subprocess_runner import run_in_compile_process
+from spillway.recipes.plan import plugin
+from spillway.recipes.plan.subprocess_runner import run_in_compile_process
 
 pytestmark = pytest.mark.skipif(plugin.cuda_toolkit_missing_reason() is not None,
                                 reason=f"no CUDA toolkit: {plugin.cuda_toolkit_missing_reason()}")

@@ -21,14 +21,16 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from layers import names
-from layers.offload import PRESETS, OffloadPolicy, RematPlan
-from models.llama import Llama, llama_config
-from recipes import cli, flops, planner
-from recipes.aot import plugin
-from recipes.planner_child import search_one
-from recipes.registry import get_recipe
-from recipes.train import make_loss_fn
+from spillway.layers import names
+from spillway.layers.execution import Execution
+from spillway.layers.offload import PRESETS, OffloadPolicy, RematPlan
+from spillway.models.llama import Llama, llama_config
+from spillway.recipes import cli
+from spillway.recipes.plan import flops, planner
+from spillway.recipes.plan import plugin
+from spillway.recipes.plan.child import search_one
+from spillway.recipes.registry import get_recipe
+from spillway.recipes.train.step import make_loss_fn
 
 needs_toolchain = pytest.mark.skipif(plugin.cuda_toolkit_missing_reason() is not None,
                                      reason=f"no CUDA toolkit: {plugin.cuda_toolkit_missing_reason()}")
@@ -37,7 +39,7 @@ needs_toolchain = pytest.mark.skipif(plugin.cuda_toolkit_missing_reason() is not
 # comparable size (tens of MB each), so that both kinds of offload show.
 SMALL_LLAMA = ["model.num_layers=4", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=2",
                "model.mlp_hidden=1024", "model.vocab_size=1024", "model.max_seq_len=1024",
-               "model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.attention_impl=flash",
+               "execution.dtype=bfloat16", "execution.param_dtype=bfloat16", "execution.attention_impl=flash",
                "model.flash_block_size=128", "data.seq_len=512", "train.global_batch=4"]
 
 
@@ -108,10 +110,10 @@ def test_missing_plugin_names_the_install_command(capsys, monkeypatch, tmp_path)
 
 
 def test_cudnn_attention_is_planned_with_flash_and_xla_warns():
-    recipe, warnings = planner.planned_recipe(small_recipe("model.attention_impl=cudnn"))
-    assert recipe.model.attention_impl == "flash" and "cuDNN" in warnings[0]
-    recipe, warnings = planner.planned_recipe(small_recipe("model.attention_impl=xla"))
-    assert recipe.model.attention_impl == "xla" and "materialises" in warnings[0]
+    recipe, warnings = planner.planned_recipe(small_recipe("execution.attention_impl=cudnn"))
+    assert recipe.execution.attention_impl == "flash" and "cuDNN" in warnings[0]
+    recipe, warnings = planner.planned_recipe(small_recipe("execution.attention_impl=xla"))
+    assert recipe.execution.attention_impl == "xla" and "materialises" in warnings[0]
 
 
 # --- the compiled plans ------------------------------------------------------------------
@@ -162,7 +164,7 @@ def test_transfers_and_times(small_plan):
         r = row.report
         to_host, from_host = r["device_to_host_bytes"], r["host_to_device_bytes"]
         assert row.transfer_s == pytest.approx((to_host + from_host) / link)
-        expected = flops.train_step_flops(small_plan.recipe.model, 4, 512, remat=row.candidate.activations)
+        expected = flops.train_step_flops(small_plan.recipe.decoder_spec(), 4, 512, remat=row.candidate.activations)
         assert row.flops["total"] == pytest.approx(expected.total)
         # Phases: activations leave in the forward and come back in the backward, each phase
         # as slow as the slower of its compute and its transfers; the host state's copies
@@ -179,7 +181,7 @@ def test_transfers_and_times(small_plan):
     rows = rows_by_key(small_plan)
     # Optimizer state in host memory: fp32 mu and nu, plus an fp32 master copy of each bf16
     # parameter (the norm scales are fp32 and need none). It all crosses the link both ways.
-    model = nnx.eval_shape(lambda: Llama(small_plan.recipe.model, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: small_plan.recipe.build_model(nnx.Rngs(0)))
     state_bytes = sum(x.size * (12 if x.dtype == jnp.bfloat16 else 8)
                       for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     for plan in planner.activation_plans(small_plan.recipe.model.num_layers):
@@ -384,7 +386,7 @@ def test_search_reports_compile_errors_and_stops():
 
 @pytest.mark.parametrize("remat", ["save_all", "recompute_all"])
 def test_flop_count_matches_xla_cost_analysis_on_cpu(remat):
-    """recipes/flops.py against `cost_analysis()['flops']` of the CPU compile, within 2%.
+    """recipes/plan/flops.py against `cost_analysis()['flops']` of the CPU compile, within 2%.
 
     One layer: XLA's cost analysis counts a while loop's body once, whatever its
     trip count, so a scanned stack of L layers would read as one. Dense ("xla")
@@ -393,24 +395,26 @@ def test_flop_count_matches_xla_cost_analysis_on_cpu(remat):
     softmax, the loss): 0.7-0.9% here.
     """
     cfg = llama_config("tiny", vocab_size=512, d_model=256, num_layers=1, num_heads=4, num_kv_heads=2,
-                       mlp_hidden=768, max_seq_len=256, dtype="float32", attention_impl="xla", remat=remat)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+                       mlp_hidden=768, max_seq_len=256)
+    execution = Execution(dtype="float32", attention_impl="xla")
+    spec = cfg.decoder_spec(execution)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, execution, rngs=nnx.Rngs(0), remat=remat)))
     batch, seq = 2, 128
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
     loss_fn = make_loss_fn(graphdef)
     forward_xla = jax.jit(loss_fn).lower(params, tokens).compile().cost_analysis()["flops"]
     step_xla = jax.jit(jax.value_and_grad(loss_fn)).lower(params, tokens).compile().cost_analysis()["flops"]
 
-    counted = flops.train_step_flops(cfg, batch, seq, attention_impl="xla")
-    assert counted.forward == flops.forward_flops(cfg, batch, seq, attention="full")
+    counted = flops.train_step_flops(spec, batch, seq, remat=remat, attention_impl="xla")
+    assert counted.forward == flops.forward_flops(spec, batch, seq, attention="full")
     assert forward_xla == pytest.approx(counted.forward, rel=0.02)
     assert step_xla == pytest.approx(counted.total, rel=0.02)
     assert (counted.recompute > 0) == (remat == "recompute_all")
 
 
 def test_recompute_follows_what_the_policy_keeps():
-    cfg = llama_config("llama3_1_8b", attention_impl="flash")
-    layer = flops.layer_flops(cfg, 1, 8192)
+    spec = llama_config("llama3_1_8b").decoder_spec(Execution(attention_impl="flash"))
+    layer = flops.layer_flops(spec, 1, 8192)
     per_layer = {name: flops.recompute_per_layer(PRESETS[name], layer, "flash") for name in PRESETS}
     assert per_layer["save_all"] == 0
     # recompute_all re-runs the block forward except the down projection (its output is never read back).

@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from recipes import cli
-from recipes.checkpoint import RunCheckpointer
-from recipes.metrics import NonFiniteLossError
-from recipes.registry import get_recipe
-from recipes.train import train
+from spillway.recipes import cli
+from spillway.recipes.train.checkpoint import RunCheckpointer
+from spillway.recipes.train.metrics import NonFiniteLossError
+from spillway.recipes.registry import get_recipe
+from spillway.recipes.train.loop import train
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +104,7 @@ def test_sigterm_saves_and_exits_143(data_cache, tmp_path):
 
     run_dir = tmp_path / "term"
     recipe = micro(data_cache, run_dir, "train.steps=100000", "checkpoint.every_steps=100000")
-    argv = [sys.executable, "-m", "recipes.cli", "train", "tiny"]
+    argv = [sys.executable, "-m", "spillway.recipes.cli", "train", "tiny"]
     for key, value in [("data.source", recipe.data.source), ("data.cache_dir", recipe.data.cache_dir),
                        ("data.seq_len", 32), ("data.num_proc", 1), ("model.vocab_size", 512),
                        ("model.d_model", 32), ("model.num_layers", 2), ("model.num_heads", 4),

@@ -34,7 +34,7 @@ What this file adds is the run's policy and the failure reporting:
   field that is not JSON, an async save that failed in the background;
 
 Preemption (SIGTERM) is the train loop's: it sets a flag and saves at the
-next step boundary (recipes/train.py), never in the middle of a step or of a
+next step boundary (recipes/train/step.py), never in the middle of a step or of a
 save here.
 
 dtypes are not compared: orbax casts to the target's dtype on restore, which is
@@ -247,7 +247,7 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
     for name in wanted:
         if not (step_dir / name).is_dir():
             raise CheckpointError(f"{step_dir}: item {name!r} is missing from this checkpoint "
-                                  f"(corrupt, or not written by recipes.checkpoint)")
+                                  f"(corrupt, or not written by spillway.recipes.train.checkpoint)")
     for name, tree in abstract_trees.items():
         try:
             saved_metadata = handlers[name].metadata(step_dir / name)

@@ -13,7 +13,7 @@ placement and device and host leaves give the same numbers:
   updated whole, as optax would.
 * state_memory="host": they live in `pinned_host` memory. Inside the jitted
   step, stacked leaves (leading layer axis: the scanned blocks) are streamed
-  through HBM one layer at a time, double-buffered (recipes/host_optimizer.py);
+  through HBM one layer at a time, double-buffered (recipes/train/host_optimizer.py);
   large non-stacked leaves (embedding, head) are streamed the same way in
   pieces of rows, one leaf after the other; small ones (the final norm) visit
   HBM whole.
@@ -59,7 +59,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from recipes import host_optimizer as streaming
+from spillway.recipes.train import host_optimizer as streaming
 
 DEVICE = "device"
 HOST = "host"
@@ -190,7 +190,7 @@ def _is_variable(x) -> bool:
 
 def _default_decay(logical_axes: tuple | None, shape: tuple[int, ...], stacked: bool) -> bool:
     """Decay matrices; not norms, biases (vectors) or the embedding table (vocab-first axes)."""
-    from layers import names
+    from spillway.layers import names
     per_layer_ndim = len(shape) - (1 if stacked else 0)
     if per_layer_ndim < 2:
         return False
@@ -204,7 +204,7 @@ def _stream_axis(logical_axes: tuple | None, shape: tuple[int, ...]) -> int | No
     fsdp mesh axis shards weights on their embed axis, so the vocabulary axis
     of an embedding or head is the one to cut. Vectors: None (one piece).
     """
-    from layers.sharding import DEFAULT_RULES
+    from spillway.layers.sharding import DEFAULT_RULES
     if len(shape) < 2:
         return None
     axes = logical_axes or (None,) * len(shape)
@@ -223,7 +223,7 @@ def make_layouts(params, cfg: OptimizerConfig, *,
     `decay_fn(logical_axes, shape, stacked)`. master: cfg.master_weights and
     the parameter is not float32.
     """
-    from layers import names
+    from spillway.layers import names
 
     def one(path, leaf):
         metadata = leaf.get_metadata() if _is_variable(leaf) else {}

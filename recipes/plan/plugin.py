@@ -8,13 +8,13 @@ a CPU-only JAX install lacks (DESIGN.md section 5):
   (the nvidia-* runtime wheels are multi-GB and not needed to compile) into a
   folder of its own, not into site-packages: imported into an ordinary JAX process
   on a machine without a GPU the plugin prints a cuDNN traceback at every start.
-  Only the compile process (``recipes.aot.subprocess_runner``) puts the folder on
+  Only the compile process (``spillway.recipes.plan.subprocess_runner``) puts the folder on
   ``sys.path``.
 * ``ptxas`` and ``libdevice`` from a CUDA toolkit: XLA compiles PTX to SASS by
   running ptxas (this plugin build has no built-in PTX compiler).
 
-Run ``python -m recipes.aot.plugin install`` (what the Makefile does) to install
-or update the plugin, ``python -m recipes.aot.plugin status`` to see what is
+Run ``python -m spillway.recipes.plan.plugin install`` (what the Makefile does) to install
+or update the plugin, ``python -m spillway.recipes.plan.plugin status`` to see what is
 missing. Nothing here imports JAX.
 """
 
@@ -262,7 +262,7 @@ def plugin_missing_reason() -> str | None:
     directory = plugin_dir()
     versions = installed_versions(directory)
     wanted = required_version()
-    fix = f"install it with `{install_command_text(directory)}` (or `python -m recipes.aot.plugin install`)"
+    fix = f"install it with `{install_command_text(directory)}` (or `python -m spillway.recipes.plan.plugin install`)"
     if not versions:
         return f"the GPU compiler plugin is not installed in {directory}: {fix}"
     if set(versions) != set(PLUGIN_DISTRIBUTIONS):
@@ -276,7 +276,7 @@ def plugin_missing_reason() -> str | None:
     if tags and _python_tag() not in tags:
         return (f"the GPU compiler plugin in {directory} was built for {', '.join(sorted(tags))}, "
                 f"not this Python ({_python_tag()}): reinstall it with "
-                f"`python -m recipes.aot.plugin install --force`")
+                f"`python -m spillway.recipes.plan.plugin install --force`")
     return None
 
 
@@ -308,7 +308,7 @@ def _main(argv: list[str]) -> int:
     if command == "command":
         print(install_command_text())
         return 0
-    print("usage: python -m recipes.aot.plugin [status | install [--force] | command]",
+    print("usage: python -m spillway.recipes.plan.plugin [status | install [--force] | command]",
           file=sys.stderr)
     return 2
 

@@ -15,7 +15,7 @@ A child module looks like (importing JAX at the top is fine: backends start
 later, after ``serve_compile_process`` has set the process up)::
 
     import jax
-    from recipes.aot import compile as aot
+    from spillway.recipes.plan import compile as aot
 
     def main(argv: list[str]) -> dict:
         mesh = aot.compile_only_mesh("h200", {"data": 8})
@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from recipes.aot import plugin
+from spillway.recipes.plan import plugin
 
 STDERR_TAIL_LINES = 40
 # The plugin's report that CUDA runtime libraries (not needed to compile) are

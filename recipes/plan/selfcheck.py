@@ -1,7 +1,7 @@
 """Check that deviceless GPU compiles work here and that host offload shows up in them.
 
 A compile-process program (run it through ``run_in_compile_process`` or directly:
-``python -m recipes.aot.selfcheck --target h200``) that compiles small programs
+``python -m spillway.recipes.plan.selfcheck --target h200``) that compiles small programs
 for GPU targets and prints one JSON document:
 
 * ``policies``: a scanned stack of MLP blocks, forward + backward + SGD, under
@@ -32,17 +32,17 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from recipes.aot import plugin
-from recipes.aot.compile import abstract_array, compile_only_mesh, compile_report, on_compile_mesh
-from recipes.aot.subprocess_runner import serve_compile_process
-from recipes.aot.targets import target_names
+from spillway.recipes.plan import plugin
+from spillway.recipes.plan.compile import abstract_array, compile_only_mesh, compile_report, on_compile_mesh
+from spillway.recipes.plan.subprocess_runner import serve_compile_process
+from spillway.recipes.plan.targets import target_names
 
 CHECKS = ("policies", "sharded", "host_arguments", "targets")
 HIDDEN_NAME = "mlp_hidden"
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m recipes.aot.selfcheck",
+    parser = argparse.ArgumentParser(prog="python -m spillway.recipes.plan.selfcheck",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="h200", help="GPU target of the main checks")
     parser.add_argument("--checks", default=",".join(CHECKS),
@@ -153,7 +153,7 @@ def make_streamed_update(learning_rate: float = 1e-3):
     """Momentum-SGD whose fp32 momentum lives in host memory and visits HBM a layer at a time.
 
     Transfers inside the function use ``jax.memory.Space``: a NamedSharding over
-    the compile-only devices would lose its memory kind (see recipes.aot.compile).
+    the compile-only devices would lose its memory kind (see spillway.recipes.plan.compile).
     """
 
     def update(params_lxy, grads_lxy, momentum_lxy):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data import BatchLoader, PackedData, Tokenizer, check_vocab, load_documents, load_tokenizer, prepare_tokens, train_tokenizer
-from recipes import distributed
-from recipes.config import Recipe
+from spillway.data import BatchLoader, PackedData, Tokenizer, check_vocab, load_documents, load_tokenizer, prepare_tokens, train_tokenizer
+from spillway.recipes.train import distributed
+from spillway.recipes.config import Recipe
 
 
 def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:

@@ -1,6 +1,6 @@
 """Compile a jitted function for a GPU target on a machine without one, and report its memory.
 
-Run this inside a compile process (``recipes.aot.subprocess_runner``): the
+Run this inside a compile process (``spillway.recipes.plan.subprocess_runner``): the
 jax-cuda13 plugin must be on ``sys.path`` and ``JAX_PLATFORMS=cpu`` set before
 JAX initialises its backends, so JAX keeps running on the CPU while the plugin's
 compiler is used for the target (DESIGN.md section 5).
@@ -42,8 +42,8 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from recipes.aot import hlo
-from recipes.aot.targets import GpuTarget, get_target
+from spillway.recipes.plan import hlo
+from spillway.recipes.plan.targets import GpuTarget, get_target
 
 DEVICE_MEMORY = "device"
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
@@ -54,12 +54,12 @@ class CompilerPluginNotLoaded(RuntimeError):
 
 
 def _plugin_not_loaded_message(cause: BaseException) -> str:
-    from recipes.aot import plugin
+    from spillway.recipes.plan import plugin
     reason = plugin.missing_reason()
     hint = (f"\n{reason}" if reason else
             "\nThe plugin is installed but this process did not load it: JAX initialised "
             "its backends before the plugin folder was on sys.path. Run the compile "
-            "through recipes.aot.subprocess_runner.run_in_compile_process, or call "
+            "through spillway.recipes.plan.subprocess_runner.run_in_compile_process, or call "
             "prepare_compile_process() before JAX starts its backends.")
     return f"cannot create a CUDA compile-only topology ({type(cause).__name__}: {cause}).{hint}"
 
@@ -187,7 +187,7 @@ class CompileReport:
     ``host_buffer_count`` counts ``S(5)`` (host memory space) annotations in the
     compiled HLO: zero means nothing was offloaded, whatever the policy asked.
     The transfer fields estimate the bytes one run moves each way (see
-    ``recipes.aot.hlo.host_traffic`` for what is and is not counted).
+    ``spillway.spillway.recipes.plan.hlo.host_traffic`` for what is and is not counted).
     """
 
     hbm_bytes: int

@@ -1,9 +1,9 @@
 """`spillway plan`: what a recipe's train step needs on a GPU, measured by compiling it there without the GPU.
 
 For a recipe and a target GPU the planner compiles the real train step
-(recipes.train.make_train_step, through recipes.train.abstract_setup: the same
+(recipes.train.make_train_step, through spillway.recipes.train.abstract_setup: the same
 shardings and donation as training) once per candidate plan, in one child
-process that has the GPU compiler plugin (recipes/planner_child.py, DESIGN.md
+process that has the GPU compiler plugin (recipes/plan/child.py, DESIGN.md
 section 5). A candidate is an activation plan (an offload preset or a
 per-segment mix, layers/offload.py) with the optimizer state on device or in
 pinned host memory. Per candidate it reports, per GPU:
@@ -16,14 +16,14 @@ pinned host memory. Per candidate it reports, per GPU:
                  the compiled HLO) and the time the host link needs for them:
                  both directions added, because this step never uses them at
                  once (see step);
-    compute      FLOPs (recipes/flops.py: forward, backward, the plan's remat
+    compute      FLOPs (recipes/plan/flops.py: forward, backward, the plan's remat
                  recompute) at the GPU's peak dense bf16 rate: a lower bound;
     step         three phases added up. Forward: max(forward compute,
                  activations going to host); backward: max(backward + recompute
                  compute, activations coming back); update: host-resident
                  optimizer state copied in and out of HBM, which overlaps no
                  compute and whose two directions run one after the other
-                 (recipes/host_optimizer.py orders each write-back after the
+                 (recipes/train/host_optimizer.py orders each write-back after the
                  next prefetch). Within forward and backward, transfers are
                  assumed to overlap compute fully.
 
@@ -45,7 +45,7 @@ how the compiles are bounded.
 Compile speed. The plan only needs XLA's buffer assignment and the optimised
 HLO, both settled before machine code is generated. So by default the compile
 process runs LLVM without optimisations and hands PTX to a stand-in for ptxas
-that writes no machine code (recipes/planner_child.py would otherwise spend
+that writes no machine code (recipes/plan/child.py would otherwise spend
 about half of every compile assembling ~200 kernels it never runs). Set
 SPILLWAY_PLAN_FULL_CODEGEN=1 to compile exactly as for a run; the memory
 figures are the same (tests/recipes/test_planner.py checks that).
@@ -63,9 +63,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layers.offload import RematPlan
-from recipes import flops as flop_count
-from recipes.config import Recipe
+from spillway.layers.offload import RematPlan
+from spillway.recipes.plan import flops as flop_count
+from spillway.recipes.config import Recipe
 
 GiB = 2**30
 GB = 10**9
@@ -151,20 +151,20 @@ def resolve_mesh(recipe: Recipe, devices: int) -> dict[str, int]:
 
 def planned_recipe(recipe: Recipe) -> tuple[Recipe, list[str]]:
     """The recipe as it is compiled (attention cudnn -> flash), and warnings to show."""
-    impl = recipe.model.attention_impl
+    impl = recipe.execution.attention_impl
     if impl == "cudnn":
-        return (dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention_impl="flash")),
+        return (dataclasses.replace(recipe, execution=dataclasses.replace(recipe.execution, attention_impl="flash")),
                 ["attention: the recipe uses cuDNN attention, which cannot be compiled without cuDNN; "
                  "planned with 'flash' (layers/flash_attention.py, also memory-linear in the sequence). "
-                 "Train with model.attention_impl=flash to run what was planned."])
+                 "Train with execution.attention_impl=flash to run what was planned."])
     if impl == "xla":
         return recipe, ["attention: 'xla' materialises the [seq, seq] scores per head (memory quadratic "
-                        "in the sequence); --set model.attention_impl=flash for long sequences."]
+                        "in the sequence); --set execution.attention_impl=flash for long sequences."]
     return recipe, []
 
 
 def _check_toolchain() -> None:
-    from recipes.aot import plugin
+    from spillway.recipes.plan import plugin
     reason = plugin.missing_reason()
     if reason is not None:
         raise ValueError("planning compiles the train step for the GPU without one, which needs the GPU "
@@ -230,7 +230,7 @@ class PlanRow:
 @dataclasses.dataclass
 class Plan:
     recipe: Recipe                 # as compiled (attention possibly switched to flash)
-    target: Any                    # recipes.aot.targets.GpuTarget
+    target: Any                    # spillway.spillway.recipes.plan.targets.GpuTarget
     devices: int
     mesh: dict
     headroom: float
@@ -281,11 +281,11 @@ class Plan:
     def summary(self) -> dict:
         r, t = self.recipe, self.target
         return {
-            "recipe": r.name, "params": r.model.num_params(), "layers": r.model.num_layers,
+            "recipe": r.name, "family": r.family, "params": r.num_params(), "layers": r.model.num_layers,
             "seq_len": r.data.seq_len, "global_batch": r.train.global_batch, "grad_accum": r.train.grad_accum,
             "tokens_per_step": r.data.seq_len * r.train.global_batch,
-            "dtype": r.model.dtype, "param_dtype": r.model.param_dtype,
-            "attention_impl": r.model.attention_impl,
+            "dtype": r.execution.dtype, "param_dtype": r.execution.param_dtype,
+            "attention_impl": r.execution.attention_impl,
             "target": t.name, "target_display_name": t.display_name, "devices": self.devices,
             "mesh": self.mesh, "hbm_bytes_per_gpu": t.hbm_bytes, "headroom": self.headroom,
             "hbm_limit_bytes": self.hbm_limit_bytes, "host_ram_bytes": self.host_ram_bytes,
@@ -304,7 +304,7 @@ class Plan:
 
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
                "Transfer time: both directions added, at the host link's per-direction rate. Compute time: "
-               "recipes/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
+               "recipes/plan/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update, one direction "
@@ -314,11 +314,11 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
 # --- planning ---------------------------------------------------------------------
 
 def _row(candidate: Candidate, result: dict, recipe: Recipe, target, devices: int) -> PlanRow:
-    model = recipe.model
-    counted = flop_count.train_step_flops(model, recipe.train.global_batch, recipe.data.seq_len,
-                                          remat=candidate.activations, attention_impl=model.attention_impl)
+    impl = recipe.execution.attention_impl
+    counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
+                                          remat=candidate.activations, attention_impl=impl)
     rate = devices * target.peak_bf16_flops
-    row = PlanRow(candidate, model.attention_impl, result.get("report"), result.get("error"), counted.to_dict(),
+    row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
                   compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
     if row.report is not None:
         link = target.host_link_bytes_per_s
@@ -343,7 +343,7 @@ def compiler_options() -> dict | None:
     """
     if os.environ.get(FULL_CODEGEN_ENV, "") not in ("", "0"):
         return None
-    from recipes.aot import plugin
+    from spillway.recipes.plan import plugin
     options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                "xla_gpu_disable_gpuasm_optimizations": True}
     stand_in = _ptxas_stand_in(plugin.find_ptxas(), plugin.find_cuda_root())
@@ -365,7 +365,7 @@ def _ptxas_stand_in(real_ptxas: Path | None, cuda_root: Path | None) -> Path | N
     folder = Path(tempfile.gettempdir()) / f"spillway-ptxas-stand-in-{os.getuid()}"
     script = folder / "bin" / "ptxas"
     text = f"""#!/bin/sh
-# spillway plan: placeholder ptxas (see recipes/planner.py). Version queries go to the real one.
+# spillway plan: placeholder ptxas (see recipes/plan/planner.py). Version queries go to the real one.
 for arg in "$@"; do
   case "$arg" in --version|-V|--help) exec "{real_ptxas}" "$@";; esac
 done
@@ -397,14 +397,14 @@ exit 0
 
 
 def _run_child(request: dict) -> dict:
-    from recipes.aot.subprocess_runner import run_in_compile_process
+    from spillway.recipes.plan.subprocess_runner import run_in_compile_process
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spillway-plan-", delete=False) as f:
         json.dump(request, f)
         path = f.name
     started = time.perf_counter()
     try:
-        answer = run_in_compile_process("recipes.planner_child", [path], timeout_s=3600)
+        answer = run_in_compile_process("spillway.recipes.plan.child", [path], timeout_s=3600)
     finally:
         os.unlink(path)
     if "error" in answer:
@@ -490,7 +490,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     `default_workers`). ValueError for bad inputs (unknown GPU, mesh not
     matching, toolchain missing), saying what to do.
     """
-    from recipes.aot.targets import get_target
+    from spillway.recipes.plan.targets import get_target
 
     started = time.perf_counter()
     target = get_target(gpu)
@@ -662,7 +662,7 @@ def _nothing_fits_numbers(p: Plan) -> str:
 
 def plan_command(args) -> int:
     """`spillway plan`: print the table (or --json); exit 0 even when nothing fits (the table says so)."""
-    from recipes.registry import get_recipe
+    from spillway.recipes.registry import get_recipe
 
     recipe = get_recipe(args.recipe, args.set)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
@@ -710,7 +710,7 @@ def predict_cases(cases: dict[str, tuple[str, list[str]]], gpu: str = "h200", de
 
     For benchmarks/gpu_suite.py: the predictions a GPU run is compared with.
     """
-    from recipes.registry import get_recipe
+    from spillway.recipes.registry import get_recipe
 
     out = {}
     for name, (recipe_name, overrides) in cases.items():

@@ -3,7 +3,7 @@
 `RunLogger` writes every logged step as one JSON line (metrics.jsonl) and as
 TensorBoard scalars (tb/), and draws loss.png at the end. Only process 0
 writes; other processes log nothing. MFU is model FLOPs per second over the
-device's peak: the target's published bf16 peak on GPUs (recipes/aot/targets.py), and on a CPU the
+device's peak: the target's published bf16 peak on GPUs (recipes/plan/targets.py), and on a CPU the
 measured rate of a large float32 matmul (so the figure means "fraction of what
 this machine's matmul can do").
 """
@@ -36,7 +36,7 @@ def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
 def peak_flops_per_device() -> tuple[float, str]:
     device = jax.local_devices()[0]
     if device.platform == "gpu":
-        from recipes.aot.targets import target_for_device_kind  # the planner's GPU facts, one table
+        from spillway.recipes.plan.targets import target_for_device_kind  # the planner's GPU facts, one table
         target = target_for_device_kind(device.device_kind)
         if target is None:
             return float("nan"), f"unknown GPU {device.device_kind}"

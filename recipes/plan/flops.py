@@ -3,8 +3,8 @@
 A deviceless GPU compile reports no FLOPs (`cost_analysis()` is empty there,
 DESIGN.md section 5), so the planner counts them itself. What is counted:
 
-* matrix multiplications: the q/k/v, output, MLP gate/up/down projections and
-  the output head, 2 FLOPs per multiply-add;
+* matrix multiplications: the q/k/v, output, MLP (gate,) up and down
+  projections and the output head, 2 FLOPs per multiply-add;
 * attention: the scores q k^T and the context p v, over the (query, key)
   pairs that the mask lets through: t (t + 1) / 2 per sequence when causal
   (what a flash kernel that skips masked blocks does, up to its diagonal
@@ -21,15 +21,17 @@ residual adds, the loss), the embedding lookup (a gather) and the optimizer
 update. For a model whose matmuls dominate, that is a few percent
 (tests/recipes/test_planner.py compares with XLA's own count on CPU).
 
-Pure arithmetic on a LlamaConfig: nothing is traced or compiled, no device is needed.
+Pure arithmetic on a DecoderSpec (models/decoder.py), the shape description
+every family gives: plain or gated MLP, grouped-query attention, sliding
+windows. Nothing is traced or compiled, no device is needed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from layers import names
-from layers.offload import OffloadPolicy, Placement, RematPlan
+from spillway.layers import names
+from spillway.layers.offload import OffloadPolicy, Placement, RematPlan
 
 @dataclasses.dataclass(frozen=True)
 class LayerFlops:
@@ -80,8 +82,8 @@ def attention_pairs(seq_len: int, *, causal: bool = True, sliding_window: int | 
     return w * (w + 1) // 2 + (t - w) * w
 
 
-def layer_flops(cfg, batch: int, seq_len: int, *, attention: str = "causal") -> LayerFlops:
-    """Forward FLOPs of one block of `cfg` (a LlamaConfig) for `batch` sequences of `seq_len`.
+def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> LayerFlops:
+    """Forward FLOPs of one block of `spec` (a DecoderSpec) for `batch` sequences of `seq_len`.
 
     attention: "causal" counts only the pairs the mask keeps (flash), "full"
     every pair (XLA's dense attention, which masks after multiplying).
@@ -89,28 +91,34 @@ def layer_flops(cfg, batch: int, seq_len: int, *, attention: str = "causal") -> 
     if attention not in ("causal", "full"):
         raise ValueError(f"attention must be 'causal' or 'full', got {attention!r}")
     tokens = batch * seq_len
-    d, h = cfg.d_model, cfg.resolved_head_dim
-    n, kv = cfg.num_heads, cfg.num_kv_heads
+    b = spec.block
+    d, h = b.d_model, b.resolved_head_dim
+    n, kv = b.num_heads, b.num_kv_heads
     pairs = batch * attention_pairs(seq_len, causal=attention == "causal",
-                                    sliding_window=cfg.sliding_window if attention == "causal" else None)
+                                    sliding_window=b.sliding_window if attention == "causal" else None)
     return LayerFlops(
         qkv=2.0 * tokens * d * (n + 2 * kv) * h,
         attn_scores=2.0 * pairs * n * h,
         attn_context=2.0 * pairs * n * h,
         attn_out=2.0 * tokens * n * h * d,
-        mlp_hidden=2.0 * tokens * d * cfg.mlp_hidden * 2,   # SwiGLU: gate and up
-        mlp_out=2.0 * tokens * cfg.mlp_hidden * d,
+        mlp_hidden=2.0 * tokens * d * b.mlp_hidden * (2 if b.gated_mlp else 1),   # gated: gate and up
+        mlp_out=2.0 * tokens * b.mlp_hidden * d,
     )
 
 
-def head_flops(cfg, batch: int, seq_len: int) -> float:
+def head_flops(spec, batch: int, seq_len: int) -> float:
     """The output projection to the vocabulary (tied or not, the same product)."""
-    return 2.0 * batch * seq_len * cfg.d_model * cfg.vocab_size
+    return 2.0 * batch * seq_len * spec.d_model * spec.vocab_size
 
 
-def forward_flops(cfg, batch: int, seq_len: int, *, attention: str = "causal") -> float:
-    return cfg.num_layers * layer_flops(cfg, batch, seq_len, attention=attention).total \
-        + head_flops(cfg, batch, seq_len)
+def forward_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> float:
+    return spec.num_layers * layer_flops(spec, batch, seq_len, attention=attention).total \
+        + head_flops(spec, batch, seq_len)
+
+
+def model_flops_per_token(spec, seq_len: int) -> float:
+    """Training FLOPs per token without remat (forward + backward = 3x forward, causal attention): what MFU divides by."""
+    return 3.0 * forward_flops(spec, 1, seq_len) / seq_len
 
 
 def _kept(policy: OffloadPolicy, name: str) -> bool:
@@ -124,7 +132,7 @@ def _kept(policy: OffloadPolicy, name: str) -> bool:
 def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl: str) -> float:
     """Forward FLOPs the backward pass of one block re-runs under `policy`.
 
-    What the backward pass of a Llama block reads, and so what must be
+    What the backward pass of a standard block reads, and so what must be
     recomputed when the policy keeps it nowhere:
 
       q, k, v (QKV)            the attention backward    -> the qkv projection
@@ -164,22 +172,22 @@ def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl
     return flops
 
 
-def train_step_flops(cfg, batch: int, seq_len: int, *, remat: str | OffloadPolicy | RematPlan | None = None,
+def train_step_flops(spec, batch: int, seq_len: int, *, remat: str | OffloadPolicy | RematPlan,
                      attention_impl: str | None = None) -> StepFlops:
     """FLOPs of one forward + backward (+ remat recompute) over `batch` sequences of `seq_len`.
 
-    remat: the activation plan (default cfg.remat); attention_impl: default
-    cfg.attention_impl. Dense ("xla") attention is counted over every pair,
-    flash-style kernels over the causal ones.
+    remat: the activation plan; attention_impl: default the spec's execution
+    setting. Dense ("xla") attention is counted over every pair, flash-style
+    kernels over the causal ones.
     """
-    impl = attention_impl or cfg.attention_impl
-    plan = RematPlan.parse(cfg.remat if remat is None else remat)
-    layer = layer_flops(cfg, batch, seq_len, attention="full" if impl == "xla" else "causal")
-    head = head_flops(cfg, batch, seq_len)
-    forward = cfg.num_layers * layer.total + head
+    impl = attention_impl or spec.block.execution.attention_impl
+    plan = RematPlan.parse(remat)
+    layer = layer_flops(spec, batch, seq_len, attention="full" if impl == "xla" else "causal")
+    head = head_flops(spec, batch, seq_len)
+    forward = spec.num_layers * layer.total + head
     backward = 2.0 * forward
     if impl in ("flash", "cudnn"):
-        backward += cfg.num_layers * layer.attn_scores   # scores recomputed in the kernel's backward
+        backward += spec.num_layers * layer.attn_scores   # scores recomputed in the kernel's backward
     recompute = sum((stop - start) * recompute_per_layer(policy, layer, impl)
-                    for start, stop, policy in plan.resolve(cfg.num_layers))
+                    for start, stop, policy in plan.resolve(spec.num_layers))
     return StepFlops(forward=forward, backward=backward, recompute=recompute)

@@ -42,7 +42,7 @@ deviceless compile for a GPU target whose compile-only devices report no
 memories.
 
 This module knows nothing about AdamW: it streams any per-piece update
-function. recipes/optimizer.py supplies the AdamW maths.
+function. recipes/train/optimizer.py supplies the AdamW maths.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """The planner's compile process: the recipe's train step compiled for a GPU target, once per candidate plan.
 
-Started by recipes/planner.py through `run_in_compile_process` (the GPU compiler
+Started by recipes/plan/planner.py through `run_in_compile_process` (the GPU compiler
 plugin can only join a JAX process at backend start, so compiles happen here,
 never in the caller). One process compiles all the candidates it is given, so
 start-up (JAX, the plugin, the topology) is paid once per process; the planner
 deals the candidates over a few such processes at once (`planner.default_workers`).
 
-    python -m recipes.planner_child REQUEST.json
+    python -m spillway.recipes.plan.child REQUEST.json
 
 The request (written by planner.py) holds the resolved recipe as a dict, the
 target name, the number of GPUs, the candidate plans (activation plan x
 optimizer-state placement) and optionally a search. For each candidate the
 recipe's offload settings are replaced, the train step is built abstractly
-(recipes.train.abstract_setup: the same make_train_step, shardings and
+(spillway.recipes.train.abstract_setup: the same make_train_step, shardings and
 donation as training; nothing allocated) on a mesh of compile-only GPUs and
 compiled; the answer is one JSON document with a CompileReport per candidate
 (or the error that candidate hit).
@@ -42,11 +42,11 @@ from typing import Any
 
 import jax
 
-from recipes.aot.subprocess_runner import serve_compile_process
+from spillway.recipes.plan.subprocess_runner import serve_compile_process
 
 
 def _with_plan(recipe, candidate: dict):
-    from recipes.config import OffloadConfig
+    from spillway.recipes.config import OffloadConfig
     return dataclasses.replace(recipe, offload=OffloadConfig(activations=candidate["activations"],
                                                              optimizer_state=candidate["optimizer_state"]))
 
@@ -61,18 +61,18 @@ def compile_step(recipe, mesh, compiler_options: dict | None = None):
     """(CompileReport, build seconds) of `recipe`'s train step on `mesh` (compile-only GPUs).
 
     `compiler_options` are XLA debug options for this compile only (the
-    planner's fast code generation, see recipes/planner.py); None compiles as
+    planner's fast code generation, see recipes/plan/planner.py); None compiles as
     for a run.
     """
-    from recipes.aot.compile import CompileReport
-    from recipes.train import abstract_setup, abstract_step_arguments
+    from spillway.recipes.plan.compile import CompileReport
+    from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 
     started = time.perf_counter()
     s = abstract_setup(recipe, mesh, platform="cuda")
     arguments = abstract_step_arguments(s)
     built = time.perf_counter()
     # The parameters carry concrete shardings on the compile-only mesh, so the
-    # call names its devices and needs no mesh context (recipes.aot.compile).
+    # call names its devices and needs no mesh context (spillway.recipes.plan.compile).
     lowered = s.train_step.lower(*arguments)
     lowered_at = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options)
@@ -232,9 +232,9 @@ def _measure(recipe, mesh, axis: str, compiler_options: dict | None):
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    from layers.sharding import make_mesh
-    from recipes.aot.compile import gpu_topology
-    from recipes.config import Recipe
+    from spillway.layers.sharding import make_mesh
+    from spillway.recipes.plan.compile import gpu_topology
+    from spillway.recipes.config import Recipe
 
     started = time.perf_counter()
     with open(argv[0]) as f:

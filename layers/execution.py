@@ -1,0 +1,46 @@
+"""How a model runs, as opposed to what it is: dtypes, attention kernel, flash block size, init scale.
+
+Every family's config holds only its architecture; these execution settings are
+shared by all families and live once, in the recipe (`execution.*`), so no
+family copies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+ATTENTION_IMPLS = ("xla", "cudnn", "flash")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    dtype: str = "float32"          # compute dtype of activations and matmuls
+    param_dtype: str = "float32"    # dtype the parameters are stored in
+    attention_impl: str = "xla"     # "xla" | "cudnn" | "flash" (layers/attention.py)
+    flash_block_size: int = 512     # query/key block of the flash kernel
+    init_std: float = 0.02          # std of the normal init of matrices and embeddings
+
+    def __post_init__(self):
+        for field in ("dtype", "param_dtype"):
+            try:
+                jnp.dtype(getattr(self, field))
+            except TypeError:
+                raise ValueError(f"execution.{field}: {getattr(self, field)!r} is not a dtype "
+                                 f"(e.g. float32, bfloat16)") from None
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"execution.attention_impl must be one of {ATTENTION_IMPLS}, "
+                             f"got {self.attention_impl!r}")
+        if self.flash_block_size <= 0:
+            raise ValueError(f"execution.flash_block_size must be positive, got {self.flash_block_size}")
+        if not self.init_std > 0:
+            raise ValueError(f"execution.init_std must be positive, got {self.init_std}")
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def parameter_dtype(self):
+        return jnp.dtype(self.param_dtype)

@@ -1,0 +1,452 @@
+"""The generic Hugging Face engine: safetensors in and out, tensor layouts, sharded placement.
+
+    model = from_hf("/ckpt/Qwen2.5-0.5B")                   # config.json + *.safetensors; model_type picks the family
+    model = from_hf(state_dict, config=hf_config_dict)       # in memory: {name: array}
+    to_hf(model, "/out")                                     # config.json + model.safetensors transformers loads
+
+Each family's file holds its own `HFTable`: which `model_type`s it reads, how
+its config maps to and from config.json (a field it cannot honour is an
+error, never dropped), and one `HFWeight` per tensor: Hugging Face name (with
+`{i}` for the layer index of a per-layer tensor), spillway parameter path, and
+layout. This module knows no family.
+
+Layouts. A `Layout(split, transpose)` says how one spillway array is stored:
+group its axes into (shape[:split], shape[split:]), flatten each group, then
+transpose if `transpose`. So a Hugging Face `nn.Linear` weight [out, in] read
+into spillway's [d, heads, head_dim] is `Layout(1, True)`, GPT-2's `Conv1D`
+weight [in, out] is `Layout(1, False)`, a q bias [heads*head_dim] into
+[heads, head_dim] is `Layout(0, False)`. A fused tensor (GPT-2's c_attn holds
+q, k and v side by side) is several `HFWeight`s with a `part` (axis, index,
+count): each reads its slice, and export concatenates them again.
+
+Per-layer tensors are stacked along the leading layer axis (layers/stack.py),
+filled one layer at a time from the memory-mapped files, so host memory peaks
+near one stacked parameter, not a second copy of the checkpoint. With a mesh,
+each parameter goes straight into its shards. Reading uses `safetensors` with
+numpy, so torch is not needed; importing jax brings `ml_dtypes`, which teaches
+numpy the bfloat16 dtype that safetensors needs for bf16 checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401 — registers bfloat16 with numpy (see the module docstring)
+import numpy as np
+from flax import nnx
+
+from spillway.layers.execution import Execution
+from spillway.layers.sharding import state_shardings
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+STACK_PATH = ("layers", "blocks")
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint or config that spillway cannot read as asked (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a spillway array is stored in the checkpoint (see the module docstring)."""
+
+    split: int
+    transpose: bool = False
+
+    def hf_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        groups = tuple(math.prod(g) for g in (shape[:self.split], shape[self.split:]) if len(g))
+        return groups[::-1] if self.transpose else groups
+
+    def to_spillway(self, hf_array: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+        return (hf_array.T if self.transpose else hf_array).reshape(shape)
+
+    def to_hf(self, array: np.ndarray) -> np.ndarray:
+        groups = tuple(math.prod(g) for g in (array.shape[:self.split], array.shape[self.split:]) if len(g))
+        flat = array.reshape(groups)
+        return np.ascontiguousarray(flat.T) if self.transpose else flat
+
+
+COPY = Layout(split=1)                  # same array (an embedding table, [vocab, d])
+VECTOR = Layout(split=0)                # a norm scale or bias, flattened
+LINEAR = Layout(split=1, transpose=True)         # nn.Linear [out, in] <-> [in, out]
+IN_HEADS = Layout(split=1, transpose=True)       # nn.Linear [heads*hd, d] <-> [d, heads, hd]
+OUT_HEADS = Layout(split=2, transpose=True)      # nn.Linear [d, heads*hd] <-> [heads, hd, d]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFWeight:
+    hf_name: str                        # "{i}" stands for the layer index of a per-layer tensor
+    path: tuple[str, ...]               # spillway parameter path (inside the stacked blocks for per-layer ones)
+    layout: Layout
+    part: tuple[int, int, int] | None = None   # (axis, index, count) of a fused Hugging Face tensor
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf_name
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTable:
+    """A family's Hugging Face mapping (defined in the family's own file)."""
+
+    model_types: tuple[str, ...]
+    config_from_hf: Callable[[Mapping[str, Any]], Any]    # config.json dict -> family config (or an error)
+    config_to_hf: Callable[[Any], dict]                  # family config -> config.json dict
+    weights: Callable[[Any], list[HFWeight]]             # family config -> every tensor
+    embed_name: str = "model.embed_tokens.weight"
+    head_name: str = "lm_head.weight"
+    # Buffers some checkpoints carry that are recomputed, never learned (RoPE frequencies, causal masks).
+    ignored_suffixes: tuple[str, ...] = (".rotary_emb.inv_freq",)
+
+
+# --- tensor sources ----------------------------------------------------------
+
+class _DictSource:
+    def __init__(self, tensors: Mapping[str, Any]):
+        self.tensors = tensors
+
+    def names(self):
+        return list(self.tensors)
+
+    def shape(self, name):
+        return tuple(np.shape(self.tensors[name]))
+
+    def get(self, name):
+        return np.asarray(self.tensors[name])
+
+
+class _SafetensorsSource:
+    def __init__(self, files: dict[str, Any]):
+        self.files = files  # name -> open safe_open handle
+
+    def names(self):
+        return list(self.files)
+
+    def shape(self, name):
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+    def get(self, name):
+        return self.files[name].get_tensor(name)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise FileNotFoundError(f"no Hugging Face checkpoint at {path}: the path does not exist")
+    if path.is_file():
+        return [path]
+    index = path / SAFETENSORS_INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.exists()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that do not exist: {absent}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
+        hint = f" (found {others}: only safetensors checkpoints are read)" if others else ""
+        raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
+    return files
+
+
+@contextlib.contextmanager
+def _open_source(source) -> Iterator[Any]:
+    if isinstance(source, Mapping):
+        yield _DictSource(source)
+        return
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        by_name: dict[str, Any] = {}
+        for file in _safetensors_files(Path(source)):
+            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            for name in handle.keys():
+                if name in by_name:
+                    raise HFCheckpointError(f"tensor {name!r} appears in more than one safetensors file under {source}")
+                by_name[name] = handle
+        yield _SafetensorsSource(by_name)
+
+
+# --- config --------------------------------------------------------------------
+
+def read_hf_config(source) -> dict:
+    """config.json of a checkpoint directory (or of the directory holding a .safetensors file)."""
+    directory = Path(source)
+    if not directory.exists():
+        raise FileNotFoundError(f"no Hugging Face checkpoint at {directory}: the path does not exist")
+    directory = directory.parent if directory.is_file() else directory
+    config_file = directory / CONFIG_FILE
+    if not config_file.exists():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}; pass config= explicitly")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise HFCheckpointError(f"{config_file} is not valid JSON: {err}") from None
+
+
+def family_config_from_hf(hf_config: Mapping[str, Any]):
+    """(family, family config) for a Hugging Face config dict, dispatched on its model_type."""
+    from spillway.models.registry import family_of_hf_model_type
+
+    hf_config = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config)
+    model_type = hf_config.get("model_type")
+    if not model_type:
+        raise HFCheckpointError("the Hugging Face config has no model_type; cannot tell which family it is")
+    family = family_of_hf_model_type(model_type)
+    return family, family.hf.config_from_hf(hf_config)
+
+
+def _resolve(source, config) -> tuple[Any, Any]:
+    from spillway.models.registry import family_of_config
+
+    if config is None:
+        if isinstance(source, Mapping):
+            raise HFCheckpointError("an in-memory state dict needs config= (a Hugging Face config dict or a "
+                                    "spillway family config)")
+        config = read_hf_config(source)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return family_of_config(config), config
+    return family_config_from_hf(config)
+
+
+# --- weights -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    weight: HFWeight
+    path: tuple[str, ...]            # full spillway path
+    hf_names: tuple[str, ...]        # one per layer for per-layer weights, else one
+    shape: tuple[int, ...]           # spillway shape of one layer's worth
+
+    def hf_shape(self) -> tuple[int, ...]:
+        shape = list(self.weight.layout.hf_shape(self.shape))
+        if self.weight.part is not None:
+            axis, _, count = self.weight.part
+            shape[axis] *= count
+        return tuple(shape)
+
+
+def _entries(family, config, param_shapes: dict[tuple, tuple[int, ...]]) -> list[_Entry]:
+    out = []
+    for w in family.hf.weights(config):
+        if w.per_layer:
+            path = STACK_PATH + w.path
+            if path not in param_shapes:
+                raise AssertionError(f"{family.name} HF table names {path}, which the model does not have")
+            names = tuple(w.hf_name.format(i=i) for i in range(param_shapes[path][0]))
+            out.append(_Entry(w, path, names, param_shapes[path][1:]))
+        else:
+            if w.path not in param_shapes:
+                raise AssertionError(f"{family.name} HF table names {w.path}, which the model does not have")
+            out.append(_Entry(w, w.path, (w.hf_name,), param_shapes[w.path]))
+    unmapped = set(param_shapes) - {e.path for e in out}
+    if unmapped:  # the model grew a parameter the table does not know: fail rather than keep random values
+        raise AssertionError(f"{family.name} parameters with no Hugging Face mapping: {sorted(unmapped)}")
+    return out
+
+
+def _check_names_and_shapes(source, entries: list[_Entry], family, config) -> None:
+    """One error listing every missing, unexpected and misshapen tensor."""
+    table = family.hf
+    expected = {name: e.hf_shape() for e in entries for name in e.hf_names}
+    present = set(source.names())
+    tied = not any(e.hf_names == (table.head_name,) for e in entries)
+    missing = [n for n in expected if n not in present]
+    unexpected = sorted(n for n in present - set(expected) if not n.endswith(table.ignored_suffixes)
+                        and not (tied and n == table.head_name))
+    mismatched = [f"{n}: checkpoint {source.shape(n)}, config expects {shape}"
+                  for n, shape in expected.items() if n in present and source.shape(n) != shape]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {missing[:12]}{' ...' if len(missing) > 12 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected[:12]}"
+                        f"{' ...' if len(unexpected) > 12 else ''}")
+    if mismatched:
+        problems.append(f"shape mismatches ({len(mismatched)}): " + "; ".join(mismatched[:12]))
+    if problems:
+        raise HFCheckpointError(f"the Hugging Face checkpoint does not match the {family.name} config "
+                                f"({config.num_layers} layers, vocab {config.vocab_size}):\n  " + "\n  ".join(problems))
+    if tied and table.head_name in present:
+        # transformers' state_dict() lists a tied head under its own name; accept it only if it is the embedding.
+        head, embed = table.head_name, table.embed_name
+        if source.shape(head) != source.shape(embed) or not np.array_equal(source.get(head), source.get(embed)):
+            raise HFCheckpointError(f"tie_word_embeddings is True but {head} differs from {embed}: the checkpoint "
+                                    f"has a separate output head (its config.json should say tie_word_embeddings=false)")
+
+
+def _read_one(source, entry: _Entry, name: str) -> np.ndarray:
+    array = source.get(name)
+    if entry.weight.part is not None:
+        axis, index, count = entry.weight.part
+        array = np.split(array, count, axis=axis)[index]
+    return entry.weight.layout.to_spillway(array, entry.shape)
+
+
+def _load_param(source, entry: _Entry, dtype) -> np.ndarray:
+    if len(entry.hf_names) == 1 and not entry.weight.per_layer:
+        return np.asarray(_read_one(source, entry, entry.hf_names[0]), dtype)
+    stacked = np.empty((len(entry.hf_names),) + entry.shape, dtype)
+    for layer, name in enumerate(entry.hf_names):
+        stacked[layer] = _read_one(source, entry, name)
+    return stacked
+
+
+def load_hf_weights(source, family, config, abstract_params: nnx.State, shardings=None) -> nnx.State:
+    """The parameters of `abstract_params` (an nnx.State of ShapeDtypeStructs) filled from a checkpoint.
+
+    `shardings`: a matching tree of shardings; each parameter is put straight
+    into them (device or host memory, whatever they say). Values are cast to
+    the abstract parameters' dtypes.
+    """
+    flat = dict(nnx.to_flat_state(abstract_params))
+    entries = _entries(family, config, {path: tuple(v.get_value().shape) for path, v in flat.items()})
+    flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
+    loaded = []
+    with _open_source(source) as tensors:
+        _check_names_and_shapes(tensors, entries, family, config)
+        for e in entries:
+            dtype = np.dtype(flat[e.path].get_value().dtype)
+            host = _load_param(tensors, e, dtype)
+            placement = None if flat_shardings is None else flat_shardings[e.path].get_value()
+            loaded.append((e.path, flat[e.path].replace(jax.device_put(host, placement))))
+            del host  # one stacked parameter on the host at a time
+    return nnx.from_flat_state(loaded)
+
+
+# --- public API ----------------------------------------------------------------
+
+def from_hf(source: str | os.PathLike | Mapping[str, Any], *, config: Any = None, dtype: str | None = None,
+            param_dtype: str | None = None, execution: Execution | None = None, mesh=None,
+            remat: Any = "recompute_all", **overrides):
+    """A spillway model holding a Hugging Face checkpoint's weights.
+
+    source: a checkpoint directory (config.json and model.safetensors, or
+        shards with model.safetensors.index.json), a .safetensors file, or an
+        in-memory {name: array} state dict (`{k: v.numpy() for k, v in
+        torch_model.state_dict().items()}`).
+    config: a Hugging Face config dict (or transformers config object), or a
+        spillway family config used as is; read from config.json when omitted.
+        Its `model_type` picks the family.
+    dtype, param_dtype / execution: how the model runs (default float32
+        compute and parameters); weights are cast to param_dtype.
+    overrides: family config fields to replace (e.g. max_seq_len=4096).
+    mesh: put each parameter straight into its shards (layers/sharding.py rules).
+
+    Unknown model_type, a config field the family cannot honour, and every
+    missing, unexpected or misshapen tensor are HFCheckpointError naming them.
+    """
+    family, cfg = _resolve(source, config)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    execution = execution or Execution()
+    execution = dataclasses.replace(execution, **{k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype))
+                                                  if v is not None})
+    abstract = family.abstract(cfg, execution, remat=remat)
+    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    shardings = None if mesh is None else state_shardings(abstract_params, mesh)
+    params = load_hf_weights(source, family, cfg, abstract_params, shardings)
+    return nnx.merge(graphdef, params, rest)
+
+
+def export_hf_state_dict(model, dtype: Any = None) -> dict[str, np.ndarray]:
+    """The model's weights under Hugging Face names and layouts (the inverse of `from_hf`).
+
+    Tied models omit the head, as transformers' safetensors files do. `dtype`
+    casts every tensor (default: the parameter dtype).
+    """
+    from spillway.models.registry import family_of_config
+
+    family = family_of_config(model.config)
+    if family.hf is None:
+        raise HFCheckpointError(f"the {family.name} family has no Hugging Face mapping")
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    entries = _entries(family, model.config, {p: tuple(v.get_value().shape) for p, v in flat.items()})
+    parts: dict[str, dict[int, np.ndarray]] = {}
+    for e in entries:
+        array = np.asarray(jax.device_get(flat[e.path].get_value()))
+        if dtype is not None:
+            array = array.astype(np.dtype(jnp.dtype(dtype)))
+        layers = array if e.weight.per_layer else [array]
+        for name, one in zip(e.hf_names, layers, strict=True):
+            index = 0 if e.weight.part is None else e.weight.part[1]
+            parts.setdefault(name, {})[index] = e.weight.layout.to_hf(one)
+    # transformers' order: the table's entries before its first per-layer one, then layer by
+    # layer, then the rest (embedding, layers, final norm, head): easier to read and diff.
+    first_layer = next((k for k, e in enumerate(entries) if e.weight.per_layer), len(entries))
+    num_layers = max((len(e.hf_names) for e in entries if e.weight.per_layer), default=0)
+    order = [n for e in entries[:first_layer] for n in e.hf_names]
+    order += [e.hf_names[i] for i in range(num_layers) for e in entries if e.weight.per_layer]
+    order += [n for e in entries[first_layer:] if not e.weight.per_layer for n in e.hf_names]
+    order = list(dict.fromkeys(order))   # a fused tensor appears once
+    axis_of = {n: e.weight.part[0] for e in entries if e.weight.part is not None for n in e.hf_names}
+    out = {}
+    for name in order:
+        pieces = parts[name]
+        out[name] = pieces[0] if name not in axis_of else np.concatenate(
+            [pieces[i] for i in sorted(pieces)], axis=axis_of[name])
+    return out
+
+
+def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
+    """Write config.json and model.safetensors that `transformers` (and `from_hf`) can load."""
+    from safetensors.numpy import save_file
+
+    from spillway.models.registry import family_of_config
+
+    family = family_of_config(model.config)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = export_hf_state_dict(model, dtype=dtype)
+    hf_config = family.hf.config_to_hf(model.config)
+    hf_config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    # "format": "pt" is what transformers checks for before trusting a safetensors file.
+    save_file(tensors, str(directory / SAFETENSORS_FILE), metadata={"format": "pt"})
+    return directory
+
+
+# --- helpers the family tables share ---------------------------------------------
+
+def rope_settings(hf_config: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None), from either config generation.
+
+    transformers < 5 writes `rope_theta` and `rope_scaling` at the top level;
+    transformers >= 5 writes one `rope_parameters` dict holding both. Older
+    files spell the scaling kind `type` instead of `rope_type`.
+    """
+    params = hf_config.get("rope_parameters")
+    if params is not None:
+        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = hf_config.get("rope_theta", 10000.0)
+        scaling = hf_config.get("rope_scaling")
+    if scaling is None:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return float(theta), None if kind in (None, "default") else dict(scaling, rope_type=kind)
+
+
+def require(hf_config: Mapping[str, Any], keys: Sequence[str], family: str) -> None:
+    missing = [k for k in keys if hf_config.get(k) is None]
+    if missing:
+        raise HFCheckpointError(f"the Hugging Face {family} config lacks {missing}")
+
+
+def refuse(condition: bool, message: str) -> None:
+    """A config field the family cannot honour: an error, never a silently different model."""
+    if condition:
+        raise HFCheckpointError(message)

@@ -1,0 +1,126 @@
+"""The family spec: what generic code (train loop, planner, FLOP model, generate, HF engine) may ask of a family.
+
+A family is one file in models/ that registers a `Family`: its frozen config
+class (architecture only; dtypes and kernels are the recipe's `Execution`),
+presets at published sizes, its model class and its Hugging Face table. A
+family config answers:
+
+    config.vocab_size, config.num_layers, config.max_seq_len
+    config.decoder_spec(execution) -> DecoderSpec    shapes, parameter count, KV-cache layout
+
+and everything else follows from the spec: `Family.build` makes the model
+(abstractly too, under nnx.eval_shape), recipes/plan/flops.py counts training
+FLOPs from the spec's block config (plain or gated MLP, sliding windows), the
+KV cache is laid out from it, and models/hf.py reads and writes checkpoints
+through the family's `HFTable`. Generic code names no family: it looks one up
+here by name, by config class, or by Hugging Face `model_type`.
+
+Families still to come shape this spec: Gemma's alternating local/global
+layers (a block pattern in the spec), mixture-of-experts (an expert axis and an
+auxiliary loss the train step adds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from flax import nnx
+
+from spillway.layers.block import TransformerBlock
+from spillway.layers.execution import Execution
+from spillway.models.decoder import DecoderLM, DecoderSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    config_cls: type                       # frozen dataclass with decoder_spec(execution)
+    presets: Mapping[str, Any]             # published sizes (and test sizes) by name
+    description: str
+    hf: Any = None                         # models/hf.py HFTable, or None (no Hugging Face mapping)
+    model_cls: type = DecoderLM
+
+    def config(self, preset: str, **overrides):
+        """A preset's config with fields replaced; unknown presets and fields are errors that name them."""
+        try:
+            base = self.presets[preset]
+        except KeyError:
+            raise ValueError(f"unknown {self.name} preset {preset!r}; known presets: {sorted(self.presets)}") \
+                from None
+        fields = {f.name for f in dataclasses.fields(base)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise ValueError(f"{self.config_cls.__name__} has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
+        return dataclasses.replace(base, **overrides)
+
+    def spec(self, config, execution: Execution = Execution()) -> DecoderSpec:
+        return config.decoder_spec(execution)
+
+    def build(self, config, execution: Execution = Execution(), *, rngs: nnx.Rngs,
+              remat="recompute_all", block_cls: type = TransformerBlock):
+        """The model of `config` (call under nnx.eval_shape for shapes only)."""
+        return self.model_cls(config, execution, rngs=rngs, remat=remat, block_cls=block_cls)
+
+    def abstract(self, config, execution: Execution = Execution(), **kwargs):
+        """The model with ShapeDtypeStructs for parameters: nothing allocated."""
+        return nnx.eval_shape(lambda: self.build(config, execution, rngs=nnx.Rngs(0), **kwargs))
+
+
+FAMILIES: dict[str, Family] = {}
+
+# Imported on first lookup, so that `models.registry` itself stays import-light and a
+# family module can import this one.
+_FAMILY_MODULES = ("spillway.models.llama", "spillway.models.gpt2", "spillway.models.mistral",
+                   "spillway.models.qwen")
+
+
+def register_family(family: Family) -> Family:
+    if family.name in FAMILIES and FAMILIES[family.name] is not family:
+        raise ValueError(f"model family {family.name!r} registered twice")
+    FAMILIES[family.name] = family
+    return family
+
+
+def _load_all() -> None:
+    for module in _FAMILY_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:  # a real import error inside the family module
+                raise
+
+
+def family_names() -> list[str]:
+    _load_all()
+    return sorted(FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    _load_all()
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known families: {sorted(FAMILIES)}") from None
+
+
+def family_of_config(config) -> Family:
+    """The family whose config class `config` is."""
+    _load_all()
+    for family in FAMILIES.values():
+        if type(config) is family.config_cls:
+            return family
+    raise ValueError(f"{type(config).__name__} is no registered family's config; "
+                     f"families: {sorted(FAMILIES)}")
+
+
+def family_of_hf_model_type(model_type: str) -> Family:
+    """The family that reads Hugging Face checkpoints of `model_type` (config.json's "model_type")."""
+    _load_all()
+    for family in FAMILIES.values():
+        if family.hf is not None and model_type in family.hf.model_types:
+            return family
+    known = sorted(t for f in FAMILIES.values() if f.hf is not None for t in f.hf.model_types)
+    raise ValueError(f"Hugging Face model_type {model_type!r} is not supported; spillway reads {known}")

@@ -1,0 +1,50 @@
+"""`spillway plan`: what a recipe costs on a GPU, from deviceless (ahead-of-time) compiles.
+
+The planner compiles the real train step for a target GPU and reads its HBM and
+host-memory use from XLA (DESIGN.md section 5). Pieces:
+
+* ``planner``: candidates, the table, the pick, ``--search``; runs ``child``
+  (one compile process per worker) and adds the step-time model.
+* ``flops``: training FLOPs counted from the model's shapes (a deviceless
+  compile reports none).
+
+* ``plugin``: where the jax-cuda13 compiler plugin lives, whether it matches
+  jaxlib, how to install it; whether ptxas/libdevice are there.
+* ``targets``: GPU targets as data (``get_target("h200")``).
+* ``subprocess_runner``: ``run_in_compile_process(module, args)`` runs a compile
+  program in a child process set up for the plugin and returns its JSON.
+* ``compile`` (imports JAX; use it inside the compile process): compile-only
+  meshes, abstract arguments in device or host memory, ``compile_report``.
+* ``hlo``: host<->device traffic read from compiled HLO text.
+* ``selfcheck``: a compile program that shows the whole chain works here.
+
+This package's ``__init__`` imports neither JAX nor the plugin.
+"""
+
+import importlib
+from typing import Any
+
+# Public names, resolved on first use: importing them eagerly would make
+# `python -m spillway.recipes.plan.plugin` load its own module twice (runpy warns).
+_PUBLIC_NAMES = {
+    "find_ptxas": "spillway.recipes.plan.plugin",
+    "install_command": "spillway.recipes.plan.plugin",
+    "installed_version": "spillway.recipes.plan.plugin",
+    "missing_reason": "spillway.recipes.plan.plugin",
+    "CompileProcessError": "spillway.recipes.plan.subprocess_runner",
+    "CompileToolchainMissing": "spillway.recipes.plan.subprocess_runner",
+    "run_in_compile_process": "spillway.recipes.plan.subprocess_runner",
+    "serve_compile_process": "spillway.recipes.plan.subprocess_runner",
+    "TARGETS": "spillway.recipes.plan.targets",
+    "UNSUPPORTED_TARGETS": "spillway.recipes.plan.targets",
+    "GpuTarget": "spillway.recipes.plan.targets",
+    "get_target": "spillway.recipes.plan.targets",
+    "target_names": "spillway.recipes.plan.targets",
+}
+__all__ = sorted(_PUBLIC_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC_NAMES:
+        raise AttributeError(f"module 'spillway.recipes.plan' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC_NAMES[name]), name)

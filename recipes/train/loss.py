@@ -1,0 +1,72 @@
+"""The training loss: next-token cross-entropy in float32, whole or a chunk of tokens at a time."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32, whatever the logits' dtype."""
+    logits_btv = logits_btv.astype(jnp.float32)
+    log_z_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    return jnp.mean(log_z_bt - target_logit_bt)
+
+
+def chunked_cross_entropy(logits_fn, head_params, x_btd: jax.Array, targets_bt: jax.Array,
+                          chunk: int) -> jax.Array:
+    """cross_entropy(logits_fn(head_params, x), targets) computed `chunk` tokens at a time.
+
+    Only one chunk's [b, chunk, vocab] float32 logits exist at once instead of
+    the whole sequence's (4.2 GB for 8192 tokens of a 128k vocabulary); the
+    backward pass recomputes each chunk's logits (one extra head matmul).
+    The head's gradient is summed over chunks in float32 and rounded to the
+    parameter dtype once, as the whole-sequence matmul would: autodiff of a
+    scan would sum the chunks' bf16 gradients in bf16, rounding once per chunk.
+    """
+    b, t, d = x_btd.shape
+    if t % chunk:
+        raise ValueError(f"train.loss_chunk ({chunk}) must divide the sequence length ({t})")
+    x_nbcd = x_btd.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)
+    targets_nbc = targets_bt.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+    return _chunked_loss_sum(logits_fn, head_params, x_nbcd, targets_nbc) / targets_bt.size
+
+
+def _chunk_loss_sum(logits_fn, head_params, x_bcd, targets_bc):
+    return cross_entropy(logits_fn(head_params, x_bcd), targets_bc) * targets_bc.size
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_loss_sum(logits_fn, head_params, x_nbcd, targets_nbc):
+    def step(total, chunk_inputs):
+        return total + _chunk_loss_sum(logits_fn, head_params, *chunk_inputs), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (x_nbcd, targets_nbc))
+    return total
+
+
+def _chunked_loss_sum_fwd(logits_fn, head_params, x_nbcd, targets_nbc):
+    return _chunked_loss_sum(logits_fn, head_params, x_nbcd, targets_nbc), (head_params, x_nbcd, targets_nbc)
+
+
+def _chunked_loss_sum_bwd(logits_fn, residuals, g):
+    head_params, x_nbcd, targets_nbc = residuals
+
+    def step(head_grad_sum, chunk_inputs):
+        x_bcd, targets_bc = chunk_inputs
+        _, vjp = jax.vjp(lambda h, x: _chunk_loss_sum(logits_fn, h, x, targets_bc), head_params, x_bcd)
+        head_grad, x_grad = vjp(g)
+        return jax.tree.map(lambda s, h: s + h.astype(jnp.float32), head_grad_sum, head_grad), x_grad
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_params)
+    head_grad_sum, x_grad_nbcd = jax.lax.scan(step, zeros, (x_nbcd, targets_nbc))
+    head_grad = jax.tree.map(lambda s, p: s.astype(p.dtype), head_grad_sum, head_params)
+    targets_grad = np.zeros(targets_nbc.shape, jax.dtypes.float0)   # integer input: no gradient
+    return head_grad, x_grad_nbcd, targets_grad
+
+
+_chunked_loss_sum.defvjp(_chunked_loss_sum_fwd, _chunked_loss_sum_bwd)

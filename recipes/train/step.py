@@ -1,0 +1,161 @@
+"""The one train step and what builds it: loss function, gradient accumulation, optimizer update, shardings.
+
+There is exactly one train step (`make_train_step`); the train loop runs it and
+the planner compiles the same function for GPU targets (`abstract_setup`), so
+what the planner measures is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spillway.layers import names
+from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, create_sharded, make_mesh,
+                                      state_shardings)
+from spillway.recipes.config import Recipe
+from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
+from spillway.recipes.train.optimizer import Optimizer, donate_opt_state_ok, make_layouts
+
+
+def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
+    """Mean next-token loss of a [batch, seq+1] token batch; `loss_chunk` > 0 applies the head in chunks.
+
+    With a `mesh`, the layers pin their activations to the batch sharding
+    while this is traced (layers.sharding.activation_sharding).
+    """
+    def loss_fn(params, tokens_bt):
+        with activation_sharding(mesh):
+            return _loss(params, tokens_bt)
+
+    def _loss(params, tokens_bt):
+        model = nnx.merge(graphdef, params)
+        tokens_bt = constrain(tokens_bt, (names.BATCH, None))
+        inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
+        if not loss_chunk or loss_chunk >= inputs_bt.shape[1]:
+            return cross_entropy(model(inputs_bt), targets_bt)
+        positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
+        x_btd, _ = model.hidden_states(inputs_bt, positions_bt)
+        head_logits, head_params = model.split_head()
+        return chunked_cross_entropy(head_logits, head_params, x_btd, targets_bt, loss_chunk)
+    return loss_fn
+
+
+def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0, mesh=None):
+    """(params, opt_state, tokens [batch, seq+1]) -> (params, opt_state, metrics).
+
+    With grad_accum > 1 the batch is split into micro-batches whose gradients
+    are summed in float32 by a scan, so activation memory is that of one
+    micro-batch. Micro-batch m takes rows m, m + grad_accum, ... so that every
+    device's shard of the batch holds rows of every micro-batch: each
+    micro-batch stays spread over all devices, with no reshuffle.
+    """
+    loss_fn = make_loss_fn(graphdef, loss_chunk, mesh)
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(params, opt_state, tokens_bt):
+        if grad_accum == 1:
+            loss, grads = grad_fn(params, tokens_bt)
+        else:
+            micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
+
+            def accumulate(grad_sum, micro_bt):
+                loss, grads = grad_fn(params, micro_bt)
+                return jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads), loss
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            grad_sum, losses = jax.lax.scan(accumulate, zeros, micro_mbt)
+            grads = jax.tree.map(lambda g: g / grad_accum, grad_sum)
+            loss = jnp.mean(losses)
+        params, opt_state, stats = optimizer.update(grads, opt_state, params)
+        return params, opt_state, {"loss": loss, **stats}
+
+    return train_step
+
+
+def make_eval_step(graphdef, mesh=None):
+    return make_loss_fn(graphdef, mesh=mesh)
+
+
+@dataclasses.dataclass
+class TrainSetup:
+    """Everything built from a recipe before the first step (also what the planner compiles)."""
+
+    recipe: Recipe
+    mesh: jax.sharding.Mesh
+    graphdef: object
+    params: object
+    param_shardings: object
+    optimizer: Optimizer
+    opt_state_shardings: object
+    batch_sharding: NamedSharding
+    train_step: object  # jitted
+
+
+def build_model(recipe: Recipe, mesh, seed: int):
+    model = create_sharded(lambda: recipe.build_model(nnx.Rngs(seed)), mesh)
+    return nnx.split(model)
+
+
+def setup(recipe: Recipe, mesh=None) -> TrainSetup:
+    """Build the model in its shards and the jitted train step."""
+    mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
+    graphdef, params = build_model(recipe, mesh, recipe.train.seed)
+    param_sh = jax.tree.map(lambda v: v.sharding, params)
+    return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
+
+
+def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetup:
+    """setup() without allocating anything: `params` are ShapeDtypeStructs carrying their shardings.
+
+    For compiling the train step ahead of time (the planner compiles it for a GPU
+    target on a mesh of compile-only devices, recipes/plan/child.py), where an
+    8B model must never be built concretely. `platform` is the target's: it decides
+    donation as donate_opt_state_ok does at run time.
+    """
+    graphdef, abstract_state = abstract_model(recipe)
+    param_sh = state_shardings(abstract_state, mesh)
+    return _assemble(recipe, mesh, graphdef, abstract_with_shardings(abstract_state, param_sh), param_sh,
+                     donate_opt_state_ok(platform), layout_source=abstract_state)
+
+
+def abstract_model(recipe: Recipe):
+    """(graphdef, parameter state of ShapeDtypeStructs with their metadata): the model, nothing allocated."""
+    return nnx.split(nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(recipe.train.seed))))
+
+
+def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
+              layout_source=None) -> TrainSetup:
+    """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step."""
+    if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
+        raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
+                         f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
+    opt_cfg = recipe.optimizer_config()
+    optimizer = Optimizer(opt_cfg, make_layouts(params if layout_source is None else layout_source, opt_cfg))
+    opt_sh = optimizer.state_shardings(param_sh)
+    batch_sh = batch_sharding(mesh)
+    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
+                   in_shardings=(param_sh, opt_sh, batch_sh),
+                   out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
+                   donate_argnums=(0, 1) if donate_opt_state else (0,))
+    return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
+
+
+def abstract_step_arguments(s: TrainSetup) -> tuple:
+    """(params, opt_state, tokens) as ShapeDtypeStructs with the step's shardings, for `.lower()`.
+
+    Tokens are [global_batch, seq_len + 1] int32, as the loader delivers them.
+    """
+    opt_state = abstract_with_shardings(jax.eval_shape(s.optimizer.init, s.params), s.opt_state_shardings)
+    tokens = jax.ShapeDtypeStruct((s.recipe.train.global_batch, s.recipe.data.seq_len + 1), jnp.int32,
+                                  sharding=s.batch_sharding)
+    return s.params, opt_state, tokens
+
+
+def abstract_with_shardings(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s arrays carrying `shardings`: targets for lowering and restoring."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
