@@ -40,7 +40,7 @@ needs_toolchain = pytest.mark.skipif(plugin.cuda_toolkit_missing_reason() is not
 SMALL_LLAMA = ["model.num_layers=4", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=2",
                "model.mlp_hidden=1024", "model.vocab_size=1024", "model.max_seq_len=1024",
                "execution.dtype=bfloat16", "execution.param_dtype=bfloat16", "execution.attention_impl=flash",
-               "model.flash_block_size=128", "data.seq_len=512", "train.global_batch=4"]
+               "execution.flash_block_size=128", "data.seq_len=512", "train.global_batch=4"]
 
 
 def small_recipe(*extra):
