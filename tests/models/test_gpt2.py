@@ -266,7 +266,8 @@ def test_the_block_tags_every_name_so_every_preset_applies():
     assert model.layers.block_names == frozenset(names.ACTIVATION_NAMES)
 
 
-@pytest.mark.parametrize("remat", sorted(set(OFFLOAD_PRESETS) - {"save_all"}) + ["offload_dots:1,save_dots:1,recompute_all"])
+@pytest.mark.parametrize("remat", sorted(set(OFFLOAD_PRESETS) - {"save_all"})
+                         + ["offload_dots:1,save_dots:1,recompute_all"])
 def test_every_offload_plan_matches_no_remat(remat, tiny_params, no_remat):
     ref_loss, ref_grads = no_remat
     loss, grads = loss_and_grads(remat, tiny_params)
@@ -351,7 +352,6 @@ def test_logits_match_transformers_from_save_pretrained(hf, tmp_path):
 
 def test_base_model_directory_loads_with_the_same_weights(hf, tmp_path):
     """GPT2Model.save_pretrained writes names without `transformer.`, as the published checkpoints have them."""
-    torch, _ = hf
     reference = hf_model(hf, "GPT2Model")
     reference.save_pretrained(tmp_path)
     model = from_hf(tmp_path, **FLOAT32)
@@ -361,7 +361,7 @@ def test_base_model_directory_loads_with_the_same_weights(hf, tmp_path):
 
 
 def test_exported_model_loads_in_transformers(hf, tmp_path):
-    torch, transformers = hf
+    _, transformers = hf
     reference = hf_model(hf)
     state_dict = {name: t.detach().numpy() for name, t in reference.state_dict().items()}
     model = from_hf(state_dict, config=hf_config(), remat="offload_dots:1,recompute_all", **FLOAT32)
