@@ -108,6 +108,9 @@ class HFTable:
     head_name: str = "lm_head.weight"
     # Buffers some checkpoints carry that are recomputed, never learned (RoPE frequencies, causal masks).
     ignored_suffixes: tuple[str, ...] = (".rotary_emb.inv_freq",)
+    # transformers' `base_model_prefix` when the table's names carry it: a checkpoint saved from the
+    # base model (GPT-2's published files) lacks it on every name and is read as if it had it.
+    base_prefix: str = ""
 
 
 # --- tensor sources ----------------------------------------------------------
@@ -138,6 +141,29 @@ class _SafetensorsSource:
 
     def get(self, name):
         return self.files[name].get_tensor(name)
+
+
+class _PrefixedSource:
+    """A checkpoint whose names lack the table's `base_prefix`, seen under the prefixed names."""
+
+    def __init__(self, source, prefix: str):
+        self.source, self.prefix = source, prefix
+
+    def names(self):
+        return [self.prefix + name for name in self.source.names()]
+
+    def shape(self, name):
+        return self.source.shape(name.removeprefix(self.prefix))
+
+    def get(self, name):
+        return self.source.get(name.removeprefix(self.prefix))
+
+
+def _with_base_prefix(source, table: HFTable):
+    """`source` as the table names it: prefixed when it was saved from the base model (no name has the prefix)."""
+    if table.base_prefix and not any(n.startswith(table.base_prefix) for n in source.names()):
+        return _PrefixedSource(source, table.base_prefix)
+    return source
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -316,6 +342,7 @@ def load_hf_weights(source, family, config, abstract_params: nnx.State, sharding
     flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
     loaded = []
     with _open_source(source) as tensors:
+        tensors = _with_base_prefix(tensors, family.hf)
         _check_names_and_shapes(tensors, entries, family, config)
         for e in entries:
             dtype = np.dtype(flat[e.path].get_value().dtype)

@@ -101,3 +101,38 @@ def llama3_8b_offload() -> Recipe:
         base, name="llama3_8b_offload",
         description="Llama 3.1 8B, seq 8192, activations offloaded, optimizer state in pinned host memory",
         offload=OffloadConfig(activations="offload_dots", optimizer_state="host"))
+
+
+# --- GPT-2 -----------------------------------------------------------------------
+# Imported here rather than at the top so each family's recipes stay one appended section.
+from spillway.models.gpt2 import gpt2_config  # noqa: E402
+
+
+@register("gpt2_tiny")
+def gpt2_tiny() -> Recipe:
+    """CPU-sized GPT-2: the `tiny` recipe's data, optimizer and schedule with a 4-layer GPT-2."""
+    return dataclasses.replace(
+        tiny(), name="gpt2_tiny", family="gpt2", model=gpt2_config("tiny"),
+        description="4-layer GPT-2 (2M params) on the embedded stdlib corpus")
+
+
+@register("gpt2_124m")
+def gpt2_124m() -> Recipe:
+    """GPT-2 124M at its whole context (1024 learned positions), bf16 weights with fp32 master state."""
+    return Recipe(
+        name="gpt2_124m",
+        description="GPT-2 124M, seq 1024 (its position limit), flash attention, bf16",
+        family="gpt2",
+        model=gpt2_config("gpt2_124m"),
+        execution=GPU_EXECUTION,
+        data=DataConfig(tokenizer=None, seq_len=1024, num_proc=16),
+        # nanoGPT's GPT-2 124M settings: peak 6e-4, 0.1 weight decay, betas (0.9, 0.95).
+        optimizer=OptimizerConfig(learning_rate=6e-4, warmup_steps=2000, total_steps=100_000, weight_decay=0.1,
+                                  clip_norm=1.0, master_weights=True),
+        # `spillway plan gpt2_124m --gpu h200` picks this: as fast as saving everything (no recompute)
+        # at about half its HBM (17 vs 32 GiB for 32 x 1024 tokens).
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device"),
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+        checkpoint=CheckpointConfig(every_steps=1000, keep=3),
+        train=TrainConfig(steps=100_000, global_batch=32, log_every=10, eval_every=1000, loss_chunk=1024),
+    )
