@@ -1,0 +1,252 @@
+"""Qwen2.5 and Qwen3 (dense): config presets at their published sizes, and the Hugging Face tables.
+
+Both are Llama-shaped (pre-norm RMSNorm blocks, SwiGLU MLP, RoPE, grouped-query
+attention, no output-projection bias) and run as the generic `DecoderLM`; two
+families, because their checkpoints differ:
+
+    qwen2  (Qwen2 / Qwen2.5, model_type "qwen2"): biases on the q, k and v
+           projections; head_dim is d_model // num_heads.
+    qwen3  (model_type "qwen3"): no biases; an RMSNorm over each head's q and
+           k (one scale of head_dim shared by all heads) before RoPE; head_dim
+           set on its own (128 at every published size, so 0.6B's queries are
+           2048 wide on a 1024-wide residual stream).
+
+Qwen's config.json carries `use_sliding_window` / `sliding_window` /
+`max_window_layers`: with the window on, layers from `max_window_layers` up
+attend through a window and the ones below do not. spillway's stack has one
+block kind, so such a config is refused; every published Qwen2.5 and Qwen3
+dense checkpoint has `use_sliding_window: false`, which is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from spillway.layers.block import BlockConfig
+from spillway.layers.execution import Execution
+from spillway.layers.rope import RopeScaling
+from spillway.models import hf
+from spillway.models.decoder import DecoderLM, DecoderSpec
+from spillway.models.llama import llama_fields_from_hf, llama_fields_to_hf, llama_weights
+from spillway.models.registry import Family, register_family
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+    """Qwen2 / Qwen2.5: q/k/v projection biases are part of the architecture, not a switch."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_hidden: int
+    head_dim: int | None = None          # None: d_model // num_heads (every published size)
+    rope_theta: float = 1e6
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_seq_len: int = 32768
+
+    def __post_init__(self):
+        self.decoder_spec(Execution())  # validates sizes and the head layout, naming the field
+
+    def block_config(self, execution: Execution = Execution()) -> BlockConfig:
+        return BlockConfig(
+            d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            mlp_hidden=self.mlp_hidden, head_dim=self.head_dim, norm="rms", norm_eps=self.norm_eps,
+            mlp_kind="swiglu", qkv_bias=True, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            execution=execution)
+
+    def decoder_spec(self, execution: Execution = Execution()) -> DecoderSpec:
+        return DecoderSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, max_seq_len=self.max_seq_len,
+                           block=self.block_config(execution), tie_embeddings=self.tie_embeddings)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    def num_params(self) -> int:
+        return self.decoder_spec().num_params()
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Qwen3 dense: q/k RMSNorm per head is part of the architecture; head_dim is its own field."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_hidden: int
+    head_dim: int = 128
+    rope_theta: float = 1e6
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_seq_len: int = 40960
+
+    def __post_init__(self):
+        self.decoder_spec(Execution())  # validates sizes and the head layout, naming the field
+
+    def block_config(self, execution: Execution = Execution()) -> BlockConfig:
+        return BlockConfig(
+            d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            mlp_hidden=self.mlp_hidden, head_dim=self.head_dim, norm="rms", norm_eps=self.norm_eps,
+            mlp_kind="swiglu", qk_norm=True, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            execution=execution)
+
+    def decoder_spec(self, execution: Execution = Execution()) -> DecoderSpec:
+        return DecoderSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, max_seq_len=self.max_seq_len,
+                           block=self.block_config(execution), tie_embeddings=self.tie_embeddings)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim
+
+    def num_params(self) -> int:
+        return self.decoder_spec().num_params()
+
+
+_QWEN_VOCAB = 151936
+
+QWEN2_PRESETS: dict[str, Qwen2Config] = {
+    "qwen2_5_0_5b": Qwen2Config(vocab_size=_QWEN_VOCAB, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                                mlp_hidden=4864, tie_embeddings=True, max_seq_len=32768),
+    "qwen2_5_1_5b": Qwen2Config(vocab_size=_QWEN_VOCAB, d_model=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                                mlp_hidden=8960, tie_embeddings=True, max_seq_len=131072),
+    # The 7B's embedding has 152064 rows (padded further than the smaller sizes').
+    "qwen2_5_7b": Qwen2Config(vocab_size=152064, d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                              mlp_hidden=18944, tie_embeddings=False, max_seq_len=131072),
+    # Test and CPU sizes; odd numbers in "tiny_odd" to catch shape bugs.
+    "tiny": Qwen2Config(vocab_size=4096, d_model=256, num_layers=4, num_heads=8, num_kv_heads=2, mlp_hidden=704,
+                        tie_embeddings=True, max_seq_len=256),
+    "tiny_odd": Qwen2Config(vocab_size=131, d_model=60, num_layers=3, num_heads=6, num_kv_heads=2, mlp_hidden=92,
+                            max_seq_len=64),
+}
+
+QWEN3_PRESETS: dict[str, Qwen3Config] = {
+    "qwen3_0_6b": Qwen3Config(vocab_size=_QWEN_VOCAB, d_model=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                              mlp_hidden=3072, tie_embeddings=True),
+    "qwen3_1_7b": Qwen3Config(vocab_size=_QWEN_VOCAB, d_model=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+                              mlp_hidden=6144, tie_embeddings=True),
+    "qwen3_4b": Qwen3Config(vocab_size=_QWEN_VOCAB, d_model=2560, num_layers=36, num_heads=32, num_kv_heads=8,
+                            mlp_hidden=9728, tie_embeddings=True),
+    "qwen3_8b": Qwen3Config(vocab_size=_QWEN_VOCAB, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                            mlp_hidden=12288, tie_embeddings=False),
+    # Test and CPU sizes. "tiny_odd": head_dim (14) is not d_model // num_heads (10), as at 0.6B.
+    "tiny": Qwen3Config(vocab_size=4096, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
+                        mlp_hidden=704, tie_embeddings=True, max_seq_len=256),
+    "tiny_odd": Qwen3Config(vocab_size=131, d_model=60, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=14,
+                            mlp_hidden=92, max_seq_len=64),
+}
+
+
+class Qwen2(DecoderLM):
+    """A Qwen2 / Qwen2.5: `Qwen2(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
+
+
+class Qwen3(DecoderLM):
+    """A dense Qwen3: `Qwen3(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
+
+
+# --- Hugging Face ----------------------------------------------------------------
+
+# transformers' Qwen2Config / Qwen3Config defaults, for keys a config.json omits.
+_HF_DEFAULTS = {"num_key_value_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
+                "max_window_layers": 28}
+
+
+def _refuse_sliding_layers(hf_config: Mapping[str, Any], family: str) -> None:
+    """Refuse a config whose window transformers would apply to some layers (as its config class decides)."""
+    window = hf_config["sliding_window"] if hf_config["use_sliding_window"] else None
+    if window is None:
+        return  # transformers drops the window (and every "sliding_attention" layer type) when it is off
+    num_layers = hf_config["num_hidden_layers"]
+    layer_types = hf_config.get("layer_types") or [
+        "sliding_attention" if i >= hf_config["max_window_layers"] else "full_attention" for i in range(num_layers)]
+    windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    hf.refuse(bool(windowed), f"use_sliding_window=True is not supported: this {family} config windows layers "
+                              f"{windowed} to {window} positions (max_window_layers="
+                              f"{hf_config['max_window_layers']}), and spillway's {family} attends over the "
+                              f"full context in every layer")
+
+
+def _qwen_fields_from_hf(hf_config: Mapping[str, Any], family: str) -> dict[str, Any]:
+    hf.refuse(bool(hf_config.get("mlp_bias", False)), f"mlp_bias=True is not supported: {family}'s MLP has no biases")
+    fields = llama_fields_from_hf(hf_config, family)
+    _refuse_sliding_layers(hf_config, family)
+    return fields
+
+
+def _qwen_fields_to_hf(cfg) -> dict[str, Any]:
+    return {**llama_fields_to_hf(cfg), "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": cfg.num_layers}
+
+
+def qwen2_config_from_hf(hf_config: Mapping[str, Any]) -> Qwen2Config:
+    hf_config = {**_HF_DEFAULTS, **hf_config}
+    # transformers' Qwen2 reads no attention_bias: q/k/v always have biases, o_proj never.
+    # A config that asks for biases on all four projections describes another model.
+    hf.refuse(bool(hf_config.get("attention_bias", False)),
+              "attention_bias=True is not supported: Qwen2 has q/k/v biases and no o_proj bias")
+    return Qwen2Config(**_qwen_fields_from_hf(hf_config, "Qwen2"))
+
+
+def qwen2_config_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_qwen_fields_to_hf(cfg)}
+
+
+def qwen2_weights(cfg: Qwen2Config) -> list[hf.HFWeight]:
+    return llama_weights(cfg, qkv_bias=True)
+
+
+def qwen3_config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3Config:
+    hf_config = {**_HF_DEFAULTS, "head_dim": 128, **hf_config}
+    hf.refuse(bool(hf_config.get("attention_bias", False)),
+              "attention_bias=True is not supported: Qwen3 has no q/k/v/o projection biases")
+    fields = _qwen_fields_from_hf(hf_config, "Qwen3")
+    fields["head_dim"] = int(hf_config["head_dim"])  # its own field, even where it equals d_model // num_heads
+    return Qwen3Config(**fields)
+
+
+def qwen3_config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_qwen_fields_to_hf(cfg),
+            "attention_bias": False}
+
+
+def qwen3_weights(cfg: Qwen3Config) -> list[hf.HFWeight]:
+    return llama_weights(cfg, qk_norm=True)
+
+
+QWEN2 = register_family(Family(
+    name="qwen2",
+    config_cls=Qwen2Config,
+    presets=QWEN2_PRESETS,
+    description="Qwen2 / Qwen2.5: Llama-shaped with q/k/v biases, GQA, RoPE theta 1e6",
+    hf=hf.HFTable(model_types=("qwen2",), config_from_hf=qwen2_config_from_hf, config_to_hf=qwen2_config_to_hf,
+                  weights=qwen2_weights),
+    model_cls=Qwen2,
+))
+
+QWEN3 = register_family(Family(
+    name="qwen3",
+    config_cls=Qwen3Config,
+    presets=QWEN3_PRESETS,
+    description="Qwen3 dense: Llama-shaped with per-head q/k RMSNorm, head_dim 128, GQA",
+    hf=hf.HFTable(model_types=("qwen3",), config_from_hf=qwen3_config_from_hf, config_to_hf=qwen3_config_to_hf,
+                  weights=qwen3_weights),
+    model_cls=Qwen3,
+))
+
+
+def qwen2_config(name: str, **overrides) -> Qwen2Config:
+    return QWEN2.config(name, **overrides)
+
+
+def qwen3_config(name: str, **overrides) -> Qwen3Config:
+    return QWEN3.config(name, **overrides)
