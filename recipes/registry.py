@@ -136,3 +136,85 @@ def gpt2_124m() -> Recipe:
         checkpoint=CheckpointConfig(every_steps=1000, keep=3),
         train=TrainConfig(steps=100_000, global_batch=32, log_every=10, eval_every=1000, loss_chunk=1024),
     )
+
+
+# --- helpers for the recipes below: another family's model with an existing recipe's setup
+
+def _like_llama3_8b(name: str, family: str, model, description: str) -> Recipe:
+    """A GPU recipe with llama3_8b's setup (bf16, flash attention, seq 8192, fp32 master state) for another model."""
+    return dataclasses.replace(llama3_8b(), name=name, family=family, model=model, description=description)
+
+
+def _cpu_recipe(name: str, family: str, model, description: str) -> Recipe:
+    """A CPU recipe with `tiny`'s data, optimizer and schedule for another family's small model."""
+    return dataclasses.replace(tiny(), name=name, family=family, model=model, description=description)
+
+
+# --- Mistral ---------------------------------------------------------------------
+from spillway.models.mistral import mistral_config  # noqa: E402
+
+
+@register("mistral_tiny")
+def mistral_tiny() -> Recipe:
+    """CPU-sized Mistral: a 64-position sliding window inside 128-token sequences, so the window matters."""
+    return _cpu_recipe("mistral_tiny", "mistral",
+                       mistral_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                                      num_kv_heads=2, mlp_hidden=512, sliding_window=64, max_seq_len=128),
+                       "4-layer Mistral, sliding window 64 over 128 tokens, on the stdlib corpus")
+
+
+@register("mistral_7b")
+def mistral_7b() -> Recipe:
+    """Mistral 7B v0.3 (no window), sequence 8192."""
+    return _like_llama3_8b("mistral_7b", "mistral", mistral_config("mistral_7b_v0_3", max_seq_len=8192),
+                           "Mistral 7B v0.3, seq 8192, state on device")
+
+
+@register("mistral_7b_v0_1")
+def mistral_7b_v0_1() -> Recipe:
+    """Mistral 7B v0.1: sequence 8192 through its 4096-position sliding window."""
+    return _like_llama3_8b("mistral_7b_v0_1", "mistral", mistral_config("mistral_7b_v0_1", max_seq_len=8192),
+                           "Mistral 7B v0.1, seq 8192, sliding window 4096, state on device")
+
+
+# --- Qwen ------------------------------------------------------------------------
+from spillway.models.qwen import qwen2_config, qwen3_config  # noqa: E402
+
+
+@register("qwen2_tiny")
+def qwen2_tiny() -> Recipe:
+    """CPU-sized Qwen2.5-shaped model: q/k/v biases, tied head."""
+    return _cpu_recipe("qwen2_tiny", "qwen2",
+                       qwen2_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                                    num_kv_heads=2, mlp_hidden=512, max_seq_len=128),
+                       "4-layer Qwen2.5-shaped model (q/k/v biases) on the stdlib corpus")
+
+
+@register("qwen3_tiny")
+def qwen3_tiny() -> Recipe:
+    """CPU-sized Qwen3-shaped model: q/k norms, head_dim wider than d_model // num_heads, tied head."""
+    return _cpu_recipe("qwen3_tiny", "qwen3",
+                       qwen3_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                                    num_kv_heads=2, head_dim=48, mlp_hidden=512, max_seq_len=128),
+                       "4-layer Qwen3-shaped model (q/k norms) on the stdlib corpus")
+
+
+@register("qwen2_5_1_5b")
+def qwen2_5_1_5b() -> Recipe:
+    """Qwen2.5 1.5B, sequence 8192."""
+    return _like_llama3_8b("qwen2_5_1_5b", "qwen2", qwen2_config("qwen2_5_1_5b", max_seq_len=8192),
+                           "Qwen2.5 1.5B, seq 8192, state on device")
+
+
+@register("qwen3_0_6b")
+def qwen3_0_6b() -> Recipe:
+    """Qwen3 0.6B, sequence 8192."""
+    return _like_llama3_8b("qwen3_0_6b", "qwen3", qwen3_config("qwen3_0_6b", max_seq_len=8192),
+                           "Qwen3 0.6B, seq 8192, state on device")
+
+
+@register("qwen3_8b")
+def qwen3_8b() -> Recipe:
+    """Qwen3 8B, sequence 8192."""
+    return _like_llama3_8b("qwen3_8b", "qwen3", qwen3_config("qwen3_8b", max_seq_len=8192),
+                           "Qwen3 8B, seq 8192, state on device")
