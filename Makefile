@@ -1,22 +1,37 @@
 # spillway: `make train` trains the tiny recipe on the embedded corpus; `make test` runs the tests.
 # Both create the virtual environment (.venv) on first use.
+#
+# Tested JAX versions (README, "Tested JAX versions"), each in its own venv:
+#   make test test-slow   Python 3.11, jax 0.10.2 (the floor), .venv, all extras
+#   make test-jax011      Python 3.12, jax 0.11.2 (the GPU machine's), .venv-jax011
+#   make test-newest      Python 3.13, newest jax pinned by constraints/newest.txt, .venv-newest
+#   make test-unpinned    Python 3.13, whatever pip resolves today, .venv-unpinned
+#   make freeze-newest    rewrite constraints/newest.txt from .venv-unpinned (after test-unpinned passed)
+# The 3.12/3.13 venvs get the `test` extra only: torch's pinned CPU wheel exists
+# here only for Python 3.11 (elsewhere pip would fetch a multi-GB CUDA build), so
+# the Hugging Face parity tests run in .venv alone and skip elsewhere.
 
 PYTHON ?= python3
 VENV ?= .venv
+EXTRAS ?= dev
+CONSTRAINTS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spillway-installed
 ARGS ?=
+# Interpreters for the other environments: pyenv's, else the first on PATH.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3.13)
 
-.PHONY: train test test-slow test-all gpu-plugin plan bench clean
+.PHONY: train test test-slow test-all test-jax011 test-newest test-unpinned freeze-newest gpu-plugin plan bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@touch $@
 
 # The deviceless GPU compiler (jax-cuda13 plugin, version = installed jaxlib) goes
-# into its own folder, loaded only by the planner's compile process.
+# into its own folder inside the venv, loaded only by the planner's compile process.
 gpu-plugin: $(STAMP)
 	$(PY) -m spillway.recipes.plan.plugin install
 
@@ -31,6 +46,21 @@ test-slow: $(STAMP) gpu-plugin
 
 test-all: $(STAMP) gpu-plugin
 	$(PY) -m pytest -q $(ARGS)
+
+# The whole suite (slow tests included) in each of the other tested environments.
+test-jax011:
+	$(MAKE) test-all VENV=.venv-jax011 PYTHON=$(PYTHON312) EXTRAS=test CONSTRAINTS=constraints/jax011.txt
+
+test-newest:
+	$(MAKE) test-all VENV=.venv-newest PYTHON=$(PYTHON313) EXTRAS=test CONSTRAINTS=constraints/newest.txt
+
+test-unpinned:
+	$(MAKE) test-all VENV=.venv-unpinned PYTHON=$(PYTHON313) EXTRAS=test
+
+freeze-newest:
+	@test -x .venv-unpinned/bin/python || { echo "run make test-unpinned first"; exit 1; }
+	{ echo "# make test-newest's pins: pip freeze of .venv-unpinned (Python 3.13) on $$(date +%F), see Makefile."; \
+	  .venv-unpinned/bin/python -m pip freeze --exclude-editable | grep -v -i '^spillway'; } > constraints/newest.txt
 
 plan: $(STAMP) gpu-plugin
 	$(VENV)/bin/spillway plan llama3_8b --gpu h200 $(ARGS)

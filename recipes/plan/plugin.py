@@ -55,13 +55,18 @@ def _is_source_checkout(root: Path) -> bool:
 def plugin_dir() -> Path:
     """The folder the plugin is (to be) installed in.
 
-    ``$SPILLWAY_GPU_PLUGIN_DIR`` if set; else ``<repo>/.venv/spillway-gpu-plugin``
-    in a source checkout; else ``<sys.prefix>/spillway-gpu-plugin`` (installed
-    package: the folder sits inside the environment whose jaxlib it matches).
+    ``$SPILLWAY_GPU_PLUGIN_DIR`` if set; else, in a virtual environment,
+    ``<sys.prefix>/spillway-gpu-plugin``: the folder sits inside the environment
+    whose jaxlib it matches, so the test environments of the Makefile (``.venv``,
+    ``.venv-jax011``, ``.venv-newest``: one checkout, three jaxlib versions) each
+    have their own. Outside a virtual environment: ``<repo>/.venv/spillway-gpu-plugin``
+    in a source checkout, else ``<sys.prefix>/spillway-gpu-plugin``.
     """
     override = os.environ.get(PLUGIN_DIR_ENV)
     if override:
         return Path(override).expanduser().resolve()
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / PLUGIN_FOLDER_NAME
     root = _package_root()
     if _is_source_checkout(root):
         return root / ".venv" / PLUGIN_FOLDER_NAME

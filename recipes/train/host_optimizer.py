@@ -56,6 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from spillway.layers import jax_compat
+
 # Largest piece of a non-stacked leaf streamed through HBM, in elements: 64 Mi
 # elements is 256 MiB per fp32 state array, about one layer of the largest
 # stacked Llama 3 8B leaf (4096 x 14336), so non-stacked leaves never set a
@@ -209,26 +211,24 @@ def piece_rows(shape: Sequence[int], axis: int, max_elements: int) -> int:
 
 def update_on_host(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
                    host_state: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Run the whole update of one host leaf on the host CPU (jax.experimental.compute_on).
+    """Run the whole update of one host leaf on the host CPU (jax.experimental.compute_on, via layers.jax_compat).
 
     The gradient (and the parameter, when there is no master copy) are copied
     to host memory, the update runs as a host computation on host buffers, and
     only the new parameter comes back to device memory. The state never enters
     HBM; the cost is host compute and memory bandwidth instead of the GPU's.
     """
-    from jax.experimental.compute_on import compute_on  # experimental API: import where used
-
-    @compute_on("device_host")
-    @jax.jit
-    def on_host(grad_h, param_h, state_h):
+    def update(grad_h, param_h, state_h):
         new_p, new_state = update_fn(grad_h, param_h, state_h)
         return new_p.astype(param_h.dtype), tuple(d.astype(s.dtype) for s, d in zip(state_h, new_state))
 
-    new_p_host, new_state = on_host(to_host(grad), to_host(param), host_state)
+    # Every output stays in host memory: the new state is the host state, and
+    # the new parameter crosses the link once, below.
+    new_p_host, new_state = jax_compat.on_host(update, out_memory_spaces=jax.memory.Space.Host)(
+        to_host(grad), to_host(param), tuple(host_state))
     return to_device(new_p_host), new_state
 
 
-@functools.partial(jax.jit, static_argnames="with_master")
 def _fresh_state(param, with_master: bool):
     zeros = jnp.zeros(param.shape, jnp.float32)
     return (zeros, zeros) + ((param.astype(jnp.float32),) if with_master else ())
@@ -243,12 +243,10 @@ def new_host_state(param: jax.Array, with_master: bool) -> tuple[jax.Array, ...]
     16-layer toy). Built by a host computation they never touch HBM; only the
     parameter crosses the link, once, for the master copy.
     """
-    from jax.experimental.compute_on import compute_on  # experimental API: import where used
-
-    with compute_on("device_host"):
-        # Without a master copy the parameter is not read and XLA drops its transfer.
-        state = _fresh_state(to_host(param), with_master=with_master)
-    return tuple(to_host(x) for x in state)
+    # Without a master copy the parameter is not read and XLA drops its transfer.
+    fresh = functools.partial(_fresh_state, with_master=with_master)
+    state = jax_compat.on_host(fresh, out_memory_spaces=jax.memory.Space.Host)(to_host(param))
+    return tuple(state)
 
 
 def group_by_layer_count(indices: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> dict[int, list[int]]:

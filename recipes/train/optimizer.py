@@ -20,7 +20,7 @@ placement and device and host leaves give the same numbers:
   Measured for 16 layers of 4096x14336 on an H200 target: 4.8 GiB of HBM
   against 10.5 GiB with the state on device (benchmarks/optimizer_state_toy.py).
 * update_on_host=True: host leaves are updated by the host CPU instead
-  (jax.experimental.compute_on("device_host")); the state never enters HBM
+  (compute type "device_host", layers/jax_compat.on_host); the state never enters HBM
   (3.5 GiB, params and grads only), but the update runs at host memory speed
   and XLA gives the host computation temporaries the size of the state.
 
@@ -80,7 +80,7 @@ class OptimizerConfig:
     clip_norm: float | None = 1.0
     state_memory: str = DEVICE     # "device" | "host": default for every parameter
     master_weights: bool = True    # fp32 master copy in the state for low-precision params
-    # Host leaves updated by the host CPU (compute_on("device_host")) instead of
+    # Host leaves updated by the host CPU (layers/jax_compat.on_host) instead of
     # streamed through HBM: no state in HBM at all, but host-speed maths and a
     # host temp the size of the state (benchmarks/optimizer_state_toy.py).
     update_on_host: bool = False

@@ -126,8 +126,18 @@ def test_missing_plugin_reason_names_the_install_command(monkeypatch, tmp_path):
     assert reason is not None and "pip install --no-deps" in reason and "empty" in reason
 
 
-def test_default_plugin_dir_is_inside_the_checkouts_venv(monkeypatch):
+def test_default_plugin_dir_is_inside_the_running_venv(monkeypatch, tmp_path):
+    # One checkout, several venvs (make test / test-jax011 / test-newest), each
+    # with its own jaxlib: each must get its own plugin folder.
     monkeypatch.delenv(plugin.PLUGIN_DIR_ENV, raising=False)
+    for venv in ("venv-a", "venv-b"):
+        monkeypatch.setattr(sys, "prefix", str(tmp_path / venv))
+        assert plugin.plugin_dir() == tmp_path / venv / "spillway-gpu-plugin"
+
+
+def test_default_plugin_dir_outside_a_venv_is_the_checkouts_venv(monkeypatch):
+    monkeypatch.delenv(plugin.PLUGIN_DIR_ENV, raising=False)
+    monkeypatch.setattr(sys, "prefix", sys.base_prefix)
     repo_root = Path(plugin.__file__).resolve().parents[2]
     assert plugin.plugin_dir() == repo_root / ".venv" / "spillway-gpu-plugin"
 

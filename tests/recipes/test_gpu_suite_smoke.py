@@ -3,19 +3,63 @@
 Device time is short (minutes per session), so the measuring code and the
 table are run here on a tiny recipe with host-resident optimizer state (CPU
 has pinned_host memory too) across the 8 fake devices of tests/conftest.py.
+The GPU machine has no `datasets` (it is a dependency of the package, so every
+test environment has it): the measuring code runs in a child process in which
+importing `datasets` fails, as it would there.
 """
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 from benchmarks import gpu_suite
 
+REPO = Path(__file__).resolve().parents[2]
 
-def test_measure_case_and_table_run_on_cpu():
-    result = gpu_suite.measure_case(
-        "1b/recompute_all/host", warmup=1, timed=2, case=("tiny", "recompute_all", "host"), seq_len=32,
-        extra_overrides=("train.global_batch=8", "model.max_seq_len=64"))
-    json.dumps(result)   # the child prints it as JSON
+# Child: block `datasets` (and its submodules) before anything is imported, then
+# run one case as the suite's child process would and print its JSON line.
+CHILD = """
+import importlib.abc, json, sys
+
+class NoDatasets(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the GPU machine has none)")
+        return None
+
+sys.meta_path.insert(0, NoDatasets())
+sys.path.insert(0, REPO_ROOT)
+from benchmarks import gpu_suite
+result = gpu_suite.measure_case(
+    "1b/recompute_all/host", warmup=1, timed=2, case=("tiny", "recompute_all", "host"), seq_len=32,
+    extra_overrides=("train.global_batch=8", "model.max_seq_len=64"))
+assert not any(m == "datasets" or m.startswith("datasets.") for m in sys.modules), "datasets got imported"
+print(json.dumps(result))
+"""
+
+
+def _child_code() -> str:
+    return CHILD.replace("REPO_ROOT", repr(str(REPO)))
+
+
+def _run_child(code: str) -> subprocess.CompletedProcess:
+    # The environment is this process's: 8 fake CPU devices (tests/conftest.py).
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_the_datasets_blocker_works():
+    # Without this, the test below could pass because nothing was blocked.
+    code = _child_code().split("from benchmarks")[0] + "import datasets\n"
+    out = _run_child(code)
+    assert out.returncode != 0 and "blocked: the GPU machine has none" in out.stderr
+
+
+def test_measure_case_and_table_run_on_cpu_without_datasets():
+    out = _run_child(_child_code())
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert result["step_s"] > 0 and result["tokens_per_s"] == 8 * 32 / result["step_s"]
     assert result["compiled_hbm_bytes"] > 0 and math.isfinite(result["loss"])
     device = dict(result, case="1b/recompute_all/device", step_s=result["step_s"] / 2)
