@@ -113,7 +113,7 @@ def compile_whole_state_variant(recipe, mesh, options):
     layouts = jax.tree.map(lambda layout: dataclasses.replace(layout, stacked=False, stream_axis=None),
                            s.optimizer.layout_tree,
                            is_leaf=lambda x: isinstance(x, LeafLayout))
-    optimizer = Optimizer(s.optimizer.cfg, layouts)
+    optimizer = Optimizer(s.optimizer.cfg, layouts, total_steps=s.optimizer.total_steps)
     opt_sh = optimizer.state_shardings(s.param_shardings)
     step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk,
                                    mesh),

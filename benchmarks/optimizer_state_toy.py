@@ -120,11 +120,10 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
     from spillway.recipes.plan import compile as aot
     from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig, donate_opt_state_ok
 
-    cfg = OptimizerConfig(state_memory=variant.state_memory, master_weights=variant.master,
-                          update_on_host=variant.update_on_host)
+    cfg = OptimizerConfig(master_weights=variant.master, update_on_host=variant.update_on_host)
     layouts = {"w": LeafLayout(stacked=variant.stacked, state_memory=variant.state_memory,
                                decay=True, master=variant.master)}
-    opt = Optimizer(cfg, layouts, stream_prefetch=variant.prefetch)
+    opt = Optimizer(cfg, layouts, total_steps=1000, stream_prefetch=variant.prefetch)
     # Concrete shardings for params and grads give the compile its devices;
     # state_shardings moves host leaves onto the abstract mesh by itself.
     param_sh = {"w": NamedSharding(mesh, PartitionSpec())}

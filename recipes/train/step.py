@@ -134,8 +134,9 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
         raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
                          f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
-    opt_cfg = recipe.optimizer_config()
-    optimizer = Optimizer(opt_cfg, make_layouts(params if layout_source is None else layout_source, opt_cfg))
+    layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
+                           state_memory=recipe.offload.optimizer_state)
+    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps)
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),

@@ -61,7 +61,7 @@ def test_bad_activation_plans_are_errors(plan, message):
 
 
 def test_unknown_model_preset():
-    with pytest.raises(ValueError, match="unknown Llama preset 'llama5'"):
+    with pytest.raises(ValueError, match="unknown llama preset 'llama5'"):
         llama_config("llama5")
 
 
