@@ -6,8 +6,9 @@ missing file, a checkpoint that does not match, a plan that does not fit. The
 other exception is a bug and is reported as such (recipes/cli.py).
 
 `ConfigError` is a setting that cannot work, raised while a config is built,
-before anything runs. It is also a ValueError, so code (and tests) that catch
-ValueError for bad input keep working.
+before anything runs; `DataError` a corpus or tokenizer that cannot be used.
+Both are also ValueErrors, so code (and tests) that catch ValueError for bad
+input keep working.
 
 This module lives in `layers` because `layers` imports nothing else of ours
 and every other package (models, recipes, data) may import it: one base
@@ -25,6 +26,11 @@ class SpillwayError(Exception):
 
 class ConfigError(SpillwayError, ValueError):
     """A setting that cannot work (its message names the field, e.g. `train.steps`)."""
+
+
+class DataError(SpillwayError, ValueError):
+    """A corpus or tokenizer problem: a file that does not parse (named with its line), a corpus
+    too small for the tokenizer asked of it, a source that cannot be reached."""
 
 
 def require_positive(section: str, **values) -> None:
