@@ -2,7 +2,7 @@
 """HBM and host bytes of an optimizer update with its state on device or in pinned host memory.
 
 Deviceless compile for a GPU target (default H200; no GPU needed, see
-DESIGN.md section 5) of a train-step-like function
+docs/DESIGN.md section 5) of a train-step-like function
 
     step(params, grads, opt_state) -> recipes.optimizer.Optimizer.update(...)
 

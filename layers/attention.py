@@ -4,8 +4,8 @@ Three implementations, chosen per model (`impl`):
 
     "xla"    jax.nn.dot_product_attention(implementation="xla"): runs everywhere,
              but materialises the [t, s] scores per head: memory quadratic in
-             the sequence (20 GiB for one 8192-token, 32-head layer's forward
-             and backward on an H200 target, DESIGN.md section 5).
+             the sequence (measured for one 8192-token layer on an H200
+             target in docs/DESIGN.md section 5).
     "cudnn"  jax.nn.dot_product_attention(implementation="cudnn"): cuDNN flash
              attention on NVIDIA GPUs; cannot be compiled without cuDNN.
     "flash"  layers/flash_attention.py: blockwise attention in plain JAX with its

@@ -4,7 +4,7 @@ The layers' parameters are created with `nnx.vmap`, so every parameter has a
 leading layer axis (logical axis "layers"). The forward pass is a `lax.scan`
 over that axis: one compiled block body however deep the model (fast compiles),
 and the setting under which XLA's host offload really lowers device memory
-(DESIGN.md section 4: with a Python loop, offload can raise it).
+(docs/DESIGN.md section 4: with a Python loop, offload can raise it).
 
 Between blocks the residual stream is pinned to the batch sharding
 (`layers.sharding.constrain`): blocks, subclasses too, hand each other batch-sharded

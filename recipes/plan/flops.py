@@ -1,7 +1,7 @@
 """Training FLOPs of one step, counted from the model's shapes, including what remat recomputes.
 
 A deviceless GPU compile reports no FLOPs (`cost_analysis()` is empty there,
-DESIGN.md section 5), so the planner counts them itself. What is counted:
+docs/DESIGN.md section 5), so the planner counts them itself. What is counted:
 
 * matrix multiplications: the q/k/v, output, MLP (gate,) up and down
   projections and the output head, 2 FLOPs per multiply-add;

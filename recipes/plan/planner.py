@@ -1,9 +1,9 @@
 """`spillway plan`: what a recipe's train step needs on a GPU, measured by compiling it there without the GPU.
 
 For a recipe and a target GPU the planner compiles the real train step
-(recipes.train.make_train_step, through spillway.recipes.train.abstract_setup: the same
+(recipes/train/step.py make_train_step, through abstract_setup: the same
 shardings and donation as training) once per candidate plan, in one child
-process that has the GPU compiler plugin (recipes/plan/child.py, DESIGN.md
+process that has the GPU compiler plugin (recipes/plan/child.py, docs/DESIGN.md
 section 5). A candidate is an activation plan (an offload preset or a
 per-segment mix, layers/offload.py) with the optimizer state on device or in
 pinned host memory. Per candidate it reports, per GPU:
@@ -459,10 +459,10 @@ def _run_child(request: dict) -> dict:
 def default_workers(num_candidates: int) -> int:
     """Compile processes to run at once: one per core, at most 4, at most one per candidate.
 
-    XLA's GPU compile of one candidate keeps ~1.3 of this machine's 2 cores
-    busy, so two processes finish the 16 candidates of llama3_8b in 47 s
-    instead of 69 s (measured here). More than 4 mostly adds memory (each
-    process holds its own traced model).
+    XLA's GPU compile of one candidate keeps more than one core busy only part
+    of the time, so two processes on two cores finish sooner than one
+    (BENCHMARKS.md, `spillway plan llama3_8b`). More than 4 mostly adds memory
+    (each process holds its own traced model).
     """
     return max(1, min(4, os.cpu_count() or 1, num_candidates))
 

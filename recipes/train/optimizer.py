@@ -17,11 +17,12 @@ placement and device and host leaves give the same numbers:
   large non-stacked leaves (embedding, head) are streamed the same way in
   pieces of rows, one leaf after the other; small ones (the final norm) visit
   HBM whole.
-  Measured for 16 layers of 4096x14336 on an H200 target: 4.8 GiB of HBM
-  against 10.5 GiB with the state on device (benchmarks/optimizer_state_toy.py).
+  On a deviceless H200 compile this cuts HBM to less than half of what the
+  state on device needs (docs/DESIGN.md section 6; today's figures from
+  benchmarks/optimizer_state_toy.py are in BENCHMARKS.md).
 * update_on_host=True: host leaves are updated by the host CPU instead
   (jax.experimental.compute_on("device_host")); the state never enters HBM
-  (3.5 GiB, params and grads only), but the update runs at host memory speed
+  (params and grads only), but the update runs at host memory speed
   and XLA gives the host computation temporaries the size of the state.
 
 Gradients are upcast to fp32 first: the global norm, the moments and the
@@ -167,7 +168,7 @@ def donate_opt_state_ok(platform: str | None = None) -> bool:
 
     False on CPU: a donated pinned_host argument that XLA aliases to a
     device-memory output of the same shape aborts the process there (JAX
-    0.10.2, DESIGN.md section 4). `platform` defaults to the runtime backend;
+    0.10.2, docs/DESIGN.md section 4). `platform` defaults to the runtime backend;
     pass the target's ("cuda") when compiling for a GPU without one.
     """
     return (platform or jax.default_backend()) != "cpu"
@@ -324,7 +325,7 @@ def _host_sharding(sharding):
 
     Compile-only devices (a deviceless GPU compile) report no memories, and a
     NamedSharding over them silently drops the memory kind; one over the
-    mesh's abstract mesh keeps it (DESIGN.md section 5), so fall back to that
+    mesh's abstract mesh keeps it (docs/DESIGN.md section 5), so fall back to that
     rather than lose the host placement.
     """
     host = sharding.with_memory_kind(PINNED_HOST)

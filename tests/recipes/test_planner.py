@@ -7,7 +7,7 @@ needs compiled figures reads that result, and the CLI tests replay it through
 the seq_len search logic, input errors) needs no GPU compiler; the FLOP count
 is checked against XLA's in tests/recipes/test_flops.py.
 
-Ground truth for offload (DESIGN.md section 3): an offloading plan must show
+Ground truth for offload (docs/DESIGN.md section 3): an offloading plan must show
 activations in host memory in the compiled step (S(5) buffers and host temp
 bytes). A preset that XLA silently dropped fails here.
 
