@@ -178,6 +178,8 @@ class Recipe:
             RematPlan.parse(self.offload.activations).resolve(self.model.num_layers)
         except ValueError as err:
             raise ConfigError(f"offload.activations: {err}") from None
+        if self.block is not None:
+            resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
 
     @property
     def run_dir(self) -> str:

@@ -157,3 +157,11 @@ def test_unknown_and_malformed_overrides():
         apply_overrides(tiny(), ["train.steps"])
     with pytest.raises(ConfigError, match="train.steps: expected an integer, got 'many'"):
         tiny("train.steps=many")
+
+
+def test_block_class_is_resolved_when_the_recipe_is_built():
+    assert tiny("block=spillway.layers.block:TransformerBlock").block_class().__name__ == "TransformerBlock"
+    with pytest.raises(ConfigError, match="block: cannot import module 'no_such_module'"):
+        tiny("block=no_such_module:Block")
+    with pytest.raises(ConfigError, match="is not a TransformerBlock subclass"):
+        tiny("block=spillway.layers.norm:RMSNorm")
