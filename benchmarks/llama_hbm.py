@@ -4,7 +4,7 @@
 The project's first HBM figures. The train step is the real one
 (spillway.recipes.train.make_train_step through spillway.recipes.train.abstract_setup: the
 recipe's shardings and donation), compiled for the target by XLA's GPU
-compiler running deviceless (DESIGN.md section 5); nothing is allocated.
+compiler running deviceless (docs/DESIGN.md section 5); nothing is allocated.
 Sections (--sections, comma-separated):
 
   presets     every activation preset (layers/offload.py), optimizer state on
@@ -12,7 +12,7 @@ Sections (--sections, comma-separated):
   optimizer   optimizer state on device vs in pinned host memory, streamed a
               layer at a time (recipes/train/host_optimizer.py), vs in host memory
               but copied whole into HBM for the update (every leaf updated in
-              one piece: the design DESIGN.md section 4 warns about). The HBM
+              one piece: the design docs/DESIGN.md section 6 warns about). The HBM
               saved is compared with the state's own bytes.
   search      the longest sequence (multiple of 1024, up to --max-seq) that
               fits --headroom x HBM, for the plans without any offload and for
@@ -113,7 +113,7 @@ def compile_whole_state_variant(recipe, mesh, options):
     layouts = jax.tree.map(lambda layout: dataclasses.replace(layout, stacked=False, stream_axis=None),
                            s.optimizer.layout_tree,
                            is_leaf=lambda x: isinstance(x, LeafLayout))
-    optimizer = Optimizer(s.optimizer.cfg, layouts)
+    optimizer = Optimizer(s.optimizer.cfg, layouts, total_steps=s.optimizer.total_steps)
     opt_sh = optimizer.state_shardings(s.param_shardings)
     step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk,
                                    mesh),

@@ -2,7 +2,7 @@
 """HBM and host bytes of an optimizer update with its state on device or in pinned host memory.
 
 Deviceless compile for a GPU target (default H200; no GPU needed, see
-DESIGN.md section 5) of a train-step-like function
+docs/DESIGN.md section 5) of a train-step-like function
 
     step(params, grads, opt_state) -> recipes.optimizer.Optimizer.update(...)
 
@@ -120,11 +120,10 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
     from spillway.recipes.plan import compile as aot
     from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig, donate_opt_state_ok
 
-    cfg = OptimizerConfig(state_memory=variant.state_memory, master_weights=variant.master,
-                          update_on_host=variant.update_on_host)
+    cfg = OptimizerConfig(master_weights=variant.master, update_on_host=variant.update_on_host)
     layouts = {"w": LeafLayout(stacked=variant.stacked, state_memory=variant.state_memory,
                                decay=True, master=variant.master)}
-    opt = Optimizer(cfg, layouts, stream_prefetch=variant.prefetch)
+    opt = Optimizer(cfg, layouts, total_steps=1000, stream_prefetch=variant.prefetch)
     # Concrete shardings for params and grads give the compile its devices;
     # state_shardings moves host leaves onto the abstract mesh by itself.
     param_sh = {"w": NamedSharding(mesh, PartitionSpec())}

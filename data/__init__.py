@@ -1,7 +1,8 @@
 """spillway's data pipeline: corpus sources, tokenizers, tokenize-and-pack, resumable batches.
 
-This package depends on numpy, `datasets` and `sentencepiece` only (no JAX,
-nothing else of this project), so data preparation runs anywhere, quickly.
+This package depends on numpy, `datasets` and `sentencepiece` only (no JAX;
+of this project only `spillway.layers.errors`, the exception base, which
+imports nothing), so data preparation runs anywhere, quickly.
 
     docs = load_documents("builtin:stdlib")
     tokenizer = train_tokenizer(docs, vocab_size=4096, cache_dir=".cache/data")

@@ -7,17 +7,24 @@ A source spec is one of:
 - a local `.txt` / `.py` / `.md` file, or a folder of them: one document per file;
 - a local `.jsonl` / `.json` file or folder: one document per record, text in `text_field`;
 - a local `.parquet` file or folder: one document per row, text in `text_field`;
-- `hf:owner/name[:config]`, or a bare `owner/name` that is not an existing path:
-  a Hugging Face Hub dataset, streamed (nothing is downloaded up front).
+- `hf:owner/name[:config]`, or a bare `owner/name` that is not an existing path
+  (and whose first part is no local folder either): a Hugging Face Hub dataset,
+  streamed (nothing is downloaded up front). Hub datasets need a network; when a
+  bare name cannot be loaded from the Hub, the error says that no such local
+  path exists either.
 
 Loading goes through `datasets.load_dataset` with its packaged builders
 ("text", "json", "parquet"), so local corpora get Arrow caching and memory
 mapping for free. `source_fingerprint` names a source's content for cache keys
-without loading it, so a warm cache never re-reads the corpus.
+without loading it, so a warm cache never re-reads the corpus. A file that
+does not parse is reported as one `DataError` naming the file and line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+
+from spillway.layers.errors import DataError
 
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
@@ -79,7 +88,20 @@ def parse_hub_spec(source: str) -> HubSpec | None:
         return None
     if Path(source).suffix.lower() in _BUILDER_BY_SUFFIX:
         return None
+    if os.path.isdir(source.split("/")[0]):
+        return None   # `corpus/train` next to a `corpus/` folder is a mistyped path, not a Hub id
     return HubSpec(source)
+
+
+def _hub_failure(source: str, hub: HubSpec, cause: BaseException) -> DataError:
+    """One line for a Hub source that could not be loaded: what was tried, why it failed."""
+    if source.startswith(HUB_PREFIX):
+        head = f"data.source {source!r}: the Hugging Face Hub dataset {hub.repo_id!r} could not be loaded"
+    else:
+        head = (f"data.source {source!r}: no such file or folder (relative to {os.getcwd()}), and as a "
+                f"Hugging Face Hub dataset {hub.repo_id!r} it could not be loaded")
+    reason = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+    return DataError(f"{head} ({reason}); Hub datasets need a network, a local corpus a path that exists")
 
 
 def _builder_for(path: Path) -> str | None:
@@ -178,6 +200,53 @@ def select_text_column(
     return dataset
 
 
+def first_json_error(path: Path) -> str | None:
+    """Where `path` (.jsonl: one object per line; .json: one document) stops being JSON, or None."""
+    if path.suffix.lower() == ".jsonl":
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as error:
+                    return f"line {number}: not valid JSON ({error.msg}, column {error.colno})"
+                if not isinstance(record, dict):
+                    return f"line {number}: a JSON {type(record).__name__}, not an object with a text field"
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            json.load(f)
+    except json.JSONDecodeError as error:
+        return f"line {error.lineno}, column {error.colno}: not valid JSON ({error.msg})"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_builders():
+    """Silence the packaged builders' own error log while loading: a parse failure is raised as one
+    DataError naming the file and line, and their multi-line log of it would only repeat it."""
+    logger = logging.getLogger("datasets.packaged_modules")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _unreadable_corpus(local: LocalSpec, error: BaseException) -> DataError:
+    if local.builder == "json":
+        for path in local.files:
+            where = first_json_error(path)
+            if where is not None:
+                return DataError(f"corpus file {str(path)!r}, {where}")
+    cause = error.__cause__ or error.__context__ or error   # datasets' own wrapper says little
+    text = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+    names = ", ".join(repr(str(p)) for p in local.files[:3]) + (" ..." if len(local.files) > 3 else "")
+    return DataError(f"cannot read the corpus ({local.builder} files {names}): {text}")
+
+
 def _has_text(batch: dict[str, list]) -> list[bool]:
     return [bool(text and not text.isspace()) for text in batch["text"]]
 
@@ -199,10 +268,13 @@ def load_documents(
     cache = None if cache_dir is None else str(cache_dir)
     hub = parse_hub_spec(source)
     if hub is not None:
-        dataset = datasets.load_dataset(
-            **hub.load_dataset_kwargs(split=split, streaming=True if streaming is None else streaming),
-            cache_dir=cache,
-        )
+        try:
+            dataset = datasets.load_dataset(
+                **hub.load_dataset_kwargs(split=split, streaming=True if streaming is None else streaming),
+                cache_dir=cache,
+            )
+        except Exception as error:   # connection, not found, gated: all end the run with this one line
+            raise _hub_failure(source, hub, error) from error
     else:
         local = parse_local_spec(source)
         builder_options: dict[str, Any] = {}
@@ -210,14 +282,18 @@ def load_documents(
             # One document per file; undecodable bytes become U+FFFD rather
             # than aborting a whole corpus over one stray file.
             builder_options = {"sample_by": "document", "encoding_errors": "replace"}
-        dataset = datasets.load_dataset(
-            local.builder,
-            data_files=[str(path) for path in local.files],
-            split=split,
-            streaming=bool(streaming),
-            cache_dir=cache,
-            **builder_options,
-        )
+        try:
+            with _quiet_builders():
+                dataset = datasets.load_dataset(
+                    local.builder,
+                    data_files=[str(path) for path in local.files],
+                    split=split,
+                    streaming=bool(streaming),
+                    cache_dir=cache,
+                    **builder_options,
+                )
+        except Exception as error:   # datasets wraps the parser's error; find the file and line ourselves
+            raise _unreadable_corpus(local, error) from error
     dataset = select_text_column(dataset, text_field, source)
     dataset = dataset.filter(_has_text, batched=True)
     if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:

@@ -1,16 +1,30 @@
 """spillway's building blocks and the offload contract.
 
     names         checkpoint-name tags every block uses, logical axis names
+    errors        SpillwayError (every failure a user can fix), ConfigError, DataError
     offload       OffloadPolicy (device | host | recompute per name), presets, RematPlan segments
     sharding      logical-axis rules, meshes, sharded creation
     norm, rope, attention, flash_attention, mlp, embed   one layer each
     block         TransformerBlock: the offload-aware base users subclass
     stack         BlockStack: stacked init, scan, remat/offload from outside
+
+The names below are imported on first use (PEP 562), not with the package:
+`spillway.data` imports `spillway.layers.errors`, and that must not start JAX.
 """
 
-from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
-from spillway.layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, Segment, preset
-from spillway.layers.stack import BlockStack
+import importlib
 
-__all__ = ["BlockConfig", "BlockContext", "BlockStack", "OffloadPolicy", "PRESETS", "Placement", "RematPlan",
-           "Segment", "TransformerBlock", "preset"]
+_EXPORTS = {
+    "BlockConfig": "block", "BlockContext": "block", "TransformerBlock": "block",
+    "PRESETS": "offload", "OffloadPolicy": "offload", "Placement": "offload", "RematPlan": "offload",
+    "Segment": "offload", "preset": "offload",
+    "BlockStack": "stack",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,8 +4,8 @@ Three implementations, chosen per model (`impl`):
 
     "xla"    jax.nn.dot_product_attention(implementation="xla"): runs everywhere,
              but materialises the [t, s] scores per head: memory quadratic in
-             the sequence (20 GiB for one 8192-token, 32-head layer's forward
-             and backward on an H200 target, DESIGN.md section 5).
+             the sequence (measured for one 8192-token layer on an H200
+             target in docs/DESIGN.md section 5).
     "cudnn"  jax.nn.dot_product_attention(implementation="cudnn"): cuDNN flash
              attention on NVIDIA GPUs; cannot be compiled without cuDNN.
     "flash"  layers/flash_attention.py: blockwise attention in plain JAX with its
@@ -30,6 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from spillway.layers import names
+from spillway.layers.errors import ConfigError
 from spillway.layers.names import RESIDUAL_AXES
 from spillway.layers.norm import RMSNorm
 from spillway.layers.params import normal, param
@@ -45,13 +46,13 @@ IMPLEMENTATIONS = ("xla", "cudnn", "flash")
 def check_head_layout(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> int:
     """Validate the head counts; returns head_dim (d_model // num_heads when None)."""
     if num_heads <= 0 or num_kv_heads <= 0:
-        raise ValueError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be positive")
+        raise ConfigError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be positive")
     if head_dim is None:
         if d_model % num_heads:
-            raise ValueError(f"num_heads ({num_heads}) does not divide d_model ({d_model})")
+            raise ConfigError(f"num_heads ({num_heads}) does not divide d_model ({d_model})")
         head_dim = d_model // num_heads
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_kv_heads ({num_kv_heads}) does not divide num_heads ({num_heads})")
+        raise ConfigError(f"num_kv_heads ({num_kv_heads}) does not divide num_heads ({num_heads})")
     return head_dim
 
 

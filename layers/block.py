@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spillway.layers import names
 from spillway.layers.attention import Attention, check_head_layout
+from spillway.layers.errors import ConfigError, require_positive
 from spillway.layers.execution import Execution
 from spillway.layers.mlp import ACTIVATIONS, GATED, MLP
 from spillway.layers.norm import NORM_KINDS, make_norm
@@ -62,14 +63,16 @@ class BlockConfig:
     execution: Execution = Execution()
 
     def __post_init__(self):
-        for field in ("d_model", "num_heads", "num_kv_heads", "mlp_hidden"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"BlockConfig.{field} must be positive, got {getattr(self, field)}")
+        require_positive("BlockConfig", d_model=self.d_model, num_heads=self.num_heads,
+                         num_kv_heads=self.num_kv_heads, mlp_hidden=self.mlp_hidden, head_dim=self.head_dim,
+                         norm_eps=self.norm_eps, rope_theta=self.rope_theta, sliding_window=self.sliding_window)
         check_head_layout(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.rope and self.resolved_head_dim % 2:
+            raise ConfigError(f"RoPE rotates pairs of dimensions: head_dim must be even, got {self.resolved_head_dim}")
         if self.norm not in NORM_KINDS:
-            raise ValueError(f"BlockConfig.norm must be one of {NORM_KINDS}, got {self.norm!r}")
+            raise ConfigError(f"BlockConfig.norm must be one of {NORM_KINDS}, got {self.norm!r}")
         if self.mlp_kind not in ACTIVATIONS:
-            raise ValueError(f"BlockConfig.mlp_kind must be one of {sorted(ACTIVATIONS)}, got {self.mlp_kind!r}")
+            raise ConfigError(f"BlockConfig.mlp_kind must be one of {sorted(ACTIVATIONS)}, got {self.mlp_kind!r}")
 
     @property
     def resolved_head_dim(self) -> int:

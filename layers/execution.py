@@ -11,6 +11,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from spillway.layers.errors import ConfigError, require_positive
+
 ATTENTION_IMPLS = ("xla", "cudnn", "flash")
 
 
@@ -27,15 +29,12 @@ class Execution:
             try:
                 jnp.dtype(getattr(self, field))
             except TypeError:
-                raise ValueError(f"execution.{field}: {getattr(self, field)!r} is not a dtype "
+                raise ConfigError(f"execution.{field}: {getattr(self, field)!r} is not a dtype "
                                  f"(e.g. float32, bfloat16)") from None
         if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"execution.attention_impl must be one of {ATTENTION_IMPLS}, "
+            raise ConfigError(f"execution.attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")
-        if self.flash_block_size <= 0:
-            raise ValueError(f"execution.flash_block_size must be positive, got {self.flash_block_size}")
-        if not self.init_std > 0:
-            raise ValueError(f"execution.init_std must be positive, got {self.init_std}")
+        require_positive("execution", flash_block_size=self.flash_block_size, init_std=self.init_std)
 
     @property
     def compute_dtype(self):

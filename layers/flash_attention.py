@@ -3,9 +3,9 @@
 `flash_attention(q_btnh, k_bskh, v_bskh, ...)` computes
 softmax(scale * q k^T + mask) v without ever holding the [t, s] score matrix:
 memory is linear in the sequence length. It uses only standard lax ops
-(`lax.fori_loop`, `lax.cond`, `einsum`, dynamic slices), so it compiles on every
-backend, including XLA's GPU compiler run deviceless (DESIGN.md section 5),
-where cuDNN and Pallas attention cannot be traced.
+(`lax.fori_loop`, `einsum`, dynamic slices), so it compiles on every backend,
+including XLA's GPU compiler run deviceless (docs/DESIGN.md section 5), where
+cuDNN and Pallas attention cannot be traced.
 
 Algorithm (FlashAttention-2, Dao 2023):
 
@@ -26,16 +26,18 @@ Algorithm (FlashAttention-2, Dao 2023):
                 dq_i += scale * ds k_j                    (dq kept in fp32)
 
 Blocks that the mask hides entirely (the upper triangle under `causal`, blocks
-left of a `sliding_window`) are skipped with `lax.cond`, in both passes. The skip
-test is computed from the actual positions (their min/max per block), so it is
-exact for any positions, sorted or not.
+left of a `sliding_window`) are never computed: each loop runs over the range
+of blocks that may hold a visible entry, with traced bounds (`_visited_range`),
+in both passes. The range comes from the actual positions (their min/max per
+block), so it is exact for sorted positions and safe for any: a block inside
+the range that sees nothing is computed fully masked. (A `lax.cond` per block
+did the same skipping but, under grad of a scan over layers, made XLA keep
+per-block residuals: memory quadratic in the sequence.)
 
 Memory: besides inputs and outputs the kernel holds an fp32 dq buffer, dO and
 a few [b, n, block_q, block_k] fp32 score blocks; whole arrays are never
-transposed or repeated (GQA heads are folded per block). Measured with a
-deviceless H200 compile (jax 0.10.2): one layer, 8192 tokens, 32 heads,
-head_dim 128, bf16, forward + backward, blocks 512: 498 MiB of temp, against
-20 GiB for `jax.nn.dot_product_attention(implementation="xla")`.
+transposed or repeated (GQA heads are folded per block). docs/DESIGN.md
+section 5 has the measurement against XLA's dense attention.
 
 Conventions:
   * Grouped-query attention: query head i reads kv head i // (n // kv), the same

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spillway.layers.errors import ConfigError, require_positive
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -23,6 +25,13 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+    def __post_init__(self):
+        require_positive("rope_scaling", factor=self.factor, low_freq_factor=self.low_freq_factor,
+                         high_freq_factor=self.high_freq_factor, original_max_position=self.original_max_position)
+        if not self.high_freq_factor > self.low_freq_factor:   # the interpolation divides by their difference
+            raise ConfigError(f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                              f"low_freq_factor ({self.low_freq_factor})")
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:

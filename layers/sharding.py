@@ -4,7 +4,11 @@ Parameters carry `logical_axes` metadata (one logical name per dimension, see
 layers/names.py). A mesh has the axes ("data", "fsdp", "tensor"). The rules say
 which mesh axis (or axes) shards each logical axis; a dimension whose size the
 mesh axes do not divide is replicated instead, so odd test sizes and MQA
-(one KV head) work on any mesh.
+(one KV head) work on any mesh. That fallback costs memory (every device of
+those axes holds the whole dimension) and, on the tensor axis, compute (every
+device computes it): `undivided_dims` lists where it happens, `setup()` of a
+training run warns with the bytes, and the planner refuses such a mesh
+(`logical_to_spec(..., strict=True)` raises instead of replicating).
 
 Activations are pinned too: layers call `constrain(x, logical_axes)` on the
 residual stream, attention heads, MLP hidden and logits. Without it XLA's
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -73,28 +78,79 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
-                    mesh: Mesh | None = None, rules: Mapping[str, Sequence[str]] = DEFAULT_RULES
-                    ) -> PartitionSpec:
-    """PartitionSpec for one array. With `shape` and `mesh`, undividable dims are replicated."""
+def _mesh_sizes(mesh) -> Mapping[str, int]:
+    """Axis sizes of a Mesh, an AbstractMesh, or a plain {axis: size} mapping."""
+    return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+
+
+def _split_dims(logical_axes: Sequence[str | None], shape: Sequence[int] | None, mesh_sizes, rules):
+    """Per dimension: (mesh axes that shard it, mesh axes its rule asks for that do not divide it)."""
     used: set[str] = set()
-    spec = []
+    out = []
     for dim, axis in enumerate(logical_axes):
         if axis is None:
-            spec.append(None)
+            out.append(((), ()))
             continue
         if axis not in rules:
             raise ValueError(f"no sharding rule for logical axis {axis!r}; rules cover {sorted(rules)}")
         mesh_axes = tuple(a for a in rules[axis] if a not in used)
-        if mesh is not None:
-            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
-            if shape is not None:
-                size = int(np.prod([mesh.shape[a] for a in mesh_axes]))
-                if shape[dim] % size:
-                    mesh_axes = ()
+        dropped: tuple[str, ...] = ()
+        if mesh_sizes is not None:
+            mesh_axes = tuple(a for a in mesh_axes if mesh_sizes[a] > 1)
+            if shape is not None and shape[dim] % int(np.prod([mesh_sizes[a] for a in mesh_axes])):
+                mesh_axes, dropped = (), mesh_axes
         used.update(mesh_axes)
+        out.append((mesh_axes, dropped))
+    return out
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None, rules: Mapping[str, Sequence[str]] = DEFAULT_RULES,
+                    *, strict: bool = False) -> PartitionSpec:
+    """PartitionSpec for one array. With `shape` and `mesh`, undividable dims are replicated
+    (or, with `strict`, a ValueError names the dimension and the mesh axes)."""
+    spec = []
+    split = _split_dims(logical_axes, shape, None if mesh is None else _mesh_sizes(mesh), rules)
+    for dim, (mesh_axes, dropped) in enumerate(split):
+        if dropped and strict:
+            sizes = _mesh_sizes(mesh)
+            raise ValueError(f"{' x '.join(f'mesh.{a}={sizes[a]}' for a in dropped)} does not divide "
+                             f"{logical_axes[dim]} ({shape[dim]})")
         spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
     return PartitionSpec(*spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class UndividedDim:
+    """A parameter dimension its sharding rule gives to mesh axes that do not divide it: replicated there."""
+
+    path: str                   # the parameter, e.g. "layers.blocks.attn.wq"
+    logical_axis: str           # e.g. "heads"
+    size: int                   # the dimension's length
+    mesh_axes: tuple[str, ...]  # the axes that should have split it
+    ways: int                   # their product
+    nbytes: int                 # the parameter's bytes: each device of those axes holds ways x its share
+
+    def describe(self) -> str:
+        return f"{self.path} {self.logical_axis} ({self.size}) by {' x '.join(self.mesh_axes)}={self.ways}"
+
+
+def undivided_dims(state: nnx.State, mesh, rules=DEFAULT_RULES) -> list[UndividedDim]:
+    """Every parameter dimension of `state` that `mesh` (a Mesh, AbstractMesh or {axis: size}) cannot
+    split as the rules ask, so that `state_shardings` replicates it."""
+    sizes = _mesh_sizes(mesh)
+    found = []
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Variable):
+            continue
+        value = var.get_value()
+        shape = tuple(np.shape(value))
+        for dim, (_, dropped) in enumerate(_split_dims(variable_axes(var), shape, sizes, rules)):
+            if dropped:
+                nbytes = int(np.prod(shape)) * np.dtype(value.dtype).itemsize
+                found.append(UndividedDim(".".join(str(k) for k in path), variable_axes(var)[dim], shape[dim],
+                                          dropped, int(np.prod([sizes[a] for a in dropped])), nbytes))
+    return found
 
 
 def variable_axes(var: nnx.Variable) -> tuple[str | None, ...]:

@@ -4,7 +4,7 @@ The layers' parameters are created with `nnx.vmap`, so every parameter has a
 leading layer axis (logical axis "layers"). The forward pass is a `lax.scan`
 over that axis: one compiled block body however deep the model (fast compiles),
 and the setting under which XLA's host offload really lowers device memory
-(DESIGN.md section 4: with a Python loop, offload can raise it).
+(docs/DESIGN.md section 4: with a Python loop, offload can raise it).
 
 Between blocks the residual stream is pinned to the batch sharding
 (`layers.sharding.constrain`): blocks, subclasses too, hand each other batch-sharded
@@ -18,6 +18,8 @@ policy can never silently do nothing.
 """
 
 from __future__ import annotations
+
+import collections
 
 import jax
 import jax.extend.core as jex_core
@@ -38,6 +40,33 @@ def tagged_names(closed_jaxpr) -> set[str]:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "name":
                 found.add(eqn.params["name"])
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(closed_jaxpr.jaxpr)
+    return found
+
+
+def host_offloaded_names(closed_jaxpr) -> collections.Counter:
+    """How many tagged values of each name a (closed) jaxpr copies to host memory, sub-jaxprs included.
+
+    Under a remat policy that offloads a name, JAX's partial evaluation puts a
+    `device_put` to `MemorySpace.Host` on that residual in the forward pass. On
+    CPU memory kinds lower to no-ops, so this jaxpr-level view is where a CPU
+    test can see placement; the compiled HLO of a deviceless GPU compile (S(5)
+    buffers, recipes/plan/hlo.py) is the ground truth.
+    """
+    found: collections.Counter = collections.Counter()
+
+    def visit(jaxpr):
+        named = {}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                named[eqn.outvars[0]] = eqn.params["name"]
+            elif eqn.primitive.name == "device_put" and any(
+                    getattr(d, "name", None) == "Host" for d in eqn.params.get("devices", ())):
+                for var in eqn.invars:
+                    found[named.get(var, "<untagged>")] += 1
             for sub in jex_core.jaxprs_in_params(eqn.params):
                 visit(sub)
 

@@ -25,6 +25,7 @@ from flax import nnx
 
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.embed import Embedding, LMHead, PositionEmbedding
+from spillway.layers.errors import ConfigError
 from spillway.layers.execution import Execution
 from spillway.layers.norm import make_norm
 from spillway.layers.offload import OffloadPolicy, RematPlan
@@ -44,9 +45,10 @@ class DecoderSpec:
     embed_scale: float | None = None    # multiply the embedding by this (Gemma: sqrt(d_model))
 
     def __post_init__(self):
-        for field in ("vocab_size", "num_layers", "max_seq_len"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        for field in ("vocab_size", "num_layers", "max_seq_len", "embed_scale"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{field} must be positive, got {value}")
 
     @property
     def d_model(self) -> int:

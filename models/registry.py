@@ -30,6 +30,7 @@ from typing import Any
 from flax import nnx
 
 from spillway.layers.block import TransformerBlock
+from spillway.layers.errors import ConfigError
 from spillway.layers.execution import Execution
 from spillway.models.decoder import DecoderLM, DecoderSpec
 
@@ -48,12 +49,12 @@ class Family:
         try:
             base = self.presets[preset]
         except KeyError:
-            raise ValueError(f"unknown {self.name} preset {preset!r}; known presets: {sorted(self.presets)}") \
+            raise ConfigError(f"unknown {self.name} preset {preset!r}; known presets: {sorted(self.presets)}") \
                 from None
         fields = {f.name for f in dataclasses.fields(base)}
         unknown = set(overrides) - fields
         if unknown:
-            raise ValueError(f"{self.config_cls.__name__} has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
+            raise ConfigError(f"{self.config_cls.__name__} has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
         return dataclasses.replace(base, **overrides)
 
     def spec(self, config, execution: Execution = Execution()) -> DecoderSpec:
@@ -103,7 +104,7 @@ def get_family(name: str) -> Family:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise ValueError(f"unknown model family {name!r}; known families: {sorted(FAMILIES)}") from None
+        raise ConfigError(f"unknown model family {name!r}; known families: {sorted(FAMILIES)}") from None
 
 
 def family_of_config(config) -> Family:
@@ -112,7 +113,7 @@ def family_of_config(config) -> Family:
     for family in FAMILIES.values():
         if type(config) is family.config_cls:
             return family
-    raise ValueError(f"{type(config).__name__} is no registered family's config; "
+    raise ConfigError(f"{type(config).__name__} is no registered family's config; "
                      f"families: {sorted(FAMILIES)}")
 
 

@@ -4,12 +4,27 @@
     spillway train tiny [--set train.steps=100 ...] [--plan auto --gpu h200]
     spillway generate runs/tiny --prompt "def " [--tokens 100 --temperature 0.8 --top-p 0.95]
     spillway plan llama3_8b --gpu h200 [--devices N] [--json]
+
+Errors are one line on stderr and a non-zero exit status: 2 for a failure
+the user can fix (a SpillwayError, e.g. a bad setting, a checkpoint that does
+not match, a loss that went NaN; a bad argument; a file the OS refused), 1 for
+anything else, which is a bug in spillway and says so. `--debug` (or
+SPILLWAY_DEBUG=1) shows the full traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from spillway.layers.errors import ConfigError, SpillwayError
+
+DEBUG_ENV = "SPILLWAY_DEBUG"
+EXIT_USER_ERROR = 2      # what argparse uses for a bad command line, too
+EXIT_INTERNAL_ERROR = 1
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
+_MAX_INTERNAL_MESSAGE = 500
 
 
 def _cmd_recipes(args) -> int:
@@ -21,6 +36,9 @@ def _cmd_recipes(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    for flag, value in (("--devices", args.devices), ("--stop-after", args.stop_after)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be positive, got {value}")
     from spillway.recipes.registry import get_recipe
     recipe = get_recipe(args.recipe, args.set)
     if args.plan:
@@ -32,6 +50,12 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    if args.tokens <= 0:
+        raise ConfigError(f"--tokens must be positive, got {args.tokens}")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature must be zero (greedy) or positive, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     from spillway.recipes.generate import generate_from_checkpoint
     text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -44,14 +68,24 @@ def _cmd_plan(args) -> int:
     return plan_command(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like every other error of the command."""
+
+    def error(self, message):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spillway", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="spillway", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help=f"show the full traceback of an error (or set {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("recipes", help="list the registered recipes")
+    p = sub.add_parser("recipes", help="list the registered recipes", parents=[common])
     p.set_defaults(fn=_cmd_recipes)
 
-    p = sub.add_parser("train", help="train a recipe")
+    p = sub.add_parser("train", help="train a recipe", parents=[common])
     p.add_argument("recipe")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
     p.add_argument("--plan", choices=["auto"], help="pick the offload plan with `spillway plan` first")
@@ -61,16 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save and leave after N steps of this invocation (time-limited jobs); rerun to resume")
     p.set_defaults(fn=_cmd_train)
 
-    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p = sub.add_parser("generate", help="sample text from a checkpoint", parents=[common])
     p.add_argument("checkpoint", help="a run directory (latest step) or a checkpoint step directory")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--tokens", type=int, default=100, help="new tokens to generate (> 0)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy; > 0: sampling")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_cmd_generate)
 
-    p = sub.add_parser("plan", help="HBM, host memory and transfer cost of a recipe on a GPU, without the GPU")
+    p = sub.add_parser("plan", help="HBM, host memory and transfer cost of a recipe on a GPU, without the GPU",
+                       parents=[common])
     p.add_argument("recipe")
     p.add_argument("--gpu", default="h200")
     p.add_argument("--devices", type=int, default=1)
@@ -86,13 +121,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def describe_error(err: BaseException) -> tuple[str, int]:
+    """(one-line message, exit status) for an exception that ended a command.
+
+    Expected failures say what is wrong; an OS error names the file and the
+    reason (its own words, not a Python class name); anything else is a bug
+    in spillway and is reported as one, shortened, with how to see more.
+    """
+    if isinstance(err, (SpillwayError, ValueError)):
+        return _one_line(str(err)) or type(err).__name__, EXIT_USER_ERROR
+    if isinstance(err, OSError):
+        reason = err.strerror or _one_line(str(err)) or type(err).__name__
+        where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+        return (f"{where}: {reason}" if where else reason), EXIT_USER_ERROR
+    if isinstance(err, MemoryError):
+        return f"out of host memory ({_one_line(str(err)) or 'MemoryError'})", EXIT_USER_ERROR
+    message = _one_line(f"{type(err).__name__}: {err}")
+    if len(message) > _MAX_INTERNAL_MESSAGE:
+        message = message[:_MAX_INTERNAL_MESSAGE] + " ..."
+    return (f"internal error, please report it: {message} (rerun with --debug for the traceback)",
+            EXIT_INTERNAL_ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        return args.fn(args)   # tracebacks as Python prints them
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"spillway {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"spillway {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:   # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
+        message, status = describe_error(err)
+        print(f"spillway {args.command}: error: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

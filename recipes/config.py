@@ -16,11 +16,16 @@ import types
 import typing
 from typing import Any
 
+from spillway.layers.errors import ConfigError, require_non_negative, require_positive
 from spillway.layers.execution import Execution
 from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import get_family
 from spillway.recipes.train.optimizer import OptimizerConfig
+
+
+TOKENIZER_TYPES = ("bpe", "unigram")
+OPTIMIZER_STATES = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +40,30 @@ class DataConfig:
     num_proc: int = 1                     # tokenizing processes; >1 forks after JAX has started threads (warns)
     max_tokens: int | None = None         # cap on tokens taken from the source; required for streamed Hub sources
 
+    def __post_init__(self):
+        require_positive("data", seq_len=self.seq_len, num_proc=self.num_proc, max_tokens=self.max_tokens)
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ConfigError(f"data.tokenizer_type must be one of {TOKENIZER_TYPES}, got {self.tokenizer_type!r}")
+        for name in ("source", "text_field", "cache_dir"):
+            if not getattr(self, name).strip():
+                raise ConfigError(f"data.{name} must not be empty")
+
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
-    optimizer_state: str = "device"       # "device" | "host"
+    optimizer_state: str = "device"       # "device" | "host": where the optimizer state lives
+
+    def __post_init__(self):
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ConfigError(f"offload.optimizer_state must be one of {OPTIMIZER_STATES}, "
+                              f"got {self.optimizer_state!r}")
+        try:
+            RematPlan.parse(self.activations)  # the layer counts are checked against the model by Recipe
+        except ValueError as err:
+            raise ConfigError(f"offload.activations: {err}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +71,15 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1                        # -1: all remaining devices
     tensor: int = 1
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
+                raise ConfigError(f"mesh.{name} must be a positive number of devices or -1 (the rest), got {size!r}")
+        if list(sizes.values()).count(-1) > 1:
+            raise ConfigError(f"at most one mesh axis may be -1, got "
+                              + " ".join(f"mesh.{k}={v}" for k, v in sizes.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +90,9 @@ class CheckpointConfig:
     async_save: bool = True
     init_from: str | None = None          # fine-tune: load weights (only) from this checkpoint dir or step dir
 
+    def __post_init__(self):
+        require_positive("checkpoint", every_steps=self.every_steps, keep=self.keep)
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -66,12 +102,40 @@ class TrainConfig:
     loss_chunk: int = 0                   # >0: apply the output head this many tokens at a time (saves HBM)
     seed: int = 0
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 100                 # 0: no validation
     eval_batches: int = 4
     profile_steps: str | None = None      # "START:STOP": a jax.profiler trace of those steps
     sample_prompt: str = "def "
-    sample_tokens: int = 64
+    sample_tokens: int = 64               # 0: no sample at the end
     resume: bool = True                   # continue from the latest checkpoint in checkpoint.dir
+
+    def __post_init__(self):
+        require_positive("train", steps=self.steps, global_batch=self.global_batch, grad_accum=self.grad_accum,
+                         log_every=self.log_every, eval_batches=self.eval_batches)
+        require_non_negative("train", loss_chunk=self.loss_chunk, seed=self.seed, eval_every=self.eval_every,
+                             sample_tokens=self.sample_tokens)
+        if self.global_batch % self.grad_accum:
+            raise ConfigError(f"train.grad_accum ({self.grad_accum}) does not divide "
+                              f"train.global_batch ({self.global_batch})")
+        self.profile_range()  # a malformed range fails here, not at the step it names
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(start, stop) of `profile_steps`, or None."""
+        if not self.profile_steps:
+            return None
+        start, sep, stop = self.profile_steps.partition(":")
+        if not sep or not start.isdigit() or not stop.isdigit() or int(stop) <= int(start):
+            raise ConfigError(f"train.profile_steps must be 'START:STOP' with STOP > START, "
+                              f"got {self.profile_steps!r}")
+        return int(start), int(stop)
+
+
+# Fields a recipe.json or `--set` may name that are no settings of their own:
+# they derive from another field, which is the one to set.
+DERIVED_FIELDS = {
+    "optimizer.total_steps": "the schedule's length derives from train.steps: set train.steps",
+    "optimizer.state_memory": "where the optimizer state lives is offload.optimizer_state: set that",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +146,7 @@ class Recipe:
     execution: Execution = Execution()    # dtypes, attention kernel, init scale: shared by all families
     block: str | None = None              # "package.module:Class" or "package.module.Class": a TransformerBlock subclass
     data: DataConfig = DataConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()   # hyperparameters (length: train, placement: offload)
     offload: OffloadConfig = OffloadConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -92,19 +156,30 @@ class Recipe:
     def __post_init__(self):
         family = get_family(self.family)
         if not isinstance(self.model, family.config_cls):
-            raise ValueError(f"model is a {type(self.model).__name__}, but family {self.family!r} takes a "
-                             f"{family.config_cls.__name__}")
-        if self.train.global_batch % self.train.grad_accum:
-            raise ValueError(f"train.grad_accum ({self.train.grad_accum}) does not divide "
-                             f"train.global_batch ({self.train.global_batch})")
+            raise ConfigError(f"model is a {type(self.model).__name__}, but family {self.family!r} takes a "
+                              f"{family.config_cls.__name__}")
+        sections = {"execution": Execution, "data": DataConfig, "optimizer": OptimizerConfig,
+                    "offload": OffloadConfig, "mesh": MeshConfig, "checkpoint": CheckpointConfig,
+                    "train": TrainConfig}
+        for name, cls in sections.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len "
+                              f"({self.model.max_seq_len})")
+        chunk = self.train.loss_chunk
+        if 0 < chunk < self.data.seq_len and self.data.seq_len % chunk:
+            raise ConfigError(f"train.loss_chunk ({chunk}) must divide data.seq_len ({self.data.seq_len}): "
+                              f"the loss applies the head {chunk} tokens at a time (0 turns chunking off)")
+        if self.train.eval_every and self.data.val_fraction == 0:
+            raise ConfigError(f"data.val_fraction is 0, so there is no validation data, but train.eval_every is "
+                              f"{self.train.eval_every}: set train.eval_every=0 or a positive data.val_fraction")
         try:
             RematPlan.parse(self.offload.activations).resolve(self.model.num_layers)
         except ValueError as err:
-            raise ValueError(f"offload.activations: {err}") from None
-        if self.offload.optimizer_state not in ("device", "host"):
-            raise ValueError(f"offload.optimizer_state must be 'device' or 'host', got {self.offload.optimizer_state!r}")
+            raise ConfigError(f"offload.activations: {err}") from None
+        if self.block is not None:
+            resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
 
     @property
     def run_dir(self) -> str:
@@ -127,10 +202,14 @@ class Recipe:
         return get_family(self.family).build(self.model, self.execution, rngs=rngs,
                                              remat=self.offload.activations, block_cls=self.block_class())
 
-    def optimizer_config(self) -> OptimizerConfig:
-        """The optimizer config with the recipe's state placement and step count applied."""
-        return dataclasses.replace(self.optimizer, state_memory=self.offload.optimizer_state,
-                                   total_steps=max(self.train.steps, self.optimizer.warmup_steps + 1))
+    @property
+    def schedule_steps(self) -> int:
+        """The learning-rate schedule's length: train.steps, at least one step past the warmup.
+
+        A short run (a smoke test of a recipe with a long warmup) still gets a
+        valid schedule; it simply ends inside the warmup.
+        """
+        return max(self.train.steps, self.optimizer.warmup_steps + 1)
 
     # --- serialisation --------------------------------------------------------
     def to_dict(self) -> dict:
@@ -153,14 +232,14 @@ def resolve_block_class(path: str) -> type:
     if not sep:
         module_name, _, class_name = path.rpartition(".")
     if not module_name or not class_name:
-        raise ValueError(f"block: {path!r} is not a dotted path 'package.module:Class'")
+        raise ConfigError(f"block: {path!r} is not a dotted path 'package.module:Class'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"block: cannot import module {module_name!r} ({err})") from None
+        raise ConfigError(f"block: cannot import module {module_name!r} ({err})") from None
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, TransformerBlock)):
-        raise ValueError(f"block: {path!r} is not a TransformerBlock subclass")
+        raise ConfigError(f"block: {path!r} is not a TransformerBlock subclass")
     return cls
 
 
@@ -168,15 +247,22 @@ _EXECUTION_FIELDS = ("dtype", "param_dtype", "attention_impl", "flash_block_size
 
 
 def upgrade_legacy_recipe_dict(d: dict) -> dict:
-    """A recipe.json written before families existed (a Llama whose config held dtypes and remat) -> today's.
+    """A recipe.json written by an earlier version -> today's fields, with the same meaning.
 
-    Runs saved by earlier versions stay loadable: the family is Llama, the
-    execution fields move to `execution`, and the activation plan the model
-    config carried was always overwritten by `offload.activations`.
+    * Before families existed the model was a Llama whose config held dtypes and
+      the activation plan: the family is Llama, the execution fields move to
+      `execution`, and the plan (always overwritten by `offload.activations`) goes.
+    * `optimizer.total_steps` and `optimizer.state_memory` were overwritten by
+      train.steps and offload.optimizer_state before use (DERIVED_FIELDS): they
+      are dropped, which changes nothing the run did.
     """
+    if not isinstance(d, dict):
+        raise ConfigError(f"a recipe must be a JSON object, got {type(d).__name__}")
+    d = dict(d)
+    if isinstance(d.get("optimizer"), dict):
+        d["optimizer"] = {k: v for k, v in d["optimizer"].items() if f"optimizer.{k}" not in DERIVED_FIELDS}
     if "family" in d or not isinstance(d.get("model"), dict):
         return d
-    d = dict(d)
     model = dict(d["model"])
     execution = {k: model.pop(k) for k in _EXECUTION_FIELDS if k in model}
     model.pop("remat", None)
@@ -188,7 +274,7 @@ def upgrade_legacy_recipe_dict(d: dict) -> dict:
 def _model_config_class(tree: dict):
     family = tree.get("family")
     if not isinstance(family, str):
-        raise ValueError(f"family must be a model family name, got {family!r}")
+        raise ConfigError(f"family must be a model family name, got {family!r}")
     return get_family(family).config_cls
 
 
@@ -199,7 +285,14 @@ def _from_dict(cls, d: dict, where: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
     if unknown:
-        raise ValueError(f"unknown field(s) {sorted(unknown)} in {where or cls.__name__}")
+        hint = "; ".join(DERIVED_FIELDS[f"{where}{k}"] for k in sorted(unknown) if f"{where}{k}" in DERIVED_FIELDS)
+        raise ConfigError(f"unknown field(s) {sorted(unknown)} in {where.rstrip('.') or cls.__name__}"
+                          + (f" ({hint})" if hint else ""))
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = required - set(d)
+    if missing:
+        raise ConfigError(f"missing field(s) {sorted(missing)} in {where.rstrip('.') or cls.__name__}")
     kwargs = {}
     for key, value in d.items():
         kwargs[key] = _coerce(hints[key], value, f"{where}{key}")
@@ -222,41 +315,41 @@ def _coerce(annotation, value, where: str):
                 return _coerce(option, value, where)
             except (ValueError, TypeError) as err:
                 errors.append(str(err))
-        raise ValueError(f"{where}: {value!r} fits none of {annotation}: {'; '.join(errors)}")
+        raise ConfigError(f"{where}: {value!r} fits none of {annotation}: {'; '.join(errors)}")
     if dataclasses.is_dataclass(annotation):
         if isinstance(value, annotation):
             return value
         if isinstance(value, dict):
             return _from_dict(annotation, value, where + ".")
-        raise ValueError(f"{where}: expected a mapping for {annotation.__name__}, got {value!r}")
+        raise ConfigError(f"{where}: expected a mapping for {annotation.__name__}, got {value!r}")
     if annotation is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if annotation is int:
         if isinstance(value, bool):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
         try:
             as_float = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: expected an integer, got {value!r}") from None
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
         if not as_float.is_integer():
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return int(as_float)
     if annotation is float:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if annotation is Any:
         return value
     if annotation is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # `--set data.source=2024` means the string
         if not isinstance(value, str):
-            raise ValueError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     raise TypeError(f"{where}: unsupported field type {annotation}")
 
@@ -273,34 +366,36 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
     for item in overrides:
         path, sep, raw = item.partition("=")
         if not sep or not path.strip():
-            raise ValueError(f"--set expects key=value, got {item!r}")
+            raise ConfigError(f"--set expects key=value, got {item!r}")
         path = path.strip()
+        if path in DERIVED_FIELDS:
+            raise ConfigError(f"--set {item}: {path} cannot be set: {DERIVED_FIELDS[path]}")
         _set_path(tree, Recipe, path.split("."), raw.strip(), path)
     try:
         return Recipe.from_dict(tree)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"--set {' '.join(overrides)}: {err}") from None
+        raise ConfigError(f"--set {' '.join(overrides)}: {err}") from None
 
 
 def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
     fields = {f.name for f in dataclasses.fields(cls)}
     key = keys[0]
     if key not in fields:
-        raise ValueError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} (fields: {sorted(fields)})")
+        raise ConfigError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} (fields: {sorted(fields)})")
     annotation = typing.get_type_hints(cls)[key]
     if cls is Recipe and key == "model":
         annotation = _model_config_class(tree)   # the family decides what `model.*` holds
     if cls is Recipe and key == "family" and len(keys) == 1:
-        raise ValueError("family cannot be changed with --set (the model config is the family's): "
+        raise ConfigError("family cannot be changed with --set (the model config is the family's): "
                          "pick a recipe of that family (`spillway recipes` lists them)")
     nested = [a for a in (typing.get_args(annotation) or (annotation,)) if dataclasses.is_dataclass(a)]
     if len(keys) == 1:
         if nested and not (raw.lower() in ("none", "null") and type(None) in typing.get_args(annotation)):
-            raise ValueError(f"{full!r} is a group of fields; set one of them, e.g. {full}.<field>=...")
+            raise ConfigError(f"{full!r} is a group of fields; set one of them, e.g. {full}.<field>=...")
         tree[key] = _coerce(annotation, _parse_scalar(raw), full)
         return
     if not nested:
-        raise ValueError(f"unknown field {full!r}: {key!r} is not a group of fields")
+        raise ConfigError(f"unknown field {full!r}: {key!r} is not a group of fields")
     if tree.get(key) is None:
         tree[key] = dataclasses.asdict(nested[0]())  # e.g. model.rope_scaling.factor on a model without scaling
     _set_path(tree[key], nested[0], keys[1:], raw, full)

@@ -72,7 +72,7 @@ def _gpu_recipe(name: str, preset: str, description: str, **model_overrides) -> 
         model=llama_config(preset, **model_overrides),
         execution=GPU_EXECUTION,
         data=DataConfig(tokenizer=None, seq_len=8192, num_proc=16),
-        optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, total_steps=100_000, weight_decay=0.1, clip_norm=1.0,
+        optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, weight_decay=0.1, clip_norm=1.0,
                                   master_weights=True),
         offload=OffloadConfig(activations="recompute_all", optimizer_state="device"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1),

@@ -1,7 +1,11 @@
-"""Test-session setup: 8 fake CPU devices, so sharding tests see a real mesh.
+"""Test-session setup: 8 fake CPU devices, and no skipping under CI.
 
-XLA reads XLA_FLAGS once, when the backend starts, so this must run before
-anything imports jax; pytest imports conftest.py first.
+XLA reads XLA_FLAGS once, when the backend starts, so the device count must be
+set before anything imports jax; pytest imports conftest.py first.
+
+`@pytest.mark.needs_toolchain` marks tests that compile for a GPU without one;
+tests/ci_gate.py decides whether a machine without the toolchain skips them or
+fails them. Under CI any skip at all is turned into a failure with its reason.
 """
 
 import os
@@ -9,3 +13,33 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
+
+import ci_gate  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_toolchain: compiles for a GPU without one (CUDA toolkit + plugin)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("needs_toolchain") is None:
+        return
+    from spillway.recipes.plan import plugin
+    verdict = ci_gate.toolchain_verdict(plugin.cuda_toolkit_missing_reason(), plugin.plugin_missing_reason(),
+                                        ci_gate.under_ci())
+    if verdict is not None:
+        action, reason = verdict
+        (pytest.fail if action == "fail" else pytest.skip)(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail") and ci_gate.under_ci():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = f"CI does not pass by skipping: {reason}"

@@ -1,7 +1,7 @@
 """`spillway plan`: what a recipe costs on a GPU, from deviceless (ahead-of-time) compiles.
 
 The planner compiles the real train step for a target GPU and reads its HBM and
-host-memory use from XLA (DESIGN.md section 5). Pieces:
+host-memory use from XLA (docs/DESIGN.md section 5). Pieces:
 
 * ``planner``: candidates, the table, the pick, ``--search``; runs ``child``
   (one compile process per worker) and adds the step-time model.

@@ -3,7 +3,7 @@
 Run this inside a compile process (``spillway.recipes.plan.subprocess_runner``): the
 jax-cuda13 plugin must be on ``sys.path`` and ``JAX_PLATFORMS=cpu`` set before
 JAX initialises its backends, so JAX keeps running on the CPU while the plugin's
-compiler is used for the target (DESIGN.md section 5).
+compiler is used for the target (docs/DESIGN.md section 5).
 
 Steps, each a function here:
 

@@ -1,15 +1,17 @@
 """Training FLOPs of one step, counted from the model's shapes, including what remat recomputes.
 
 A deviceless GPU compile reports no FLOPs (`cost_analysis()` is empty there,
-DESIGN.md section 5), so the planner counts them itself. What is counted:
+docs/DESIGN.md section 5), so the planner counts them itself. What is counted:
 
 * matrix multiplications: the q/k/v, output, MLP (gate,) up and down
   projections and the output head, 2 FLOPs per multiply-add;
 * attention: the scores q k^T and the context p v, over the (query, key)
-  pairs that the mask lets through: t (t + 1) / 2 per sequence when causal
-  (what a flash kernel that skips masked blocks does, up to its diagonal
-  blocks), t^2 when `attention="full"` (what XLA's dense attention computes:
-  it multiplies first and masks after);
+  pairs each implementation really multiplies: for "flash"
+  (layers/flash_attention.py) every element of every block the kernel visits,
+  masked elements of the diagonal blocks included (`flash_attention_pairs`);
+  t^2 for "full" (XLA's dense attention multiplies first and masks after);
+  t (t + 1) / 2 for "causal", the pairs the mask lets through (what MFU counts,
+  and the planner's figure for cuDNN's kernel, whose blocks it does not know);
 * the backward pass: twice the forward matmuls (one product for the input
   gradient, one for the weight gradient). Flash attention's backward also
   recomputes the scores from q, k and the saved logsumexp: half of an
@@ -18,8 +20,10 @@ DESIGN.md section 5), so the planner counts them itself. What is counted:
 
 Not counted: elementwise work (norms, RoPE, SiLU, softmax exponentials,
 residual adds, the loss), the embedding lookup (a gather) and the optimizer
-update. For a model whose matmuls dominate, that is a few percent
-(tests/recipes/test_planner.py compares with XLA's own count on CPU).
+update. For a model whose matmuls dominate, that is a few percent.
+tests/recipes/test_flops.py checks the count against XLA's own
+(`cost_analysis()` of CPU compiles): forward, backward (the flash kernel's
+custom backward included) and the recompute of every offload preset.
 
 Pure arithmetic on a DecoderSpec (models/decoder.py), the shape description
 every family gives: plain or gated MLP, grouped-query attention, sliding
@@ -82,20 +86,46 @@ def attention_pairs(seq_len: int, *, causal: bool = True, sliding_window: int | 
     return w * (w + 1) // 2 + (t - w) * w
 
 
+def flash_attention_pairs(seq_len: int, block: int, *, sliding_window: int | None = None) -> int:
+    """(query, key) pairs layers/flash_attention.py multiplies for one causal sequence.
+
+    The kernel clips its block to the sequence, pads the sequence to whole
+    blocks and, per query block, runs over the key blocks from the first that
+    holds a key inside the window to the one holding its last query: every
+    element of those blocks is computed, masked or not.
+    """
+    b = max(1, min(block, seq_len))
+    pairs = 0
+    for first_query in range(0, seq_len, b):
+        last_query = min(first_query + b, seq_len) - 1
+        stop = last_query // b + 1
+        start = 0 if sliding_window is None else max(0, (first_query - sliding_window + 1) // b)
+        pairs += (stop - start) * b * b
+    return pairs
+
+
+ATTENTION_COUNTS = ("causal", "full", "flash")
+
+
 def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> LayerFlops:
     """Forward FLOPs of one block of `spec` (a DecoderSpec) for `batch` sequences of `seq_len`.
 
-    attention: "causal" counts only the pairs the mask keeps (flash), "full"
-    every pair (XLA's dense attention, which masks after multiplying).
+    attention: "causal" counts only the pairs the mask keeps, "full" every
+    pair (XLA's dense attention, which masks after multiplying), "flash" the
+    blocks layers/flash_attention.py computes (block: the spec's
+    execution.flash_block_size).
     """
-    if attention not in ("causal", "full"):
-        raise ValueError(f"attention must be 'causal' or 'full', got {attention!r}")
+    if attention not in ATTENTION_COUNTS:
+        raise ValueError(f"attention must be one of {ATTENTION_COUNTS}, got {attention!r}")
     tokens = batch * seq_len
     b = spec.block
     d, h = b.d_model, b.resolved_head_dim
     n, kv = b.num_heads, b.num_kv_heads
-    pairs = batch * attention_pairs(seq_len, causal=attention == "causal",
-                                    sliding_window=b.sliding_window if attention == "causal" else None)
+    if attention == "flash":
+        pairs = batch * flash_attention_pairs(seq_len, b.execution.flash_block_size, sliding_window=b.sliding_window)
+    else:
+        pairs = batch * attention_pairs(seq_len, causal=attention == "causal",
+                                        sliding_window=b.sliding_window if attention == "causal" else None)
     return LayerFlops(
         qkv=2.0 * tokens * d * (n + 2 * kv) * h,
         attn_scores=2.0 * pairs * n * h,
@@ -177,12 +207,12 @@ def train_step_flops(spec, batch: int, seq_len: int, *, remat: str | OffloadPoli
     """FLOPs of one forward + backward (+ remat recompute) over `batch` sequences of `seq_len`.
 
     remat: the activation plan; attention_impl: default the spec's execution
-    setting. Dense ("xla") attention is counted over every pair, flash-style
-    kernels over the causal ones.
+    setting. Dense ("xla") attention is counted over every pair, "flash" over
+    the blocks the kernel computes, "cudnn" over the causal pairs.
     """
     impl = attention_impl or spec.block.execution.attention_impl
     plan = RematPlan.parse(remat)
-    layer = layer_flops(spec, batch, seq_len, attention="full" if impl == "xla" else "causal")
+    layer = layer_flops(spec, batch, seq_len, attention={"xla": "full", "flash": "flash"}.get(impl, "causal"))
     head = head_flops(spec, batch, seq_len)
     forward = spec.num_layers * layer.total + head
     backward = 2.0 * forward

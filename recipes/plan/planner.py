@@ -1,9 +1,9 @@
 """`spillway plan`: what a recipe's train step needs on a GPU, measured by compiling it there without the GPU.
 
 For a recipe and a target GPU the planner compiles the real train step
-(recipes.train.make_train_step, through spillway.recipes.train.abstract_setup: the same
+(recipes/train/step.py make_train_step, through abstract_setup: the same
 shardings and donation as training) once per candidate plan, in one child
-process that has the GPU compiler plugin (recipes/plan/child.py, DESIGN.md
+process that has the GPU compiler plugin (recipes/plan/child.py, docs/DESIGN.md
 section 5). A candidate is an activation plan (an offload preset or a
 per-segment mix, layers/offload.py) with the optimizer state on device or in
 pinned host memory. Per candidate it reports, per GPU:
@@ -146,7 +146,49 @@ def resolve_mesh(recipe: Recipe, devices: int) -> dict[str, int]:
         raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
                          f"data x fsdp mesh size ({batch_ways}) on {devices} GPUs: "
                          f"--set train.global_batch=...")
+    micro_batch = recipe.train.global_batch // recipe.train.grad_accum
+    if devices > 1 and micro_batch % batch_ways:
+        # A micro-batch the batch axes do not divide is replicated over them (layers/sharding.py):
+        # every GPU would compute the same rows.
+        raise ValueError(f"a micro-batch of {micro_batch} sequences (train.global_batch {recipe.train.global_batch}"
+                         f" / train.grad_accum {recipe.train.grad_accum}) cannot be split over the data x fsdp "
+                         f"mesh size ({batch_ways}): raise train.global_batch or lower train.grad_accum")
     return sizes
+
+
+def check_sharding(recipe: Recipe, mesh: dict[str, int]) -> None:
+    """ValueError when a mesh axis does not divide a parameter dimension it shards.
+
+    layers/sharding.py replicates such a dimension: every GPU of that axis
+    would hold the whole weight (the per-GPU HBM stays near the one-GPU
+    figure) and, on the tensor axis, compute all of it, while the plan's
+    compute estimate divides the FLOPs by the GPU count. Refused here, before
+    any compile, with the dimensions that do not divide.
+    """
+    from spillway.layers.sharding import undivided_dims
+    from spillway.recipes.train.step import abstract_model
+
+    undivided = undivided_dims(abstract_model(recipe)[1], mesh)
+    if not undivided:
+        return
+    by_axis: dict[tuple[str, ...], dict[str, int]] = {}
+    for dim in undivided:
+        by_axis.setdefault(dim.mesh_axes, {})[dim.logical_axis] = dim.size
+    problems = "; ".join(
+        f"{' x '.join(f'mesh.{a}={mesh[a]}' for a in axes)} does not divide "
+        + ", ".join(f"{name} ({size})" for name, size in sorted(dims.items()))
+        for axes, dims in sorted(by_axis.items()))
+    replicated = sum({dim.path: dim.nbytes for dim in undivided}.values())
+    raise ValueError(f"the mesh cannot split this model: {problems}. {len({d.path for d in undivided})} weights "
+                     f"({replicated / GiB:.1f} GiB) would be replicated instead of sharded, and their compute not "
+                     f"divided; choose --devices / --set mesh.<axis>=... so that each axis divides what it shards")
+
+
+def compute_ways(mesh: dict[str, int]) -> int:
+    """GPUs the step's FLOPs are divided over: data x fsdp split the batch, tensor splits the heads, the
+    MLP and the vocabulary. Exact only because resolve_mesh and check_sharding refuse a mesh that would
+    replicate a micro-batch or a weight dimension instead."""
+    return mesh["data"] * mesh["fsdp"] * mesh["tensor"]
 
 
 def planned_recipe(recipe: Recipe) -> tuple[Recipe, list[str]]:
@@ -313,11 +355,11 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
 
 # --- planning ---------------------------------------------------------------------
 
-def _row(candidate: Candidate, result: dict, recipe: Recipe, target, devices: int) -> PlanRow:
+def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int]) -> PlanRow:
     impl = recipe.execution.attention_impl
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
                                           remat=candidate.activations, attention_impl=impl)
-    rate = devices * target.peak_bf16_flops
+    rate = compute_ways(mesh) * target.peak_bf16_flops
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
                   compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
     if row.report is not None:
@@ -417,10 +459,10 @@ def _run_child(request: dict) -> dict:
 def default_workers(num_candidates: int) -> int:
     """Compile processes to run at once: one per core, at most 4, at most one per candidate.
 
-    XLA's GPU compile of one candidate keeps ~1.3 of this machine's 2 cores
-    busy, so two processes finish the 16 candidates of llama3_8b in 47 s
-    instead of 69 s (measured here). More than 4 mostly adds memory (each
-    process holds its own traced model).
+    XLA's GPU compile of one candidate keeps more than one core busy only part
+    of the time, so two processes on two cores finish sooner than one
+    (BENCHMARKS.md, `spillway plan llama3_8b`). More than 4 mostly adds memory
+    (each process holds its own traced model).
     """
     return max(1, min(4, os.cpu_count() or 1, num_candidates))
 
@@ -500,6 +542,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
         raise ValueError(f"--host-ram-gb must be positive, got {host_ram_gb}")
     mesh = resolve_mesh(recipe, devices)
     compiled_recipe, warnings = planned_recipe(recipe)
+    check_sharding(compiled_recipe, mesh)
     host_ram = host_ram_gb * GB if host_ram_gb is not None else target.default_host_ram_bytes * devices
     search_request = None if search is None else _search_request(
         compiled_recipe, search, mesh, headroom * target.hbm_bytes, host_ram, devices)
@@ -515,7 +558,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
                             "candidates": [c.to_dict() for c in todo], "compiler_options": options,
                             "verify_full_codegen": list(range(min(verify_full_codegen, len(todo)))),
                             "search": search_request}, workers)
-    rows = [_row(c, result, compiled_recipe, target, devices) for c, result in zip(todo, answer["results"])]
+    rows = [_row(c, result, compiled_recipe, target, mesh) for c, result in zip(todo, answer["results"])]
     result = Plan(compiled_recipe, target, devices, answer["mesh"], headroom, host_ram, rows, warnings,
                   None, {}).judge()
     for row in rows:

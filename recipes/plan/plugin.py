@@ -1,7 +1,7 @@
 """Where the GPU compiler plugin lives, whether it matches this JAX, and how to install it.
 
 Compiling a train step for a GPU on a machine without one needs two things that
-a CPU-only JAX install lacks (DESIGN.md section 5):
+a CPU-only JAX install lacks (docs/DESIGN.md section 5):
 
 * the jax-cuda13 PJRT plugin (``jax-cuda13-plugin`` + ``jax-cuda13-pjrt``, about
   400 MB unpacked) at exactly jaxlib's version. We install it with ``--no-deps``

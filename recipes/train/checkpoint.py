@@ -5,7 +5,7 @@ A run directory holds one folder per finalised step, in orbax's layout:
     <run>/<step>/params/               parameter tree (orbax StandardSave: OCDBT + tensorstore)
     <run>/<step>/opt_state/            optimizer state tree (host-resident leaves included)
     <run>/<step>/loader_state/metadata JSON: where the data loader resumes
-    <run>/<step>/meta/metadata         JSON: step, rng, tokens seen, ...
+    <run>/<step>/meta/metadata         JSON: step, seed, tokens seen, ...
     <run>/<step>/recipe/recipe.json    the resolved recipe, verbatim: `cat` it
 
 Orbax does the hard parts and this file leans on them:
@@ -34,7 +34,7 @@ What this file adds is the run's policy and the failure reporting:
   field that is not JSON, an async save that failed in the background;
 
 Preemption (SIGTERM) is the train loop's: it sets a flag and saves at the
-next step boundary (recipes/train/step.py), never in the middle of a step or of a
+next step boundary (recipes/train/loop.py), never in the middle of a step or of a
 save here.
 
 dtypes are not compared: orbax casts to the target's dtype on restore, which is
@@ -57,6 +57,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from spillway.layers.errors import SpillwayError
+
 PARAMS = "params"
 OPT_STATE = "opt_state"
 LOADER_STATE = "loader_state"
@@ -72,7 +74,7 @@ _MAX_LISTED_DIFFERENCES = 20  # a wholly different model would otherwise print e
 _MAX_CAUSE_CHARS = 400
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SpillwayError, RuntimeError):
     """A checkpoint could not be saved or restored; the message names the path and the reason."""
 
 

@@ -37,7 +37,7 @@ def maybe_initialize() -> None:
                              "(host:port of process 0) must be set too")
         if int(num) > 1:
             if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
-                # CPU collectives across processes need gloo (DESIGN.md section 4).
+                # CPU collectives across processes need gloo (docs/DESIGN.md section 4).
                 jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=int(num),
                                        process_id=int(pid))

@@ -2,8 +2,9 @@
 
 The optimizer state of a host-resident parameter (AdamW moments, fp32 master
 weights) stays in `pinned_host` memory. Copying all of it to HBM for the update
-does not lower peak HBM; it raises it (17.5 GiB against 10.5 GiB with the
-state on device, benchmarks/optimizer_state_toy.py). What lowers it is moving
+does not lower peak HBM; it raises it above keeping the state on device
+(docs/DESIGN.md section 6; today's figures from benchmarks/optimizer_state_toy.py
+are in BENCHMARKS.md). What lowers it is moving
 the state through HBM one layer at a time, so HBM only ever holds a layer or two:
 
     prefetch(0)
@@ -19,8 +20,8 @@ does not split (`update_outside_stack`, pieces of at most PIECE_ELEMENTS), one
 leaf after the other; small leaves (norm scales) visit HBM whole.
 
 The prefetched slices travel in the loop carry (double buffering). `lax.scan`
-over the layer axis measured worse (DESIGN.md section 5: 6.1 GB against 4.5 GB,
-plus a host temp the size of the state), hence `fori_loop` + `dynamic_slice` +
+over the layer axis measured worse (docs/DESIGN.md section 6: more HBM, plus a host
+temp the size of the state), hence `fori_loop` + `dynamic_slice` +
 `device_put` per slice.
 
 What XLA (jaxlib 0.10.2, H200 target) makes of it, read from the compiled HLO:

@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spillway.layers.errors import SpillwayError
+
+
 def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a float32 size^3 matmul on the default device (best of `repeats`)."""
     a = jnp.ones((size, size), jnp.float32)
@@ -55,8 +58,8 @@ def device_memory_in_use() -> int | None:
     return stats.get("bytes_in_use")
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(SpillwayError, RuntimeError):
+    """The loss became NaN or inf: the run stops (its last checkpoint is kept)."""
 
 
 def check_finite(step: int, loss: float) -> None:

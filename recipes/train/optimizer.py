@@ -17,11 +17,12 @@ placement and device and host leaves give the same numbers:
   large non-stacked leaves (embedding, head) are streamed the same way in
   pieces of rows, one leaf after the other; small ones (the final norm) visit
   HBM whole.
-  Measured for 16 layers of 4096x14336 on an H200 target: 4.8 GiB of HBM
-  against 10.5 GiB with the state on device (benchmarks/optimizer_state_toy.py).
+  On a deviceless H200 compile this cuts HBM to less than half of what the
+  state on device needs (docs/DESIGN.md section 6; today's figures from
+  benchmarks/optimizer_state_toy.py are in BENCHMARKS.md).
 * update_on_host=True: host leaves are updated by the host CPU instead
   (compute type "device_host", layers/jax_compat.on_host); the state never enters HBM
-  (3.5 GiB, params and grads only), but the update runs at host memory speed
+  (params and grads only), but the update runs at host memory speed
   and XLA gives the host computation temporaries the size of the state.
 
 Gradients are upcast to fp32 first: the global norm, the moments and the
@@ -59,6 +60,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from spillway.layers.errors import ConfigError, SpillwayError, require_non_negative, require_positive
 from spillway.recipes.train import host_optimizer as streaming
 
 DEVICE = "device"
@@ -69,16 +71,24 @@ PINNED_HOST = "pinned_host"  # the XLA memory kind that holds host-resident stat
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+    """AdamW's hyperparameters: what a recipe sets in its `optimizer` section.
+
+    Two things the optimizer needs are not here, because the run already has
+    one field for each: how long the schedule runs (`total_steps`, from the
+    recipe's train.steps) and where the state lives by default
+    (`state_memory`, from offload.optimizer_state). They are arguments of
+    `Optimizer` and `make_layouts`, so no setting can be written twice and
+    silently overwritten.
+    """
+
     learning_rate: float = 3e-4
     warmup_steps: int = 100
-    total_steps: int = 1000
     min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float | None = 1.0
-    state_memory: str = DEVICE     # "device" | "host": default for every parameter
     master_weights: bool = True    # fp32 master copy in the state for low-precision params
     # Host leaves updated by the host CPU (layers/jax_compat.on_host) instead of
     # streamed through HBM: no state in HBM at all, but host-speed maths and a
@@ -86,14 +96,25 @@ class OptimizerConfig:
     update_on_host: bool = False
 
     def __post_init__(self):
-        if self.state_memory not in STATE_MEMORIES:
-            raise ValueError(f"state_memory must be one of {STATE_MEMORIES}, got {self.state_memory!r}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm}")
-        if not 0 <= self.warmup_steps <= self.total_steps:
-            raise ValueError(f"need 0 <= warmup_steps <= total_steps, got {self.warmup_steps}, {self.total_steps}")
+        require_positive("optimizer", learning_rate=self.learning_rate, clip_norm=self.clip_norm)
+        # eps > 0: a parameter whose gradient is always zero (an unused embedding row) has
+        # mu = nu = 0, and 0 / (sqrt(0) + 0) is NaN.
+        require_positive("optimizer", eps=self.eps)
+        require_non_negative("optimizer", warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+def check_schedule_steps(cfg: OptimizerConfig, total_steps: int) -> None:
+    """The schedule needs 0 <= warmup_steps < total_steps (cosine decay over the rest)."""
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+        raise ConfigError(f"the schedule's total_steps must be a positive integer, got {total_steps!r}")
+    if cfg.warmup_steps >= total_steps:
+        raise ConfigError(f"optimizer.warmup_steps ({cfg.warmup_steps}) must be fewer than the schedule's "
+                          f"{total_steps} steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +143,13 @@ class OptState:
     master: Any
 
 
-def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
-    """Linear warmup from 0 to cfg.learning_rate, then cosine decay to min_lr_ratio * learning_rate."""
+def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to cfg.learning_rate, then cosine decay to min_lr_ratio * learning_rate
+    at `total_steps` (warmup included)."""
+    check_schedule_steps(cfg, total_steps)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.total_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+        decay_steps=total_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
 
 
 # --- platform checks ---------------------------------------------------------
@@ -145,7 +168,7 @@ def donate_opt_state_ok(platform: str | None = None) -> bool:
 
     False on CPU: a donated pinned_host argument that XLA aliases to a
     device-memory output of the same shape aborts the process there (JAX
-    0.10.2, DESIGN.md section 4). `platform` defaults to the runtime backend;
+    0.10.2, docs/DESIGN.md section 4). `platform` defaults to the runtime backend;
     pass the target's ("cuda") when compiling for a GPU without one.
     """
     return (platform or jax.default_backend()) != "cpu"
@@ -159,7 +182,7 @@ def _meminfo_total_bytes() -> int:
     raise RuntimeError("MemTotal not found in /proc/meminfo")
 
 
-class HostMemoryError(MemoryError):
+class HostMemoryError(SpillwayError, MemoryError):
     """The host-resident optimizer state would not fit in this host's RAM."""
 
 
@@ -178,7 +201,8 @@ def check_host_memory(bytes_needed: int, host_ram_bytes: int | None = None) -> N
         raise HostMemoryError(
             f"host-resident optimizer state needs {bytes_needed / 2**30:.2f} GiB of pinned host memory, "
             f"but this host has {host_ram_bytes / 2**30:.2f} GiB of RAM: keep more state on device "
-            f"(state_memory='device' for some parameters) or shard it over more hosts")
+            f"(offload.optimizer_state=device, or optimizer_memory='device' metadata on some "
+            f"parameters) or shard it over more hosts")
 
 
 # --- layouts -----------------------------------------------------------------
@@ -212,18 +236,22 @@ def _stream_axis(logical_axes: tuple | None, shape: tuple[int, ...]) -> int | No
     return max(allowed, key=lambda i: shape[i]) if allowed else None
 
 
-def make_layouts(params, cfg: OptimizerConfig, *,
+def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = DEVICE,
                  decay_fn: Callable[[tuple | None, tuple[int, ...], bool], bool] = _default_decay,
                  memory_fn: Callable[[str, Any], str | None] | None = None):
     """A LeafLayout per parameter of `params` (an nnx.State, or a plain tree of arrays).
 
     stacked: the parameter's logical_axes start with "layers". state_memory: a
     `memory_fn(path, leaf)` result if given and not None, else the parameter's
-    `optimizer_memory` metadata, else cfg.state_memory. decay:
+    `optimizer_memory` metadata, else `state_memory` (a recipe passes its
+    offload.optimizer_state). decay:
     `decay_fn(logical_axes, shape, stacked)`. master: cfg.master_weights and
     the parameter is not float32.
     """
     from spillway.layers import names
+
+    if state_memory not in STATE_MEMORIES:
+        raise ConfigError(f"state_memory must be one of {STATE_MEMORIES}, got {state_memory!r}")
 
     def one(path, leaf):
         metadata = leaf.get_metadata() if _is_variable(leaf) else {}
@@ -232,7 +260,7 @@ def make_layouts(params, cfg: OptimizerConfig, *,
         axes = tuple(axes) if axes is not None else None
         stacked = bool(axes) and axes[0] == names.LAYERS
         memory = (memory_fn(jax.tree_util.keystr(path), leaf) if memory_fn else None) \
-            or metadata.get("optimizer_memory") or cfg.state_memory
+            or metadata.get("optimizer_memory") or state_memory
         return LeafLayout(stacked=stacked, state_memory=memory,
                           decay=bool(decay_fn(axes, tuple(value.shape), stacked)),
                           master=cfg.master_weights and jnp.dtype(value.dtype) != jnp.float32,
@@ -297,7 +325,7 @@ def _host_sharding(sharding):
 
     Compile-only devices (a deviceless GPU compile) report no memories, and a
     NamedSharding over them silently drops the memory kind; one over the
-    mesh's abstract mesh keeps it (DESIGN.md section 5), so fall back to that
+    mesh's abstract mesh keeps it (docs/DESIGN.md section 5), so fall back to that
     rather than lose the host placement.
     """
     host = sharding.with_memory_kind(PINNED_HOST)
@@ -314,7 +342,7 @@ class Optimizer:
     Functional: `init` and `update` are pure and traceable, for use inside one
     jitted train step:
 
-        opt = Optimizer(cfg, make_layouts(params, cfg))
+        opt = Optimizer(cfg, make_layouts(params, cfg, state_memory="host"), total_steps=10_000)
         state_sh = opt.state_shardings(param_shardings)
         check_host_memory(opt.host_bytes(opt.abstract_state(params, param_shardings)))
         opt_state = jax.jit(opt.init, out_shardings=state_sh)(params)
@@ -322,7 +350,7 @@ class Optimizer:
         # in train_step: params, opt_state, stats = opt.update(grads, opt_state, params)
     """
 
-    def __init__(self, cfg: OptimizerConfig, layout_tree, *, stream_prefetch: bool = True,
+    def __init__(self, cfg: OptimizerConfig, layout_tree, *, total_steps: int, stream_prefetch: bool = True,
                  stream_piece_elements: int = streaming.PIECE_ELEMENTS):
         # stream_prefetch=False streams without double buffering: one layer's
         # state less in HBM, no chance for its copy to overlap the update
@@ -330,9 +358,10 @@ class Optimizer:
         # stream_piece_elements: the largest piece of a non-stacked host leaf
         # (LeafLayout.stream_axis) that visits HBM at once.
         self.cfg = cfg
+        self.total_steps = total_steps   # the schedule's length: warmup, then cosine decay to the end
         self.stream_prefetch = stream_prefetch
         self.stream_piece_elements = stream_piece_elements
-        self.schedule = make_schedule(cfg)
+        self.schedule = make_schedule(cfg, total_steps)
         self.layout_tree = layout_tree
         self._layouts: list[LeafLayout] = jax.tree.leaves(layout_tree, is_leaf=lambda x: isinstance(x, LeafLayout))
         bad = [x for x in self._layouts if not isinstance(x, LeafLayout)]
@@ -345,7 +374,7 @@ class Optimizer:
             raise ValueError(
                 f"host-resident optimizer state was requested, but the {jax.default_backend()} platform "
                 f"({jax.devices()[0].device_kind}) exposes no '{PINNED_HOST}' memory space; "
-                f"use state_memory='device'")
+                f"keep the optimizer state on device (offload.optimizer_state=device)")
 
     # -- tree plumbing
 

@@ -8,6 +8,7 @@ what the planner measures is what runs.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spillway.layers import names
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, create_sharded, make_mesh,
-                                      state_shardings)
+                                      state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 from spillway.recipes.train.optimizer import Optimizer, donate_opt_state_ok, make_layouts
@@ -105,8 +106,21 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     """Build the model in its shards and the jitted train step."""
     mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed)
+    _warn_if_replicated(params, mesh)
     param_sh = jax.tree.map(lambda v: v.sharding, params)
     return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
+
+
+def _warn_if_replicated(params, mesh) -> None:
+    """A mesh axis that does not divide a weight dimension replicates it (layers/sharding.py): it runs,
+    but costs memory and compute the mesh was meant to split, so say so (the planner refuses it)."""
+    undivided = undivided_dims(params, mesh)
+    if undivided:
+        nbytes = sum({dim.path: dim.nbytes for dim in undivided}.values())
+        listed = "; ".join(dim.describe() for dim in undivided[:4]) + (" ..." if len(undivided) > 4 else "")
+        warnings.warn(f"the mesh {dict(mesh.shape)} does not divide {len(undivided)} weight dimension(s), "
+                      f"which are replicated instead of sharded ({nbytes / 2**30:.2f} GiB of weights): {listed}",
+                      stacklevel=3)
 
 
 def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetup:
@@ -134,8 +148,9 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
         raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
                          f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
-    opt_cfg = recipe.optimizer_config()
-    optimizer = Optimizer(opt_cfg, make_layouts(params if layout_source is None else layout_source, opt_cfg))
+    layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
+                           state_memory=recipe.offload.optimizer_state)
+    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps)
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import spillway.data.sources as sources_module
+from spillway.layers.errors import DataError
 from spillway.data import (
     HubSpec,
     default_corpus_files,
@@ -149,6 +150,51 @@ def test_existing_local_path_wins_over_hub_id(tmp_path, monkeypatch):
     (tmp_path / "owner").mkdir()
     (tmp_path / "owner" / "name").mkdir()
     assert parse_hub_spec("owner/name") is None
+
+
+def test_path_under_an_existing_folder_is_a_missing_path_not_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    assert parse_hub_spec("corpus/train") is None
+    with pytest.raises(FileNotFoundError, match="corpus path 'corpus/train' does not exist"):
+        load_documents("corpus/train", cache_dir=tmp_path / "hf")
+
+
+def test_bare_hub_name_that_cannot_be_loaded_says_no_such_path_exists_either(tmp_path, monkeypatch):
+    """Offline (as the data tests run), `datasets` refuses the Hub; the error says there is no such path either."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"data.source 'corpus/train': no such file or folder \(relative to "
+                                        r".*\), and as a Hugging Face Hub dataset 'corpus/train' it could not be "
+                                        r"loaded \(.*\); Hub datasets need a network") as error:
+        load_documents("corpus/train", cache_dir=tmp_path / "hf")
+    assert "\n" not in str(error.value)
+
+
+def test_hub_failure_is_one_line_with_its_cause(tmp_path, monkeypatch):
+    """A Hub load that fails (here: no network, simulated) names the source and the cause."""
+    def unreachable(**kwargs):
+        raise ConnectionError("Couldn't reach 'owner/name' on the Hub\n(LocalEntryNotFoundError)")
+    monkeypatch.setattr(sources_module.datasets, "load_dataset", unreachable)
+    with pytest.raises(DataError) as error:
+        load_documents("hf:owner/name", cache_dir=tmp_path / "hf")
+    message = str(error.value)
+    assert "\n" not in message and "ConnectionError: Couldn't reach 'owner/name'" in message
+    assert message.startswith("data.source 'hf:owner/name': the Hugging Face Hub dataset 'owner/name'")
+
+
+@pytest.mark.parametrize("suffix,content,where", [
+    (".jsonl", '{"text": "one"}\n\n{"text": "two"\n{"text": "three"}\n', "line 3: not valid JSON"),
+    (".jsonl", '{"text": "one"}\n["a list"]\n', "line 2: a JSON list, not an object"),
+    (".json", '[{"text": "one"},\n {"text": "two"}\n', "line 3, column 1: not valid JSON"),
+])
+def test_malformed_json_corpus_names_the_file_and_line(tmp_path, suffix, content, where):
+    path = tmp_path / f"corpus{suffix}"
+    path.write_text(content)
+    with pytest.raises(DataError, match=rf"corpus file '{path}', {where}") as error:
+        load_documents(str(path), cache_dir=tmp_path / "hf")
+    assert "\n" not in str(error.value)
 
 
 def test_malformed_hf_spec_is_rejected():

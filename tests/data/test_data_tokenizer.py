@@ -18,6 +18,7 @@ from spillway.data import (
     padded_vocab_size,
     train_tokenizer,
 )
+from spillway.layers.errors import DataError
 from tiny_corpus import make_documents
 
 
@@ -103,6 +104,21 @@ def test_vocab_too_small_for_the_characters_is_explained():
 def test_vocab_too_large_for_the_corpus_is_explained():
     with pytest.raises(ValueError, match="vocab_size=20000 is too large for this corpus.*at most \\d+"):
         train_tokenizer(make_documents(10), vocab_size=20000)
+
+
+def test_corpus_too_small_for_the_vocabulary_is_one_error_with_its_size():
+    """Two lines of text: sentencepiece's own check (a sample of <= 100 lines) must not be what the user sees."""
+    with pytest.raises(DataError, match=r"vocab_size=2048 is too large for this corpus: sentencepiece can build "
+                                        r"at most \d+ pieces from its 25 characters \(2 lines\)") as error:
+        train_tokenizer(["def f(x):\n    return x + 1\n"], vocab_size=2048)
+    assert "\n" not in str(error.value)
+
+
+def test_a_corpus_of_100_lines_or_fewer_trains_when_the_vocabulary_fits():
+    """sentencepiece refuses input_sentence_size <= 100; a short corpus must still train."""
+    documents = make_documents(1)
+    assert sum(len(text.splitlines()) for text in documents) <= 100
+    assert train_tokenizer(documents, vocab_size=380).vocab_size == 380
 
 
 def test_empty_training_text_is_rejected():

@@ -1,4 +1,12 @@
-"""OffloadPolicy and RematPlan: every preset gives the no-remat loss and gradients; bad specs fail loudly."""
+"""OffloadPolicy and RematPlan: every preset gives the no-remat loss and gradients, copies what it names to
+host memory in the jaxpr; bad specs fail loudly.
+
+On CPU, memory kinds lower to no-ops: a CPU run cannot see where a value
+lives, only that the numbers are right. Placement is asserted where it shows:
+in the jaxpr here (the `device_put` to host that remat's partial evaluation
+inserts for each offloaded residual), and in the compiled HLO of the
+deviceless GPU compiles (tests/recipes/test_aot.py, test_planner.py).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +17,7 @@ from flax import nnx
 from spillway.layers import names
 from spillway.layers.sharding import create_sharded
 from spillway.layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, preset
+from spillway.layers.stack import host_offloaded_names
 from spillway.models.llama import Llama, llama_config
 
 
@@ -44,11 +53,43 @@ CUSTOM = OffloadPolicy.of({names.QKV: "host", names.MLP_HIDDEN: "device", names.
 @pytest.mark.parametrize("remat", sorted(PRESETS) + [CUSTOM, "offload_dots:1,save_dots:1,recompute_all",
                                                      OffloadPolicy.of({names.MLP_OUT: "recompute"}, default="device")],
                          ids=str)
-def test_every_policy_matches_no_remat(remat, params, reference):
+def test_every_policy_gives_the_no_remat_loss_and_gradients(remat, params, reference):
     ref_loss, ref_grads = reference
     loss, grads = loss_and_grads(remat, params)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+def offloaded_in_jaxpr(remat) -> dict[str, int]:
+    cfg = llama_config("tiny_odd")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat=remat)))
+    tokens = jnp.zeros((2, 9), jnp.int32)
+
+    def loss(state):
+        return jnp.mean(nnx.merge(graphdef, state)(tokens).astype(jnp.float32) ** 2)
+    return dict(host_offloaded_names(jax.make_jaxpr(jax.grad(loss))(state)))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_preset_copies_to_host_exactly_the_names_it_offloads(name):
+    """What the backward pass reads and the policy sends to host is copied there; nothing else is.
+
+    MLP_OUT is never read back (the backward of a residual add needs no values), so offloading it
+    copies nothing. The MLP's hidden activation is two tagged values (gate and up).
+    """
+    policy = PRESETS[name]
+    wanted = set(policy.names_with(Placement.HOST)) - {names.MLP_OUT} if policy.remat else set()
+    found = offloaded_in_jaxpr(name)
+    assert set(found) == wanted, (name, found)
+    expected_counts = {names.BLOCK_INPUT: 1, names.QKV: 3, names.ATTN_CONTEXT: 1, names.ATTN_OUT: 1,
+                       names.MLP_HIDDEN: 2}
+    assert found == {n: expected_counts[n] for n in wanted}
+
+
+def test_segments_offload_only_their_layers_names():
+    """Two segments, two scans: the first offloads dots, the second nothing."""
+    assert offloaded_in_jaxpr("offload_dots:1,recompute_all") == offloaded_in_jaxpr("offload_dots")
+    assert offloaded_in_jaxpr("recompute_all:1,offload_inputs") == {names.BLOCK_INPUT: 1}
 
 
 def test_no_remat_is_not_recompute_all():

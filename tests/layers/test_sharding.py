@@ -137,3 +137,23 @@ def test_forward_and_backward_with_activation_constraints_match_single_device(sh
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(grads.layers.blocks.attn.wq.get_value(), ref_grads.layers.blocks.attn.wq.get_value(),
                                rtol=1e-4, atol=1e-6)
+
+
+def test_undivided_dims_lists_what_would_be_replicated():
+    """What `state_shardings` silently replicates, named with its size, the mesh axes and the bytes."""
+    from spillway.layers.sharding import undivided_dims
+    cfg = llama_config("tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130)
+    state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    assert undivided_dims(state, {"data": 1, "fsdp": 2, "tensor": 2}) == []
+    found = {(d.path, d.logical_axis): d for d in undivided_dims(state, {"data": 1, "fsdp": 1, "tensor": 3})}
+    assert set(found) == {("layers.blocks.attn.wq", "heads"), ("layers.blocks.attn.wo", "heads"),
+                          ("layers.blocks.attn.wk", "kv_heads"), ("layers.blocks.attn.wv", "kv_heads"),
+                          ("embed.table", "vocab"), ("head.w", "vocab")}   # mlp_hidden 96 = 3 x 32 splits
+    wq = found["layers.blocks.attn.wq", "heads"]
+    assert (wq.size, wq.mesh_axes, wq.ways) == (4, ("tensor",), 3)
+    assert wq.nbytes == 3 * 64 * 4 * 16 * 4   # layers x d_model x heads x head_dim x fp32
+    # The same decision as the specs: what is listed is what logical_to_spec leaves unsplit.
+    mesh = jax.sharding.AbstractMesh((1, 1, 3), ("data", "fsdp", "tensor"))
+    assert logical_to_spec(("layers", "embed", "heads", "head_dim"), (3, 64, 4, 16), mesh) == P(None, None, None, None)
+    with pytest.raises(ValueError, match=r"mesh.tensor=3 does not divide heads \(4\)"):
+        logical_to_spec(("layers", "embed", "heads", "head_dim"), (3, 64, 4, 16), mesh, strict=True)

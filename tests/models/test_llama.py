@@ -84,7 +84,7 @@ class PostNormBlock(TransformerBlock):
 
 
 @pytest.mark.parametrize("block_cls", [ParallelBlock, PostNormBlock])
-def test_subclassed_blocks_get_every_policy(block_cls):
+def test_subclassed_blocks_give_the_no_remat_gradients_under_offload_policies(block_cls):
     cfg = llama_config("tiny_odd", num_layers=2)
     base = create_sharded(lambda: Llama(cfg, block_cls=block_cls, rngs=nnx.Rngs(0), remat="save_all"))
     assert base.layers.block_names == frozenset(names.ACTIVATION_NAMES)
@@ -100,6 +100,28 @@ def test_subclassed_blocks_get_every_policy(block_cls):
         grads = jax.jit(nnx.grad(loss_fn))(model)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                      nnx.state(grads), nnx.state(ref))
+
+
+@pytest.mark.parametrize("block_cls,reads_attn_out", [(TransformerBlock, True), (ParallelBlock, False),
+                                                     (PostNormBlock, True)])
+def test_subclassed_blocks_copy_their_tagged_activations_to_host(block_cls, reads_attn_out):
+    """Placement, where a CPU run can see it: the jaxpr copies the subclass's tagged values to host
+    (memory kinds are no-ops on CPU; tests/recipes/test_aot.py checks the GPU HLO). What is copied is what
+    the backward pass reads: a parallel block never normalises x + attn_out, so ATTN_OUT stays behind."""
+    from spillway.layers.stack import host_offloaded_names
+
+    def offloaded(cls):
+        cfg = llama_config("tiny_odd", num_layers=2)
+        graphdef, state = nnx.split(nnx.eval_shape(
+            lambda: Llama(cfg, block_cls=cls, rngs=nnx.Rngs(0), remat="offload_dots")))
+        tokens = jnp.zeros((2, 9), jnp.int32)
+
+        def loss(state):
+            return jnp.mean(nnx.merge(graphdef, state)(tokens).astype(jnp.float32) ** 2)
+        return dict(host_offloaded_names(jax.make_jaxpr(jax.grad(loss))(state)))
+
+    expected = {names.QKV: 3, names.ATTN_CONTEXT: 1, names.MLP_HIDDEN: 2}
+    assert offloaded(block_cls) == ({**expected, names.ATTN_OUT: 1} if reads_attn_out else expected)
 
 
 def test_block_that_skips_a_name_rejects_policies_for_it():

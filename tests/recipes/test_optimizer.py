@@ -44,6 +44,8 @@ STACKED = {"embed": False, "blocks": {"w": True, "norm": True}, "head": False}
 STREAM_AXIS = {"embed": 0, "blocks": {"w": None, "norm": None}, "head": 1}
 # With this piece size the embedding and head go in 4 pieces each.
 SMALL_PIECES = 64
+# A schedule longer than OptimizerConfig()'s default warmup, for tests that do not look at it.
+LONG_SCHEDULE = 1000
 
 
 def toy_layouts(memory: str, master: bool):
@@ -62,7 +64,7 @@ def toy_grads(params, step, scale):
 def reference_chain(cfg: OptimizerConfig):
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
-        optax.adamw(opt_lib.make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        optax.adamw(opt_lib.make_schedule(cfg, STEPS), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                     weight_decay=cfg.weight_decay, mask=DECAY))
 
 
@@ -78,13 +80,14 @@ def host_leaves(opt_state, layouts):
     return out
 
 
-def run_against_optax(cfg: OptimizerConfig, param_dtype, grad_scale: float, stream_prefetch: bool = True,
-                      piece_elements: int = opt_lib.streaming.PIECE_ELEMENTS):
+def run_against_optax(cfg: OptimizerConfig, memory: str, param_dtype, grad_scale: float,
+                      stream_prefetch: bool = True, piece_elements: int = opt_lib.streaming.PIECE_ELEMENTS):
     """20 jitted steps of our optimizer and of the optax chain (on fp32 masters); returns both."""
     params = toy_params(param_dtype)
     master_ref = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-    layouts = toy_layouts(cfg.state_memory, master=param_dtype != jnp.float32 and cfg.master_weights)
-    opt = Optimizer(cfg, layouts, stream_prefetch=stream_prefetch, stream_piece_elements=piece_elements)
+    layouts = toy_layouts(memory, master=param_dtype != jnp.float32 and cfg.master_weights)
+    opt = Optimizer(cfg, layouts, total_steps=STEPS, stream_prefetch=stream_prefetch,
+                    stream_piece_elements=piece_elements)
     tx = reference_chain(cfg)
     opt_state, ref_state = opt.init(params), tx.init(master_ref)
     for _, leaf in host_leaves(opt_state, layouts):
@@ -127,10 +130,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp32_params_match_optax(case):
     memory, on_host, scale, clip, prefetch, piece_elements = CASES[case]
-    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, total_steps=STEPS, state_memory=memory,
-                          update_on_host=on_host, clip_norm=clip)
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, update_on_host=on_host, clip_norm=clip)
     params, opt_state, ref_params, ref_state, layouts, norms = run_against_optax(
-        cfg, jnp.float32, scale, prefetch, piece_elements)
+        cfg, memory, jnp.float32, scale, prefetch, piece_elements)
     if clip is not None:
         assert all(ours > clip for ours, _ in norms), "grad scale should make clipping active"
     np.testing.assert_allclose(*zip(*norms), rtol=1e-6)
@@ -149,9 +151,8 @@ def test_fp32_params_match_optax(case):
 @pytest.mark.parametrize("memory,on_host,piece_elements", [("device", False, WHOLE), ("host", False, WHOLE),
                                                           ("host", False, SMALL_PIECES), ("host", True, WHOLE)])
 def test_bf16_params_with_master_weights_match_optax_on_fp32_masters(memory, on_host, piece_elements):
-    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, total_steps=STEPS, state_memory=memory,
-                          update_on_host=on_host)
-    params, opt_state, ref_master, _, layouts, _ = run_against_optax(cfg, jnp.bfloat16, 10.0,
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, update_on_host=on_host)
+    params, opt_state, ref_master, _, layouts, _ = run_against_optax(cfg, memory, jnp.bfloat16, 10.0,
                                                                      piece_elements=piece_elements)
     assert_tree_close(opt_state.master, ref_master)
     for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(ref_master)):
@@ -165,10 +166,9 @@ def test_bf16_params_with_master_weights_match_optax_on_fp32_masters(memory, on_
 
 def test_weight_decay_mask_is_respected():
     """With zero gradients only weight decay moves parameters: exactly the decayed leaves shrink."""
-    cfg = OptimizerConfig(learning_rate=0.1, warmup_steps=0, total_steps=10, state_memory="host",
-                          weight_decay=0.5)
+    cfg = OptimizerConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.5)
     params = toy_params()
-    opt = Optimizer(cfg, toy_layouts("host", master=False))
+    opt = Optimizer(cfg, toy_layouts("host", master=False), total_steps=10)
     grads = jax.tree.map(jnp.zeros_like, params)
     new_params, _, _ = jax.jit(opt.update)(grads, opt.init(params), params)
     for decayed, old, new in zip(jax.tree.leaves(DECAY), jax.tree.leaves(params), jax.tree.leaves(new_params)):
@@ -180,9 +180,9 @@ def test_weight_decay_mask_is_respected():
 
 def test_mixed_placement_and_bf16_grads():
     """Host blocks, device embedding/head; bf16 grads on fp32 params equal optax on the upcast grads."""
-    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=STEPS)
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=2)
     layouts = jax.tree.map(lambda s, d: LeafLayout(s, "host" if s else "device", d), STACKED, DECAY)
-    opt, tx = Optimizer(cfg, layouts), reference_chain(cfg)
+    opt, tx = Optimizer(cfg, layouts, total_steps=STEPS), reference_chain(cfg)
     params = ref = toy_params()
     state, ref_state = opt.init(params), tx.init(ref)
     assert state.mu["blocks"]["w"].sharding.memory_kind == "pinned_host"
@@ -202,8 +202,8 @@ def test_mixed_placement_and_bf16_grads():
 
 
 def test_schedule_warmup_then_cosine_to_min_ratio():
-    cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
-    schedule = opt_lib.make_schedule(cfg)
+    cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    schedule = opt_lib.make_schedule(cfg, 110)
     np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
                                [0.0, 0.5, 1.0, 0.55, 0.1], rtol=1e-6, atol=1e-7)
 
@@ -216,16 +216,15 @@ def fsdp_specs():
 
 
 def test_state_shares_param_fsdp_sharding_on_8_devices():
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 devices: tests/conftest.py sets --xla_force_host_platform_device_count=8")
+    assert len(jax.devices()) >= 8, "tests/conftest.py sets --xla_force_host_platform_device_count=8"
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("data", "fsdp"))
     param_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), fsdp_specs())
-    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=STEPS)
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=2)
     layouts = jax.tree.map(lambda s, d, a: LeafLayout(s, "device" if s is False and d is False else "host", d,
                                                       stream_axis=a),
                            STACKED, DECAY, STREAM_AXIS)  # the embedding's state stays on device, the rest on host
     # The head (sharded over fsdp on axis 0) streams in pieces along its unsharded axis 1.
-    opt, tx = Optimizer(cfg, layouts, stream_piece_elements=SMALL_PIECES), reference_chain(cfg)
+    opt, tx = Optimizer(cfg, layouts, total_steps=STEPS, stream_piece_elements=SMALL_PIECES), reference_chain(cfg)
     state_sh = opt.state_shardings(param_sh)
     params = jax.device_put(toy_params(), param_sh)
     state = jax.jit(opt.init, out_shardings=state_sh)(params)
@@ -249,11 +248,11 @@ def test_state_shares_param_fsdp_sharding_on_8_devices():
 
 
 def test_orbax_roundtrip_keeps_host_state_in_pinned_host(tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint")
+    import orbax.checkpoint as ocp   # a hard dependency: missing, this test fails
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
     param_sh = jax.tree.map(lambda _: NamedSharding(mesh, P()), STACKED)
-    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=STEPS, state_memory="host")
-    opt = Optimizer(cfg, toy_layouts("host", master=True))
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=1)
+    opt = Optimizer(cfg, toy_layouts("host", master=True), total_steps=STEPS)
     params = jax.device_put(toy_params(jnp.bfloat16), param_sh)
     state = opt.init(params)
     params, state, _ = jax.jit(opt.update)(toy_grads(params, 0, 1.0), state, params)
@@ -289,15 +288,15 @@ def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
             self.norm = nnx.Param(jnp.ones((LAYERS, 16), jnp.float32), logical_axes=(names.LAYERS, names.NORM),
                                   optimizer_memory="device")
 
-    cfg = OptimizerConfig(state_memory="host")
+    cfg = OptimizerConfig()
     state = nnx.state(Toy(), nnx.Param)
-    layouts = opt_lib.make_layouts(state, cfg)
+    layouts = opt_lib.make_layouts(state, cfg, state_memory="host")
     assert layouts["embed"] == LeafLayout(stacked=False, state_memory="host", decay=False, master=True,
                                           stream_axis=0)
     assert layouts["w"] == LeafLayout(stacked=True, state_memory="host", decay=True, master=True)
     assert layouts["norm"] == LeafLayout(stacked=True, state_memory="device", decay=False, master=False)
 
-    opt = Optimizer(cfg, layouts)
+    opt = Optimizer(cfg, layouts, total_steps=LONG_SCHEDULE)
     opt_state = opt.init(state)
     assert opt_state.master["w"].get_value().sharding.memory_kind == "pinned_host"
     grads = jax.tree.map(jnp.ones_like, state)
@@ -310,7 +309,7 @@ def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
 
 def test_bad_state_memory_is_rejected():
     with pytest.raises(ValueError, match="state_memory"):
-        OptimizerConfig(state_memory="hbm")
+        opt_lib.make_layouts({"w": jnp.ones((2, 2))}, OptimizerConfig(), state_memory="hbm")
     with pytest.raises(ValueError, match="state_memory"):
         LeafLayout(stacked=False, state_memory="cpu", decay=True)
 
@@ -319,8 +318,9 @@ def test_host_state_without_pinned_host_memory_is_rejected(monkeypatch):
     assert opt_lib.host_memory_available()  # CPU JAX exposes pinned_host
     monkeypatch.setattr(opt_lib, "host_memory_available", lambda device=None: False)
     with pytest.raises(ValueError, match="pinned_host"):
-        Optimizer(OptimizerConfig(state_memory="host"), toy_layouts("host", master=False))
-    Optimizer(OptimizerConfig(), toy_layouts("device", master=False))  # device state needs nothing
+        Optimizer(OptimizerConfig(), toy_layouts("host", master=False), total_steps=LONG_SCHEDULE)
+    # Device state needs nothing.
+    Optimizer(OptimizerConfig(), toy_layouts("device", master=False), total_steps=LONG_SCHEDULE)
 
 
 def test_check_host_memory():
@@ -333,8 +333,8 @@ def test_check_host_memory():
 
 
 def test_host_bytes_counts_pinned_state():
-    cfg = OptimizerConfig(state_memory="host")
-    opt = Optimizer(cfg, toy_layouts("host", master=True))
+    cfg = OptimizerConfig()
+    opt = Optimizer(cfg, toy_layouts("host", master=True), total_steps=LONG_SCHEDULE)
     params = toy_params(jnp.bfloat16)
     n_params = sum(p.size for p in jax.tree.leaves(params))
     # before init allocates anything, from shapes and shardings alone
@@ -345,13 +345,38 @@ def test_host_bytes_counts_pinned_state():
 def test_layout_and_dtype_mismatches_are_rejected():
     cfg = OptimizerConfig()
     with pytest.raises(ValueError, match="do not match the layout tree"):
-        Optimizer(cfg, toy_layouts("device", master=False)).init({"embed": jnp.ones((32, 8))})
+        Optimizer(cfg, toy_layouts("device", master=False),
+                  total_steps=LONG_SCHEDULE).init({"embed": jnp.ones((32, 8))})
     with pytest.raises(ValueError, match="master=False"):
-        Optimizer(cfg, toy_layouts("device", master=False)).init(toy_params(jnp.bfloat16))
+        Optimizer(cfg, toy_layouts("device", master=False), total_steps=LONG_SCHEDULE).init(toy_params(jnp.bfloat16))
     with pytest.raises(ValueError, match="master_weights is False"):
-        Optimizer(dataclasses.replace(cfg, master_weights=False), toy_layouts("device", master=True))
+        Optimizer(dataclasses.replace(cfg, master_weights=False), toy_layouts("device", master=True),
+                  total_steps=LONG_SCHEDULE)
     with pytest.raises(ValueError, match="clip_norm"):
         OptimizerConfig(clip_norm=0.0)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("learning_rate", 0.0, "optimizer.learning_rate must be positive"),
+    ("learning_rate", -1e-3, "optimizer.learning_rate must be positive"),
+    ("eps", 0.0, "optimizer.eps must be positive"),
+    ("warmup_steps", -1, "optimizer.warmup_steps must be zero or positive"),
+    ("weight_decay", -0.1, "optimizer.weight_decay must be zero or positive"),
+    ("b1", 1.0, r"optimizer.b1 must be in \[0, 1\)"),
+    ("b2", -0.5, r"optimizer.b2 must be in \[0, 1\)"),
+    ("min_lr_ratio", 1.5, r"optimizer.min_lr_ratio must be in \[0, 1\]"),
+])
+def test_hyperparameters_that_cannot_work_are_config_errors(field, value, message):
+    from spillway.layers.errors import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        OptimizerConfig(**{field: value})
+
+
+def test_schedule_needs_steps_past_the_warmup():
+    with pytest.raises(ValueError, match=r"warmup_steps \(10\) must be fewer than the schedule's 10 steps"):
+        opt_lib.make_schedule(OptimizerConfig(warmup_steps=10), 10)
+    with pytest.raises(ValueError, match="total_steps must be a positive integer"):
+        Optimizer(OptimizerConfig(), toy_layouts("device", master=False), total_steps=0)
 
 
 def test_donation_guard():

@@ -1,0 +1,167 @@
+"""The Recipe as data: one field per setting, values that cannot work refused before anything runs,
+JSON round-trips, and recipe.json files written by earlier versions still load."""
+
+import dataclasses
+import json
+
+import pytest
+
+from spillway.layers.errors import ConfigError, SpillwayError
+from spillway.recipes.config import DERIVED_FIELDS, Recipe, apply_overrides
+from spillway.recipes.registry import get_recipe, recipe_names
+
+
+def tiny(*overrides):
+    return get_recipe("tiny", list(overrides))
+
+
+# --- one source of truth ------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,points_to", [("optimizer.total_steps", "train.steps"),
+                                             ("optimizer.state_memory", "offload.optimizer_state")])
+def test_a_derived_setting_cannot_be_set(path, points_to):
+    assert path in DERIVED_FIELDS
+    with pytest.raises(ConfigError, match=rf"{path} cannot be set: .*{points_to}"):
+        tiny(f"{path}=5")
+
+
+def test_the_optimizer_section_holds_no_copy_of_train_or_offload_settings():
+    fields = {f.name for f in dataclasses.fields(tiny().optimizer)}
+    assert not fields & {"total_steps", "state_memory"}
+    saved = tiny().to_dict()
+    assert "total_steps" not in saved["optimizer"] and "state_memory" not in saved["optimizer"]
+
+
+def test_the_optimizer_runs_on_train_steps_and_offload_placement():
+    """The built optimizer reads its schedule length and state placement from the one field each."""
+    from spillway.layers.sharding import make_mesh
+    from spillway.recipes.train.step import abstract_setup
+    import jax
+
+    recipe = tiny("train.steps=321", "offload.optimizer_state=host")
+    s = abstract_setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]), platform="cpu")
+    assert s.optimizer.total_steps == 321
+    assert {layout.state_memory for layout in s.optimizer._layouts} == {"host"}
+    # Shorter than the warmup (30 steps in `tiny`): the schedule still ends one step past it.
+    assert tiny("train.steps=5").schedule_steps == 31
+
+
+# --- JSON round-trips and old files ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_every_recipe_round_trips_through_json(name):
+    recipe = get_recipe(name)
+    assert Recipe.from_dict(json.loads(recipe.to_json())) == recipe
+
+
+def test_recipe_json_with_the_fields_that_used_to_be_overwritten_loads_unchanged():
+    """recipe.json files written before this change carry optimizer.total_steps and state_memory,
+    which the run overwrote with train.steps and offload.optimizer_state: dropping them changes nothing."""
+    recipe = tiny("train.steps=77", "offload.optimizer_state=host")
+    old = recipe.to_dict()
+    old["optimizer"].update(total_steps=77, state_memory="host")
+    assert Recipe.from_dict(json.loads(json.dumps(old))) == recipe
+
+
+def test_recipe_json_from_before_families_loads():
+    recipe = tiny()
+    old = recipe.to_dict()
+    del old["family"]
+    old["model"].update(old.pop("execution"), remat="save_all")
+    old["optimizer"].update(total_steps=500, state_memory="device")
+    assert Recipe.from_dict(old) == recipe
+
+
+def test_recipe_json_errors_name_the_field():
+    broken = tiny().to_dict()
+    broken["train"]["steps"] = 0
+    with pytest.raises(ConfigError, match="train.steps must be positive, got 0"):
+        Recipe.from_dict(broken)
+    del broken["model"]["d_model"]
+    with pytest.raises(ConfigError, match=r"missing field\(s\) \['d_model'\] in model"):
+        Recipe.from_dict(broken)
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        Recipe.from_dict([1, 2])
+
+
+# --- values that cannot work ----------------------------------------------------------------
+
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=0", "train.steps must be positive, got 0"),
+    ("train.steps=-3", "train.steps must be positive, got -3"),
+    ("train.grad_accum=0", "train.grad_accum must be positive, got 0"),
+    ("train.log_every=0", "train.log_every must be positive, got 0"),
+    ("train.global_batch=0", "train.global_batch must be positive, got 0"),
+    ("train.eval_batches=0", "train.eval_batches must be positive"),
+    ("train.eval_every=-1", "train.eval_every must be zero or positive"),
+    ("train.loss_chunk=-8", "train.loss_chunk must be zero or positive"),
+    ("train.sample_tokens=-1", "train.sample_tokens must be zero or positive"),
+    ("train.seed=-1", "train.seed must be zero or positive"),
+    ("train.profile_steps=5:2", "train.profile_steps must be 'START:STOP' with STOP > START"),
+    ("train.grad_accum=3", r"train.grad_accum \(3\) does not divide train.global_batch \(16\)"),
+    ("train.loss_chunk=48", r"train.loss_chunk \(48\) must divide data.seq_len \(128\)"),
+    ("data.seq_len=0", "data.seq_len must be positive"),
+    ("data.seq_len=4096", r"data.seq_len \(4096\) exceeds model.max_seq_len \(128\)"),
+    ("data.val_fraction=1.0", r"data.val_fraction must be in \[0, 1\)"),
+    ("data.val_fraction=0", "there is no validation data, but train.eval_every is 100"),
+    ("data.num_proc=0", "data.num_proc must be positive"),
+    ("data.max_tokens=0", "data.max_tokens must be positive"),
+    ("data.tokenizer_type=wordpiece", "data.tokenizer_type must be one of"),
+    ("checkpoint.every_steps=0", "checkpoint.every_steps must be positive"),
+    ("checkpoint.keep=0", "checkpoint.keep must be positive"),
+    ("mesh.data=0", "mesh.data must be a positive number of devices or -1"),
+    ("mesh.tensor=-2", "mesh.tensor must be a positive number of devices or -1"),
+    ("mesh.data=-1", "at most one mesh axis may be -1"),
+    ("offload.activations=nonsense", "offload.activations: unknown offload preset 'nonsense'"),
+    ("offload.activations=offload_dots:9,recompute_all", "boundary 9 is beyond the stack's 4 layers"),
+    ("offload.optimizer_state=hbm", "offload.optimizer_state must be one of"),
+    ("optimizer.learning_rate=0", "optimizer.learning_rate must be positive"),
+    ("optimizer.eps=0", "optimizer.eps must be positive"),
+    ("execution.flash_block_size=0", "execution.flash_block_size must be positive"),
+    ("execution.init_std=0", "execution.init_std must be positive"),
+    ("execution.dtype=float33", "execution.dtype: 'float33' is not a dtype"),
+    ("model.d_model=0", "d_model must be positive"),
+    ("model.vocab_size=-5", "vocab_size must be positive"),
+    ("model.max_seq_len=0", "max_seq_len must be positive"),
+    ("model.norm_eps=0", "norm_eps must be positive"),
+    ("model.rope_theta=-1", "rope_theta must be positive"),
+    ("model.head_dim=0", "head_dim must be positive"),
+    ("model.rope_scaling.factor=0", "rope_scaling.factor must be positive"),
+])
+def test_values_that_cannot_work_are_one_config_error(override, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        tiny(override)
+    assert isinstance(error.value, SpillwayError) and isinstance(error.value, ValueError)
+    assert "\n" not in str(error.value)
+
+
+def test_zero_means_off_where_the_field_says_so():
+    recipe = tiny("train.eval_every=0", "data.val_fraction=0", "train.loss_chunk=0", "train.sample_tokens=0")
+    assert recipe.train.eval_every == 0 and recipe.train.loss_chunk == 0
+    assert tiny("train.loss_chunk=32").train.loss_chunk == 32           # divides 128
+    assert tiny("train.loss_chunk=4096").train.loss_chunk == 4096       # longer than the sequence: one chunk
+
+
+def test_sections_built_in_python_are_checked_too():
+    from spillway.recipes.config import TrainConfig
+    with pytest.raises(ConfigError, match="train.steps must be positive"):
+        TrainConfig(steps=0)
+    with pytest.raises(ConfigError, match="train must be a TrainConfig"):
+        dataclasses.replace(tiny(), train={"steps": 3})
+
+
+def test_unknown_and_malformed_overrides():
+    with pytest.raises(ConfigError, match="unknown field 'train.stepz'"):
+        tiny("train.stepz=3")
+    with pytest.raises(ConfigError, match="--set expects key=value"):
+        apply_overrides(tiny(), ["train.steps"])
+    with pytest.raises(ConfigError, match="train.steps: expected an integer, got 'many'"):
+        tiny("train.steps=many")
+
+
+def test_block_class_is_resolved_when_the_recipe_is_built():
+    assert tiny("block=spillway.layers.block:TransformerBlock").block_class().__name__ == "TransformerBlock"
+    with pytest.raises(ConfigError, match="block: cannot import module 'no_such_module'"):
+        tiny("block=no_such_module:Block")
+    with pytest.raises(ConfigError, match="is not a TransformerBlock subclass"):
+        tiny("block=spillway.layers.norm:RMSNorm")
