@@ -49,13 +49,13 @@ test-all: $(STAMP) gpu-plugin
 
 # The whole suite (slow tests included) in each of the other tested environments.
 test-jax011:
-	$(MAKE) test-all VENV=.venv-jax011 PYTHON=$(PYTHON312) EXTRAS=test CONSTRAINTS=constraints/jax011.txt
+	SPILLWAY_ENV_WITHOUT_TORCH=1 $(MAKE) test-all VENV=.venv-jax011 PYTHON=$(PYTHON312) EXTRAS=test CONSTRAINTS=constraints/jax011.txt
 
 test-newest:
-	$(MAKE) test-all VENV=.venv-newest PYTHON=$(PYTHON313) EXTRAS=test CONSTRAINTS=constraints/newest.txt
+	SPILLWAY_ENV_WITHOUT_TORCH=1 $(MAKE) test-all VENV=.venv-newest PYTHON=$(PYTHON313) EXTRAS=test CONSTRAINTS=constraints/newest.txt
 
 test-unpinned:
-	$(MAKE) test-all VENV=.venv-unpinned PYTHON=$(PYTHON313) EXTRAS=test
+	SPILLWAY_ENV_WITHOUT_TORCH=1 $(MAKE) test-all VENV=.venv-unpinned PYTHON=$(PYTHON313) EXTRAS=test
 
 freeze-newest:
 	@test -x .venv-unpinned/bin/python || { echo "run make test-unpinned first"; exit 1; }
