@@ -27,7 +27,8 @@ from spillway.recipes.train.optimizer import OptimizerConfig
 class DataConfig:
     source: str = "builtin:stdlib"        # see data/sources.py: builtin:stdlib, path, or a Hub name
     text_field: str = "text"
-    tokenizer: str | None = None          # path to a sentencepiece .model; None trains one on the corpus
+    tokenizer: str | None = None          # tokenizer.json, a sentencepiece .model, or a directory holding either;
+                                          # None: the init_from=hf: checkpoint's, else one trained on the corpus
     tokenizer_type: str = "bpe"           # "bpe" | "unigram" when training
     seq_len: int = 256
     val_fraction: float = 0.02

@@ -132,7 +132,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
 
     logger = RunLogger(run_dir, enabled=main)
     if main:
-        tokenizer.save(run_dir / "tokenizer.model")  # `spillway generate RUN_DIR` needs it
+        tokenizer.save_to_directory(run_dir)  # `spillway generate RUN_DIR` needs it
     eval_step = jax.jit(make_eval_step(s.graphdef, s.mesh), in_shardings=(s.param_shardings, s.batch_sharding))
     tokens_per_step = cfg.global_batch * packed.seq_len
     flops_per_step = model_flops_per_token(recipe.decoder_spec(), packed.seq_len) * tokens_per_step
