@@ -78,12 +78,14 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     from tqdm import tqdm
 
     from spillway.data import eval_batches
-    from spillway.recipes.train.checkpoint import SIGTERM_EXIT_STATUS, RunCheckpointer, restore_params_only
+    from spillway.recipes.train.checkpoint import SIGTERM_EXIT_STATUS, RunCheckpointer
     from spillway.recipes.train.data_pipeline import prepare, train_loader
+    from spillway.recipes.train.init_weights import load_init_weights, resolve_init_from
 
     distributed.maybe_initialize()
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
+    recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model; it brings its tokenizer
     cfg = recipe.train
     profile = _parse_profile(cfg.profile_steps)
 
@@ -120,10 +122,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
         step = int(restored["meta"]["step"])
         say(f"resumed from {run_dir / 'checkpoints'} at step {step}")
     elif recipe.checkpoint.init_from:
-        params, meta = restore_params_only(recipe.checkpoint.init_from,
-                                           abstract_with_shardings(params, s.param_shardings))
-        say(f"fine-tuning from {recipe.checkpoint.init_from} (weights of step {meta.get('step')}); "
-            f"fresh optimizer state and schedule")
+        params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
 
     def save(at_step: int, force: bool = False):
         checkpointer.save(at_step, params=params, opt_state=opt_state, loader_state=loader.state(),
@@ -193,7 +192,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                         if main else None
                     window_start, window_steps = time.perf_counter(), 0
                 if checkpointer.should_save(step) or step == cfg.steps:
-                    save(step)
+                    save(step, force=True)  # the checkpointer alone would skip a last step off its period
                 bar.update(1)
                 if stop_after is not None and step - first_step >= stop_after and step < cfg.steps:
                     save(step, force=True)
