@@ -56,7 +56,8 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3
     async_save: bool = True
-    init_from: str | None = None          # fine-tune: load weights (only) from this checkpoint dir or step dir
+    init_from: str | None = None          # fine-tune: weights (only) of a run dir or step dir, or hf:DIR
+                                          # (a Hugging Face checkpoint; recipes/train/init_weights.py)
 
 
 @dataclasses.dataclass(frozen=True)

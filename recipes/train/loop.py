@@ -103,16 +103,18 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     if recipe.offload.optimizer_state == "host":
         # Before allocating: pinned memory the host cannot give fails here, not mid-init.
         check_host_memory(s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings)))
-    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
-    params = s.params
-    loader = train_loader(packed, recipe, jax.process_index(), jax.process_count())
-
     run_dir = Path(recipe.run_dir)
     checkpointer = RunCheckpointer(run_dir / "checkpoints", keep=recipe.checkpoint.keep,
                                    every_steps=recipe.checkpoint.every_steps,
                                    async_save=recipe.checkpoint.async_save)
-    step = 0
     latest = checkpointer.latest_step() if cfg.resume else None
+    params = s.params
+    if latest is None and recipe.checkpoint.init_from:
+        # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
+        params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
+    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
+    loader = train_loader(packed, recipe, jax.process_index(), jax.process_count())
+    step = 0
     if latest is not None:
         restored = checkpointer.restore(
             latest, abstract_params=abstract_with_shardings(params, s.param_shardings),
@@ -121,8 +123,6 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
         loader.restore(restored["loader_state"])
         step = int(restored["meta"]["step"])
         say(f"resumed from {run_dir / 'checkpoints'} at step {step}")
-    elif recipe.checkpoint.init_from:
-        params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
 
     def save(at_step: int, force: bool = False):
         checkpointer.save(at_step, params=params, opt_state=opt_state, loader_state=loader.state(),
