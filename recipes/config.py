@@ -20,6 +20,7 @@ from spillway.layers.execution import Execution
 from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import get_family
+from spillway.recipes.blocks import resolve_block_class
 from spillway.recipes.train.optimizer import OptimizerConfig
 
 
@@ -82,7 +83,7 @@ class Recipe:
     family: str                           # a models/ family name (spillway recipes lists them)
     model: Any                            # that family's config (architecture only)
     execution: Execution = Execution()    # dtypes, attention kernel, init scale: shared by all families
-    block: str | None = None              # "package.module:Class" or "package.module.Class": a TransformerBlock subclass
+    block: str | None = None              # "package.module:Class": a TransformerBlock subclass (recipes/blocks.py)
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     offload: OffloadConfig = OffloadConfig()
@@ -107,6 +108,8 @@ class Recipe:
             raise ValueError(f"offload.activations: {err}") from None
         if self.offload.optimizer_state not in ("device", "host"):
             raise ValueError(f"offload.optimizer_state must be 'device' or 'host', got {self.offload.optimizer_state!r}")
+        if self.block is not None:
+            resolve_block_class(self.block)   # a missing module or a wrong class fails here, in one line
 
     @property
     def run_dir(self) -> str:
@@ -144,26 +147,6 @@ class Recipe:
     @classmethod
     def from_dict(cls, d: dict) -> "Recipe":
         return _from_dict(cls, upgrade_legacy_recipe_dict(d), "")
-
-
-def resolve_block_class(path: str) -> type:
-    """Import "package.module:Class" (or "package.module.Class") and check it is a TransformerBlock subclass."""
-    import importlib
-
-    from spillway.layers.block import TransformerBlock
-    module_name, sep, class_name = path.partition(":")
-    if not sep:
-        module_name, _, class_name = path.rpartition(".")
-    if not module_name or not class_name:
-        raise ValueError(f"block: {path!r} is not a dotted path 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"block: cannot import module {module_name!r} ({err})") from None
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, TransformerBlock)):
-        raise ValueError(f"block: {path!r} is not a TransformerBlock subclass")
-    return cls
 
 
 _EXECUTION_FIELDS = ("dtype", "param_dtype", "attention_impl", "flash_block_size", "init_std")
