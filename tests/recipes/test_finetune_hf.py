@@ -232,3 +232,19 @@ def test_bad_init_from_paths_are_explained(hf_checkpoint, data_cache, tmp_path):
     (config_only / "config.json").write_text((hf_checkpoint / "config.json").read_text())
     with pytest.raises(ValueError, match="holds no tokenizer.json or tokenizer.model.*set data.tokenizer"):
         resolve_init_from(get_recipe("tiny", overrides(config_only, data_cache, tmp_path)))
+
+
+def test_the_readme_example_recipe_matches_the_published_llama_3_2_1b_config(tmp_path):
+    """`spillway train llama3_1b --set checkpoint.init_from=hf:.../Llama-3.2-1B` (README): the check passes."""
+    published = {  # meta-llama/Llama-3.2-1B config.json, the fields spillway reads
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "max_position_embeddings": 131072, "tie_word_embeddings": True, "vocab_size": 128256,
+        "bos_token_id": 128000, "eos_token_id": 128001}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    (tmp_path / "tokenizer.json").write_text("{}")   # only its presence matters here
+    recipe = resolve_init_from(get_recipe("llama3_1b", [f"checkpoint.init_from=hf:{tmp_path}"]), lambda *a: None)
+    assert recipe.data.tokenizer == str(tmp_path)
