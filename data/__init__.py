@@ -1,8 +1,8 @@
 """spillway's data pipeline: corpus sources, tokenizers, tokenize-and-pack, resumable batches.
 
-This package depends on numpy, `datasets` and `sentencepiece` only (no JAX;
-of this project only `spillway.layers.errors`, the exception base, which
-imports nothing), so data preparation runs anywhere, quickly.
+This package depends on numpy, `datasets`, `sentencepiece` and `tokenizers`
+only (no JAX; of this project only `spillway.layers.errors`, the exception
+base, which imports nothing), so data preparation runs anywhere, quickly.
 
     docs = load_documents("builtin:stdlib")
     tokenizer = train_tokenizer(docs, vocab_size=4096, cache_dir=".cache/data")
@@ -22,16 +22,15 @@ from .sources import (
     select_text_column,
     source_fingerprint,
 )
+from .hf_tokenizer import HFTokenizer
+from .spm_tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SentencePieceTokenizer, train_tokenizer
 from .tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
+    NoEosTokenError,
     Tokenizer,
     check_vocab,
     load_tokenizer,
     padded_vocab_size,
-    train_tokenizer,
+    tokenizer_file_in,
 )
 
 __all__ = [
@@ -42,9 +41,12 @@ __all__ = [
     "PAD_ID",
     "UNK_ID",
     "BatchLoader",
+    "HFTokenizer",
     "HubSpec",
     "LocalSpec",
+    "NoEosTokenError",
     "PackedData",
+    "SentencePieceTokenizer",
     "Tokenizer",
     "check_vocab",
     "default_corpus_files",
@@ -59,5 +61,6 @@ __all__ = [
     "source_fingerprint",
     "stdlib_root",
     "token_dtype",
+    "tokenizer_file_in",
     "train_tokenizer",
 ]

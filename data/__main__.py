@@ -14,7 +14,7 @@ from pathlib import Path
 from .corpus import BUILTIN_STDLIB
 from .packing import prepare_tokens
 from .sources import load_documents
-from .tokenizer import MODEL_TYPES, train_tokenizer
+from .spm_tokenizer import MODEL_TYPES, train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,30 +1,41 @@
-"""Tokenizers: a picklable sentencepiece wrapper, training with a cache, loading, vocab checks.
+"""The one Tokenizer interface, loading any supported tokenizer from a path, and the vocabulary check.
 
-Training settings are chosen for pretraining on mixed prose and code:
+Two kinds sit behind `Tokenizer`:
 
-- identity normalization, no whitespace collapsing and no dummy prefix, so
-  `decode(encode(text)) == text` exactly (indentation survives);
-- byte fallback by default, so no text is ever `<unk>`: characters the
-  vocabulary lacks (newlines included, see below) become UTF-8 byte pieces;
-  printable ASCII is always in the vocabulary, so with byte fallback the
-  smallest workable vocabulary is about 360 (256 bytes, 4 special ids, 94
-  ASCII characters, plus the corpus's other common characters);
-- fixed special ids: pad 0, unk 1, bos 2, eos 3.
+- `SentencePieceTokenizer` (data/spm_tokenizer.py): a sentencepiece
+  `tokenizer.model`, the kind this project trains, and the kind Mistral and
+  Gemma checkpoints ship;
+- `HFTokenizer` (data/hf_tokenizer.py): a Hugging Face `tokenizer.json`
+  (the `tokenizers` library), which Llama 3 and Qwen checkpoints ship.
 
-Documents are split into lines for training (sentencepiece works on
-"sentences"); a newline therefore never appears inside a learned piece and is
-encoded as the byte piece `<0x0A>`, one token per line break.
+`load_tokenizer(path)` takes a `.json` file, a `.model` file or a directory
+holding either; where a directory holds both (many Hugging Face checkpoints
+do, and they describe the same tokenizer), `tokenizer.json` is read, as
+transformers' fast tokenizers do.
+
+End of sequence: the packing puts the EOS id after every document, so every
+tokenizer must know it. `tokenizer.json` does not say which token it is; the
+files beside it do: `tokenizer_config.json` or `special_tokens_map.json`
+(`eos_token`), else `generation_config.json` or `config.json`
+(`eos_token_id`). A sentencepiece model carries its own EOS id, which those
+files override when they name one. A tokenizer that has none fails when asked
+for it, with a message that says where it looked (`eos_id`).
+
+`save_to_directory` writes the tokenizer file and a `tokenizer_config.json`
+naming its EOS and BOS tokens, so `load_tokenizer(directory)` gives the same
+tokenizer back; a run directory holds one (`spillway generate` reads it).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
+import abc
+import dataclasses
+import json
 import os
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
+<<<<<<< HEAD
 import numpy as np
 import sentencepiece as spm
 
@@ -46,93 +57,175 @@ _ASCII_PRINTABLE = "".join(chr(code) for code in range(33, 127))
 DEFAULT_MAX_SENTENCES = {"bpe": 200_000, "unigram": 50_000}
 # Bumped whenever the training recipe below changes, so old cache entries miss.
 _TRAINING_RECIPE_VERSION = 1
+=======
+HF_TOKENIZER_FILE = "tokenizer.json"
+SPM_TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILES = (HF_TOKENIZER_FILE, SPM_TOKENIZER_FILE)   # in the order a directory is searched
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Where the special tokens of a tokenizer are looked up, beside its file, in this order.
+_TOKEN_FILES = (TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
+_TOKEN_ID_FILES = ("generation_config.json", "config.json")
+>>>>>>> hfinit
 
 
-class Tokenizer:
-    """A sentencepiece model held as its serialized proto.
+class NoEosTokenError(ValueError):
+    """The tokenizer has no end-of-sequence token, and nothing beside it names one."""
 
-    Pickling sends only the proto bytes (a few hundred KB), and the C++
-    processor is rebuilt lazily on first use in each process, which is what
-    `datasets.map(num_proc=...)` workers need.
+
+@dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+    """EOS/BOS as named by the files beside a tokenizer: token strings, or (config.json) ids."""
+
+    eos_token: str | None = None
+    bos_token: str | None = None
+    eos_id: int | None = None
+    source: str | None = None         # the file the EOS came from, for messages
+
+    @property
+    def has_eos(self) -> bool:
+        return self.eos_token is not None or self.eos_id is not None
+
+
+def _token_text(value) -> str | None:
+    # transformers writes special tokens as strings, or (older files) as {"content": "...", ...}.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _first_id(value) -> int | None:
+    # generation_config.json may list several EOS ids (e.g. Llama 3 instruct); the first is the main one.
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not readable JSON: {error}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens:
+    """The EOS and BOS tokens named by the tokenizer's sibling files (see the module docstring)."""
+    directory = Path(directory)
+    eos = bos = None
+    source = None
+    for name in _TOKEN_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        data = _read_json(path)
+        if eos is None and _token_text(data.get("eos_token")):
+            eos, source = _token_text(data.get("eos_token")), str(path)
+        bos = bos or _token_text(data.get("bos_token"))
+    if eos is not None:
+        return SpecialTokens(eos_token=eos, bos_token=bos, source=source)
+    for name in _TOKEN_ID_FILES:
+        path = directory / name
+        if path.is_file():
+            eos_id = _first_id(_read_json(path).get("eos_token_id"))
+            if eos_id is not None:
+                return SpecialTokens(bos_token=bos, eos_id=eos_id, source=str(path))
+    return SpecialTokens(bos_token=bos)
+
+
+def no_eos_message(path: Path | None, kind: str) -> str:
+    where = f"{path}" if path is not None else f"this {kind}"
+    return (f"{where}: no end-of-sequence token: the {kind} names none, and no "
+            f"{' / '.join(_TOKEN_FILES)} (\"eos_token\") or {' / '.join(_TOKEN_ID_FILES)} (\"eos_token_id\") "
+            f"beside it does; documents are packed with an EOS after each, so add "
+            f"{{\"eos_token\": \"<the end token>\"}} to a {TOKENIZER_CONFIG_FILE} beside the tokenizer")
+
+
+class Tokenizer(abc.ABC):
+    """What the data pipeline, the train loop and sampling ask of a tokenizer.
+
+    Implementations pickle cheaply (their serialized form, rebuilt lazily in
+    each process), as `datasets.map(num_proc=...)` workers need.
     """
 
-    def __init__(self, model_proto: bytes, *, path: Path | None = None):
-        self.model_proto = bytes(model_proto)
-        self.path = path
-        self._processor: spm.SentencePieceProcessor | None = None
+    file_name: str          # the name `save_to_directory` gives the tokenizer file
+    path: Path | None
 
     @property
-    def processor(self) -> spm.SentencePieceProcessor:
-        if self._processor is None:
-            self._processor = spm.SentencePieceProcessor(model_proto=self.model_proto)
-        return self._processor
-
-    def __getstate__(self) -> dict:
-        return {"model_proto": self.model_proto, "path": self.path}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model_proto"], path=state["path"])
-
-    def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint[:12]})"
-
-    @property
-    def fingerprint(self) -> str:
-        """SHA-256 of the model proto: equal fingerprints tokenize identically."""
-        return hashlib.sha256(self.model_proto).hexdigest()
-
-    @property
+    @abc.abstractmethod
     def vocab_size(self) -> int:
-        return self.processor.get_piece_size()
+        """One more than the largest id `encode` can emit: the embedding rows the model needs."""
 
     @property
+    @abc.abstractmethod
     def eos_id(self) -> int:
-        return self.processor.eos_id()
+        """The end-of-sequence id; NoEosTokenError (a ValueError) naming where it looked if there is none."""
 
     @property
-    def bos_id(self) -> int:
-        return self.processor.bos_id()
+    @abc.abstractmethod
+    def bos_id(self) -> int | None:
+        """The beginning-of-sequence id, or None."""
 
     @property
-    def pad_id(self) -> int:
-        return self.processor.pad_id()
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """A hash of everything that decides the ids (vocabulary, rules, EOS): equal -> same tokens."""
 
-    @property
-    def unk_id(self) -> int:
-        return self.processor.unk_id()
-
+    @abc.abstractmethod
     def encode(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
-        """Token ids of each text (no BOS/EOS added).
+        """Token ids of each text, with no BOS or EOS added."""
 
-        One thread by default: callers parallelise across processes
-        (`datasets.map(num_proc=...)`), and threads on top would oversubscribe.
-        """
-        if isinstance(texts, str):
-            raise TypeError("encode takes a list of strings; wrap a single text as [text]")
-        return self.processor.encode(list(texts), out_type=int, num_threads=num_threads)
-
+    @abc.abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        return self.processor.decode([int(i) for i in ids])
+        """The text of the ids (special tokens included as their text)."""
 
+    @abc.abstractmethod
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the `.model` file (atomically) and return its path."""
-        path = Path(path)
-        atomic_write_bytes(path, self.model_proto)
-        self.path = path
+        """Write the tokenizer file itself (atomically) at `path`; returns it."""
+
+    @abc.abstractmethod
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of one id (what `tokenizer_config.json` names special tokens by)."""
+
+    def save_to_directory(self, directory: str | os.PathLike) -> Path:
+        """`file_name` and a tokenizer_config.json naming EOS/BOS in `directory`; load_tokenizer reads it back."""
+        from .cache import atomic_write_bytes
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = self.save(directory / self.file_name)
+        config = {"eos_token": self.token_text(self.eos_id)}
+        if self.bos_id is not None:
+            config["bos_token"] = self.token_text(self.bos_id)
+        atomic_write_bytes(directory / TOKENIZER_CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
         return path
 
 
+def tokenizer_file_in(directory: str | os.PathLike) -> Path | None:
+    """The tokenizer file a directory holds (tokenizer.json first, then tokenizer.model), or None."""
+    for name in TOKENIZER_FILES:
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a sentencepiece `.model` file (ours or anyone's)."""
+    """A tokenizer from a `.json` file (Hugging Face), any other file (sentencepiece), or a directory holding
+    tokenizer.json or tokenizer.model. Special tokens come from the files beside it (module docstring)."""
+    from .hf_tokenizer import HFTokenizer
+    from .spm_tokenizer import SentencePieceTokenizer
+
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer model {str(path)!r} does not exist")
-    tokenizer = Tokenizer(path.read_bytes(), path=path)
-    try:
-        tokenizer.processor
-    except RuntimeError as error:
-        raise ValueError(f"{str(path)!r} is not a sentencepiece model: {error}") from None
-    return tokenizer
+    if path.is_dir():
+        found = tokenizer_file_in(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} holds no tokenizer: neither {' nor '.join(TOKENIZER_FILES)}")
+        path = found
+    elif not path.is_file():
+        raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist")
+    special = read_special_tokens(path.parent)
+    if path.suffix == ".json":
+        return HFTokenizer.from_file(path, special)
+    return SentencePieceTokenizer.from_file(path, special)
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
@@ -147,10 +240,11 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     sliver of compute and nothing in quality.
     """
     if tokenizer.vocab_size > model_vocab_size:
+        source = f" (tokenizer {tokenizer.path})" if tokenizer.path is not None else ""
         raise ValueError(
             f"tokenizer vocabulary ({tokenizer.vocab_size} ids) is larger than the model's "
-            f"embedding ({model_vocab_size} rows); set the model's vocab_size to at least "
-            f"{tokenizer.vocab_size} (e.g. {padded_vocab_size(tokenizer.vocab_size)}) or train "
+            f"embedding ({model_vocab_size} rows){source}; set the model's vocab_size to at least "
+            f"{tokenizer.vocab_size} (e.g. {padded_vocab_size(tokenizer.vocab_size)}) or use "
             f"a smaller tokenizer"
         )
 
@@ -158,6 +252,7 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     """`vocab_size` rounded up to a multiple, the size to give a model's embedding."""
     return -(-vocab_size // multiple) * multiple
+<<<<<<< HEAD
 
 
 def _iter_texts(documents: Iterable) -> Iterator[str]:
@@ -319,3 +414,5 @@ def train_tokenizer(
     if cached is not None:
         tokenizer.save(cached)
     return tokenizer
+=======
+>>>>>>> hfinit

@@ -21,6 +21,7 @@ from spillway.layers.execution import Execution
 from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import get_family
+from spillway.recipes.blocks import resolve_block_class
 from spillway.recipes.train.optimizer import OptimizerConfig
 
 
@@ -32,7 +33,8 @@ OPTIMIZER_STATES = ("device", "host")
 class DataConfig:
     source: str = "builtin:stdlib"        # see data/sources.py: builtin:stdlib, path, or a Hub name
     text_field: str = "text"
-    tokenizer: str | None = None          # path to a sentencepiece .model; None trains one on the corpus
+    tokenizer: str | None = None          # tokenizer.json, a sentencepiece .model, or a directory holding either;
+                                          # None: the init_from=hf: checkpoint's, else one trained on the corpus
     tokenizer_type: str = "bpe"           # "bpe" | "unigram" when training
     seq_len: int = 256
     val_fraction: float = 0.02
@@ -88,7 +90,8 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3
     async_save: bool = True
-    init_from: str | None = None          # fine-tune: load weights (only) from this checkpoint dir or step dir
+    init_from: str | None = None          # fine-tune: weights (only) of a run dir or step dir, or hf:DIR
+                                          # (a Hugging Face checkpoint; recipes/train/init_weights.py)
 
     def __post_init__(self):
         require_positive("checkpoint", every_steps=self.every_steps, keep=self.keep)
@@ -144,7 +147,7 @@ class Recipe:
     family: str                           # a models/ family name (spillway recipes lists them)
     model: Any                            # that family's config (architecture only)
     execution: Execution = Execution()    # dtypes, attention kernel, init scale: shared by all families
-    block: str | None = None              # "package.module:Class" or "package.module.Class": a TransformerBlock subclass
+    block: str | None = None              # "package.module:Class": a TransformerBlock subclass (recipes/blocks.py)
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()   # hyperparameters (length: train, placement: offload)
     offload: OffloadConfig = OffloadConfig()
@@ -221,26 +224,6 @@ class Recipe:
     @classmethod
     def from_dict(cls, d: dict) -> "Recipe":
         return _from_dict(cls, upgrade_legacy_recipe_dict(d), "")
-
-
-def resolve_block_class(path: str) -> type:
-    """Import "package.module:Class" (or "package.module.Class") and check it is a TransformerBlock subclass."""
-    import importlib
-
-    from spillway.layers.block import TransformerBlock
-    module_name, sep, class_name = path.partition(":")
-    if not sep:
-        module_name, _, class_name = path.rpartition(".")
-    if not module_name or not class_name:
-        raise ConfigError(f"block: {path!r} is not a dotted path 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"block: cannot import module {module_name!r} ({err})") from None
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, TransformerBlock)):
-        raise ConfigError(f"block: {path!r} is not a TransformerBlock subclass")
-    return cls
 
 
 _EXECUTION_FIELDS = ("dtype", "param_dtype", "attention_impl", "flash_block_size", "init_std")

@@ -7,18 +7,19 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from spillway.data import load_tokenizer
+from spillway.data import load_tokenizer, tokenizer_file_in
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.recipes.config import Recipe
 from spillway.recipes.sampling import generate
 
 
 def _run_dir_of(path: Path) -> Path:
-    """A run dir holds tokenizer.model; accept the run dir, its checkpoints/ dir, or a step dir."""
+    """A run dir holds its tokenizer; accept the run dir, its checkpoints/ dir, or a step dir."""
     for candidate in (path, path.parent, path.parent.parent):
-        if (candidate / "tokenizer.model").is_file():
+        if tokenizer_file_in(candidate) is not None:
             return candidate
-    raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.model found)")
+    raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.json or "
+                            f"tokenizer.model found)")
 
 
 def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_p: float,
@@ -40,7 +41,7 @@ def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tem
     target = abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
     params, _ = restore_params_only(ckpt, target)
     model = nnx.merge(graphdef, params)
-    tokenizer = load_tokenizer(run_dir / "tokenizer.model")
+    tokenizer = load_tokenizer(run_dir)
     prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:

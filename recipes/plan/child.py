@@ -9,6 +9,7 @@ deals the candidates over a few such processes at once (`planner.default_workers
     python -m spillway.recipes.plan.child REQUEST.json
 
 The request (written by planner.py) holds the resolved recipe as a dict, the
+folders to put on sys.path to import the recipe's own block class, the
 target name, the number of GPUs, the candidate plans (activation plan x
 optimizer-state placement) and optionally a search. For each candidate the
 recipe's offload settings are replaced, the train step is built abstractly
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from typing import Any
 
@@ -239,7 +241,12 @@ def main(argv: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     with open(argv[0]) as f:
         request = json.load(f)
-    recipe = Recipe.from_dict(request["recipe"])
+    # Where the parent found the recipe's own block class (recipes/blocks.py import_root).
+    sys.path[:0] = [path for path in request.get("import_paths", []) if path not in sys.path]
+    try:
+        recipe = Recipe.from_dict(request["recipe"])
+    except ValueError as error:   # e.g. a block module this process cannot import: one line for the planner
+        return {"error": f"compile process: {error}"}
     options = request.get("compiler_options")
     try:
         topology = gpu_topology(request["target"], request["devices"])

@@ -532,6 +532,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     `default_workers`). ValueError for bad inputs (unknown GPU, mesh not
     matching, toolchain missing), saying what to do.
     """
+    from spillway.recipes.blocks import import_root
     from spillway.recipes.plan.targets import get_target
 
     started = time.perf_counter()
@@ -554,7 +555,11 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     workers = default_workers(len(todo)) if workers is None else min(workers, len(todo))
-    answer = _run_children({"recipe": compiled_recipe.to_dict(), "target": target.name, "devices": devices,
+    # The compile processes inherit PYTHONPATH and the working directory, not this process's sys.path:
+    # tell them where the recipe's own block class was found.
+    import_paths = [root for root in [import_root(recipe.block) if recipe.block else None] if root]
+    answer = _run_children({"recipe": compiled_recipe.to_dict(), "import_paths": import_paths,
+                            "target": target.name, "devices": devices,
                             "candidates": [c.to_dict() for c in todo], "compiler_options": options,
                             "verify_full_codegen": list(range(min(verify_full_codegen, len(todo)))),
                             "search": search_request}, workers)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spillway.data import BatchLoader, PackedData, Tokenizer, check_vocab, load_documents, load_tokenizer, prepare_tokens, train_tokenizer
+from spillway.data import (BatchLoader, PackedData, Tokenizer, check_vocab, load_documents, load_tokenizer,
+                           prepare_tokens, train_tokenizer)
 from spillway.recipes.train import distributed
 from spillway.recipes.config import Recipe
 
@@ -29,6 +30,8 @@ def prepare(recipe: Recipe) -> tuple[Tokenizer, PackedData]:
     def build():
         tokenizer = load_or_train_tokenizer(recipe)
         check_vocab(tokenizer, recipe.model.vocab_size)
+        # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
+        _ = tokenizer.eos_id
         packed = prepare_tokens(recipe.data.source, tokenizer, seq_len=recipe.data.seq_len,
                                 cache_dir=recipe.data.cache_dir, val_fraction=recipe.data.val_fraction,
                                 num_proc=recipe.data.num_proc, seed=recipe.train.seed,

@@ -78,12 +78,14 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     from tqdm import tqdm
 
     from spillway.data import eval_batches
-    from spillway.recipes.train.checkpoint import SIGTERM_EXIT_STATUS, RunCheckpointer, restore_params_only
+    from spillway.recipes.train.checkpoint import SIGTERM_EXIT_STATUS, RunCheckpointer
     from spillway.recipes.train.data_pipeline import prepare, train_loader
+    from spillway.recipes.train.init_weights import load_init_weights, resolve_init_from
 
     distributed.maybe_initialize()
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
+    recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model; it brings its tokenizer
     cfg = recipe.train
     profile = _parse_profile(cfg.profile_steps)
 
@@ -101,16 +103,18 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     if recipe.offload.optimizer_state == "host":
         # Before allocating: pinned memory the host cannot give fails here, not mid-init.
         check_host_memory(s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings)))
-    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
-    params = s.params
-    loader = train_loader(packed, recipe, jax.process_index(), jax.process_count())
-
     run_dir = Path(recipe.run_dir)
     checkpointer = RunCheckpointer(run_dir / "checkpoints", keep=recipe.checkpoint.keep,
                                    every_steps=recipe.checkpoint.every_steps,
                                    async_save=recipe.checkpoint.async_save)
-    step = 0
     latest = checkpointer.latest_step() if cfg.resume else None
+    params = s.params
+    if latest is None and recipe.checkpoint.init_from:
+        # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
+        params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
+    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
+    loader = train_loader(packed, recipe, jax.process_index(), jax.process_count())
+    step = 0
     if latest is not None:
         restored = checkpointer.restore(
             latest, abstract_params=abstract_with_shardings(params, s.param_shardings),
@@ -119,11 +123,6 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
         loader.restore(restored["loader_state"])
         step = int(restored["meta"]["step"])
         say(f"resumed from {run_dir / 'checkpoints'} at step {step}")
-    elif recipe.checkpoint.init_from:
-        params, meta = restore_params_only(recipe.checkpoint.init_from,
-                                           abstract_with_shardings(params, s.param_shardings))
-        say(f"fine-tuning from {recipe.checkpoint.init_from} (weights of step {meta.get('step')}); "
-            f"fresh optimizer state and schedule")
 
     def save(at_step: int, force: bool = False):
         checkpointer.save(at_step, params=params, opt_state=opt_state, loader_state=loader.state(),
@@ -132,7 +131,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
 
     logger = RunLogger(run_dir, enabled=main)
     if main:
-        tokenizer.save(run_dir / "tokenizer.model")  # `spillway generate RUN_DIR` needs it
+        tokenizer.save_to_directory(run_dir)  # `spillway generate RUN_DIR` needs it
     eval_step = jax.jit(make_eval_step(s.graphdef, s.mesh), in_shardings=(s.param_shardings, s.batch_sharding))
     tokens_per_step = cfg.global_batch * packed.seq_len
     flops_per_step = model_flops_per_token(recipe.decoder_spec(), packed.seq_len) * tokens_per_step
@@ -193,7 +192,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                         if main else None
                     window_start, window_steps = time.perf_counter(), 0
                 if checkpointer.should_save(step) or step == cfg.steps:
-                    save(step)
+                    save(step, force=True)  # the checkpointer alone would skip a last step off its period
                 bar.update(1)
                 if stop_after is not None and step - first_step >= stop_after and step < cfg.steps:
                     save(step, force=True)

@@ -32,10 +32,12 @@ in the state (cfg.master_weights); the new parameter is then
 master.astype(bf16). Without a master copy (master_weights=False) a bf16
 parameter is updated in fp32 and rounded back each step.
 
-Where state lives is decided per parameter by a `LeafLayout` tree;
-`make_layouts` builds one from an nnx.State, reading the parameters'
-`logical_axes` (a leading "layers" axis means stacked) and an optional
-`optimizer_memory` metadata override (layers/params.py).
+Where state lives, and whether weight decay applies, is decided per
+parameter by a `LeafLayout` tree; `make_layouts` builds one from an
+nnx.State, reading the parameters' metadata (layers/params.py):
+`logical_axes` (a leading "layers" axis means stacked), an optional
+`optimizer_memory` override, and `weight_decay` (False on norms, biases and
+embeddings).
 
 Host state is created by the host CPU too (`init`), so initialising never
 needs the state in HBM either.
@@ -212,8 +214,9 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _default_decay(logical_axes: tuple | None, shape: tuple[int, ...], stacked: bool) -> bool:
-    """Decay matrices; not norms, biases (vectors) or the embedding table (vocab-first axes)."""
+def rank_decay(logical_axes: tuple | None, shape: tuple[int, ...], stacked: bool) -> bool:
+    """The fallback for parameters whose metadata does not say: decay matrices; not vectors (norms,
+    biases) or vocab-first tables (embeddings)."""
     from spillway.layers import names
     per_layer_ndim = len(shape) - (1 if stacked else 0)
     if per_layer_ndim < 2:
@@ -237,16 +240,19 @@ def _stream_axis(logical_axes: tuple | None, shape: tuple[int, ...]) -> int | No
 
 
 def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = DEVICE,
-                 decay_fn: Callable[[tuple | None, tuple[int, ...], bool], bool] = _default_decay,
+                 decay_fn: Callable[[tuple | None, tuple[int, ...], bool], bool] | None = None,
                  memory_fn: Callable[[str, Any], str | None] | None = None):
     """A LeafLayout per parameter of `params` (an nnx.State, or a plain tree of arrays).
 
     stacked: the parameter's logical_axes start with "layers". state_memory: a
     `memory_fn(path, leaf)` result if given and not None, else the parameter's
     `optimizer_memory` metadata, else `state_memory` (a recipe passes its
-    offload.optimizer_state). decay:
-    `decay_fn(logical_axes, shape, stacked)`. master: cfg.master_weights and
-    the parameter is not float32.
+    offload.optimizer_state). decay: `decay_fn(logical_axes, shape, stacked)`
+    when given; by default the parameter's `weight_decay` metadata (layers set
+    False on norms, biases and embedding tables, layers/params.py), else
+    `rank_decay`. Metadata comes first because shape cannot tell a 2-D bias
+    ([heads, head_dim] q/k/v biases) from a matrix. master: cfg.master_weights
+    and the parameter is not float32.
     """
     from spillway.layers import names
 
@@ -261,8 +267,13 @@ def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = DEVICE,
         stacked = bool(axes) and axes[0] == names.LAYERS
         memory = (memory_fn(jax.tree_util.keystr(path), leaf) if memory_fn else None) \
             or metadata.get("optimizer_memory") or state_memory
-        return LeafLayout(stacked=stacked, state_memory=memory,
-                          decay=bool(decay_fn(axes, tuple(value.shape), stacked)),
+        if decay_fn is not None:
+            decay = decay_fn(axes, tuple(value.shape), stacked)
+        elif metadata.get("weight_decay") is not None:
+            decay = metadata["weight_decay"]
+        else:
+            decay = rank_decay(axes, tuple(value.shape), stacked)
+        return LeafLayout(stacked=stacked, state_memory=memory, decay=bool(decay),
                           master=cfg.master_weights and jnp.dtype(value.dtype) != jnp.float32,
                           stream_axis=None if stacked else _stream_axis(axes, tuple(value.shape)))
 

@@ -10,7 +10,7 @@ from spillway.data import (
     EOS_ID,
     PAD_ID,
     UNK_ID,
-    Tokenizer,
+    SentencePieceTokenizer,
     check_vocab,
     default_corpus_files,
     load_documents,
@@ -46,7 +46,7 @@ def test_encode_refuses_a_bare_string(tokenizer):
 def test_pickles_as_proto_bytes_and_rebuilds_lazily(tokenizer):
     tokenizer.encode(["warm the processor"])
     state = tokenizer.__getstate__()
-    assert set(state) == {"model_proto", "path"}
+    assert set(state) == {"model_proto", "path", "special"}
     clone = pickle.loads(pickle.dumps(tokenizer))
     assert clone._processor is None
     assert clone.fingerprint == tokenizer.fingerprint
@@ -162,5 +162,5 @@ def test_padded_vocab_size():
 
 
 def test_tokenizer_repr_names_size(tokenizer):
-    assert repr(tokenizer).startswith("Tokenizer(vocab_size=400")
-    assert isinstance(Tokenizer(tokenizer.model_proto).vocab_size, int)
+    assert repr(tokenizer).startswith("SentencePieceTokenizer(vocab_size=400")
+    assert isinstance(SentencePieceTokenizer(tokenizer.model_proto).vocab_size, int)

@@ -305,6 +305,65 @@ def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
     assert float(stats["learning_rate"]) == 0.0  # warmup starts at zero
 
 
+def random_like(tree, seed: int):
+    """Normal values (numpy's generator: compiling jax.random for many leaves costs seconds each) with the
+    shapes and dtypes of `tree`'s leaves (arrays or ShapeDtypeStructs)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), tree)
+
+
+def test_decay_follows_parameter_metadata_on_a_model_with_qkv_biases():
+    """q/k/v biases are [heads, head_dim]: the rank rule alone would decay them; the layers' metadata says no."""
+    from flax import nnx
+
+    from spillway.layers.block import BlockConfig
+    from spillway.models.decoder import DecoderLM, DecoderSpec
+
+    @dataclasses.dataclass(frozen=True)
+    class QwenLike:   # q/k/v biases and q/k norms, untied head
+        def decoder_spec(self, execution):
+            return DecoderSpec(vocab_size=48, num_layers=2, max_seq_len=16, block=BlockConfig(
+                d_model=16, num_heads=4, num_kv_heads=2, mlp_hidden=24, qkv_bias=True, qk_norm=True,
+                execution=execution))
+
+    # Built abstractly (an eager build costs tens of seconds of op dispatch), then filled with random values.
+    abstract = nnx.state(nnx.eval_shape(lambda: DecoderLM(QwenLike(), rngs=nnx.Rngs(0), remat="save_all")), nnx.Param)
+    state = random_like(abstract, 0)
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=STEPS, weight_decay=0.5)
+    layouts = opt_lib.make_layouts(state, cfg)
+
+    is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+    decay = {jax.tree_util.keystr(path): layout.decay
+             for path, layout in jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]}
+    not_decayed = {"bq", "bk", "bv", "scale", "table"}   # biases, every norm, the embedding
+    expected = {path: path.split("'")[-2] not in not_decayed for path in decay}
+    assert decay == expected
+    assert sum(expected.values()) == 8   # wq, wk, wv, wo, w_gate, w_up, w_down, head
+    bq = state["layers"]["blocks"]["attn"]["bq"]
+    assert opt_lib.rank_decay(bq.get_metadata()["logical_axes"], bq.get_value().shape, True), \
+        "the 2-D bias would be decayed by shape alone: this test would not see the metadata"
+
+    # The same mask in plain optax gives the same parameters (and the decay is strong enough to matter).
+    mask = [layout.decay for layout in jax.tree.leaves(layouts, is_leaf=is_layout)]
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(opt_lib.make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay, mask=mask))
+    opt = Optimizer(cfg, layouts)
+
+    @jax.jit
+    def both_steps(grads, params, opt_state, ref_params, ref_state):
+        params, opt_state, _ = opt.update(grads, opt_state, params)
+        updates, ref_state = tx.update(jax.tree.leaves(grads), ref_state, ref_params)
+        return params, opt_state, optax.apply_updates(ref_params, updates), ref_state
+
+    params, ref_params = state, jax.tree.leaves(state)
+    opt_state, ref_state = opt.init(params), tx.init(ref_params)
+    for i in range(5):
+        grads = random_like(params, i + 1)
+        params, opt_state, ref_params, ref_state = both_steps(grads, params, opt_state, ref_params, ref_state)
+    assert_tree_close(jax.tree.leaves(params), ref_params, rtol=1e-5, atol=1e-6)
+
+
 # --- bad input --------------------------------------------------------------------
 
 def test_bad_state_memory_is_rejected():

@@ -1,0 +1,129 @@
+"""A fine-tune's first weights: `checkpoint.init_from`, from another spillway run or a Hugging Face checkpoint.
+
+    checkpoint.init_from=runs/base                    a spillway run directory (latest step) or one step folder
+    checkpoint.init_from=hf:/models/Llama-3.2-1B      a Hugging Face directory: config.json + *.safetensors
+
+Only weights are read: optimizer state, schedule and data position start
+fresh. They go straight into the shardings of the run's parameters (orbax for
+spillway runs, models/hf.py `load_hf_weights` for Hugging Face), so no host
+ever holds a whole replicated copy.
+
+A Hugging Face checkpoint is checked against the recipe before anything is
+built (`resolve_init_from`): its config.json is read as a family config
+(models/hf.py `family_config_from_hf`) and must be the recipe's model, field
+by field; the first difference is an error naming the field and both values.
+One field may differ: `max_seq_len` (config.json's max_position_embeddings),
+which only bounds the positions the run feeds: RoPE is computed, not learned,
+so fine-tuning at a shorter length than the checkpoint's, or a longer one
+(context extension, announced), loads the same tensors. A family that learns a
+table of position embeddings (DecoderSpec.learned_positions) sizes that table
+by it, and there it must match too. Everything else (sizes, vocabulary, RoPE
+theta and scaling, norm epsilon, tied embeddings) changes either a tensor's
+shape or the function the weights compute, so it must be equal.
+
+Tokenizer: when the recipe names none (`data.tokenizer`), the checkpoint's
+own is used (tokenizer.json, else tokenizer.model, in the same directory);
+a tokenizer trained on the corpus would not match the checkpoint's embedding
+rows, so a checkpoint without one is an error unless the recipe names one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from spillway.data import tokenizer_file_in
+from spillway.models.hf import family_config_from_hf, load_hf_weights, read_hf_config
+from spillway.models.registry import get_family
+from spillway.recipes.config import Recipe
+
+HF_PREFIX = "hf:"
+# Model fields that only bound the positions a run feeds (see the module docstring).
+POSITION_RANGE_FIELDS = ("max_seq_len",)
+
+
+def hf_checkpoint_dir(init_from: str | None) -> Path | None:
+    """The directory of an `hf:` init_from, or None for anything else."""
+    if not init_from or not init_from.startswith(HF_PREFIX):
+        return None
+    path = init_from[len(HF_PREFIX):].strip()
+    if not path:
+        raise ValueError(f"checkpoint.init_from={init_from!r}: name the checkpoint directory after 'hf:'")
+    return Path(path).expanduser()
+
+
+def _looks_like_hf_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def check_model_matches(recipe: Recipe, directory: Path):
+    """The checkpoint's model config; ValueError naming the family, or the first model field, in which the
+    recipe and the checkpoint differ."""
+    where = f"checkpoint.init_from=hf:{directory}"
+    try:
+        family, checkpoint_model = family_config_from_hf(read_hf_config(directory))
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{where}: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    if family.name != recipe.family:
+        raise ValueError(f"{where}: the checkpoint is a {family.name} model, but recipe {recipe.name!r} builds "
+                         f"a {recipe.family} model; pick a {family.name} recipe")
+    may_differ = () if recipe.decoder_spec().learned_positions else POSITION_RANGE_FIELDS
+    for field in dataclasses.fields(recipe.model):
+        ours, theirs = getattr(recipe.model, field.name), getattr(checkpoint_model, field.name)
+        if ours != theirs and field.name not in may_differ:
+            raise ValueError(f"{where}: model.{field.name} differs: recipe {recipe.name!r} has {ours!r}, the "
+                             f"checkpoint's config.json has {theirs!r}; make them equal "
+                             f"(--set model.{field.name}=...) or pick the recipe of this checkpoint")
+    return checkpoint_model
+
+
+def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
+    """The recipe checked against its `hf:` checkpoint and given that checkpoint's tokenizer when it names none.
+
+    Unchanged for a spillway init_from (or none). Call before data or model are built: a wrong model
+    fails in a second, not after tokenizing the corpus.
+    """
+    init_from = recipe.checkpoint.init_from
+    directory = hf_checkpoint_dir(init_from)
+    if directory is None:
+        if init_from and _looks_like_hf_checkpoint(Path(init_from).expanduser()):
+            raise ValueError(f"checkpoint.init_from={init_from!r} is a Hugging Face checkpoint (config.json and "
+                             f"*.safetensors), not a spillway run: write checkpoint.init_from=hf:{init_from}")
+        return recipe
+    checkpoint_len = check_model_matches(recipe, directory).max_seq_len
+    if recipe.model.max_seq_len > checkpoint_len:
+        say(f"note: model.max_seq_len {recipe.model.max_seq_len} is longer than the checkpoint's "
+            f"{checkpoint_len} (max_position_embeddings): positions beyond it were never trained")
+    if recipe.data.tokenizer is None:
+        found = tokenizer_file_in(directory)
+        if found is None:
+            raise ValueError(f"checkpoint.init_from=hf:{directory} holds no tokenizer.json or tokenizer.model, "
+                             f"and the recipe names none: a tokenizer trained on the corpus would not match the "
+                             f"checkpoint's embedding; set data.tokenizer=PATH")
+        say(f"tokenizer: {found} (the checkpoint's)")
+        recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(directory)))
+    return recipe
+
+
+def load_init_weights(recipe: Recipe, abstract_params, say=print):
+    """The parameters `checkpoint.init_from` names, placed in the shardings `abstract_params` carry.
+
+    abstract_params: the run's parameter state as ShapeDtypeStructs with shardings
+    (recipes/train/step.py abstract_with_shardings).
+    """
+    init_from = recipe.checkpoint.init_from
+    directory = hf_checkpoint_dir(init_from)
+    if directory is None:
+        from spillway.recipes.train.checkpoint import restore_params_only
+
+        params, meta = restore_params_only(init_from, abstract_params)
+        say(f"fine-tuning from {init_from} (weights of step {meta.get('step')}); fresh optimizer state and schedule")
+        return params
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_params)
+    params = load_hf_weights(directory, get_family(recipe.family), recipe.model, abstract_params, shardings)
+    say(f"fine-tuning from the Hugging Face checkpoint {directory}; fresh optimizer state and schedule")
+    return params

@@ -1,0 +1,130 @@
+"""A recipe's own block class from the command line: `spillway train tiny --set block=module:Class`.
+
+The block module is the README's subclassing example, taken from README.md
+itself (so the README cannot drift), written to a folder that only this
+process has on sys.path. It trains from the CLI, and the planner's compile
+processes, which do not share this process's sys.path, import it too.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from spillway.recipes import cli
+from spillway.recipes.blocks import import_root, resolve_block_class
+from spillway.recipes.registry import get_recipe
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MODULE = "readme_blocks"
+MICRO = ["data.source=builtin:stdlib:400000", "data.seq_len=32", "data.num_proc=1", "model.vocab_size=512",
+         "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.mlp_hidden=64", "model.max_seq_len=64", "train.global_batch=8", "train.log_every=1",
+         "train.eval_every=0", "train.sample_tokens=0", "optimizer.warmup_steps=1", "optimizer.learning_rate=1e-2"]
+
+
+def readme_block_code() -> str:
+    section = README.read_text().split("## Subclass a block", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
+
+
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    """A folder holding readme_blocks.py; the module is forgotten afterwards so every test imports it afresh."""
+    folder = tmp_path / "user_code"
+    folder.mkdir()
+    (folder / f"{MODULE}.py").write_text(readme_block_code())
+    monkeypatch.setattr(sys, "path", list(sys.path))   # restored after the test, whatever it adds
+    yield folder
+    sys.modules.pop(MODULE, None)
+
+
+@pytest.mark.slow   # a minute on 2 busy cores: builds the run and compiles its train step
+def test_readme_block_trains_from_the_cli(user_folder, tmp_path, capsys):
+    sys.path.insert(0, str(user_folder))
+    run_dir = tmp_path / "run"
+    sets = MICRO + [f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4", f"checkpoint.dir={run_dir}",
+                    f"block={MODULE}:ParallelBlock"]
+    assert cli.main(["train", "tiny", *[arg for s in sets for arg in ("--set", s)]]) == 0, capsys.readouterr().err
+    losses = [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+    assert len(losses) == 4 and np.isfinite(losses).all()
+    saved = json.loads((run_dir / "checkpoints" / "4" / "recipe" / "recipe.json").read_text())
+    assert saved["block"] == f"{MODULE}:ParallelBlock"
+
+
+def test_recipe_builds_the_readme_blocks(user_folder):
+    sys.path.insert(0, str(user_folder))
+    for name in ("ParallelBlock", "PostNormBlock"):
+        recipe = get_recipe("tiny", MICRO + [f"block={MODULE}:{name}"])
+        model = nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(0)))
+        assert type(model.layers.blocks).__name__ == name
+        logits = nnx.eval_shape(lambda m: m(np.zeros((2, 16), np.int32)), model)
+        assert logits.shape == (2, 16, 512)
+    assert hasattr(model.layers.blocks, "post_attn_norm")
+
+
+def test_the_current_directory_is_searched(user_folder, monkeypatch):
+    # The `spillway` console script, unlike `python -m`, does not put the working directory on sys.path.
+    monkeypatch.chdir(user_folder)
+    for entry in ("", str(user_folder)):
+        while entry in sys.path:
+            sys.path.remove(entry)
+    assert resolve_block_class(f"{MODULE}:ParallelBlock").__name__ == "ParallelBlock"
+    assert import_root(f"{MODULE}:ParallelBlock") == str(user_folder)
+
+
+@pytest.mark.parametrize("block,message", [
+    ("no_such_module_xyz:Block", "block: no module 'no_such_module_xyz' on PYTHONPATH or in the current directory"),
+    ("spillway.layers.norm:RMSNorm", "'spillway.layers.norm:RMSNorm' is a class RMSNorm based on \\['Module', "
+                                     ".*not a subclass of spillway.layers.block.TransformerBlock"),
+    ("spillway.layers.names:BLOCK_INPUT", "'spillway.layers.names:BLOCK_INPUT' is a str, not a subclass"),
+    (f"{MODULE}:Nope", f"block: module '{MODULE}' \\(.*{MODULE}.py\\) has no 'Nope'"),
+    ("not a path", "block: 'not a path' is not a class path like 'package.module:Class'"),
+])
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_a_bad_block_is_a_one_line_error(command, block, message, user_folder, capsys):
+    sys.path.insert(0, str(user_folder))
+    assert cli.main([command, "tiny", "--set", f"block={block}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+def test_an_import_error_inside_the_module_is_reported_as_such(user_folder):
+    (user_folder / "broken_blocks.py").write_text("import a_dependency_that_is_missing\n")
+    sys.path.insert(0, str(user_folder))
+    with pytest.raises(ValueError, match="importing 'broken_blocks' failed: No module named "
+                                         "'a_dependency_that_is_missing'"):
+        resolve_block_class("broken_blocks:Block")
+    sys.modules.pop("broken_blocks", None)
+
+
+def test_the_compile_process_reports_a_block_it_cannot_import(tmp_path):
+    from spillway.recipes.plan import child
+
+    recipe = get_recipe("tiny").to_dict()
+    recipe["block"] = "module_only_the_parent_had:Block"
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"recipe": recipe, "import_paths": [], "target": "h200", "devices": 1,
+                                   "candidates": []}))
+    answer = child.main([str(request)])
+    assert answer == {"error": "compile process: block: no module 'module_only_the_parent_had' on PYTHONPATH or "
+                               f"in the current directory ({Path.cwd()})"}
+
+
+def test_plan_compiles_a_block_found_only_on_this_process_path(user_folder, tmp_path, monkeypatch):
+    from spillway.recipes.plan import plugin
+    from spillway.recipes.plan.planner import Candidate, plan
+
+    if plugin.missing_reason() is not None:
+        pytest.skip(f"deviceless GPU compiles need: {plugin.missing_reason()}")
+    sys.path.insert(0, str(user_folder))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(tmp_path)   # not the module's folder: only the planner's request can tell the child
+    recipe = get_recipe("tiny", MICRO + [f"block={MODULE}:ParallelBlock", "execution.attention_impl=flash"])
+    result = plan(recipe, "h200", 1, plans=[Candidate("save_all", "device")])
+    row = result.rows[0]
+    assert row.error is None and row.report["hbm_bytes"] > 0, row.error
