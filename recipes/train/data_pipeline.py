@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spillway.data import BatchLoader, PackedData, Tokenizer, check_vocab, load_documents, load_tokenizer, prepare_tokens, train_tokenizer
+from spillway.data import BatchLoader, PackedData, Tokenizer, check_vocab, load_tokenizer, prepare_tokens, stream_documents, train_tokenizer
 from spillway.recipes.train import distributed
 from spillway.recipes.config import Recipe
 
@@ -18,8 +18,8 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     cfg = recipe.data
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
-    documents = load_documents(cfg.source, text_field=cfg.text_field,
-                               cache_dir=Path(cfg.cache_dir) / "datasets")
+    # A stream: the tokenizer trains on the head of the corpus, which is never copied whole.
+    documents = stream_documents(cfg.source, text_field=cfg.text_field, cache_dir=Path(cfg.cache_dir) / "datasets")
     return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
                            cache_dir=Path(cfg.cache_dir) / "tokenizers")
 
