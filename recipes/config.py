@@ -32,8 +32,10 @@ class DataConfig:
     seq_len: int = 256
     val_fraction: float = 0.02
     cache_dir: str = ".cache/spillway"
-    num_proc: int = 1                     # tokenizing processes; >1 forks after JAX has started threads (warns)
-    max_tokens: int | None = None         # cap on tokens taken from the source; required for streamed Hub sources
+    num_proc: int = 1                     # tokenizing processes (>1: a forkserver pool, safe beside JAX's threads)
+    max_tokens: int | None = None         # optional cap on tokens taken from the source (its head), streamed or not
+    shard_tokens: int = 1 << 24           # tokens per on-disk shard of the tokenized corpus (data/shards.py)
+    mixture: str | None = None            # "name=weight:source,...": weighted sources instead of `source` (data/mixture.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,13 +26,19 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
 
 def prepare(recipe: Recipe) -> tuple[Tokenizer, PackedData]:
     """Tokenizer and packed rows for the recipe, computed once per cache key."""
+    if recipe.data.mixture:
+        # spillway.data prepares and loads mixtures (prepare_mixture, MixtureLoader); the train
+        # loop's evaluation and logging still expect one corpus, so refuse rather than ignore it.
+        raise ValueError(f"data.mixture={recipe.data.mixture!r}: training on a mixture is not wired into "
+                         f"the train loop yet; use data.source")
     def build():
         tokenizer = load_or_train_tokenizer(recipe)
         check_vocab(tokenizer, recipe.model.vocab_size)
         packed = prepare_tokens(recipe.data.source, tokenizer, seq_len=recipe.data.seq_len,
                                 cache_dir=recipe.data.cache_dir, val_fraction=recipe.data.val_fraction,
                                 num_proc=recipe.data.num_proc, seed=recipe.train.seed,
-                                text_field=recipe.data.text_field, max_tokens=recipe.data.max_tokens)
+                                text_field=recipe.data.text_field, max_tokens=recipe.data.max_tokens,
+                                shard_tokens=recipe.data.shard_tokens)
         return tokenizer, packed
 
     if distributed.is_main_process():
