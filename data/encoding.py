@@ -26,10 +26,10 @@ import numpy as np
 
 from .tokenizer import Tokenizer
 
-# Text per chunk: large enough that per-call overheads vanish (hundreds of
-# documents), small enough that a chunk's Python token lists (about 36 bytes
-# a token, some 300k tokens) stay near 10 MB.
-DEFAULT_CHUNK_CHARS = 1_000_000
+# Text per chunk: large enough that per-call overheads vanish (sentencepiece
+# starts its threads per call; tens of documents), small enough that a
+# chunk's Python token lists (about 36 bytes a token) stay a few MB.
+DEFAULT_CHUNK_CHARS = 250_000
 _MAX_CHUNK_DOCUMENTS = 4096
 _IN_FLIGHT_PER_WORKER = 2
 
