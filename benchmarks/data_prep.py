@@ -274,8 +274,9 @@ def main(argv=None) -> None:
     report: dict = {"corpora": {}, "prepare": [], "loader": []}
     for name, size in corpora.items():
         folder = work / "corpus" / name
-        if not folder.is_dir():
-            documents, written = write_corpus(folder, size)
+        if not folder.is_dir():  # written aside and renamed: an interrupted write is not taken for a corpus
+            documents, written = write_corpus(folder.with_name(name + ".partial"), size)
+            folder.with_name(name + ".partial").rename(folder)
         else:
             files = list(folder.rglob("*.txt"))
             documents, written = len(files), sum(path.stat().st_size for path in files)

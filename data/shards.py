@@ -153,7 +153,8 @@ class _ShardWriter:
         self.shards.append(shard)
         self.next_document += num_documents
         self.tokens_written += size
-        self._tokens = [tokens[size:]] if size < len(tokens) else []
+        # A copy: a view would keep the whole concatenated buffer alive until the next shard.
+        self._tokens = [tokens[size:].copy()] if size < len(tokens) else []
         self._lengths = [rest_lengths] if len(rest_lengths) else []
         self._buffered = len(tokens) - size
         self._write_manifest()
