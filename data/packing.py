@@ -32,7 +32,7 @@ import numpy as np
 from .cache import atomic_directory, stable_key
 from .holdout import document_scores, validation_threshold
 from .npy_stream import NpyStreamWriter
-from .shards import DEFAULT_SHARD_TOKENS, TokenShards, prepare_token_shards
+from .shards import DEFAULT_SHARD_TOKENS, SHARD_FORMAT_VERSION, TokenShards, prepare_token_shards
 from .sources import select_text_column, source_fingerprint, stream_documents
 from .tokenizer import Tokenizer
 
@@ -175,7 +175,8 @@ def prepare_tokens(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     description = _describe(source)
     shards_key = stable_key(
-        "tokens", _fingerprint(source, text_field), tokenizer.fingerprint, max_tokens, shard_tokens
+        "tokens", SHARD_FORMAT_VERSION, _fingerprint(source, text_field), tokenizer.fingerprint, max_tokens,
+        shard_tokens,
     )
     key = stable_key("packed", _PACKING_VERSION, shards_key, seq_len, val_fraction, seed)
     final = Path(cache_dir) / "packed" / f"{_readable(description)}-{seq_len}-{key[:16]}"
