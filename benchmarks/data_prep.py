@@ -12,7 +12,7 @@ All offline, in one work folder:
 3. prepare: `prepare_tokens(seq_len=256)` of each corpus, cold cache, in a
    fresh child process, for each `--num-proc`. Reported: wall time; CPU
    seconds of every process of the preparation; tokens per CPU second (tokens/s
-   per core); peak RSS of the child (its ru_maxrss) and of the child plus its
+   per core); peak RSS of the child (its VmHWM) and of the child plus its
    workers (sum of their RSS, sampled from /proc every 0.2 s: an upper bound,
    pages shared between them are counted in each).
    `--baseline REV` runs REV's `data/` package the same way (e.g. the
@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -146,6 +145,9 @@ import json, resource, sys, time
 sys.path.insert(0, {path!r})
 import importlib
 data = importlib.import_module({package!r})
+def peak_rss_bytes():  # VmHWM: ru_maxrss would carry the parent's peak over from the fork
+    status = open("/proc/self/status").read()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
 tokenizer = data.load_tokenizer({tokenizer!r})
 before = resource.getrusage(resource.RUSAGE_SELF)
 start = time.perf_counter()
@@ -156,7 +158,7 @@ print(json.dumps({{"wall_s": time.perf_counter() - start, "tokens": int(packed.n
                   "documents": int(packed.num_documents), "train_rows": int(len(packed.train)),
                   "val_rows": int(len(packed.val)), "self_cpu_s": usage.ru_utime + usage.ru_stime,
                   "startup_cpu_s": before.ru_utime + before.ru_stime,
-                  "self_peak_rss_mb": usage.ru_maxrss * 1024 / 1e6}}))
+                  "self_peak_rss_mb": peak_rss_bytes() / 1e6}}))
 """
 
 
@@ -313,7 +315,6 @@ def main(argv=None) -> None:
     other = prepare_tokens(str(work / "corpus" / "small"), tokenizer, seq_len=8192,
                            cache_dir=work / "cache" / "spillway.data-1-small")
     report["repack_8192_s"] = time.perf_counter() - start
-    report["repack_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
     report["loader"] = measure_loaders(long_rows.path, other.path, steps=args.loader_steps)
     del long_rows, other
     for row in report["loader"]:

@@ -37,9 +37,11 @@ from .encoding import encode_chunks, text_chunks
 from .tokenizer import Tokenizer
 
 SHARD_FORMAT_VERSION = 1
-# 16M tokens: 32 MB of uint16 per shard, so a shard and its bookkeeping stay
-# well under 100 MB of memory, and a 1B-token corpus is about 60 files.
-DEFAULT_SHARD_TOKENS = 1 << 24
+# 4M tokens: 8 MB of uint16 per shard. The writer holds about three shards'
+# worth at its peak (the buffer, its concatenation, the remainder), so this
+# keeps that near 25 MB; a kill loses at most a few seconds of tokenizing; a
+# 1B-token corpus is about 240 shards.
+DEFAULT_SHARD_TOKENS = 1 << 22
 MANIFEST = "manifest.json"
 
 
