@@ -1,31 +1,39 @@
-"""`python -m data`: train (or load) a tokenizer and pack a corpus, printing what each step cost.
+"""`python -m spillway.data`: train (or load) a tokenizer and pack a corpus, printing what each step cost.
 
 Useful to warm the cache before a run, and to measure a corpus:
 
-    python -m data --source builtin:stdlib --vocab-size 4096 --seq-len 256 --cache-dir .cache/data
+    python -m spillway.data --source builtin:stdlib --vocab-size 4096 --seq-len 256 --cache-dir .cache/data
+
+The tokenizer trains on the head of the corpus, read as a stream; packing
+tokenizes into shards on disk (`--shard-tokens`), so neither holds the corpus
+in memory. A killed run, started again with the same arguments, resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from pathlib import Path
 
 from .corpus import BUILTIN_STDLIB
 from .packing import prepare_tokens
-from .sources import load_documents
+from .shards import DEFAULT_SHARD_TOKENS
+from .sources import stream_documents
 from .spm_tokenizer import MODEL_TYPES, train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m spillway.data", description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=BUILTIN_STDLIB)
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--val-fraction", type=float, default=0.01)
-    parser.add_argument("--num-proc", type=int, default=None)
+    parser.add_argument("--num-proc", type=int, default=None, help="tokenizing processes (default: threads here)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="take only the head of the source")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/data"))
     args = parser.parse_args(argv)
@@ -34,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     # measures the neighbours. (CPU time of num_proc workers is not counted.)
     clock = lambda: (time.perf_counter(), time.process_time())  # noqa: E731
     start = clock()
-    documents = load_documents(args.source, text_field=args.text_field, cache_dir=args.cache_dir / "datasets")
+    documents = stream_documents(args.source, text_field=args.text_field, cache_dir=args.cache_dir / "datasets")
     loaded = clock()
     tokenizer = train_tokenizer(
         documents,
@@ -53,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         num_proc=args.num_proc,
         seed=args.seed,
         text_field=args.text_field,
+        max_tokens=args.max_tokens,
+        shard_tokens=args.shard_tokens,
     )
     done = clock()
     def cost(a, b):
@@ -65,6 +75,21 @@ def main(argv: list[str] | None = None) -> None:
         f"{packed.num_documents} documents, {packed.num_tokens} tokens; "
         f"train {packed.train.shape} val {packed.val.shape} {packed.train.dtype}"
     )
+    print(f"peak RSS {peak_rss_bytes() / 1e6:.0f} MB (this process; worker processes not included)")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started (exec), in bytes.
+
+    Linux's VmHWM, not `ru_maxrss`: across exec, ru_maxrss keeps the parent's
+    peak at the fork, so a child of a large process would report the parent's.
+    """
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:  # not Linux: ru_maxrss is the best there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    (kilobytes,) = [line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")]
+    return int(kilobytes) * 1024
 
 
 if __name__ == "__main__":

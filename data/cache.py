@@ -1,4 +1,4 @@
-"""Cache keys and crash-safe writes for the data cache (tokenizers, packed tokens).
+"""Cache keys, crash-safe writes and a writer's lock for the data cache (tokenizers, token shards, packed rows).
 
 Every cached artifact is named by a hash of everything that determines its
 content, so a changed input is a cache miss rather than a stale hit. Artifacts
@@ -10,6 +10,7 @@ restarted after a crash) sees either the whole artifact or nothing, never half.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +18,8 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 
 def stable_key(*parts: object) -> str:
@@ -40,6 +43,42 @@ def atomic_write_bytes(final: Path, data: bytes) -> None:
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def atomic_write_array(final: Path, array: np.ndarray) -> None:
+    """Save `array` as `.npy` at `final` so that `final` is either absent or complete.
+
+    Flushed to disk before the rename: a file that a resumed run trusts
+    without re-reading must not be a renamed but still half-written one.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temporary = _temporary_sibling(final)
+    try:
+        with open(temporary, "wb") as file:
+            np.save(file, array)  # a file object: np.save would append ".npy" to a path
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `path` (created if absent) for the block.
+
+    Two preparations of the same cache entry (two jobs started on one machine)
+    take turns instead of writing the same shards at once; the second then
+    finds the first one's work done. The lock dies with its process, so a
+    killed writer never leaves the entry locked.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ shuffle): epoch `e` visits the rows in the permutation drawn from
 an epoch is dropped (the next epoch's permutation differs, so no row is
 starved). Each process takes its contiguous slice of every global batch, so
 the batches a run sees are the same whatever its process count, and a run can
-resume on a different number of hosts from the same `state()`.
+resume on a different number of hosts from the same `state()`. With rows
+memory-mapped (`PackedData`), a process reads only the rows it serves.
 """
 
 from __future__ import annotations

@@ -1,16 +1,21 @@
-"""Tokenize a corpus and pack it into fixed-length rows, cached as `.npy` files.
+"""Tokenize a corpus into shards, then pack it into fixed-length rows, cached as `.npy` files.
 
-Every document is tokenized (`datasets.map`, batched, across `num_proc`
-processes) and followed by EOS; the documents are concatenated into one token
-stream and cut into rows of `seq_len + 1` tokens, so that a row gives the
-model's inputs (`row[:-1]`) and targets (`row[1:]`). Tokens past the last full
-row are dropped. A seeded choice of whole rows is held out for validation.
+Two cached stages, each named by a key of everything its output depends on:
 
-The result is stored under `cache_dir/packed/<key>/` with `train.npy`,
-`val.npy` and `meta.json`, where the key covers everything the rows depend on.
-The folder is written under a temporary name and renamed when complete, so an
-interrupted run leaves nothing that a later run could mistake for a result.
-Arrays are opened memory-mapped: a loader reads only the rows it serves.
+1. `cache_dir/tokens/<name>-<key>/`: the corpus tokenized shard by shard
+   (`shards.py`; every document followed by EOS, document lengths kept).
+   Resumable, and reused by every packing of the same corpus and tokenizer.
+2. `cache_dir/packed/<name>-<seq_len>-<key>/`: `train.npy`, `val.npy` and
+   `meta.json`. Whole documents are held out for validation by a seeded hash
+   of their index (`holdout.py`); the training documents, in corpus order,
+   are concatenated and cut into rows of `seq_len + 1` tokens, so a row gives
+   the model's inputs (`row[:-1]`) and targets (`row[1:]`); the validation
+   documents likewise. Tokens past each split's last full row are dropped.
+
+Packing reads the shards memory-mapped, one at a time, and writes rows with
+plain file writes, so neither stage holds more than a shard in memory. The
+packed folder is written under a temporary name and renamed when complete;
+the arrays are opened memory-mapped, so a loader reads only the rows it serves.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow.compute as pc
 
 from .cache import atomic_directory, stable_key
-from .sources import load_documents, select_text_column, source_fingerprint
+from .holdout import document_scores, validation_threshold
+from .npy_stream import NpyStreamWriter
+from .shards import DEFAULT_SHARD_TOKENS, SHARD_FORMAT_VERSION, TokenShards, prepare_token_shards
+from .sources import select_text_column, source_fingerprint, stream_documents
 from .tokenizer import Tokenizer
 
-_PACKING_VERSION = 1
-_STREAM_BATCH = 1000
+_PACKING_VERSION = 2  # 2: validation held out by document, packed from token shards
 
 
 @dataclass(frozen=True, eq=False)  # arrays make field-wise == meaningless
@@ -41,10 +47,10 @@ class PackedData:
     val: np.ndarray
     seq_len: int
     vocab_size: int
-    num_tokens: int  # tokens in the stream before cutting into rows (EOS included)
+    num_tokens: int  # tokens of the corpus (EOS included), both splits, before cutting into rows
     num_documents: int
     path: Path
-    from_cache: bool  # True when loaded from an earlier run's result, nothing tokenized
+    from_cache: bool  # True when loaded from an earlier run's result, nothing tokenized or packed
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
@@ -61,93 +67,6 @@ class PackedData:
             path=path,
             from_cache=from_cache,
         )
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits (halves disk and host memory), else int32."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
-
-
-class _EncodeWithEos:
-    """`datasets.map` function: token ids of each document followed by EOS.
-
-    A class rather than a closure so that it pickles into `num_proc` workers
-    and hashes stably for `datasets`' own fingerprinting.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, num_threads: int = 1):
-        self.tokenizer = tokenizer
-        self.num_threads = num_threads
-
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        eos = self.tokenizer.eos_id
-        encoded = self.tokenizer.encode(batch["text"], num_threads=self.num_threads)
-        return {"ids": [ids + [eos] for ids in encoded]}
-
-
-_IDS_FEATURES = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32"))})
-
-
-def _tokenize_dataset(
-    documents: datasets.Dataset, tokenizer: Tokenizer, num_proc: int | None
-) -> tuple[np.ndarray, int]:
-    # One process: let sentencepiece's C++ threads use every core (no process
-    # start-up, no pickling). Several processes: one thread each.
-    processes = num_proc if num_proc and num_proc > 1 else None
-    threads = 1 if processes else (os.cpu_count() or 1)
-    tokenized = documents.map(
-        _EncodeWithEos(tokenizer, threads),
-        batched=True,
-        batch_size=256,
-        num_proc=processes,
-        remove_columns=documents.column_names,
-        features=_IDS_FEATURES,
-        desc="tokenizing",
-    )
-    ids = tokenized.with_format("arrow")[:]["ids"]
-    flat = pc.list_flatten(ids)
-    if not flat.num_chunks:
-        return np.zeros(0, np.int32), len(tokenized)
-    return np.concatenate([chunk.to_numpy() for chunk in flat.chunks]), len(tokenized)
-
-
-def _tokenize_stream(
-    documents: datasets.IterableDataset, tokenizer: Tokenizer, max_tokens: int
-) -> tuple[np.ndarray, int]:
-    # A stream has no length and `map(num_proc=...)` does not apply; encode
-    # in batches in this process and stop once enough tokens are in hand.
-    encode = _EncodeWithEos(tokenizer, os.cpu_count() or 1)
-    pieces: list[np.ndarray] = []
-    total = num_documents = 0
-    for batch in documents.iter(batch_size=_STREAM_BATCH):
-        for ids in encode(batch)["ids"]:
-            pieces.append(np.asarray(ids, dtype=np.int32))
-            total += len(ids)
-            num_documents += 1
-        if total >= max_tokens:
-            break
-    return (np.concatenate(pieces) if pieces else np.zeros(0, np.int32)), num_documents
-
-
-def _cut_rows(stream: np.ndarray, seq_len: int, val_fraction: float, source: str) -> tuple[int, int]:
-    """Number of (total, validation) rows; raises when the corpus is too short."""
-    row_len = seq_len + 1
-    num_rows = len(stream) // row_len
-    num_val = max(1, round(num_rows * val_fraction)) if val_fraction > 0 else 0
-    rows_needed = 1 + (1 if val_fraction > 0 else 0)
-    if num_rows < rows_needed or num_rows - num_val < 1:
-        purpose = "one training row and one validation row" if val_fraction > 0 else "one training row"
-        raise ValueError(
-            f"corpus {source!r} is too short: it has {len(stream)} tokens, and {purpose} of "
-            f"seq_len={seq_len} need {rows_needed * row_len} tokens ({row_len} per row); "
-            f"use a larger corpus or a shorter seq_len"
-            + (" or val_fraction=0" if val_fraction > 0 else "")
-        )
-    return num_rows, num_val
-
-
-def _write_array(path: Path, array: np.ndarray) -> None:
-    np.save(path, array)
 
 
 def _describe(source: str | datasets.Dataset | datasets.IterableDataset) -> str:
@@ -168,6 +87,64 @@ def _fingerprint(source: str | datasets.Dataset | datasets.IterableDataset, text
     return stable_key("dataset", fingerprint, text_field)
 
 
+def _readable(description: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(description).name or "source")[:40]
+
+
+def _split_sizes(
+    shards: TokenShards, seq_len: int, val_fraction: float, seed: int, description: str
+) -> tuple[float, int, int, int, int]:
+    """(threshold, train rows, val rows, train documents, val documents); raises when too short."""
+    row_len = seq_len + 1
+    all_lengths = [shards.lengths(shard) for shard in shards.shards]
+    firsts = [shard.first_document for shard in shards.shards]
+    threshold = validation_threshold(
+        all_lengths, firsts, val_fraction=val_fraction, seed=seed, min_val_tokens=row_len
+    )
+    train_tokens = val_tokens = val_documents = 0
+    for lengths, first in zip(all_lengths, firsts):
+        is_val = document_scores(first, len(lengths), seed) < threshold
+        val_tokens += int(lengths[is_val].sum())
+        train_tokens += int(lengths[~is_val].sum())
+        val_documents += int(is_val.sum())
+    train_rows, val_rows = train_tokens // row_len, val_tokens // row_len
+    if train_rows < 1 or (val_fraction > 0 and val_rows < 1):
+        wanted = "one training row and one validation row" if val_fraction > 0 else "one training row"
+        raise ValueError(
+            f"corpus {description!r} is too short: it has {shards.num_tokens} tokens in "
+            f"{shards.num_documents} documents, and {wanted} of seq_len={seq_len} need {row_len} tokens "
+            f"each, from whole documents ({train_tokens} tokens train, {val_tokens} validation); "
+            f"use a larger corpus or a shorter seq_len" + (" or val_fraction=0" if val_fraction > 0 else "")
+        )
+    return threshold, train_rows, val_rows, shards.num_documents - val_documents, val_documents
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
+    """Maximal runs of equal values in a boolean array, as (start, stop, value)."""
+    if not len(flags):
+        return []
+    changes = np.flatnonzero(flags[1:] != flags[:-1]) + 1
+    starts = np.concatenate([[0], changes])
+    stops = np.concatenate([changes, [len(flags)]])
+    return [(int(a), int(b), bool(flags[a])) for a, b in zip(starts, stops)]
+
+
+def _write_rows(shards: TokenShards, threshold: float, seed: int, train: NpyStreamWriter, val: NpyStreamWriter):
+    """Stream every shard's documents into the writer of their split, in corpus order."""
+    for shard in shards.shards:
+        lengths = shards.lengths(shard)
+        is_val = document_scores(shard.first_document, len(lengths), seed) < threshold
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        tokens = shards.tokens(shard)
+        # Consecutive documents of one split are one contiguous slice of the
+        # memory-mapped shard, written without a copy.
+        for first, stop, held_out in _runs(is_val):
+            writer = val if held_out else train
+            start, end = int(bounds[first]), int(bounds[stop])
+            writer.append(tokens[start : start + min(end - start, writer.remaining())])
+        del tokens  # unmap before the next shard: its pages leave this process's resident set
+
+
 def prepare_tokens(
     source: str | datasets.Dataset | datasets.IterableDataset,
     tokenizer: Tokenizer,
@@ -179,74 +156,81 @@ def prepare_tokens(
     seed: int = 0,
     text_field: str = "text",
     max_tokens: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
 ) -> PackedData:
     """Tokenize, pack and cache a corpus; a second call with the same inputs only loads.
 
-    `source` is a spec for `load_documents` or an already loaded dataset with
-    a "text" column. Streamed sources (Hub datasets) need `max_tokens`, which
-    otherwise caps the token stream of any source. `num_proc=None`
-    tokenizes in this process with a sentencepiece thread per core (no process
-    start-up, no pickling); `num_proc > 1` runs that many `datasets.map`
-    workers with one thread each, for corpora large enough to repay start-up.
+    `source` is a spec for `load_documents` (read as a stream: local files are
+    read in order, never copied into an Arrow cache) or an already loaded
+    dataset with a `text_field` column. `max_tokens` optionally caps the
+    tokens taken from the source (the head of it), streamed or not.
+    `val_fraction` is the expected fraction of documents held out for
+    validation, chosen by `seed`. `num_proc=None` tokenizes in this process
+    with a sentencepiece thread per core; `num_proc > 1` runs that many worker
+    processes. A run that was killed resumes from its finished shards.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     description = _describe(source)
-    key = stable_key(
-        "packed",
-        _PACKING_VERSION,
-        _fingerprint(source, text_field),
-        tokenizer.fingerprint,
-        seq_len,
-        val_fraction,
-        seed,
-        max_tokens,
+    shards_key = stable_key(
+        "tokens", SHARD_FORMAT_VERSION, _fingerprint(source, text_field), tokenizer.fingerprint, max_tokens,
+        shard_tokens,
     )
-    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(description).name or "source")[:40]
-    final = Path(cache_dir) / "packed" / f"{readable}-{seq_len}-{key[:16]}"
+    key = stable_key("packed", _PACKING_VERSION, shards_key, seq_len, val_fraction, seed)
+    final = Path(cache_dir) / "packed" / f"{_readable(description)}-{seq_len}-{key[:16]}"
     if (final / "meta.json").is_file():
         return PackedData.load(final, from_cache=True)
 
-    if isinstance(source, str):
-        documents = load_documents(source, text_field=text_field, cache_dir=Path(cache_dir) / "datasets")
-    else:
+    def open_documents(start: int):
+        if isinstance(source, str):
+            return stream_documents(source, text_field=text_field, start=start, cache_dir=Path(cache_dir) / "datasets")
         documents = select_text_column(source, text_field, description)
-    if isinstance(documents, datasets.IterableDataset):
-        if max_tokens is None:
-            raise ValueError(
-                f"source {description!r} is streamed; pass max_tokens to bound how much of it is tokenized"
-            )
-        stream, num_documents = _tokenize_stream(documents, tokenizer, max_tokens)
-    else:
-        stream, num_documents = _tokenize_dataset(documents, tokenizer, num_proc)
-    if max_tokens is not None:
-        stream = stream[:max_tokens]
+        if not start:
+            return documents
+        if isinstance(documents, datasets.Dataset):
+            return documents.select(range(start, len(documents)))
+        return documents.skip(start)
 
-    num_rows, num_val = _cut_rows(stream, seq_len, val_fraction, description)
-    rows = stream[: num_rows * (seq_len + 1)].reshape(num_rows, seq_len + 1)
-    rows = rows.astype(token_dtype(tokenizer.vocab_size), copy=False)
-    is_val = np.zeros(num_rows, dtype=bool)
-    is_val[np.random.default_rng(seed).permutation(num_rows)[:num_val]] = True
-
+    shards = prepare_token_shards(
+        open_documents,
+        tokenizer,
+        Path(cache_dir) / "tokens" / f"{_readable(description)}-{shards_key[:16]}",
+        description=description,
+        shard_tokens=shard_tokens,
+        max_tokens=max_tokens,
+        num_proc=num_proc,
+        settings={"text_field": text_field},
+    )
+    threshold, train_rows, val_rows, train_documents, val_documents = _split_sizes(
+        shards, seq_len, val_fraction, seed, description
+    )
+    row_len = seq_len + 1
     meta = {
         "seq_len": seq_len,
         "vocab_size": tokenizer.vocab_size,
-        "num_tokens": int(len(stream)),
-        "num_documents": int(num_documents),
-        "train_rows": int(num_rows - num_val),
-        "val_rows": int(num_val),
-        "dtype": rows.dtype.name,
+        "num_tokens": shards.num_tokens,
+        "num_documents": shards.num_documents,
+        "train_rows": train_rows,
+        "val_rows": val_rows,
+        "train_documents": train_documents,
+        "val_documents": val_documents,
+        "val_threshold": threshold,
+        "dtype": shards.dtype.name,
         "source": description,
         "tokenizer": tokenizer.fingerprint,
         "val_fraction": val_fraction,
         "seed": seed,
+        "shards": str(shards.path),
         "key": key,
     }
     with atomic_directory(final) as partial:
-        _write_array(partial / "train.npy", rows[~is_val])
-        _write_array(partial / "val.npy", rows[is_val])
+        with (
+            NpyStreamWriter(partial / "train.npy", (train_rows, row_len), shards.dtype) as train,
+            NpyStreamWriter(partial / "val.npy", (val_rows, row_len), shards.dtype) as val,
+        ):
+            _write_rows(shards, threshold, seed, train, val)
         # meta.json last: its presence is what marks a folder complete.
         (partial / "meta.json").write_text(json.dumps(meta, indent=2))
     return PackedData.load(final, from_cache=False)

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from spillway.layers.errors import DataError
+
 from .cache import atomic_write_bytes, stable_key
 from .tokenizer import SPM_TOKENIZER_FILE, NoEosTokenError, SpecialTokens, Tokenizer, no_eos_message
 
@@ -204,13 +206,17 @@ def training_sentences(
     return lines
 
 
-def _explain_trainer_error(error: RuntimeError, vocab_size: int, byte_fallback: bool) -> Exception:
+def _explain_trainer_error(error: RuntimeError, vocab_size: int, byte_fallback: bool,
+                           sentences: list[str]) -> Exception:
     message = str(error)
     too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", message)
     if too_high:
-        return ValueError(
+        chars = sum(len(line) for line in sentences)
+        return DataError(
             f"vocab_size={vocab_size} is too large for this corpus: sentencepiece can build at most "
-            f"{too_high.group(2)} pieces from it; use a smaller vocab_size or a larger corpus"
+            f"{too_high.group(2)} pieces from its {chars:,} characters ({len(sentences):,} lines); use a "
+            f"vocab_size of at most {too_high.group(2)}, a corpus with more distinct text, or an "
+            f"already trained tokenizer"
         )
     too_small = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
     if too_small:
@@ -220,11 +226,11 @@ def _explain_trainer_error(error: RuntimeError, vocab_size: int, byte_fallback: 
             if byte_fallback
             else " (4 special ids, one per character)"
         )
-        return ValueError(
+        return DataError(
             f"vocab_size={vocab_size} is too small: this corpus needs at least {too_small.group(2)} "
             f"pieces{fallback}; raise vocab_size"
         )
-    return ValueError(f"sentencepiece training failed (vocab_size={vocab_size}): {message}")
+    return DataError(f"sentencepiece training failed (vocab_size={vocab_size}): {' '.join(message.split())}")
 
 
 def train_tokenizer(
@@ -266,7 +272,7 @@ def train_tokenizer(
         seed=seed,
     )
     if not sentences:
-        raise ValueError("no non-empty text to train the tokenizer on")
+        raise DataError("no non-empty text to train the tokenizer on")
     settings = {
         "vocab_size": vocab_size,
         "model_type": model_type,
@@ -306,15 +312,16 @@ def train_tokenizer(
             bos_id=BOS_ID,
             eos_id=EOS_ID,
             # Sentences were already sampled and chunked above; these keep
-            # sentencepiece from re-sampling or dropping any of them.
-            input_sentence_size=len(sentences),
+            # sentencepiece from re-sampling or dropping any of them. It refuses
+            # a sample size of 100 or fewer, which 0 ("all of them") means too.
+            input_sentence_size=len(sentences) if len(sentences) > 100 else 0,
             shuffle_input_sentence=False,
             max_sentence_length=4 * max_sentence_chars,  # bytes; UTF-8 is at most 4 per char
             num_threads=num_threads or os.cpu_count() or 1,
             minloglevel=2,
         )
     except RuntimeError as error:
-        raise _explain_trainer_error(error, vocab_size, byte_fallback) from error
+        raise _explain_trainer_error(error, vocab_size, byte_fallback, sentences) from error
     tokenizer = SentencePieceTokenizer(model.getvalue())
     if cached is not None:
         tokenizer.save(cached)

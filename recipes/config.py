@@ -39,8 +39,10 @@ class DataConfig:
     seq_len: int = 256
     val_fraction: float = 0.02
     cache_dir: str = ".cache/spillway"
-    num_proc: int = 1                     # tokenizing processes; >1 forks after JAX has started threads (warns)
-    max_tokens: int | None = None         # cap on tokens taken from the source; required for streamed Hub sources
+    num_proc: int = 1                     # tokenizing processes (>1: a forkserver pool, safe beside JAX's threads)
+    max_tokens: int | None = None         # optional cap on tokens taken from the source (its head), streamed or not
+    shard_tokens: int = 1 << 22           # tokens per on-disk shard of the tokenized corpus (data/shards.py)
+    mixture: str | None = None            # "name=weight:source,...": weighted sources instead of `source` (data/mixture.py)
 
     def __post_init__(self):
         require_positive("data", seq_len=self.seq_len, num_proc=self.num_proc, max_tokens=self.max_tokens)
@@ -80,7 +82,7 @@ class MeshConfig:
             if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
                 raise ConfigError(f"mesh.{name} must be a positive number of devices or -1 (the rest), got {size!r}")
         if list(sizes.values()).count(-1) > 1:
-            raise ConfigError(f"at most one mesh axis may be -1, got "
+            raise ConfigError("at most one mesh axis may be -1, got "
                               + " ".join(f"mesh.{k}={v}" for k, v in sizes.items()))
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spillway.data import (BatchLoader, PackedData, Tokenizer, check_vocab, load_documents, load_tokenizer,
-                           prepare_tokens, train_tokenizer)
+from spillway.data import (BatchLoader, PackedData, Tokenizer, check_vocab, load_tokenizer,
+                           prepare_tokens, stream_documents, train_tokenizer)
 from spillway.recipes.train import distributed
 from spillway.recipes.config import Recipe
 
@@ -19,14 +19,19 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     cfg = recipe.data
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
-    documents = load_documents(cfg.source, text_field=cfg.text_field,
-                               cache_dir=Path(cfg.cache_dir) / "datasets")
+    # A stream: the tokenizer trains on the head of the corpus, which is never copied whole.
+    documents = stream_documents(cfg.source, text_field=cfg.text_field, cache_dir=Path(cfg.cache_dir) / "datasets")
     return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
                            cache_dir=Path(cfg.cache_dir) / "tokenizers")
 
 
 def prepare(recipe: Recipe) -> tuple[Tokenizer, PackedData]:
     """Tokenizer and packed rows for the recipe, computed once per cache key."""
+    if recipe.data.mixture:
+        # spillway.data prepares and loads mixtures (prepare_mixture, MixtureLoader); the train
+        # loop's evaluation and logging still expect one corpus, so refuse rather than ignore it.
+        raise ValueError(f"data.mixture={recipe.data.mixture!r}: training on a mixture is not wired into "
+                         f"the train loop yet; use data.source")
     def build():
         tokenizer = load_or_train_tokenizer(recipe)
         check_vocab(tokenizer, recipe.model.vocab_size)
@@ -35,7 +40,8 @@ def prepare(recipe: Recipe) -> tuple[Tokenizer, PackedData]:
         packed = prepare_tokens(recipe.data.source, tokenizer, seq_len=recipe.data.seq_len,
                                 cache_dir=recipe.data.cache_dir, val_fraction=recipe.data.val_fraction,
                                 num_proc=recipe.data.num_proc, seed=recipe.train.seed,
-                                text_field=recipe.data.text_field, max_tokens=recipe.data.max_tokens)
+                                text_field=recipe.data.text_field, max_tokens=recipe.data.max_tokens,
+                                shard_tokens=recipe.data.shard_tokens)
         return tokenizer, packed
 
     if distributed.is_main_process():

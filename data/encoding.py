@@ -1,0 +1,108 @@
+"""Encode a stream of documents chunk by chunk, in this process or in worker processes.
+
+Documents are read in chunks of a few megabytes of text; each chunk becomes
+one flat token array (every document followed by EOS) and the length of each
+document in it. Chunks come back in corpus order, whatever the number of
+processes, so what is written downstream never depends on the parallelism.
+
+- `num_proc` None or 1: this process encodes, with a sentencepiece thread per
+  core (no process start-up, nothing pickled).
+- `num_proc` > 1: a pool of that many worker processes, one thread each; this
+  process reads the next chunks while the workers encode. At most two chunks
+  per worker are in flight, so memory stays bounded when reading outpaces
+  encoding. The pool uses the "forkserver" start method: forking a process
+  that already runs JAX's threads (a training run) can deadlock the child.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import multiprocessing
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from .tokenizer import Tokenizer
+
+# Text per chunk: large enough that per-call overheads vanish (sentencepiece
+# starts its threads per call; tens of documents), small enough that a
+# chunk's Python token lists (about 36 bytes a token) stay a few MB.
+DEFAULT_CHUNK_CHARS = 250_000
+_MAX_CHUNK_DOCUMENTS = 4096
+_IN_FLIGHT_PER_WORKER = 2
+
+
+def text_chunks(documents, *, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[list[str]]:
+    """Lists of consecutive document texts of about `chunk_chars` characters (a document is never split).
+
+    `documents` is a `datasets` dataset or stream with a "text" column.
+    """
+    chunk: list[str] = []
+    size = 0
+    for batch in documents.iter(batch_size=256):
+        for text in batch["text"]:
+            chunk.append(text)
+            size += len(text)
+            if size >= chunk_chars or len(chunk) >= _MAX_CHUNK_DOCUMENTS:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def encode_texts(
+    tokenizer: Tokenizer, texts: list[str], dtype: np.dtype, *, num_threads: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, lengths): the documents' ids, each followed by EOS, flat; the length of each with its EOS."""
+    encoded = tokenizer.encode(texts, num_threads=num_threads)
+    eos = tokenizer.eos_id
+    for ids in encoded:
+        ids.append(eos)
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    tokens = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(lengths.sum()))
+    return tokens, lengths
+
+
+# State of a pool worker: set once by `_start_worker`, so the tokenizer is
+# pickled once per worker rather than once per chunk.
+_worker_tokenizer: Tokenizer | None = None
+_worker_dtype: np.dtype | None = None
+
+
+def _start_worker(model_proto: bytes, dtype: str) -> None:
+    global _worker_tokenizer, _worker_dtype
+    _worker_tokenizer = Tokenizer(model_proto)
+    _worker_dtype = np.dtype(dtype)
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return encode_texts(_worker_tokenizer, texts, _worker_dtype, num_threads=1)
+
+
+def encode_chunks(
+    chunks: Iterable[list[str]], tokenizer: Tokenizer, dtype: np.dtype, *, num_proc: int | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`encode_texts` of every chunk, in order; see the module docstring for `num_proc`.
+
+    Closing the iterator early (a token cap reached) stops the workers.
+    """
+    dtype = np.dtype(dtype)
+    if not num_proc or num_proc <= 1:
+        threads = os.cpu_count() or 1
+        for texts in chunks:
+            yield encode_texts(tokenizer, texts, dtype, num_threads=threads)
+        return
+    context = multiprocessing.get_context("forkserver")
+    # The fork server imports this module once and every worker inherits it,
+    # instead of each worker importing `datasets` and the rest anew.
+    context.set_forkserver_preload([__name__])
+    with context.Pool(num_proc, initializer=_start_worker, initargs=(tokenizer.model_proto, dtype.str)) as pool:
+        pending: collections.deque = collections.deque()
+        for texts in chunks:
+            pending.append(pool.apply_async(_encode_in_worker, (texts,)))
+            if len(pending) >= _IN_FLIGHT_PER_WORKER * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
