@@ -87,12 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from spillway.recipes.train.errors import RunError  # light: no JAX
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"spillway {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RunError as err:  # a run that cannot go on: the message says why and what to do
+        print(f"spillway {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C outside the train loop (which saves and exits 130 itself)
+        print(f"spillway {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
