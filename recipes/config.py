@@ -72,6 +72,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     sample_tokens: int = 64
     resume: bool = True                   # continue from the latest checkpoint in checkpoint.dir
+    resume_step: int | None = None        # resume from this step instead (newer ones are set aside)
 
 
 @dataclasses.dataclass(frozen=True)
