@@ -113,6 +113,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     sample_tokens: int = 64               # 0: no sample at the end
     resume: bool = True                   # continue from the latest checkpoint in checkpoint.dir
+    resume_step: int | None = None        # resume from this step instead (newer ones are set aside)
 
     def __post_init__(self):
         require_positive("train", steps=self.steps, global_batch=self.global_batch, grad_accum=self.grad_accum,

@@ -1,4 +1,9 @@
-"""`spillway generate`: rebuild a run's model from its checkpoint and recipe, then sample."""
+"""`spillway generate`: rebuild a run's model from its checkpoint and recipe, then sample.
+
+The checkpoint may be named by its run directory, the run's `checkpoints/`
+directory (both: the newest step) or one step folder; the tokenizer is the
+run's `tokenizer.model`.
+"""
 
 from __future__ import annotations
 
@@ -13,27 +18,21 @@ from spillway.recipes.config import Recipe
 from spillway.recipes.sampling import generate
 
 
-def _run_dir_of(path: Path) -> Path:
-    """A run dir holds its tokenizer; accept the run dir, its checkpoints/ dir, or a step dir."""
-    for candidate in (path, path.parent, path.parent.parent):
-        if tokenizer_file_in(candidate) is not None:
-            return candidate
-    raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.json or "
-                            f"tokenizer.model found)")
-
-
 def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_p: float,
                              seed: int = 0) -> str:
     import json
 
-    from spillway.recipes.train.checkpoint import read_recipe_json, restore_params_only
+    from spillway.recipes.train.checkpoint import read_recipe_json, resolve_step_dir, restore_params_only, run_dir_of
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
-    run_dir = _run_dir_of(path)
-    ckpt = path if path != run_dir else run_dir / "checkpoints"
+    ckpt = resolve_step_dir(path)  # one step: the recipe, weights and tokenizer all come from the same run
+    run_dir = run_dir_of(ckpt)
+    if run_dir is None or tokenizer_file_in(run_dir) is None:
+        raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.json or "
+                                f"tokenizer.model beside its checkpoints/ folder)")
     recipe = Recipe.from_dict(json.loads(read_recipe_json(ckpt)))
     mesh = make_mesh(1, -1, 1, devices=jax.devices()[:1])
     # Restore straight into the abstract model's shards: no random initialisation to throw away.

@@ -1,12 +1,14 @@
 """Checkpoints for a training run: glue between the train loop and orbax's CheckpointManager.
 
-A run directory holds one folder per finalised step, in orbax's layout:
+A checkpoint directory (`<run>/checkpoints` in a training run, written here as
+<ckpt>) holds one folder per finalised step, in orbax's layout:
 
-    <run>/<step>/params/               parameter tree (orbax StandardSave: OCDBT + tensorstore)
-    <run>/<step>/opt_state/            optimizer state tree (host-resident leaves included)
-    <run>/<step>/loader_state/metadata JSON: where the data loader resumes
-    <run>/<step>/meta/metadata         JSON: step, seed, tokens seen, ...
-    <run>/<step>/recipe/recipe.json    the resolved recipe, verbatim: `cat` it
+    <ckpt>/<step>/params/               parameter tree (orbax StandardSave: OCDBT + tensorstore)
+    <ckpt>/<step>/opt_state/            optimizer state tree (host-resident leaves included)
+    <ckpt>/<step>/loader_state/metadata JSON: where the data loader resumes
+    <ckpt>/<step>/meta/metadata         JSON: step, seed, tokens seen, ...
+    <ckpt>/<step>/recipe/recipe.json    the resolved recipe, verbatim: `cat` it
+    <ckpt>/<step>.<reason>/             a step set aside (corrupt, diverged, abandoned): orbax ignores it
 
 Orbax does the hard parts and this file leans on them:
 
@@ -27,15 +29,26 @@ What this file adds is the run's policy and the failure reporting:
 
 * which steps to save (`step % every_steps == 0`, or forced), never re-saving a
   step, never saving a step older than the newest one (resume would skip it);
-* one exception type, `CheckpointError`, carrying the path and what is wrong,
-  for every failure a user can cause: no checkpoint, a corrupt one, one whose
-  parameter tree does not match the model (checked against the checkpoint's
-  own metadata before any array is read, naming keys and both shapes), a JSON
-  field that is not JSON, an async save that failed in the background;
+* a directory that cannot be written fails when the RunCheckpointer opens, before
+  any training, not at the first save;
+* one exception type, `CheckpointError` (a `RunError`: one line, printed by the
+  command line without a traceback), carrying the path and what is wrong, for
+  every failure a user can cause: no checkpoint, a corrupt one
+  (`CorruptCheckpointError`), one whose parameter tree does not match the model
+  (`CheckpointMismatchError`, checked against the checkpoint's own metadata
+  before any array is read, naming keys and both shapes), a JSON field that is
+  not JSON, an async save that failed in the background (`raise_if_save_failed`
+  polls for it at every step, so the run stops at the failing save);
+* setting a step aside (`set_aside`: `<step>` renamed `<step>.<reason>`, which
+  orbax no longer lists) when it is corrupt, diverged, or abandoned by a resume
+  from an earlier step, so that the run can save that step number again;
+* a run directory, its `checkpoints/` folder or one step folder are all accepted
+  wherever a checkpoint is read (`resolve_step_dir`).
 
-Preemption (SIGTERM) is the train loop's: it sets a flag and saves at the
-next step boundary (recipes/train/loop.py), never in the middle of a step or of a
-save here.
+Which step to resume from, and whether its recipe matches, is decided by
+recipes/train/resume.py. Preemption (SIGTERM, SIGINT) is the train loop's: it
+sets a flag and saves at the next step boundary (recipes/train/preemption.py),
+never in the middle of a step or of a save here.
 
 dtypes are not compared: orbax casts to the target's dtype on restore, which is
 what a fine-tune that loads fp32 weights into bf16 wants.
@@ -49,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,7 +70,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from spillway.layers.errors import SpillwayError
+from spillway.recipes.train.errors import RunError
 
 PARAMS = "params"
 OPT_STATE = "opt_state"
@@ -65,8 +78,7 @@ LOADER_STATE = "loader_state"
 META = "meta"
 RECIPE = "recipe"
 RECIPE_FILENAME = "recipe.json"
-
-SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM  # 143, what a shell reports for a SIGTERM'd process
+CHECKPOINTS_DIRNAME = "checkpoints"  # <run>/checkpoints holds the step folders of a training run
 
 _ARRAY_ITEMS = (PARAMS, OPT_STATE)
 _JSON_ITEMS = (LOADER_STATE, META)
@@ -74,8 +86,16 @@ _MAX_LISTED_DIFFERENCES = 20  # a wholly different model would otherwise print e
 _MAX_CAUSE_CHARS = 400
 
 
-class CheckpointError(SpillwayError, RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint could not be saved or restored; the message names the path and the reason."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A step folder is damaged (truncated or missing files, unreadable metadata): other steps may be intact."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's parameter tree differs from the model's: a configuration problem, not damage."""
 
 
 def _cause(e: BaseException) -> str:
@@ -155,17 +175,26 @@ def _finalised_steps(run_dir: epath.Path) -> list[int]:
 
 
 def _is_step_dir(path: epath.Path) -> bool:
-    # a run directory holds numbered folders; a step folder holds the items
+    # a checkpoint directory holds numbered folders; a step folder holds the items
     return any((path / name).is_dir() for name in (PARAMS, OPT_STATE, META))
 
 
-def _resolve_step_dir(path: str | os.PathLike) -> epath.Path:
-    """A step folder, given either a step folder or a run directory (whose latest step is used)."""
+def checkpoint_dir_of(path: str | os.PathLike) -> epath.Path:
+    """The folder holding the step folders, given it or the run directory above it (`<run>/checkpoints`)."""
+    path = _absolute(path)
+    if not _is_step_dir(path) and (path / CHECKPOINTS_DIRNAME).is_dir():
+        return path / CHECKPOINTS_DIRNAME
+    return path
+
+
+def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
+    """A step folder, given a step folder, a checkpoint directory or a run directory (newest step)."""
     path = _absolute(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory (expected a run directory or a step folder)")
+        raise CheckpointError(f"{path}: not a directory (expected a run directory, its checkpoints "
+                              f"directory or a step folder)")
     if ocp.step.is_path_temporary(path):
         raise CheckpointError(f"{path}: an unfinished save (orbax tmp folder), not a checkpoint; "
                               f"use a finalised step folder or the run directory")
@@ -173,10 +202,19 @@ def _resolve_step_dir(path: str | os.PathLike) -> epath.Path:
         if not ocp.step.is_checkpoint_finalized(path):
             raise CheckpointError(f"{path}: this step's save never finished")
         return path
-    steps = _finalised_steps(path)
+    directory = checkpoint_dir_of(path)
+    steps = _finalised_steps(directory)
     if not steps:
-        raise CheckpointError(f"{path}: no checkpoint found (no finalised step folder in this directory)")
-    return path / _STEP_NAMES.build_name(steps[-1])
+        raise CheckpointError(f"{path}: no checkpoint found (no finalised step folder in "
+                              f"{'this directory' if directory == path else directory})")
+    return directory / _STEP_NAMES.build_name(steps[-1])
+
+
+def run_dir_of(step_dir: epath.Path) -> epath.Path | None:
+    """The training run a step folder belongs to (`<run>/checkpoints/<step>`), or None if it is not in one."""
+    if step_dir.parent.name == CHECKPOINTS_DIRNAME:
+        return step_dir.parent.parent
+    return None
 
 
 # -- comparing a checkpoint's tree with the restore target -----------------------------------
@@ -233,8 +271,8 @@ def _check_compatible(item_dir: epath.Path, saved_metadata, abstract_tree) -> No
         shown = differences[:_MAX_LISTED_DIFFERENCES]
         if len(differences) > len(shown):
             shown.append(f"... and {len(differences) - len(shown)} more")
-        raise CheckpointError(f"{item_dir}: checkpoint does not match the restore target "
-                              f"({len(differences)} difference(s)):\n  " + "\n  ".join(shown))
+        raise CheckpointMismatchError(f"{item_dir}: checkpoint does not match the restore target "
+                                      f"({len(differences)} difference(s)): " + "; ".join(shown))
 
 
 # -- reading one step folder ------------------------------------------------------------------
@@ -248,13 +286,13 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
     wanted = list(abstract_trees) + list(extra_items)
     for name in wanted:
         if not (step_dir / name).is_dir():
-            raise CheckpointError(f"{step_dir}: item {name!r} is missing from this checkpoint "
+            raise CorruptCheckpointError(f"{step_dir}: item {name!r} is missing from this checkpoint "
                                   f"(corrupt, or not written by spillway.recipes.train.checkpoint)")
     for name, tree in abstract_trees.items():
         try:
             saved_metadata = handlers[name].metadata(step_dir / name)
         except Exception as e:  # unreadable or garbage _METADATA
-            raise CheckpointError(f"{step_dir / name}: cannot read the checkpoint's metadata, the "
+            raise CorruptCheckpointError(f"{step_dir / name}: cannot read the checkpoint's metadata, the "
                                   f"checkpoint is corrupt: {_cause(e)}") from e
         _check_compatible(step_dir / name, saved_metadata, tree)
 
@@ -265,7 +303,7 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
         restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**restore_args))
     except Exception as e:  # missing or truncated array files, garbage JSON, ...
         # shapes and keys were checked above, so what is left is almost always damage on disk
-        raise CheckpointError(f"{step_dir}: restoring failed, the checkpoint is corrupt or unreadable "
+        raise CorruptCheckpointError(f"{step_dir}: restoring failed, the checkpoint is corrupt or unreadable "
                               f"(or a target sharding cannot hold its array): {_cause(e)}") from e
     finally:
         checkpointer.close()
@@ -279,6 +317,23 @@ def _json_text(value, what: str) -> str:
         raise CheckpointError(f"{what} must be JSON-serialisable (it is saved as JSON): {e}") from e
 
 
+def _check_writable(directory: epath.Path) -> None:
+    """Creates `directory` and writes a probe file there: an unwritable place fails now, in one line."""
+    probe = directory / f".spillway-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"spillway checks that checkpoints can be written here\n")
+        probe.unlink()
+    except Exception as e:  # OSError locally; other types from remote filesystems
+        raise CheckpointError(f"{directory}: cannot write checkpoints here: {_cause(e)}") from e
+
+
+def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
 # -- the run's checkpointer ---------------------------------------------------------------------
 
 
@@ -287,10 +342,15 @@ class RunCheckpointer:
 
     `keep`: how many of the newest steps to keep on disk. `every_steps`: the
     save period used by `should_save` / `save`. `async_save`: write in a
-    background thread (errors surface at the next `save`, `wait` or `close`).
+    background thread (errors surface at `raise_if_save_failed`, which the train
+    loop calls every step, or at the next `save`, `wait` or `close`).
 
-    Open a RunCheckpointer only from the run that writes the directory: opening
-    one deletes unfinished `<step>.orbax-checkpoint-tmp` folders, which would
+    Opening checks that the directory can be written (a probe file), so a
+    read-only or full filesystem fails here, before any training.
+
+    Open a RunCheckpointer only from the run that writes the directory (the
+    train loop holds the run's lock, recipes/train/run_lock.py): opening one
+    deletes unfinished `<step>.orbax-checkpoint-tmp` folders, which would
     include a save in progress by another job. Readers (evaluation, fine-tunes)
     use `restore_params_only` and `read_recipe_json`, which never write.
     """
@@ -303,6 +363,7 @@ class RunCheckpointer:
         self.directory = _absolute(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: exists and is not a directory")
+        _check_writable(self.directory)
         self.keep = keep
         self.every_steps = every_steps
         options = ocp.CheckpointManagerOptions(
@@ -336,6 +397,42 @@ class RunCheckpointer:
 
     def step_dir(self, step: int) -> epath.Path:
         return self.directory / _STEP_NAMES.build_name(step)
+
+    def read_recipe_json(self, step: int) -> str:
+        """The recipe saved with `step`, verbatim (cheap: no array is read)."""
+        recipe_file = self.step_dir(step) / RECIPE / RECIPE_FILENAME
+        try:
+            return recipe_file.read_text()
+        except OSError as e:
+            raise CorruptCheckpointError(f"{recipe_file}: cannot read the saved recipe, the checkpoint is "
+                                         f"corrupt: {_cause(e)}") from e
+
+    # -- setting steps aside
+
+    def set_aside(self, step: int, reason: str) -> epath.Path:
+        """Renames `<step>` to `<step>.<reason>` (orbax no longer lists it) and returns the new path.
+
+        For a step that is corrupt, diverged, or newer than the step a run resumes
+        from: left in place, it would stop the run from saving that step number
+        again (see `save`), and a later resume would pick it. Nothing is deleted:
+        the folder stays for inspection and can be removed by hand.
+        """
+        self._check_open()
+        self.wait()
+        source = self.step_dir(step)
+        target = self.directory / f"{source.name}.{reason}"
+        suffix = 1
+        while target.exists():  # set aside before, e.g. corrupt twice
+            suffix += 1
+            target = self.directory / f"{source.name}.{reason}{suffix}"
+        if jax.process_index() == 0:
+            try:
+                source.rename(target)
+            except OSError as e:
+                raise CheckpointError(f"{source}: cannot set this step aside as {target.name}: {_cause(e)}") from e
+        _sync_processes(f"spillway-set-aside-{step}")
+        self._manager.reload()
+        return target
 
     # -- save
 
@@ -379,6 +476,26 @@ class RunCheckpointer:
             raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
         self._step_in_flight = step
 
+    def raise_if_save_failed(self) -> None:
+        """Raises CheckpointError now if the async save in flight has failed; never waits for one running.
+
+        Called at every step boundary, so a run stops at the save that failed
+        rather than at the next one, `every_steps` later. Orbax keeps a failure
+        in its finalize thread until someone joins it: once the save is no
+        longer in progress, `wait` joins it at once and reports the failure.
+        """
+        if self._step_in_flight is None or self._manager.is_saving_in_progress():
+            return
+        self.wait()
+
+    def _failed_save_error(self, step: int | None, e: BaseException) -> CheckpointError:
+        where = self.step_dir(step) if step is not None else self.directory
+        previous = self.latest_step()  # orbax has dropped the failed step by now
+        if previous == step:
+            previous = None
+        intact = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+        return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}")
+
     def wait(self) -> None:
         """Blocks until the async save in flight (if any) is finalised; raises CheckpointError if it failed."""
         step = self._step_in_flight
@@ -386,11 +503,7 @@ class RunCheckpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            where = self.step_dir(step) if step is not None else self.directory
-            previous = self.latest_step()  # orbax has dropped the failed step by now
-            intact = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
-            raise CheckpointError(
-                f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}") from e
+            raise self._failed_save_error(step, e) from e
 
     # -- restore
 
@@ -450,23 +563,40 @@ class RunCheckpointer:
 # -- fine-tuning entry points -----------------------------------------------------------------------
 
 
+def _with_older_steps_hint(error: CorruptCheckpointError, given: epath.Path, step_dir: epath.Path):
+    """A corrupt newest step, reached through a run or checkpoint directory: name the older steps to use."""
+    if given == step_dir:
+        return error
+    older = [s for s in _finalised_steps(step_dir.parent) if s < int(step_dir.name)]
+    if not older:
+        return CorruptCheckpointError(f"{error} (no older step to fall back to)")
+    return CorruptCheckpointError(f"{error} (older steps {older}: pass one of their folders, e.g. "
+                                  f"{step_dir.parent / _STEP_NAMES.build_name(older[-1])})")
+
+
 def restore_params_only(path: str | os.PathLike, abstract_params) -> tuple[Any, dict]:
     """Loads the parameters (and the meta dict) of a checkpoint, for a fine-tune.
 
-    `path` is a run directory (its latest step is used) or one step folder. The optimizer state
-    is not read. Arrays land in the shardings of `abstract_params`, on any mesh.
+    `path` is a run directory, its checkpoints directory (the newest step is used) or one step
+    folder. The optimizer state is not read. Arrays land in the shardings of `abstract_params`,
+    on any mesh.
     """
-    step_dir = _resolve_step_dir(path)
-    items = _restore_step_dir(step_dir, {PARAMS: _as_restore_target(abstract_params, "abstract_params")},
-                              {META: ocp.args.JsonRestore()})
+    step_dir = resolve_step_dir(path)
+    try:
+        items = _restore_step_dir(step_dir, {PARAMS: _as_restore_target(abstract_params, "abstract_params")},
+                                  {META: ocp.args.JsonRestore()})
+    except CorruptCheckpointError as e:
+        raise _with_older_steps_hint(e, _absolute(path), step_dir) from e
     return items[PARAMS], items[META]
 
 
 def read_recipe_json(path: str | os.PathLike) -> str:
-    """The recipe saved beside a step, verbatim. `path`: a step folder, or a run directory (latest step)."""
-    step_dir = _resolve_step_dir(path)
+    """The recipe saved beside a step, verbatim. `path`: a step folder, a checkpoints directory or a run
+    directory (newest step)."""
+    step_dir = resolve_step_dir(path)
     recipe_file = step_dir / RECIPE / RECIPE_FILENAME
     try:
         return recipe_file.read_text()
     except OSError as e:
-        raise CheckpointError(f"{recipe_file}: cannot read the saved recipe: {e}") from e
+        error = CorruptCheckpointError(f"{recipe_file}: cannot read the saved recipe: {_cause(e)}")
+        raise _with_older_steps_hint(error, _absolute(path), step_dir) from e

@@ -1,14 +1,22 @@
 """The train loop: data, the sharded step, progress, validation, checkpoints, a sample at the end.
 
-    recipe -> data (tokenizer, packed rows, loader) -> mesh -> model and
-    optimizer state created in their shards -> the jitted step (step.py) ->
+    run lock (run_lock.py) -> checkpoint directory writable? -> which step to
+    resume from, and may this recipe resume it? (resume.py) -> data
+    (tokenizer, packed rows, loader) -> mesh -> model and optimizer state
+    created in their shards -> restore (falling back past corrupt or diverged
+    steps) or fine-tune weights (finetune.py) -> the jitted step (step.py) ->
     loop (progress, validation, checkpoints, profile) -> a text sample.
+
+Everything a user can get wrong is checked before data is prepared. Inside
+the loop, a step is saved only after its weights pass divergence.py's check;
+the last step is always saved; SIGTERM and Ctrl-C save at the step boundary
+(preemption.py); an async save that fails stops the run at the next step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import signal
 import time
 from pathlib import Path
 
@@ -21,8 +29,13 @@ from spillway.recipes.config import Recipe
 from spillway.recipes.plan.flops import model_flops_per_token
 from spillway.recipes.sampling import generate
 from spillway.recipes.train import distributed
-from spillway.recipes.train.metrics import RunLogger, check_finite, device_memory_in_use, peak_flops_per_device
+from spillway.recipes.train.divergence import make_weights_check
+from spillway.recipes.train.errors import RunError
+from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
+                                            peak_flops_per_device)
 from spillway.recipes.train.optimizer import check_host_memory
+from spillway.recipes.train.preemption import GroupStop, StopSignals, signal_name
+from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.step import abstract_with_shardings, make_eval_step, setup
 
 
@@ -49,45 +62,72 @@ class RunResult:
     tokenizer: object
 
 
-class _StopRequested:
-    """SIGTERM sets a flag; the loop saves at the next step boundary and exits (no save mid-step)."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        def handler(signum, frame):
-            self.requested = True
+@contextlib.contextmanager
+def _owned_run_dir(run_dir: Path, main: bool, say):
+    """Holds `<run>/run.lock` (process 0 takes it for the group) for as long as the run writes there."""
+    lock = RunLock(run_dir)
+    error = None
+    if main:
         try:
-            self._previous = signal.signal(signal.SIGTERM, handler)
-        except ValueError:  # not the main thread: no handler, no graceful stop
-            self._previous = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+            stale = lock.acquire()
+        except RunError as e:
+            error = e
+        else:
+            if stale is not None:
+                say(f"took over the run lock {lock.path} from a run that is gone ({stale.describe()})")
+    if not distributed.all_processes_ok(error is None):
+        raise error or RunLockedError(f"{run_dir}: process 0 could not take the run directory (its error says why)")
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int | None = None) -> RunResult:
     """Run (or resume) the recipe. `stop_after`: leave after that many steps of this invocation, with a
-    checkpoint, as a time-limited job would; the next call resumes."""
+    checkpoint, as a time-limited job would; the next call resumes.
+
+    Failures a user can fix raise RunError subclasses with one-line messages; SIGTERM and Ctrl-C save the
+    step in progress and raise SystemExit(143 or 130) (recipes/train/preemption.py).
+    """
+    from spillway.recipes.train.checkpoint import CHECKPOINTS_DIRNAME, RunCheckpointer
+
+    distributed.maybe_initialize()
+    main = distributed.is_main_process()
+    say = echo if main else (lambda *a, **k: None)
+    _parse_profile(recipe.train.profile_steps)  # a bad value fails before anything is written
+    run_dir = Path(recipe.run_dir)
+    with _owned_run_dir(run_dir, main, say):
+        # opening checks that checkpoints can be written there: before any data is prepared
+        checkpointer = RunCheckpointer(run_dir / CHECKPOINTS_DIRNAME, keep=recipe.checkpoint.keep,
+                                       every_steps=recipe.checkpoint.every_steps,
+                                       async_save=recipe.checkpoint.async_save)
+        try:
+            return _train_owned(recipe, run_dir, checkpointer, main=main, say=say, progress=progress,
+                                stop_after=stop_after)
+        finally:
+            checkpointer.close()
+
+
+def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say, progress: bool,
+                 stop_after: int | None) -> RunResult:
     # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from tqdm import tqdm
 
     from spillway.data import eval_batches
-    from spillway.recipes.train.checkpoint import SIGTERM_EXIT_STATUS, RunCheckpointer
     from spillway.recipes.train.data_pipeline import prepare, train_loader
-    from spillway.recipes.train.init_weights import load_init_weights, resolve_init_from
+    from spillway.recipes.train.finetune import with_source_tokenizer
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights, resolve_init_from
+    from spillway.recipes.train.resume import record_history, restore_for_resume, steps_to_try
 
-    distributed.maybe_initialize()
-    main = distributed.is_main_process()
-    say = echo if main else (lambda *a, **k: None)
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model; it brings its tokenizer
     cfg = recipe.train
     profile = _parse_profile(cfg.profile_steps)
+    if recipe.checkpoint.init_from and hf_checkpoint_dir(recipe.checkpoint.init_from) is None:
+        recipe = with_source_tokenizer(recipe, run_dir, resuming=cfg.resume and bool(checkpointer.all_steps()),
+                                       say=say)
+    candidates = steps_to_try(checkpointer, recipe)  # a recipe that cannot resume fails here, before data
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
@@ -103,33 +143,74 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     if recipe.offload.optimizer_state == "host":
         # Before allocating: pinned memory the host cannot give fails here, not mid-init.
         check_host_memory(s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings)))
-    run_dir = Path(recipe.run_dir)
-    checkpointer = RunCheckpointer(run_dir / "checkpoints", keep=recipe.checkpoint.keep,
-                                   every_steps=recipe.checkpoint.every_steps,
-                                   async_save=recipe.checkpoint.async_save)
-    latest = checkpointer.latest_step() if cfg.resume else None
     params = s.params
-    if latest is None and recipe.checkpoint.init_from:
+    if not candidates and recipe.checkpoint.init_from:
         # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
         params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
+        if main:
+            record_history(run_dir, "fine-tune", step=0, init_from=str(recipe.checkpoint.init_from))
     opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
     loader = train_loader(packed, recipe, jax.process_index(), jax.process_count())
-    step = 0
-    if latest is not None:
-        restored = checkpointer.restore(
-            latest, abstract_params=abstract_with_shardings(params, s.param_shardings),
-            abstract_opt_state=abstract_with_shardings(opt_state, s.opt_state_shardings))
-        params, opt_state = restored["params"], restored["opt_state"]
+    check_weights = make_weights_check(s.graphdef, s.mesh, loss_chunk=cfg.loss_chunk, grad_accum=cfg.grad_accum,
+                                       param_shardings=s.param_shardings, batch_sharding=s.batch_sharding)
+
+    def restored_weights_problem(restored: dict) -> str | None:
+        # the weights against the batch the resumed run trains on first; the loader is put back after
         loader.restore(restored["loader_state"])
-        step = int(restored["meta"]["step"])
-        say(f"resumed from {run_dir / 'checkpoints'} at step {step}")
+        first_batch = _global_batch(next(loader), s.batch_sharding)
+        loader.restore(restored["loader_state"])
+        return check_weights(restored["params"], first_batch).problem()
 
-    def save(at_step: int, force: bool = False):
-        checkpointer.save(at_step, params=params, opt_state=opt_state, loader_state=loader.state(),
+    step = 0
+    if candidates:
+        resumed = restore_for_resume(
+            checkpointer, recipe, candidates,
+            abstract_params=abstract_with_shardings(params, s.param_shardings),
+            abstract_opt_state=abstract_with_shardings(opt_state, s.opt_state_shardings),
+            weights_problem=restored_weights_problem, say=say)
+        params, opt_state, step = resumed.params, resumed.opt_state, int(resumed.meta["step"])
+        loader.restore(resumed.loader_state)
+        changes = "".join(f"; {field}: {before} -> {after}" for field, (before, after) in resumed.changed.items())
+        say(f"resumed from {checkpointer.step_dir(resumed.step)} at step {step}{changes}")
+        if main:
+            record_history(run_dir, "resume", step=step, changed=resumed.changed, set_aside=resumed.set_aside)
+    elif main and not recipe.checkpoint.init_from:
+        record_history(run_dir, "start", step=0)
+
+    def resume_hint() -> str:
+        """Where a diverged run can resume from: only steps that were checked before they were saved."""
+        steps = checkpointer.all_steps()
+        if not steps:
+            return ("no checkpoint was saved before it diverged, so a rerun starts over (lower the learning "
+                    "rate first)")
+        older = f"; an earlier one with --set train.resume_step=N (steps: {steps})" if len(steps) > 1 else ""
+        return (f"step {steps[-1]} is intact ({checkpointer.step_dir(steps[-1])}): a rerun with a lower "
+                f"optimizer.learning_rate resumes from it{older}")
+
+    peeked = None  # the next batch, drawn early to check the weights of a save against it
+
+    def next_batch():
+        nonlocal peeked
+        batch, peeked = (peeked if peeked is not None else _global_batch(next(loader), s.batch_sharding)), None
+        return batch
+
+    def save(at_step: int, metrics) -> None:
+        """Saves `at_step` (the caller decided it is due) unless its weights are diverged: then stops.
+
+        The weights are checked against the next batch (divergence.py), drawn here and kept for the next
+        step; the loader state saved is the one before it, so a resumed run draws that batch again."""
+        nonlocal peeked
+        loader_state = loader.state()
+        peeked = next_batch()
+        problem = check_weights(params, peeked, metrics).problem()
+        if problem is not None:
+            raise NonFiniteLossError(f"the weights after step {at_step} are diverged ({problem}): not saved, "
+                                     f"stopping; {resume_hint()}")
+        checkpointer.save(at_step, params=params, opt_state=opt_state, loader_state=loader_state,
                           meta={"step": at_step, "seed": cfg.seed, "tokens_seen": at_step * tokens_per_step},
-                          recipe_json=recipe.to_json(), force=force)
+                          recipe_json=recipe.to_json(), force=True)
 
-    logger = RunLogger(run_dir, enabled=main)
+    logger = RunLogger(run_dir, start_step=step, enabled=main)
     if main:
         tokenizer.save_to_directory(run_dir)  # `spillway generate RUN_DIR` needs it
     eval_step = jax.jit(make_eval_step(s.graphdef, s.mesh), in_shardings=(s.param_shardings, s.batch_sharding))
@@ -152,13 +233,13 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     bar = tqdm(total=cfg.steps, initial=step, disable=not (main and progress), unit="step", dynamic_ncols=True)
     pending = None  # (step, metrics on device) of the previous step: checked one step late, keeps dispatch async
     window_start, window_steps = time.perf_counter(), 0
-    with _StopRequested() as stop:
+    with StopSignals(echo=(lambda text: bar.write(text)) if main else (lambda text: None)) as signals:
+        group_stop = GroupStop(signals, s.mesh)
         try:
             while step < cfg.steps:
                 if profile and step == profile[0] and main:
                     jax.profiler.start_trace(str(run_dir / "profile"))
-                batch = _global_batch(next(loader), s.batch_sharding)
-                params, opt_state, metrics = s.train_step(params, opt_state, batch)
+                params, opt_state, metrics = s.train_step(params, opt_state, next_batch())
                 step += 1
                 window_steps += 1
                 if profile and step == profile[1] and main:
@@ -166,11 +247,12 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                     jax.profiler.stop_trace()
                     say(f"profile of steps {profile[0]}..{profile[1]} written to {run_dir / 'profile'}")
                 if pending is not None:
-                    check_finite(pending[0], float(pending[1]["loss"]))
+                    check_finite(pending[0], float(pending[1]["loss"]), resume_hint())
                 pending = (step, metrics)
+                checkpointer.raise_if_save_failed()  # a failed async save stops the run here, not a save later
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     loss = float(metrics["loss"])
-                    check_finite(step, loss)
+                    check_finite(step, loss, resume_hint())
                     elapsed = time.perf_counter() - window_start
                     step_time = elapsed / window_steps
                     row = {"loss": loss, "grad_norm": float(metrics["grad_norm"]),
@@ -191,23 +273,24 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                     bar.write(f"step {step}: train loss {float(metrics['loss']):.4f}, validation loss {val:.4f}") \
                         if main else None
                     window_start, window_steps = time.perf_counter(), 0
-                if checkpointer.should_save(step) or step == cfg.steps:
-                    save(step, force=True)  # the checkpointer alone would skip a last step off its period
+                stop_status = group_stop.poll()  # every process gets the same answer at the same step
+                leave_early = stop_after is not None and step - first_step >= stop_after and step < cfg.steps
+                # the last step is always saved, whatever the period, and so is a step the run stops at
+                if checkpointer.should_save(step) or step == cfg.steps or leave_early or stop_status:
+                    save(step, metrics)
                 bar.update(1)
-                if stop_after is not None and step - first_step >= stop_after and step < cfg.steps:
-                    save(step, force=True)
+                if leave_early:
                     say(f"stopping after {stop_after} steps at step {step} (checkpoint saved)")
                     break
-                if stop.requested:
-                    bar.write(f"SIGTERM: saving step {step} and stopping") if main else None
-                    save(step, force=True)
+                if stop_status:
                     checkpointer.wait()
-                    raise SystemExit(SIGTERM_EXIT_STATUS)
+                    bar.write(f"{signal_name(stop_status)}: saved step {step} "
+                              f"({checkpointer.step_dir(step)}), stopping") if main else None
+                    raise SystemExit(stop_status)
         finally:
             bar.close()
-            checkpointer.wait()
-            checkpointer.close()
             logger.close()
+    checkpointer.wait()
 
     plot = logger.plot_loss()
     if plot:

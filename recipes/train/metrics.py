@@ -2,7 +2,15 @@
 
 `RunLogger` writes every logged step as one JSON line (metrics.jsonl) and as
 TensorBoard scalars (tb/), and draws loss.png at the end. Only process 0
-writes; other processes log nothing. MFU is model FLOPs per second over the
+writes; other processes log nothing.
+
+A run that resumes from step K (after a kill, possibly during a save, so K can
+be older than the last step logged) first drops the rows after K from
+metrics.jsonl and asks TensorBoard to purge its events after K: the steps it
+trains again replace those rows instead of repeating them. `read_metrics`
+reads files written before that rule (rows repeated after a restart) the same
+way: a step going backwards starts a new segment that replaces what came
+after it. MFU is model FLOPs per second over the
 device's peak: the target's published bf16 peak on GPUs (recipes/plan/targets.py), and on a CPU the
 measured rate of a large float32 matmul (so the figure means "fraction of what
 this machine's matmul can do").
@@ -20,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spillway.layers.errors import SpillwayError
+from spillway.recipes.train.errors import RunError
 
 
 def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
@@ -58,19 +66,47 @@ def device_memory_in_use() -> int | None:
     return stats.get("bytes_in_use")
 
 
-class NonFiniteLossError(SpillwayError, RuntimeError):
-    """The loss became NaN or inf: the run stops (its last checkpoint is kept)."""
+class NonFiniteLossError(RunError):
+    """The run diverged; the message says which checkpoint (if any) is intact to resume from."""
 
 
-def check_finite(step: int, loss: float) -> None:
+def check_finite(step: int, loss: float, resume_hint: str = "the last checkpoint is kept") -> None:
+    """Stops the run if the loss of `step` is NaN or infinite; `resume_hint` says where to resume."""
     if not math.isfinite(loss):
         raise NonFiniteLossError(
             f"loss is {loss} at step {step}: stopping. Try a lower optimizer.learning_rate, a smaller "
-            f"optimizer.clip_norm, or check the data; the last checkpoint is kept.")
+            f"optimizer.clip_norm, or check the data; {resume_hint}")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The rows of a metrics.jsonl, restarts resolved: a row whose step is lower than the row before it
+    (a run resumed from an earlier step) drops the earlier rows at that step and after."""
+    rows: list[dict] = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill mid-write
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            continue
+        if rows and row["step"] < rows[-1]["step"]:
+            rows = [r for r in rows if r["step"] < row["step"]]
+        rows.append(row)
+    return rows
 
 
 class RunLogger:
-    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True):
+    """metrics.jsonl and TensorBoard events of a run that starts (or resumes) at `start_step`.
+
+    Rows already logged after `start_step` belong to steps this run will train
+    again: they are dropped (metrics.jsonl is rewritten atomically, TensorBoard
+    purges its events from `start_step + 1` on).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, start_step: int, enabled: bool = True,
+                 tensorboard: bool = True):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.history: list[dict] = []
@@ -78,10 +114,23 @@ class RunLogger:
         self._tb = None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            self._drop_rows_after(start_step)
+            self._jsonl = open(self.metrics_path, "a", buffering=1)
             if tensorboard:
                 from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=start_step + 1)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def _drop_rows_after(self, step: int) -> None:
+        if not self.metrics_path.exists():
+            return
+        kept = [row for row in read_metrics(self.metrics_path) if row["step"] <= step]
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.metrics_path)  # a kill here leaves the old file or the new one, never half of it
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, np.number)) else v)
@@ -103,7 +152,7 @@ class RunLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rows = [json.loads(line) for line in open(self.run_dir / "metrics.jsonl")]
+        rows = read_metrics(self.metrics_path)
         path = Path(path or self.run_dir / "loss.png")
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, label in (("loss", "train"), ("val_loss", "validation")):

@@ -28,7 +28,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spillway.recipes.train import checkpoint as ckpt_lib
-from spillway.recipes.train.checkpoint import CheckpointError, RunCheckpointer, read_recipe_json, restore_params_only
+from spillway.recipes.train.checkpoint import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
+                                               RunCheckpointer, read_recipe_json, resolve_step_dir,
+                                               restore_params_only)
+from spillway.recipes.train.errors import RunError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PINNED_HOST = "pinned_host"
@@ -217,6 +220,42 @@ def test_restore_params_only_from_run_dir_or_step_dir(saved_run):
         assert {leaf.sharding.mesh.devices.size for leaf in jax.tree.leaves(restored)} == {1}
 
 
+def test_a_training_run_directory_is_accepted_wherever_a_checkpoint_is_read(tmp_path):
+    # <run>/checkpoints/<step>: the run directory (what the README's fine-tune example passes), the
+    # checkpoints directory and the step folder all name the same weights
+    params, opt_state = make_state(mesh_of((2, 4)))
+    with RunCheckpointer(tmp_path / "run" / "checkpoints", keep=3, every_steps=1) as ckpt:
+        save_step(ckpt, 1, params, opt_state, recipe_json='{"lr": 1}')
+        save_step(ckpt, 2, jax.tree.map(lambda x: x * 2, params), opt_state)
+    step_2 = tmp_path / "run" / "checkpoints" / "2"
+    for path in (tmp_path / "run", tmp_path / "run" / "checkpoints", step_2):
+        assert resolve_step_dir(path) == step_2
+        restored, meta = restore_params_only(path, abstract_like(params, mesh_of((1, 1))))
+        assert meta["step"] == 2
+        assert_trees_equal(restored, jax.tree.map(lambda x: x * 2, params))
+    assert read_recipe_json(tmp_path / "run") == RECIPE_JSON
+    assert read_recipe_json(tmp_path / "run" / "checkpoints" / "1") == '{"lr": 1}'
+
+
+def test_set_aside_renames_a_step_that_can_then_be_saved_again(tmp_path):
+    params, opt_state = make_state(mesh_of((2, 4)))
+    mesh = mesh_of((2, 4))
+    with RunCheckpointer(tmp_path, keep=3, every_steps=1) as ckpt:
+        save_step(ckpt, 1, params, opt_state)
+        save_step(ckpt, 2, params, opt_state)
+        assert ckpt.set_aside(2, "corrupt") == tmp_path / "2.corrupt"
+        assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1
+        save_step(ckpt, 2, jax.tree.map(lambda x: x + 1, params), opt_state)  # refused while "2" was listed
+        ckpt.wait()
+        assert ckpt.set_aside(2, "corrupt") == tmp_path / "2.corrupt2"  # never overwrites one set aside
+    with RunCheckpointer(tmp_path, keep=3, every_steps=1) as reopened:  # orbax neither lists nor cleans them
+        assert reopened.all_steps() == [1]
+        restored = reopened.restore(None, abstract_params=abstract_like(params, mesh),
+                                    abstract_opt_state=abstract_like(opt_state, mesh))
+    assert_trees_equal(restored["params"], params)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.corrupt", "2.corrupt2"]
+
+
 # -- failures a user can cause ------------------------------------------------------------------------
 
 
@@ -251,9 +290,10 @@ def test_incompatible_tree_names_keys_and_shapes(saved_run):
     target = abstract_like(params, mesh)
     target["embed"] = jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=target["embed"].sharding)
     del target["blocks"]["norm"]
-    with pytest.raises(CheckpointError) as excinfo:
+    with pytest.raises(CheckpointMismatchError) as excinfo:  # not corrupt: a resume must not skip past it
         restore_params_only(run_dir, target)
     message = str(excinfo.value)
+    assert "\n" not in message
     assert str(run_dir / "10" / "params") in message
     assert "shape differs at 'embed': checkpoint (64, 64), target (64, 4)" in message
     assert "only in the checkpoint: 'blocks/norm' (checkpoint shape (8,))" in message
@@ -294,10 +334,11 @@ def test_corrupt_checkpoint_names_the_step(saved_run, damage):
         (step_dir / "meta" / "metadata").write_text("{truncated")
     mesh = mesh_of((2, 4))
     with RunCheckpointer(run_dir, keep=3, every_steps=10) as ckpt:
-        with pytest.raises(CheckpointError, match="corrupt") as excinfo:
+        with pytest.raises(CorruptCheckpointError, match="corrupt") as excinfo:
             ckpt.restore(10, abstract_params=abstract_like(params, mesh),
                          abstract_opt_state=abstract_like(opt_state, mesh))
     assert str(step_dir) in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)  # the command line prints it as one line
 
 
 def test_async_save_failure_surfaces_at_wait(tmp_path, monkeypatch):
@@ -326,6 +367,52 @@ def test_async_save_failure_surfaces_at_wait(tmp_path, monkeypatch):
         restored = reopened.restore(2, abstract_params=abstract_like(params, mesh),
                                     abstract_opt_state=abstract_like(opt_state, mesh))
     assert_trees_equal(restored["params"], params)
+
+
+def test_an_unwritable_directory_fails_when_opened_in_one_line():
+    # /sys refuses mkdir even to root (a chmod'ed folder would not stop root)
+    with pytest.raises(CheckpointError, match=r"^/sys/spillway-test/checkpoints: cannot write checkpoints here: ") \
+            as excinfo:
+        RunCheckpointer("/sys/spillway-test/checkpoints", keep=2, every_steps=1)
+    assert "\n" not in str(excinfo.value) and isinstance(excinfo.value, RunError)
+
+
+def test_a_failed_async_save_is_reported_by_polling_without_waiting(tmp_path, monkeypatch):
+    params, opt_state = make_state(mesh_of((2, 4)))
+    ckpt = RunCheckpointer(tmp_path, keep=3, every_steps=1)
+    save_step(ckpt, 1, params, opt_state)
+    ckpt.raise_if_save_failed()  # in flight or done, not failed: nothing to report
+    ckpt.wait()
+    ckpt.raise_if_save_failed()  # nothing in flight
+
+    def disk_full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt_lib, "_write_text", disk_full)
+    save_step(ckpt, 2, params, opt_state)
+    deadline = time.monotonic() + 60
+    with pytest.raises(CheckpointError, match=r"/2: the async save failed .*\(step 1 is intact\).*No space left"):
+        while time.monotonic() < deadline:  # what the train loop does once per step
+            ckpt.raise_if_save_failed()
+            time.sleep(0.01)
+    monkeypatch.undo()
+    ckpt.close()
+    with RunCheckpointer(tmp_path, keep=3, every_steps=1) as reopened:
+        assert reopened.all_steps() == [1]
+
+
+def test_a_corrupt_newest_step_read_through_its_directory_names_the_older_steps(saved_run):
+    run_dir, params, opt_state = saved_run
+    with RunCheckpointer(run_dir, keep=3, every_steps=10) as ckpt:
+        save_step(ckpt, 20, params, opt_state)
+    for name in glob.glob(str(run_dir / "20" / "params" / "**" / "d" / "*"), recursive=True):
+        os.remove(name)
+    target = abstract_like(params, mesh_of((1, 1)))
+    with pytest.raises(CorruptCheckpointError, match=rf"older steps \[10\]: pass one of their folders, e.g. "
+                                                     rf"{run_dir}/10\)$"):
+        restore_params_only(run_dir, target)
+    restored, meta = restore_params_only(run_dir / "10", target)  # which works
+    assert meta["step"] == 10
 
 
 # -- crashes: real child processes --------------------------------------------------------------------

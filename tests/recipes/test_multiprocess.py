@@ -64,3 +64,41 @@ def test_two_processes_match_one(tmp_path):
     assert len(multi) == STEPS
     assert multi == pytest.approx(reference, rel=1e-5)
     assert (tmp_path / "multi" / "checkpoints" / str(STEPS)).is_dir()
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
+    """Preemption notices may reach only some hosts: a save only some processes enter would hang. Both
+    processes must agree on the step (recipes/train/preemption.py), save it together and exit 143."""
+    import signal
+    import time
+
+    from spillway.recipes.train.checkpoint import RunCheckpointer
+
+    run_dir = tmp_path / "run"
+    command = _command(run_dir, tmp_path / "cache") + ["--set", "train.steps=100000",
+                                                       "--set", "checkpoint.every_steps=100000"]
+    port = _free_port()
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
+                                       SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
+             for i in range(2)]
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 400
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGTERM)  # process 1 only
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 143, err[-3000:]
+    with RunCheckpointer(run_dir / "checkpoints", keep=3, every_steps=100000) as ckpt:
+        steps = ckpt.all_steps()
+    assert len(steps) == 1 and steps[0] >= 3
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert max(logged) == steps[0]  # the step both processes stopped after is the one saved
+    assert f"SIGTERM: saved step {steps[0]}" in outputs[0][0] + outputs[0][1]

@@ -1,0 +1,254 @@
+"""One run per run directory: `<run>/run.lock`, held for as long as the run writes there.
+
+Two runs started into the same directory would overwrite each other's
+checkpoints and metrics and both report success. The train loop therefore
+takes this lock before it writes anything; a second writer is refused with an
+error naming the directory and the owner (pid, host, start time, command).
+
+How the lock is held, and why a crashed run does not keep it:
+
+* Where the filesystem supports `flock` (local disks, NFSv4, most cluster
+  filesystems mounted with locking), the lock is an exclusive `flock` on the
+  file. The kernel (or the lock server) drops it when the owning process dies,
+  however it dies, so a run killed by SIGKILL or an out-of-memory kill leaves
+  a file that the next run simply takes over. The JSON inside is only there to
+  say who holds it.
+* Where `flock` is refused (ENOLCK, EOPNOTSUPP: some network filesystems), the
+  file itself is the lock (created with O_EXCL). A leftover file is stale when
+  its owner ran on this host and its pid is gone (or was reused by another
+  process: the owner's start time is recorded). An owner on another host cannot
+  be checked from here: the error says to delete the file if that run is gone.
+
+A filesystem whose `flock` succeeds but only locally (NFS mounted with
+`local_lock=flock`) cannot see a writer on another host; nothing here can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from spillway.recipes.train.errors import RunError
+
+LOCK_FILENAME = "run.lock"
+_NO_FLOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_ATTEMPTS = 5  # a releasing owner unlinks the file between our open and our flock: try again
+
+
+class RunLockedError(RunError):
+    """Another run holds the run directory."""
+
+
+class RunDirectoryError(RunError):
+    """The run directory cannot be created or written."""
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (Linux); tells a reused pid from the original."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: count fields after the last ')'
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class LockOwner:
+    """Who holds a run directory, as written into the lock file."""
+
+    pid: int
+    host: str
+    started: str                 # ISO 8601, UTC
+    command: str
+    process_start_ticks: int | None = None
+
+    @classmethod
+    def this_process(cls) -> LockOwner:
+        return cls(pid=os.getpid(), host=socket.gethostname(),
+                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command=" ".join(sys.argv)[:300], process_start_ticks=_process_start_ticks(os.getpid()))
+
+    @classmethod
+    def parse(cls, text: str) -> LockOwner | None:
+        """The owner a lock file names; None for an empty or unreadable file (an owner that died mid-write)."""
+        try:
+            fields = json.loads(text)
+            return cls(pid=int(fields["pid"]), host=str(fields["host"]), started=str(fields["started"]),
+                       command=str(fields.get("command", "")),
+                       process_start_ticks=fields.get("process_start_ticks"))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self)) + "\n"
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.host}, started {self.started} ({self.command or 'unknown command'})"
+
+    def is_gone(self) -> bool:
+        """Whether this owner certainly no longer runs: on this host, its pid is gone or now another process."""
+        if self.host != socket.gethostname():
+            return False
+        if not _pid_alive(self.pid):
+            return True
+        ticks = _process_start_ticks(self.pid)
+        return self.process_start_ticks is not None and ticks is not None and ticks != self.process_start_ticks
+
+
+class RunLock:
+    """Exclusive ownership of a run directory (`with RunLock(run_dir): ...`).
+
+    `acquire()` returns the owner of a stale lock it took over (None if the
+    directory was free), so the caller can say so; it raises RunLockedError if
+    a live run holds the directory and RunDirectoryError if the directory
+    cannot be written.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(os.path.abspath(os.fspath(run_dir)))
+        self.path = self.run_dir / LOCK_FILENAME
+        self.owner: LockOwner | None = None
+        self._fd: int | None = None
+        self._uses_flock = True
+
+    # -- taking it
+
+    def acquire(self) -> LockOwner | None:
+        if self.owner is not None:
+            raise RuntimeError(f"{self.path}: already held by this RunLock")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunDirectoryError(f"{self.run_dir}: cannot create the run directory "
+                                    f"({type(e).__name__}: {e.strerror or e})") from e
+        for _ in range(_ATTEMPTS):
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = LockOwner.parse(self._read(fd))
+                os.close(fd)
+                raise self._locked_error(owner) from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in _NO_FLOCK_ERRNOS:
+                    raise RunDirectoryError(f"{self.path}: cannot lock the run directory "
+                                            f"({type(e).__name__}: {e.strerror or e})") from e
+                self._uses_flock = False
+                return self._acquire_exclusive_file()
+            if not self._still_the_file_at_path(fd):
+                os.close(fd)  # its owner released it (unlinked) between our open and flock
+                continue
+            previous = LockOwner.parse(self._read(fd))  # a crashed owner's record: flock says it is gone
+            self._write_owner(fd)
+            self._fd = fd
+            return previous
+        raise RunLockedError(f"{self.run_dir}: the run lock {self.path} keeps changing hands; "
+                             f"another run is starting and stopping in this directory")
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirectoryError(f"{self.run_dir}: cannot write to the run directory "
+                                    f"({type(e).__name__}: {e.strerror or e})") from e
+
+    def _still_the_file_at_path(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    @staticmethod
+    def _read(fd: int) -> str:
+        os.lseek(fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", "replace")
+
+    def _write_owner(self, fd: int) -> None:
+        owner = LockOwner.this_process()
+        try:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, owner.to_json().encode())
+            os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            raise RunDirectoryError(f"{self.run_dir}: cannot write to the run directory "
+                                    f"({type(e).__name__}: {e.strerror or e})") from e
+        self.owner = owner
+
+    def _acquire_exclusive_file(self) -> LockOwner | None:
+        """The lock without flock: the file's existence is the lock; a dead local owner's file is replaced."""
+        replaced = None
+        for _ in range(_ATTEMPTS):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                try:
+                    text = self.path.read_text()
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                owner = LockOwner.parse(text)
+                if owner is None or not owner.is_gone():
+                    # an unparsable file may be an owner still writing it: not provably stale
+                    raise self._locked_error(owner) from None
+                if self.path.read_text() == text:  # narrow the window in which another run replaced it
+                    self.path.unlink(missing_ok=True)
+                replaced = owner
+                continue
+            except OSError as e:
+                raise RunDirectoryError(f"{self.run_dir}: cannot write to the run directory "
+                                        f"({type(e).__name__}: {e.strerror or e})") from e
+            self._write_owner(fd)
+            self._fd = fd
+            return replaced
+        raise RunLockedError(f"{self.run_dir}: the run lock {self.path} keeps changing hands; "
+                             f"another run is starting and stopping in this directory")
+
+    def _locked_error(self, owner: LockOwner | None) -> RunLockedError:
+        who = owner.describe() if owner is not None else "an owner whose record is unreadable"
+        how = ("wait for it to finish or stop it, or use another checkpoint.dir" if self._uses_flock else
+               f"if that run is no longer running, delete {self.path}")
+        return RunLockedError(f"{self.run_dir}: another run is writing this run directory ({who}); {how}")
+
+    # -- letting go
+
+    def release(self) -> None:
+        """Deletes the lock file (if it is still ours) and lets go; safe to call twice."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            if self._still_the_file_at_path(fd):
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # drops the flock, after the unlink: a waiting run then finds no file or a new one
+            self.owner = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

@@ -1,0 +1,98 @@
+"""recipes/train/resume.py: which recipe fields a resumed run may change, on real recipe dicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spillway.recipes.config import Recipe
+from spillway.recipes.registry import get_recipe
+from spillway.recipes.train.resume import (MAY_CHANGE, MUST_MATCH, RecipeMismatchError, compare_recipes,
+                                           read_history, record_history, resume_rule)
+
+
+def tiny(*overrides) -> dict:
+    return get_recipe("tiny", list(overrides)).to_dict()
+
+
+@pytest.mark.parametrize("override,field,saved,new", [
+    ("model.d_model=96", "model.d_model", "192", "96"),
+    ("model.rope_theta=500000", "model.rope_theta", "10000.0", "500000.0"),
+    ("execution.param_dtype=bfloat16", "execution.param_dtype", '"float32"', '"bfloat16"'),
+    ("data.source=/data/other", "data.source", '"builtin:stdlib"', '"/data/other"'),
+    ("data.tokenizer=/tmp/other.model", "data.tokenizer", "null", '"/tmp/other.model"'),
+    ("data.seq_len=64", "data.seq_len", "128", "64"),
+    ("train.seed=7", "train.seed", "0", "7"),
+    ("train.global_batch=32", "train.global_batch", "16", "32"),
+    ("optimizer.master_weights=false", "optimizer.master_weights", "true", "false"),
+    ("block=spillway.layers.block:TransformerBlock", "block", "null", '"spillway.layers.block:TransformerBlock"'),
+])
+def test_a_field_that_defines_the_run_is_refused_naming_field_and_values(override, field, saved, new):
+    with pytest.raises(RecipeMismatchError) as excinfo:
+        compare_recipes(tiny(), tiny(override), where="/runs/x/checkpoints/100")
+    message = str(excinfo.value)
+    assert message.startswith(f"/runs/x/checkpoints/100: cannot resume: {field} was {saved} in the saved run "
+                              f"and is {new} now.")
+    assert "\n" not in message
+
+
+def test_the_first_difference_is_named_and_the_others_counted():
+    with pytest.raises(RecipeMismatchError, match=r"model.d_model was 192 .* \(and 1 more: data.seq_len\)"):
+        compare_recipes(tiny(), tiny("model.d_model=96", "data.seq_len=64"), where="x")
+
+
+def test_changes_made_on_purpose_are_returned():
+    changed = compare_recipes(
+        tiny(), tiny("train.steps=900", "optimizer.learning_rate=1e-3", "optimizer.warmup_steps=10",
+                     "train.log_every=5", "checkpoint.every_steps=50", "mesh.fsdp=2",
+                     "offload.optimizer_state=host", "execution.attention_impl=flash", "data.cache_dir=/c"),
+        where="x")
+    assert changed == {
+        "train.steps": [500, 900], "optimizer.learning_rate": [0.003, 0.001], "optimizer.warmup_steps": [30, 10],
+        "train.log_every": [10, 5], "checkpoint.every_steps": [100, 50], "mesh.fsdp": [-1, 2],
+        "offload.optimizer_state": ["device", "host"], "execution.attention_impl": ["xla", "flash"],
+        "data.cache_dir": [".cache/spillway", "/c"],
+    }
+    assert compare_recipes(tiny(), tiny(), where="x") == {}
+
+
+def test_a_field_no_rule_names_must_match():
+    assert resume_rule("train.some_field_added_later") == MAY_CHANGE  # inside a group that may change
+    assert resume_rule("data.some_field_added_later") == MUST_MATCH
+    assert resume_rule("a_new_top_level_group.x") == MUST_MATCH
+    saved = tiny()
+    new = dict(saved, a_new_top_level_group={"x": 1})
+    with pytest.raises(RecipeMismatchError, match=r"a_new_top_level_group.x was \(absent\) .* is 1 now"):
+        compare_recipes(saved, new, where="x")
+
+
+def test_a_legacy_saved_recipe_compares_after_upgrade():
+    # recipe.json written before families existed: dtypes inside the model config (config.py upgrades it)
+    legacy = tiny()
+    legacy.pop("family")
+    legacy.pop("execution")
+    legacy["model"] = {**legacy["model"], "dtype": "float32", "param_dtype": "float32", "remat": None}
+    upgraded = Recipe.from_dict(json.loads(json.dumps(legacy))).to_dict()
+    assert compare_recipes(upgraded, tiny("train.steps=600"), where="x") == {"train.steps": [500, 600]}
+
+
+def test_history_rows_append(tmp_path):
+    record_history(tmp_path, "start", step=0)
+    record_history(tmp_path, "resume", step=100, changed={"train.steps": [500, 900]}, set_aside=["200.corrupt"])
+    rows = read_history(tmp_path)
+    assert [(r["event"], r["step"]) for r in rows] == [("start", 0), ("resume", 100)]
+    assert rows[1]["changed"] == {"train.steps": [500, 900]} and rows[1]["set_aside"] == ["200.corrupt"]
+    assert "changed" not in rows[0]
+
+
+def test_a_tokenizer_reached_by_another_path_is_the_same_tokenizer(tmp_path):
+    # a fine-tune's recipe names the copy of its tokenizer inside the run; a moved run names another path
+    (tmp_path / "a.model").write_bytes(b"sentencepiece bytes")
+    (tmp_path / "b.model").write_bytes(b"sentencepiece bytes")
+    (tmp_path / "c.model").write_bytes(b"other bytes")
+    saved = tiny(f"data.tokenizer={tmp_path / 'a.model'}")
+    assert compare_recipes(saved, tiny(f"data.tokenizer={tmp_path / 'b.model'}"), where="x") == {
+        "data.tokenizer": [str(tmp_path / "a.model"), str(tmp_path / "b.model")]}
+    with pytest.raises(RecipeMismatchError, match="data.tokenizer was"):
+        compare_recipes(saved, tiny(f"data.tokenizer={tmp_path / 'c.model'}"), where="x")
