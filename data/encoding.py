@@ -17,6 +17,7 @@ processes, so what is written downstream never depends on the parallelism.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import multiprocessing
 import os
@@ -66,14 +67,15 @@ def encode_texts(
 
 
 # State of a pool worker: set once by `_start_worker`, so the tokenizer is
-# pickled once per worker rather than once per chunk.
+# pickled once per worker rather than once per chunk. Every Tokenizer
+# (sentencepiece or tokenizer.json) pickles itself (data/tokenizer.py).
 _worker_tokenizer: Tokenizer | None = None
 _worker_dtype: np.dtype | None = None
 
 
-def _start_worker(model_proto: bytes, dtype: str) -> None:
+def _start_worker(tokenizer: Tokenizer, dtype: str) -> None:
     global _worker_tokenizer, _worker_dtype
-    _worker_tokenizer = Tokenizer(model_proto)
+    _worker_tokenizer = tokenizer
     _worker_dtype = np.dtype(dtype)
 
 
@@ -98,11 +100,17 @@ def encode_chunks(
     # The fork server imports this module once and every worker inherits it,
     # instead of each worker importing `datasets` and the rest anew.
     context.set_forkserver_preload([__name__])
-    with context.Pool(num_proc, initializer=_start_worker, initargs=(tokenizer.model_proto, dtype.str)) as pool:
+    # A process pool that fails loudly: a worker that dies (killed, out of memory) or cannot start
+    # raises BrokenProcessPool here, where multiprocessing.Pool would wait for its result forever.
+    pool = concurrent.futures.ProcessPoolExecutor(num_proc, mp_context=context, initializer=_start_worker,
+                                                  initargs=(tokenizer, dtype.str))
+    try:
         pending: collections.deque = collections.deque()
         for texts in chunks:
-            pending.append(pool.apply_async(_encode_in_worker, (texts,)))
+            pending.append(pool.submit(_encode_in_worker, texts))
             if len(pending) >= _IN_FLIGHT_PER_WORKER * num_proc:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
