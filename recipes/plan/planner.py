@@ -381,13 +381,20 @@ def compiler_options() -> dict | None:
 
     Memory figures come from buffer assignment and the optimised HLO, which
     precede code generation; these options only make LLVM skip optimisations
-    and replace ptxas by a stand-in that writes no machine code.
+    and replace ptxas by a stand-in that writes no machine code, and keep the
+    autotuner off (it has no GPU to time kernels on anyway).
+
+    xla_gpu_autotune_level=0: jaxlib 0.12's autotuner pass (renamed
+    config-assigner) works through candidate kernel configs even deviceless,
+    where it cannot time them: 40 of the 56 s of HLO passes of one Llama 3.1
+    8B candidate (0.10.2's autotuner: 0.3 s of 8.5 s). At level 0 it does not
+    autotune: 6.5 s there, the same memory figures (BENCHMARKS.md).
     """
     if os.environ.get(FULL_CODEGEN_ENV, "") not in ("", "0"):
         return None
     from spillway.recipes.plan import plugin
     options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-               "xla_gpu_disable_gpuasm_optimizations": True}
+               "xla_gpu_disable_gpuasm_optimizations": True, "xla_gpu_autotune_level": 0}
     stand_in = _ptxas_stand_in(plugin.find_ptxas(), plugin.find_cuda_root())
     if stand_in is not None:
         options["xla_gpu_cuda_data_dir"] = str(stand_in)
