@@ -6,6 +6,10 @@ optimizer, offload, mesh, checkpoint and train settings. Recipes are Python func
 `Recipe` (recipes/registry.py); variants come from `dataclasses.replace` or
 from `--set` on the command line, which is type-checked against the field's
 annotation so a typo or a bad value fails before anything is built.
+
+Each setting has one field (a value derived from another, `DERIVED_FIELDS`,
+cannot be set), and every section checks its values when it is built: a value
+that cannot work is a `ConfigError` naming the field (docs/DESIGN.md section 7).
 """
 
 from __future__ import annotations
