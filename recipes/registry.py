@@ -127,7 +127,7 @@ def gpt2_124m() -> Recipe:
         execution=GPU_EXECUTION,
         data=DataConfig(tokenizer=None, seq_len=1024, num_proc=16),
         # nanoGPT's GPT-2 124M settings: peak 6e-4, 0.1 weight decay, betas (0.9, 0.95).
-        optimizer=OptimizerConfig(learning_rate=6e-4, warmup_steps=2000, total_steps=100_000, weight_decay=0.1,
+        optimizer=OptimizerConfig(learning_rate=6e-4, warmup_steps=2000, weight_decay=0.1,
                                   clip_norm=1.0, master_weights=True),
         # `spillway plan gpt2_124m --gpu h200` picks this: as fast as saving everything (no recompute)
         # at about half its HBM (17 vs 32 GiB for 32 x 1024 tokens).

@@ -53,9 +53,10 @@ def test_an_error_is_one_line_and_a_non_zero_exit(argv, status, message, fake_ru
 def test_a_checkpoint_error_names_the_path(fake_run_dir, tmp_path):
     code, _, err = run_spillway("generate", str(fake_run_dir), "--prompt", "x", cwd=tmp_path)
     assert code == 2 and len(err) == 1
-    # A CheckpointError naming the step's missing recipe, not a traceback from orbax or the OS.
-    assert str(fake_run_dir / "checkpoints" / "7" / "recipe") in err[0], err
-    assert "cannot read the saved recipe" in err[0], err
+    # A step folder orbax never finalised is no checkpoint: one line naming the folder, not a
+    # traceback from orbax or the OS.
+    assert str(fake_run_dir / "checkpoints" / "7") in err[0], err
+    assert "no checkpoint found" in err[0], err
 
 
 def test_debug_shows_the_traceback(tmp_path):
