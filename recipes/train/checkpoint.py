@@ -287,13 +287,13 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
     for name in wanted:
         if not (step_dir / name).is_dir():
             raise CorruptCheckpointError(f"{step_dir}: item {name!r} is missing from this checkpoint "
-                                  f"(corrupt, or not written by spillway.recipes.train.checkpoint)")
+                                         f"(corrupt, or not written by spillway.recipes.train.checkpoint)")
     for name, tree in abstract_trees.items():
         try:
             saved_metadata = handlers[name].metadata(step_dir / name)
         except Exception as e:  # unreadable or garbage _METADATA
             raise CorruptCheckpointError(f"{step_dir / name}: cannot read the checkpoint's metadata, the "
-                                  f"checkpoint is corrupt: {_cause(e)}") from e
+                                         f"checkpoint is corrupt: {_cause(e)}") from e
         _check_compatible(step_dir / name, saved_metadata, tree)
 
     restore_args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract_trees.items()}
@@ -304,7 +304,7 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
     except Exception as e:  # missing or truncated array files, garbage JSON, ...
         # shapes and keys were checked above, so what is left is almost always damage on disk
         raise CorruptCheckpointError(f"{step_dir}: restoring failed, the checkpoint is corrupt or unreadable "
-                              f"(or a target sharding cannot hold its array): {_cause(e)}") from e
+                                     f"(or a target sharding cannot hold its array): {_cause(e)}") from e
     finally:
         checkpointer.close()
     return {name: restored[name] for name in wanted}
