@@ -12,12 +12,12 @@ in memory. A killed run, started again with the same arguments, resumes.
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 from pathlib import Path
 
 from .corpus import BUILTIN_STDLIB
 from .packing import prepare_tokens
+from .peak_memory import peak_rss_bytes
 from .shards import DEFAULT_SHARD_TOKENS
 from .sources import stream_documents
 from .spm_tokenizer import MODEL_TYPES, train_tokenizer
@@ -76,20 +76,6 @@ def main(argv: list[str] | None = None) -> None:
         f"train {packed.train.shape} val {packed.val.shape} {packed.train.dtype}"
     )
     print(f"peak RSS {peak_rss_bytes() / 1e6:.0f} MB (this process; worker processes not included)")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory since it started (exec), in bytes.
-
-    Linux's VmHWM, not `ru_maxrss`: across exec, ru_maxrss keeps the parent's
-    peak at the fork, so a child of a large process would report the parent's.
-    """
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:  # not Linux: ru_maxrss is the best there is
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    (kilobytes,) = [line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")]
-    return int(kilobytes) * 1024
 
 
 if __name__ == "__main__":

@@ -319,15 +319,61 @@ def _torch_left_alone() -> Iterator[None]:
         datasets.config.TORCH_AVAILABLE = True
 
 
+class TextFileDocuments:
+    """Local text files read one at a time, one document each, as a stream with a "text" column.
+
+    What `datasets`' "text" builder does with `sample_by="document"` (UTF-8,
+    undecodable bytes replaced, universal newlines, blank files dropped),
+    without its per-file bookkeeping: a `datasets` stream over local files
+    holds about 2 kB per file (33 MB for 14k files, measured), which a corpus
+    of many small files would feel. Offers the two methods preparation uses,
+    `iter(batch_size)` and `skip(count)`.
+    """
+
+    column_names = ["text"]
+
+    def __init__(self, files: tuple[Path, ...], start: int = 0):
+        self.files = files
+        self.start = start
+
+    def skip(self, count: int) -> TextFileDocuments:
+        return TextFileDocuments(self.files, self.start + count)
+
+    def iter(self, batch_size: int) -> Iterator[dict[str, list[str]]]:
+        batch: list[str] = []
+        seen = 0
+        for path in self.files:
+            with open(path, encoding="utf-8", errors="replace") as file:
+                text = file.read()
+            if not text or text.isspace():
+                continue
+            seen += 1
+            if seen <= self.start:
+                continue
+            batch.append(text)
+            if len(batch) == batch_size:
+                yield {"text": batch}
+                batch = []
+        if batch:
+            yield {"text": batch}
+
+
 def stream_documents(
     source: str, *, text_field: str = "text", start: int = 0, cache_dir: str | os.PathLike | None = None
-) -> datasets.IterableDataset:
-    """`load_documents(source, streaming=True)` from its document `start` on, for reading once in order.
+) -> TextFileDocuments | datasets.IterableDataset:
+    """The documents of `source` from its document `start` on, as a stream for reading once in order.
 
-    Local files are read as they are iterated (no Arrow copy of the corpus),
-    Hub datasets as they are downloaded. Skipping reads the skipped documents
-    but does nothing else with them.
+    The same documents as `load_documents`, in the same order. Local text
+    files are read file by file (`TextFileDocuments`); other local files and
+    Hub datasets through a `datasets` stream. Nothing is copied into an Arrow
+    cache. Skipping reads the skipped documents but does nothing else with them.
     """
+    if parse_hub_spec(source) is None:
+        local = parse_local_spec(source)
+        if local.builder == "text":
+            if text_field != "text":
+                raise ValueError(f"source {source!r} has no text field {text_field!r}; its columns are ['text']")
+            return TextFileDocuments(local.files, start)
     with _torch_left_alone():
         documents = load_documents(source, text_field=text_field, streaming=True, cache_dir=cache_dir)
         return documents.skip(start) if start else documents

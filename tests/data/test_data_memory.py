@@ -21,7 +21,7 @@ from spillway.data import stream_documents, train_tokenizer
 _CHILD = """
 import json, sys
 from spillway.data import load_tokenizer, prepare_tokens
-from spillway.data.__main__ import peak_rss_bytes
+from spillway.data.peak_memory import peak_rss_bytes
 source, tokenizer, cache = sys.argv[1:]
 packed = prepare_tokens(source, load_tokenizer(tokenizer), seq_len=256, cache_dir=cache, shard_tokens=1 << 18)
 print(json.dumps({"tokens": packed.num_tokens, "rows": len(packed.train) + len(packed.val),

@@ -16,7 +16,9 @@ from spillway.data import (
     load_documents,
     parse_hub_spec,
     source_fingerprint,
+    stream_documents,
 )
+from spillway.data.sources import TextFileDocuments
 
 from tiny_corpus import make_documents
 
@@ -249,3 +251,27 @@ def test_stream_with_unknown_schema_is_renamed_lazily(monkeypatch):
     documents = load_documents("owner/name", text_field="content")
     assert documents.column_names is None
     assert [row["text"] for row in documents] == ["first", "second"]
+
+
+def test_streamed_text_files_are_the_loaded_documents(text_folder, tmp_path):
+    # Blank files are dropped, undecodable bytes replaced, Windows line ends read as "\n",
+    # exactly as the loaded (Arrow) documents.
+    (text_folder / "blank.txt").write_text(" \n\t")
+    (text_folder / "latin1.txt").write_bytes("caf\xe9 au lait\r\nsecond line\r\n".encode("latin-1"))
+    loaded = load_documents(str(text_folder), cache_dir=tmp_path / "hf")["text"]
+    streamed = stream_documents(str(text_folder))
+    assert isinstance(streamed, TextFileDocuments)
+    texts = [text for batch in streamed.iter(batch_size=5) for text in batch["text"]]
+    assert texts == loaded and len(texts) == 13
+    assert "caf\ufffd au lait\nsecond line\n" in texts
+    skipped = stream_documents(str(text_folder), start=4).skip(3)
+    assert [text for batch in skipped.iter(batch_size=100) for text in batch["text"]] == loaded[7:]
+    with pytest.raises(ValueError, match="has no text field 'body'; its columns are \\['text'\\]"):
+        stream_documents(str(text_folder), text_field="body")
+
+
+def test_streamed_jsonl_skips_to_its_start(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(7)))
+    documents = stream_documents(str(path), text_field="body", start=5)
+    assert [text for batch in documents.iter(batch_size=10) for text in batch["text"]] == ["document 5", "document 6"]
