@@ -96,6 +96,8 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
     _parse_profile(recipe.train.profile_steps)  # a bad value fails before anything is written
+    from spillway.recipes.train.init_weights import resolve_init_from
+    recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
     run_dir = Path(recipe.run_dir)
     with _owned_run_dir(run_dir, main, say):
         # opening checks that checkpoints can be written there: before any data is prepared
@@ -118,10 +120,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     from spillway.data import eval_batches
     from spillway.recipes.train.data_pipeline import prepare, train_loader
     from spillway.recipes.train.finetune import with_source_tokenizer
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights, resolve_init_from
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights
     from spillway.recipes.train.resume import record_history, restore_for_resume, steps_to_try
 
-    recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model; it brings its tokenizer
     cfg = recipe.train
     profile = _parse_profile(cfg.profile_steps)
     if recipe.checkpoint.init_from and hf_checkpoint_dir(recipe.checkpoint.init_from) is None:

@@ -7,7 +7,7 @@
   sequence 8192, flash attention and bf16.
 * A deviceless H200 compile of a small scanned model of each family keeps
   offloaded activations in host memory (S(5) buffers, host temp bytes), the
-  ground truth that the offload was not dropped (DESIGN.md section 3).
+  ground truth that the offload was not dropped (docs/DESIGN.md section 3).
   Skipped only where the CUDA toolkit's ptxas/libdevice is missing.
 """
 
