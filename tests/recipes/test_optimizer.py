@@ -329,7 +329,7 @@ def test_decay_follows_parameter_metadata_on_a_model_with_qkv_biases():
     # Built abstractly (an eager build costs tens of seconds of op dispatch), then filled with random values.
     abstract = nnx.state(nnx.eval_shape(lambda: DecoderLM(QwenLike(), rngs=nnx.Rngs(0), remat="save_all")), nnx.Param)
     state = random_like(abstract, 0)
-    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=STEPS, weight_decay=0.5)
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.5)
     layouts = opt_lib.make_layouts(state, cfg)
 
     is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
@@ -346,9 +346,9 @@ def test_decay_follows_parameter_metadata_on_a_model_with_qkv_biases():
     # The same mask in plain optax gives the same parameters (and the decay is strong enough to matter).
     mask = [layout.decay for layout in jax.tree.leaves(layouts, is_leaf=is_layout)]
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                     optax.adamw(opt_lib.make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                     optax.adamw(opt_lib.make_schedule(cfg, STEPS), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                  weight_decay=cfg.weight_decay, mask=mask))
-    opt = Optimizer(cfg, layouts)
+    opt = Optimizer(cfg, layouts, total_steps=STEPS)
 
     @jax.jit
     def both_steps(grads, params, opt_state, ref_params, ref_state):
