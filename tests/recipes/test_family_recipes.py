@@ -38,7 +38,7 @@ def data_cache(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(CPU_RECIPES))
 def test_cpu_recipe_trains_and_its_loss_falls(name, data_cache, tmp_path):
     recipe = get_recipe(name, [
-        "data.source=builtin:stdlib:400000", f"data.cache_dir={data_cache}", "data.seq_len=96", "data.num_proc=1",
+        "data.source=builtin:stdlib:400000", f"data.cache_dir={data_cache}", "data.seq_len=96", "data.num_proc=1", "data.val_fraction=0.1",
         "model.vocab_size=512", "train.global_batch=8", "train.steps=8", "train.log_every=1",
         "train.eval_every=8", "train.eval_batches=1", "train.sample_tokens=0", "optimizer.warmup_steps=2",
         "optimizer.learning_rate=1e-2", f"checkpoint.dir={tmp_path}", "checkpoint.every_steps=8"])
