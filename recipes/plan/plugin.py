@@ -49,7 +49,7 @@ def _package_root() -> Path:
 def _is_source_checkout(root: Path) -> bool:
     # A non-editable install puts `recipes` straight into site-packages, where
     # no pyproject.toml sits beside it.
-    return (root / "pyproject.toml").is_file() and (root / "recipes" / "aot").is_dir()
+    return (root / "pyproject.toml").is_file() and (root / "recipes" / "plan").is_dir()
 
 
 def plugin_dir() -> Path:
