@@ -114,8 +114,10 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     if latest is not None:
         restored = checkpointer.restore(
             latest, abstract_params=abstract_with_shardings(params, s.param_shardings),
-            abstract_opt_state=abstract_with_shardings(opt_state, s.opt_state_shardings))
-        params, opt_state = restored["params"], restored["opt_state"]
+            abstract_opt_state=s.optimizer.saved_abstract_state(s.params, s.param_shardings))
+        # Checkpoints hold the state in saved form (one array per leaf); the
+        # streamed host leaves go back to their two buffers.
+        params, opt_state = restored["params"], s.optimizer.from_saved_form(restored["opt_state"])
         loader.restore(restored["loader_state"])
         step = int(restored["meta"]["step"])
         say(f"resumed from {run_dir / 'checkpoints'} at step {step}")
@@ -126,7 +128,8 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
             f"fresh optimizer state and schedule")
 
     def save(at_step: int, force: bool = False):
-        checkpointer.save(at_step, params=params, opt_state=opt_state, loader_state=loader.state(),
+        checkpointer.save(at_step, params=params, opt_state=s.optimizer.saved_form(opt_state),
+                          loader_state=loader.state(),
                           meta={"step": at_step, "seed": cfg.seed, "tokens_seen": at_step * tokens_per_step},
                           recipe_json=recipe.to_json(), force=force)
 
