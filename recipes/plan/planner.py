@@ -14,18 +14,23 @@ pinned host memory. Per candidate it reports, per GPU:
                  together are compared with the host's RAM;
     transfer     bytes the step moves host->device and device->host (read from
                  the compiled HLO) and the time the host link needs for them:
-                 both directions added, because this step never uses them at
-                 once (see step);
+                 both directions added, less the bytes the compiled schedule
+                 moves in one direction while the other is busy too
+                 (hlo.overlapping_host_copies: async copy windows of opposite
+                 directions in flight together);
     compute      FLOPs (recipes/plan/flops.py: forward, backward, the plan's remat
                  recompute) at the GPU's peak dense bf16 rate: a lower bound;
     step         three phases added up. Forward: max(forward compute,
                  activations going to host); backward: max(backward + recompute
                  compute, activations coming back); update: host-resident
                  optimizer state copied in and out of HBM, which overlaps no
-                 compute and whose two directions run one after the other
-                 (recipes/train/host_optimizer.py orders each write-back after the
-                 next prefetch). Within forward and backward, transfers are
-                 assumed to overlap compute fully.
+                 compute: 2 x state / link, less the overlapped bytes the
+                 compiled schedule shows (recipes/train/host_optimizer.py keeps
+                 a stacked leaf's state in two buffers so that the write-back of
+                 one layer runs while the next is prefetched; up to `state`
+                 bytes are credited, so a schedule without overlap gets none).
+                 Within forward and backward, transfers are assumed to overlap
+                 compute fully.
 
 The pick is the fastest estimated step among the candidates that fit.
 `apply_plan` (`spillway train --plan auto`) applies it to the recipe, or
@@ -303,12 +308,14 @@ class Plan:
 
 
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
-               "Transfer time: both directions added, at the host link's per-direction rate. Compute time: "
+               "Transfer time: both directions added, at the host link's per-direction rate, less the bytes the "
+               "compiled schedule moves while the other direction is busy too. Compute time: "
                "recipes/plan/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
-               "host-resident optimizer state crosses the link both ways during the update, one direction "
-               "after the other, with no compute to hide behind.")
+               "host-resident optimizer state crosses the link both ways during the update with no compute to "
+               "hide behind; where the compiled schedule has the two directions in flight together (the "
+               "streamed stacked layers), the overlapped bytes are not counted twice.")
 
 
 # --- planning ---------------------------------------------------------------------
@@ -327,10 +334,14 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, devices: in
         # update streams all of it in and back out. The rest of the traffic is
         # offloaded activations.
         state = min(row.report["host_argument_bytes"], to_host, from_host)
+        # Bytes the compiled schedule moves in both directions at once (the
+        # streamed update's write-back beside the next prefetch): credited to
+        # the update, never more than the state it streams.
+        overlapped = row.report.get("overlapped_transfer_bytes", 0)
         row.forward_s = max(counted.forward / rate, (to_host - state) / link)
         row.backward_s = max((counted.backward + counted.recompute) / rate, (from_host - state) / link)
-        row.update_s = 2 * state / link
-        row.transfer_s = (to_host + from_host) / link
+        row.update_s = (2 * state - min(overlapped, state)) / link
+        row.transfer_s = (to_host + from_host - overlapped) / link
     return row
 
 
