@@ -245,10 +245,13 @@ class Plan:
     search: dict | None
     timing: dict
     full_codegen_check: list[dict] = dataclasses.field(default_factory=list)
+    hbm_budget_bytes: float | None = None   # --hbm-budget: a user's own HBM limit per GPU
 
     @property
     def hbm_limit_bytes(self) -> float:
-        return self.headroom * self.target.hbm_bytes
+        """HBM a plan may use per GPU: headroom x the GPU's memory, or the budget when lower."""
+        limit = self.headroom * self.target.hbm_bytes
+        return limit if self.hbm_budget_bytes is None else min(limit, self.hbm_budget_bytes)
 
     @property
     def picked(self) -> PlanRow | None:
@@ -275,11 +278,13 @@ class Plan:
             min(fitting, key=lambda row: (row.step_s, row.report["hbm_bytes"])).pick = True
         return self
 
-    def rejudged(self, *, headroom: float | None = None, host_ram_bytes: float | None = None) -> "Plan":
+    def rejudged(self, *, headroom: float | None = None, host_ram_bytes: float | None = None,
+                 hbm_budget_bytes: float | None = None) -> "Plan":
         """The same compiles judged against other limits (nothing is compiled again)."""
         other = dataclasses.replace(
             self, headroom=self.headroom if headroom is None else headroom,
             host_ram_bytes=self.host_ram_bytes if host_ram_bytes is None else host_ram_bytes,
+            hbm_budget_bytes=self.hbm_budget_bytes if hbm_budget_bytes is None else hbm_budget_bytes,
             rows=[dataclasses.replace(row) for row in self.rows])
         return other.judge()
 
@@ -293,7 +298,8 @@ class Plan:
             "attention_impl": r.execution.attention_impl,
             "target": t.name, "target_display_name": t.display_name, "devices": self.devices,
             "mesh": self.mesh, "hbm_bytes_per_gpu": t.hbm_bytes, "headroom": self.headroom,
-            "hbm_limit_bytes": self.hbm_limit_bytes, "host_ram_bytes": self.host_ram_bytes,
+            "hbm_limit_bytes": self.hbm_limit_bytes, "hbm_budget_bytes": self.hbm_budget_bytes,
+            "host_ram_bytes": self.host_ram_bytes,
             "host_link": t.host_link, "host_link_bytes_per_s": t.host_link_bytes_per_s,
             "peak_bf16_flops": t.peak_bf16_flops,
         }
@@ -488,13 +494,14 @@ def _search_request(recipe: Recipe, axis: str, mesh: dict, hbm_limit: float, hos
 
 
 def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float = 0.9,
-         host_ram_gb: float | None = None, search: str | None = None,
+         host_ram_gb: float | None = None, hbm_budget_gib: float | None = None, search: str | None = None,
          plans: list[Candidate] | None = None, verify_full_codegen: int = 0,
          workers: int | None = None) -> Plan:
     """Compile the recipe's train step for every candidate on `devices` x `gpu`; rows and the pick.
 
     host_ram_gb: RAM of the host for pinned memory, in GB (10^9 bytes); default
-    the target's per-GPU share times `devices`. plans: candidates to compile
+    the target's per-GPU share times `devices`. hbm_budget_gib: HBM per GPU a
+    plan may use, in GiB (2^30 bytes), when lower than headroom x the GPU's. plans: candidates to compile
     (default `candidates(recipe)`). verify_full_codegen: also compile the first
     N candidates exactly as for a run and record both figures
     (Plan.full_codegen_check). workers: compile processes at once (default
@@ -509,11 +516,15 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
         raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
     if host_ram_gb is not None and host_ram_gb <= 0:
         raise ValueError(f"--host-ram-gb must be positive, got {host_ram_gb}")
+    if hbm_budget_gib is not None and hbm_budget_gib <= 0:
+        raise ValueError(f"--hbm-budget must be positive (GiB), got {hbm_budget_gib}")
+    hbm_budget = None if hbm_budget_gib is None else hbm_budget_gib * GiB
     mesh = resolve_mesh(recipe, devices)
     compiled_recipe, warnings = planned_recipe(recipe)
     host_ram = host_ram_gb * GB if host_ram_gb is not None else target.default_host_ram_bytes * devices
+    hbm_limit = headroom * target.hbm_bytes if hbm_budget is None else min(headroom * target.hbm_bytes, hbm_budget)
     search_request = None if search is None else _search_request(
-        compiled_recipe, search, mesh, headroom * target.hbm_bytes, host_ram, devices)
+        compiled_recipe, search, mesh, hbm_limit, host_ram, devices)
     todo = plans if plans is not None else candidates(compiled_recipe)
     for candidate in todo:   # a bad spec is an error here, before any compile
         RematPlan.parse(candidate.activations).resolve(compiled_recipe.model.num_layers)
@@ -528,7 +539,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
                             "search": search_request}, workers)
     rows = [_row(c, result, compiled_recipe, target, devices) for c, result in zip(todo, answer["results"])]
     result = Plan(compiled_recipe, target, devices, answer["mesh"], headroom, host_ram, rows, warnings,
-                  None, {}).judge()
+                  None, {}, hbm_budget_bytes=hbm_budget).judge()
     for row in rows:
         if row.dropped_offload:
             warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
@@ -595,7 +606,7 @@ def render(p: Plan) -> str:
         f"{s['dtype']} compute; attention {s['attention_impl']}",
         f"  step       {s['global_batch']} x {s['seq_len']} = {s['tokens_per_step']} tokens/step "
         f"(grad_accum {s['grad_accum']}); mesh " + " ".join(f"{k}={v}" for k, v in p.mesh.items()),
-        f"  limits     HBM {p.headroom:g} x {t.hbm_bytes / GiB:.1f} GiB = {p.hbm_limit_bytes / GiB:.1f} GiB per GPU; "
+        f"  limits     HBM {_hbm_limit_words(p)} per GPU; "
         f"host RAM {p.host_ram_bytes / GiB:.1f} GiB for {p.devices} GPU(s)",
         f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction; "
         f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
@@ -657,6 +668,14 @@ def render_search(p: Plan) -> list[str]:
     return lines
 
 
+def _hbm_limit_words(p: Plan) -> str:
+    """How the HBM limit came about: "0.9 x 139.0 GiB = 125.1 GiB", or the budget that lowered it."""
+    words = f"{p.headroom:g} x {p.target.hbm_bytes / GiB:.1f} GiB"
+    if p.hbm_budget_bytes is not None and p.hbm_budget_bytes < p.headroom * p.target.hbm_bytes:
+        return f"budget {p.hbm_limit_bytes / GiB:.2f} GiB (below {words})"
+    return f"{words} = {p.hbm_limit_bytes / GiB:.1f} GiB"
+
+
 def _nothing_fits_numbers(p: Plan) -> str:
     compiled = [row for row in p.rows if row.report is not None]
     if not compiled:
@@ -664,7 +683,7 @@ def _nothing_fits_numbers(p: Plan) -> str:
     smallest = min(compiled, key=lambda row: row.report["hbm_bytes"])
     return (f"the smallest HBM is {smallest.report['hbm_bytes'] / GiB:.2f} GiB ({smallest.candidate.label}, "
             f"host {smallest.report['host_bytes'] * p.devices / GiB:.2f} GiB) against a limit of "
-            f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({p.headroom:g} x {p.target.hbm_bytes / GiB:.2f} GiB "
+            f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({_hbm_limit_words(p)}, "
             f"{p.target.display_name}) and {p.host_ram_bytes / GiB:.2f} GiB host RAM; reduce data.seq_len or "
             f"train.global_batch (or raise train.grad_accum), or use more GPUs")
 
@@ -672,17 +691,27 @@ def _nothing_fits_numbers(p: Plan) -> str:
 # --- entry points ---------------------------------------------------------------------
 
 def plan_command(args) -> int:
-    """`spillway plan`: print the table (or --json); exit 0 even when nothing fits (the table says so)."""
+    """`spillway plan`: print the table (or --json), and draw it with --png.
+
+    Exit 0 even when nothing fits (the table says so), except under
+    --hbm-budget, which asks for a plan: then ValueError naming the smallest.
+    """
     from spillway.recipes.registry import get_recipe
 
     recipe = get_recipe(args.recipe, args.set)
+    budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
-                  search=args.search, workers=args.workers)
+                  hbm_budget_gib=budget, search=args.search, workers=args.workers)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(render(result))
+    if getattr(args, "png", None):
+        from spillway.recipes.plan.chart import draw_plan
+        draw_plan(result, args.png)
+    if budget is not None:
+        choose(result)   # a budget asks for a plan: none under it is an error naming the smallest
     return 0
 
 
