@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-budget", type=float, default=None, metavar="GIB",
                    help="HBM per GPU a plan may use, in GiB (with the headroom, the lower limit wins); "
                         "picks the fastest plan under it, or fails naming the smallest plan")
+    p.add_argument("--host-update-rate", type=float, default=None, metavar="PARAMS_PER_S",
+                   help="host CPU optimizer-update rate per core for host_compute plans (default: the file "
+                        "benchmarks/host_update_rate.py wrote, else a measured default)")
+    p.add_argument("--host-cores", type=float, default=None, metavar="N",
+                   help="host CPU cores per GPU for the host update (default 8)")
     p.add_argument("--png", default=None, metavar="PATH",
                    help="also draw the plan table (HBM, host bytes, limits, step time) to PATH")
     p.add_argument("--search", choices=["seq_len", "batch"], default=None,

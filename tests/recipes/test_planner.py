@@ -67,7 +67,9 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     activations = {c.activations for c in plans}
     assert set(planner.PRESET_PLANS) <= activations
     assert {"offload_dots:2,recompute_all", "save_dots:2,recompute_all"} <= activations
-    assert len(plans) == len(activations) * 2 == len(set(plans))
+    assert len(plans) == len(activations) * 2 + len(planner.HOST_COMPUTE_PLANS) == len(set(plans))
+    assert {c.activations for c in plans if c.optimizer_state == planner.HOST_COMPUTE} == set(
+        planner.HOST_COMPUTE_PLANS)
     for spec in activations:
         RematPlan.parse(spec).resolve(recipe.model.num_layers)   # all valid for the model
     assert set(planner.PRESET_PLANS) <= set(PRESETS)
@@ -137,9 +139,9 @@ def test_offloading_plans_keep_activations_in_host_memory(small_plan):
             assert r["host_temp_bytes"] > 0, f"{row.candidate.label}: no activation in host memory"
             assert r["device_to_host_bytes"] > 0 and r["host_to_device_bytes"] > 0
             assert not row.dropped_offload
-        else:
+        elif row.candidate.optimizer_state != planner.HOST_COMPUTE:   # host compute has host temps
             assert r["host_temp_bytes"] == 0, row.candidate.label
-        if row.candidate.optimizer_state == "host":
+        if row.candidate.optimizer_state in ("host", planner.HOST_COMPUTE):
             assert r["host_argument_bytes"] > 0 and r["host_buffer_count"] > 0, row.candidate.label
         elif not row.candidate.offloads_activations:
             assert r["host_bytes"] == 0 and r["host_buffer_count"] == 0, row.candidate.label
@@ -161,6 +163,8 @@ def test_hbm_orders_as_the_policies_say(small_plan):
 def test_transfers_and_times(small_plan):
     link, rate = small_plan.target.host_link_bytes_per_s, small_plan.target.peak_bf16_flops
     for row in small_plan.rows:
+        if row.candidate.optimizer_state == planner.HOST_COMPUTE:
+            continue   # priced by the host update rate: test_host_compute_plans_pay_the_host_cpu
         r = row.report
         to_host, from_host = r["device_to_host_bytes"], r["host_to_device_bytes"]
         overlapped = r["overlapped_transfer_bytes"]
@@ -199,6 +203,26 @@ def test_transfers_and_times(small_plan):
 
 
 @needs_toolchain
+def test_host_compute_plans_pay_the_host_cpu(small_plan):
+    """State on the host, updated by its CPU: no state in HBM, the update priced at the host's rate."""
+    rows = rows_by_key(small_plan)
+    link = small_plan.target.host_link_bytes_per_s
+    pricing = small_plan.host_update
+    per_second = pricing["params_per_s_per_core"] * pricing["cores_per_gpu"]
+    n = small_plan.recipe.num_params()
+    for plan in planner.HOST_COMPUTE_PLANS:
+        row = rows[plan, planner.HOST_COMPUTE]
+        assert row.report["hbm_bytes"] < rows[plan, "device"].report["hbm_bytes"], plan
+        # bf16 weights with fp32 masters: bf16 gradients go out, bf16 parameters come back
+        assert row.update_s == pytest.approx((2 * n + 2 * n) / link + n / per_second)
+    # a faster host makes the same plan faster
+    faster = planner._row(rows["recompute_all", planner.HOST_COMPUTE].candidate,
+                          {"report": rows["recompute_all", planner.HOST_COMPUTE].report},
+                          small_plan.recipe, small_plan.target, 1, 10 * per_second)
+    assert faster.update_s < rows["recompute_all", planner.HOST_COMPUTE].update_s
+
+
+@needs_toolchain
 def test_pick_fits_and_is_the_fastest_that_fits(small_plan):
     picked = small_plan.picked
     assert picked is not None and picked.fits
@@ -231,7 +255,7 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
                    for line in lines), row.candidate.label
     assert sum(line.startswith("* ") for line in lines) == 1
     assert "H200" in out and "tokens/step" in out and "attention flash" in out
-    assert "one direction after the other, with no compute to hide behind" in out
+    assert "the overlapped bytes are not counted twice" in out
 
     code, out, _ = run_cli(["plan", "tiny", "--gpu", "h200", "--json"], capsys)
     document = json.loads(out)
