@@ -6,7 +6,9 @@ shardings and donation as training) once per candidate plan, in one child
 process that has the GPU compiler plugin (recipes/plan/child.py, DESIGN.md
 section 5). A candidate is an activation plan (an offload preset or a
 per-segment mix, layers/offload.py) with the optimizer state on device or in
-pinned host memory. Per candidate it reports, per GPU:
+pinned host memory, or (for the two plans with the least HBM) in host memory
+and updated by the host CPU (`host_compute`, priced at the host's measured
+update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
 
     HBM          argument + output - alias + temp bytes of device memory (XLA's
                  buffer assignment), compared with headroom x the GPU's memory;
@@ -32,7 +34,8 @@ pinned host memory. Per candidate it reports, per GPU:
                  Within forward and backward, transfers are assumed to overlap
                  compute fully.
 
-The pick is the fastest estimated step among the candidates that fit.
+The pick is the fastest estimated step among the candidates that fit under
+headroom x the GPU's HBM, or under `--hbm-budget` GiB when that is lower.
 `apply_plan` (`spillway train --plan auto`) applies it to the recipe, or
 refuses with the numbers when nothing fits, so a run that would run out of
 memory never starts.
