@@ -474,10 +474,6 @@ class Optimizer:
         """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves."""
         return self._map_halved(streaming.split_halves, saved)
 
-    def saved_state_shardings(self, param_shardings) -> OptState:
-        """`state_shardings` in saved form (a restore target for `saved_form`'s checkpoints)."""
-        return self._map_halved(lambda halves: halves.first, self.state_shardings(param_shardings))
-
     def saved_abstract_state(self, params, param_shardings=None) -> OptState:
         """`abstract_state` in saved form: what to hand orbax as the restore target."""
         abstract = self.abstract_state(params, param_shardings)
