@@ -396,10 +396,16 @@ def update_on_host(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
     @compute_on("device_host")
     @jax.jit
     def on_host(grad_h, param_h, state_h):
+        grad_h, param_h = grad_h.reshape(param.shape), param_h.reshape(param.shape)
         new_p, new_state = update_fn(grad_h, param_h, state_h)
         return new_p.astype(param_h.dtype), tuple(d.astype(s.dtype) for s, d in zip(state_h, new_state))
 
-    new_p_host, new_state = on_host(to_host(grad), to_host(param), host_state)
+    # Gradient and parameter cross flat: in the train step XLA may lay a 2-D
+    # gradient out transposed on the device (the head's, {0,1}), and the async
+    # host computation then fails its layout check ("async-start expects the
+    # async shape ... to match", jaxlib 0.10.2, H200 target). A 1-D array has
+    # one layout; the reshape on the device costs one leaf of HBM temp.
+    new_p_host, new_state = on_host(to_host(grad.reshape(-1)), to_host(param.reshape(-1)), host_state)
     return to_device(new_p_host), new_state
 
 
