@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -83,21 +82,18 @@ def _elements(shape) -> int:
 
 
 def prefetch_overlap(hlo_text: str) -> tuple[int, int]:
-    """(overlapped, total) host->device slice copies in the compiled while-loop bodies.
+    """(overlapped, total) host->device slice copies, in every computation of the compiled program.
 
     A copy overlaps the update when a fusion at least as large as the copied
     slice (the AdamW update of a layer) is scheduled between its async start
-    and its done; in a loop body the printed order is the order the stream
-    runs them.
+    and its done; in scheduled HLO the printed order is the order the stream
+    runs them. Loop bodies and the unrolled first and last layers both count.
     """
     from spillway.recipes.plan import hlo
 
     computations, _ = hlo.parse_computations(hlo_text)
-    loop_bodies = {match.group(1) for instructions in computations.values() for instr in instructions
-                   if instr.opcode == "while"
-                   for match in [re.search(r"body=%?([\w.\-]+)", instr.attributes)] if match}
     overlapped = total = 0
-    for name in loop_bodies:
+    for name in computations:
         in_flight: dict[str, list] = {}  # start name -> [slice elements, overlapped?]
         for instr in computations.get(name, []):
             if instr.opcode == "fusion-start" and "dynamic-slice-start" in instr.name:
@@ -118,6 +114,7 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from spillway.recipes.plan import compile as aot
+    from spillway.recipes.plan import hlo
     from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig, donate_opt_state_ok
 
     cfg = OptimizerConfig(master_weights=variant.master, update_on_host=variant.update_on_host)
@@ -141,8 +138,10 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
     report = aot.compile_report(jitted, params, grads, abstract_state, keep_hlo_text=True)
     init_report = aot.compile_report(jax.jit(opt.init, out_shardings=state_sh), params)
     overlapped, prefetches = prefetch_overlap(report.hlo_text)
+    copies = hlo.overlapping_host_copies(report.hlo_text)
     return {"label": variant.label, "report": report.to_dict(), "init_hbm_bytes": init_report.hbm_bytes,
-            "overlapped_prefetches": overlapped, "loop_prefetches": prefetches}
+            "overlapped_prefetches": overlapped, "loop_prefetches": prefetches,
+            "copy_overlap": dataclasses.asdict(copies)}
 
 
 def measure(argv: list[str]) -> dict:

@@ -3,7 +3,7 @@
     spillway recipes
     spillway train tiny [--set train.steps=100 ...] [--plan auto --gpu h200]
     spillway generate runs/tiny --prompt "def " [--tokens 100 --temperature 0.8 --top-p 0.95]
-    spillway plan llama3_8b --gpu h200 [--devices N] [--json]
+    spillway plan llama3_8b --gpu h200 [--devices N] [--hbm-budget GIB] [--png PATH] [--json]
 
 Errors are one line on stderr and a non-zero exit status: 2 for a failure
 the user can fix (a SpillwayError, e.g. a bad setting, a checkpoint that does
@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--host-ram-gb", type=float, default=None, help="host RAM available for pinned memory")
     p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM a plan may use")
+    p.add_argument("--hbm-budget", type=float, default=None, metavar="GIB",
+                   help="HBM per GPU a plan may use, in GiB (with the headroom, the lower limit wins); "
+                        "picks the fastest plan under it, or fails naming the smallest plan")
+    p.add_argument("--host-update-rate", type=float, default=None, metavar="PARAMS_PER_S",
+                   help="host CPU optimizer-update rate per core for host_compute plans (default: the file "
+                        "benchmarks/host_update_rate.py wrote, else a measured default)")
+    p.add_argument("--host-cores", type=float, default=None, metavar="N",
+                   help="host CPU cores per GPU for the host update (default 8)")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="also draw the plan table (HBM, host bytes, limits, step time) to PATH")
     p.add_argument("--search", choices=["seq_len", "batch"], default=None,
                    help="also find the longest sequence / largest batch that fits per plan")
     p.add_argument("--json", action="store_true")

@@ -7,6 +7,9 @@ host-memory use from XLA (docs/DESIGN.md section 5). Pieces:
   (one compile process per worker) and adds the step-time model.
 * ``flops``: training FLOPs counted from the model's shapes (a deviceless
   compile reports none).
+* ``host_update``: the host CPU's optimizer-update rate for host-compute plans
+  (measured by benchmarks/host_update_rate.py, or a default).
+* ``chart``: ``--png``, the plan table drawn with matplotlib.
 
 * ``plugin``: where the jax-cuda13 compiler plugin lives, whether it matches
   jaxlib, how to install it; whether ptxas/libdevice are there.
@@ -15,7 +18,8 @@ host-memory use from XLA (docs/DESIGN.md section 5). Pieces:
   program in a child process set up for the plugin and returns its JSON.
 * ``compile`` (imports JAX; use it inside the compile process): compile-only
   meshes, abstract arguments in device or host memory, ``compile_report``.
-* ``hlo``: host<->device traffic read from compiled HLO text.
+* ``hlo``: host<->device traffic read from compiled HLO text, and which async
+  copies of the two link directions are in flight together.
 * ``selfcheck``: a compile program that shows the whole chain works here.
 
 This package's ``__init__`` imports neither JAX nor the plugin.

@@ -48,9 +48,8 @@ from spillway.recipes.plan.subprocess_runner import serve_compile_process
 
 
 def _with_plan(recipe, candidate: dict):
-    from spillway.recipes.config import OffloadConfig
-    return dataclasses.replace(recipe, offload=OffloadConfig(activations=candidate["activations"],
-                                                             optimizer_state=candidate["optimizer_state"]))
+    from spillway.recipes.plan.planner import Candidate
+    return Candidate(candidate["activations"], candidate["optimizer_state"]).applied_to(recipe)
 
 
 def _with_value(recipe, axis: str, value: int):

@@ -212,6 +212,9 @@ class CompileReport:
     compile_seconds: float
     device_kind: str
     num_devices: int
+    # Bytes that move in one link direction while the other direction moves too
+    # (hlo.overlapping_host_copies); 0 in reports written before it existed.
+    overlapped_transfer_bytes: int = 0
     hlo_text: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def host_transfer_seconds(self, link_bytes_per_s: float) -> float:
@@ -262,6 +265,7 @@ class CompileReport:
             compile_seconds=compile_seconds,
             device_kind=device_kind,
             num_devices=num_devices,
+            overlapped_transfer_bytes=hlo.overlapping_host_copies(hlo_text).overlapped_bytes,
             hlo_text=hlo_text if keep_hlo_text else None,
         )
 

@@ -310,3 +310,84 @@ def count_host_memory_annotations(hlo_text: str) -> int:
     loop is counted at every instruction that names it.
     """
     return hlo_text.count(HOST_MEMORY_SPACE)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyOverlap:
+    """How much of the async host traffic runs in both link directions at once (per device, one execution)."""
+
+    host_to_device_bytes: int     # async host->device copies (start/done windows)
+    device_to_host_bytes: int     # async device->host copies
+    overlapped_bytes: int         # bytes each direction moves while the other is also moving (see below)
+    overlapping_pairs: int        # static count of (host->device, device->host) windows in flight together
+
+
+def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
+    """Async host<->device copies whose start..done windows overlap in opposite directions.
+
+    In scheduled HLO each computation's instructions are printed in the
+    order they run, so an async copy is in flight from its ``*-start`` to the
+    ``*-done`` that names it. In every computation (loop bodies weighted by
+    their trip count, as in `host_traffic`), windows are grouped into runs that
+    overlap in time; in a run holding both directions the smaller
+    direction's bytes are credited as ``overlapped_bytes`` (they move while
+    the other direction moves too). The link time of the copies is then about
+    (host_to_device + device_to_host - overlapped) / per-direction rate;
+    without any overlap it is the plain sum.
+    """
+    computations, entry = parse_computations(hlo_text)
+    totals = {"h2d": 0, "d2h": 0, "overlapped": 0, "pairs": 0}
+    if entry is None:
+        return CopyOverlap(0, 0, 0, 0)
+    counted_pairs: set[str] = set()
+
+    def windows_of(instructions: list[Instruction]) -> list[tuple[int, int, int, int]]:
+        """(start index, done index, device->host bytes, host->device bytes) per async transfer."""
+        shapes = {instruction.name: instruction.shape for instruction in instructions}
+        started: dict[str, tuple[int, int, int]] = {}
+        windows = []
+        for index, instruction in enumerate(instructions):
+            if instruction.opcode.endswith("-start") and instruction.opcode not in _NOT_TRANSFERS:
+                to_host, to_device = _transfer_bytes(instruction, shapes)
+                if to_host or to_device:
+                    started[instruction.name] = (index, to_host, to_device)
+            elif instruction.opcode.endswith("-done") and instruction.operands \
+                    and instruction.operands[0] in started:
+                begin, to_host, to_device = started.pop(instruction.operands[0])
+                windows.append((begin, index, to_host, to_device))
+        return windows
+
+    def visit(computation: str, multiplier: int, depth: int) -> None:
+        if depth > 64 or computation not in computations:
+            return
+        instructions = computations[computation]
+        for instruction in instructions:
+            if instruction.opcode in _CALLED:
+                inner = multiplier
+                if instruction.opcode == "while":
+                    trip = _TRIP_COUNT.search(instruction.attributes)
+                    inner = multiplier * int(trip.group(1)) if trip else multiplier
+                for called in _called_computations(instruction):
+                    visit(called, inner, depth + 1)
+        windows = sorted(windows_of(instructions))
+        # Runs of windows that overlap one another, in schedule order.
+        runs: list[list[tuple[int, int, int, int]]] = []
+        for window in windows:
+            if runs and window[0] < max(w[1] for w in runs[-1]):
+                runs[-1].append(window)
+            else:
+                runs.append([window])
+        for run in runs:
+            to_host = sum(w[2] for w in run)
+            to_device = sum(w[3] for w in run)
+            totals["h2d"] += to_device * multiplier
+            totals["d2h"] += to_host * multiplier
+            totals["overlapped"] += min(to_host, to_device) * multiplier
+        if computation not in counted_pairs:
+            counted_pairs.add(computation)
+            totals["pairs"] += sum(1 for a in windows for b in windows
+                                   if a[3] and not a[2] and b[2] and not b[3] and a[0] < b[1] and b[0] < a[1])
+
+    visit(entry, 1, 0)
+    return CopyOverlap(host_to_device_bytes=totals["h2d"], device_to_host_bytes=totals["d2h"],
+                       overlapped_bytes=totals["overlapped"], overlapping_pairs=totals["pairs"])

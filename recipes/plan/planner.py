@@ -6,7 +6,9 @@ shardings and donation as training) once per candidate plan, in one child
 process that has the GPU compiler plugin (recipes/plan/child.py, docs/DESIGN.md
 section 5). A candidate is an activation plan (an offload preset or a
 per-segment mix, layers/offload.py) with the optimizer state on device or in
-pinned host memory. Per candidate it reports, per GPU:
+pinned host memory, or (for the two plans with the least HBM) in host memory
+and updated by the host CPU (`host_compute`, priced at the host's measured
+update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
 
     HBM          argument + output - alias + temp bytes of device memory (XLA's
                  buffer assignment), compared with headroom x the GPU's memory;
@@ -14,20 +16,26 @@ pinned host memory. Per candidate it reports, per GPU:
                  together are compared with the host's RAM;
     transfer     bytes the step moves host->device and device->host (read from
                  the compiled HLO) and the time the host link needs for them:
-                 both directions added, because this step never uses them at
-                 once (see step);
+                 both directions added, less the bytes the compiled schedule
+                 moves in one direction while the other is busy too
+                 (hlo.overlapping_host_copies: async copy windows of opposite
+                 directions in flight together);
     compute      FLOPs (recipes/plan/flops.py: forward, backward, the plan's remat
                  recompute) at the GPU's peak dense bf16 rate: a lower bound;
     step         three phases added up. Forward: max(forward compute,
                  activations going to host); backward: max(backward + recompute
                  compute, activations coming back); update: host-resident
                  optimizer state copied in and out of HBM, which overlaps no
-                 compute and whose two directions run one after the other
-                 (recipes/train/host_optimizer.py orders each write-back after the
-                 next prefetch). Within forward and backward, transfers are
-                 assumed to overlap compute fully.
+                 compute: 2 x state / link, less the overlapped bytes the
+                 compiled schedule shows (recipes/train/host_optimizer.py keeps
+                 a stacked leaf's state in two buffers so that the write-back of
+                 one layer runs while the next is prefetched; up to `state`
+                 bytes are credited, so a schedule without overlap gets none).
+                 Within forward and backward, transfers are assumed to overlap
+                 compute fully.
 
-The pick is the fastest estimated step among the candidates that fit.
+The pick is the fastest estimated step among the candidates that fit under
+headroom x the GPU's HBM, or under `--hbm-budget` GiB when that is lower.
 `apply_plan` (`spillway train --plan auto`) applies it to the recipe, or
 refuses with the numbers when nothing fits, so a run that would run out of
 memory never starts.
@@ -70,6 +78,11 @@ from spillway.recipes.config import Recipe
 GiB = 2**30
 GB = 10**9
 OPTIMIZER_STATES = ("device", "host")
+# Optimizer state in host memory, updated by the host CPU (OptimizerConfig.update_on_host):
+# no state in HBM at all, priced at the host's update rate (recipes/plan/host_update.py).
+# Tried with the activation plans that need the least HBM, where it can matter.
+HOST_COMPUTE = "host_compute"
+HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
 # Single-policy plans, in the order the table shows them.
 PRESET_PLANS = ("save_all", "recompute_all", "offload_inputs", "save_dots", "offload_dots",
                 "save_qkv_offload_mlp")
@@ -84,7 +97,7 @@ MAX_COMPILES_PER_SEARCH = 10
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     activations: str        # a RematPlan spec
-    optimizer_state: str    # "device" | "host"
+    optimizer_state: str    # "device" | "host" | "host_compute" (host state, updated by the host CPU)
 
     @property
     def label(self) -> str:
@@ -102,6 +115,15 @@ class Candidate:
     def to_dict(self) -> dict:
         return {"activations": self.activations, "optimizer_state": self.optimizer_state}
 
+    def applied_to(self, recipe: Recipe) -> Recipe:
+        """The recipe with this plan's offload settings (host_compute: state on host, update_on_host)."""
+        from spillway.recipes.config import OffloadConfig
+        on_host_cpu = self.optimizer_state == HOST_COMPUTE
+        return dataclasses.replace(
+            recipe, offload=OffloadConfig(activations=self.activations,
+                                          optimizer_state="host" if on_host_cpu else self.optimizer_state),
+            optimizer=dataclasses.replace(recipe.optimizer, update_on_host=on_host_cpu))
+
 
 def activation_plans(num_layers: int) -> list[str]:
     """The presets, and per-segment mixes over the first half of the layers."""
@@ -114,7 +136,8 @@ def activation_plans(num_layers: int) -> list[str]:
 
 def candidates(recipe: Recipe) -> list[Candidate]:
     return [Candidate(plan, state) for state in OPTIMIZER_STATES
-            for plan in activation_plans(recipe.model.num_layers)]
+            for plan in activation_plans(recipe.model.num_layers)] + [
+        Candidate(plan, HOST_COMPUTE) for plan in HOST_COMPUTE_PLANS]
 
 
 # --- inputs: target, mesh, attention --------------------------------------------
@@ -282,10 +305,14 @@ class Plan:
     search: dict | None
     timing: dict
     full_codegen_check: list[dict] = dataclasses.field(default_factory=list)
+    hbm_budget_bytes: float | None = None   # --hbm-budget: a user's own HBM limit per GPU
+    host_update: dict | None = None   # host-compute pricing: params_per_s_per_core, cores_per_gpu, source
 
     @property
     def hbm_limit_bytes(self) -> float:
-        return self.headroom * self.target.hbm_bytes
+        """HBM a plan may use per GPU: headroom x the GPU's memory, or the budget when lower."""
+        limit = self.headroom * self.target.hbm_bytes
+        return limit if self.hbm_budget_bytes is None else min(limit, self.hbm_budget_bytes)
 
     @property
     def picked(self) -> PlanRow | None:
@@ -312,11 +339,13 @@ class Plan:
             min(fitting, key=lambda row: (row.step_s, row.report["hbm_bytes"])).pick = True
         return self
 
-    def rejudged(self, *, headroom: float | None = None, host_ram_bytes: float | None = None) -> "Plan":
+    def rejudged(self, *, headroom: float | None = None, host_ram_bytes: float | None = None,
+                 hbm_budget_bytes: float | None = None) -> "Plan":
         """The same compiles judged against other limits (nothing is compiled again)."""
         other = dataclasses.replace(
             self, headroom=self.headroom if headroom is None else headroom,
             host_ram_bytes=self.host_ram_bytes if host_ram_bytes is None else host_ram_bytes,
+            hbm_budget_bytes=self.hbm_budget_bytes if hbm_budget_bytes is None else hbm_budget_bytes,
             rows=[dataclasses.replace(row) for row in self.rows])
         return other.judge()
 
@@ -330,9 +359,10 @@ class Plan:
             "attention_impl": r.execution.attention_impl,
             "target": t.name, "target_display_name": t.display_name, "devices": self.devices,
             "mesh": self.mesh, "hbm_bytes_per_gpu": t.hbm_bytes, "headroom": self.headroom,
-            "hbm_limit_bytes": self.hbm_limit_bytes, "host_ram_bytes": self.host_ram_bytes,
+            "hbm_limit_bytes": self.hbm_limit_bytes, "hbm_budget_bytes": self.hbm_budget_bytes,
+            "host_ram_bytes": self.host_ram_bytes,
             "host_link": t.host_link, "host_link_bytes_per_s": t.host_link_bytes_per_s,
-            "peak_bf16_flops": t.peak_bf16_flops,
+            "peak_bf16_flops": t.peak_bf16_flops, "host_update": self.host_update,
         }
 
     def to_dict(self) -> dict:
@@ -345,17 +375,21 @@ class Plan:
 
 
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
-               "Transfer time: both directions added, at the host link's per-direction rate. Compute time: "
+               "Transfer time: both directions added, at the host link's per-direction rate, less the bytes the "
+               "compiled schedule moves while the other direction is busy too. Compute time: "
                "recipes/plan/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
-               "host-resident optimizer state crosses the link both ways during the update, one direction "
-               "after the other, with no compute to hide behind.")
+               "host-resident optimizer state crosses the link both ways during the update with no compute to "
+               "hide behind; where the compiled schedule has the two directions in flight together (the "
+               "streamed stacked layers), the overlapped bytes are not counted twice.")
 
 
 # --- planning ---------------------------------------------------------------------
 
-def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int]) -> PlanRow:
+def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],
+         host_update_params_per_s: float | None = None) -> PlanRow:
+    """One candidate's row. host_update_params_per_s: the host CPU's update rate per GPU (host_compute)."""
     impl = recipe.execution.attention_impl
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
                                           remat=candidate.activations, attention_impl=impl)
@@ -369,11 +403,46 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[
         # update streams all of it in and back out. The rest of the traffic is
         # offloaded activations.
         state = min(row.report["host_argument_bytes"], to_host, from_host)
-        row.forward_s = max(counted.forward / rate, (to_host - state) / link)
-        row.backward_s = max((counted.backward + counted.recompute) / rate, (from_host - state) / link)
-        row.update_s = 2 * state / link
-        row.transfer_s = (to_host + from_host) / link
+        # Bytes the compiled schedule moves in both directions at once (the
+        # streamed update's write-back beside the next prefetch): credited to
+        # the update, never more than the state it streams.
+        overlapped = row.report.get("overlapped_transfer_bytes", 0)
+        if candidate.optimizer_state == HOST_COMPUTE:
+            _host_compute_phases(row, counted, recipe, rate, link, mesh, host_update_params_per_s)
+        else:
+            row.forward_s = max(counted.forward / rate, (to_host - state) / link)
+            row.backward_s = max((counted.backward + counted.recompute) / rate, (from_host - state) / link)
+            row.update_s = (2 * state - min(overlapped, state)) / link
+        row.transfer_s = (to_host + from_host - overlapped) / link
     return row
+
+
+def _host_compute_phases(row: PlanRow, counted, recipe: Recipe, rate: float, link: float,
+                         mesh: dict[str, int], params_per_s: float | None) -> None:
+    """Phases of a host-compute plan: the state stays on the host; gradients go out, parameters come back.
+
+    Per GPU, its share of the parameters: gradients cross to the host (and
+    the parameters too when there is no fp32 master copy to update instead),
+    the host CPU updates them at `params_per_s`, the new parameters come
+    back. Copies and host compute are added (per leaf they follow one
+    another). The rest of the traffic is offloaded activations, as for the
+    other plans.
+    """
+    if params_per_s is None:
+        raise ValueError("host-compute plans need the host update rate (recipes/plan/host_update.py)")
+    import jax.numpy as jnp
+    # A GPU's share: the parameters are split over fsdp x tensor; data-parallel
+    # replicas each update their own copy.
+    params = recipe.num_params() / (mesh["fsdp"] * mesh["tensor"])
+    param_bytes = jnp.dtype(recipe.execution.param_dtype).itemsize
+    master = recipe.optimizer.master_weights and jnp.dtype(recipe.execution.param_dtype) != jnp.float32
+    update_to_host = params * param_bytes * (1 if master else 2)
+    update_from_host = params * param_bytes
+    to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
+    row.forward_s = max(counted.forward / rate, max(0.0, to_host - update_to_host) / link)
+    row.backward_s = max((counted.backward + counted.recompute) / rate,
+                         max(0.0, from_host - update_from_host) / link)
+    row.update_s = (update_to_host + update_from_host) / link + params / params_per_s
 
 
 def compiler_options() -> dict | None:
@@ -526,13 +595,17 @@ def _search_request(recipe: Recipe, axis: str, mesh: dict, hbm_limit: float, hos
 
 
 def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float = 0.9,
-         host_ram_gb: float | None = None, search: str | None = None,
+         host_ram_gb: float | None = None, hbm_budget_gib: float | None = None,
+         host_update_rate: float | None = None, host_cores_per_gpu: float | None = None, search: str | None = None,
          plans: list[Candidate] | None = None, verify_full_codegen: int = 0,
          workers: int | None = None) -> Plan:
     """Compile the recipe's train step for every candidate on `devices` x `gpu`; rows and the pick.
 
     host_ram_gb: RAM of the host for pinned memory, in GB (10^9 bytes); default
-    the target's per-GPU share times `devices`. plans: candidates to compile
+    the target's per-GPU share times `devices`. hbm_budget_gib: HBM per GPU a
+    plan may use, in GiB (2^30 bytes), when lower than headroom x the GPU's.
+    host_update_rate (parameters/s per core) and host_cores_per_gpu price the
+    host-compute plans (recipes/plan/host_update.py: measured file or default). plans: candidates to compile
     (default `candidates(recipe)`). verify_full_codegen: also compile the first
     N candidates exactly as for a run and record both figures
     (Plan.full_codegen_check). workers: compile processes at once (default
@@ -548,12 +621,22 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
         raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
     if host_ram_gb is not None and host_ram_gb <= 0:
         raise ValueError(f"--host-ram-gb must be positive, got {host_ram_gb}")
+    if hbm_budget_gib is not None and hbm_budget_gib <= 0:
+        raise ValueError(f"--hbm-budget must be positive (GiB), got {hbm_budget_gib}")
+    hbm_budget = None if hbm_budget_gib is None else hbm_budget_gib * GiB
+    from spillway.recipes.plan import host_update
+    per_core, rate_source = host_update.host_update_rate(host_update_rate)
+    cores = host_update.DEFAULT_HOST_CORES_PER_GPU if host_cores_per_gpu is None else host_cores_per_gpu
+    if not cores > 0:
+        raise ValueError(f"--host-cores must be positive, got {host_cores_per_gpu}")
+    host_pricing = {"params_per_s_per_core": per_core, "cores_per_gpu": cores, "source": rate_source}
     mesh = resolve_mesh(recipe, devices)
     compiled_recipe, warnings = planned_recipe(recipe)
     check_sharding(compiled_recipe, mesh)
     host_ram = host_ram_gb * GB if host_ram_gb is not None else target.default_host_ram_bytes * devices
+    hbm_limit = headroom * target.hbm_bytes if hbm_budget is None else min(headroom * target.hbm_bytes, hbm_budget)
     search_request = None if search is None else _search_request(
-        compiled_recipe, search, mesh, headroom * target.hbm_bytes, host_ram, devices)
+        compiled_recipe, search, mesh, hbm_limit, host_ram, devices)
     todo = plans if plans is not None else candidates(compiled_recipe)
     for candidate in todo:   # a bad spec is an error here, before any compile
         RematPlan.parse(candidate.activations).resolve(compiled_recipe.model.num_layers)
@@ -570,9 +653,10 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
                             "candidates": [c.to_dict() for c in todo], "compiler_options": options,
                             "verify_full_codegen": list(range(min(verify_full_codegen, len(todo)))),
                             "search": search_request}, workers)
-    rows = [_row(c, result, compiled_recipe, target, mesh) for c, result in zip(todo, answer["results"])]
+    rows = [_row(c, result, compiled_recipe, target, mesh, per_core * cores)
+            for c, result in zip(todo, answer["results"])]
     result = Plan(compiled_recipe, target, devices, answer["mesh"], headroom, host_ram, rows, warnings,
-                  None, {}).judge()
+                  None, {}, hbm_budget_bytes=hbm_budget, host_update=host_pricing).judge()
     for row in rows:
         if row.dropped_offload:
             warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
@@ -639,13 +723,17 @@ def render(p: Plan) -> str:
         f"{s['dtype']} compute; attention {s['attention_impl']}",
         f"  step       {s['global_batch']} x {s['seq_len']} = {s['tokens_per_step']} tokens/step "
         f"(grad_accum {s['grad_accum']}); mesh " + " ".join(f"{k}={v}" for k, v in p.mesh.items()),
-        f"  limits     HBM {p.headroom:g} x {t.hbm_bytes / GiB:.1f} GiB = {p.hbm_limit_bytes / GiB:.1f} GiB per GPU; "
+        f"  limits     HBM {_hbm_limit_words(p)} per GPU; "
         f"host RAM {p.host_ram_bytes / GiB:.1f} GiB for {p.devices} GPU(s)",
         f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction; "
         f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
     ]
+    if p.host_update is not None and any(row.candidate.optimizer_state == HOST_COMPUTE for row in p.rows):
+        h = p.host_update
+        lines.append(f"  host CPU   update {h['params_per_s_per_core'] / 1e6:.0f} M params/s per core x "
+                     f"{h['cores_per_gpu']:g} cores per GPU for host_compute plans ({h['source']})")
     lines += [f"  warning    {w}" for w in p.warnings]
-    header = (f"  {'plan':36s} {'opt':6s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'xfer GB':>8s} "
+    header = (f"  {'plan':36s} {'opt':12s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'xfer GB':>8s} "
               f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
     lines += ["", header, "  " + "-" * (len(header) - 2)]
     for row in p.rows:
@@ -653,7 +741,7 @@ def render(p: Plan) -> str:
         moved = None if not r else (r["device_to_host_bytes"] + r["host_to_device_bytes"]) / GB
         fits = "yes" if row.fits else f"no ({row.why_not})"
         lines.append(
-            f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.optimizer_state:6s} "
+            f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.optimizer_state:12s} "
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "
             f"{_ms(row.transfer_s):>8s} "
@@ -679,7 +767,7 @@ def render_search(p: Plan) -> list[str]:
     unit = "tokens" if axis == "seq_len" else "sequences"
     lines = [f"  search: largest {axis} that fits, per plan (multiples of {search['step']} {unit}, "
              f"cap {search['cap']})"]
-    header = f"  {'plan':36s} {'opt':6s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
+    header = f"  {'plan':36s} {'opt':12s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
     lines += [header, "  " + "-" * (len(header) - 2)]
     best_baseline = max((r["best"] or 0 for r in search["results"]
                          if Candidate(r["activations"], r["optimizer_state"]).no_offload), default=0)
@@ -695,10 +783,18 @@ def render_search(p: Plan) -> list[str]:
             notes.append("no offload")
         elif best_baseline and r["best"]:
             notes.append(f"{r['best'] / best_baseline:.1f}x the best without offload")
-        lines.append(f"  {r['activations']:36s} {r['optimizer_state']:6s} "
+        lines.append(f"  {r['activations']:36s} {r['optimizer_state']:12s} "
                      f"{'none' if r['best'] is None else r['best']:>10} {r['compiles']:8d} {r['seconds']:8.1f}  "
                      + "; ".join(notes))
     return lines
+
+
+def _hbm_limit_words(p: Plan) -> str:
+    """How the HBM limit came about: "0.9 x 139.0 GiB = 125.1 GiB", or the budget that lowered it."""
+    words = f"{p.headroom:g} x {p.target.hbm_bytes / GiB:.1f} GiB"
+    if p.hbm_budget_bytes is not None and p.hbm_budget_bytes < p.headroom * p.target.hbm_bytes:
+        return f"budget {p.hbm_limit_bytes / GiB:.2f} GiB (below {words})"
+    return f"{words} = {p.hbm_limit_bytes / GiB:.1f} GiB"
 
 
 def _nothing_fits_numbers(p: Plan) -> str:
@@ -708,7 +804,7 @@ def _nothing_fits_numbers(p: Plan) -> str:
     smallest = min(compiled, key=lambda row: row.report["hbm_bytes"])
     return (f"the smallest HBM is {smallest.report['hbm_bytes'] / GiB:.2f} GiB ({smallest.candidate.label}, "
             f"host {smallest.report['host_bytes'] * p.devices / GiB:.2f} GiB) against a limit of "
-            f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({p.headroom:g} x {p.target.hbm_bytes / GiB:.2f} GiB "
+            f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({_hbm_limit_words(p)}, "
             f"{p.target.display_name}) and {p.host_ram_bytes / GiB:.2f} GiB host RAM; reduce data.seq_len or "
             f"train.global_batch (or raise train.grad_accum), or use more GPUs")
 
@@ -716,17 +812,28 @@ def _nothing_fits_numbers(p: Plan) -> str:
 # --- entry points ---------------------------------------------------------------------
 
 def plan_command(args) -> int:
-    """`spillway plan`: print the table (or --json); exit 0 even when nothing fits (the table says so)."""
+    """`spillway plan`: print the table (or --json), and draw it with --png.
+
+    Exit 0 even when nothing fits (the table says so), except under
+    --hbm-budget, which asks for a plan: then ValueError naming the smallest.
+    """
     from spillway.recipes.registry import get_recipe
 
     recipe = get_recipe(args.recipe, args.set)
+    budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
-                  search=args.search, workers=args.workers)
+                  hbm_budget_gib=budget, host_update_rate=getattr(args, "host_update_rate", None),
+                  host_cores_per_gpu=getattr(args, "host_cores", None), search=args.search, workers=args.workers)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(render(result))
+    if getattr(args, "png", None):
+        from spillway.recipes.plan.chart import draw_plan
+        draw_plan(result, args.png)
+    if budget is not None:
+        choose(result)   # a budget asks for a plan: none under it is an error naming the smallest
     return 0
 
 
@@ -746,9 +853,7 @@ def apply_plan(recipe: Recipe, how: str = "auto", *, gpu: str = "h200", devices:
          f"({result.timing['compiles']} compiles, {result.timing['total_s']:.0f} s)")
     for warning in result.warnings:
         echo(f"plan auto: warning: {warning}")
-    return dataclasses.replace(recipe, offload=dataclasses.replace(
-        recipe.offload, activations=picked.candidate.activations,
-        optimizer_state=picked.candidate.optimizer_state))
+    return picked.candidate.applied_to(recipe)
 
 
 def _default_devices(recipe: Recipe) -> int:
@@ -770,7 +875,9 @@ def predict_cases(cases: dict[str, tuple[str, list[str]]], gpu: str = "h200", de
     out = {}
     for name, (recipe_name, overrides) in cases.items():
         recipe = get_recipe(recipe_name, overrides)
-        candidate = Candidate(recipe.offload.activations, recipe.offload.optimizer_state)
+        state = HOST_COMPUTE if recipe.optimizer.update_on_host and recipe.offload.optimizer_state == "host" \
+            else recipe.offload.optimizer_state
+        candidate = Candidate(recipe.offload.activations, state)
         row = plan(recipe, gpu, devices, plans=[candidate]).rows[0]
         out[name] = {"error": row.error} if row.report is None else {
             "hbm_bytes": row.report["hbm_bytes"], "host_bytes": row.report["host_bytes"],

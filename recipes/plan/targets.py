@@ -19,12 +19,14 @@ XLA has no GH200 spec; ours is the H100 SXM one with the GH200's memory (see its
 notes). FLOP/s and bandwidths are NVIDIA datasheet figures, dense (no 2:4
 sparsity): H100 SXM and H200 989 TFLOP/s bf16 (1979 is the sparse figure),
 GH200 989, A100 312, B200 2.25 PFLOP/s (HGX B200: 18 PFLOP/s dense bf16 per 8
-GPUs). ``hbm_bytes`` is the memory CUDA reports as the device total (what
+GPUs), L4 121 (242 sparse), L40S 362 (733 sparse). L4 and L40S (Ada, sm_89,
+GDDR6 memory that the fields still call HBM) have no XLA spec: their
+descriptions are written from the datasheets and say so in their notes. ``hbm_bytes`` is the memory CUDA reports as the device total (what
 XLA's specs record), a little under the marketing figure.
 
 Host links, stated assumptions, per direction, for transfer-time estimates:
 PCIe Gen5 x16 is 64 GB/s raw, about 55 GB/s in pinned-memory copies (H100, H200,
-B200 HGX hosts); PCIe Gen4 x16 about 25 GB/s (A100 HGX); GH200's NVLink-C2C
+B200 HGX hosts); PCIe Gen4 x16 about 25 GB/s (A100 HGX, L4, L40S); GH200's NVLink-C2C
 is 900 GB/s bidirectional, 450 GB/s per direction. On HGX boards two GPUs often
 share one PCIe switch uplink to the CPU; when both offload at once each gets
 about half.
@@ -58,6 +60,7 @@ class GpuDeviceFacts:
     # planner uses GpuTarget.host_link_bytes_per_s instead.
     compiler_pcie_bandwidth: int | None = None
     accelerated_features: bool = False  # sm_90a / sm_100a ("a" = arch-specific features)
+    threads_per_core_limit: int = 2048  # resident threads per SM: 1536 on sm_86 / sm_89
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +100,14 @@ class GpuTarget:
         model = (f"sm_{major}.{minor}{suffix} with {self.hbm_bytes}B RAM, {facts.core_count} cores, "
                  f"{clock_khz}KHz clock, {facts.memory_clock_khz}KHz mem clock, "
                  f"{facts.l2_cache_bytes}B L2$")
-        # The fixed limits below hold for every target here (sm_80 and newer,
-        # sm_86/89 excepted, which have 1536 threads per SM).
+        # The fixed limits below hold for every target here (sm_80 and newer).
         return f"""\
 gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
   shared_memory_per_core: {facts.shared_memory_per_core}
-  threads_per_core_limit: 2048
+  threads_per_core_limit: {facts.threads_per_core_limit}
   core_count: {facts.core_count}
   fpus_per_core: {facts.fpus_per_core}
   block_dim_limit_x: 2147483647
@@ -153,6 +155,17 @@ _HOPPER_SM = GpuDeviceFacts(
     memory_clock_khz=2619000, compiler_pcie_bandwidth=34359738368, accelerated_features=True)
 
 _PCIE_GEN5_X16 = 55 * GB
+_PCIE_GEN4_X16 = 25 * GB
+# Ada (sm_89) SMs: 128 FP32 lanes, 1536 resident threads, 100 KB of shared
+# memory per SM (99 KB opt-in per block), as NVIDIA's Ada tuning guide gives them.
+_ADA_SM = GpuDeviceFacts(
+    core_count=0, fpus_per_core=128, shared_memory_per_core=102400,
+    shared_memory_per_block_optin=101376, l2_cache_bytes=0, clock_rate_ghz=0.0,
+    memory_clock_khz=0, threads_per_core_limit=1536)
+_ADA_NOTES = ("XLA ships no spec for this GPU: the device description is written from NVIDIA's "
+              "datasheet and Ada tuning guide (SM count, clocks, L2, shared memory, 1536 threads per SM) "
+              "in the form of XLA's specs; hbm_bytes is the memory nvidia-smi reports (CUDA's total is a "
+              "little lower, so HBM limits here are slightly generous). GDDR6 memory, not HBM.")
 _PER_GPU_OF_2TB_HGX_NODE = 256 * GB   # DGX/HGX H100, H200, B200: 2 TB for 8 GPUs
 
 TARGETS: dict[str, GpuTarget] = {
@@ -201,6 +214,24 @@ TARGETS: dict[str, GpuTarget] = {
             shared_memory_per_block_optin=232448, l2_cache_bytes=132644864,
             clock_rate_ghz=1.965, memory_clock_khz=3996000,
             compiler_pcie_bandwidth=68719476736, accelerated_features=True)),
+    "l4": GpuTarget(
+        name="l4", display_name="L4 24GB", device_name="NVIDIA L4",
+        compute_capability=(8, 9), hbm_bytes=23034 * MiB, hbm_bandwidth=300e9,
+        host_link="PCIe Gen4 x16", host_link_bytes_per_s=_PCIE_GEN4_X16,
+        peak_bf16_flops=121e12,   # datasheet: 242 TFLOPS bf16 with 2:4 sparsity
+        default_host_ram_bytes=96 * GB,   # AWS g6.48xlarge: 768 GB for 8 L4
+        facts=dataclasses.replace(_ADA_SM, core_count=58, l2_cache_bytes=48 * MiB, clock_rate_ghz=2.04,
+                                  memory_clock_khz=6251000),
+        notes=_ADA_NOTES),
+    "l40s": GpuTarget(
+        name="l40s", display_name="L40S 48GB", device_name="NVIDIA L40S",
+        compute_capability=(8, 9), hbm_bytes=46068 * MiB, hbm_bandwidth=864e9,
+        host_link="PCIe Gen4 x16", host_link_bytes_per_s=_PCIE_GEN4_X16,
+        peak_bf16_flops=362e12,   # datasheet: 362.05 dense, 733 with 2:4 sparsity
+        default_host_ram_bytes=192 * GB,  # AWS g6e.48xlarge: 1536 GB for 8 L40S
+        facts=dataclasses.replace(_ADA_SM, core_count=142, l2_cache_bytes=96 * MiB, clock_rate_ghz=2.52,
+                                  memory_clock_khz=9001000),
+        notes=_ADA_NOTES),
 }
 
 # Targets tried and found not to compile, with the reason (name -> reason).
@@ -217,6 +248,7 @@ ALIASES: Mapping[str, str] = {
     "gh200": "gh200-96gb",
     "a100-80gb": "a100", "a100-sxm": "a100",
     "b200-180gb": "b200",
+    "l4-24gb": "l4", "l40s-48gb": "l40s",
 }
 
 

@@ -4,15 +4,33 @@ The optimizer state of a host-resident parameter (AdamW moments, fp32 master
 weights) stays in `pinned_host` memory. Copying all of it to HBM for the update
 does not lower peak HBM; it raises it above keeping the state on device
 (docs/DESIGN.md section 6; today's figures from benchmarks/optimizer_state_toy.py
-are in BENCHMARKS.md). What lowers it is moving
-the state through HBM one layer at a time, so HBM only ever holds a layer or two:
+are in BENCHMARKS.md). What lowers it is moving the state through HBM one layer
+at a time, so HBM only ever holds a layer or two.
 
-    prefetch(0)
-    for layer i in 0 .. L-2:            lax.fori_loop, dynamic slices
-        prefetch(i + 1)                 host -> HBM, in flight during the update of layer i
-        update(layer i)                 on device, with the state prefetched last iteration
-        write back(layer i)             HBM -> host, dynamic_update_slice into the host buffer
-    update + write back(layer L-1)      nothing left to prefetch
+A stacked leaf's host state is kept as two buffers (`LayerHalves`): layers
+[0, ceil(L/2)) and [ceil(L/2), L). The layers are updated alternating between
+the halves, so the prefetch of the next layer always reads the *other* buffer
+than the write-back of the current one:
+
+    prefetch(layer 0)
+    for each layer t (first[0], second[0], first[1], second[1], ...):
+        prefetch(t + 1)      host -> HBM, from the other half's buffer
+        update(t)            on device, with the state prefetched last slot
+        write back(t)        HBM -> host, into t's own buffer, while prefetch(t+1) is still in flight
+        (barrier: slot t+1 starts once both copies are done)
+
+With one buffer per leaf (the layout before) XLA cannot tell row i from row
+i+1: the write-back of layer i had to be ordered after the prefetch of layer
+i+1 finished, and the two link directions never ran at once. With two
+buffers nothing orders them, and in the compiled schedule (H200 target,
+jaxlib 0.10.2) the device->host write of layer t and the host->device
+prefetch of layer t+1 are in flight together
+(recipes/plan/hlo.py:overlapping_host_copies counts it).
+
+Checkpoints keep the one-array-per-leaf structure: `join_halves` /
+`split_halves` convert at save and restore (recipes/train/optimizer.py
+`Optimizer.saved_form`), so a checkpoint does not depend on where the state
+lived or how it was streamed.
 
 A large leaf outside the stack (Llama 3 8B's embedding and head: 5.9 GiB of
 state each) goes the same way in pieces of rows along an axis its sharding
@@ -26,15 +44,13 @@ temp the size of the state), hence `fori_loop` + `dynamic_slice` +
 
 What XLA (jaxlib 0.10.2, H200 target) makes of it, read from the compiled HLO:
 the slice copies become async `dynamic-slice-start/done` (host -> HBM) and
-`dynamic-update-slice-start/done` (HBM -> host) fusions; with the barrier in
-`stream_update` the update of layer i runs inside the window of the
-prefetch of layer i+1 (at most two copies in flight: with a master copy, two of
-the three prefetches overlap). The write-back of layer i is ordered after that
-prefetch, so the two link directions do not overlap each other. Double
-buffering costs one layer's state of HBM (0.44 GiB for a 4096x14336 layer
-without master copy); `prefetch=False` saves it and serialises copy and update.
-For AdamW the update is short next to the copies (HBM is ~100x faster than the
-host link), so what the prefetch hides is small; the link time is the cost.
+`dynamic-update-slice-start/done` (HBM -> host) fusions. Double buffering
+costs one layer's state of HBM (0.44 GiB for a 4096x14336 layer without
+master copy); `prefetch=False` saves it and serialises copy and update. For
+AdamW the update is short next to the copies (HBM is ~100x faster than the
+host link), so the link time is the cost, and running both directions at
+once halves it. Non-stacked leaves streamed in pieces (`stream_update`) keep
+one buffer and their two directions still take turns.
 
 Memory moves use `jax.device_put(x, jax.memory.Space.Device | Host)` inside the
 jitted step: that changes only the memory kind and leaves the sharding to XLA's
@@ -48,6 +64,7 @@ function. recipes/train/optimizer.py supplies the AdamW maths.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -165,6 +182,153 @@ def stream_update(
     return update_piece(num_pieces - 1, params_out, states_out, last)
 
 
+# --- stacked leaves: state in two buffers, both link directions busy at once ---
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerHalves:
+    """One stacked leaf's host state array kept as two buffers: layers [0, n) and [n, L), n = ceil(L/2).
+
+    A pytree node with two array children, so it travels through jit, shardings
+    and donation like any state leaf.
+    """
+    first: Any
+    second: Any
+
+    @property
+    def num_layers(self) -> int:
+        return self.first.shape[0] + self.second.shape[0]
+
+
+def first_half_layers(num_layers: int) -> int:
+    """Layers in `LayerHalves.first`: the larger half when the count is odd."""
+    return (num_layers + 1) // 2
+
+
+def _split(x):
+    n = first_half_layers(x.shape[0])
+    return x[:n], x[n:]
+
+
+def _join(first, second):
+    return jnp.concatenate([first, second], axis=0)
+
+
+# Host computations go through layers/jax_compat.py: JAX 0.10 and >= 0.11 spell compute_on differently.
+def split_halves(x: jax.Array) -> LayerHalves:
+    """A host array of shape (L, ...) as LayerHalves, split by the host CPU (it never enters HBM)."""
+    first, second = jax_compat.on_host(_split, out_memory_spaces=jax.memory.Space.Host)(to_host(x))
+    return LayerHalves(first, second)
+
+
+def join_halves(halves: LayerHalves) -> jax.Array:
+    """LayerHalves back as one host array of shape (L, ...), joined by the host CPU."""
+    return jax_compat.on_host(_join, out_memory_spaces=jax.memory.Space.Host)(halves.first, halves.second)
+
+
+def new_host_state_halves(param: jax.Array, with_master: bool) -> tuple[LayerHalves, ...]:
+    """`new_host_state` of a stacked parameter, each array as LayerHalves (created on the host)."""
+    fresh = functools.partial(_fresh_state_halves, with_master=with_master)
+    first, second = jax_compat.on_host(fresh, out_memory_spaces=jax.memory.Space.Host)(to_host(param))
+    return tuple(LayerHalves(a, b) for a, b in zip(first, second))
+
+
+def _fresh_state_halves(param, with_master: bool):
+    n = first_half_layers(param.shape[0])
+    return _fresh_state(param[:n], with_master), _fresh_state(param[n:], with_master)
+
+
+def stream_layer_halves(
+    update_fns: Sequence[PieceUpdate],
+    grads: Sequence[jax.Array],
+    params: Sequence[jax.Array],
+    host_states: Sequence[tuple[LayerHalves, ...]],
+    *,
+    prefetch: bool = True,
+) -> tuple[list[jax.Array], list[tuple[LayerHalves, ...]]]:
+    """Update stacked leaves a layer at a time, their host state held as LayerHalves (module docstring).
+
+    Layers go in the order first[0], second[0], first[1], second[1], ...: each
+    slot prefetches the next layer from the other half's buffer while it
+    updates its own layer and writes it back, so the host->device and the
+    device->host copy of neighbouring layers share no buffer and XLA is free
+    to run them at the same time. `grads[k]`, `params[k]` are on device with a
+    leading layer axis; `host_states[k]` is a tuple of LayerHalves. Returns
+    (new params, new host states), same layout.
+    """
+    length = params[0].shape[0]
+    if any(p.shape[0] != length for p in params) or any(
+            h.num_layers != length for states in host_states for h in states):
+        raise ValueError(f"stream_layer_halves needs every leaf to have {length} layers; "
+                         f"got {[p.shape for p in params]}")
+    n_first = first_half_layers(length)
+    n_second = length - n_first
+    halves = (0, 1)  # index into (first buffers, second buffers)
+
+    def row(x, i):
+        return lax.dynamic_slice_in_dim(x, i, 1, axis=0)
+
+    def put_row(x, new_row, i):
+        return lax.dynamic_update_slice_in_dim(x, new_row, i, axis=0)
+
+    def fetch(buffers, i):
+        return [tuple(to_device(row(s, i)) for s in leaf) for leaf in buffers]
+
+    def slot(params, buffers, half, i, current, upcoming_from):
+        """Update layer `i` of `half` (state `current`, on device); prefetch `upcoming_from` = (half, row) or None."""
+        layer = i if half == 0 else n_first + i
+        upcoming = None if upcoming_from is None else fetch(buffers[upcoming_from[0]], upcoming_from[1])
+        new_params, own = list(params), list(buffers[half])
+        for k, (fn, g, p, leaf_dev) in enumerate(zip(update_fns, grads, params, current)):
+            new_p, new_dev = fn(row(g, layer), row(p, layer), leaf_dev)
+            new_params[k] = put_row(p, new_p.astype(p.dtype), layer)
+            own[k] = tuple(put_row(s, to_host(d.astype(s.dtype)), i) for s, d in zip(own[k], new_dev))
+        buffers = tuple(own if h == half else buffers[h] for h in halves)
+        if upcoming is not None:
+            # The next slot starts once both copies of this one are done: the
+            # prefetch it needs, and the write-back into the buffer its own
+            # prefetch will read. Without this XLA fuses the updates of
+            # consecutive slots and issues the prefetches back to back, and
+            # the directions take turns again.
+            upcoming, buffers, new_params = lax.optimization_barrier((upcoming, buffers, new_params))
+        return new_params, buffers, upcoming
+
+    buffers = ([tuple(h.first for h in leaf) for leaf in host_states],
+               [tuple(h.second for h in leaf) for leaf in host_states])
+    params = list(params)
+    if not prefetch:
+        def one_layer(half):
+            def body(i, carry):
+                params, buffers = carry
+                params, buffers, _ = slot(params, buffers, half, i, fetch(buffers[half], i), None)
+                return params, buffers
+            return body
+        for half, count in ((0, n_first), (1, n_second)):
+            if count:  # a one-layer stack has an empty second half: its loop body cannot even be traced
+                params, buffers = lax.fori_loop(0, count, one_layer(half), (params, buffers))
+    else:
+        def pair(j, carry):
+            params, buffers, current = carry
+            params, buffers, current = slot(params, buffers, 0, j, current, (1, j))
+            params, buffers, current = slot(params, buffers, 1, j, current, (0, j + 1))
+            return params, buffers, current
+
+        current = fetch(buffers[0], 0)
+        # Every pair but the last has a next layer in the first half to prefetch.
+        pairs_with_successor = n_second if n_first > n_second else n_second - 1
+        if pairs_with_successor > 0:
+            params, buffers, current = lax.fori_loop(0, pairs_with_successor, pair, (params, buffers, current))
+        last = pairs_with_successor
+        if last < n_second:       # the last pair: second[last] is the final layer
+            params, buffers, current = slot(params, buffers, 0, last, current, (1, last))
+            params, buffers, _ = slot(params, buffers, 1, last, current, None)
+        elif n_first > n_second:  # odd L: first[last] is the final layer
+            params, buffers, _ = slot(params, buffers, 0, last, current, None)
+    new_states = [tuple(LayerHalves(a, b) for a, b in zip(first, second))
+                  for first, second in zip(buffers[0], buffers[1])]
+    return params, new_states
+
+
 def update_outside_stack(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
                          host_state: tuple[jax.Array, ...], *, axis: int | None,
                          max_elements: int = PIECE_ELEMENTS, after: Any = None, prefetch: bool = True
@@ -220,13 +384,19 @@ def update_on_host(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
     HBM; the cost is host compute and memory bandwidth instead of the GPU's.
     """
     def update(grad_h, param_h, state_h):
+        grad_h, param_h = grad_h.reshape(param.shape), param_h.reshape(param.shape)
         new_p, new_state = update_fn(grad_h, param_h, state_h)
         return new_p.astype(param_h.dtype), tuple(d.astype(s.dtype) for s, d in zip(state_h, new_state))
 
+    # Gradient and parameter cross flat: in the train step XLA may lay a 2-D
+    # gradient out transposed on the device (the head's, {0,1}), and the async
+    # host computation then fails its layout check ("async-start expects the
+    # async shape ... to match", jaxlib 0.10.2, H200 target). A 1-D array has
+    # one layout; the reshape on the device costs one leaf of HBM temp.
     # Every output stays in host memory: the new state is the host state, and
     # the new parameter crosses the link once, below.
     new_p_host, new_state = jax_compat.on_host(update, out_memory_spaces=jax.memory.Space.Host)(
-        to_host(grad), to_host(param), tuple(host_state))
+        to_host(grad.reshape(-1)), to_host(param.reshape(-1)), tuple(host_state))
     return to_device(new_p_host), new_state
 
 

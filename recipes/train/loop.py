@@ -167,9 +167,12 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         resumed = restore_for_resume(
             checkpointer, recipe, candidates,
             abstract_params=abstract_with_shardings(params, s.param_shardings),
-            abstract_opt_state=abstract_with_shardings(opt_state, s.opt_state_shardings),
+            abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings),
             weights_problem=restored_weights_problem, say=say)
-        params, opt_state, step = resumed.params, resumed.opt_state, int(resumed.meta["step"])
+        # Checkpoints hold the state in saved form (one array per leaf); the
+        # streamed host leaves go back to their two buffers.
+        params, step = resumed.params, int(resumed.meta["step"])
+        opt_state = s.optimizer.from_saved_form(resumed.opt_state)
         loader.restore(resumed.loader_state)
         changes = "".join(f"; {field}: {before} -> {after}" for field, (before, after) in resumed.changed.items())
         say(f"resumed from {checkpointer.step_dir(resumed.step)} at step {step}{changes}")
@@ -207,7 +210,8 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         if problem is not None:
             raise NonFiniteLossError(f"the weights after step {at_step} are diverged ({problem}): not saved, "
                                      f"stopping; {resume_hint()}")
-        checkpointer.save(at_step, params=params, opt_state=opt_state, loader_state=loader_state,
+        checkpointer.save(at_step, params=params, opt_state=s.optimizer.saved_form(opt_state),
+                          loader_state=loader_state,
                           meta={"step": at_step, "seed": cfg.seed, "tokens_seen": at_step * tokens_per_step},
                           recipe_json=recipe.to_json(), force=True)
 

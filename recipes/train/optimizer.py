@@ -13,7 +13,10 @@ placement and device and host leaves give the same numbers:
   updated whole, as optax would.
 * state_memory="host": they live in `pinned_host` memory. Inside the jitted
   step, stacked leaves (leading layer axis: the scanned blocks) are streamed
-  through HBM one layer at a time, double-buffered (recipes/train/host_optimizer.py);
+  through HBM one layer at a time, double-buffered (recipes/train/host_optimizer.py),
+  their state held as two buffers per array (`LayerHalves`: first and second
+  half of the layers) so that the prefetch of one layer and the write-back of
+  the previous one use the host link in both directions at once;
   large non-stacked leaves (embedding, head) are streamed the same way in
   pieces of rows, one leaf after the other; small ones (the final norm) visit
   HBM whole.
@@ -41,6 +44,12 @@ embeddings).
 
 Host state is created by the host CPU too (`init`), so initialising never
 needs the state in HBM either.
+
+Checkpoints hold `Optimizer.saved_form(state)`: every state array whole, one per
+parameter, whatever its placement (LayerHalves joined by the host CPU), so a
+checkpoint restores under any placement; `from_saved_form` splits it again.
+Saving therefore holds one extra host copy of the halved state while the
+checkpoint is written.
 
 Donating the optimizer state to the jitted step saves a copy of it, but on CPU
 a donated pinned_host buffer that XLA aliases to a device-memory output of the
@@ -387,6 +396,10 @@ class Optimizer:
                 f"({jax.devices()[0].device_kind}) exposes no '{PINNED_HOST}' memory space; "
                 f"keep the optimizer state on device (offload.optimizer_state=device)")
 
+    def _halved(self, layout: LeafLayout) -> bool:
+        """Whether this leaf's host state is kept as LayerHalves (streamed stacked leaves)."""
+        return layout.stacked and layout.state_memory == HOST and not self.cfg.update_on_host
+
     # -- tree plumbing
 
     def _flatten_like_layouts(self, tree, what: str):
@@ -427,7 +440,9 @@ class Optimizer:
         mu, nu, master = [], [], []
         for path, layout, p in zip(self._layout_paths, self._layouts, leaves):
             self._check_leaf(path, layout, p.shape, p.dtype)
-            if layout.state_memory == HOST:
+            if self._halved(layout):
+                state = streaming.new_host_state_halves(p, layout.master)
+            elif layout.state_memory == HOST:
                 state = streaming.new_host_state(p, layout.master)
             else:
                 zeros = jnp.zeros(p.shape, jnp.float32)
@@ -450,6 +465,8 @@ class Optimizer:
             raise TypeError("param_shardings must be a tree of NamedSharding (or SingleDeviceSharding)")
         state_leaves = [_host_sharding(s) if layout.state_memory == HOST else s
                         for s, layout in zip(leaves, self._layouts)]
+        state_leaves = [streaming.LayerHalves(s, s) if self._halved(layout) else s
+                        for s, layout in zip(state_leaves, self._layouts)]
         master = [s if layout.master else None for s, layout in zip(state_leaves, self._layouts)]
         first = leaves[0]
         count = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) \
@@ -468,6 +485,41 @@ class Optimizer:
         shapes = jax.eval_shape(self._init, params)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             shapes, self.state_shardings(param_shardings))
+
+    # -- checkpoints: one whole array per state leaf, whatever the placement
+
+    def _map_halved(self, fn, opt_state: OptState) -> OptState:
+        """OptState with `fn` applied to the mu / nu / master entries of halved leaves."""
+        def per_tree(tree):
+            leaves, treedef = jax.tree.flatten(
+                tree, is_leaf=lambda x: x is None or isinstance(x, streaming.LayerHalves))
+            if len(leaves) != len(self._layouts):
+                raise ValueError(f"optimizer state has {len(leaves)} entries per tree, the layouts "
+                                 f"{len(self._layouts)}: not this optimizer's state")
+            return treedef.unflatten([fn(x) if self._halved(layout) and x is not None else x
+                                      for x, layout in zip(leaves, self._layouts)])
+        return OptState(count=opt_state.count, mu=per_tree(opt_state.mu), nu=per_tree(opt_state.nu),
+                        master=per_tree(opt_state.master))
+
+    def saved_form(self, opt_state: OptState) -> OptState:
+        """The state as checkpoints hold it: LayerHalves joined into one host array each.
+
+        The same structure and shapes whatever the placement or streaming, so a
+        checkpoint from a run with state on device restores into one with state
+        on host and back. Joining costs a host copy of the halved state.
+        """
+        return self._map_halved(streaming.join_halves, opt_state)
+
+    def from_saved_form(self, saved: OptState) -> OptState:
+        """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves."""
+        return self._map_halved(streaming.split_halves, saved)
+
+    def saved_abstract_state(self, params, param_shardings=None) -> OptState:
+        """`abstract_state` in saved form: what to hand orbax as the restore target."""
+        abstract = self.abstract_state(params, param_shardings)
+        return self._map_halved(
+            lambda h: jax.ShapeDtypeStruct((h.num_layers, *h.first.shape[1:]), h.first.dtype,
+                                           sharding=h.first.sharding), abstract)
 
     def host_bytes(self, opt_state_or_abstract) -> int:
         """Pinned host bytes this process holds for the state (arrays, or ShapeDtypeStructs with shardings)."""
@@ -516,7 +568,7 @@ class Optimizer:
 
         shapes = [p.shape for p in param_leaves]
         for group in streaming.group_by_layer_count(host_stacked, shapes).values():
-            group_params, group_states = streaming.stream_update(
+            group_params, group_states = streaming.stream_layer_halves(
                 [piece_fn(k) for k in group], [grad_leaves[k] for k in group],
                 [param_leaves[k] for k in group], [state_of(k) for k in group], prefetch=self.stream_prefetch)
             for k, p, s in zip(group, group_params, group_states):

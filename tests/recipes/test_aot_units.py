@@ -80,6 +80,62 @@ def test_host_memory_annotations_are_counted():
     assert hlo.count_host_memory_annotations("f32[2]{0} add(...)") == 0
 
 
+# A loop body in the order XLA schedules the streamed optimizer update: the
+# write-back of one layer (device->host) starts before the prefetch of the
+# next (host->device) is done, so both are in flight together; a third,
+# lone prefetch overlaps nothing. `{sequential}` swaps in a done first.
+_TWO_DIRECTION_BODY = """\
+HloModule jit_update, is_scheduled=true
+
+%body (arg: (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)})) -> (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)}) {
+  %arg = (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %a = f32[4,64]{1,0:S(5)} get-tuple-element(%arg), index=1
+  %b = f32[4,64]{1,0:S(5)} get-tuple-element(%arg), index=2
+  %row = f32[1,64]{1,0} fusion(%i), kind=kLoop, calls=%update
+  %fetch-start = ((f32[4,64]{1,0:S(5)}, s32[]), f32[1,64]{1,0}, u32[]) fusion-start(%b, %i), kind=kCustom, calls=%ds
+  {sequential}%write-start = ((f32[4,64]{1,0:S(5)}, f32[1,64]{1,0}, s32[]), f32[4,64]{1,0:S(5)}, u32[]) fusion-start(%a, %row, %i), kind=kCustom, calls=%dus
+  %fetch-done = f32[1,64]{1,0} fusion-done(%fetch-start)
+  %write-done = f32[4,64]{1,0:S(5)} fusion-done(%write-start)
+  %lone-start = ((f32[4,64]{1,0:S(5)}, s32[]), f32[1,64]{1,0}, u32[]) fusion-start(%a, %i), kind=kCustom, calls=%ds
+  %lone-done = f32[1,64]{1,0} fusion-done(%lone-start)
+  ROOT %out = (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)}) tuple(%i, %write-done, %b)
+}
+
+%condition (arg.1: (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)})) -> pred[] {
+  %arg.1 = (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)}) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (a.1: f32[4,64], b.1: f32[4,64]) -> (s32[], f32[4,64], f32[4,64]) {
+  %a.1 = f32[4,64]{1,0:S(5)} parameter(0)
+  %b.1 = f32[4,64]{1,0:S(5)} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)}) tuple(%zero, %a.1, %b.1)
+  ROOT %loop = (s32[], f32[4,64]{1,0:S(5)}, f32[4,64]{1,0:S(5)}) while(%init), condition=%condition, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_opposite_direction_copies_in_flight_together_are_found():
+    row_bytes = 64 * 4
+    overlap = hlo.overlapping_host_copies(_TWO_DIRECTION_BODY.replace("{sequential}", ""))
+    assert overlap.overlapping_pairs == 1
+    assert overlap.host_to_device_bytes == 3 * 2 * row_bytes     # two fetches per iteration, 3 iterations
+    assert overlap.device_to_host_bytes == 3 * row_bytes
+    assert overlap.overlapped_bytes == 3 * row_bytes             # the lone fetch overlaps nothing
+
+
+def test_copies_that_take_turns_are_not_credited():
+    # The fetch completes before the write starts: one direction at a time.
+    sequential = _TWO_DIRECTION_BODY.replace(
+        "  %fetch-done = f32[1,64]{1,0} fusion-done(%fetch-start)\n", "").replace(
+        "{sequential}", "%fetch-done = f32[1,64]{1,0} fusion-done(%fetch-start)\n  ")
+    overlap = hlo.overlapping_host_copies(sequential)
+    assert overlap.overlapping_pairs == 0 and overlap.overlapped_bytes == 0
+    assert overlap.device_to_host_bytes == 3 * 64 * 4
+
+
 def test_target_facts_match_their_hardware():
     h100 = targets.get_target("h100")
     assert 79e9 < h100.hbm_bytes < 86e9            # "80GB" as CUDA reports it
@@ -91,6 +147,23 @@ def test_target_facts_match_their_hardware():
     gh200 = targets.get_target("GH200")                 # alias, any case
     assert gh200.name == "gh200-96gb" and gh200.host_link_bytes_per_s > 5 * h100.host_link_bytes_per_s
 
+
+
+def test_small_memory_ada_targets_carry_their_datasheet_facts():
+    l4, l40s = targets.get_target("L4"), targets.get_target("l40s-48gb")
+    assert 22 * 2**30 < l4.hbm_bytes < 24 * 2**30 and 44 * 2**30 < l40s.hbm_bytes < 48 * 2**30
+    assert l4.peak_bf16_flops == 121e12 and l40s.peak_bf16_flops == 362e12   # dense, not the sparse figure
+    assert l4.sm_version == l40s.sm_version == "sm_89"
+    assert l4.host_link == l40s.host_link == "PCIe Gen4 x16"
+    assert l4.host_link_bytes_per_s == targets.get_target("a100").host_link_bytes_per_s
+    for target in (l4, l40s):
+        text = target.target_config_text
+        assert "threads_per_core_limit: 1536" in text and "minor: 9" in text
+        assert "feature_extension: NONE" in text
+        assert "no spec" in target.notes       # says what it approximates
+    assert "threads_per_core_limit: 2048" in targets.get_target("h100").target_config_text
+    assert targets.target_for_device_kind("NVIDIA L4").name == "l4"
+    assert targets.target_for_device_kind("NVIDIA L40S").name == "l40s"   # not taken for L4
 
 def test_target_config_text_carries_the_device_facts():
     text = targets.get_target("b200").target_config_text

@@ -33,7 +33,7 @@ sys.meta_path.insert(0, NoDatasets())
 sys.path.insert(0, REPO_ROOT)
 from benchmarks import gpu_suite
 result = gpu_suite.measure_case(
-    "1b/recompute_all/host", warmup=1, timed=2, case=("tiny", "recompute_all", "host"), seq_len=32,
+    "1b/recompute_all/host", warmup=1, timed=2, case=gpu_suite.Case("tiny", "recompute_all", "host", 32),
     extra_overrides=("train.global_batch=8", "model.max_seq_len=64"))
 assert not any(m == "datasets" or m.startswith("datasets.") for m in sys.modules), "datasets got imported"
 print(json.dumps(result))

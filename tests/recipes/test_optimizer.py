@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,13 +78,18 @@ def host_leaves(opt_state, layouts):
         tree = getattr(opt_state, name)
         for layout, leaf in zip(flat_layouts, jax.tree.structure(STACKED).flatten_up_to(tree)):
             if layout.state_memory == "host" and leaf is not None:
-                out.append((name, leaf))
+                # a streamed stacked leaf's state is two arrays (LayerHalves)
+                out += [(name, array) for array in jax.tree.leaves(leaf)]
     return out
 
 
 def run_against_optax(cfg: OptimizerConfig, memory: str, param_dtype, grad_scale: float,
                       stream_prefetch: bool = True, piece_elements: int = opt_lib.streaming.PIECE_ELEMENTS):
-    """20 jitted steps of our optimizer and of the optax chain (on fp32 masters); returns both."""
+    """20 jitted steps of our optimizer and of the optax chain (on fp32 masters); returns both.
+
+    Our state comes back in saved form (`Optimizer.saved_form`: streamed
+    stacked leaves' LayerHalves joined), leaf for leaf comparable with optax's.
+    """
     params = toy_params(param_dtype)
     master_ref = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     layouts = toy_layouts(memory, master=param_dtype != jnp.float32 and cfg.master_weights)
@@ -106,7 +113,8 @@ def run_against_optax(cfg: OptimizerConfig, memory: str, param_dtype, grad_scale
         params, opt_state, stats = step(grads, opt_state, params)
         master_ref, ref_state, ref_norm = ref_step(grads, ref_state, master_ref)
         norms.append((float(stats["grad_norm"]), float(ref_norm)))
-    return params, opt_state, master_ref, ref_state, layouts, norms
+    # Compared in the form checkpoints hold: one array per state leaf, as optax keeps it.
+    return params, opt.saved_form(opt_state), master_ref, ref_state, layouts, norms
 
 
 def assert_tree_close(actual, expected, rtol=1e-6, atol=1e-7):
@@ -185,7 +193,7 @@ def test_mixed_placement_and_bf16_grads():
     opt, tx = Optimizer(cfg, layouts, total_steps=STEPS), reference_chain(cfg)
     params = ref = toy_params()
     state, ref_state = opt.init(params), tx.init(ref)
-    assert state.mu["blocks"]["w"].sharding.memory_kind == "pinned_host"
+    assert state.mu["blocks"]["w"].first.sharding.memory_kind == "pinned_host"   # LayerHalves
     assert state.mu["embed"].sharding.memory_kind == "device"
     step = jax.jit(opt.update)
 
@@ -240,7 +248,9 @@ def test_state_shares_param_fsdp_sharding_on_8_devices():
         ref = optax.apply_updates(ref, updates)
     assert_tree_close(params, ref)
     flat_layouts = jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
-    for tree in (state.mu, state.nu):
+    saved = opt.saved_form(state)   # LayerHalves joined: one array per parameter, in its sharding
+    assert [x.sharding for x in jax.tree.leaves(state.mu["blocks"]["w"])] == [saved.mu["blocks"]["w"].sharding] * 2
+    for tree in (saved.mu, saved.nu):
         for layout, spec, leaf in zip(flat_layouts, jax.tree.leaves(fsdp_specs()), jax.tree.leaves(tree)):
             assert leaf.sharding.mesh.shape == mesh.shape
             assert leaf.sharding.spec == spec
@@ -258,11 +268,11 @@ def test_orbax_roundtrip_keeps_host_state_in_pinned_host(tmp_path):
     params, state, _ = jax.jit(opt.update)(toy_grads(params, 0, 1.0), state, params)
 
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "opt_state", state)
+    checkpointer.save(tmp_path / "opt_state", opt.saved_form(state))   # as the train loop saves it
     checkpointer.wait_until_finished()
-    state_sh = opt.state_shardings(param_sh)
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
-    restored = checkpointer.restore(tmp_path / "opt_state", target)
+    restored = opt.from_saved_form(
+        checkpointer.restore(tmp_path / "opt_state", opt.saved_abstract_state(params, param_sh)))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
 
     assert isinstance(restored, opt_lib.OptState)
     for name in ("mu", "nu", "master"):
@@ -271,6 +281,45 @@ def test_orbax_roundtrip_keeps_host_state_in_pinned_host(tmp_path):
             # compare on NumPy copies: one op over host and device arrays is an error
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert int(restored.count) == 1
+
+
+
+@pytest.mark.parametrize("layers", [1, 3, 5])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_odd_layer_counts_stream_through_both_halves(layers, prefetch, monkeypatch):
+    """Odd stacks give halves of unequal length (and a one-layer stack an empty second half)."""
+    monkeypatch.setattr(sys.modules[__name__], "LAYERS", layers)
+    cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5)
+    params, saved, ref_params, ref_state, _, _ = run_against_optax(cfg, "host", jnp.float32, 10.0, prefetch)
+    assert_tree_close(params, ref_params)
+    assert_tree_close(saved.mu, ref_state[1][0].mu)
+    assert saved.mu["blocks"]["w"].shape == (layers, 8, 16)
+
+
+def test_saved_form_is_placement_independent_and_round_trips():
+    """Host state streamed in two halves saves exactly like state on device, and splits back."""
+    params = toy_params(jnp.bfloat16)
+    grads = toy_grads(params, 0, 1.0)
+    states = {}
+    for memory in ("device", "host"):
+        cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=1)
+        opt = Optimizer(cfg, toy_layouts(memory, master=True), total_steps=STEPS)
+        _, state, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+        states[memory] = (opt, state)
+    host_opt, host_state = states["host"]
+    assert isinstance(host_state.mu["blocks"]["w"], opt_lib.streaming.LayerHalves)
+    assert host_state.mu["blocks"]["w"].first.shape == (2, 8, 16)
+    saved = host_opt.saved_form(host_state)
+    device_saved = states["device"][0].saved_form(states["device"][1])
+    assert jax.tree.structure(saved) == jax.tree.structure(device_saved)
+    assert_tree_close(saved, device_saved)
+    for _, leaf in host_leaves(saved, toy_layouts("host", True)):
+        assert leaf.sharding.memory_kind == "pinned_host"
+    abstract = host_opt.saved_abstract_state(params)
+    assert jax.tree.map(lambda a: a.shape, abstract) == jax.tree.map(lambda a: a.shape, saved)
+    back = host_opt.from_saved_form(saved)
+    assert jax.tree.structure(back) == jax.tree.structure(host_state)
+    assert_tree_close(back, host_state, rtol=0, atol=0)
 
 
 # --- layouts from nnx metadata ---------------------------------------------------
@@ -298,7 +347,8 @@ def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
 
     opt = Optimizer(cfg, layouts, total_steps=LONG_SCHEDULE)
     opt_state = opt.init(state)
-    assert opt_state.master["w"].get_value().sharding.memory_kind == "pinned_host"
+    assert opt_state.master["w"].get_value().first.sharding.memory_kind == "pinned_host"   # LayerHalves
+    assert opt.saved_form(opt_state).master["w"].get_value().shape == (LAYERS, 8, 16)
     grads = jax.tree.map(jnp.ones_like, state)
     new_state, _, stats = jax.jit(opt.update)(grads, opt_state, state)
     assert jax.tree.structure(new_state) == jax.tree.structure(state)

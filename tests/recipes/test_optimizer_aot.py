@@ -62,6 +62,22 @@ def test_prefetch_is_in_flight_during_the_update(reports):
     assert reports["host_streamed_no_prefetch"]["overlapped_prefetches"] == 0
 
 
+def test_both_link_directions_are_busy_at_once(reports):
+    """The write-back of one layer and the prefetch of the next are in flight together.
+
+    With the state in two buffers (LayerHalves) every layer but the last
+    writes back while the next layer's state comes in; without prefetch the
+    directions take turns.
+    """
+    n = LAYERS * D_MODEL * D_FF
+    for key, state_bytes in (("host_streamed", 8 * n), ("host_streamed_master", 12 * n)):
+        copies = reports[key]["copy_overlap"]
+        assert copies["overlapping_pairs"] >= 1, key
+        layer_state = state_bytes // LAYERS
+        assert copies["overlapped_bytes"] >= (LAYERS - 1) * layer_state, key
+    assert reports["host_streamed_no_prefetch"]["copy_overlap"]["overlapped_bytes"] == 0
+
+
 def test_init_builds_host_state_without_hbm(reports):
     params_bytes = 2 * LAYERS * D_MODEL * D_FF
     assert reports["host_streamed"]["init_hbm_bytes"] <= params_bytes + SCALARS_SLACK

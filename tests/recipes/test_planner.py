@@ -61,7 +61,9 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     activations = {c.activations for c in plans}
     assert set(planner.PRESET_PLANS) <= activations
     assert {"offload_dots:2,recompute_all", "save_dots:2,recompute_all"} <= activations
-    assert len(plans) == len(activations) * 2 == len(set(plans))
+    assert len(plans) == len(activations) * 2 + len(planner.HOST_COMPUTE_PLANS) == len(set(plans))
+    assert {c.activations for c in plans if c.optimizer_state == planner.HOST_COMPUTE} == set(
+        planner.HOST_COMPUTE_PLANS)
     for spec in activations:
         RematPlan.parse(spec).resolve(recipe.model.num_layers)   # all valid for the model
     assert set(planner.PRESET_PLANS) <= set(PRESETS)
@@ -131,9 +133,9 @@ def test_offloading_plans_keep_activations_in_host_memory(small_plan):
             assert r["host_temp_bytes"] > 0, f"{row.candidate.label}: no activation in host memory"
             assert r["device_to_host_bytes"] > 0 and r["host_to_device_bytes"] > 0
             assert not row.dropped_offload
-        else:
+        elif row.candidate.optimizer_state != planner.HOST_COMPUTE:   # host compute has host temps
             assert r["host_temp_bytes"] == 0, row.candidate.label
-        if row.candidate.optimizer_state == "host":
+        if row.candidate.optimizer_state in ("host", planner.HOST_COMPUTE):
             assert r["host_argument_bytes"] > 0 and r["host_buffer_count"] > 0, row.candidate.label
         elif not row.candidate.offloads_activations:
             assert r["host_bytes"] == 0 and r["host_buffer_count"] == 0, row.candidate.label
@@ -156,9 +158,11 @@ def test_transfers_and_times(small_plan):
     """Times from quantities computed here from the model's shapes, not from the planner's own formula.
 
     Optimizer state in host memory: fp32 mu and nu, plus an fp32 master copy of each bf16 parameter
-    (the norm scales are fp32 and need none); the update moves all of it in and back out. offload_inputs
-    sends each layer's bf16 block input [batch, seq, d_model] to host in the forward pass and back in the
-    backward; with this small model the host link, not the GPU, sets both phases' time.
+    (the norm scales are fp32 and need none); the update moves all of it in and back out, and what the
+    compiled schedule moves in both directions at once (the streamed write-back beside the next
+    prefetch) is counted once. offload_inputs sends each layer's bf16 block input [batch, seq, d_model]
+    to host in the forward pass and back in the backward; with this small model the host link, not the
+    GPU, sets both phases' time.
     """
     recipe, target = small_plan.recipe, small_plan.target
     link, rate = target.host_link_bytes_per_s, target.peak_bf16_flops
@@ -168,11 +172,22 @@ def test_transfers_and_times(small_plan):
     block_inputs_bytes = recipe.model.num_layers * 4 * 512 * recipe.model.d_model * 2
     rows = rows_by_key(small_plan)
     for (plan, state), row in rows.items():
+        if state == planner.HOST_COMPUTE:
+            continue   # priced by the host update rate: test_host_compute_plans_pay_the_host_cpu
         r = row.report
+        overlapped = r["overlapped_transfer_bytes"]
+        assert 0 <= overlapped <= min(r["device_to_host_bytes"], r["host_to_device_bytes"])
         expected_flops = flops.train_step_flops(recipe.decoder_spec(), 4, 512, remat=plan)
         assert row.compute_s == pytest.approx(expected_flops.total / rate)
-        assert row.transfer_s == pytest.approx((r["device_to_host_bytes"] + r["host_to_device_bytes"]) / link)
-        assert row.update_s == pytest.approx(2 * state_bytes / link if state == "host" else 0.0)
+        assert row.transfer_s == pytest.approx(
+            (r["device_to_host_bytes"] + r["host_to_device_bytes"] - overlapped) / link)
+        if state == "host":
+            assert row.update_s == pytest.approx((2 * state_bytes - min(overlapped, state_bytes)) / link)
+            # The stacked layers' state (most of it) streams with both link directions busy at once.
+            assert overlapped > 0, plan
+            assert row.update_s < 2 * state_bytes / link, plan
+        else:
+            assert row.update_s == 0.0
         assert row.step_s >= row.compute_s * (1 - 1e-9)
         if row.candidate.no_offload:
             assert row.step_s == pytest.approx(row.compute_s)
@@ -182,13 +197,33 @@ def test_transfers_and_times(small_plan):
     counted = flops.train_step_flops(recipe.decoder_spec(), 4, 512, remat="offload_inputs")
     # The link is slower than either phase's compute here, so it sets both phases.
     assert block_inputs_bytes / link > max(counted.forward, counted.backward + counted.recompute) / rate
-    for state in planner.OPTIMIZER_STATES:
+    for state in ("device", "host"):
         row = rows["offload_inputs", state]
         assert row.forward_s == pytest.approx(block_inputs_bytes / link)
         assert row.backward_s == pytest.approx(block_inputs_bytes / link)
         assert row.step_s == pytest.approx(2 * block_inputs_bytes / link + row.update_s)
     assert rows["recompute_all", "device"].flops["recompute"] > rows["save_dots", "device"].flops["recompute"]
     assert rows["save_all", "device"].flops["recompute"] == 0
+
+
+@needs_toolchain
+def test_host_compute_plans_pay_the_host_cpu(small_plan):
+    """State on the host, updated by its CPU: no state in HBM, the update priced at the host's rate."""
+    rows = rows_by_key(small_plan)
+    link = small_plan.target.host_link_bytes_per_s
+    pricing = small_plan.host_update
+    per_second = pricing["params_per_s_per_core"] * pricing["cores_per_gpu"]
+    n = small_plan.recipe.num_params()
+    for plan in planner.HOST_COMPUTE_PLANS:
+        row = rows[plan, planner.HOST_COMPUTE]
+        assert row.report["hbm_bytes"] < rows[plan, "device"].report["hbm_bytes"], plan
+        # bf16 weights with fp32 masters: bf16 gradients go out, bf16 parameters come back
+        assert row.update_s == pytest.approx((2 * n + 2 * n) / link + n / per_second)
+    # a faster host makes the same plan faster
+    faster = planner._row(rows["recompute_all", planner.HOST_COMPUTE].candidate,
+                          {"report": rows["recompute_all", planner.HOST_COMPUTE].report},
+                          small_plan.recipe, small_plan.target, small_plan.mesh, 10 * per_second)
+    assert faster.update_s < rows["recompute_all", planner.HOST_COMPUTE].update_s
 
 
 @needs_toolchain
@@ -224,7 +259,7 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
                    for line in lines), row.candidate.label
     assert sum(line.startswith("* ") for line in lines) == 1
     assert "H200" in out and "tokens/step" in out and "attention flash" in out
-    assert "one direction after the other, with no compute to hide behind" in out
+    assert "the overlapped bytes are not counted twice" in out
 
     code, out, _ = run_cli(["plan", "tiny", "--gpu", "h200", "--json"], capsys)
     document = json.loads(out)

@@ -68,6 +68,22 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_cache, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+
+def test_resume_moves_optimizer_state_between_device_and_host(data_cache, tmp_path):
+    """Checkpoints hold one array per state leaf whatever the placement (Optimizer.saved_form):
+    a run that saved its state on device resumes with it in host memory, where the stacked
+    leaves' state is split into two buffers, and goes on as a run on host throughout."""
+    on_host = "offload.optimizer_state=host"
+    straight = train(micro(data_cache, tmp_path / "straight", on_host), progress=False)
+    first = train(micro(data_cache, tmp_path / "moved"), progress=False, stop_after=4)
+    second = train(micro(data_cache, tmp_path / "moved", on_host), progress=False)
+    assert second.final_step == 6
+    expected, got = losses(straight), {**losses(first), **losses(second)}
+    assert sorted(got) == sorted(expected)
+    np.testing.assert_allclose([got[k] for k in sorted(got)], [expected[k] for k in sorted(expected)], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(straight.model), jax.tree.leaves(second.model)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-6)
+
 def test_finetune_from_checkpoint_onto_another_mesh(full_run, data_cache, tmp_path):
     scratch = train(micro(data_cache, tmp_path / "scratch", "train.steps=1"), progress=False)
     tuned = train(micro(data_cache, tmp_path / "tuned", "train.steps=1", "mesh.data=2", "mesh.fsdp=2",

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything worth measuring on a lent GPU, in one call of under 8 minutes:
+#
+#   bash benchmarks/gpu_session.sh [OUT_DIR]
+#
+# The GPU machine has jax, flax, optax, orbax, einops and sentencepiece but no
+# network and no `pip install` of this project, so the `spillway.*` namespace
+# is laid over the checkout with symlinks (pyproject.toml maps it the same
+# way). It prints the machine's versions, times the host CPU's optimizer update
+# (benchmarks/host_update_rate.py; the planner's host-update plans use that
+# rate), then runs benchmarks/gpu_suite.py, which prints the table for
+# BENCHMARKS.md. Measured rows are kept in OUT_DIR (default $OUT, else
+# /tmp/spillway-gpu) for `python -m benchmarks.gpu_suite --render`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out_dir=${1:-${OUT:-/tmp/spillway-gpu}}
+mkdir -p "$out_dir"
+shim=$(mktemp -d)
+mkdir "$shim/spillway"
+for package in layers models recipes data; do ln -s "$PWD/$package" "$shim/spillway/$package"; done
+export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python=${PYTHON:-python3}
+
+date -u
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$python" - <<'PY'
+import importlib.metadata as md, platform
+names = ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "einops", "sentencepiece", "numpy", "datasets"]
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "absent"
+print("python", platform.python_version(), "|", ", ".join(f"{n} {version(n)}" for n in names))
+PY
+timeout 90 "$python" benchmarks/host_update_rate.py --out "$out_dir/host_update_rate.json" \
+  || echo "host update rate: failed or timed out (exit $?)"
+"$python" -m benchmarks.gpu_suite --budget-s "${GPU_SUITE_BUDGET_S:-390}" --out "$out_dir/gpu_rows.json"

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Host link time of a recipe's train step with host-resident optimizer state, read from its compiled HLO.
+
+Compiles the real train step (the planner's path: abstract_setup, compile-only
+GPUs, the planner's fast code generation) for one activation plan with the
+optimizer state in pinned host memory, deviceless, and prints what the
+schedule does with the host link:
+
+    H->D, D->H     bytes the step moves each way (recipes/plan/hlo.py host_traffic)
+    overlapped     bytes moved in one direction while the other is busy too
+                   (hlo.overlapping_host_copies: opposite async copy windows in flight together)
+    link serial    (H->D + D->H) / link: the two directions taking turns
+    link overlap   (H->D + D->H - overlapped) / link
+    update         the planner's update phase: 2 x state / link, less the
+                   overlapped bytes (at most the state)
+
+Run:  .venv/bin/python benchmarks/update_overlap.py [--recipe llama3_8b] [--gpu h200]
+      [--plan recompute_all] [--set key=value ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from spillway.recipes.plan.subprocess_runner import serve_compile_process  # noqa: E402
+
+GiB = 2**30
+
+
+def measure(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="llama3_8b")
+    parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--plan", default="recompute_all")
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from spillway.layers.sharding import make_mesh
+    from spillway.recipes.config import OffloadConfig
+    from spillway.recipes.plan import hlo, planner
+    from spillway.recipes.plan.compile import gpu_topology
+    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
+
+    recipe = get_recipe(args.recipe, args.set)
+    recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state="host"))
+    recipe, _ = planner.planned_recipe(recipe)
+    target = get_target(args.gpu)
+    topology = gpu_topology(target, 1)
+    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor, devices=topology.devices)
+    started = time.perf_counter()
+    s = abstract_setup(recipe, mesh, platform="cuda")
+    compiled = s.train_step.lower(*abstract_step_arguments(s)).compile(
+        compiler_options=planner.compiler_options())
+    seconds = time.perf_counter() - started
+    text = compiled.as_text()
+    stats = compiled.memory_analysis()
+    traffic = hlo.host_traffic(text)
+    copies = hlo.overlapping_host_copies(text)
+    link = target.host_link_bytes_per_s
+    state = min(stats.host_argument_size_in_bytes, traffic.device_to_host_bytes, traffic.host_to_device_bytes)
+    moved = traffic.device_to_host_bytes + traffic.host_to_device_bytes
+    return {
+        "recipe": recipe.name, "plan": args.plan, "target": target.display_name,
+        "host_link": target.host_link, "link_bytes_per_s": link, "compile_s": seconds,
+        "hbm_bytes": (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+                      + stats.temp_size_in_bytes),
+        "host_state_bytes": stats.host_argument_size_in_bytes,
+        "host_temp_bytes": stats.host_temp_size_in_bytes,
+        "host_to_device_bytes": traffic.host_to_device_bytes,
+        "device_to_host_bytes": traffic.device_to_host_bytes,
+        "overlapped_bytes": copies.overlapped_bytes, "overlapping_pairs": copies.overlapping_pairs,
+        "link_serial_s": moved / link, "link_overlap_s": (moved - copies.overlapped_bytes) / link,
+        "update_serial_s": 2 * state / link,
+        "update_s": (2 * state - min(copies.overlapped_bytes, state)) / link,
+    }
+
+
+def print_table(r: dict) -> None:
+    print(f"{r['recipe']}, activations {r['plan']}, optimizer state on host; {r['target']} "
+          f"(deviceless compile, {r['compile_s']:.0f} s); {r['host_link']} "
+          f"{r['link_bytes_per_s'] / 1e9:.0f} GB/s per direction")
+    print(f"  HBM {r['hbm_bytes'] / GiB:.2f} GiB, host state {r['host_state_bytes'] / GiB:.2f} GiB, "
+          f"host temp {r['host_temp_bytes'] / GiB:.2f} GiB")
+    print(f"  H->D {r['host_to_device_bytes'] / GiB:.2f} GiB, D->H {r['device_to_host_bytes'] / GiB:.2f} GiB, "
+          f"overlapped {r['overlapped_bytes'] / GiB:.2f} GiB ({r['overlapping_pairs']} overlapping window pairs)")
+    print(f"  link time: serial {r['link_serial_s'] * 1e3:.0f} ms, as scheduled {r['link_overlap_s'] * 1e3:.0f} ms; "
+          f"planner update phase: {r['update_serial_s'] * 1e3:.0f} ms serial, {r['update_s'] * 1e3:.0f} ms "
+          f"with the overlap credited")
+
+
+if __name__ == "__main__":
+    if "--json" in sys.argv[1:]:
+        serve_compile_process(measure)
+    from spillway.recipes.plan.subprocess_runner import run_in_compile_process
+    print_table(run_in_compile_process("benchmarks.update_overlap", ["--json", *sys.argv[1:]], timeout_s=1800))
