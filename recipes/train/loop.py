@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from spillway.recipes.config import Recipe
 from spillway.recipes.plan.flops import model_flops_per_token
 from spillway.recipes.sampling import generate
-from spillway.recipes.train import distributed
+from spillway.recipes.train import distributed, gpu_allocators
 from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
@@ -92,6 +92,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     """
     from spillway.recipes.train.checkpoint import CHECKPOINTS_DIRNAME, RunCheckpointer
 
+    gpu_allocators.configure()   # before anything starts the GPU backend
     distributed.maybe_initialize()
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)

@@ -186,11 +186,11 @@ def donate_opt_state_ok(platform: str | None = None) -> bool:
 
 
 def _meminfo_total_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError("MemTotal not found in /proc/meminfo")
+    from spillway.recipes.train.gpu_allocators import host_ram_bytes
+    ram = host_ram_bytes()
+    if ram is None:
+        raise RuntimeError("MemTotal not found in /proc/meminfo")
+    return ram
 
 
 class HostMemoryError(SpillwayError, MemoryError):

@@ -1,0 +1,58 @@
+"""JAX's GPU memory allocators, set for a training run before the GPU backend starts.
+
+Two defaults of JAX's GPU client break plans that `spillway plan` says fit
+(both measured on one H200 with jax 0.11.2; BENCHMARKS.md, "On a GPU"):
+
+* XLA_PYTHON_CLIENT_MEM_FRACTION: the client reserves 75% of HBM. The
+  planner's capacity line is its headroom (0.9) x HBM, so a plan between the
+  two fits on paper and runs out of memory: Llama 3.1 8B, recompute_all, state
+  on device, 122.86 GiB predicted, stopped with "Out of memory while trying to
+  allocate 240.00MiB" on the 143.8 GB GPU.
+* XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: pinned host memory is capped at 64 GB.
+  Llama 3.1 8B with its optimizer state on the host needs 89.74 GiB of it and
+  stopped with "Out of host memory ... larger host memory than the default
+  64 GB".
+
+`configure()` sets each to match what the planner assumes, unless the user
+set it. Both are read once, when JAX starts its GPU backend, so it must run
+before anything touches a device; on CPU they are ignored. The pinned bytes a
+run needs are checked against the host's RAM separately, before anything is
+allocated (recipes/train/optimizer.py check_host_memory).
+"""
+
+from __future__ import annotations
+
+import os
+
+HBM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+# The planner's default headroom (`spillway plan --headroom`): a plan it says
+# fits must fit what the client reserves.
+HBM_FRACTION = 0.9
+# Of the host's RAM, what pinned buffers may take: the rest stays for the
+# process itself (the data loader, checkpoint writes) and the OS.
+HOST_RAM_FRACTION = 0.9
+
+
+def host_ram_bytes() -> int | None:
+    """This host's RAM from /proc/meminfo, or None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        return None
+    return None
+
+
+def configure(environ=os.environ, ram_bytes: int | None = None) -> dict[str, str]:
+    """Set the allocator variables the user has not set; returns the ones set here (to report)."""
+    chosen: dict[str, str] = {}
+    if HBM_FRACTION_ENV not in environ:
+        chosen[HBM_FRACTION_ENV] = str(HBM_FRACTION)
+    ram = host_ram_bytes() if ram_bytes is None else ram_bytes
+    if HOST_LIMIT_ENV not in environ and ram:
+        chosen[HOST_LIMIT_ENV] = str(max(1, int(HOST_RAM_FRACTION * ram / 1e9)))
+    environ.update(chosen)
+    return chosen

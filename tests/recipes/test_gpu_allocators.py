@@ -1,0 +1,36 @@
+"""recipes/train/gpu_allocators.py: JAX's GPU allocator limits follow the planner's assumptions unless the user set them."""
+
+from spillway.recipes.plan import planner
+from spillway.recipes.train import gpu_allocators
+
+
+def test_unset_variables_are_set_to_the_planners_assumptions():
+    environ: dict[str, str] = {}
+    chosen = gpu_allocators.configure(environ, ram_bytes=128 * 2**30)
+    assert environ == chosen
+    assert float(environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == 0.9
+    # 90% of 137.4 GB, in the variable's decimal GB, not above the RAM
+    assert environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "123"
+    assert int(environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]) * 1e9 <= 128 * 2**30
+
+
+def test_the_fraction_is_the_planners_default_headroom():
+    import inspect
+    assert inspect.signature(planner.plan).parameters["headroom"].default == gpu_allocators.HBM_FRACTION
+
+
+def test_a_users_settings_are_kept():
+    environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "10"}
+    assert gpu_allocators.configure(environ, ram_bytes=128 * 2**30) == {}
+    assert environ == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "10"}
+
+
+def test_no_host_limit_where_the_ram_is_unknown(monkeypatch):
+    monkeypatch.setattr(gpu_allocators, "host_ram_bytes", lambda: None)
+    environ: dict[str, str] = {}
+    assert set(gpu_allocators.configure(environ)) == {"XLA_PYTHON_CLIENT_MEM_FRACTION"}
+
+
+def test_this_hosts_ram_is_read():
+    ram = gpu_allocators.host_ram_bytes()
+    assert ram is None or ram > 2**28
