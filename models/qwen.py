@@ -14,8 +14,9 @@ families, because their checkpoints differ:
 Qwen's config.json carries `use_sliding_window` / `sliding_window` /
 `max_window_layers`: with the window on, layers from `max_window_layers` up
 attend through a window and the ones below do not. spillway's stack has one
-block kind, so such a config is refused; every published Qwen2.5 and Qwen3
-dense checkpoint has `use_sliding_window: false`, which is read.
+block kind, so such a config is refused, saying what a layer pattern would
+need (models/decoder.py DecoderSpec); every published Qwen2.5 and Qwen3 dense
+checkpoint has `use_sliding_window: false`, which is read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spillway.models import hf, llama_shaped
-from spillway.models.decoder import DecoderLM
+from spillway.models.decoder import PER_LAYER_PATTERN_NEEDS, DecoderLM
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -114,10 +115,13 @@ def _refuse_sliding_layers(hf_config: Mapping[str, Any], family: str) -> None:
     layer_types = hf_config.get("layer_types") or [
         "sliding_attention" if i >= hf_config["max_window_layers"] else "full_attention" for i in range(num_layers)]
     windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    hf.refuse(bool(windowed), f"use_sliding_window=True is not supported: this {family} config windows layers "
-                              f"{windowed} to {window} positions (max_window_layers="
-                              f"{hf_config['max_window_layers']}), and spillway's {family} attends over the "
-                              f"full context in every layer")
+    if not windowed:
+        return
+    where = f"use_sliding_window=True is not supported: this {family} config windows"
+    hf.refuse(len(windowed) == len(layer_types), f"{where} every layer to {window} positions, and spillway's "
+                                                 f"{family} has no sliding window (spillway's Mistral has one)")
+    hf.refuse(True, f"{where} layers {windowed} to {window} positions (max_window_layers="
+                    f"{hf_config['max_window_layers']}) and the others not; {PER_LAYER_PATTERN_NEEDS}")
 
 
 def _qwen_fields_from_hf(hf_config: Mapping[str, Any], family: str, **options) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from flax import nnx
 
 from llama_shaped_checks import forward, hf_logits, numpy_state_dict, perturbed_hf_model, transformers_param_count
 from no_remat_reference import assert_every_plan_matches_no_remat
-from spillway.models.decoder import count_params
+from spillway.models.decoder import PER_LAYER_PATTERN_NEEDS, count_params
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
 from spillway.models.qwen import QWEN2, QWEN3, Qwen2, Qwen3, qwen2_config, qwen3_config
 
@@ -131,16 +131,27 @@ def test_a_window_on_no_layer_is_accepted(hf_config):
      "use_sliding_window=True is not supported: this {family} config windows layers [21, 22, 23"),
     ({"use_sliding_window": True, "sliding_window": 64, "layer_types": ["sliding_attention"] * 24 + ["full"] * 4},
      "windows layers [0, 1, 2"),
+    ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0},
+     "windows every layer to 4096 positions, and spillway's {family} has no sliding window"),
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      "unsupported rope_type 'yarn'"),
-], ids=["max_window_layers", "layer_types", "attention_bias", "mlp_bias", "hidden_act", "yarn"])
+], ids=["max_window_layers", "layer_types", "every_layer", "attention_bias", "mlp_bias", "hidden_act", "yarn"])
 def test_unsupported_configs_fail_by_name(hf_config, change, message):
     family = "Qwen2" if hf_config["model_type"] == "qwen2" else "Qwen3"
     with pytest.raises(ValueError, match=re.escape(message.format(family=family))):
         family_config_from_hf(dict(hf_config, **change))
+
+
+def test_a_per_layer_window_pattern_is_refused_saying_what_it_would_need():
+    # Half the layers windowed (Gemma-like alternation is the same problem): the stack has one block kind.
+    half = dict(QWEN3_0_6B_HF, use_sliding_window=True, sliding_window=4096, max_window_layers=14)
+    with pytest.raises(ValueError) as err:
+        family_config_from_hf(half)
+    assert "windows layers [14, 15," in str(err.value) and "and the others not" in str(err.value)
+    assert PER_LAYER_PATTERN_NEEDS in str(err.value)
 
 
 def test_unknown_presets_are_named():
