@@ -17,6 +17,24 @@ from collections.abc import Iterator
 import numpy as np
 
 
+def local_batch_size(global_batch_size: int, process_index: int, process_count: int) -> int:
+    """Rows of every global batch that one process serves; ValueError naming a split that cannot work.
+
+    Process `i` serves rows [i * local, (i + 1) * local) of each global batch
+    (BatchLoader, and data/mixture.py's MixtureLoader).
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    if global_batch_size % process_count:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by process_count "
+            f"{process_count}; every process must get the same number of rows"
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+    return global_batch_size // process_count
+
+
 class BatchLoader:
     """Iterator of int32 [global_batch_size // process_count, seq_len + 1] batches, forever."""
 
@@ -32,15 +50,7 @@ class BatchLoader:
     ):
         if rows.ndim != 2:
             raise ValueError(f"rows must be a [num_rows, seq_len + 1] array, got shape {rows.shape}")
-        if global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-        if global_batch_size % process_count:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} is not divisible by process_count "
-                f"{process_count}; every process must get the same number of rows"
-            )
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+        self.local_batch_size = local_batch_size(global_batch_size, process_index, process_count)
         if len(rows) < global_batch_size:
             raise ValueError(
                 f"only {len(rows)} rows for a global batch of {global_batch_size}; "
@@ -52,7 +62,6 @@ class BatchLoader:
         self.shuffle = shuffle
         self.process_index = process_index
         self.process_count = process_count
-        self.local_batch_size = global_batch_size // process_count
         self.batches_per_epoch = len(rows) // global_batch_size
         self.epoch = 0
         self.position = 0  # index of the next batch within the epoch

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import stable_key
+from .loader import local_batch_size
 from .packing import PackedData, prepare_tokens
 from .tokenizer import Tokenizer
 
@@ -110,20 +111,11 @@ class MixtureLoader:
             raise ValueError(f"mixture sources have different row lengths: {widths}; pack them with one seq_len")
         if any(not (weights[name] > 0) for name in self.names):
             raise ValueError(f"mixture weights must be positive, got {dict(weights)}")
-        if global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-        if global_batch_size % process_count:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} is not divisible by process_count "
-                f"{process_count}; every process must get the same number of rows"
-            )
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+        self.local_batch_size = local_batch_size(global_batch_size, process_index, process_count)
         self.rows = [rows_by_name[name] for name in self.names]
         total = sum(weights[name] for name in self.names)
         self.weights = np.array([weights[name] / total for name in self.names], dtype=np.float64)
         self.global_batch_size = global_batch_size
-        self.local_batch_size = global_batch_size // process_count
         self.process_index = process_index
         self.process_count = process_count
         self.seed = seed

@@ -3,6 +3,7 @@
     registry   the family spec: FAMILIES, get_family, lookups by config and HF model_type
     decoder    DecoderSpec and DecoderLM, the decoder-only model the dense families build
     hf         the generic Hugging Face engine: from_hf, to_hf
+    llama_shaped   the config base and Hugging Face fields shared by Llama, Mistral and Qwen
     llama, gpt2, mistral, qwen   the families
 """
 

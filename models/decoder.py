@@ -34,7 +34,28 @@ from spillway.layers.stack import BlockStack
 
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
-    """The shape of a decoder-only model: what generic code may ask of any dense family."""
+    """The shape of a decoder-only model: what generic code may ask of any dense family.
+
+    Every layer is the same block (`block`): the stack is one scan over
+    identical layers. That is what refuses per-layer attention patterns today
+    (Gemma 2/3's alternating local sliding-window and global layers, Qwen
+    configs that window only some layers; see `PER_LAYER_PATTERN_NEEDS`).
+    Supporting them would take, in this order:
+
+      1. a layer pattern here: `blocks: tuple[BlockConfig, ...]`, one config
+         per layer kind, repeated to `num_layers` (Gemma 3: five local, one
+         global), with `layer_params`, `kv_cache_shape` and the FLOP count
+         (recipes/plan/flops.py) summed per kind, windows per kind;
+      2. BlockStack (layers/stack.py) scanning over repetitions of the pattern
+         (the scanned body holds one block of each kind) plus a remainder,
+         so a heterogeneous stack stays one scan and RematPlan segments and
+         offload policies still apply per layer;
+      3. Hugging Face tables whose `{i}` maps to (repetition, kind) (models/hf.py).
+
+    Gemma also needs block parts (post-attention and post-MLP norms,
+    attention and final-logit soft-capping) that are a block subclass or
+    BlockConfig switches, not spec changes; `embed_scale` is already here.
+    """
 
     vocab_size: int
     num_layers: int
@@ -79,6 +100,12 @@ class DecoderSpec:
     def kv_cache_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
         """Shape of each of the K and V caches: [layers, batch, max_len, kv_heads, head_dim]."""
         return (self.num_layers, batch, max_len, self.block.num_kv_heads, self.block.resolved_head_dim)
+
+
+# Appended to refusals of configs whose layers differ (models/qwen.py), so the user learns what is missing.
+PER_LAYER_PATTERN_NEEDS = ("spillway's stack repeats one block kind in every layer; a per-layer attention pattern "
+                           "needs a layer pattern in DecoderSpec and a BlockStack that scans over its repetitions "
+                           "(models/decoder.py, DecoderSpec)")
 
 
 class DecoderLM(nnx.Module):

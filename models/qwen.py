@@ -1,7 +1,7 @@
 """Qwen2.5 and Qwen3 (dense): config presets at their published sizes, and the Hugging Face tables.
 
-Both are Llama-shaped (pre-norm RMSNorm blocks, SwiGLU MLP, RoPE, grouped-query
-attention, no output-projection bias) and run as the generic `DecoderLM`; two
+Both are Llama-shaped (models/llama_shaped.py: pre-norm RMSNorm blocks, SwiGLU MLP, RoPE,
+grouped-query attention, no output-projection bias) and run as the generic `DecoderLM`; two
 families, because their checkpoints differ:
 
     qwen2  (Qwen2 / Qwen2.5, model_type "qwen2"): biases on the q, k and v
@@ -14,8 +14,9 @@ families, because their checkpoints differ:
 Qwen's config.json carries `use_sliding_window` / `sliding_window` /
 `max_window_layers`: with the window on, layers from `max_window_layers` up
 attend through a window and the ones below do not. spillway's stack has one
-block kind, so such a config is refused; every published Qwen2.5 and Qwen3
-dense checkpoint has `use_sliding_window: false`, which is read.
+block kind, so such a config is refused, saying what a layer pattern would
+need (models/decoder.py DecoderSpec); every published Qwen2.5 and Qwen3 dense
+checkpoint has `use_sliding_window: false`, which is read.
 """
 
 from __future__ import annotations
@@ -24,91 +25,35 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from spillway.layers.block import BlockConfig
-from spillway.layers.execution import Execution
-from spillway.layers.rope import RopeScaling
-from spillway.models import hf
-from spillway.models.decoder import DecoderLM, DecoderSpec
-from spillway.models.llama import llama_fields_from_hf, llama_fields_to_hf, llama_weights
+from spillway.models import hf, llama_shaped
+from spillway.models.decoder import PER_LAYER_PATTERN_NEEDS, DecoderLM
+from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2Config:
+class Qwen2Config(LlamaShapedConfig):
     """Qwen2 / Qwen2.5: q/k/v projection biases are part of the architecture, not a switch."""
 
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    mlp_hidden: int
-    head_dim: int | None = None          # None: d_model // num_heads (every published size)
     rope_theta: float = 1e6
-    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-6
-    tie_embeddings: bool = False
     max_seq_len: int = 32768
 
-    def __post_init__(self):
-        self.decoder_spec(Execution())  # validates sizes and the head layout, naming the field
-
-    def block_config(self, execution: Execution = Execution()) -> BlockConfig:
-        return BlockConfig(
-            d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            mlp_hidden=self.mlp_hidden, head_dim=self.head_dim, norm="rms", norm_eps=self.norm_eps,
-            mlp_kind="swiglu", qkv_bias=True, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            execution=execution)
-
-    def decoder_spec(self, execution: Execution = Execution()) -> DecoderSpec:
-        return DecoderSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, max_seq_len=self.max_seq_len,
-                           block=self.block_config(execution), tie_embeddings=self.tie_embeddings)
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.d_model // self.num_heads
-
-    def num_params(self) -> int:
-        return self.decoder_spec().num_params()
+    def block_options(self) -> dict[str, Any]:
+        return {"qkv_bias": True}
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
+class Qwen3Config(LlamaShapedConfig):
     """Qwen3 dense: q/k RMSNorm per head is part of the architecture; head_dim is its own field."""
 
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    mlp_hidden: int
     head_dim: int = 128
     rope_theta: float = 1e6
-    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-6
-    tie_embeddings: bool = False
     max_seq_len: int = 40960
 
-    def __post_init__(self):
-        self.decoder_spec(Execution())  # validates sizes and the head layout, naming the field
-
-    def block_config(self, execution: Execution = Execution()) -> BlockConfig:
-        return BlockConfig(
-            d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            mlp_hidden=self.mlp_hidden, head_dim=self.head_dim, norm="rms", norm_eps=self.norm_eps,
-            mlp_kind="swiglu", qk_norm=True, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            execution=execution)
-
-    def decoder_spec(self, execution: Execution = Execution()) -> DecoderSpec:
-        return DecoderSpec(vocab_size=self.vocab_size, num_layers=self.num_layers, max_seq_len=self.max_seq_len,
-                           block=self.block_config(execution), tie_embeddings=self.tie_embeddings)
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim
-
-    def num_params(self) -> int:
-        return self.decoder_spec().num_params()
+    def block_options(self) -> dict[str, Any]:
+        return {"qk_norm": True}
 
 
 _QWEN_VOCAB = 151936
@@ -170,21 +115,23 @@ def _refuse_sliding_layers(hf_config: Mapping[str, Any], family: str) -> None:
     layer_types = hf_config.get("layer_types") or [
         "sliding_attention" if i >= hf_config["max_window_layers"] else "full_attention" for i in range(num_layers)]
     windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    hf.refuse(bool(windowed), f"use_sliding_window=True is not supported: this {family} config windows layers "
-                              f"{windowed} to {window} positions (max_window_layers="
-                              f"{hf_config['max_window_layers']}), and spillway's {family} attends over the "
-                              f"full context in every layer")
+    if not windowed:
+        return
+    where = f"use_sliding_window=True is not supported: this {family} config windows"
+    hf.refuse(len(windowed) == len(layer_types), f"{where} every layer to {window} positions, and spillway's "
+                                                 f"{family} has no sliding window (spillway's Mistral has one)")
+    hf.refuse(True, f"{where} layers {windowed} to {window} positions (max_window_layers="
+                    f"{hf_config['max_window_layers']}) and the others not; {PER_LAYER_PATTERN_NEEDS}")
 
 
-def _qwen_fields_from_hf(hf_config: Mapping[str, Any], family: str) -> dict[str, Any]:
-    hf.refuse(bool(hf_config.get("mlp_bias", False)), f"mlp_bias=True is not supported: {family}'s MLP has no biases")
-    fields = llama_fields_from_hf(hf_config, family)
+def _qwen_fields_from_hf(hf_config: Mapping[str, Any], family: str, **options) -> dict[str, Any]:
+    fields = llama_shaped.fields_from_hf(hf_config, family, **options)
     _refuse_sliding_layers(hf_config, family)
     return fields
 
 
 def _qwen_fields_to_hf(cfg) -> dict[str, Any]:
-    return {**llama_fields_to_hf(cfg), "use_sliding_window": False, "sliding_window": None,
+    return {**llama_shaped.fields_to_hf(cfg), "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": cfg.num_layers}
 
 
@@ -192,23 +139,16 @@ def qwen2_config_from_hf(hf_config: Mapping[str, Any]) -> Qwen2Config:
     hf_config = {**_HF_DEFAULTS, **hf_config}
     # transformers' Qwen2 reads no attention_bias: q/k/v always have biases, o_proj never.
     # A config that asks for biases on all four projections describes another model.
-    hf.refuse(bool(hf_config.get("attention_bias", False)),
-              "attention_bias=True is not supported: Qwen2 has q/k/v biases and no o_proj bias")
-    return Qwen2Config(**_qwen_fields_from_hf(hf_config, "Qwen2"))
+    return Qwen2Config(**_qwen_fields_from_hf(hf_config, "Qwen2",
+                                              projection_biases="q/k/v biases and no o_proj bias"))
 
 
 def qwen2_config_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
     return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_qwen_fields_to_hf(cfg)}
 
 
-def qwen2_weights(cfg: Qwen2Config) -> list[hf.HFWeight]:
-    return llama_weights(cfg, qkv_bias=True)
-
-
 def qwen3_config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3Config:
     hf_config = {**_HF_DEFAULTS, "head_dim": 128, **hf_config}
-    hf.refuse(bool(hf_config.get("attention_bias", False)),
-              "attention_bias=True is not supported: Qwen3 has no q/k/v/o projection biases")
     fields = _qwen_fields_from_hf(hf_config, "Qwen3")
     fields["head_dim"] = int(hf_config["head_dim"])  # its own field, even where it equals d_model // num_heads
     return Qwen3Config(**fields)
@@ -219,17 +159,13 @@ def qwen3_config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
             "attention_bias": False}
 
 
-def qwen3_weights(cfg: Qwen3Config) -> list[hf.HFWeight]:
-    return llama_weights(cfg, qk_norm=True)
-
-
 QWEN2 = register_family(Family(
     name="qwen2",
     config_cls=Qwen2Config,
     presets=QWEN2_PRESETS,
     description="Qwen2 / Qwen2.5: Llama-shaped with q/k/v biases, GQA, RoPE theta 1e6",
     hf=hf.HFTable(model_types=("qwen2",), config_from_hf=qwen2_config_from_hf, config_to_hf=qwen2_config_to_hf,
-                  weights=qwen2_weights),
+                  weights=llama_shaped.weights),
     model_cls=Qwen2,
 ))
 
@@ -239,7 +175,7 @@ QWEN3 = register_family(Family(
     presets=QWEN3_PRESETS,
     description="Qwen3 dense: Llama-shaped with per-head q/k RMSNorm, head_dim 128, GQA",
     hf=hf.HFTable(model_types=("qwen3",), config_from_hf=qwen3_config_from_hf, config_to_hf=qwen3_config_to_hf,
-                  weights=qwen3_weights),
+                  weights=llama_shaped.weights),
     model_cls=Qwen3,
 ))
 

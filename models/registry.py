@@ -16,8 +16,10 @@ through the family's `HFTable`. Generic code names no family: it looks one up
 here by name, by config class, or by Hugging Face `model_type`.
 
 Families still to come shape this spec: Gemma's alternating local/global
-layers (a block pattern in the spec), mixture-of-experts (an expert axis and an
-auxiliary loss the train step adds).
+layers (a block pattern in the spec: models/decoder.py's DecoderSpec docstring
+lists what it needs), mixture-of-experts (an expert axis and an auxiliary loss
+the train step adds). Llama-shaped families share their config base and
+Hugging Face mapping (models/llama_shaped.py).
 """
 
 from __future__ import annotations

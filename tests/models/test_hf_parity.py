@@ -202,15 +202,9 @@ def test_load_onto_a_mesh_shards_the_parameters():
 # --- parity with transformers ------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def hf():
-    # Only the Python 3.11 environment (`make test`, the `parity` extra) has torch:
-    # its pinned CPU wheel exists only for 3.11, and elsewhere pip would fetch a
-    # multi-GB CUDA build. The 3.12/3.13 environments skip, saying so.
-    why = ("HF parity tests need torch and transformers (the `parity` extra), installed only in the "
-           "Python 3.11 environment (`make test`): torch's pinned CPU wheel exists only for 3.11")
-    torch = pytest.importorskip("torch", reason=why)
-    transformers = pytest.importorskip("transformers", reason=why)
-    torch.set_num_threads(1)  # float32 CPU matmuls in one thread: deterministic and quick at these sizes
+def hf(transformers):
+    # tests/models/conftest.py's fixture skips, saying why, where the parity extra is missing.
+    import torch
     return torch, transformers
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llama_shaped_checks import (assert_every_plan_matches_no_remat, forward, hf_logits, numpy_state_dict,
-                                 perturbed_hf_model, transformers_param_count)
+from llama_shaped_checks import forward, hf_logits, numpy_state_dict, perturbed_hf_model, transformers_param_count
+from no_remat_reference import assert_every_plan_matches_no_remat
 from spillway.models.decoder import count_params
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
 from spillway.layers.execution import Execution
@@ -43,14 +43,6 @@ TOKENS = np.random.default_rng(1).integers(0, TINY_HF["vocab_size"], (2, SEQ))
 # Measured: max |difference| 3.8e-6 (xla) and 5.0e-6 (flash) on logits up to 4.0 (float32).
 PARITY_RTOL = PARITY_ATOL = 1e-5
 FLOAT32 = dict(dtype="float32", param_dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    torch = pytest.importorskip("torch", reason="Hugging Face parity tests need torch (CPU build) from the dev extra")
-    module = pytest.importorskip("transformers", reason="Hugging Face parity tests need transformers (dev extra)")
-    torch.set_num_threads(1)  # float32 CPU matmuls in one thread: deterministic and quick at these sizes
-    return module
 
 
 @pytest.fixture(scope="module")

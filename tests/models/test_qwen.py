@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llama_shaped_checks import (assert_every_plan_matches_no_remat, forward, hf_logits, numpy_state_dict,
-                                 perturbed_hf_model, transformers_param_count)
-from spillway.models.decoder import count_params
+from llama_shaped_checks import forward, hf_logits, numpy_state_dict, perturbed_hf_model, transformers_param_count
+from no_remat_reference import assert_every_plan_matches_no_remat
+from spillway.models.decoder import PER_LAYER_PATTERN_NEEDS, count_params
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
 from spillway.models.qwen import QWEN2, QWEN3, Qwen2, Qwen3, qwen2_config, qwen3_config
 
@@ -67,14 +67,6 @@ TOKENS = np.random.default_rng(1).integers(0, 131, (2, SEQ))
 # Measured: max |difference| 3.0e-6 (Qwen2) and 3.7e-6 (Qwen3) on logits up to 3.7 (float32).
 PARITY_RTOL = PARITY_ATOL = 1e-5
 FLOAT32 = dict(dtype="float32", param_dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    torch = pytest.importorskip("torch", reason="Hugging Face parity tests need torch (CPU build) from the dev extra")
-    module = pytest.importorskip("transformers", reason="Hugging Face parity tests need transformers (dev extra)")
-    torch.set_num_threads(1)  # float32 CPU matmuls in one thread: deterministic and quick at these sizes
-    return module
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])
@@ -139,16 +131,27 @@ def test_a_window_on_no_layer_is_accepted(hf_config):
      "use_sliding_window=True is not supported: this {family} config windows layers [21, 22, 23"),
     ({"use_sliding_window": True, "sliding_window": 64, "layer_types": ["sliding_attention"] * 24 + ["full"] * 4},
      "windows layers [0, 1, 2"),
+    ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0},
+     "windows every layer to 4096 positions, and spillway's {family} has no sliding window"),
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      "unsupported rope_type 'yarn'"),
-], ids=["max_window_layers", "layer_types", "attention_bias", "mlp_bias", "hidden_act", "yarn"])
+], ids=["max_window_layers", "layer_types", "every_layer", "attention_bias", "mlp_bias", "hidden_act", "yarn"])
 def test_unsupported_configs_fail_by_name(hf_config, change, message):
     family = "Qwen2" if hf_config["model_type"] == "qwen2" else "Qwen3"
     with pytest.raises(ValueError, match=re.escape(message.format(family=family))):
         family_config_from_hf(dict(hf_config, **change))
+
+
+def test_a_per_layer_window_pattern_is_refused_saying_what_it_would_need():
+    # Half the layers windowed (Gemma-like alternation is the same problem): the stack has one block kind.
+    half = dict(QWEN3_0_6B_HF, use_sliding_window=True, sliding_window=4096, max_window_layers=14)
+    with pytest.raises(ValueError) as err:
+        family_config_from_hf(half)
+    assert "windows layers [14, 15," in str(err.value) and "and the others not" in str(err.value)
+    assert PER_LAYER_PATTERN_NEEDS in str(err.value)
 
 
 def test_unknown_presets_are_named():
