@@ -76,8 +76,13 @@ def test_twenty_steps_with_host_params_equal_everything_on_device(mesh_name, upd
         small_recipe("offload.params=host", "offload.optimizer_state=host", UPDATES[update]), mesh)
     assert min(device_norms) > 0.5, "clipping must be active for the test to cover it"
     np.testing.assert_allclose(host_norms, device_norms, rtol=1e-5)
+    # One device: the same sums in the same order, equal to float32 rounding. Under FSDP the
+    # host CPU sums a sharded gradient's squares in another order than the device's
+    # reduce + all-reduce; AdamW turns those ~1e-7 differences into ~1e-6 on the few weights
+    # whose gradients are near zero (measured: 2 of 4096 embedding entries, 7e-5 relative).
+    rtol, atol = (1e-5, 1e-6) if mesh_name == "one_device" else (1e-4, 1e-5)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(on_host)[0], jax.tree.leaves(on_device)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
     # The block weights stayed in host memory across 20 steps; embedding, norm and head on device.
     assert stacked_kinds(params) == ({"pinned_host"}, {"device"})
     assert all(leaf.sharding.memory_kind == "pinned_host" for leaf in jax.tree.leaves(opt_state.mu))
@@ -112,3 +117,29 @@ def test_host_params_without_pinned_host_memory_is_one_config_error(monkeypatch)
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host")
     with pytest.raises(ConfigError, match=r"offload.params=host.*no 'pinned_host' memory"):
         step_lib.setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+
+
+def test_checkpoint_restores_host_params_into_host_memory_and_resumes_exactly(tmp_path):
+    """orbax saves host-resident weights and restores them into pinned_host (the restore target's memory
+    kind); two more steps from the restored state equal two more steps without the round trip."""
+    from spillway.recipes.train.checkpoint import RunCheckpointer
+
+    recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", "train.grad_accum=1")
+    s = step_lib.setup(recipe, make_mesh(1, 8, 1))
+    params, opt_state = s.params, s.optimizer.init(s.params)
+    tokens = [jax.device_put(t, s.batch_sharding) for t in batches(recipe)[:4]]
+    for t in tokens[:2]:
+        params, opt_state, _ = s.train_step(params, opt_state, t)
+    with RunCheckpointer(tmp_path / "run", keep=2, every_steps=1, async_save=False) as ckpt:
+        ckpt.save(2, params=params, opt_state=s.optimizer.saved_form(opt_state), loader_state={}, meta={"step": 2},
+                  recipe_json="{}", force=True)
+        restored = ckpt.restore(2, abstract_params=step_lib.abstract_with_shardings(params, s.param_shardings),
+                                abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings))
+    restored_params = restored["params"]
+    restored_state = s.optimizer.from_saved_form(restored["opt_state"])
+    assert stacked_kinds(restored_params) == ({"pinned_host"}, {"device"})
+    for t in tokens[2:]:
+        params, opt_state, _ = s.train_step(params, opt_state, t)
+        restored_params, restored_state, _ = s.train_step(restored_params, restored_state, t)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
