@@ -15,6 +15,11 @@ body is wrapped in `jax.checkpoint` with that segment's policy (or not wrapped,
 for "no remat"). At build time the stack traces one block abstractly and
 collects the names it tags; a plan that names anything else is an error, so a
 policy can never silently do nothing.
+
+Block weights in pinned host memory (a recipe's offload.params=host) are
+brought into HBM one layer per scan iteration (layers/host_weights.py); the
+stack notices them by their memory space, and keeps their device copies out
+of every segment's remat residuals.
 """
 
 from __future__ import annotations
