@@ -112,7 +112,9 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     param_sh = placement.placed_shardings(params, jax.tree.map(lambda v: v.sharding, params),
                                           recipe.offload.params)
     if placement.any_host_sharding(param_sh):
-        params = jax.device_put(params, param_sh)   # created on device, a layer's worth at a time is all HBM keeps
+        # Built on device, then moved: start-up still needs the weights in HBM once
+        # (initialising them straight into host memory is not done yet).
+        params = jax.device_put(params, param_sh)
     return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
 
 
