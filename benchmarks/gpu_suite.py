@@ -52,6 +52,8 @@ CASES = {
     "1b/recompute_all/device": Case("llama3_1b", "recompute_all", "device"),
     "1b/recompute_all/host": Case("llama3_1b", "recompute_all", "host"),
     "8b/recompute_all/host": Case("llama3_8b", "recompute_all", "host"),
+    # block weights in pinned host memory too, streamed a layer at a time (offload.params)
+    "1b/recompute_all/host_params": Case("llama3_1b", "recompute_all", "host", overrides=("offload.params=host",)),
     "gpt2_124m/recompute_all/device": Case("gpt2_124m", "recompute_all", "device", 1024),
     "gpt2_124m/save_dots/device": Case("gpt2_124m", "save_dots", "device", 1024),
     "qwen3_0_6b/recompute_all/device": Case("qwen3_0_6b", "recompute_all", "device"),

@@ -15,6 +15,11 @@ body is wrapped in `jax.checkpoint` with that segment's policy (or not wrapped,
 for "no remat"). At build time the stack traces one block abstractly and
 collects the names it tags; a plan that names anything else is an error, so a
 policy can never silently do nothing.
+
+Block weights in pinned host memory (a recipe's offload.params=host) are
+brought into HBM one layer per scan iteration (layers/host_weights.py); the
+stack notices them by their memory space, and keeps their device copies out
+of every segment's remat residuals.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from flax import nnx
 
-from spillway.layers import names
+from spillway.layers import host_weights, names
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.offload import OffloadPolicy, RematPlan
 from spillway.layers.sharding import constrain
@@ -127,15 +132,27 @@ class BlockStack(nnx.Module):
 
     @staticmethod
     def _scan(graphdef, seg_state, x_btd, ctx, seg_cache, policy: OffloadPolicy):
+        weights_on_host = host_weights.any_in_host_memory(seg_state)
+
         def body(x_btd, layer):
             # The residual stream is pinned at the block boundary too, so a
             # subclass's own forward() keeps the batch layout between blocks.
             layer_state, layer_cache = layer
+            # Host-resident weights (offload.params=host) come into HBM one layer per iteration.
+            layer_state = host_weights.layer_to_device(layer_state)
             x_btd, layer_cache = nnx.merge(graphdef, layer_state)(constrain(x_btd, names.RESIDUAL_AXES), ctx,
                                                                   layer_cache)
             return constrain(x_btd, names.RESIDUAL_AXES), layer_cache
 
         if policy.remat:
+            jax_policy = policy.to_jax()
+            if weights_on_host:
+                jax_policy = host_weights.never_save_device_weights(jax_policy)
             # prevent_cse=False: inside scan, CSE cannot merge the recompute away.
-            body = jax.checkpoint(body, policy=policy.to_jax(), prevent_cse=False)
+            body = jax.checkpoint(body, policy=jax_policy, prevent_cse=False)
+        elif weights_on_host:
+            # "No remat" still must not keep every layer's device weights for the
+            # backward pass: save everything but them (layers/host_weights.py).
+            body = jax.checkpoint(body, policy=host_weights.never_save_device_weights(
+                jax.checkpoint_policies.everything_saveable), prevent_cse=False)
         return jax.lax.scan(body, x_btd, (seg_state, seg_cache))

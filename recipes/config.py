@@ -31,6 +31,7 @@ from spillway.recipes.train.optimizer import OptimizerConfig
 
 TOKENIZER_TYPES = ("bpe", "unigram")
 OPTIMIZER_STATES = ("device", "host")
+PARAM_MEMORIES = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +64,23 @@ class DataConfig:
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
     optimizer_state: str = "device"       # "device" | "host": where the optimizer state lives
+    # "device" | "host": where the stacked block weights (and so their gradients) live;
+    # "host" streams them through HBM a layer at a time (layers/host_weights.py).
+    # Embedding, final norm and head stay on device.
+    params: str = "device"
 
     def __post_init__(self):
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ConfigError(f"offload.optimizer_state must be one of {OPTIMIZER_STATES}, "
                               f"got {self.optimizer_state!r}")
+        if self.params not in PARAM_MEMORIES:
+            raise ConfigError(f"offload.params must be one of {PARAM_MEMORIES}, got {self.params!r}")
+        if self.params == "host" and self.optimizer_state != "host":
+            # Host weights with device state would bring the whole gradient and weights
+            # into HBM for the update: the saving gone. Only host state is supported.
+            raise ConfigError("offload.params=host needs offload.optimizer_state=host (the update of host "
+                              "weights reads host gradients; with the state on device it would need them "
+                              "all in HBM)")
         try:
             RematPlan.parse(self.activations)  # the layer counts are checked against the model by Recipe
         except ValueError as err:

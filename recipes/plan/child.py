@@ -49,7 +49,7 @@ from spillway.recipes.plan.subprocess_runner import serve_compile_process
 
 def _with_plan(recipe, candidate: dict):
     from spillway.recipes.plan.planner import Candidate
-    return Candidate(candidate["activations"], candidate["optimizer_state"]).applied_to(recipe)
+    return Candidate.from_dict(candidate).applied_to(recipe)
 
 
 def _with_value(recipe, axis: str, value: int):

@@ -391,3 +391,43 @@ def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
     visit(entry, 1, 0)
     return CopyOverlap(host_to_device_bytes=totals["h2d"], device_to_host_bytes=totals["d2h"],
                        overlapped_bytes=totals["overlapped"], overlapping_pairs=totals["pairs"])
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceArray:
+    """One device-memory array an instruction of the program produces (a buffer XLA must place in HBM)."""
+    computation: str
+    instruction: str
+    opcode: str
+    nbytes: int
+    dims: tuple[int, ...]
+
+
+def largest_device_arrays(hlo_text: str, count: int = 5) -> list[DeviceArray]:
+    """The `count` largest device-memory (not S(5)) arrays produced in the program, largest first.
+
+    Walks the entry computation and what it calls (while bodies, calls,
+    branches), not the inside of fusions: each instruction's result is a
+    buffer (or a bitcast/tuple view of one, which can only repeat a size), so
+    no HBM buffer of the program is larger than the first of these. An upper
+    bound per buffer, not a peak: it says nothing about how many are live at once.
+    """
+    computations, entry = parse_computations(hlo_text)
+    found: list[DeviceArray] = []
+    visited: set[str] = set()
+
+    def visit(computation: str, depth: int) -> None:
+        if depth > 64 or computation in visited or computation not in computations:
+            return
+        visited.add(computation)
+        for instruction in computations[computation]:
+            for called in _called_computations(instruction):
+                visit(called, depth + 1)
+            for array in _arrays(instruction.shape):
+                if not array.on_host and array.dtype != "token":
+                    found.append(DeviceArray(computation, instruction.name, instruction.opcode,
+                                             array.nbytes, array.dims))
+
+    if entry is not None:
+        visit(entry, 0)
+    return sorted(found, key=lambda a: -a.nbytes)[:count]

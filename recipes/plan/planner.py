@@ -83,6 +83,11 @@ OPTIMIZER_STATES = ("device", "host")
 # Tried with the activation plans that need the least HBM, where it can matter.
 HOST_COMPUTE = "host_compute"
 HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
+# Block weights (and their gradients) in pinned host memory too (offload.params=host), for
+# models this large only, with the state on host (the only combination the step supports)
+# and the activation plans that need the least HBM: the last resort of a small GPU.
+HOST_PARAMS_MIN_PARAMS = 3e9
+HOST_PARAMS_STATES = ("host", HOST_COMPUTE)
 # Single-policy plans, in the order the table shows them.
 PRESET_PLANS = ("save_all", "recompute_all", "offload_inputs", "save_dots", "offload_dots",
                 "save_qkv_offload_mlp")
@@ -98,10 +103,17 @@ MAX_COMPILES_PER_SEARCH = 10
 class Candidate:
     activations: str        # a RematPlan spec
     optimizer_state: str    # "device" | "host" | "host_compute" (host state, updated by the host CPU)
+    params: str = "device"  # "device" | "host": where the stacked block weights live (offload.params)
 
     @property
     def label(self) -> str:
-        return f"{self.activations} / opt state {self.optimizer_state}"
+        return f"{self.activations} / opt state {self.optimizer_state}" + (
+            " / params host" if self.params == "host" else "")
+
+    @property
+    def placement(self) -> str:
+        """The optimizer state's placement, with "+params" when the block weights live on host too."""
+        return self.optimizer_state + ("+params" if self.params == "host" else "")
 
     @property
     def offloads_activations(self) -> bool:
@@ -110,10 +122,14 @@ class Candidate:
     @property
     def no_offload(self) -> bool:
         """Nothing in host memory: the baseline a GPU without offload support would run."""
-        return self.optimizer_state == "device" and not self.offloads_activations
+        return self.optimizer_state == "device" and self.params == "device" and not self.offloads_activations
 
     def to_dict(self) -> dict:
-        return {"activations": self.activations, "optimizer_state": self.optimizer_state}
+        return {"activations": self.activations, "optimizer_state": self.optimizer_state, "params": self.params}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Candidate:
+        return cls(data["activations"], data["optimizer_state"], data.get("params", "device"))
 
     def applied_to(self, recipe: Recipe) -> Recipe:
         """The recipe with this plan's offload settings (host_compute: state on host, update_on_host)."""
@@ -121,7 +137,8 @@ class Candidate:
         on_host_cpu = self.optimizer_state == HOST_COMPUTE
         return dataclasses.replace(
             recipe, offload=OffloadConfig(activations=self.activations,
-                                          optimizer_state="host" if on_host_cpu else self.optimizer_state),
+                                          optimizer_state="host" if on_host_cpu else self.optimizer_state,
+                                          params=self.params),
             optimizer=dataclasses.replace(recipe.optimizer, update_on_host=on_host_cpu))
 
 
@@ -135,9 +152,12 @@ def activation_plans(num_layers: int) -> list[str]:
 
 
 def candidates(recipe: Recipe) -> list[Candidate]:
-    return [Candidate(plan, state) for state in OPTIMIZER_STATES
-            for plan in activation_plans(recipe.model.num_layers)] + [
+    found = [Candidate(plan, state) for state in OPTIMIZER_STATES
+             for plan in activation_plans(recipe.model.num_layers)] + [
         Candidate(plan, HOST_COMPUTE) for plan in HOST_COMPUTE_PLANS]
+    if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS:
+        found += [Candidate(plan, state, "host") for state in HOST_PARAMS_STATES for plan in HOST_COMPUTE_PLANS]
+    return found
 
 
 # --- inputs: target, mesh, attention --------------------------------------------
@@ -280,6 +300,7 @@ class PlanRow:
         r = self.report or {}
         return {
             "plan": self.candidate.activations, "optimizer_state": self.candidate.optimizer_state,
+            "params": self.candidate.params,
             "attention_impl": self.attention_impl, "pick": self.pick, "fits": self.fits,
             "why_not": self.why_not, "error": self.error,
             "hbm_bytes": r.get("hbm_bytes"), "host_bytes": r.get("host_bytes"),
@@ -741,7 +762,7 @@ def render(p: Plan) -> str:
         moved = None if not r else (r["device_to_host_bytes"] + r["host_to_device_bytes"]) / GB
         fits = "yes" if row.fits else f"no ({row.why_not})"
         lines.append(
-            f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.optimizer_state:12s} "
+            f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.placement:12s} "
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "
             f"{_ms(row.transfer_s):>8s} "
@@ -770,7 +791,7 @@ def render_search(p: Plan) -> list[str]:
     header = f"  {'plan':36s} {'opt':12s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
     lines += [header, "  " + "-" * (len(header) - 2)]
     best_baseline = max((r["best"] or 0 for r in search["results"]
-                         if Candidate(r["activations"], r["optimizer_state"]).no_offload), default=0)
+                         if Candidate.from_dict(r).no_offload), default=0)
     for r in search["results"]:
         notes = []
         if r["at_cap"]:
@@ -779,7 +800,7 @@ def render_search(p: Plan) -> list[str]:
             notes.append(f"unresolved between {r['best']} and {r['first_fail']}")
         if r["errors"]:
             notes.append(r["errors"][0].splitlines()[0][:120])
-        if Candidate(r["activations"], r["optimizer_state"]).no_offload:
+        if Candidate.from_dict(r).no_offload:
             notes.append("no offload")
         elif best_baseline and r["best"]:
             notes.append(f"{r['best'] / best_baseline:.1f}x the best without offload")
@@ -877,7 +898,7 @@ def predict_cases(cases: dict[str, tuple[str, list[str]]], gpu: str = "h200", de
         recipe = get_recipe(recipe_name, overrides)
         state = HOST_COMPUTE if recipe.optimizer.update_on_host and recipe.offload.optimizer_state == "host" \
             else recipe.offload.optimizer_state
-        candidate = Candidate(recipe.offload.activations, state)
+        candidate = Candidate(recipe.offload.activations, state, recipe.offload.params)
         row = plan(recipe, gpu, devices, plans=[candidate]).rows[0]
         out[name] = {"error": row.error} if row.report is None else {
             "hbm_bytes": row.report["hbm_bytes"], "host_bytes": row.report["host_bytes"],

@@ -75,6 +75,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from spillway.layers import jax_compat
+from spillway.layers.host_weights import in_host_memory
 
 # Largest piece of a non-stacked leaf streamed through HBM, in elements: 64 Mi
 # elements is 256 MiB per fp32 state array, about one layer of the largest
@@ -274,14 +275,21 @@ def stream_layer_halves(
     def fetch(buffers, i):
         return [tuple(to_device(row(s, i)) for s in leaf) for leaf in buffers]
 
+    def on_device_row(x, i):
+        # Host-resident params and grads (offload.params=host) visit HBM a layer at a time too.
+        return to_device(row(x, i)) if in_host_memory(x) else row(x, i)
+
+    def put_param_row(p, new_row, i):
+        return put_row(p, to_host(new_row) if in_host_memory(p) else new_row, i)
+
     def slot(params, buffers, half, i, current, upcoming_from):
         """Update layer `i` of `half` (state `current`, on device); prefetch `upcoming_from` = (half, row) or None."""
         layer = i if half == 0 else n_first + i
         upcoming = None if upcoming_from is None else fetch(buffers[upcoming_from[0]], upcoming_from[1])
         new_params, own = list(params), list(buffers[half])
         for k, (fn, g, p, leaf_dev) in enumerate(zip(update_fns, grads, params, current)):
-            new_p, new_dev = fn(row(g, layer), row(p, layer), leaf_dev)
-            new_params[k] = put_row(p, new_p.astype(p.dtype), layer)
+            new_p, new_dev = fn(on_device_row(g, layer), on_device_row(p, layer), leaf_dev)
+            new_params[k] = put_param_row(p, new_p.astype(p.dtype), layer)
             own[k] = tuple(put_row(s, to_host(d.astype(s.dtype)), i) for s, d in zip(own[k], new_dev))
         buffers = tuple(own if h == half else buffers[h] for h in halves)
         if upcoming is not None:
@@ -382,7 +390,10 @@ def update_on_host(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
     to host memory, the update runs as a host computation on host buffers, and
     only the new parameter comes back to device memory. The state never enters
     HBM; the cost is host compute and memory bandwidth instead of the GPU's.
+    A parameter and gradient already in host memory (offload.params=host)
+    cross nothing: the new parameter stays on host.
     """
+    param_on_host = in_host_memory(param)
     def update(grad_h, param_h, state_h):
         grad_h, param_h = grad_h.reshape(param.shape), param_h.reshape(param.shape)
         new_p, new_state = update_fn(grad_h, param_h, state_h)
@@ -395,9 +406,29 @@ def update_on_host(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
     # one layout; the reshape on the device costs one leaf of HBM temp.
     # Every output stays in host memory: the new state is the host state, and
     # the new parameter crosses the link once, below.
+    # Host-resident ones cross as they are: no device layout to sidestep.
+    def flat_on_host(x):
+        return x if in_host_memory(x) else to_host(x.reshape(-1))
+
     new_p_host, new_state = jax_compat.on_host(update, out_memory_spaces=jax.memory.Space.Host)(
-        to_host(grad.reshape(-1)), to_host(param.reshape(-1)), tuple(host_state))
-    return to_device(new_p_host), new_state
+        flat_on_host(grad), flat_on_host(param), tuple(host_state))
+    return (new_p_host if param_on_host else to_device(new_p_host)), new_state
+
+
+def squared_norm(grad: jax.Array) -> jax.Array:
+    """optax.tree.norm(grad, squared=True) as a device scalar; a host-resident gradient is reduced by the host CPU.
+
+    Elementwise maths on host buffers must run as a host computation; only the
+    scalar crosses the link. optax squares real and imaginary parts and adds
+    them; for a real gradient the imaginary square is an exact 0 (and
+    creating it inside a host computation would make a device-memory array),
+    so the sum of squares alone gives optax's value bit for bit.
+    """
+    def reduce(g):
+        return jnp.sum(jnp.square(g.astype(jnp.float32)))
+    if not in_host_memory(grad):
+        return reduce(grad)
+    return to_device(jax_compat.on_host(reduce, out_memory_spaces=jax.memory.Space.Host)(grad))
 
 
 def _fresh_state(param, with_master: bool):

@@ -33,6 +33,7 @@ from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
                                             peak_flops_per_device)
+from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
 from spillway.recipes.train.optimizer import check_host_memory
 from spillway.recipes.train.preemption import GroupStop, StopSignals, signal_name
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
@@ -143,8 +144,11 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
     if recipe.offload.optimizer_state == "host":
-        # Before allocating: pinned memory the host cannot give fails here, not mid-init.
-        check_host_memory(s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings)))
+        # Before allocating the state: pinned memory the host cannot give fails here, not mid-init.
+        # Host-resident weights (offload.params=host) count too; setup() has already pinned them.
+        params_pinned = tree_nbytes_by_memory_kind(abstract_with_shardings(s.params, s.param_shardings))
+        check_host_memory(s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
+                          + params_pinned.get("pinned_host", 0))
     params = s.params
     if not candidates and recipe.checkpoint.init_from:
         # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -340,7 +341,7 @@ def _adamw_piece(cfg: OptimizerConfig, layout: LeafLayout, scalars: _StepScalars
     return new_weights.astype(param.dtype), (mu, nu)
 
 
-def _host_sharding(sharding):
+def host_sharding(sharding):
     """The same mesh and spec in pinned_host memory.
 
     Compile-only devices (a deviceless GPU compile) report no memories, and a
@@ -463,7 +464,7 @@ class Optimizer:
         leaves, treedef = self._flatten_like_layouts(param_shardings, "param_shardings")
         if not all(isinstance(s, (NamedSharding, SingleDeviceSharding)) for s in leaves):
             raise TypeError("param_shardings must be a tree of NamedSharding (or SingleDeviceSharding)")
-        state_leaves = [_host_sharding(s) if layout.state_memory == HOST else s
+        state_leaves = [host_sharding(s) if layout.state_memory == HOST else s
                         for s, layout in zip(leaves, self._layouts)]
         state_leaves = [streaming.LayerHalves(s, s) if self._halved(layout) else s
                         for s, layout in zip(state_leaves, self._layouts)]
@@ -534,9 +535,14 @@ class Optimizer:
         nu = treedef.flatten_up_to(opt_state.nu)
         master = treedef.flatten_up_to(opt_state.master)
 
+        for path, layout, p in zip(self._layout_paths, self._layouts, param_leaves):
+            if layout.state_memory == DEVICE and streaming.in_host_memory(p):
+                raise ValueError(f"parameter {path} lives in host memory but its optimizer state on device: "
+                                 f"host parameters need host state (offload.optimizer_state=host)")
         # Clipping needs the norm over all gradients before any piece is
-        # updated. Same reduction order as optax.tree.norm over the same tree.
-        grad_norm = optax.tree.norm([g.astype(jnp.float32) for g in grad_leaves])
+        # updated. Same sums, in the same order, as optax.tree.norm over the
+        # same tree (host-resident gradients summed by the host CPU).
+        grad_norm = jnp.sqrt(functools.reduce(operator.add, [streaming.squared_norm(g) for g in grad_leaves], 0))
         scalars = _StepScalars(grad_norm=grad_norm, count_inc=optax.safe_increment(opt_state.count),
                                learning_rate=self.schedule(opt_state.count))
 

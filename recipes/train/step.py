@@ -19,6 +19,7 @@ from spillway.layers import names
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, create_sharded, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
+from spillway.recipes.train import param_placement as placement
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 from spillway.recipes.train.optimizer import Optimizer, donate_opt_state_ok, make_layouts
 
@@ -64,13 +65,14 @@ def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk:
         else:
             micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
 
+            # Host-resident gradients (offload.params=host) are summed on the host.
             def accumulate(grad_sum, micro_bt):
                 loss, grads = grad_fn(params, micro_bt)
-                return jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads), loss
+                return jax.tree.map(placement.add_f32, grad_sum, grads), loss
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            zeros = jax.tree.map(placement.zeros_f32_like, params)
             grad_sum, losses = jax.lax.scan(accumulate, zeros, micro_mbt)
-            grads = jax.tree.map(lambda g: g / grad_accum, grad_sum)
+            grads = jax.tree.map(lambda g: placement.divide(g, grad_accum), grad_sum)
             loss = jnp.mean(losses)
         params, opt_state, stats = optimizer.update(grads, opt_state, params)
         return params, opt_state, {"loss": loss, **stats}
@@ -107,7 +109,12 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed)
     _warn_if_replicated(params, mesh)
-    param_sh = jax.tree.map(lambda v: v.sharding, params)
+    param_sh = placement.placed_shardings(params, jax.tree.map(lambda v: v.sharding, params),
+                                          recipe.offload.params)
+    if placement.any_host_sharding(param_sh):
+        # Built on device, then moved: start-up still needs the weights in HBM once
+        # (initialising them straight into host memory is not done yet).
+        params = jax.device_put(params, param_sh)
     return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
 
 
@@ -132,7 +139,8 @@ def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetu
     donation as donate_opt_state_ok does at run time.
     """
     graphdef, abstract_state = abstract_model(recipe)
-    param_sh = state_shardings(abstract_state, mesh)
+    param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
+                                          recipe.offload.params)
     return _assemble(recipe, mesh, graphdef, abstract_with_shardings(abstract_state, param_sh), param_sh,
                      donate_opt_state_ok(platform), layout_source=abstract_state)
 
@@ -156,8 +164,16 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=(0, 1) if donate_opt_state else (0,))
+                   donate_argnums=_donated(donate_opt_state, param_sh))
     return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
+
+
+def _donated(donate_opt_state: bool, param_sh) -> tuple[int, ...]:
+    """The step's donated arguments: params always, except host-resident params where donating host
+    buffers is unsafe (CPU, donate_opt_state_ok), where the optimizer state is not donated either."""
+    if donate_opt_state:
+        return (0, 1)
+    return () if placement.any_host_sharding(param_sh) else (0,)
 
 
 def abstract_step_arguments(s: TrainSetup) -> tuple:

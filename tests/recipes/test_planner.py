@@ -69,6 +69,19 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     assert set(planner.PRESET_PLANS) <= set(PRESETS)
 
 
+def test_host_params_candidates_only_for_large_models_and_only_with_host_state():
+    assert all(c.params == "device" for c in planner.candidates(small_recipe()))
+    large = get_recipe("llama3_8b")
+    host_params = [c for c in planner.candidates(large) if c.params == "host"]
+    assert {c.optimizer_state for c in host_params} == set(planner.HOST_PARAMS_STATES)
+    assert {c.activations for c in host_params} == set(planner.HOST_COMPUTE_PLANS)
+    for c in host_params:   # each applies to a valid recipe (config checks host params need host state)
+        applied = c.applied_to(large)
+        assert applied.offload.params == "host" and applied.offload.optimizer_state == "host"
+        assert planner.Candidate.from_dict(c.to_dict()) == c
+        assert c.placement.endswith("+params") and "params host" in c.label
+
+
 def run_cli(argv, capsys):
     code = cli.main(argv)
     captured = capsys.readouterr()

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""HBM of the real train step with the block weights on device or in pinned host memory (offload.params).
+
+Deviceless compile for a GPU target (default H200; docs/DESIGN.md section 5)
+of the `tiny` recipe's train step (recipes/train/step.py: the step training
+runs) reshaped to a small scanned Llama whose stacked block weights are most
+of the model, once per placement:
+
+    device_params   weights and gradients in HBM, optimizer state on host (streamed)
+    host_params     weights in pinned host memory (offload.params=host), streamed
+                    into HBM a layer per scan iteration, gradients back to host,
+                    optimizer state on host, the update streamed through HBM
+    host_params_host_update   the same, the update run by the host CPU
+
+Reports per placement: HBM (argument + output - alias + temp), host bytes, the
+largest device-memory arrays of the compiled program (recipes/plan/hlo.py
+largest_device_arrays: no HBM buffer is larger than the first) and one
+layer's weight bytes, so a reader can see how many layers HBM holds at most.
+
+Run:  .venv/bin/python benchmarks/host_params_toy.py [--target h200] [--layers 8] [--d-model 512]
+      [--json]   one JSON document on stdout, for tests (run it as a compile process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+
+MiB = 2**20
+PLACEMENTS = {
+    "device_params": ["offload.params=device", "optimizer.update_on_host=false"],
+    "host_params": ["offload.params=host", "optimizer.update_on_host=false"],
+    "host_params_host_update": ["offload.params=host", "optimizer.update_on_host=true"],
+}
+
+
+def recipe_for(args, placement: str):
+    from spillway.recipes.registry import get_recipe
+    return get_recipe("tiny", [
+        "model.vocab_size=256", f"model.d_model={args.d_model}", f"model.num_layers={args.layers}",
+        "model.num_heads=8", "model.num_kv_heads=2", f"model.mlp_hidden={4 * args.d_model}",
+        "model.max_seq_len=64", "data.seq_len=32", "train.global_batch=4", f"train.grad_accum={args.grad_accum}",
+        "train.steps=10", "optimizer.warmup_steps=2", f"offload.activations={args.activations}",
+        "offload.optimizer_state=host", *PLACEMENTS[placement]])
+
+
+def layer_weight_bytes(recipe) -> tuple[int, int]:
+    """(bytes of one layer of all stacked weights, bytes of the largest one-layer weight) of `recipe`'s model."""
+    import jax
+
+    from spillway.recipes.train.step import abstract_model
+    _, state = abstract_model(recipe)
+    per_layer = [math.prod(a.shape[1:]) * a.dtype.itemsize
+                 for path, a in jax.tree_util.tree_flatten_with_path(state)[0]
+                 if "blocks" in jax.tree_util.keystr(path)]
+    return sum(per_layer), max(per_layer)
+
+
+def measure(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="h200")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--activations", default="recompute_all")
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    prepare_compile_process()
+
+    from spillway.recipes.plan import compile as aot
+    from spillway.recipes.plan import hlo
+    from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
+
+    rows = {}
+    for placement in args.placements.split(","):
+        recipe = recipe_for(args, placement)
+        try:
+            mesh = aot.compile_only_mesh(args.target, {"data": 1, "fsdp": 1, "tensor": 1})
+            s = abstract_setup(recipe, mesh, platform="cuda")
+            compiled = s.train_step.lower(*abstract_step_arguments(s)).compile()
+            report = aot.CompileReport.from_compiled(compiled, keep_hlo_text=True)
+            largest = hlo.largest_device_arrays(report.hlo_text, 5)
+            layer_bytes, largest_layer_leaf = layer_weight_bytes(recipe)
+            rows[placement] = {"report": report.to_dict(), "layer_weight_bytes": layer_bytes,
+                               "largest_layer_leaf_bytes": largest_layer_leaf,
+                               "largest_device_arrays": [dataclasses.asdict(a) for a in largest]}
+        except Exception as error:  # report and go on: one broken placement should not hide the rest
+            rows[placement] = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
+    return {"rows": rows}
+
+
+def main() -> None:
+    result = measure(sys.argv[1:])
+    for key, row in result["rows"].items():
+        if "error" in row:
+            print(f"{key:26s} ERROR {row['error'][:200]}")
+            continue
+        r = row["report"]
+        big = row["largest_device_arrays"][0]
+        print(f"{key:26s} HBM {r['hbm_bytes'] / MiB:8.1f} MiB (temp {r['temp_bytes'] / MiB:7.1f})  "
+              f"host {r['host_bytes'] / MiB:8.1f} MiB  largest HBM array {big['nbytes'] / MiB:6.1f} MiB "
+              f"{big['dims']} ({big['opcode']}); one layer of weights {row['layer_weight_bytes'] / MiB:.1f} MiB")
+
+
+if __name__ == "__main__":
+    if "--json" in sys.argv[1:]:
+        serve_compile_process(measure)
+    main()

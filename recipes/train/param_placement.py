@@ -1,0 +1,100 @@
+"""Where each parameter lives (offload.params), and the gradient maths that must follow it there.
+
+`offload.params=host` keeps the stacked block weights (leading "layers"
+axis) in pinned host memory: the scan brings them into HBM a layer at a time
+(layers/host_weights.py), their gradients come back to host memory layer by
+layer, and the optimizer updates them there (its state must be on host too,
+recipes/config.py). Embedding, final norm and head stay on device in this
+version. A parameter's `param_memory` metadata ("host" | "device") overrides
+the setting for that leaf; only stacked leaves may be host-resident, because
+only the scan streams them.
+
+Gradient accumulation sums micro-batch gradients where they live: host
+gradients are summed by the host CPU (elementwise maths on host buffers must
+be a host computation), so HBM never holds the whole gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spillway.layers import jax_compat, names
+from spillway.layers.errors import ConfigError
+from spillway.layers.host_weights import in_host_memory
+from spillway.recipes.train.optimizer import PINNED_HOST, host_memory_available, host_sharding
+
+HOST = "host"
+DEVICE = "device"
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_memories(state, setting: str):
+    """"host" or "device" per parameter of an nnx.State (Variables at the leaves), from `setting` and metadata."""
+    def one(path, var):
+        metadata = var.get_metadata()
+        axes = tuple(metadata.get("logical_axes") or ())
+        stacked = bool(axes) and axes[0] == names.LAYERS
+        memory = metadata.get("param_memory") or (setting if stacked else DEVICE)
+        if memory not in (HOST, DEVICE):
+            raise ConfigError(f"param_memory of {jax.tree_util.keystr(path)} must be 'host' or 'device', "
+                              f"got {memory!r}")
+        if memory == HOST and not stacked:
+            raise ConfigError(f"parameter {jax.tree_util.keystr(path)} asks for host memory, but only stacked "
+                              f"block weights (a leading 'layers' axis) can live on host")
+        return memory
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+def placed_shardings(state, shardings, setting: str):
+    """`shardings` (a tree like `state`) with pinned_host memory for the host-resident parameters.
+
+    Raises ConfigError when a parameter is to live on host and the platform has no pinned host memory.
+    """
+    memories = param_memories(state, setting)
+    on_host = [m == HOST for m in jax.tree.leaves(memories)]
+    if any(on_host) and not host_memory_available():
+        raise ConfigError(f"offload.params=host, but the {jax.default_backend()} platform exposes no "
+                          f"'{PINNED_HOST}' memory: set offload.params=device")
+
+    def one(memory, sharding):
+        if memory != HOST:
+            return sharding
+        if _is_variable(sharding):   # nnx.State of shardings: Variables holding them
+            return sharding.replace(host_sharding(sharding.get_value()))
+        return host_sharding(sharding)
+    return jax.tree.map(one, memories, shardings, is_leaf=_is_variable)
+
+
+def any_host_sharding(shardings) -> bool:
+    return any(getattr(s, "memory_kind", None) == PINNED_HOST for s in jax.tree.leaves(shardings))
+
+
+# --- gradient accumulation where the gradients live ---------------------------
+
+def _host_math(fn, *args):
+    return jax_compat.on_host(fn, out_memory_spaces=jax.memory.Space.Host)(*args)
+
+
+def zeros_f32_like(p: jax.Array) -> jax.Array:
+    """fp32 zeros of p's shape, in p's memory (host zeros made by the host CPU)."""
+    if not in_host_memory(p):
+        return jnp.zeros(p.shape, jnp.float32)
+    return _host_math(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+
+
+def add_f32(total: jax.Array, grad: jax.Array) -> jax.Array:
+    """total + grad in fp32, computed where they live."""
+    def add(t, g):
+        return t + g.astype(jnp.float32)
+    return _host_math(add, total, grad) if in_host_memory(total) else add(total, grad)
+
+
+def divide(total: jax.Array, count: int) -> jax.Array:
+    def div(t):
+        return t / count
+    return _host_math(div, total) if in_host_memory(total) else div(total)
