@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spillway.layers import names
+from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, create_sharded, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
@@ -106,6 +107,7 @@ def build_model(recipe: Recipe, mesh, seed: int):
 
 def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     """Build the model in its shards and the jitted train step."""
+    check_attention_backend(recipe.execution.attention_impl, jax.default_backend())
     mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed)
     _warn_if_replicated(params, mesh)
@@ -116,6 +118,13 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
         # (initialising them straight into host memory is not done yet).
         params = jax.device_put(params, param_sh)
     return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
+
+
+def check_attention_backend(attention_impl: str, backend: str) -> None:
+    """cuDNN attention runs on NVIDIA GPUs only: elsewhere, one line that says what to set instead."""
+    if attention_impl == "cudnn" and backend not in ("gpu", "cuda"):
+        raise ConfigError(f"execution.attention_impl=cudnn needs an NVIDIA GPU, and this run's backend is "
+                          f"{backend}: --set execution.attention_impl=flash (the same memory, written in JAX)")
 
 
 def _warn_if_replicated(params, mesh) -> None:

@@ -1,4 +1,4 @@
-"""recipes/train/gpu_allocators.py: JAX's GPU allocator limits follow the planner's assumptions unless the user set them."""
+"""What a run on a GPU needs from its runtime: allocator limits that follow the planner (recipes/train/gpu_allocators.py), and cuDNN attention only where there is cuDNN."""
 
 from spillway.recipes.plan import planner
 from spillway.recipes.train import gpu_allocators
@@ -34,3 +34,15 @@ def test_no_host_limit_where_the_ram_is_unknown(monkeypatch):
 def test_this_hosts_ram_is_read():
     ram = gpu_allocators.host_ram_bytes()
     assert ram is None or ram > 2**28
+
+
+def test_cudnn_attention_off_a_gpu_is_one_line_naming_the_fix():
+    import pytest
+
+    from spillway.layers.errors import ConfigError
+    from spillway.recipes.train.step import check_attention_backend
+
+    with pytest.raises(ConfigError, match=r"attention_impl=cudnn needs an NVIDIA GPU.*attention_impl=flash"):
+        check_attention_backend("cudnn", "cpu")
+    check_attention_backend("cudnn", "gpu")
+    check_attention_backend("flash", "cpu")
