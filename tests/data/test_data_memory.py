@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.data_prep import write_corpus
 from spillway.data import stream_documents, train_tokenizer
 
@@ -37,6 +39,7 @@ def _prepare_in_child(source, tokenizer_path, cache, tmp_path) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_peak_memory_stays_flat_as_the_corpus_grows(tmp_path):
     write_corpus(tmp_path / "small", 1_000_000, max_file_bytes=40_000)
     write_corpus(tmp_path / "large", 6_000_000, max_file_bytes=40_000)

@@ -84,6 +84,7 @@ class PostNormBlock(TransformerBlock):
 
 
 @pytest.mark.parametrize("block_cls", [ParallelBlock, PostNormBlock])
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_subclassed_blocks_give_the_no_remat_gradients_under_offload_policies(block_cls):
     cfg = llama_config("tiny_odd", num_layers=2)
     base = create_sharded(lambda: Llama(cfg, block_cls=block_cls, rngs=nnx.Rngs(0), remat="save_all"))

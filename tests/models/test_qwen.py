@@ -220,6 +220,7 @@ def test_missing_and_misshapen_tensors_are_named(reference):
 # --- offload (no torch) -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_every_offload_plan_gives_the_no_remat_loss_and_gradients(name):
     tokens = np.random.default_rng(2).integers(0, 131, (2, 17))
     assert_every_plan_matches_no_remat(FAMILY_OF[name][1], TINY_PRESET[name], tokens)

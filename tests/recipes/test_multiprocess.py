@@ -44,6 +44,7 @@ def _losses(run_dir):
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_two_processes_match_one(tmp_path):
     cache = tmp_path / "cache"
     single = subprocess.run(_command(tmp_path / "single", cache), env=_env(4), capture_output=True, text=True,
@@ -66,6 +67,7 @@ def test_two_processes_match_one(tmp_path):
     assert (tmp_path / "multi" / "checkpoints" / str(STEPS)).is_dir()
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     """Preemption notices may reach only some hosts: a save only some processes enter would hang. Both
     processes must agree on the step (recipes/train/preemption.py), save it together and exit 143."""

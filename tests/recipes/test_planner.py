@@ -308,6 +308,7 @@ def test_apply_plan_applies_the_pick_or_refuses(small_plan, monkeypatch):
 
 
 @needs_toolchain
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_per_gpu_activation_memory_stays_flat_as_gpus_and_batch_grow():
     """One sequence per GPU: per-GPU activation bytes must not grow with the GPU count.
 

@@ -117,6 +117,7 @@ def test_resume_refuses_a_recipe_that_is_another_run(data_cache, run_copy, chang
     assert saved_steps(run_copy) == [2, 4]
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_resume_with_a_new_schedule_records_what_changed(data_cache, run_copy, short_run):
     result = train(micro(data_cache, run_copy, "train.steps=6", "optimizer.learning_rate=5e-3",
                          "checkpoint.every_steps=3", "checkpoint.keep=3"), progress=False)
@@ -138,6 +139,7 @@ def test_resume_step_rewinds_and_metrics_are_replaced_not_repeated(data_cache, r
     assert saved_steps(run_copy) == [2, 4]
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_a_save_killed_midway_then_resumed_does_not_repeat_metrics(data_cache, run_copy, short_run):
     # as a kill during step 4's save leaves it: an unfinished orbax tmp folder
     (run_copy / "checkpoints" / "4").rename(run_copy / "checkpoints" / "4.orbax-checkpoint-tmp-1")

@@ -69,6 +69,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_cache, tmp_path):
 
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_resume_moves_optimizer_state_between_device_and_host(data_cache, tmp_path):
     """Checkpoints hold one array per state leaf whatever the placement (Optimizer.saved_form):
     a run that saved its state on device resumes with it in host memory, where the stacked
@@ -84,6 +85,7 @@ def test_resume_moves_optimizer_state_between_device_and_host(data_cache, tmp_pa
     for a, b in zip(jax.tree.leaves(straight.model), jax.tree.leaves(second.model)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-6)
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_finetune_from_checkpoint_onto_another_mesh(full_run, data_cache, tmp_path):
     scratch = train(micro(data_cache, tmp_path / "scratch", "train.steps=1"), progress=False)
     tuned = train(micro(data_cache, tmp_path / "tuned", "train.steps=1", "mesh.data=2", "mesh.fsdp=2",
@@ -96,6 +98,7 @@ def test_finetune_from_checkpoint_onto_another_mesh(full_run, data_cache, tmp_pa
     assert tuple(spec) == (None, "fsdp", "tensor")
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_gradient_accumulation_matches_one_big_batch(data_cache, tmp_path):
     whole = train(micro(data_cache, tmp_path / "whole", "train.steps=2"), progress=False)
     accumulated = train(micro(data_cache, tmp_path / "accum", "train.steps=2", "train.grad_accum=4"),
