@@ -39,6 +39,8 @@ class DataConfig:
     text_field: str = "text"
     tokenizer: str | None = None          # tokenizer.json, a sentencepiece .model, or a directory holding either;
                                           # None: the init_from=hf: checkpoint's, else one trained on the corpus
+    tokenizer_origin: str | None = None   # the Hub repository `tokenizer` is a local copy of: named, with the
+                                          # command that fetches it, when the file is missing (nothing else)
     tokenizer_type: str = "bpe"           # "bpe" | "unigram" when training
     seq_len: int = 256
     val_fraction: float = 0.02
@@ -63,11 +65,22 @@ class DataConfig:
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
     optimizer_state: str = "device"       # "device" | "host": where the optimizer state lives
+    # The GPUs the two settings above were planned for: `spillway plan RECIPE` picks them there, and
+    # `spillway train RECIPE --plan auto` plans for that GPU by default. None: a recipe for no GPU in particular.
+    target_gpu: str | None = None         # a recipes/plan/targets.py name, e.g. "h200"
+    target_devices: int = 1               # how many of them, on one host
 
     def __post_init__(self):
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ConfigError(f"offload.optimizer_state must be one of {OPTIMIZER_STATES}, "
                               f"got {self.optimizer_state!r}")
+        require_positive("offload", target_devices=self.target_devices)
+        if self.target_gpu is not None:
+            from spillway.recipes.plan.targets import get_target   # GPU facts as data: imports nothing heavy
+            try:
+                get_target(self.target_gpu)
+            except ValueError as err:
+                raise ConfigError(f"offload.target_gpu: {err}") from None
         try:
             RematPlan.parse(self.activations)  # the layer counts are checked against the model by Recipe
         except ValueError as err:
