@@ -46,7 +46,7 @@ CASES = {
 
 def case_overrides(activations: str, optimizer_state: str) -> list[str]:
     return [f"offload.activations={activations}", f"offload.optimizer_state={optimizer_state}",
-            "train.global_batch=1", f"data.seq_len={SEQ_LEN}", "mesh.fsdp=-1"]
+            "train.global_batch=1", "train.grad_accum=1", f"data.seq_len={SEQ_LEN}", "mesh.fsdp=-1"]
 
 
 def measure_case(name: str, warmup: int = 2, timed: int = 5, *, case: tuple[str, str, str] | None = None,
@@ -101,8 +101,9 @@ def measure_case(name: str, warmup: int = 2, timed: int = 5, *, case: tuple[str,
             "loss": float(metrics["loss"])}
 
 
-def run_child(name: str, timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_suite", "--child", name]
+def run_child(name: str, timeout_s: float, module: str = "benchmarks.gpu_suite") -> dict:
+    """`python -m MODULE --child NAME` in its own process (its peak memory alone); its JSON line, or the error."""
+    cmd = [sys.executable, "-m", module, "--child", name]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                              cwd=Path(__file__).resolve().parents[1])
