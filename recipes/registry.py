@@ -121,8 +121,9 @@ def llama3_1b() -> Recipe:
             "also distilled from larger Llama 3 models, which this recipe does not); sequence 8192 is Llama 3's "
             f"pretraining length; the optimizer and batch are {LLAMA2_SOURCE}, our choice at 1B; the corpus "
             "(smaller than the budget: the loader passes over it again) and micro-batch are our choice"),
-        corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.2-1B", seq_len=8192, global_batch=512,
-        grad_accum=128, token_budget=9e12, optimizer=LLAMA2_OPTIMIZER,
+        corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.2-1B",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=128,
+        token_budget=9e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
 
 
@@ -137,8 +138,9 @@ def llama3_8b() -> Recipe:
             "model card's ('15T+' tokens, 8k context); Meta has not published the 8B's optimizer settings, so "
             f"these are {LLAMA2_SOURCE}; the corpus (smaller than the budget: the loader passes over it again) is "
             "our choice"),
-        corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.1-8B", seq_len=8192, global_batch=512,
-        grad_accum=64, token_budget=15e12, optimizer=LLAMA2_OPTIMIZER,
+        corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.1-8B",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
+        token_budget=15e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
                               target_devices=8))
 
@@ -224,8 +226,9 @@ def mistral_7b() -> Recipe:
         description=(
             "Mistral 7B v0.3 on FineWeb-Edu with its own tokenizer (32,768 pieces), 4M tokens/step (512 x 8192, "
             f"64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: {MISTRAL_SOURCE}"),
-        corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.3", seq_len=8192, global_batch=512,
-        grad_accum=64, token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
+        corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.3",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
+        token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
                               target_devices=8))
 
@@ -239,8 +242,9 @@ def mistral_7b_v0_1() -> Recipe:
             "Mistral 7B v0.1 (sliding window 4096) on FineWeb-Edu with its own tokenizer (32,000 pieces), 4M "
             "tokens/step (512 x 8192, 64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: "
             f"{MISTRAL_SOURCE}"),
-        corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.1", seq_len=8192, global_batch=512,
-        grad_accum=64, token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
+        corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.1",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
+        token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
                               target_devices=8))
 
@@ -283,8 +287,9 @@ def qwen2_5_1_5b() -> Recipe:
             "micro-batches of 8), 18T tokens; one H200. Sources: 18T tokens is Qwen2.5's pretraining budget (its "
             f"technical report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: "
             "the loader passes over it again) and micro-batch are our choice"),
-        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen2.5-1.5B", seq_len=4096, global_batch=1024,
-        grad_accum=128, token_budget=18e12, optimizer=LLAMA2_OPTIMIZER,
+        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen2.5-1.5B",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=128,
+        token_budget=18e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
 
 
@@ -298,8 +303,9 @@ def qwen3_0_6b() -> Recipe:
             "of 8), 36T tokens; one H200. Sources: 36T tokens is Qwen3's pretraining budget (its technical "
             f"report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: the loader "
             "passes over it again) and micro-batch are our choice"),
-        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-0.6B-Base", seq_len=4096, global_batch=1024,
-        grad_accum=128, token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
+        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-0.6B-Base",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=128,
+        token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
 
 
@@ -313,7 +319,8 @@ def qwen3_8b() -> Recipe:
             "two sequences per GPU), 36T tokens; 8 H200s. Sources: 36T tokens is Qwen3's pretraining budget (its "
             f"technical report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: "
             "the loader passes over it again) is our choice"),
-        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-8B-Base", seq_len=4096, global_batch=1024,
-        grad_accum=64, token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
+        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-8B-Base",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=64,
+        token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
                               target_devices=8))
