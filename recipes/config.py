@@ -46,7 +46,8 @@ class DataConfig:
     val_fraction: float = 0.02
     cache_dir: str = ".cache/spillway"
     num_proc: int = 1                     # tokenizing processes (>1: a forkserver pool, safe beside JAX's threads)
-    max_tokens: int | None = None         # optional cap on tokens taken from the source (its head), streamed or not
+    max_tokens: int | None = None         # optional cap on tokens taken from the source (its head), streamed or not;
+                                          # in a mixture, from each source
     shard_tokens: int = 1 << 22           # tokens per on-disk shard of the tokenized corpus (data/shards.py)
     mixture: str | None = None            # "name=weight:source,...": weighted sources instead of `source` (data/mixture.py)
 
