@@ -63,7 +63,7 @@ freeze-newest:
 	  .venv-unpinned/bin/python -m pip freeze --exclude-editable | grep -v -i '^spillway'; } > constraints/newest.txt
 
 plan: $(STAMP) gpu-plugin
-	$(VENV)/bin/spillway plan llama3_8b --gpu h200 $(ARGS)
+	$(VENV)/bin/spillway plan llama3_8b $(ARGS)
 
 clean:
 	rm -rf runs .cache .pytest_cache

@@ -77,7 +77,8 @@ LARGE_PARAMS = 3e9   # above this, fewer steps are timed
 
 def case_overrides(case: Case) -> list[str]:
     return [f"offload.activations={case.activations}", f"offload.optimizer_state={case.optimizer_state}",
-            "train.global_batch=1", f"data.seq_len={case.seq_len}", "mesh.fsdp=-1", *case.overrides]
+            "train.global_batch=1", "train.grad_accum=1", f"data.seq_len={case.seq_len}", "mesh.fsdp=-1",
+            *case.overrides]
 
 
 def measure_case(name: str, warmup: int | None = None, timed: int | None = None, *, case: Case | None = None,
@@ -134,12 +135,14 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
             "loss": float(metrics["loss"])}
 
 
-def run_child(name: str, timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_suite", "--child", name]
-    # JAX's GPU client takes 75% of HBM by default; the cases are sized against
-    # the whole GPU, as the planner's capacity line is (its headroom aside).
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
-               JAX_TRACEBACK_FILTERING="off")
+def run_child(name: str, timeout_s: float, module: str = "benchmarks.gpu_suite") -> dict:
+    """`python -m MODULE --child NAME` in its own process (its peak memory alone); its JSON line, or the error."""
+    cmd = [sys.executable, "-m", module, "--child", name]
+    # The allocator limits training sets (JAX's defaults, 75% of HBM and 64 GB of
+    # pinned host memory, break plans the planner accepts), and full tracebacks.
+    from spillway.recipes.train import gpu_allocators
+    env = dict(os.environ, JAX_TRACEBACK_FILTERING="off")
+    gpu_allocators.configure(env)
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                              cwd=Path(__file__).resolve().parents[1], env=env)

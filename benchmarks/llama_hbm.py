@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     target = get_target(args.gpu)
     overrides = [f"model.max_seq_len={max(args.max_seq, args.seq)}", f"data.seq_len={args.seq}",
-                 f"train.global_batch={args.batch}", *args.set]
+                 f"train.global_batch={args.batch}", "train.grad_accum=1", *args.set]   # one micro-batch
     recipe, warnings = planner.planned_recipe(get_recipe(args.recipe, overrides))
     mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor,
                      devices=gpu_topology(target, 1).devices)

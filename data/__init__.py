@@ -12,13 +12,14 @@ base, which imports nothing), so data preparation runs anywhere, quickly.
 Preparation is out of core: the corpus is read as a stream, tokenized into
 shards on disk (resumable after a kill) and packed from memory-mapped shards,
 so its peak memory does not grow with the corpus. Mixtures of weighted
-sources: `parse_mixture`, `prepare_mixture`, `MixtureLoader`.
+sources: `parse_mixture`, `prepare_mixture`, `MixtureLoader` (and
+`interleave_documents`, to train one tokenizer on all of them).
 """
 
 from .corpus import BUILTIN_STDLIB, DEFAULT_MAX_BYTES, default_corpus_files, stdlib_root
 from .holdout import document_scores
 from .loader import BatchLoader, eval_batches
-from .mixture import MixtureComponent, MixtureLoader, parse_mixture, prepare_mixture
+from .mixture import MixtureComponent, MixtureLoader, interleave_documents, parse_mixture, prepare_mixture
 from .packing import PackedData, prepare_tokens
 from .shards import DEFAULT_SHARD_TOKENS, TokenShards, prepare_token_shards, token_dtype
 from .sources import (
@@ -65,6 +66,7 @@ __all__ = [
     "default_corpus_files",
     "document_scores",
     "eval_batches",
+    "interleave_documents",
     "load_documents",
     "load_tokenizer",
     "padded_vocab_size",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +82,31 @@ def prepare_mixture(
         component.name: prepare_tokens(component.source, tokenizer, seq_len=seq_len, cache_dir=cache_dir, **options)
         for component in components
     }
+
+
+def interleave_documents(streams: Iterable) -> Iterator[str]:
+    """The texts of several document streams taken in turn, one document from each, until all run out.
+
+    For training one tokenizer on a mixture: the head of the result (what the
+    tokenizer trainer reads) holds every source, not only the first. A stream
+    is an iterable of strings or anything with `iter(batch_size)` yielding
+    {"text": [...]} batches (a `datasets` stream, data/sources.py's text files).
+    """
+    def texts(stream) -> Iterator[str]:
+        if hasattr(stream, "iter"):
+            for batch in stream.iter(batch_size=64):
+                yield from batch["text"]
+        else:
+            yield from stream
+
+    active = [texts(stream) for stream in streams]
+    while active:
+        for iterator in list(active):
+            text = next(iterator, None)
+            if text is None:
+                active.remove(iterator)
+            else:
+                yield text
 
 
 class MixtureLoader:

@@ -1,9 +1,12 @@
 """The `spillway` command: list recipes, train, sample from a checkpoint, plan memory for a GPU.
 
-    spillway recipes
-    spillway train tiny [--set train.steps=100 ...] [--plan auto --gpu h200]
+    spillway recipes [NAME]
+    spillway train tiny [--set train.steps=100 ...] [--plan auto [--gpu h200]]
     spillway generate runs/tiny --prompt "def " [--tokens 100 --temperature 0.8 --top-p 0.95]
-    spillway plan llama3_8b --gpu h200 [--devices N] [--hbm-budget GIB] [--png PATH] [--json]
+    spillway plan llama3_8b [--gpu h200] [--devices N] [--hbm-budget GIB] [--png PATH] [--json]
+
+`--gpu` and `--devices` default to the GPUs the recipe was planned for
+(offload.target_gpu, offload.target_devices), else one H200.
 
 Errors are one line on stderr and a non-zero exit status: 2 for a failure
 the user can fix (a SpillwayError, e.g. a bad setting, a checkpoint that does
@@ -24,14 +27,23 @@ DEBUG_ENV = "SPILLWAY_DEBUG"
 EXIT_USER_ERROR = 2      # what argparse uses for a bad command line, too
 EXIT_INTERNAL_ERROR = 1
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
+DEFAULT_GPU = "h200"     # planning target of a recipe that names none
 _MAX_INTERNAL_MESSAGE = 500
 
 
 def _cmd_recipes(args) -> int:
     from spillway.recipes.registry import get_recipe, recipe_names
+    if args.name:
+        # one recipe in full: where its numbers come from, then every field (what `--set` can change)
+        import textwrap
+        recipe = get_recipe(args.name, args.set)
+        print(textwrap.fill(f"{recipe.name}: {recipe.description}", width=100, subsequent_indent="  "))
+        print(recipe.to_json())
+        return 0
     for name in recipe_names():
         recipe = get_recipe(name)
-        print(f"{name:20s} {recipe.family:8s} {recipe.num_params() / 1e6:9.1f}M  {recipe.description}")
+        summary = recipe.description.split(" Sources: ")[0]   # the list shows what it is, not where from
+        print(f"{name:20s} {recipe.family:8s} {recipe.num_params() / 1e6:9.1f}M  {summary}")
     return 0
 
 
@@ -43,7 +55,10 @@ def _cmd_train(args) -> int:
     recipe = get_recipe(args.recipe, args.set)
     if args.plan:
         from spillway.recipes.plan.planner import apply_plan
-        recipe = apply_plan(recipe, args.plan, gpu=args.gpu, devices=args.devices)
+        from spillway.recipes.train.preflight import check_run_inputs
+        check_run_inputs(recipe)   # a missing corpus or tokenizer fails now, not after minutes of compiles
+        recipe = apply_plan(recipe, args.plan, gpu=args.gpu or recipe.offload.target_gpu or DEFAULT_GPU,
+                            devices=args.devices)
     from spillway.recipes.train.loop import train
     train(recipe, stop_after=args.stop_after)
     return 0
@@ -65,6 +80,12 @@ def _cmd_generate(args) -> int:
 
 def _cmd_plan(args) -> int:
     from spillway.recipes.plan.planner import plan_command
+    if args.gpu is None or args.devices is None:
+        # the recipe's own target (offload.target_gpu x offload.target_devices), where it names one
+        from spillway.recipes.registry import get_recipe
+        offload = get_recipe(args.recipe, args.set).offload
+        args.gpu = args.gpu or offload.target_gpu or DEFAULT_GPU
+        args.devices = offload.target_devices if args.devices is None else args.devices
     return plan_command(args)
 
 
@@ -82,14 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"show the full traceback of an error (or set {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("recipes", help="list the registered recipes", parents=[common])
+    p = sub.add_parser("recipes", help="list the registered recipes, or show one in full", parents=[common])
+    p.add_argument("name", nargs="?", help="a recipe: its description (with its sources) and all its fields")
+    p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
     p.set_defaults(fn=_cmd_recipes)
 
     p = sub.add_parser("train", help="train a recipe", parents=[common])
     p.add_argument("recipe")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
     p.add_argument("--plan", choices=["auto"], help="pick the offload plan with `spillway plan` first")
-    p.add_argument("--gpu", default="h200", help="target GPU for --plan auto")
+    p.add_argument("--gpu", default=None,
+                   help=f"target GPU for --plan auto (default: the recipe's offload.target_gpu, else {DEFAULT_GPU})")
     p.add_argument("--devices", type=int, default=None, help="GPUs for --plan auto (default: the mesh's)")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="save and leave after N steps of this invocation (time-limited jobs); rerun to resume")
@@ -107,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="HBM, host memory and transfer cost of a recipe on a GPU, without the GPU",
                        parents=[common])
     p.add_argument("recipe")
-    p.add_argument("--gpu", default="h200")
-    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--gpu", default=None,
+                   help=f"target GPU (default: the recipe's offload.target_gpu, else {DEFAULT_GPU})")
+    p.add_argument("--devices", type=int, default=None,
+                   help="GPUs on one host (default: the recipe's offload.target_devices, else 1)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--host-ram-gb", type=float, default=None, help="host RAM available for pinned memory")
     p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM a plan may use")

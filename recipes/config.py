@@ -40,12 +40,15 @@ class DataConfig:
     text_field: str = "text"
     tokenizer: str | None = None          # tokenizer.json, a sentencepiece .model, or a directory holding either;
                                           # None: the init_from=hf: checkpoint's, else one trained on the corpus
+    tokenizer_origin: str | None = None   # the Hub repository `tokenizer` is a local copy of: named, with the
+                                          # command that fetches it, when the file is missing (nothing else)
     tokenizer_type: str = "bpe"           # "bpe" | "unigram" when training
     seq_len: int = 256
     val_fraction: float = 0.02
     cache_dir: str = ".cache/spillway"
     num_proc: int = 1                     # tokenizing processes (>1: a forkserver pool, safe beside JAX's threads)
-    max_tokens: int | None = None         # optional cap on tokens taken from the source (its head), streamed or not
+    max_tokens: int | None = None         # optional cap on tokens taken from the source (its head), streamed or not;
+                                          # in a mixture, from each source
     shard_tokens: int = 1 << 22           # tokens per on-disk shard of the tokenized corpus (data/shards.py)
     mixture: str | None = None            # "name=weight:source,...": weighted sources instead of `source` (data/mixture.py)
 
@@ -68,6 +71,10 @@ class OffloadConfig:
     # "host" streams them through HBM a layer at a time (layers/host_weights.py).
     # Embedding, final norm and head stay on device.
     params: str = "device"
+    # The GPUs the two settings above were planned for: `spillway plan RECIPE` picks them there, and
+    # `spillway train RECIPE --plan auto` plans for that GPU by default. None: a recipe for no GPU in particular.
+    target_gpu: str | None = None         # a recipes/plan/targets.py name, e.g. "h200"
+    target_devices: int = 1               # how many of them, on one host
 
     def __post_init__(self):
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -81,6 +88,13 @@ class OffloadConfig:
             raise ConfigError("offload.params=host needs offload.optimizer_state=host (the update of host "
                               "weights reads host gradients; with the state on device it would need them "
                               "all in HBM)")
+        require_positive("offload", target_devices=self.target_devices)
+        if self.target_gpu is not None:
+            from spillway.recipes.plan.targets import get_target   # GPU facts as data: imports nothing heavy
+            try:
+                get_target(self.target_gpu)
+            except ValueError as err:
+                raise ConfigError(f"offload.target_gpu: {err}") from None
         try:
             RematPlan.parse(self.activations)  # the layer counts are checked against the model by Recipe
         except ValueError as err:

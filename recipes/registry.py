@@ -61,46 +61,105 @@ def tiny() -> Recipe:
     )
 
 
-GPU_EXECUTION = Execution(dtype="bfloat16", param_dtype="bfloat16", attention_impl="flash")
+# --- GPU pretraining recipes: what a practitioner would train on and with ------------------------------------
+# Each names a real corpus (a Hub dataset, streamed; --set data.source=DIR for a local copy), the model's own
+# tokenizer by path (data.tokenizer, a folder holding the tokenizer.json or tokenizer.model of the Hub
+# repository in data.tokenizer_origin), the published or standard hyperparameters, and the GPUs its offload
+# settings were planned for: `spillway plan NAME` picks them there (tests/recipes/test_gpu_recipes.py checks
+# that in its slow test). Where a value is our choice and not a publication's, the description says so.
+# Offline, `spillway train NAME` stops with one line naming what is missing (recipes/train/preflight.py).
+
+# cuDNN's fused attention: 3.6x faster than the blockwise JAX one for the Llama 3.2 1B step on an H200, at the
+# same HBM (BENCHMARKS.md, "On a GPU"). The planner compiles the blockwise one in its place (it needs no cuDNN).
+GPU_EXECUTION = Execution(dtype="bfloat16", param_dtype="bfloat16", attention_impl="cudnn")
+
+FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu"            # all of FineWeb-Edu (about 1.3T tokens at release)
+FINEWEB_EDU_10BT = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"   # its 10B-token sample
+TOKENIZERS_DIR = "tokenizers"                           # data.tokenizer = TOKENIZERS_DIR/<Hub repository>
+
+# Llama 2 (Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models", section 2.2 and
+# Table 1): AdamW with b1 0.9, b2 0.95, eps 1e-5, weight decay 0.1, gradient clipping 1.0, a cosine schedule
+# with 2000 warmup steps down to 10% of the peak, global batches of 4M tokens, peak learning rate 3e-4 at 7B.
+LLAMA2_OPTIMIZER = OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_lr_ratio=0.1, b1=0.9, b2=0.95,
+                                   eps=1e-5, weight_decay=0.1, clip_norm=1.0, master_weights=True)
+LLAMA2_BATCH_TOKENS = 4 * 2**20                         # "4M tokens": 512 x 8192 or 1024 x 4096
+LLAMA2_SOURCE = ("Llama 2's published pretraining settings (Touvron et al. 2023, section 2.2, Table 1: AdamW "
+                 "0.9/0.95, eps 1e-5, weight decay 0.1, clipping 1.0, 2000 warmup steps, cosine to 10%, "
+                 "4M-token batches, peak lr 3e-4 at 7B)")
 
 
-def _gpu_recipe(name: str, preset: str, description: str, **model_overrides) -> Recipe:
+def steps_for(token_budget: float, tokens_per_step: int) -> int:
+    """Optimizer steps that train on `token_budget` tokens (whole steps, rounded down)."""
+    return int(token_budget // tokens_per_step)
+
+
+def _pretraining_recipe(name: str, *, family: str, model, description: str, corpus: str, tokenizer_origin: str,
+                        seq_len: int, global_batch: int, grad_accum: int, token_budget: float,
+                        optimizer: OptimizerConfig, offload: OffloadConfig, val_fraction: float = 0.001,
+                        eval_every: int = 1000, eval_batches: int = 4, checkpoint_every: int = 1000) -> Recipe:
+    """A GPU pretraining recipe; `global_batch` sequences of `seq_len` per step, `grad_accum` micro-batches."""
     return Recipe(
-        name=name,
-        description=description,
-        family="llama",
-        model=llama_config(preset, **model_overrides),
-        execution=GPU_EXECUTION,
-        data=DataConfig(tokenizer=None, seq_len=8192, num_proc=16),
-        optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, weight_decay=0.1, clip_norm=1.0,
-                                  master_weights=True),
-        offload=OffloadConfig(activations="recompute_all", optimizer_state="device"),
+        name=name, description=description, family=family, model=model, execution=GPU_EXECUTION,
+        data=DataConfig(source=corpus, text_field="text", tokenizer=f"{TOKENIZERS_DIR}/{tokenizer_origin}",
+                        tokenizer_origin=tokenizer_origin, seq_len=seq_len, val_fraction=val_fraction, num_proc=16),
+        optimizer=optimizer,
+        offload=offload,
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
-        checkpoint=CheckpointConfig(every_steps=1000, keep=3),
-        train=TrainConfig(steps=100_000, global_batch=1, log_every=10, eval_every=1000, loss_chunk=1024),
+        checkpoint=CheckpointConfig(every_steps=checkpoint_every, keep=3),
+        train=TrainConfig(steps=steps_for(token_budget, global_batch * seq_len), global_batch=global_batch,
+                          grad_accum=grad_accum, log_every=10, eval_every=eval_every, eval_batches=eval_batches,
+                          loss_chunk=1024, sample_prompt="Hello, I'm a language model,", sample_tokens=64),
     )
 
 
 @register("llama3_1b")
 def llama3_1b() -> Recipe:
-    """Llama 3.2 1B architecture, sequence 8192, bf16 weights with fp32 master state."""
-    return _gpu_recipe("llama3_1b", "llama3_2_1b", "Llama 3.2 1B, seq 8192, flash attention", max_seq_len=8192)
+    """Llama 3.2 1B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
+    return _pretraining_recipe(
+        "llama3_1b", family="llama", model=llama_config("llama3_2_1b", max_seq_len=8192),
+        description=(
+            "Llama 3.2 1B on FineWeb-Edu with the Llama 3 tokenizer, 4M tokens/step (512 x 8192, 128 micro-batches "
+            "of 4), 9T tokens; one H200. Sources: 9T tokens is the Llama 3.2 model card's 'up to 9 trillion' (Meta "
+            "also distilled from larger Llama 3 models, which this recipe does not); sequence 8192 is Llama 3's "
+            f"pretraining length; the optimizer and batch are {LLAMA2_SOURCE}, our choice at 1B; the corpus "
+            "(smaller than the budget: the loader passes over it again) and micro-batch are our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.2-1B",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=128,
+        token_budget=9e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
 
 
 @register("llama3_8b")
 def llama3_8b() -> Recipe:
-    """Llama 3.1 8B, sequence 8192, everything on device, recompute every block."""
-    return _gpu_recipe("llama3_8b", "llama3_1_8b", "Llama 3.1 8B, seq 8192, state on device", max_seq_len=8192)
+    """Llama 3.1 8B from scratch on FineWeb-Edu with its own tokenizer; one node of 8 H200s."""
+    return _pretraining_recipe(
+        "llama3_8b", family="llama", model=llama_config("llama3_1_8b", max_seq_len=8192),
+        description=(
+            "Llama 3.1 8B on FineWeb-Edu with the Llama 3 tokenizer, 4M tokens/step (512 x 8192, 64 micro-batches "
+            "of one sequence per GPU), 15T tokens; 8 H200s. Sources: 15T tokens and sequence 8192 are the Llama 3 "
+            "model card's ('15T+' tokens, 8k context); Meta has not published the 8B's optimizer settings, so "
+            f"these are {LLAMA2_SOURCE}; the corpus (smaller than the budget: the loader passes over it again) is "
+            "our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.1-8B",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
+        token_budget=15e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
+                              target_devices=8))
 
 
 @register("llama3_8b_offload")
 def llama3_8b_offload() -> Recipe:
-    """Llama 3.1 8B with matmul outputs offloaded to host and the optimizer state in host memory."""
+    """llama3_8b on a single 80 GB H100: its 96 GB of optimizer state cannot live in HBM."""
     base = llama3_8b()
     return dataclasses.replace(
         base, name="llama3_8b_offload",
-        description="Llama 3.1 8B, seq 8192, activations offloaded, optimizer state in pinned host memory",
-        offload=OffloadConfig(activations="offload_dots", optimizer_state="host"))
+        description=(
+            "llama3_8b (same model, data, tokenizer, optimizer, 15T-token budget) on ONE H100 80GB: the fp32 "
+            "optimizer state (96 GB) cannot live in HBM, so the planner puts it in pinned host memory; 4M "
+            "tokens/step as 512 micro-batches of one 8192-token sequence. Sources: as llama3_8b; the single "
+            "H100 is our choice, to show what offload makes possible"),
+        train=dataclasses.replace(base.train, grad_accum=512),
+        offload=OffloadConfig(activations="offload_inputs", optimizer_state="host", target_gpu="h100"))
 
 
 # --- GPT-2 -----------------------------------------------------------------------
@@ -118,32 +177,26 @@ def gpt2_tiny() -> Recipe:
 
 @register("gpt2_124m")
 def gpt2_124m() -> Recipe:
-    """GPT-2 124M at its whole context (1024 learned positions), bf16 weights with fp32 master state."""
-    return Recipe(
-        name="gpt2_124m",
-        description="GPT-2 124M, seq 1024 (its position limit), flash attention, bf16",
-        family="gpt2",
-        model=gpt2_config("gpt2_124m"),
-        execution=GPU_EXECUTION,
-        data=DataConfig(tokenizer=None, seq_len=1024, num_proc=16),
-        # nanoGPT's GPT-2 124M settings: peak 6e-4, 0.1 weight decay, betas (0.9, 0.95).
-        optimizer=OptimizerConfig(learning_rate=6e-4, warmup_steps=2000, weight_decay=0.1,
-                                  clip_norm=1.0, master_weights=True),
-        # `spillway plan gpt2_124m --gpu h200` picks this: as fast as saving everything (no recompute)
-        # at about half its HBM (17 vs 32 GiB for 32 x 1024 tokens).
-        offload=OffloadConfig(activations="save_dots", optimizer_state="device"),
-        mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
-        checkpoint=CheckpointConfig(every_steps=1000, keep=3),
-        train=TrainConfig(steps=100_000, global_batch=32, log_every=10, eval_every=1000, loss_chunk=1024),
-    )
+    """GPT-2 124M on FineWeb-Edu's 10B-token sample: Karpathy's build-nanogpt baseline; one H200."""
+    return _pretraining_recipe(
+        "gpt2_124m", family="gpt2", model=gpt2_config("gpt2_124m"),
+        description=(
+            "GPT-2 124M on FineWeb-Edu sample-10BT with the GPT-2 tokenizer, 524,288 tokens/step (512 x 1024, 8 "
+            "micro-batches of 64), 19,073 steps (about 10B tokens, one pass); one H200. Sources: Karpathy's "
+            "build-nanogpt train_gpt2.py (GPT-2 124M reproduced on this corpus): AdamW 0.9/0.95, eps 1e-8, "
+            "weight decay 0.1, clipping 1.0, peak lr 6e-4, 715 warmup steps (GPT-3's 375M tokens), cosine to "
+            "10%, validation every 250 steps on about 10M tokens (20 batches), a checkpoint every 5000 steps, "
+            "1% of the documents held out (their first 100M-token shard); bf16 weights with fp32 master copies "
+            "instead of fp32 weights under bf16 autocast, and the published 50,257-row vocabulary instead of "
+            "the padded 50,304, are our choice"),
+        corpus=FINEWEB_EDU_10BT, tokenizer_origin="openai-community/gpt2", seq_len=1024, global_batch=512,
+        grad_accum=8, token_budget=10e9, val_fraction=0.01, eval_every=250, eval_batches=20, checkpoint_every=5000,
+        optimizer=OptimizerConfig(learning_rate=6e-4, warmup_steps=715, min_lr_ratio=0.1, b1=0.9, b2=0.95,
+                                  eps=1e-8, weight_decay=0.1, clip_norm=1.0, master_weights=True),
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
 
 
-# --- helpers for the recipes below: another family's model with an existing recipe's setup
-
-def _like_llama3_8b(name: str, family: str, model, description: str) -> Recipe:
-    """A GPU recipe with llama3_8b's setup (bf16, flash attention, seq 8192, fp32 master state) for another model."""
-    return dataclasses.replace(llama3_8b(), name=name, family=family, model=model, description=description)
-
+# --- helper for the CPU recipes below: another family's small model with `tiny`'s setup
 
 def _cpu_recipe(name: str, family: str, model, description: str) -> Recipe:
     """A CPU recipe with `tiny`'s data, optimizer and schedule for another family's small model."""
@@ -163,18 +216,39 @@ def mistral_tiny() -> Recipe:
                        "4-layer Mistral, sliding window 64 over 128 tokens, on the stdlib corpus")
 
 
+MISTRAL_SOURCE = ("Mistral AI has not published the data, budget or optimizer settings of its 7B models, so all "
+                  f"of these are our choice: {LLAMA2_SOURCE}, with Llama 2's 2T-token budget, and the corpus")
+
+
 @register("mistral_7b")
 def mistral_7b() -> Recipe:
-    """Mistral 7B v0.3 (no window), sequence 8192."""
-    return _like_llama3_8b("mistral_7b", "mistral", mistral_config("mistral_7b_v0_3", max_seq_len=8192),
-                           "Mistral 7B v0.3, seq 8192, state on device")
+    """Mistral 7B v0.3 (no sliding window) from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
+    return _pretraining_recipe(
+        "mistral_7b", family="mistral", model=mistral_config("mistral_7b_v0_3", max_seq_len=8192),
+        description=(
+            "Mistral 7B v0.3 on FineWeb-Edu with its own tokenizer (32,768 pieces), 4M tokens/step (512 x 8192, "
+            f"64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: {MISTRAL_SOURCE}"),
+        corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.3",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
+        token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
+                              target_devices=8))
 
 
 @register("mistral_7b_v0_1")
 def mistral_7b_v0_1() -> Recipe:
-    """Mistral 7B v0.1: sequence 8192 through its 4096-position sliding window."""
-    return _like_llama3_8b("mistral_7b_v0_1", "mistral", mistral_config("mistral_7b_v0_1", max_seq_len=8192),
-                           "Mistral 7B v0.1, seq 8192, sliding window 4096, state on device")
+    """Mistral 7B v0.1: sequence 8192 through its 4096-position sliding window; 8 H200s."""
+    return _pretraining_recipe(
+        "mistral_7b_v0_1", family="mistral", model=mistral_config("mistral_7b_v0_1", max_seq_len=8192),
+        description=(
+            "Mistral 7B v0.1 (sliding window 4096) on FineWeb-Edu with its own tokenizer (32,000 pieces), 4M "
+            "tokens/step (512 x 8192, 64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: "
+            f"{MISTRAL_SOURCE}"),
+        corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.1",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
+        token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
+                              target_devices=8))
 
 
 # --- Qwen ------------------------------------------------------------------------
@@ -199,22 +273,56 @@ def qwen3_tiny() -> Recipe:
                        "4-layer Qwen3-shaped model (q/k norms) on the stdlib corpus")
 
 
+QWEN_SEQUENCE = ("sequence 4096 is the length of Qwen's main pretraining stage (the Qwen2.5 and Qwen3 technical "
+                 "reports; they extend the context only at the end)")
+QWEN_OPTIMIZER_SOURCE = ("the Qwen reports give no per-model learning rate or batch (they fit them with scaling "
+                         f"laws), so the optimizer and 4M-token batch are {LLAMA2_SOURCE}: our choice")
+
+
 @register("qwen2_5_1_5b")
 def qwen2_5_1_5b() -> Recipe:
-    """Qwen2.5 1.5B, sequence 8192."""
-    return _like_llama3_8b("qwen2_5_1_5b", "qwen2", qwen2_config("qwen2_5_1_5b", max_seq_len=8192),
-                           "Qwen2.5 1.5B, seq 8192, state on device")
+    """Qwen2.5 1.5B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
+    return _pretraining_recipe(
+        "qwen2_5_1_5b", family="qwen2", model=qwen2_config("qwen2_5_1_5b", max_seq_len=4096),
+        description=(
+            "Qwen2.5 1.5B on FineWeb-Edu with the Qwen2.5 tokenizer, 4M tokens/step (1024 x 4096, 128 "
+            "micro-batches of 8), 18T tokens; one H200. Sources: 18T tokens is Qwen2.5's pretraining budget (its "
+            f"technical report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: "
+            "the loader passes over it again) and micro-batch are our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen2.5-1.5B",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=128,
+        token_budget=18e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
 
 
 @register("qwen3_0_6b")
 def qwen3_0_6b() -> Recipe:
-    """Qwen3 0.6B, sequence 8192."""
-    return _like_llama3_8b("qwen3_0_6b", "qwen3", qwen3_config("qwen3_0_6b", max_seq_len=8192),
-                           "Qwen3 0.6B, seq 8192, state on device")
+    """Qwen3 0.6B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
+    return _pretraining_recipe(
+        "qwen3_0_6b", family="qwen3", model=qwen3_config("qwen3_0_6b", max_seq_len=4096),
+        description=(
+            "Qwen3 0.6B on FineWeb-Edu with the Qwen3 tokenizer, 4M tokens/step (1024 x 4096, 128 micro-batches "
+            "of 8), 36T tokens; one H200. Sources: 36T tokens is Qwen3's pretraining budget (its technical "
+            f"report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: the loader "
+            "passes over it again) and micro-batch are our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-0.6B-Base",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=128,
+        token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
 
 
 @register("qwen3_8b")
 def qwen3_8b() -> Recipe:
-    """Qwen3 8B, sequence 8192."""
-    return _like_llama3_8b("qwen3_8b", "qwen3", qwen3_config("qwen3_8b", max_seq_len=8192),
-                           "Qwen3 8B, seq 8192, state on device")
+    """Qwen3 8B from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
+    return _pretraining_recipe(
+        "qwen3_8b", family="qwen3", model=qwen3_config("qwen3_8b", max_seq_len=4096),
+        description=(
+            "Qwen3 8B on FineWeb-Edu with the Qwen3 tokenizer, 4M tokens/step (1024 x 4096, 64 micro-batches of "
+            "two sequences per GPU), 36T tokens; 8 H200s. Sources: 36T tokens is Qwen3's pretraining budget (its "
+            f"technical report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: "
+            "the loader passes over it again) is our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-8B-Base",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=64,
+        token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
+                              target_devices=8))

@@ -241,7 +241,8 @@ def planned_recipe(recipe: Recipe) -> tuple[Recipe, list[str]]:
         return (dataclasses.replace(recipe, execution=dataclasses.replace(recipe.execution, attention_impl="flash")),
                 ["attention: the recipe uses cuDNN attention, which cannot be compiled without cuDNN; "
                  "planned with 'flash' (layers/flash_attention.py, also memory-linear in the sequence). "
-                 "Train with execution.attention_impl=flash to run what was planned."])
+                 "On an H200 the two measured within 0.5% of each other in HBM, cuDNN 3.6x faster "
+                 "(Llama 3.2 1B, BENCHMARKS.md)."])
     if impl == "xla":
         return recipe, ["attention: 'xla' materialises the [seq, seq] scores per head (memory quadratic "
                         "in the sequence); --set execution.attention_impl=flash for long sequences."]

@@ -1,5 +1,22 @@
 """From a recipe's DataConfig to tokenizer + packed rows + loaders (the glue between recipes and data/).
 
+A run reads one corpus (`data.source`) or a mixture of weighted sources
+(`data.mixture`, data/mixture.py). Either way `prepare` gives a
+`TrainingData`: every source packed on its own with one tokenizer, held out
+by document, and
+
+* `loader`: the batches the run trains on: `BatchLoader` over one corpus,
+  `MixtureLoader` over a mixture (rows follow the weights deterministically;
+  its state, saved with every checkpoint, resumes exactly);
+* `validation_sets`: the held-out rows, by source name. The train loop
+  reports a loss per source (`val_loss/<name>`) and, as `val_loss`, their
+  average under the mixture's weights: the expected loss of a batch drawn as
+  the run draws its training batches. One corpus has one set and `val_loss`
+  is simply its loss.
+
+Without `data.tokenizer` one is trained: on the corpus, or on the mixture's
+sources taken in turn document by document (`interleave_documents`).
+
 Process 0 trains the tokenizer and tokenizes first; the others wait at a
 barrier and then load the cached results, so several processes never race on
 the same cache files.
@@ -7,12 +24,61 @@ the same cache files.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from spillway.data import (BatchLoader, PackedData, Tokenizer, check_vocab, load_tokenizer,
-                           prepare_tokens, stream_documents, train_tokenizer)
-from spillway.recipes.train import distributed
+import numpy as np
+
+from spillway.data import (BatchLoader, MixtureLoader, PackedData, Tokenizer, check_vocab, interleave_documents,
+                           load_tokenizer, parse_mixture, prepare_tokens, stream_documents, train_tokenizer)
+from spillway.layers.errors import DataError
 from spillway.recipes.config import Recipe
+from spillway.recipes.train import distributed
+
+CORPUS = "corpus"   # the one source's name when the run reads data.source
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingData:
+    """The packed rows of every source a run reads, and the mixture's weights (None: one corpus)."""
+
+    sources: dict[str, PackedData]
+    weights: dict[str, float] | None
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.weights is not None
+
+    @property
+    def seq_len(self) -> int:
+        return next(iter(self.sources.values())).seq_len
+
+    @property
+    def from_cache(self) -> bool:
+        return all(packed.from_cache for packed in self.sources.values())
+
+    def describe(self) -> str:
+        """One line: rows per split of each source (and its weight in a mixture)."""
+        def rows(packed: PackedData) -> str:
+            return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows"
+
+        if not self.is_mixture:
+            return f"{rows(self.sources[CORPUS])} of {self.seq_len + 1} tokens"
+        parts = "; ".join(f"{name} (weight {self.weights[name]:.3g}): {rows(packed)}"
+                          for name, packed in self.sources.items())
+        return f"mixture of {len(self.sources)} sources, rows of {self.seq_len + 1} tokens: {parts}"
+
+    def loader(self, recipe: Recipe, process_index: int, process_count: int) -> BatchLoader | MixtureLoader:
+        """The training batches, from the start (restore a checkpoint's loader state to continue)."""
+        options = dict(global_batch_size=recipe.train.global_batch, seed=recipe.train.seed,
+                       process_index=process_index, process_count=process_count)
+        if not self.is_mixture:
+            return BatchLoader(self.sources[CORPUS].train, **options)
+        return MixtureLoader({name: packed.train for name, packed in self.sources.items()}, self.weights, **options)
+
+    def validation_sets(self) -> dict[str, np.ndarray]:
+        """The held-out rows of each source, by name."""
+        return {name: packed.val for name, packed in self.sources.items()}
 
 
 def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
@@ -20,29 +86,47 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
     # A stream: the tokenizer trains on the head of the corpus, which is never copied whole.
-    documents = stream_documents(cfg.source, text_field=cfg.text_field, cache_dir=Path(cfg.cache_dir) / "datasets")
+    sources = [c.source for c in parse_mixture(cfg.mixture)] if cfg.mixture else [cfg.source]
+    streams = [stream_documents(source, text_field=cfg.text_field, cache_dir=Path(cfg.cache_dir) / "datasets")
+               for source in sources]
+    documents = streams[0] if len(streams) == 1 else interleave_documents(streams)
     return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
                            cache_dir=Path(cfg.cache_dir) / "tokenizers")
 
 
-def prepare(recipe: Recipe) -> tuple[Tokenizer, PackedData]:
+def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:
+    """A validation set smaller than one global batch would give no evaluation at all: say so before training."""
+    if not recipe.train.eval_every:
+        return
+    for name, rows in data.validation_sets().items():
+        if len(rows) < recipe.train.global_batch:
+            where = f"data.mixture source {name!r}" if data.is_mixture else f"data.source {recipe.data.source!r}"
+            raise DataError(f"{where}: {len(rows)} validation rows, fewer than one global batch "
+                            f"({recipe.train.global_batch} rows), so it cannot be evaluated: raise data.val_fraction "
+                            f"(now {recipe.data.val_fraction}) or set train.eval_every=0")
+
+
+def prepare(recipe: Recipe) -> tuple[Tokenizer, TrainingData]:
     """Tokenizer and packed rows for the recipe, computed once per cache key."""
-    if recipe.data.mixture:
-        # spillway.data prepares and loads mixtures (prepare_mixture, MixtureLoader); the train
-        # loop's evaluation and logging still expect one corpus, so refuse rather than ignore it.
-        raise ValueError(f"data.mixture={recipe.data.mixture!r}: training on a mixture is not wired into "
-                         f"the train loop yet; use data.source")
+    cfg = recipe.data
+    components = parse_mixture(cfg.mixture) if cfg.mixture else None
+
     def build():
         tokenizer = load_or_train_tokenizer(recipe)
         check_vocab(tokenizer, recipe.model.vocab_size)
         # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
         _ = tokenizer.eos_id
-        packed = prepare_tokens(recipe.data.source, tokenizer, seq_len=recipe.data.seq_len,
-                                cache_dir=recipe.data.cache_dir, val_fraction=recipe.data.val_fraction,
-                                num_proc=recipe.data.num_proc, seed=recipe.train.seed,
-                                text_field=recipe.data.text_field, max_tokens=recipe.data.max_tokens,
-                                shard_tokens=recipe.data.shard_tokens)
-        return tokenizer, packed
+        options = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_dir, val_fraction=cfg.val_fraction,
+                       num_proc=cfg.num_proc, seed=recipe.train.seed, text_field=cfg.text_field,
+                       max_tokens=cfg.max_tokens, shard_tokens=cfg.shard_tokens)
+        if components is None:
+            data = TrainingData({CORPUS: prepare_tokens(cfg.source, tokenizer, **options)}, None)
+        else:
+            total = sum(c.weight for c in components)
+            data = TrainingData({c.name: prepare_tokens(c.source, tokenizer, **options) for c in components},
+                                {c.name: c.weight / total for c in components})
+        _check_validation_rows(recipe, data)
+        return tokenizer, data
 
     if distributed.is_main_process():
         result = build()
@@ -52,6 +136,6 @@ def prepare(recipe: Recipe) -> tuple[Tokenizer, PackedData]:
     return build()
 
 
-def train_loader(packed: PackedData, recipe: Recipe, process_index: int, process_count: int) -> BatchLoader:
-    return BatchLoader(packed.train, global_batch_size=recipe.train.global_batch, seed=recipe.train.seed,
-                       process_index=process_index, process_count=process_count)
+def train_loader(data: TrainingData, recipe: Recipe, process_index: int,
+                 process_count: int) -> BatchLoader | MixtureLoader:
+    return data.loader(recipe, process_index, process_count)

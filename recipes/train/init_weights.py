@@ -82,7 +82,10 @@ def check_model_matches(recipe: Recipe, directory: Path):
 
 
 def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
-    """The recipe checked against its `hf:` checkpoint and given that checkpoint's tokenizer when it names none.
+    """The recipe checked against its `hf:` checkpoint and given that checkpoint's tokenizer when it names none,
+    or names a local copy of a published tokenizer (data.tokenizer_origin) that is not there: a GPU recipe's
+    tokenizers/<repository> not fetched, whose tokenizer the checkpoint's is. A tokenizer the user named
+    (no origin) is kept, even one that is missing: that is reported as missing.
 
     Unchanged for a spillway init_from (or none). Call before data or model are built: a wrong model
     fails in a second, not after tokenizing the corpus.
@@ -98,13 +101,17 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
     if recipe.model.max_seq_len > checkpoint_len:
         say(f"note: model.max_seq_len {recipe.model.max_seq_len} is longer than the checkpoint's "
             f"{checkpoint_len} (max_position_embeddings): positions beyond it were never trained")
-    if recipe.data.tokenizer is None:
+    named = recipe.data.tokenizer
+    if named is None or (recipe.data.tokenizer_origin and not Path(named).expanduser().exists()):
         found = tokenizer_file_in(directory)
         if found is None:
+            if named is not None:
+                return recipe   # the missing tokenizer is reported with the run's other missing inputs
             raise ValueError(f"checkpoint.init_from=hf:{directory} holds no tokenizer.json or tokenizer.model, "
                              f"and the recipe names none: a tokenizer trained on the corpus would not match the "
                              f"checkpoint's embedding; set data.tokenizer=PATH")
-        say(f"tokenizer: {found} (the checkpoint's)")
+        instead = "" if named is None else f", instead of data.tokenizer {named!r}, which does not exist"
+        say(f"tokenizer: {found} (the checkpoint's{instead})")
         recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(directory)))
     return recipe
 

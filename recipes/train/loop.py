@@ -100,6 +100,8 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     _parse_profile(recipe.train.profile_steps)  # a bad value fails before anything is written
     from spillway.recipes.train.init_weights import resolve_init_from
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
+    from spillway.recipes.train.preflight import check_run_inputs
+    check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
     run_dir = Path(recipe.run_dir)
     with _owned_run_dir(run_dir, main, say):
         # opening checks that checkpoints can be written there: before any data is prepared
@@ -135,10 +137,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
     t0 = time.perf_counter()
-    tokenizer, packed = prepare(recipe)
-    say(f"data: {packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows of {packed.seq_len + 1} tokens "
-        f"({'cached' if packed.from_cache else 'tokenized'}, {time.perf_counter() - t0:.1f}s); "
-        f"tokenizer vocab {tokenizer.vocab_size}")
+    tokenizer, data = prepare(recipe)
+    say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
+        f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 
     s = setup(recipe)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
@@ -156,7 +157,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         if main:
             record_history(run_dir, "fine-tune", step=0, init_from=str(recipe.checkpoint.init_from))
     opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
-    loader = train_loader(packed, recipe, jax.process_index(), jax.process_count())
+    loader = train_loader(data, recipe, jax.process_index(), jax.process_count())
     check_weights = make_weights_check(s.graphdef, s.mesh, loss_chunk=cfg.loss_chunk, grad_accum=cfg.grad_accum,
                                        param_shardings=s.param_shardings, batch_sharding=s.batch_sharding)
 
@@ -224,18 +225,33 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     if main:
         tokenizer.save_to_directory(run_dir)  # `spillway generate RUN_DIR` needs it
     eval_step = jax.jit(make_eval_step(s.graphdef, s.mesh), in_shardings=(s.param_shardings, s.batch_sharding))
-    tokens_per_step = cfg.global_batch * packed.seq_len
-    flops_per_step = model_flops_per_token(recipe.decoder_spec(), packed.seq_len) * tokens_per_step
+    tokens_per_step = cfg.global_batch * data.seq_len
+    flops_per_step = model_flops_per_token(recipe.decoder_spec(), data.seq_len) * tokens_per_step
     peak_flops, peak_source = peak_flops_per_device()
     peak_total = peak_flops * jax.device_count()
 
-    def validation_loss() -> float:
+    def validation_loss(val_rows) -> float:
         losses = []
-        batches = eval_batches(packed.val, global_batch_size=cfg.global_batch,
+        batches = eval_batches(val_rows, global_batch_size=cfg.global_batch,
                                process_index=jax.process_index(), process_count=jax.process_count())
         for _, local in zip(range(cfg.eval_batches), batches):
             losses.append(eval_step(params, _global_batch(local, s.batch_sharding)))
         return float(np.mean([float(x) for x in losses])) if losses else float("nan")
+
+    def validation_losses() -> dict[str, float]:
+        """`val_loss`; for a mixture also `val_loss/<source>`, and `val_loss` is their weighted average
+        (recipes/train/data_pipeline.py)."""
+        per_source = {name: validation_loss(rows) for name, rows in data.validation_sets().items()}
+        if not data.is_mixture:
+            return {"val_loss": per_source[next(iter(per_source))]}
+        mixed = sum(data.weights[name] * loss for name, loss in per_source.items())
+        return {"val_loss": mixed, **{f"val_loss/{name}": loss for name, loss in per_source.items()}}
+
+    def mixture_tokens() -> dict[str, float]:
+        """Tokens trained on so far from each source of a mixture (all processes), for the metrics."""
+        if not data.is_mixture:
+            return {}
+        return {f"tokens/{name}": taken * data.seq_len for name, taken in loader.state()["taken"].items()}
 
     first_step = step
     say(f"training steps {step}..{cfg.steps}: {tokens_per_step} tokens/step; MFU against {peak_source} "
@@ -272,16 +288,19 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                     memory = device_memory_in_use()
                     if memory is not None:
                         row["memory_gib"] = memory / 2**30
+                    row.update(mixture_tokens())
                     logger.log(step, row)
                     bar.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}",
                                      "mfu": f"{row['mfu']:.1%}", "step": f"{step_time * 1e3:.0f}ms",
                                      **({"mem": f"{row['memory_gib']:.1f}G"} if memory is not None else {})})
                     window_start, window_steps = time.perf_counter(), 0
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    val = validation_loss()
-                    logger.log(step, {"val_loss": val})
-                    bar.write(f"step {step}: train loss {float(metrics['loss']):.4f}, validation loss {val:.4f}") \
-                        if main else None
+                    vals = validation_losses()
+                    logger.log(step, vals)
+                    per_source = "".join(f", {key.removeprefix('val_loss/')} {value:.4f}"
+                                         for key, value in vals.items() if key != "val_loss")
+                    bar.write(f"step {step}: train loss {float(metrics['loss']):.4f}, validation loss "
+                              f"{vals['val_loss']:.4f}{per_source}") if main else None
                     window_start, window_steps = time.perf_counter(), 0
                 stop_status = group_stop.poll()  # every process gets the same answer at the same step
                 leave_early = stop_after is not None and step - first_step >= stop_after and step < cfg.steps

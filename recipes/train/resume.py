@@ -67,6 +67,7 @@ RESUME_RULES: dict[str, str] = {
     "data": MUST_MATCH,
     "data.cache_dir": MAY_CHANGE,                 # where tokenized data is cached, not what it is
     "data.num_proc": MAY_CHANGE,
+    "data.tokenizer_origin": MAY_CHANGE,          # only named in a message when the tokenizer file is missing
     "optimizer": MAY_CHANGE,
     "optimizer.master_weights": MUST_MATCH,       # decides the optimizer state's tree
     "offload": MAY_CHANGE,

@@ -1,11 +1,13 @@
-"""Mixtures: the spec, batches that follow the weights, epochs per source, exact resume, several processes."""
+"""Mixtures: the spec, batches that follow the weights, epochs per source, exact resume, several processes,
+and the documents of several sources taken in turn (for training one tokenizer on all of them)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from spillway.data import BatchLoader, MixtureComponent, MixtureLoader, parse_mixture, prepare_mixture
+from spillway.data import (BatchLoader, MixtureComponent, MixtureLoader, interleave_documents, parse_mixture,
+                           prepare_mixture, stream_documents)
 
 from tiny_corpus import make_documents
 
@@ -140,3 +142,13 @@ def test_prepare_mixture_packs_each_source_for_one_loader(tokenizer, tmp_path):
     loader = MixtureLoader({name: data.train for name, data in packed.items()},
                            {c.name: c.weight for c in components}, global_batch_size=8)
     assert next(loader).shape == (8, 17)
+
+
+def test_interleave_takes_one_document_from_each_source_in_turn_until_all_run_out(text_folder):
+    files = stream_documents(str(text_folder))   # 12 local text files, read as a batched stream
+    documents = list(interleave_documents([["<a0>", "<a1>", "<a2>"], files, iter(["<c0>"])]))
+    texts = [text for text in documents if not text.startswith("<")]
+    assert documents[:3] == ["<a0>", texts[0], "<c0>"]   # one of each, in the order the sources are given
+    assert documents[3:7] == ["<a1>", texts[1], "<a2>", texts[2]]   # c ran out; a runs out after a2
+    assert texts == [batch_text for batch in files.iter(batch_size=5) for batch_text in batch["text"]]
+    assert len(documents) == 3 + 12 + 1

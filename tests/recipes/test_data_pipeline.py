@@ -1,13 +1,54 @@
-"""The recipe-to-data glue: settings reach the data package, and what it cannot run yet is refused."""
+"""The recipe-to-data glue: one corpus or a mixture becomes one tokenizer, packed rows per source, and a loader.
+
+Offline: the mixture is the embedded stdlib corpus (code) and a folder of generated prose (prose_corpus.py).
+"""
 
 import pytest
 
+from prose_corpus import MARKER, write_prose
+from spillway.data import BatchLoader, MixtureLoader
+from spillway.layers.errors import DataError
 from spillway.recipes.registry import get_recipe
-from spillway.recipes.train.data_pipeline import prepare
+from spillway.recipes.train.data_pipeline import CORPUS, prepare
 
 
-def test_a_mixture_recipe_is_refused_not_ignored():
-    recipe = get_recipe("tiny", ["data.mixture=web=0.7:/data/web,code=0.3:builtin:stdlib"])
-    assert recipe.data.mixture == "web=0.7:/data/web,code=0.3:builtin:stdlib"
-    with pytest.raises(ValueError, match="data.mixture=.*not wired into the train loop yet; use data.source"):
+def small(cache, *extra):
+    return get_recipe("tiny", [f"data.cache_dir={cache}", "data.seq_len=32", "data.num_proc=1",
+                               "model.vocab_size=512", "train.global_batch=8", *extra])
+
+
+@pytest.fixture(scope="module")
+def prose(tmp_path_factory):
+    return write_prose(tmp_path_factory.mktemp("prose"))
+
+
+def test_a_mixture_is_packed_per_source_with_one_tokenizer_that_saw_every_source(prose, tmp_path):
+    recipe = small(tmp_path, f"data.mixture=code=3:builtin:stdlib:400000,prose=1:{prose}", "data.val_fraction=0.2")
+    tokenizer, data = prepare(recipe)
+    assert data.is_mixture and list(data.sources) == ["code", "prose"]
+    assert data.weights == {"code": 0.75, "prose": 0.25}   # normalised
+    assert all(packed.seq_len == 32 and len(packed.train) > 100 for packed in data.sources.values())
+    # The tokenizer trained on both sources in turn: the word only the prose holds is nearly one piece.
+    assert len(tokenizer.encode([MARKER])[0]) <= 2
+    loader = data.loader(recipe, 0, 1)
+    assert isinstance(loader, MixtureLoader)
+    for _ in range(25):
+        next(loader)
+    assert loader.state()["taken"] == {"code": 150, "prose": 50}   # 200 rows, exactly 3:1
+    assert set(data.validation_sets()) == {"code", "prose"}
+
+
+def test_one_corpus_keeps_its_batch_loader(tmp_path):
+    recipe = small(tmp_path, "data.source=builtin:stdlib:200000", "train.eval_every=0")
+    _, data = prepare(recipe)
+    assert not data.is_mixture and list(data.sources) == [CORPUS]
+    assert isinstance(data.loader(recipe, 0, 1), BatchLoader)
+
+
+def test_a_source_too_small_to_validate_is_one_error_naming_it(prose, tmp_path):
+    recipe = small(tmp_path, f"data.mixture=code=3:builtin:stdlib:200000,prose=1:{prose}",
+                   "data.val_fraction=0.01", "train.global_batch=64")
+    with pytest.raises(DataError, match=r"data.mixture source 'code': \d+ validation rows, fewer than one global "
+                                        r"batch \(64 rows\).*raise data.val_fraction \(now 0.01\) or set "
+                                        r"train.eval_every=0"):
         prepare(recipe)

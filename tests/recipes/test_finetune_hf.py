@@ -234,8 +234,10 @@ def test_bad_init_from_paths_are_explained(hf_checkpoint, data_cache, tmp_path):
         resolve_init_from(get_recipe("tiny", overrides(config_only, data_cache, tmp_path)))
 
 
-def test_the_readme_example_recipe_matches_the_published_llama_3_2_1b_config(tmp_path):
-    """`spillway train llama3_1b --set checkpoint.init_from=hf:.../Llama-3.2-1B` (README): the check passes."""
+def test_the_readme_example_recipe_matches_the_published_llama_3_2_1b_config(tmp_path, monkeypatch):
+    """`spillway train llama3_1b --set checkpoint.init_from=hf:.../Llama-3.2-1B` (README): the check passes, and
+    the checkpoint's tokenizer replaces the recipe's default copy (tokenizers/..., not fetched here)."""
+    monkeypatch.chdir(tmp_path)
     published = {  # meta-llama/Llama-3.2-1B config.json, the fields spillway reads
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
         "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -246,5 +248,12 @@ def test_the_readme_example_recipe_matches_the_published_llama_3_2_1b_config(tmp
         "bos_token_id": 128000, "eos_token_id": 128001}
     (tmp_path / "config.json").write_text(json.dumps(published))
     (tmp_path / "tokenizer.json").write_text("{}")   # only its presence matters here
-    recipe = resolve_init_from(get_recipe("llama3_1b", [f"checkpoint.init_from=hf:{tmp_path}"]), lambda *a: None)
+    said = []
+    recipe = resolve_init_from(get_recipe("llama3_1b", [f"checkpoint.init_from=hf:{tmp_path}"]), said.append)
     assert recipe.data.tokenizer == str(tmp_path)
+    assert said == [f"tokenizer: {tmp_path / 'tokenizer.json'} (the checkpoint's, instead of data.tokenizer "
+                    f"'tokenizers/meta-llama/Llama-3.2-1B', which does not exist)"]
+    # A tokenizer the recipe names that is there is kept.
+    (tmp_path / "tokenizers" / "meta-llama" / "Llama-3.2-1B").mkdir(parents=True)
+    kept = resolve_init_from(get_recipe("llama3_1b", [f"checkpoint.init_from=hf:{tmp_path}"]), lambda *a: None)
+    assert kept.data.tokenizer == "tokenizers/meta-llama/Llama-3.2-1B"

@@ -336,7 +336,7 @@ def test_a_mesh_that_cannot_split_the_model_is_refused_before_any_compile(monkey
     def no_compiles(*args, **kwargs):
         raise AssertionError("nothing may be compiled for a mesh that cannot split the model")
     monkeypatch.setattr(planner, "_run_children", no_compiles)
-    eight_b = get_recipe("llama3_8b", ["train.global_batch=3"])
+    eight_b = get_recipe("llama3_8b", ["train.global_batch=3", "train.grad_accum=1"])
     with pytest.raises(ValueError, match=r"mesh.fsdp=3 does not divide embed \(4096\)\. \d+ weights \([\d.]+ GiB\) "
                                          r"would be replicated"):
         planner.plan(eight_b, "h200", 3)
@@ -344,7 +344,8 @@ def test_a_mesh_that_cannot_split_the_model_is_refused_before_any_compile(monkey
     with pytest.raises(ValueError, match=r"mesh.tensor=3 does not divide heads \(32\), kv_heads \(8\), "
                                          r"mlp \(14336\)"):
         planner.plan(tensor, "h200", 3)
-    code, _, err = run_cli(["plan", "llama3_8b", "--devices", "3", "--set", "train.global_batch=3"], capsys)
+    code, _, err = run_cli(["plan", "llama3_8b", "--devices", "3", "--set", "train.global_batch=3",
+                            "--set", "train.grad_accum=1"], capsys)
     assert code == 2 and err.count("\n") == 1 and "does not divide embed (4096)" in err
     # What divides plans: fsdp=4 and tensor=2 both divide every dimension they shard.
     assert planner.check_sharding(get_recipe("llama3_8b", ["mesh.fsdp=4", "mesh.tensor=2"]),

@@ -1,0 +1,94 @@
+"""What a run needs from outside the project, checked before anything is built: its corpus and its tokenizer.
+
+The GPU recipes name a Hub corpus and the model's own tokenizer by path
+(recipes/registry.py). On a machine without a network, or before the
+tokenizer was fetched, `check_run_inputs` stops the run at once, before the
+run directory is taken, any compile or any data preparation, with one line
+(a `MissingInputError`: the `spillway` command prints it and exits 2) that
+names every missing input and the exact `--set` that points the run at a
+local copy. Checked:
+
+* `data.tokenizer`, when set: the file, or a folder holding tokenizer.json or
+  tokenizer.model. With `data.tokenizer_origin` (the Hub repository it is a
+  copy of) the line also says how to fetch it.
+* `data.source`, or each source of `data.mixture`: a local path must exist
+  and hold corpus files; a Hub dataset must be reachable
+  (data/hub_reach.py: one metadata request, none when HF_HUB_OFFLINE is set).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spillway.data.hub_reach import hub_unreachable_reason
+from spillway.data.mixture import parse_mixture
+from spillway.data.sources import parse_hub_spec, parse_local_spec
+from spillway.data.tokenizer import TOKENIZER_FILES, tokenizer_file_in
+from spillway.layers.errors import DataError
+from spillway.recipes.config import DataConfig, Recipe
+
+LOCAL_TOKENIZER = "a tokenizer.json, a sentencepiece .model, or a folder holding either"
+LOCAL_CORPUS = "a folder of the dataset's .parquet, .jsonl or .txt files"
+
+
+class MissingInputError(DataError):
+    """The run's corpus or tokenizer is not there; the message names each and how to point at a local copy."""
+
+
+def check_run_inputs(recipe: Recipe) -> None:
+    """MissingInputError naming every input of the recipe that is missing (one line); nothing when all are there."""
+    problems = missing_inputs(recipe.data)
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise MissingInputError(f"recipe {recipe.name}: {problems[0]}")
+    numbered = "; ".join(f"({number}) {problem}" for number, problem in enumerate(problems, start=1))
+    raise MissingInputError(f"recipe {recipe.name}: {len(problems)} inputs are missing: {numbered}")
+
+
+def missing_inputs(data: DataConfig) -> list[str]:
+    """One phrase per missing input: what is missing, and the --set that points at a local copy."""
+    problems = []
+    if data.tokenizer is not None:
+        problems.append(_tokenizer_problem(data.tokenizer, data.tokenizer_origin))
+    if data.mixture:
+        components = parse_mixture(data.mixture)
+        for component in components:
+            fix = "--set data.mixture=" + ",".join(
+                f"{c.name}={c.weight:g}:{'DIR' if c is component else c.source}" for c in components)
+            problems.append(_source_problem(f"data.mixture source {component.name!r}", component.source, fix))
+    else:
+        problems.append(_source_problem("data.source", data.source, "--set data.source=DIR"))
+    return [problem for problem in problems if problem is not None]
+
+
+def _tokenizer_problem(path_text: str, origin: str | None) -> str | None:
+    path = Path(path_text).expanduser()
+    if path.is_file() or (path.is_dir() and tokenizer_file_in(path) is not None):
+        return None
+    what = (f"data.tokenizer {path_text!r} holds neither {' nor '.join(TOKENIZER_FILES)}" if path.is_dir()
+            else f"data.tokenizer {path_text!r} does not exist")
+    fetch = ""
+    if origin:
+        folder = path.parent if path.suffix in (".json", ".model") else path
+        fetch = (f" (it is {origin}'s tokenizer: fetch it with `hf download {origin} --include '*.json' "
+                 f"tokenizer.model --local-dir {folder}`)")
+    return f"{what}{fetch}; or point at a local copy with --set data.tokenizer=PATH ({LOCAL_TOKENIZER})"
+
+
+def _source_problem(field: str, source: str, fix: str) -> str | None:
+    try:
+        hub = parse_hub_spec(source)
+        if hub is None:
+            parse_local_spec(source)   # raises for a path that does not exist or holds no corpus files
+            return None
+    except (OSError, ValueError) as error:
+        return f"{field} {source!r}: {' '.join(str(error).split())}; point it at a local copy with {fix} " \
+               f"({LOCAL_CORPUS})"
+    reason = hub_unreachable_reason(hub)
+    if reason is None:
+        return None
+    config = f" (config {hub.config})" if hub.config else ""
+    return (f"{field} {source!r} is the Hugging Face Hub dataset {hub.repo_id}{config}, streamed while training, "
+            f"and {reason}: point the run at a local copy with {fix} ({LOCAL_CORPUS}; fetch them where there is "
+            f"a network with `hf download {hub.repo_id} --repo-type dataset --local-dir DIR`)")
