@@ -7,7 +7,9 @@ Three implementations, chosen per model (`impl`):
              the sequence (measured for one 8192-token layer on an H200
              target in docs/DESIGN.md section 5).
     "cudnn"  jax.nn.dot_product_attention(implementation="cudnn"): cuDNN flash
-             attention on NVIDIA GPUs; cannot be compiled without cuDNN.
+             attention on NVIDIA GPUs; cannot be compiled without cuDNN. Off a
+             GPU the layer computes the same attention with "xla" (a GPU
+             recipe's model still builds and samples on a CPU).
     "flash"  layers/flash_attention.py: blockwise attention in plain JAX with its
              own backward pass; memory linear in the sequence, compiles
              everywhere (the planner plans with it).
@@ -152,5 +154,10 @@ class Attention(nnx.Module):
             mask = _reference_mask(q_positions_bt, kv_positions_bs, self.sliding_window)
             return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, implementation="xla")
         window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
+        impl = self.impl
+        if impl == "cudnn" and jax.default_backend() != "gpu":
+            # The same maths where there is no cuDNN, so a GPU recipe's model builds, samples and is
+            # checked on a CPU; training refuses it there (recipes/train/step.py check_attention_backend).
+            impl = "xla"
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True,
-                                            local_window_size=window, implementation=self.impl)
+                                            local_window_size=window, implementation=impl)
