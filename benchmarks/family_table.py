@@ -69,7 +69,8 @@ def parse_args(argv=None):
 
 
 def row_overrides(seq_len: int) -> list[str]:
-    return ["train.global_batch=1", "train.grad_accum=1", f"data.seq_len={seq_len}"]
+    # model.max_seq_len too: the Qwen recipes train at 4096 tokens, and their models take 8192 (RoPE).
+    return ["train.global_batch=1", "train.grad_accum=1", f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}"]
 
 
 def plan_row(recipe_name: str, model: str, seq_len: int, gpu: str, workers: int | None) -> str:

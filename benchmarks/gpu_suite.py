@@ -77,8 +77,8 @@ LARGE_PARAMS = 3e9   # above this, fewer steps are timed
 
 def case_overrides(case: Case) -> list[str]:
     return [f"offload.activations={case.activations}", f"offload.optimizer_state={case.optimizer_state}",
-            "train.global_batch=1", "train.grad_accum=1", f"data.seq_len={case.seq_len}", "mesh.fsdp=-1",
-            *case.overrides]
+            "train.global_batch=1", "train.grad_accum=1", f"data.seq_len={case.seq_len}",
+            f"model.max_seq_len={case.seq_len}", "mesh.fsdp=-1", *case.overrides]
 
 
 def measure_case(name: str, warmup: int | None = None, timed: int | None = None, *, case: Case | None = None,

@@ -68,3 +68,11 @@ def test_measure_case_and_table_run_on_cpu_without_datasets():
                                    predictions)
     assert "1b/recompute_all/host" in table and "OOM" in table
     assert "host-resident optimizer state step time overhead: 2.000x" in table
+
+
+def test_every_case_is_a_recipe_that_builds_with_its_overrides():
+    # A recipe change (e.g. a shorter max_seq_len) must not break a case only on the GPU machine.
+    from spillway.recipes.registry import get_recipe
+    for name, case in gpu_suite.CASES.items():
+        recipe = get_recipe(case.recipe, gpu_suite.case_overrides(case))
+        assert (recipe.data.seq_len, recipe.train.global_batch) == (case.seq_len, 1), name
