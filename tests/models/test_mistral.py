@@ -150,6 +150,7 @@ def test_missing_and_misshapen_tensors_are_named(reference):
 
 # --- offload and decoding (no torch) ---------------------------------------------------
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_every_offload_plan_gives_the_no_remat_loss_and_gradients():
     tokens = np.random.default_rng(2).integers(0, 131, (2, 17))  # 16 positions, past the window of 7
     assert_every_plan_matches_no_remat(Mistral, mistral_config("tiny_odd"), tokens)

@@ -67,8 +67,10 @@ MESHES = {"one_device": lambda: make_mesh(1, 1, 1, devices=jax.devices()[:1]),
 UPDATES = {"streamed": "optimizer.update_on_host=false", "host_cpu": "optimizer.update_on_host=true"}
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("update", list(UPDATES))
+# One combination in `make test`, every one in `make test-slow` (CI runs both): 15-30 s each on 2 cores.
+@pytest.mark.parametrize("mesh_name,update", [
+    pytest.param(mesh, update, marks=() if (mesh, update) == ("one_device", "host_cpu") else pytest.mark.slow)
+    for mesh in MESHES for update in UPDATES])
 def test_twenty_steps_with_host_params_equal_everything_on_device(mesh_name, update):
     mesh = MESHES[mesh_name]()
     on_device, device_norms, _, _, _ = train_steps(small_recipe(), mesh)

@@ -54,6 +54,7 @@ def test_hbm_falls_by_most_of_the_weights_and_gradients(rows):
     assert host["hbm_bytes"] < device["hbm_bytes"] / 2
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_with_gradient_accumulation_hbm_still_falls():
     """grad_accum > 1: the host sums pass whole leaves through HBM (XLA's host computations write their
     results to device memory first), so only the total is checked here; see docs/DESIGN.md."""

@@ -51,6 +51,7 @@ def test_training_follows_the_weights_and_validation_names_each_source(mixture_r
     assert losses[6] < losses[1]
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_resumed_mid_mixture_equals_the_uninterrupted_run(mixture_run):
     recipe, straight = mixture_run
     # Go back to step 3 (step 6 is set aside) and train 4..6 again from the saved mixture state

@@ -109,6 +109,7 @@ def test_the_last_step_is_saved_whatever_the_period(data_cache, tmp_path, capsys
     ("train.seed=3", "train.seed"),
     ("data.source=builtin:stdlib:300000", "data.source"),
 ])
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_resume_refuses_a_recipe_that_is_another_run(data_cache, run_copy, change, field):
     before = (run_copy / "metrics.jsonl").read_text()
     with pytest.raises(RecipeMismatchError, match=rf"checkpoints/4: cannot resume: {field} was "):
@@ -129,6 +130,7 @@ def test_resume_with_a_new_schedule_records_what_changed(data_cache, run_copy, s
                                      "train.steps": [4, 6], "checkpoint.dir": [str(short_run), str(run_copy)]}
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_resume_step_rewinds_and_metrics_are_replaced_not_repeated(data_cache, run_copy, short_run):
     original = losses_by_step(short_run)
     train(micro(data_cache, run_copy, "train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep=3",
@@ -152,6 +154,7 @@ def test_a_save_killed_midway_then_resumed_does_not_repeat_metrics(data_cache, r
 # a failed tensorstore read can leave a callback for an event loop orbax already closed
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_a_corrupt_newest_step_falls_back_with_a_warning(data_cache, run_copy, short_run, damage):
     step_dir = run_copy / "checkpoints" / "4"
     files = [f for f in glob.glob(str(step_dir / "params" / "**" / "d" / "*"), recursive=True)]
@@ -170,6 +173,7 @@ def test_a_corrupt_newest_step_falls_back_with_a_warning(data_cache, run_copy, s
     assert read_history(run_copy)[-1]["set_aside"] == ["4.corrupt"]
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_train_resume_false_into_a_directory_with_steps_is_refused(data_cache, run_copy):
     with pytest.raises(RunError, match=r"train.resume is false, but this directory holds steps \[2, 4\]"):
         train(micro(data_cache, run_copy, "train.steps=6", "train.resume=false"), progress=False)
@@ -267,6 +271,7 @@ def test_a_failed_async_save_stops_the_run_at_that_save(data_cache, tmp_path, mo
 # -- fine-tuning ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_finetune_from_the_run_directory_reuses_the_source_tokenizer(data_cache, short_run, tmp_path):
     tuned_dir = tmp_path / "tuned"
     said = []
@@ -283,6 +288,7 @@ def test_finetune_from_the_run_directory_reuses_the_source_tokenizer(data_cache,
     assert read_history(tuned_dir)[0]["event"] == "fine-tune"
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_finetune_with_a_tokenizer_of_another_size_is_refused(data_cache, short_run, tmp_path):
     documents = load_documents("builtin:stdlib:200000", cache_dir=data_cache / "datasets")
     other = train_tokenizer(documents, vocab_size=400).save(tmp_path / "other.model")

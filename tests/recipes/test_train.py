@@ -55,6 +55,7 @@ def test_micro_recipe_trains_and_writes_what_a_person_expects(full_run):
     assert saved["train"]["steps"] == 30 and saved["name"] == "tiny"
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_interrupted_and_resumed_run_equals_uninterrupted(data_cache, tmp_path):
     straight = train(micro(data_cache, tmp_path / "straight"), progress=False)
     first = train(micro(data_cache, tmp_path / "resumed"), progress=False, stop_after=4)
@@ -108,6 +109,7 @@ def test_gradient_accumulation_matches_one_big_batch(data_cache, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_profile_trace_for_a_step_range(data_cache, tmp_path):
     result = train(micro(data_cache, tmp_path / "prof", "train.steps=3", "train.profile_steps=1:2"),
                    progress=False)
