@@ -46,3 +46,18 @@ def test_cudnn_attention_off_a_gpu_is_one_line_naming_the_fix():
         check_attention_backend("cudnn", "cpu")
     check_attention_backend("cudnn", "gpu")
     check_attention_backend("flash", "cpu")
+
+
+def test_a_cudnn_run_off_a_gpu_stops_before_it_prepares_data_or_takes_its_directory(tmp_path):
+    import pytest
+
+    from spillway.layers.errors import ConfigError
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.loop import train
+
+    run_dir = tmp_path / "run"
+    recipe = get_recipe("tiny", ["execution.attention_impl=cudnn", f"checkpoint.dir={run_dir}"])
+    said = []
+    with pytest.raises(ConfigError, match="attention_impl=cudnn needs an NVIDIA GPU"):
+        train(recipe, echo=said.append, progress=False)
+    assert said == [] and not run_dir.exists()
