@@ -76,12 +76,35 @@ def compile_step(recipe, mesh, compiler_options: dict | None = None):
     # call names its devices and needs no mesh context (spillway.recipes.plan.compile).
     lowered = s.train_step.lower(*arguments)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile(compiler_options=compiler_options)
+    compiled = compile_lowered(lowered, compiler_options)
     compiled_at = time.perf_counter()
     report = CompileReport.from_compiled(
         compiled, lower_seconds=lowered_at - built, compile_seconds=compiled_at - lowered_at,
         device_kind=mesh.devices.flat[0].device_kind, num_devices=mesh.size)
     return report, built - started
+
+
+def compile_lowered(lowered, compiler_options: dict | None):
+    """`lowered.compile(compiler_options=...)`, once more with the autotuner at level 1 where level 0 has no kernel.
+
+    jaxlib 0.11's GPU compiler, with autotuning off (level 0), takes each Triton
+    GEMM fusion's one default tiling and fails with "No supported config found
+    for HLO" where that tiling does not suit the fusion (a bf16[2048,1536] weight
+    gradient of Qwen2.5 1.5B, among others); level 1 tries a short list instead,
+    without timing anything (there is no GPU). 0.10 and 0.12 compile the same
+    steps at level 0 (planner.compiler_options says why it is 0). Judged by the
+    error, not by the version, so a patch release is handled by what it does.
+    """
+    try:
+        return lowered.compile(compiler_options=compiler_options)
+    except Exception as error:
+        if not compiler_options or compiler_options.get("xla_gpu_autotune_level") != 0 \
+                or NO_GEMM_CONFIG not in str(error):
+            raise
+    return lowered.compile(compiler_options={**compiler_options, "xla_gpu_autotune_level": 1})
+
+
+NO_GEMM_CONFIG = "No supported config found for HLO"
 
 
 def _attempt(recipe, mesh, compiler_options: dict | None) -> dict:

@@ -393,6 +393,33 @@ def test_workers_below_one_are_refused(monkeypatch):
         planner.plan(small_recipe(), "h200", 1, workers=0)
 
 
+class _LoweredThatLacksALevel0Kernel:
+    """A lowered step whose compile fails as jaxlib 0.11's does for some GEMMs at autotune level 0."""
+
+    def __init__(self, message="INTERNAL: No supported config found for HLO: %gemm_fusion_dot.65 = ..."):
+        self.message, self.levels = message, []
+
+    def compile(self, compiler_options=None):
+        level = (compiler_options or {}).get("xla_gpu_autotune_level")
+        self.levels.append(level)
+        if level == 0:
+            raise RuntimeError(self.message)
+        return f"compiled at level {level}"
+
+
+def test_a_gemm_without_a_level_0_kernel_is_compiled_again_at_level_1():
+    from spillway.recipes.plan.child import compile_lowered
+
+    options = {"xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
+    lowered = _LoweredThatLacksALevel0Kernel()
+    assert compile_lowered(lowered, options) == "compiled at level 1"
+    assert lowered.levels == [0, 1] and options["xla_gpu_autotune_level"] == 0   # caller's dict untouched
+    other = _LoweredThatLacksALevel0Kernel("RESOURCE_EXHAUSTED: out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):     # any other failure is the candidate's own
+        compile_lowered(other, options)
+    assert other.levels == [0]
+
+
 @pytest.mark.slow
 @needs_toolchain
 def test_fast_codegen_gives_the_same_memory_figures():
