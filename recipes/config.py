@@ -172,6 +172,7 @@ class TrainConfig:
 DERIVED_FIELDS = {
     "optimizer.total_steps": "the schedule's length derives from train.steps: set train.steps",
     "optimizer.state_memory": "where the optimizer state lives is offload.optimizer_state: set that",
+    "model.remat": "the activation plan (what is saved, recomputed or offloaded) is offload.activations: set that",
 }
 
 

@@ -18,7 +18,8 @@ def tiny(*overrides):
 # --- one source of truth ------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,points_to", [("optimizer.total_steps", "train.steps"),
-                                             ("optimizer.state_memory", "offload.optimizer_state")])
+                                             ("optimizer.state_memory", "offload.optimizer_state"),
+                                             ("model.remat", "offload.activations")])
 def test_a_derived_setting_cannot_be_set(path, points_to):
     assert path in DERIVED_FIELDS
     with pytest.raises(ConfigError, match=rf"{path} cannot be set: .*{points_to}"):
