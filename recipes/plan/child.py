@@ -85,7 +85,7 @@ def compile_step(recipe, mesh, compiler_options: dict | None = None):
 
 
 def compile_lowered(lowered, compiler_options: dict | None):
-    """`lowered.compile(compiler_options=...)`, once more with the autotuner at level 1 where level 0 has no kernel.
+    """`lowered.compile(compiler_options=...)`; at autotune level 1 where level 0 has no kernel.
 
     jaxlib 0.11's GPU compiler, with autotuning off (level 0), takes each Triton
     GEMM fusion's one default tiling and fails with "No supported config found
@@ -94,17 +94,24 @@ def compile_lowered(lowered, compiler_options: dict | None):
     without timing anything (there is no GPU). 0.10 and 0.12 compile the same
     steps at level 0 (planner.compiler_options says why it is 0). Judged by the
     error, not by the version, so a patch release is handled by what it does.
+    Once one compile needed level 1, this process's later compiles start there:
+    a failed level-0 attempt costs most of a compile.
     """
-    try:
-        return lowered.compile(compiler_options=compiler_options)
-    except Exception as error:
-        if not compiler_options or compiler_options.get("xla_gpu_autotune_level") != 0 \
-                or NO_GEMM_CONFIG not in str(error):
-            raise
-    return lowered.compile(compiler_options={**compiler_options, "xla_gpu_autotune_level": 1})
+    global _AUTOTUNE_LEVEL_1
+    if compiler_options and compiler_options.get("xla_gpu_autotune_level") == 0:
+        if not _AUTOTUNE_LEVEL_1:
+            try:
+                return lowered.compile(compiler_options=compiler_options)
+            except Exception as error:
+                if NO_GEMM_CONFIG not in str(error):
+                    raise
+                _AUTOTUNE_LEVEL_1 = True
+        compiler_options = {**compiler_options, "xla_gpu_autotune_level": 1}
+    return lowered.compile(compiler_options=compiler_options)
 
 
 NO_GEMM_CONFIG = "No supported config found for HLO"
+_AUTOTUNE_LEVEL_1 = False   # set by compile_lowered: this jaxlib needs level 1 for some GEMMs
 
 
 def _attempt(recipe, mesh, compiler_options: dict | None) -> dict:

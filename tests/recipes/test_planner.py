@@ -407,17 +407,23 @@ class _LoweredThatLacksALevel0Kernel:
         return f"compiled at level {level}"
 
 
-def test_a_gemm_without_a_level_0_kernel_is_compiled_again_at_level_1():
-    from spillway.recipes.plan.child import compile_lowered
+def test_a_gemm_without_a_level_0_kernel_is_compiled_again_at_level_1(monkeypatch):
+    from spillway.recipes.plan import child
 
+    monkeypatch.setattr(child, "_AUTOTUNE_LEVEL_1", False)
     options = {"xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}
-    lowered = _LoweredThatLacksALevel0Kernel()
-    assert compile_lowered(lowered, options) == "compiled at level 1"
-    assert lowered.levels == [0, 1] and options["xla_gpu_autotune_level"] == 0   # caller's dict untouched
     other = _LoweredThatLacksALevel0Kernel("RESOURCE_EXHAUSTED: out of memory")
     with pytest.raises(RuntimeError, match="out of memory"):     # any other failure is the candidate's own
-        compile_lowered(other, options)
+        child.compile_lowered(other, options)
     assert other.levels == [0]
+    lowered = _LoweredThatLacksALevel0Kernel()
+    assert child.compile_lowered(lowered, options) == "compiled at level 1"
+    assert lowered.levels == [0, 1] and options["xla_gpu_autotune_level"] == 0   # caller's dict untouched
+    later = _LoweredThatLacksALevel0Kernel()
+    assert child.compile_lowered(later, options) == "compiled at level 1"
+    assert later.levels == [1]                                   # the process remembers: no level-0 attempt
+    full = _LoweredThatLacksALevel0Kernel()
+    assert child.compile_lowered(full, None) == "compiled at level None"   # a full compile is left alone
 
 
 @pytest.mark.slow
