@@ -6,6 +6,10 @@ set before anything imports jax; pytest imports conftest.py first.
 `@pytest.mark.needs_toolchain` marks tests that compile for a GPU without one;
 tests/ci_gate.py decides whether a machine without the toolchain skips them or
 fails them. Under CI any skip at all is turned into a failure with its reason.
+
+`needs_torch` marks the tests whose reference is torch + transformers (those
+that take the `transformers` fixture, and modules marked so): they run only in
+the Python 3.11 environment, and CI selects them there by this marker.
 """
 
 import os
@@ -21,6 +25,13 @@ import ci_gate  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_toolchain: compiles for a GPU without one (CUDA toolkit + plugin)")
+    config.addinivalue_line("markers", "needs_torch: its reference is torch + transformers (the `parity` extra)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "transformers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.needs_torch)
 
 
 def pytest_runtest_setup(item):

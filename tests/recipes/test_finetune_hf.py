@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.needs_torch
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
