@@ -98,12 +98,12 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
     _parse_profile(recipe.train.profile_steps)  # a bad value fails before anything is written
-    from spillway.recipes.train.step import check_attention_backend
-    check_attention_backend(recipe.execution.attention_impl, jax.default_backend())  # before data is prepared
     from spillway.recipes.train.init_weights import resolve_init_from
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
     from spillway.recipes.train.preflight import check_run_inputs
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
+    from spillway.recipes.train.step import check_attention_backend
+    check_attention_backend(recipe.execution.attention_impl, jax.default_backend())  # before data is prepared
     run_dir = Path(recipe.run_dir)
     with _owned_run_dir(run_dir, main, say):
         # opening checks that checkpoints can be written there: before any data is prepared
