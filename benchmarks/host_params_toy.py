@@ -14,10 +14,13 @@ of the model, once per placement:
 
 Reports per placement: HBM (argument + output - alias + temp), host bytes, the
 largest device-memory arrays of the compiled program (recipes/plan/hlo.py
-largest_device_arrays: no HBM buffer is larger than the first) and one
-layer's weight bytes, so a reader can see how many layers HBM holds at most.
+largest_device_arrays: no HBM buffer is larger than the first), one
+layer's weight bytes, so a reader can see how many layers HBM holds at most,
+and the host link bytes per autodiff pass (hlo.traffic_by_pass: forward,
+backward, other), which the planner's weight-stream model is checked against.
 
 Run:  .venv/bin/python benchmarks/host_params_toy.py [--target h200] [--layers 8] [--d-model 512]
+      [--mesh DATAxFSDPxTENSOR, default 1x1x1]
       [--json]   one JSON document on stdout, for tests (run it as a compile process)
 """
 
@@ -39,6 +42,14 @@ PLACEMENTS = {
     "host_params": ["offload.params=host", "optimizer.update_on_host=false"],
     "host_params_host_update": ["offload.params=host", "optimizer.update_on_host=true"],
 }
+
+
+def mesh_shape(text: str) -> dict[str, int]:
+    """{"data": ., "fsdp": ., "tensor": .} from "DATAxFSDPxTENSOR"; ValueError naming the bad text."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(f"--mesh must be DATAxFSDPxTENSOR with positive sizes (e.g. 1x2x1), got {text!r}")
+    return dict(zip(("data", "fsdp", "tensor"), map(int, parts)))
 
 
 def recipe_for(args, placement: str):
@@ -71,6 +82,7 @@ def measure(argv: list[str]) -> dict:
     parser.add_argument("--activations", default="recompute_all")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--mesh", default="1x1x1", type=mesh_shape)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     prepare_compile_process()
@@ -83,7 +95,7 @@ def measure(argv: list[str]) -> dict:
     for placement in args.placements.split(","):
         recipe = recipe_for(args, placement)
         try:
-            mesh = aot.compile_only_mesh(args.target, {"data": 1, "fsdp": 1, "tensor": 1})
+            mesh = aot.compile_only_mesh(args.target, args.mesh)
             s = abstract_setup(recipe, mesh, platform="cuda")
             compiled = s.train_step.lower(*abstract_step_arguments(s)).compile()
             report = aot.CompileReport.from_compiled(compiled, keep_hlo_text=True)
@@ -91,7 +103,8 @@ def measure(argv: list[str]) -> dict:
             layer_bytes, largest_layer_leaf = layer_weight_bytes(recipe)
             rows[placement] = {"report": report.to_dict(), "layer_weight_bytes": layer_bytes,
                                "largest_layer_leaf_bytes": largest_layer_leaf,
-                               "largest_device_arrays": [dataclasses.asdict(a) for a in largest]}
+                               "largest_device_arrays": [dataclasses.asdict(a) for a in largest],
+                               "traffic_by_pass": hlo.traffic_by_pass(report.hlo_text)}
         except Exception as error:  # report and go on: one broken placement should not hide the rest
             rows[placement] = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
     return {"rows": rows}

@@ -21,6 +21,15 @@ arithmetic, not an exact count:
 * Fused computations are not entered; the fusion's own operands and result are
   what cross the link.
 * Numbers are per device: in an SPMD program every device runs this HLO.
+* An async pair is counted at its ``*-start`` only (the start's shape names the
+  operands and the result); the ``*-done`` moves nothing more. Before
+  ``custom-call-done`` was listed here, a host computation (``compute_on``,
+  ``custom-call-start`` to target HostExecute) was counted twice, and its done
+  once more in the other direction.
+
+``host_transfers`` lists the same instructions one by one, each with the
+``op_name`` JAX recorded for it; ``autodiff_pass`` reads from that name whether
+the instruction belongs to the forward pass, the backward pass or neither.
 
 Nothing here imports JAX, so it can be tested anywhere.
 """
@@ -45,7 +54,7 @@ _CALLED = {
 _NOT_TRANSFERS = {
     "parameter", "tuple", "get-tuple-element", "bitcast", "constant", "while", "call",
     "conditional", "copy-done", "fusion-done", "async-done", "async-update",
-    "opt-barrier", "after-all", "add-dependency", "custom-call", "send-done", "recv-done",
+    "opt-barrier", "after-all", "add-dependency", "custom-call", "custom-call-done", "send-done", "recv-done",
 }
 
 _BITS_PER_ELEMENT = {
@@ -259,15 +268,33 @@ def _transfer_bytes(instruction: Instruction, shapes: dict[str, Shape]) -> tuple
     return to_host, to_device
 
 
-def host_traffic(hlo_text: str) -> HostTraffic:
-    """Estimate the host<->device bytes one run of a compiled program moves."""
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTransfer:
+    """One instruction that moves data between device and host memory, and how often it runs."""
+
+    computation: str
+    instruction: str
+    opcode: str
+    op_name: str                # JAX's metadata op_name ("" when XLA made the instruction up)
+    runs: int                   # executions per run of the program (product of enclosing trip counts)
+    device_to_host_bytes: int   # per execution
+    host_to_device_bytes: int
+
+
+def host_transfers(hlo_text: str) -> tuple[list[HostTransfer], int]:
+    """Every host<->device transfer instruction reached from the entry computation, and the number of
+    while loops without a known trip count (each counted as one trip)."""
     computations, entry = parse_computations(hlo_text)
-    totals = {"to_host": 0, "to_device": 0, "async": 0, "sync": 0, "unknown": 0}
+    found: list[HostTransfer] = []
+    unknown = 0
     if entry is None:
-        return HostTraffic(0, 0, 0, 0, 0)
-    seen_static: set[tuple[str, str]] = set()
+        return found, 0
 
     def visit(computation: str, multiplier: int, depth: int) -> None:
+        nonlocal unknown
         if depth > 64 or computation not in computations:
             return
         instructions = computations[computation]
@@ -280,27 +307,59 @@ def host_traffic(hlo_text: str) -> HostTraffic:
                     if trip:
                         inner = multiplier * int(trip.group(1))
                     else:
-                        totals["unknown"] += 1
+                        unknown += 1
                 for called in _called_computations(instruction):
                     visit(called, inner, depth + 1)
                 continue
             if instruction.opcode in _NOT_TRANSFERS:
                 continue
             to_host, to_device = _transfer_bytes(instruction, shapes)
-            if not (to_host or to_device):
-                continue
-            totals["to_host"] += to_host * multiplier
-            totals["to_device"] += to_device * multiplier
-            key = (computation, instruction.name)
-            if key not in seen_static:
-                seen_static.add(key)
-                totals["async" if instruction.opcode.endswith("-start") else "sync"] += 1
+            if to_host or to_device:
+                name = _OP_NAME.search(instruction.attributes)
+                found.append(HostTransfer(computation, instruction.name, instruction.opcode,
+                                          name.group(1) if name else "", multiplier, to_host, to_device))
 
     visit(entry, 1, 0)
-    return HostTraffic(device_to_host_bytes=totals["to_host"],
-                       host_to_device_bytes=totals["to_device"],
-                       async_transfers=totals["async"], sync_transfers=totals["sync"],
-                       unknown_trip_counts=totals["unknown"])
+    return found, unknown
+
+
+def host_traffic(hlo_text: str) -> HostTraffic:
+    """Estimate the host<->device bytes one run of a compiled program moves."""
+    transfers, unknown = host_transfers(hlo_text)
+    static = {(t.computation, t.instruction): t.opcode for t in transfers}
+    asynchronous = sum(opcode.endswith("-start") for opcode in static.values())
+    return HostTraffic(device_to_host_bytes=sum(t.device_to_host_bytes * t.runs for t in transfers),
+                       host_to_device_bytes=sum(t.host_to_device_bytes * t.runs for t in transfers),
+                       async_transfers=asynchronous, sync_transfers=len(static) - asynchronous,
+                       unknown_trip_counts=unknown)
+
+
+FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
+
+
+def autodiff_pass(op_name: str) -> str:
+    """FORWARD, BACKWARD or OTHER: where JAX's autodiff put the operation an instruction came from.
+
+    JAX names what it traces under differentiation ``.../jvp(...)/...`` and the
+    transposed (backward) computation ``.../transpose(jvp(...))/...``. Anything
+    else (the optimizer update, gradient sums between micro-batches, copies
+    XLA made up and left without a name) is OTHER.
+    """
+    if "transpose(jvp(" in op_name:
+        return BACKWARD
+    if "jvp(" in op_name:
+        return FORWARD
+    return OTHER
+
+
+def traffic_by_pass(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{pass: {"device_to_host_bytes", "host_to_device_bytes"}} per `autodiff_pass`, one program run."""
+    totals = {kind: {"device_to_host_bytes": 0, "host_to_device_bytes": 0} for kind in (FORWARD, BACKWARD, OTHER)}
+    for transfer in host_transfers(hlo_text)[0]:
+        kind = totals[autodiff_pass(transfer.op_name)]
+        kind["device_to_host_bytes"] += transfer.device_to_host_bytes * transfer.runs
+        kind["host_to_device_bytes"] += transfer.host_to_device_bytes * transfer.runs
+    return totals
 
 
 def count_host_memory_annotations(hlo_text: str) -> int:

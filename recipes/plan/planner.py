@@ -23,16 +23,22 @@ update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
     compute      FLOPs (recipes/plan/flops.py: forward, backward, the plan's remat
                  recompute) at the GPU's peak dense bf16 rate: a lower bound;
     step         three phases added up. Forward: max(forward compute,
-                 activations going to host); backward: max(backward + recompute
-                 compute, activations coming back); update: host-resident
-                 optimizer state copied in and out of HBM, which overlaps no
-                 compute: 2 x state / link, less the overlapped bytes the
+                 (activations going to host + block weights coming in) / link);
+                 backward: max(backward + recompute compute, (activations
+                 coming back + block weights coming in again + their gradients
+                 going out) / link); update: host-resident optimizer state
+                 copied in and out of HBM (with host weights also their
+                 gradients in and the new weights out), which overlaps no
+                 compute: in + out bytes / link, less the overlapped bytes the
                  compiled schedule shows (recipes/train/host_optimizer.py keeps
                  a stacked leaf's state in two buffers so that the write-back of
-                 one layer runs while the next is prefetched; up to `state`
-                 bytes are credited, so a schedule without overlap gets none).
-                 Within forward and backward, transfers are assumed to overlap
-                 compute fully.
+                 one layer runs while the next is prefetched; up to the
+                 update's smaller direction is credited, so a schedule without
+                 overlap gets none). Within forward and backward, transfers
+                 are assumed to overlap compute fully, the two link directions
+                 added. The weight terms are zero unless the block weights
+                 live in host memory (params host); `ParamTraffic` says how
+                 they are counted and how they compare with the compiled step.
 
 The pick is the fastest estimated step among the candidates that fit under
 headroom x the GPU's HBM, or under `--hbm-budget` GiB when that is lower.
@@ -404,67 +410,212 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "
                "hide behind; where the compiled schedule has the two directions in flight together (the "
-               "streamed stacked layers), the overlapped bytes are not counted twice.")
+               "streamed stacked layers), the overlapped bytes are not counted twice. Block weights in host memory "
+               "(params host) come in during the forward, again during the backward, with their gradients going "
+               "out (and, with grad_accum > 1, the micro-batch gradient sums crossing both ways), once per "
+               "micro-batch, added to that phase's transfers; the update moves only the state, the gradients and "
+               "the new weights.")
 
 
 # --- planning ---------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class ParamTraffic:
+    """Bytes per GPU and per step that the parameters and their gradients move over the host link.
+
+    Everything here is besides the optimizer state (the step's host argument
+    less `host_weights`) and the offloaded activations. From the recipe and the
+    mesh (`param_traffic`), by what lives where (recipes/train/param_placement.py)
+    and how it streams (layers/host_weights.py, recipes/train/host_optimizer.py).
+
+    Block weights in host memory (offload.params=host), A = train.grad_accum
+    micro-batches, W = their bytes on one GPU (each leaf's shard: fsdp x tensor
+    split what the sharding rules split; norm scales stay whole), F = the same
+    elements as float32:
+
+        forward    A x W in: the scan brings each layer's weights into HBM;
+        backward   A x W in again (the device copy is never saved for the
+                   backward pass, so it is copied again) and A x W of
+                   gradients out (the transpose of the copy; gradients have
+                   the parameter's dtype);
+        sums       A > 1 only: each micro-batch's gradient sum is a host
+                   computation whose result XLA writes to HBM and copies back
+                   (docs/DESIGN.md section 6, "Known limit"): A x F in, A x F
+                   out, counted in the backward phase; outside the micro-batch
+                   loop the zeroed sums (F out) and their mean (F in, F out),
+                   counted in the update;
+        update     streamed through HBM (optimizer state "host"): gradients in
+                   (W, or F once summed over micro-batches), the weights of
+                   leaves without an fp32 master copy in (the others are
+                   recomputed from the master), new weights out (W). Updated
+                   by the host CPU (host_compute): nothing of the host
+                   weights crosses; the parameters left in HBM send their
+                   gradients (float32 once summed) and, without a master
+                   copy, themselves out, and come back updated.
+
+    Per leaf, not from DecoderSpec.num_params x the param dtype: norm scales
+    are float32 whatever the param dtype, have no master copy, and are not
+    split by the mesh (each GPU streams them whole).
+
+    Checked against what the compiled step moves per autodiff pass
+    (recipes/plan/hlo.py traffic_by_pass; tests/recipes/test_host_params_aot.py),
+    jaxlib 0.10.2, H200 target, bf16 and fp32 weights, grad_accum 1 to 3, meshes
+    1x1x1, 1x2x1, 1x1x2, 1x2x2: equal to the byte in the forward and backward
+    passes and in the update, except that the compiled update moves a few
+    bytes more host->device (a float32 per host leaf: the host CPU's sums of
+    squared gradients for the clipping norm), which the residual counts as
+    activations. Where the compile first disagreed with this model, the
+    compile was right: the update of a leaf with a master copy never reads its
+    weights; the gradient sums of grad_accum > 1 cross as float32, twice per
+    micro-batch and three times around the loop; and hlo.py counted every
+    host computation twice (fixed there).
+    """
+
+    host_weights: int = 0          # W: the step's host argument holds these besides the optimizer state
+    weights_in_forward: int = 0
+    weights_in_backward: int = 0
+    gradients_out: int = 0
+    sums_in: int = 0               # micro-batch gradient sums, inside the micro-batch loop
+    sums_out: int = 0
+    update_in: int = 0             # besides optimizer state; includes the sums outside the loop
+    update_out: int = 0
+
+    @property
+    def forward_in(self) -> int:
+        return self.weights_in_forward
+
+    @property
+    def backward_in(self) -> int:
+        return self.weights_in_backward + self.sums_in
+
+    @property
+    def backward_out(self) -> int:
+        return self.gradients_out + self.sums_out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One parameter on one GPU: its shard's elements and bytes, where it lives, whether it has a master."""
+    elements: int
+    nbytes: int
+    on_host: bool
+    master: bool
+
+
+def _parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list[_Leaf]:
+    """Every parameter's shard on one GPU, placed as offload.params=`params` places it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from spillway.layers.sharding import logical_to_spec, variable_axes
+    from spillway.recipes.train.param_placement import HOST, param_memories
+    from spillway.recipes.train.step import abstract_model
+
+    _, state = abstract_model(recipe)
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    memories = jax.tree.leaves(param_memories(state, params))   # "host" | "device", in the same order
+    leaves = []
+    for var, memory in zip(variables, memories, strict=True):
+        value = var.get_value()
+        spec = logical_to_spec(variable_axes(var), value.shape, mesh)
+        ways = math.prod(math.prod(mesh[a] for a in ((axes,) if isinstance(axes, str) else axes))
+                         for axes in spec if axes is not None)
+        elements = int(np.prod(value.shape)) // ways
+        leaves.append(_Leaf(elements, elements * jnp.dtype(value.dtype).itemsize, on_host=memory == HOST,
+                            # recipes/train/optimizer.py make_layouts: the same rule
+                            master=recipe.optimizer.master_weights and jnp.dtype(value.dtype) != jnp.float32))
+    return leaves
+
+
+def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) -> ParamTraffic:
+    """`ParamTraffic` of a candidate (per GPU, per step); ValueError for an unknown placement."""
+    if candidate.params not in ("device", "host"):
+        raise ValueError(f"a plan's params placement must be 'device' or 'host', got {candidate.params!r}")
+    host_cpu = candidate.optimizer_state == HOST_COMPUTE
+    if candidate.params == "device" and not host_cpu:
+        return ParamTraffic()   # nothing of the parameters crosses: the state is all the update moves
+    accum = recipe.train.grad_accum
+    leaves = _parameter_shards(recipe, mesh, candidate.params)
+
+    def grad_bytes(leaf: _Leaf) -> int:   # micro-batch sums are float32
+        return leaf.nbytes if accum == 1 else 4 * leaf.elements
+
+    on_host = [leaf for leaf in leaves if leaf.on_host]
+    in_hbm = [leaf for leaf in leaves if not leaf.on_host]
+    weights = sum(leaf.nbytes for leaf in on_host)
+    as_f32 = 4 * sum(leaf.elements for leaf in on_host)
+    summed = accum > 1 and bool(on_host)
+    update_in = update_out = 0
+    if host_cpu:
+        update_out = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in in_hbm)
+        update_in = sum(leaf.nbytes for leaf in in_hbm)
+    else:
+        update_in = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in on_host)
+        update_out = weights
+    return ParamTraffic(
+        host_weights=weights, weights_in_forward=accum * weights, weights_in_backward=accum * weights,
+        gradients_out=accum * weights,
+        sums_in=accum * as_f32 if summed else 0, sums_out=accum * as_f32 if summed else 0,
+        update_in=update_in + (as_f32 if summed else 0), update_out=update_out + (2 * as_f32 if summed else 0))
+
+
 def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],
          host_update_params_per_s: float | None = None) -> PlanRow:
-    """One candidate's row. host_update_params_per_s: the host CPU's update rate per GPU (host_compute)."""
+    """One candidate's row. host_update_params_per_s: the host CPU's update rate per GPU (host_compute).
+
+    The compiled step's host traffic (report device_to_host / host_to_device
+    bytes) is split into what `param_traffic` says the parameters move, the
+    optimizer state (the host argument less the host-resident weights, in and
+    out during the update) and, the rest, offloaded activations: out during
+    the forward pass, back during the backward pass. Within forward and
+    backward the two link directions are added (not overlapped: in the
+    compiled backward scan of recompute_all with host weights the weight
+    prefetch and the gradient write-back are not in flight together).
+    """
     impl = recipe.execution.attention_impl
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
                                           remat=candidate.activations, attention_impl=impl)
     rate = compute_ways(mesh) * target.peak_bf16_flops
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
                   compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
-    if row.report is not None:
-        link = target.host_link_bytes_per_s
-        to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
-        # Host-resident optimizer state is the step's host *argument*; the
-        # update streams all of it in and back out. The rest of the traffic is
-        # offloaded activations.
-        state = min(row.report["host_argument_bytes"], to_host, from_host)
-        # Bytes the compiled schedule moves in both directions at once (the
-        # streamed update's write-back beside the next prefetch): credited to
-        # the update, never more than the state it streams.
-        overlapped = row.report.get("overlapped_transfer_bytes", 0)
-        if candidate.optimizer_state == HOST_COMPUTE:
-            _host_compute_phases(row, counted, recipe, rate, link, mesh, host_update_params_per_s)
-        else:
-            row.forward_s = max(counted.forward / rate, (to_host - state) / link)
-            row.backward_s = max((counted.backward + counted.recompute) / rate, (from_host - state) / link)
-            row.update_s = (2 * state - min(overlapped, state)) / link
-        row.transfer_s = (to_host + from_host - overlapped) / link
+    if row.report is None:
+        return row
+    host_cpu = candidate.optimizer_state == HOST_COMPUTE
+    if host_cpu and host_update_params_per_s is None:
+        raise ValueError("host-compute plans need the host update rate (recipes/plan/host_update.py)")
+    link = target.host_link_bytes_per_s
+    to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
+    params = param_traffic(candidate, recipe, mesh)
+    # Host-resident optimizer state is the rest of the step's host *argument*;
+    # the streamed update brings all of it in and writes it back. The host CPU
+    # updates it where it is.
+    state = 0 if host_cpu else max(0, min(row.report["host_argument_bytes"] - params.host_weights,
+                                          to_host, from_host))
+    update_in, update_out = state + params.update_in, state + params.update_out
+    activations_out = max(0, to_host - params.backward_out - update_out)
+    activations_back = max(0, from_host - params.forward_in - params.backward_in - update_in)
+    row.forward_s = max(counted.forward / rate, (activations_out + params.forward_in) / link)
+    row.backward_s = max((counted.backward + counted.recompute) / rate,
+                         (activations_back + params.backward_in + params.backward_out) / link)
+    # Bytes the compiled schedule moves in both directions at once (the
+    # streamed update's write-back beside the next prefetch): credited to
+    # the update, never more than its smaller direction.
+    overlapped = row.report.get("overlapped_transfer_bytes", 0)
+    if host_cpu:
+        # Per leaf the copies and the host CPU's update follow one another: added.
+        row.update_s = (update_in + update_out) / link + _params_per_gpu(recipe, mesh) / host_update_params_per_s
+    else:
+        row.update_s = (update_in + update_out - min(overlapped, update_in, update_out)) / link
+    row.transfer_s = (to_host + from_host - overlapped) / link
     return row
 
 
-def _host_compute_phases(row: PlanRow, counted, recipe: Recipe, rate: float, link: float,
-                         mesh: dict[str, int], params_per_s: float | None) -> None:
-    """Phases of a host-compute plan: the state stays on the host; gradients go out, parameters come back.
-
-    Per GPU, its share of the parameters: gradients cross to the host (and
-    the parameters too when there is no fp32 master copy to update instead),
-    the host CPU updates them at `params_per_s`, the new parameters come
-    back. Copies and host compute are added (per leaf they follow one
-    another). The rest of the traffic is offloaded activations, as for the
-    other plans.
-    """
-    if params_per_s is None:
-        raise ValueError("host-compute plans need the host update rate (recipes/plan/host_update.py)")
-    import jax.numpy as jnp
-    # A GPU's share: the parameters are split over fsdp x tensor; data-parallel
-    # replicas each update their own copy.
-    params = recipe.num_params() / (mesh["fsdp"] * mesh["tensor"])
-    param_bytes = jnp.dtype(recipe.execution.param_dtype).itemsize
-    master = recipe.optimizer.master_weights and jnp.dtype(recipe.execution.param_dtype) != jnp.float32
-    update_to_host = params * param_bytes * (1 if master else 2)
-    update_from_host = params * param_bytes
-    to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
-    row.forward_s = max(counted.forward / rate, max(0.0, to_host - update_to_host) / link)
-    row.backward_s = max((counted.backward + counted.recompute) / rate,
-                         max(0.0, from_host - update_from_host) / link)
-    row.update_s = (update_to_host + update_from_host) / link + params / params_per_s
+def _params_per_gpu(recipe: Recipe, mesh: dict[str, int]) -> float:
+    """A GPU's share of the parameters, which the host CPU updates: the parameters are split over
+    fsdp x tensor; data-parallel replicas each update their own copy."""
+    return recipe.num_params() / (mesh["fsdp"] * mesh["tensor"])
 
 
 def compiler_options() -> dict | None:

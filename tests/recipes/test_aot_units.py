@@ -136,6 +136,54 @@ def test_copies_that_take_turns_are_not_credited():
     assert overlap.device_to_host_bytes == 3 * 64 * 4
 
 
+# A host computation (compute_on: custom-call-start to HostExecute) reading two host
+# arrays and writing its result to device memory, as jaxlib 0.10.2 compiles the
+# micro-batch gradient sums of host-resident weights; then copies named by
+# JAX's autodiff passes: one in the forward (jvp), one in the backward
+# (transpose(jvp)), and one without a name.
+_HOST_CALL_HLO = """\
+HloModule jit_step, is_scheduled=true
+
+ENTRY %main (a: f32[16,64], b: f32[16,64], w: bf16[8,64], g: bf16[8,64]) -> f32[16,64] {
+  %a = f32[16,64]{1,0:S(5)} parameter(0)
+  %b = f32[16,64]{1,0:S(5)} parameter(1)
+  %w = bf16[8,64]{1,0:S(5)} parameter(2)
+  %g = bf16[8,64]{1,0} parameter(3)
+  %call-start = ((f32[16,64]{1,0:S(5)}, f32[16,64]{1,0:S(5)}), f32[16,64]{1,0}, u32[]) custom-call-start(%a, %b), async_execution_thread="host", custom_call_target="HostExecute", metadata={op_name="jit(train_step)/while/body/closed_call/compute_on/add"}
+  %call-done = f32[16,64]{1,0} custom-call-done(%call-start), metadata={op_name="jit(train_step)/while/body/closed_call/compute_on/add"}
+  %in-start = (bf16[8,64]{1,0}, bf16[8,64]{1,0:S(5)}, u32[]) copy-start(%w), metadata={op_name="jit(train_step)/jvp()/while/body/dynamic_slice"}
+  %in-done = bf16[8,64]{1,0} copy-done(%in-start)
+  %again-start = (bf16[8,64]{1,0}, bf16[8,64]{1,0:S(5)}, u32[]) copy-start(%w), metadata={op_name="jit(train_step)/transpose(jvp())/while/body/dynamic_slice"}
+  %again-done = bf16[8,64]{1,0} copy-done(%again-start)
+  %out-start = (bf16[8,64]{1,0:S(5)}, bf16[8,64]{1,0}, u32[]) copy-start(%g), metadata={op_name="jit(train_step)/transpose(jvp())/while/body/dynamic_update_slice"}
+  %out-done = bf16[8,64]{1,0:S(5)} copy-done(%out-start)
+  %back-start = (f32[16,64]{1,0:S(5)}, f32[16,64]{1,0}, u32[]) copy-start(%call-done)
+  %back-done = f32[16,64]{1,0:S(5)} copy-done(%back-start)
+  ROOT %r = f32[16,64]{1,0} copy(%call-done)
+}
+"""
+
+
+def test_a_host_computation_is_counted_once_at_its_start():
+    result, weights = 16 * 64 * 4, 8 * 64 * 2
+    traffic = hlo.host_traffic(_HOST_CALL_HLO)
+    # Its result crosses to the device once (the done moves nothing more), and goes back once.
+    assert traffic.host_to_device_bytes == result + 2 * weights
+    assert traffic.device_to_host_bytes == result + weights
+    assert traffic.async_transfers == 5 and traffic.sync_transfers == 0
+
+
+def test_transfers_are_split_by_autodiff_pass():
+    result, weights = 16 * 64 * 4, 8 * 64 * 2
+    assert hlo.traffic_by_pass(_HOST_CALL_HLO) == {
+        hlo.FORWARD: {"device_to_host_bytes": 0, "host_to_device_bytes": weights},
+        hlo.BACKWARD: {"device_to_host_bytes": weights, "host_to_device_bytes": weights},
+        hlo.OTHER: {"device_to_host_bytes": result, "host_to_device_bytes": result}}
+    assert hlo.autodiff_pass("jit(f)/while/body/jvp(remat)/dot") == hlo.FORWARD
+    assert hlo.autodiff_pass("jit(f)/transpose(jvp(remat))/dot") == hlo.BACKWARD
+    assert hlo.autodiff_pass("") == hlo.OTHER
+
+
 def test_target_facts_match_their_hardware():
     h100 = targets.get_target("h100")
     assert 79e9 < h100.hbm_bytes < 86e9            # "80GB" as CUDA reports it

@@ -6,26 +6,73 @@ benchmarks/host_params_toy.py, which compiles the real train step
 (recipes/train/step.py) of a small 8-layer Llama with the block weights on
 device and on host, and reports the buffer figures read from the compiled HLO.
 
+The planner's weight-stream model (recipes/plan/planner.py ParamTraffic) is
+checked here against the same compiles: the bytes it attributes to the
+forward and backward passes must be what the compiled program moves in them,
+told apart by JAX's own names for its autodiff passes (recipes/plan/hlo.py
+traffic_by_pass), and a host-weights plan must pay for them in its step time.
+
 Marked `needs_toolchain` (tests/ci_gate.py), like tests/recipes/test_optimizer_aot.py.
 """
 
+import argparse
+
 import pytest
 
+from benchmarks import host_params_toy
+from spillway.recipes.plan import planner
 from spillway.recipes.plan.subprocess_runner import run_in_compile_process
+from spillway.recipes.plan.targets import get_target
 
 pytestmark = pytest.mark.needs_toolchain
 
 LAYERS = 8
+ONE_GPU = {"data": 1, "fsdp": 1, "tensor": 1}
+# The toy's placements as the planner's candidates (its activation plan is recompute_all).
+CANDIDATES = {
+    "device_params": planner.Candidate("recompute_all", "host", "device"),
+    "host_params": planner.Candidate("recompute_all", "host", "host"),
+    "host_params_host_update": planner.Candidate("recompute_all", planner.HOST_COMPUTE, "host"),
+}
+# What the compiled update moves besides the model: the host CPU's partial sums
+# of squared host gradients for the clipping norm, a float32 scalar per leaf.
+SCALAR_BYTES = 1024
 
 
-def compile_rows(grad_accum: int) -> dict:
+def compile_rows(grad_accum: int, *extra) -> dict:
     result = run_in_compile_process(
         "benchmarks.host_params_toy",
-        ["--json", "--target", "h200", "--layers", LAYERS, "--d-model", 512, "--grad-accum", grad_accum],
+        ["--json", "--target", "h200", "--layers", LAYERS, "--d-model", 512, "--grad-accum", grad_accum, *extra],
         timeout_s=400)
     errors = {key: row["error"] for key, row in result["rows"].items() if "error" in row}
     assert not errors
     return result["rows"]
+
+
+def toy_recipe(placement: str, grad_accum: int = 1):
+    args = argparse.Namespace(layers=LAYERS, d_model=512, grad_accum=grad_accum, activations="recompute_all")
+    return host_params_toy.recipe_for(args, placement)
+
+
+def assert_model_matches_passes(row: dict, placement: str, grad_accum: int, mesh=ONE_GPU):
+    """The planner's ParamTraffic against what the compiled step moves per autodiff pass.
+
+    recompute_all offloads no activation, so every byte the forward and
+    backward passes move is a weight or a gradient; the rest of the program
+    (the update, the micro-batch gradient sums) is OTHER.
+    """
+    candidate = CANDIDATES[placement]
+    model = planner.param_traffic(candidate, toy_recipe(placement, grad_accum), mesh)
+    passes, report = row["traffic_by_pass"], row["report"]
+    assert passes["forward"] == {"host_to_device_bytes": model.forward_in, "device_to_host_bytes": 0}
+    assert passes["backward"] == {"host_to_device_bytes": model.weights_in_backward,
+                                  "device_to_host_bytes": model.gradients_out}
+    state = 0 if candidate.optimizer_state == planner.HOST_COMPUTE else \
+        report["host_argument_bytes"] - model.host_weights
+    assert passes["other"]["device_to_host_bytes"] == state + model.update_out + model.sums_out
+    extra = passes["other"]["host_to_device_bytes"] - (state + model.update_in + model.sums_in)
+    assert 0 <= extra <= SCALAR_BYTES, extra
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +101,56 @@ def test_hbm_falls_by_most_of_the_weights_and_gradients(rows):
     assert host["hbm_bytes"] < device["hbm_bytes"] / 2
 
 
+def test_the_planner_counts_the_weight_stream_the_compiled_step_moves(rows):
+    for placement in CANDIDATES:
+        model = assert_model_matches_passes(rows[placement], placement, grad_accum=1)
+        if placement == "device_params":
+            assert model == planner.ParamTraffic()
+        else:   # every layer's weights, in per forward, in again and their gradients out per backward
+            assert model.forward_in == model.weights_in_backward == model.gradients_out == \
+                LAYERS * rows[placement]["layer_weight_bytes"]
+
+
+def test_host_weights_cost_their_link_time_in_forward_and_backward_not_in_the_update(rows):
+    target = get_target("h200")
+    link = target.host_link_bytes_per_s
+    device, host = (planner._row(CANDIDATES[p], {"report": rows[p]["report"]}, toy_recipe(p), target, ONE_GPU)
+                    for p in ("device_params", "host_params"))
+    passes = rows["host_params"]["traffic_by_pass"]
+    forward_weights = passes["forward"]["host_to_device_bytes"]
+    backward_weights = passes["backward"]["host_to_device_bytes"] + passes["backward"]["device_to_host_bytes"]
+    assert forward_weights > 0 and backward_weights > 0
+    # A tiny model on an H200: the link, not compute, sets both passes.
+    assert host.compute_s < forward_weights / link / 10
+    assert host.forward_s == pytest.approx(forward_weights / link)
+    assert host.backward_s == pytest.approx(backward_weights / link)
+    assert host.step_s >= device.step_s + (forward_weights + backward_weights) / link * (1 - 1e-9)
+    # The update's time covers at most what the compiled step moves outside the two passes.
+    other = passes["other"]
+    assert host.update_s <= (other["host_to_device_bytes"] + other["device_to_host_bytes"]) / link
+    assert host.transfer_s == pytest.approx(
+        (sum(sum(moved.values()) for moved in passes.values()) - rows["host_params"]["report"][
+            "overlapped_transfer_bytes"]) / link)
+
+
+def test_sharded_weights_stream_one_gpu_share():
+    """fsdp x tensor split each weight; the norm scales are not split: each GPU streams its share."""
+    mesh = host_params_toy.mesh_shape("1x2x2")
+    (row,) = compile_rows(1, "--mesh", "1x2x2", "--placements", "host_params").values()
+    model = assert_model_matches_passes(row, "host_params", grad_accum=1, mesh=mesh)
+    whole = LAYERS * row["layer_weight_bytes"]
+    assert whole / 4 < model.forward_in < whole / 2
+
+
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_with_gradient_accumulation_hbm_still_falls():
     """grad_accum > 1: the host sums pass whole leaves through HBM (XLA's host computations write their
-    results to device memory first), so only the total is checked here; see docs/DESIGN.md."""
+    results to device memory first), so only the total is checked here; see docs/DESIGN.md. The planner
+    counts those sums, and the weights streamed once per micro-batch."""
     rows = compile_rows(grad_accum=2)
     assert rows["host_params"]["report"]["hbm_bytes"] < rows["device_params"]["report"]["hbm_bytes"] / 2
+    for placement in CANDIDATES:
+        model = assert_model_matches_passes(rows[placement], placement, grad_accum=2)
+        if placement != "device_params":
+            assert model.forward_in == 2 * LAYERS * rows[placement]["layer_weight_bytes"]
+            assert model.sums_in == model.sums_out > 0

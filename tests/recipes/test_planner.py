@@ -227,11 +227,15 @@ def test_host_compute_plans_pay_the_host_cpu(small_plan):
     pricing = small_plan.host_update
     per_second = pricing["params_per_s_per_core"] * pricing["cores_per_gpu"]
     n = small_plan.recipe.num_params()
+    # recompute_all offloads no activation: all the compiled step moves is the update's
+    # (gradients out, and the fp32 norm scales, which have no master copy; parameters back).
+    only_update = rows["recompute_all", planner.HOST_COMPUTE].report
+    update_bytes = only_update["device_to_host_bytes"] + only_update["host_to_device_bytes"]
+    assert update_bytes == pytest.approx(4 * n, rel=0.01)   # bf16: 2 bytes out, 2 back per parameter
     for plan in planner.HOST_COMPUTE_PLANS:
         row = rows[plan, planner.HOST_COMPUTE]
         assert row.report["hbm_bytes"] < rows[plan, "device"].report["hbm_bytes"], plan
-        # bf16 weights with fp32 masters: bf16 gradients go out, bf16 parameters come back
-        assert row.update_s == pytest.approx((2 * n + 2 * n) / link + n / per_second)
+        assert row.update_s == pytest.approx(update_bytes / link + n / per_second)
     # a faster host makes the same plan faster
     faster = planner._row(rows["recompute_all", planner.HOST_COMPUTE].candidate,
                           {"report": rows["recompute_all", planner.HOST_COMPUTE].report},
@@ -451,6 +455,17 @@ def test_seq_len_search_finds_the_boundary():
         assert points[r["best"]]["fits"]
         if r["first_fail"] is not None:
             assert not points[r["first_fail"]]["fits"] and r["first_fail"] - r["best"] == result.search["step"]
+
+
+def test_a_plan_with_an_unknown_params_placement_is_refused_by_name():
+    with pytest.raises(ValueError, match="params placement must be 'device' or 'host', got 'gpu'"):
+        planner.param_traffic(planner.Candidate("recompute_all", "host", "gpu"), small_recipe(),
+                              {"data": 1, "fsdp": 1, "tensor": 1})
+
+
+def test_weights_on_device_add_no_parameter_traffic():
+    assert planner.param_traffic(planner.Candidate("save_all", "host"), small_recipe(),
+                                 {"data": 1, "fsdp": 1, "tensor": 1}) == planner.ParamTraffic()
 
 
 # --- search logic (synthetic HBM curves, no compile) ----------------------------------
