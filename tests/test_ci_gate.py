@@ -54,7 +54,7 @@ def test_ci_script_sets_ci():
     script = (Path(__file__).parent.parent / ".ci" / "run").read_text()
     assert 'export CI="${CI:-1}"' in script
     assert "\nrequired test\n" in script            # the README's test command, which must pass
-    assert "\nwithin_budget test-jax011\n" in script  # the whole suite (every slow test) runs somewhere
+    assert "\nwithin_budget test-jax011 SUITE=test-slow\n" in script  # every slow test runs somewhere
 
 
 def test_only_a_declared_torchless_environment_may_skip_parity_tests_under_ci():
