@@ -83,14 +83,14 @@ def with_offload(recipe, activations: str, optimizer_state: str):
 def optimizer_state_bytes(recipe) -> int:
     """Bytes of AdamW state as recipes/train/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
+
+    from spillway.recipes.train.optimizer import keeps_master_copy
 
     model = nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(0)))
     total = 0
     for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
-        master = recipe.optimizer.master_weights and x.dtype != jnp.float32
-        total += x.size * (12 if master else 8)
+        total += x.size * (12 if keeps_master_copy(recipe.optimizer, x.dtype) else 8)
     return total
 
 

@@ -510,6 +510,7 @@ def _parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list
     from flax import nnx
 
     from spillway.layers.sharding import logical_to_spec, variable_axes
+    from spillway.recipes.train.optimizer import keeps_master_copy
     from spillway.recipes.train.param_placement import HOST, param_memories
     from spillway.recipes.train.step import abstract_model
 
@@ -524,8 +525,7 @@ def _parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list
                          for axes in spec if axes is not None)
         elements = int(np.prod(value.shape)) // ways
         leaves.append(_Leaf(elements, elements * jnp.dtype(value.dtype).itemsize, on_host=memory == HOST,
-                            # recipes/train/optimizer.py make_layouts: the same rule
-                            master=recipe.optimizer.master_weights and jnp.dtype(value.dtype) != jnp.float32))
+                            master=keeps_master_copy(recipe.optimizer, value.dtype)))
     return leaves
 
 

@@ -249,6 +249,11 @@ def _stream_axis(logical_axes: tuple | None, shape: tuple[int, ...]) -> int | No
     return max(allowed, key=lambda i: shape[i]) if allowed else None
 
 
+def keeps_master_copy(cfg: OptimizerConfig, dtype) -> bool:
+    """Whether a parameter of `dtype` gets an fp32 master copy in the optimizer state: low precision only."""
+    return cfg.master_weights and jnp.dtype(dtype) != jnp.float32
+
+
 def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = DEVICE,
                  decay_fn: Callable[[tuple | None, tuple[int, ...], bool], bool] | None = None,
                  memory_fn: Callable[[str, Any], str | None] | None = None):
@@ -284,7 +289,7 @@ def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = DEVICE,
         else:
             decay = rank_decay(axes, tuple(value.shape), stacked)
         return LeafLayout(stacked=stacked, state_memory=memory, decay=bool(decay),
-                          master=cfg.master_weights and jnp.dtype(value.dtype) != jnp.float32,
+                          master=keeps_master_copy(cfg, value.dtype),
                           stream_axis=None if stacked else _stream_axis(axes, tuple(value.shape)))
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
