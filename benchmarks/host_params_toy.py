@@ -45,10 +45,14 @@ PLACEMENTS = {
 
 
 def mesh_shape(text: str) -> dict[str, int]:
-    """{"data": ., "fsdp": ., "tensor": .} from "DATAxFSDPxTENSOR"; ValueError naming the bad text."""
+    """{"data": ., "fsdp": ., "tensor": .} from "DATAxFSDPxTENSOR"; an error naming the bad text.
+
+    ArgumentTypeError, not ValueError: argparse prints only the former's message
+    (for a ValueError it says "invalid mesh_shape value").
+    """
     parts = text.split("x")
     if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise ValueError(f"--mesh must be DATAxFSDPxTENSOR with positive sizes (e.g. 1x2x1), got {text!r}")
+        raise argparse.ArgumentTypeError(f"--mesh must be DATAxFSDPxTENSOR with positive sizes (e.g. 1x2x1), got {text!r}")
     return dict(zip(("data", "fsdp", "tensor"), map(int, parts)))
 
 

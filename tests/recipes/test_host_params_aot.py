@@ -154,3 +154,9 @@ def test_with_gradient_accumulation_hbm_still_falls():
         if placement != "device_params":
             assert model.forward_in == 2 * LAYERS * rows[placement]["layer_weight_bytes"]
             assert model.sums_in == model.sums_out > 0
+
+
+def test_a_mesh_the_toy_cannot_read_is_named_in_one_line():
+    for bad in ("1x2", "1x0x1", "axbxc"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"DATAxFSDPxTENSOR .* got '{bad}'"):
+            host_params_toy.mesh_shape(bad)
