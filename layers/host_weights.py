@@ -13,6 +13,16 @@ weight gradient leaves HBM as the backward scan produces it, and the stacked
 gradient is a host array (checked on jax 0.10.2: the gradient's aval is
 `f32<host>[L, ...]`).
 
+Gradient accumulation (grad_accum > 1) adds each micro-batch's gradients to
+a float32 running sum in host memory, and that sum must not pass through HBM
+whole either. So the sum is accumulated inside the backward scan, a layer at a
+time: a host weight paired with its layer of the sum (`AccumulatingWeight`)
+comes into HBM through `_into_hbm_accumulating`, a custom VJP whose backward
+rule brings the layer's sum in, adds the incoming gradient and sends the new
+sum out. The train step differentiates with respect to the sums (not the
+weights), so the "gradient" JAX returns for them is the new running sum,
+stacked in host memory by the scan's transpose (recipes/train/step.py).
+
 The device copy must never be a remat residual, or the backward pass would
 keep every layer's weights in HBM after all. It is tagged `DEVICE_WEIGHTS`
 and `never_save_device_weights` wraps any checkpoint policy so that this name
@@ -22,7 +32,10 @@ point: the weights come in again). Blocks do not tag it; the stack does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 # checkpoint_name of a layer's weights copied into HBM inside the scan: never saved.
@@ -39,13 +52,62 @@ def any_in_host_memory(tree) -> bool:
     return any(in_host_memory(x) for x in jax.tree.leaves(tree))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AccumulatingWeight:
+    """A host-resident weight (or its layer slice) and the float32 running sum of its gradients, same shape.
+
+    Stands in for the weight's value in the parameter state the model is
+    merged from; the scan slices both per layer and `layer_to_device` turns
+    the pair into the weight's device copy.
+    """
+
+    weight: jax.Array
+    grad_sum: jax.Array
+
+
+@jax.custom_vjp
+def _into_hbm_accumulating(weight, grad_sum):
+    return jax.device_put(weight, jax.memory.Space.Device)
+
+
+def _into_hbm_accumulating_fwd(weight, grad_sum):
+    return jax.device_put(weight, jax.memory.Space.Device), grad_sum
+
+
+def _into_hbm_accumulating_bwd(grad_sum, grad):
+    # The weight is not differentiated (the train step differentiates the sums): no cotangent.
+    new_sum = jax.device_put(grad_sum, jax.memory.Space.Device) + grad.astype(jnp.float32)
+    return None, jax.device_put(new_sum, jax.memory.Space.Host)
+
+
+_into_hbm_accumulating.defvjp(_into_hbm_accumulating_fwd, _into_hbm_accumulating_bwd)
+
+
+def _is_pair(x) -> bool:
+    return isinstance(x, AccumulatingWeight)
+
+
 def layer_to_device(layer_state):
     """One layer's weight slices: host-resident ones copied into HBM (tagged), the rest untouched."""
     def one(x):
+        if _is_pair(x):
+            return checkpoint_name(_into_hbm_accumulating(x.weight, x.grad_sum), DEVICE_WEIGHTS)
         if not in_host_memory(x):
             return x
         return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), DEVICE_WEIGHTS)
-    return jax.tree.map(one, layer_state)
+    return jax.tree.map(one, layer_state, is_leaf=_is_pair)
+
+
+def host_zeros_f32_like(stacked: jax.Array) -> jax.Array:
+    """float32 zeros shaped like a stacked host weight, in host memory, made a layer at a time.
+
+    A scan whose every iteration sends one layer of zeros to host memory: XLA
+    stacks its outputs in a host buffer, so HBM holds one layer of zeros at most.
+    """
+    def one_layer(carry, _):
+        return carry, jax.device_put(jnp.zeros(stacked.shape[1:], jnp.float32), jax.memory.Space.Host)
+    return jax.lax.scan(one_layer, None, None, length=stacked.shape[0])[1]
 
 
 def never_save_device_weights(policy):

@@ -412,8 +412,8 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
                "hide behind; where the compiled schedule has the two directions in flight together (the "
                "streamed stacked layers), the overlapped bytes are not counted twice. Block weights in host memory "
                "(params host) come in during the forward, again during the backward, with their gradients going "
-               "out (and, with grad_accum > 1, the micro-batch gradient sums crossing both ways), once per "
-               "micro-batch, added to that phase's transfers; the update moves only the state, the gradients and "
+               "out (with grad_accum > 1, the float32 running sums come in and go out instead, a layer at a "
+               "time), once per micro-batch, added to that phase's transfers; the update moves only the state, the gradients and "
                "the new weights.")
 
 
@@ -438,14 +438,16 @@ class ParamTraffic:
                    backward pass, so it is copied again) and A x W of
                    gradients out (the transpose of the copy; gradients have
                    the parameter's dtype);
-        sums       A > 1 only: each micro-batch's gradient sum is a host
-                   computation whose result XLA writes to HBM and copies back
-                   (docs/DESIGN.md section 6, "Known limit"): A x F in, A x F
-                   out, counted in the backward phase; outside the micro-batch
-                   loop the zeroed sums (F out) and their mean (F in, F out),
-                   counted in the update;
+        sums       A > 1 only: the float32 running sums of the host
+                   gradients are accumulated inside each backward pass, a
+                   layer at a time (layers/host_weights.AccumulatingWeight):
+                   per micro-batch A x F in and A x F out, the new sums
+                   leaving in place of the gradients; before the loop the
+                   zeroed sums go out once (F, one buffer per distinct
+                   shape, which the first micro-batch reads), counted in the
+                   update;
         update     streamed through HBM (optimizer state "host"): gradients in
-                   (W, or F once summed over micro-batches), the weights of
+                   (W, or the summed F), the weights of
                    leaves without an fp32 master copy in (the others are
                    recomputed from the master), new weights out (W). Updated
                    by the host CPU (host_compute): nothing of the host
@@ -466,17 +468,15 @@ class ParamTraffic:
     squared gradients for the clipping norm), which the residual counts as
     activations. Where the compile first disagreed with this model, the
     compile was right: the update of a leaf with a master copy never reads its
-    weights; the gradient sums of grad_accum > 1 cross as float32, twice per
-    micro-batch and three times around the loop; and hlo.py counted every
-    host computation twice (fixed there).
+    weights; the gradient sums of grad_accum > 1 cross as float32; and hlo.py
+    counted every host computation twice (fixed there).
     """
 
     host_weights: int = 0          # W: the step's host argument holds these besides the optimizer state
     weights_in_forward: int = 0
     weights_in_backward: int = 0
     gradients_out: int = 0
-    sums_in: int = 0               # micro-batch gradient sums, inside the micro-batch loop
-    sums_out: int = 0
+    sums_in: int = 0               # grad_accum > 1: the running sums into each backward pass
     update_in: int = 0             # besides optimizer state; includes the sums outside the loop
     update_out: int = 0
 
@@ -490,12 +490,14 @@ class ParamTraffic:
 
     @property
     def backward_out(self) -> int:
-        return self.gradients_out + self.sums_out
+        return self.gradients_out
 
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
-    """One parameter on one GPU: its shard's elements and bytes, where it lives, whether it has a master."""
+    """One parameter on one GPU: its shape, its shard's elements and bytes, where it lives, whether it has a
+    master copy."""
+    shape: tuple[int, ...]
     elements: int
     nbytes: int
     on_host: bool
@@ -524,7 +526,7 @@ def _parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list
         ways = math.prod(math.prod(mesh[a] for a in ((axes,) if isinstance(axes, str) else axes))
                          for axes in spec if axes is not None)
         elements = int(np.prod(value.shape)) // ways
-        leaves.append(_Leaf(elements, elements * jnp.dtype(value.dtype).itemsize, on_host=memory == HOST,
+        leaves.append(_Leaf(tuple(value.shape), elements, elements * jnp.dtype(value.dtype).itemsize, on_host=memory == HOST,
                             master=keeps_master_copy(recipe.optimizer, value.dtype)))
     return leaves
 
@@ -545,9 +547,10 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
     on_host = [leaf for leaf in leaves if leaf.on_host]
     in_hbm = [leaf for leaf in leaves if not leaf.on_host]
     weights = sum(leaf.nbytes for leaf in on_host)
-    as_f32 = 4 * sum(leaf.elements for leaf in on_host)
     summed = accum > 1 and bool(on_host)
-    update_in = update_out = 0
+    host_grads = sum(grad_bytes(leaf) for leaf in on_host)
+    # The zeroed sums: one buffer per distinct shape (recipes/train/step.py), a GPU's shard of it.
+    zeros = sum(4 * leaf.elements for leaf in {leaf.shape: leaf for leaf in on_host}.values()) if summed else 0
     if host_cpu:
         update_out = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in in_hbm)
         update_in = sum(leaf.nbytes for leaf in in_hbm)
@@ -556,9 +559,8 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
         update_out = weights
     return ParamTraffic(
         host_weights=weights, weights_in_forward=accum * weights, weights_in_backward=accum * weights,
-        gradients_out=accum * weights,
-        sums_in=accum * as_f32 if summed else 0, sums_out=accum * as_f32 if summed else 0,
-        update_in=update_in + (as_f32 if summed else 0), update_out=update_out + (2 * as_f32 if summed else 0))
+        gradients_out=accum * host_grads, sums_in=accum * host_grads if summed else 0,
+        update_in=update_in, update_out=update_out + zeros)
 
 
 def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],

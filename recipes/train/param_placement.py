@@ -9,20 +9,18 @@ version. A parameter's `param_memory` metadata ("host" | "device") overrides
 the setting for that leaf; only stacked leaves may be host-resident, because
 only the scan streams them.
 
-Gradient accumulation sums micro-batch gradients where they live: host
-gradients are summed by the host CPU (elementwise maths on host buffers must
-be a host computation), so HBM never holds the whole gradient.
+With gradient accumulation, host gradients are summed inside the backward
+pass a layer at a time (recipes/train/step.py, layers/host_weights.py), so HBM
+never holds the whole gradient.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from spillway.layers import jax_compat, names
+from spillway.layers import names
 from spillway.layers.errors import ConfigError
-from spillway.layers.host_weights import in_host_memory
 from spillway.recipes.train.optimizer import PINNED_HOST, host_memory_available, host_sharding
 
 HOST = "host"
@@ -72,29 +70,3 @@ def placed_shardings(state, shardings, setting: str):
 
 def any_host_sharding(shardings) -> bool:
     return any(getattr(s, "memory_kind", None) == PINNED_HOST for s in jax.tree.leaves(shardings))
-
-
-# --- gradient accumulation where the gradients live ---------------------------
-
-def _host_math(fn, *args):
-    return jax_compat.on_host(fn, out_memory_spaces=jax.memory.Space.Host)(*args)
-
-
-def zeros_f32_like(p: jax.Array) -> jax.Array:
-    """fp32 zeros of p's shape, in p's memory (host zeros made by the host CPU)."""
-    if not in_host_memory(p):
-        return jnp.zeros(p.shape, jnp.float32)
-    return _host_math(lambda x: jnp.zeros(x.shape, jnp.float32), p)
-
-
-def add_f32(total: jax.Array, grad: jax.Array) -> jax.Array:
-    """total + grad in fp32, computed where they live."""
-    def add(t, g):
-        return t + g.astype(jnp.float32)
-    return _host_math(add, total, grad) if in_host_memory(total) else add(total, grad)
-
-
-def divide(total: jax.Array, count: int) -> jax.Array:
-    def div(t):
-        return t / count
-    return _host_math(div, total) if in_host_memory(total) else div(total)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spillway.layers import names
+from spillway.layers import host_weights, names
 from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, create_sharded, make_mesh,
                                       state_shardings, undivided_dims)
@@ -65,20 +65,61 @@ def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk:
             loss, grads = grad_fn(params, tokens_bt)
         else:
             micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
+            if host_weights.any_in_host_memory(params):
+                loss, grads = _accumulate_in_backward(loss_fn, params, micro_mbt)
+            else:
+                def accumulate(grad_sum, micro_bt):
+                    loss, grads = grad_fn(params, micro_bt)
+                    return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), grad_sum, grads), loss
 
-            # Host-resident gradients (offload.params=host) are summed on the host.
-            def accumulate(grad_sum, micro_bt):
-                loss, grads = grad_fn(params, micro_bt)
-                return jax.tree.map(placement.add_f32, grad_sum, grads), loss
-
-            zeros = jax.tree.map(placement.zeros_f32_like, params)
-            grad_sum, losses = jax.lax.scan(accumulate, zeros, micro_mbt)
-            grads = jax.tree.map(lambda g: placement.divide(g, grad_accum), grad_sum)
-            loss = jnp.mean(losses)
+                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+                grad_sum, losses = jax.lax.scan(accumulate, zeros, micro_mbt)
+                grads = jax.tree.map(lambda g: g / grad_accum, grad_sum)
+                loss = jnp.mean(losses)
         params, opt_state, stats = optimizer.update(grads, opt_state, params)
         return params, opt_state, {"loss": loss, **stats}
 
     return train_step
+
+
+def _accumulate_in_backward(loss_fn, params, micro_mbt):
+    """(mean loss, mean gradients) over micro-batches, the host weights' gradients summed inside each backward.
+
+    The float32 sums of host-resident weights stay in host memory and pass
+    through HBM a layer at a time (layers/host_weights.AccumulatingWeight): the
+    loss is differentiated with respect to those sums, so what comes back for
+    them is the new sum. The loss is divided by the micro-batch count before
+    differentiating, so the sums are the mean gradient with no division pass
+    over them at the end (a host computation would write its result to HBM
+    first). Device-resident gradients are summed on device as usual.
+    """
+    grad_accum = micro_mbt.shape[0]
+    on_host = jax.tree.map(host_weights.in_host_memory, params)
+
+    def micro_step(grad_sum, micro_bt):
+        def scaled_loss(differentiated):
+            merged = jax.tree.map(lambda p, d, host: host_weights.AccumulatingWeight(p, d) if host else d,
+                                  params, differentiated, on_host)
+            return loss_fn(merged, micro_bt) / grad_accum
+
+        differentiated = jax.tree.map(lambda p, s, host: s if host else p, params, grad_sum, on_host)
+        loss, grads = jax.value_and_grad(scaled_loss)(differentiated)
+        grad_sum = jax.tree.map(lambda s, g, host: g if host else s + g.astype(jnp.float32),
+                                grad_sum, grads, on_host)
+        return grad_sum, loss * grad_accum
+
+    host_zeros = {}   # one host buffer of zeros per shape: the first micro-batch only reads them
+
+    def zeros_like(p, host):
+        if not host:
+            return jnp.zeros(p.shape, jnp.float32)
+        if p.shape not in host_zeros:
+            host_zeros[p.shape] = host_weights.host_zeros_f32_like(p)
+        return host_zeros[p.shape]
+
+    zeros = jax.tree.map(zeros_like, params, on_host)
+    grad_sum, losses = jax.lax.scan(micro_step, zeros, micro_mbt)
+    return jnp.mean(losses), grad_sum
 
 
 def make_eval_step(graphdef, mesh=None):
