@@ -17,7 +17,9 @@ largest device-memory arrays of the compiled program (recipes/plan/hlo.py
 largest_device_arrays: no HBM buffer is larger than the first), one
 layer's weight bytes, so a reader can see how many layers HBM holds at most,
 and the host link bytes per autodiff pass (hlo.traffic_by_pass: forward,
-backward, other), which the planner's weight-stream model is checked against.
+backward, other), which the planner's weight-stream model is checked against;
+and the start-up: HBM of the program that creates the weights in their
+memories (host-resident ones a layer at a time).
 
 Run:  .venv/bin/python benchmarks/host_params_toy.py [--target h200] [--layers 8] [--d-model 512]
       [--mesh DATAxFSDPxTENSOR, default 1x1x1]
@@ -93,7 +95,10 @@ def measure(argv: list[str]) -> dict:
 
     from spillway.recipes.plan import compile as aot
     from spillway.recipes.plan import hlo
-    from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
+    import jax
+
+    from spillway.layers.sharding import init_program
+    from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, model_maker
 
     rows = {}
     for placement in args.placements.split(","):
@@ -105,10 +110,18 @@ def measure(argv: list[str]) -> dict:
             report = aot.CompileReport.from_compiled(compiled, keep_hlo_text=True)
             largest = hlo.largest_device_arrays(report.hlo_text, 5)
             layer_bytes, largest_layer_leaf = layer_weight_bytes(recipe)
+            # Start-up: the program that creates the weights, in their memories.
+            _, init = init_program(model_maker(recipe, 0, s.param_shardings), mesh, shardings=s.param_shardings)
+            init_report = aot.CompileReport.from_compiled(init.lower().compile(), keep_hlo_text=True)
+            state_init = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings).lower(s.params)
+            state_init_report = aot.CompileReport.from_compiled(state_init.compile())
             rows[placement] = {"report": report.to_dict(), "layer_weight_bytes": layer_bytes,
                                "largest_layer_leaf_bytes": largest_layer_leaf,
                                "largest_device_arrays": [dataclasses.asdict(a) for a in largest],
-                               "traffic_by_pass": hlo.traffic_by_pass(report.hlo_text)}
+                               "traffic_by_pass": hlo.traffic_by_pass(report.hlo_text),
+                               "init": {"report": init_report.to_dict(), "largest_device_arrays": [
+                                   dataclasses.asdict(a) for a in hlo.largest_device_arrays(init_report.hlo_text, 3)]},
+                               "optimizer_init": {"report": state_init_report.to_dict()}}
         except Exception as error:  # report and go on: one broken placement should not hide the rest
             rows[placement] = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
     return {"rows": rows}
@@ -125,6 +138,12 @@ def main() -> None:
         print(f"{key:26s} HBM {r['hbm_bytes'] / MiB:8.1f} MiB (temp {r['temp_bytes'] / MiB:7.1f})  "
               f"host {r['host_bytes'] / MiB:8.1f} MiB  largest HBM array {big['nbytes'] / MiB:6.1f} MiB "
               f"{big['dims']} ({big['opcode']}); one layer of weights {row['layer_weight_bytes'] / MiB:.1f} MiB")
+        init = row["init"]["report"]
+        print(f"{'':26s} start-up (creating the weights): HBM {init['hbm_bytes'] / MiB:8.1f} MiB "
+              f"(temp {init['temp_bytes'] / MiB:7.1f})  host {init['host_bytes'] / MiB:8.1f} MiB")
+        state = row["optimizer_init"]["report"]
+        print(f"{'':26s} start-up (optimizer state):        HBM {state['hbm_bytes'] / MiB:8.1f} MiB "
+              f"(temp {state['temp_bytes'] / MiB:7.1f})  host {state['host_bytes'] / MiB:8.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ sum out. The train step differentiates with respect to the sums (not the
 weights), so the "gradient" JAX returns for them is the new running sum,
 stacked in host memory by the scan's transpose (recipes/train/step.py).
 
+Start-up: a model whose block weights are to live in host memory is built
+with them there (`initialised_in_host_memory`): the stack then creates its
+layers with a scan instead of a vmap and sends each layer's weights to host
+memory as it is made, so HBM never holds the stacked weights, not even once.
+
 The device copy must never be a remat residual, or the backward pass would
 keep every layer's weights in HBM after all. It is tagged `DEVICE_WEIGHTS`
 and `never_save_device_weights` wraps any checkpoint policy so that this name
@@ -32,7 +37,10 @@ point: the weights come in again). Blocks do not tag it; the stack does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +48,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 # checkpoint_name of a layer's weights copied into HBM inside the scan: never saved.
 DEVICE_WEIGHTS = "layer_weights_on_device"
+
+HOST = "host"
+DEVICE = "device"
+
+# While a model is built: the offload.params setting its stacked weights are created under, or None.
+_INITIAL_SETTING: contextvars.ContextVar[str | None] = contextvars.ContextVar("spillway_initial_params",
+                                                                               default=None)
 
 
 def in_host_memory(x) -> bool:
@@ -108,6 +123,37 @@ def host_zeros_f32_like(stacked: jax.Array) -> jax.Array:
     def one_layer(carry, _):
         return carry, jax.device_put(jnp.zeros(stacked.shape[1:], jnp.float32), jax.memory.Space.Host)
     return jax.lax.scan(one_layer, None, None, length=stacked.shape[0])[1]
+
+
+def stacked_weight_memory(metadata: dict, setting: str) -> str:
+    """Where a stacked (per-layer) weight lives: its `param_memory` metadata, else the offload.params setting."""
+    return metadata.get("param_memory") or setting
+
+
+@contextlib.contextmanager
+def initialised_in_host_memory(setting: str) -> Iterator[None]:
+    """Models built inside create their host-resident stacked weights straight in host memory, a layer at a
+    time (layers/stack.py), as `setting` (offload.params) and each weight's `param_memory` place them."""
+    token = _INITIAL_SETTING.set(setting)
+    try:
+        yield
+    finally:
+        _INITIAL_SETTING.reset(token)
+
+
+def initial_setting() -> str | None:
+    """The setting `initialised_in_host_memory` put in force, or None outside it."""
+    return _INITIAL_SETTING.get()
+
+
+def send_layer_to_host(layer_module, setting: str) -> None:
+    """Move one freshly made layer's host-resident weights into host memory, in place."""
+    from flax import nnx   # here, not at the top: the rest of this module needs only jax
+
+    for _, var in nnx.iter_graph(layer_module):
+        if isinstance(var, nnx.Variable) and not isinstance(var, nnx.RngState) \
+                and stacked_weight_memory(var.get_metadata(), setting) == HOST:
+            var.set_value(jax.device_put(var.get_value(), jax.memory.Space.Host))
 
 
 def never_save_device_weights(policy):

@@ -175,18 +175,30 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules=DEFAULT_RULES) -> NamedShard
     return NamedSharding(mesh, logical_to_spec((names.BATCH,) + (None,) * (ndim - 1), None, mesh, rules))
 
 
-def create_sharded(make_module, mesh: Mesh | None = None, rules=DEFAULT_RULES):
+def create_sharded(make_module, mesh: Mesh | None = None, rules=DEFAULT_RULES, shardings=None):
     """Build an nnx.Module with its parameters initialised by one jitted program.
 
     Eager initialisation compiles one tiny program per parameter shape (seconds
     for a small model); one jit is faster, and with a mesh each parameter is
     created directly in its shard, so a model larger than one device's memory
-    is never materialised whole.
+    is never materialised whole. `shardings` (a state of shardings, as
+    state_shardings returns) overrides the ones `rules` give.
+    """
+    graphdef, program = init_program(make_module, mesh, rules, shardings)
+    return nnx.merge(graphdef, program())
+
+
+def init_program(make_module, mesh: Mesh | None = None, rules=DEFAULT_RULES, shardings=None):
+    """(graphdef, the jitted program with no arguments that returns the module's initialised state).
+
+    What create_sharded runs; apart so that it can also be compiled ahead of
+    time for a GPU target (the start-up's HBM, benchmarks/host_params_toy.py).
     """
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
-    out_shardings = None if mesh is None else state_shardings(abstract_state, mesh, rules)
-    state = jax.jit(lambda: nnx.split(make_module())[1], out_shardings=out_shardings)()
-    return nnx.merge(graphdef, state)
+    out_shardings = shardings
+    if out_shardings is None and mesh is not None:
+        out_shardings = state_shardings(abstract_state, mesh, rules)
+    return graphdef, jax.jit(lambda: nnx.split(make_module())[1], out_shardings=out_shardings)
 
 
 _ACTIVATION_MESH: contextvars.ContextVar[tuple[Mesh, Mapping] | None] = contextvars.ContextVar(

@@ -17,7 +17,7 @@ collects the names it tags; a plan that names anything else is an error, so a
 policy can never silently do nothing.
 
 Block weights in pinned host memory (a recipe's offload.params=host) are
-brought into HBM one layer per scan iteration (layers/host_weights.py); the
+created there a layer at a time, brought into HBM one layer per scan iteration (layers/host_weights.py); the
 stack notices them by their memory space, and keeps their device copies out
 of every segment's remat residuals.
 """
@@ -90,12 +90,7 @@ class BlockStack(nnx.Module):
         self.plan = RematPlan.parse(remat)
         self.segments = tuple(self.plan.resolve(num_layers))  # hashable: graphdefs are jit static args
 
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(rngs):
-            return block_cls(cfg, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = self._make_blocks(cfg, num_layers, block_cls, rngs)
         for _, var in nnx.iter_graph(self.blocks):
             if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
                 var.set_metadata(logical_axes=(names.LAYERS,) + tuple(var.get_metadata()["logical_axes"]))
@@ -105,6 +100,26 @@ class BlockStack(nnx.Module):
             raise ValueError(
                 f"remat plan names {sorted(unknown)}, which {block_cls.__name__} never tags "
                 f"(it tags {sorted(self.block_names)}); the policy would silently do nothing")
+
+    @staticmethod
+    def _make_blocks(cfg: BlockConfig, num_layers: int, block_cls: type, rngs: nnx.Rngs):
+        """The stacked blocks: made at once by a vmap, or, where their weights are to live in host memory
+        (host_weights.initialised_in_host_memory), one layer per scan iteration, sent to host as made."""
+        setting = host_weights.initial_setting()
+        if setting is None:
+            @nnx.split_rngs(splits=num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_all(rngs):
+                return block_cls(cfg, rngs=rngs)
+            return make_all(rngs)
+
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def make_one(carry, rngs):
+            block = block_cls(cfg, rngs=rngs)
+            host_weights.send_layer_to_host(block, setting)
+            return carry, block
+        return make_one(0, rngs)[1]
 
     def _trace_tagged_names(self, cfg: BlockConfig) -> set[str]:
         graphdef, state = nnx.split(self.blocks)

@@ -21,10 +21,8 @@ from flax import nnx
 
 from spillway.layers import names
 from spillway.layers.errors import ConfigError
+from spillway.layers.host_weights import DEVICE, HOST, stacked_weight_memory
 from spillway.recipes.train.optimizer import PINNED_HOST, host_memory_available, host_sharding
-
-HOST = "host"
-DEVICE = "device"
 
 
 def _is_variable(x) -> bool:
@@ -37,7 +35,7 @@ def param_memories(state, setting: str):
         metadata = var.get_metadata()
         axes = tuple(metadata.get("logical_axes") or ())
         stacked = bool(axes) and axes[0] == names.LAYERS
-        memory = metadata.get("param_memory") or (setting if stacked else DEVICE)
+        memory = stacked_weight_memory(metadata, setting) if stacked else metadata.get("param_memory") or DEVICE
         if memory not in (HOST, DEVICE):
             raise ConfigError(f"param_memory of {jax.tree_util.keystr(path)} must be 'host' or 'device', "
                               f"got {memory!r}")

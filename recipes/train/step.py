@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spillway.layers import host_weights, names
 from spillway.layers.errors import ConfigError
-from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, create_sharded, make_mesh,
+from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import param_placement as placement
@@ -141,23 +141,37 @@ class TrainSetup:
     train_step: object  # jitted
 
 
-def build_model(recipe: Recipe, mesh, seed: int):
-    model = create_sharded(lambda: recipe.build_model(nnx.Rngs(seed)), mesh)
-    return nnx.split(model)
+def build_model(recipe: Recipe, mesh, seed: int, shardings=None):
+    """(graphdef, params) of the recipe's model, every parameter created in its shard and memory."""
+    graphdef, program = init_program(model_maker(recipe, seed, shardings), mesh, shardings=shardings)
+    return graphdef, program()
+
+
+def model_maker(recipe: Recipe, seed: int, shardings=None):
+    """A function that builds the recipe's model; where `shardings` put block weights in pinned host
+    memory, it creates them there a layer at a time (layers/host_weights.initialised_in_host_memory),
+    so start-up never holds them in HBM."""
+    def make():
+        return recipe.build_model(nnx.Rngs(seed))
+
+    if shardings is None or not placement.any_host_sharding(shardings):
+        return make
+
+    def make_in_host_memory():
+        with host_weights.initialised_in_host_memory(recipe.offload.params):
+            return make()
+    return make_in_host_memory
 
 
 def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     """Build the model in its shards and the jitted train step."""
     check_attention_backend(recipe.execution.attention_impl, jax.default_backend())
     mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
-    graphdef, params = build_model(recipe, mesh, recipe.train.seed)
-    _warn_if_replicated(params, mesh)
-    param_sh = placement.placed_shardings(params, jax.tree.map(lambda v: v.sharding, params),
+    _, abstract_state = abstract_model(recipe)
+    param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
-    if placement.any_host_sharding(param_sh):
-        # Built on device, then moved: start-up still needs the weights in HBM once
-        # (initialising them straight into host memory is not done yet).
-        params = jax.device_put(params, param_sh)
+    graphdef, params = build_model(recipe, mesh, recipe.train.seed, param_sh)
+    _warn_if_replicated(params, mesh)
     return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
 
 

@@ -93,6 +93,20 @@ def test_no_hbm_buffer_holds_more_than_a_layer_of_weights(rows):
     assert device_largest["nbytes"] >= LAYERS * rows["device_params"]["largest_layer_leaf_bytes"]
 
 
+def test_start_up_creates_host_weights_without_holding_them_in_hbm(rows):
+    """The program that creates the weights makes host-resident ones a layer at a time, in host memory."""
+    device_init = rows["device_params"]["init"]["report"]
+    stacked_weights = LAYERS * rows["host_params"]["layer_weight_bytes"]
+    assert device_init["hbm_bytes"] >= stacked_weights   # on device they are all in HBM at the end
+    for key in ("host_params", "host_params_host_update"):
+        init = rows[key]["init"]
+        assert init["largest_device_arrays"][0]["nbytes"] <= 2 * rows[key]["largest_layer_leaf_bytes"], init
+        assert init["report"]["hbm_bytes"] <= 2 * rows[key]["layer_weight_bytes"], init["report"]
+        assert init["report"]["host_bytes"] >= stacked_weights
+        # Nor does creating the optimizer state hold a stacked leaf in HBM.
+        assert rows[key]["optimizer_init"]["report"]["hbm_bytes"] <= 2 * rows[key]["layer_weight_bytes"]
+
+
 def test_hbm_falls_by_most_of_the_weights_and_gradients(rows):
     device, host = rows["device_params"]["report"], rows["host_params"]["report"]
     stacked_weights = LAYERS * rows["host_params"]["layer_weight_bytes"]
