@@ -119,6 +119,7 @@ def measure(argv: list[str]) -> dict:
                                "largest_layer_leaf_bytes": largest_layer_leaf,
                                "largest_device_arrays": [dataclasses.asdict(a) for a in largest],
                                "traffic_by_pass": hlo.traffic_by_pass(report.hlo_text),
+                               "overlapped_by_pass": hlo.overlapping_host_copies(report.hlo_text).overlapped_by_pass,
                                "init": {"report": init_report.to_dict(), "largest_device_arrays": [
                                    dataclasses.asdict(a) for a in hlo.largest_device_arrays(init_report.hlo_text, 3)]},
                                "optimizer_init": {"report": state_init_report.to_dict()}}

@@ -215,6 +215,8 @@ class CompileReport:
     # Bytes that move in one link direction while the other direction moves too
     # (hlo.overlapping_host_copies); 0 in reports written before it existed.
     overlapped_transfer_bytes: int = 0
+    # The same split by autodiff pass ("forward", "backward", "other"); empty in older reports.
+    overlapped_bytes_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
     hlo_text: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def host_transfer_seconds(self, link_bytes_per_s: float) -> float:
@@ -240,6 +242,7 @@ class CompileReport:
         stats = compiled.memory_analysis()
         hlo_text = compiled.as_text()
         traffic = hlo.host_traffic(hlo_text)
+        overlap = hlo.overlapping_host_copies(hlo_text)
         return cls(
             hbm_bytes=(stats.argument_size_in_bytes + stats.output_size_in_bytes
                        - stats.alias_size_in_bytes + stats.temp_size_in_bytes),
@@ -265,7 +268,8 @@ class CompileReport:
             compile_seconds=compile_seconds,
             device_kind=device_kind,
             num_devices=num_devices,
-            overlapped_transfer_bytes=hlo.overlapping_host_copies(hlo_text).overlapped_bytes,
+            overlapped_transfer_bytes=overlap.overlapped_bytes,
+            overlapped_bytes_by_pass=overlap.overlapped_by_pass,
             hlo_text=hlo_text if keep_hlo_text else None,
         )
 

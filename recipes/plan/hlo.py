@@ -379,6 +379,8 @@ class CopyOverlap:
     device_to_host_bytes: int     # async device->host copies
     overlapped_bytes: int         # bytes each direction moves while the other is also moving (see below)
     overlapping_pairs: int        # static count of (host->device, device->host) windows in flight together
+    # overlapped_bytes split by `autodiff_pass` (forward, backward, other) of the copies that overlap
+    overlapped_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
@@ -392,28 +394,33 @@ def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
     direction's bytes are credited as ``overlapped_bytes`` (they move while
     the other direction moves too). The link time of the copies is then about
     (host_to_device + device_to_host - overlapped) / per-direction rate;
-    without any overlap it is the plain sum.
+    without any overlap it is the plain sum. Each run's overlapped bytes are
+    attributed to the autodiff pass (`autodiff_pass`) of its largest copy, so
+    that the planner credits them to the phase they happen in.
     """
     computations, entry = parse_computations(hlo_text)
     totals = {"h2d": 0, "d2h": 0, "overlapped": 0, "pairs": 0}
+    by_pass = {FORWARD: 0, BACKWARD: 0, OTHER: 0}
     if entry is None:
-        return CopyOverlap(0, 0, 0, 0)
+        return CopyOverlap(0, 0, 0, 0, by_pass)
     counted_pairs: set[str] = set()
 
-    def windows_of(instructions: list[Instruction]) -> list[tuple[int, int, int, int]]:
-        """(start index, done index, device->host bytes, host->device bytes) per async transfer."""
+    def windows_of(instructions: list[Instruction]) -> list[tuple[int, int, int, int, str]]:
+        """(start index, done index, device->host bytes, host->device bytes, pass) per async transfer."""
         shapes = {instruction.name: instruction.shape for instruction in instructions}
-        started: dict[str, tuple[int, int, int]] = {}
+        started: dict[str, tuple[int, int, int, str]] = {}
         windows = []
         for index, instruction in enumerate(instructions):
             if instruction.opcode.endswith("-start") and instruction.opcode not in _NOT_TRANSFERS:
                 to_host, to_device = _transfer_bytes(instruction, shapes)
                 if to_host or to_device:
-                    started[instruction.name] = (index, to_host, to_device)
+                    name = _OP_NAME.search(instruction.attributes)
+                    started[instruction.name] = (index, to_host, to_device,
+                                                 autodiff_pass(name.group(1) if name else ""))
             elif instruction.opcode.endswith("-done") and instruction.operands \
                     and instruction.operands[0] in started:
-                begin, to_host, to_device = started.pop(instruction.operands[0])
-                windows.append((begin, index, to_host, to_device))
+                begin, to_host, to_device, kind = started.pop(instruction.operands[0])
+                windows.append((begin, index, to_host, to_device, kind))
         return windows
 
     def visit(computation: str, multiplier: int, depth: int) -> None:
@@ -430,7 +437,7 @@ def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
                     visit(called, inner, depth + 1)
         windows = sorted(windows_of(instructions))
         # Runs of windows that overlap one another, in schedule order.
-        runs: list[list[tuple[int, int, int, int]]] = []
+        runs: list[list[tuple[int, int, int, int, str]]] = []
         for window in windows:
             if runs and window[0] < max(w[1] for w in runs[-1]):
                 runs[-1].append(window)
@@ -442,6 +449,9 @@ def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
             totals["h2d"] += to_device * multiplier
             totals["d2h"] += to_host * multiplier
             totals["overlapped"] += min(to_host, to_device) * multiplier
+            if min(to_host, to_device):
+                largest = max(run, key=lambda w: w[2] + w[3])
+                by_pass[largest[4]] += min(to_host, to_device) * multiplier
         if computation not in counted_pairs:
             counted_pairs.add(computation)
             totals["pairs"] += sum(1 for a in windows for b in windows
@@ -449,7 +459,8 @@ def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
 
     visit(entry, 1, 0)
     return CopyOverlap(host_to_device_bytes=totals["h2d"], device_to_host_bytes=totals["d2h"],
-                       overlapped_bytes=totals["overlapped"], overlapping_pairs=totals["pairs"])
+                       overlapped_bytes=totals["overlapped"], overlapping_pairs=totals["pairs"],
+                       overlapped_by_pass=by_pass)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,9 @@ update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
                  update's smaller direction is credited, so a schedule without
                  overlap gets none). Within forward and backward, transfers
                  are assumed to overlap compute fully, the two link directions
-                 added. The weight terms are zero unless the block weights
+                 added, less what the compiled schedule moves with both in
+                 flight in that pass (overlap is credited per autodiff pass,
+                 hlo.overlapping_host_copies). The weight terms are zero unless the block weights
                  live in host memory (params host); `ParamTraffic` says how
                  they are counted and how they compare with the compiled step.
 
@@ -410,7 +412,8 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "
                "hide behind; where the compiled schedule has the two directions in flight together (the "
-               "streamed stacked layers), the overlapped bytes are not counted twice. Block weights in host memory "
+               "streamed stacked layers; the running gradient sums of host weights), the overlapped bytes are not "
+               "counted twice, in the phase where they move. Block weights in host memory "
                "(params host) come in during the forward, again during the backward, with their gradients going "
                "out (with grad_accum > 1, the float32 running sums come in and go out instead, a layer at a "
                "time), once per micro-batch, added to that phase's transfers; the update moves only the state, the gradients and "
@@ -571,10 +574,12 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[
     bytes) is split into what `param_traffic` says the parameters move, the
     optimizer state (the host argument less the host-resident weights, in and
     out during the update) and, the rest, offloaded activations: out during
-    the forward pass, back during the backward pass. Within forward and
-    backward the two link directions are added (not overlapped: in the
-    compiled backward scan of recompute_all with host weights the weight
-    prefetch and the gradient write-back are not in flight together).
+    the forward pass, back during the backward pass. Within each phase the
+    two link directions are added, less the bytes the compiled schedule moves
+    with both directions in flight (hlo.overlapping_host_copies, by autodiff
+    pass): with grad_accum 1 and host weights the backward scan's weight
+    prefetch and gradient write-back are not in flight together; with
+    grad_accum > 1 most of the running sums' two directions are.
     """
     impl = recipe.execution.attention_impl
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
@@ -598,18 +603,26 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[
     update_in, update_out = state + params.update_in, state + params.update_out
     activations_out = max(0, to_host - params.backward_out - update_out)
     activations_back = max(0, from_host - params.forward_in - params.backward_in - update_in)
-    row.forward_s = max(counted.forward / rate, (activations_out + params.forward_in) / link)
-    row.backward_s = max((counted.backward + counted.recompute) / rate,
-                         (activations_back + params.backward_in + params.backward_out) / link)
     # Bytes the compiled schedule moves in both directions at once (the
-    # streamed update's write-back beside the next prefetch): credited to
-    # the update, never more than its smaller direction.
+    # streamed update's write-back beside the next prefetch; in the backward
+    # pass with grad_accum > 1, a layer's gradient sum going out beside the
+    # next layer's coming in), credited to the phase whose copies they are,
+    # never more than that phase's smaller direction. Reports older than the
+    # split credit everything to the update.
     overlapped = row.report.get("overlapped_transfer_bytes", 0)
+    by_pass = row.report.get("overlapped_bytes_by_pass") or {"other": overlapped}
+    forward_out, forward_in = activations_out, params.forward_in
+    backward_in, backward_out = activations_back + params.backward_in, params.backward_out
+    row.forward_s = max(counted.forward / rate, (forward_out + forward_in
+                                                 - min(by_pass.get("forward", 0), forward_out, forward_in)) / link)
+    row.backward_s = max((counted.backward + counted.recompute) / rate,
+                         (backward_in + backward_out - min(by_pass.get("backward", 0), backward_in, backward_out))
+                         / link)
     if host_cpu:
         # Per leaf the copies and the host CPU's update follow one another: added.
         row.update_s = (update_in + update_out) / link + _params_per_gpu(recipe, mesh) / host_update_params_per_s
     else:
-        row.update_s = (update_in + update_out - min(overlapped, update_in, update_out)) / link
+        row.update_s = (update_in + update_out - min(by_pass.get("other", 0), update_in, update_out)) / link
     row.transfer_s = (to_host + from_host - overlapped) / link
     return row
 

@@ -126,6 +126,19 @@ def test_opposite_direction_copies_in_flight_together_are_found():
     assert overlap.overlapped_bytes == 3 * row_bytes             # the lone fetch overlaps nothing
 
 
+def test_overlap_is_credited_to_the_autodiff_pass_of_its_copies():
+    plain = hlo.overlapping_host_copies(_TWO_DIRECTION_BODY.replace("{sequential}", ""))
+    assert plain.overlapped_by_pass == {"forward": 0, "backward": 0, "other": 3 * 64 * 4}
+    # The same copies named as JAX names the backward pass's operations.
+    named = _TWO_DIRECTION_BODY.replace("{sequential}", "").replace(
+        "calls=%dus", 'calls=%dus, metadata={op_name="jit(step)/transpose(jvp(scan))/device_put"}').replace(
+        "fusion-start(%b, %i), kind=kCustom, calls=%ds",
+        'fusion-start(%b, %i), kind=kCustom, calls=%ds, metadata={op_name="jit(step)/transpose(jvp(scan))/ds"}')
+    overlap = hlo.overlapping_host_copies(named)
+    assert overlap.overlapped_by_pass == {"forward": 0, "backward": 3 * 64 * 4, "other": 0}
+    assert overlap.overlapped_bytes == plain.overlapped_bytes
+
+
 def test_copies_that_take_turns_are_not_credited():
     # The fetch completes before the write starts: one direction at a time.
     sequential = _TWO_DIRECTION_BODY.replace(

@@ -137,7 +137,8 @@ def test_host_weights_cost_their_link_time_in_forward_and_backward_not_in_the_up
     # A tiny model on an H200: the link, not compute, sets both passes.
     assert host.compute_s < forward_weights / link / 10
     assert host.forward_s == pytest.approx(forward_weights / link)
-    assert host.backward_s == pytest.approx(backward_weights / link)
+    overlapped = rows["host_params"]["report"]["overlapped_bytes_by_pass"]["backward"]
+    assert host.backward_s == pytest.approx((backward_weights - overlapped) / link)
     assert host.step_s >= device.step_s + (forward_weights + backward_weights) / link * (1 - 1e-9)
     # The update's time covers at most what the compiled step moves outside the two passes.
     other = passes["other"]
@@ -175,6 +176,15 @@ def test_with_gradient_accumulation_no_hbm_buffer_holds_a_stacked_gradient():
             assert model.forward_in == 2 * LAYERS * layer_bytes
             # float32 toy: the running sums are the weights' size, in and out per micro-batch.
             assert model.sums_in == model.gradients_out == 2 * LAYERS * layer_bytes
+    # A layer's new sum goes out while the next layer's weights and sum come in: the planner
+    # credits the bytes in flight together to the backward phase, as the schedule has them.
+    report, passes = rows["host_params"]["report"], rows["host_params"]["traffic_by_pass"]["backward"]
+    overlapped = report["overlapped_bytes_by_pass"]["backward"]
+    assert 0 < overlapped <= passes["device_to_host_bytes"]
+    target = get_target("h200")
+    row = planner._row(CANDIDATES["host_params"], {"report": report}, toy_recipe("host_params", 2), target, ONE_GPU)
+    moved = passes["device_to_host_bytes"] + passes["host_to_device_bytes"]
+    assert row.backward_s == pytest.approx((moved - overlapped) / target.host_link_bytes_per_s, rel=1e-6)
 
 
 def test_a_mesh_the_toy_cannot_read_is_named_in_one_line():
