@@ -93,6 +93,17 @@ def test_twenty_steps_with_host_params_equal_everything_on_device(mesh_name, upd
         assert "fsdp" in tuple(w_up.sharding.spec)
 
 
+def test_host_weights_are_created_in_host_memory_with_the_device_values():
+    """Start-up makes host-resident layers one by one in host memory (a scan, not a vmap): same values."""
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    on_device = step_lib.setup(small_recipe(), mesh).params
+    on_host = step_lib.setup(small_recipe("offload.params=host", "offload.optimizer_state=host"), mesh).params
+    assert stacked_kinds(on_host) == ({"pinned_host"}, {"device"})
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(on_host)[0], jax.tree.leaves(on_device)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 def test_block_gradients_come_back_in_host_memory():
     """In the traced step the stacked gradients are host arrays (the transpose of the per-layer device_put)."""
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", "train.grad_accum=1")
