@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from spillway.layers.sharding import make_mesh
 from spillway.recipes.config import Recipe
 from spillway.recipes.plan.flops import model_flops_per_token
 from spillway.recipes.sampling import generate
@@ -33,11 +34,10 @@ from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
                                             peak_flops_per_device)
-from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
 from spillway.recipes.train.optimizer import check_host_memory
 from spillway.recipes.train.preemption import GroupStop, StopSignals, signal_name
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
-from spillway.recipes.train.step import abstract_with_shardings, make_eval_step, setup
+from spillway.recipes.train.step import abstract_with_shardings, make_eval_step, pinned_host_bytes, setup
 
 
 def _global_batch(local_bt: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -143,15 +143,14 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 
-    s = setup(recipe)
+    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
+    if recipe.offload.optimizer_state == "host":
+        # Before anything is allocated: pinned memory the host cannot give fails here, not mid-init.
+        pinned = pinned_host_bytes(recipe, mesh)
+        check_host_memory(pinned.total, breakdown=pinned.describe())
+    s = setup(recipe, mesh)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
-    if recipe.offload.optimizer_state == "host":
-        # Before allocating the state: pinned memory the host cannot give fails here, not mid-init.
-        # Host-resident weights (offload.params=host) count too; setup() has already pinned them.
-        params_pinned = tree_nbytes_by_memory_kind(abstract_with_shardings(s.params, s.param_shardings))
-        check_host_memory(s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
-                          + params_pinned.get("pinned_host", 0))
     params = s.params
     if not candidates and recipe.checkpoint.init_from:
         # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.

@@ -195,15 +195,16 @@ def _meminfo_total_bytes() -> int:
 
 
 class HostMemoryError(SpillwayError, MemoryError):
-    """The host-resident optimizer state would not fit in this host's RAM."""
+    """The run's pinned host memory (optimizer state, host weights, their gradients) would not fit in RAM."""
 
 
-def check_host_memory(bytes_needed: int, host_ram_bytes: int | None = None) -> None:
+def check_host_memory(bytes_needed: int, host_ram_bytes: int | None = None, breakdown: str = "") -> None:
     """Raise HostMemoryError if `bytes_needed` of pinned host memory exceed the host's RAM.
 
     Pinned memory cannot be swapped, so overcommitting it kills the process (or
-    the machine) mid-run instead of failing early. Call this before the first
-    step with the per-process host bytes (`Optimizer.host_bytes`).
+    the machine) mid-run instead of failing early. Call this before anything
+    is allocated, with the per-process host bytes (recipes/train/step.py
+    `pinned_host_bytes`); `breakdown` says what they are made of.
     """
     if bytes_needed < 0:
         raise ValueError(f"bytes_needed must be >= 0, got {bytes_needed}")
@@ -211,10 +212,10 @@ def check_host_memory(bytes_needed: int, host_ram_bytes: int | None = None) -> N
         host_ram_bytes = _meminfo_total_bytes()
     if bytes_needed > host_ram_bytes:
         raise HostMemoryError(
-            f"host-resident optimizer state needs {bytes_needed / 2**30:.2f} GiB of pinned host memory, "
-            f"but this host has {host_ram_bytes / 2**30:.2f} GiB of RAM: keep more state on device "
-            f"(offload.optimizer_state=device, or optimizer_memory='device' metadata on some "
-            f"parameters) or shard it over more hosts")
+            f"this run needs {bytes_needed / 2**30:.2f} GiB of pinned host memory"
+            f"{f' ({breakdown})' if breakdown else ''}, but this host has {host_ram_bytes / 2**30:.2f} GiB "
+            f"of RAM: keep more on device (offload.params=device, offload.optimizer_state=device, or "
+            f"optimizer_memory='device' metadata on some parameters) or shard it over more hosts")
 
 
 # --- layouts -----------------------------------------------------------------

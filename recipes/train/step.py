@@ -175,6 +175,45 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
 
 
+@dataclasses.dataclass(frozen=True)
+class PinnedHostBytes:
+    """Pinned host memory this process needs for a recipe (bytes), known before anything is allocated."""
+
+    optimizer_state: int
+    weights: int      # block weights in host memory (offload.params=host)
+    gradients: int    # their gradients during the step: one copy, or with grad_accum > 1 two float32 sums
+
+    @property
+    def total(self) -> int:
+        return self.optimizer_state + self.weights + self.gradients
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (f"optimizer state {self.optimizer_state / gib:.2f} GiB, weights {self.weights / gib:.2f} GiB, "
+                f"their gradients {self.gradients / gib:.2f} GiB")
+
+
+def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
+    """What `recipe` pins in host memory on this process, from its abstract setup (nothing allocated).
+
+    Counts the step's arguments and the host gradients it makes; its other
+    temporaries are the planner's to report (spillway plan's host column).
+    With grad_accum > 1 the float32 running sum is read and a new one written
+    in each micro-batch: two of them.
+    """
+    from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
+
+    s = abstract_setup(recipe, mesh, platform=jax.default_backend())
+    state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
+    weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
+    if recipe.train.grad_accum == 1:
+        gradients = weights
+    else:
+        as_f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), s.params)
+        gradients = 2 * tree_nbytes_by_memory_kind(as_f32).get(placement.PINNED_HOST, 0)
+    return PinnedHostBytes(state, weights, gradients)
+
+
 def check_attention_backend(attention_impl: str, backend: str) -> None:
     """cuDNN attention runs on NVIDIA GPUs only: elsewhere, one line that says what to set instead."""
     if attention_impl == "cudnn" and backend not in ("gpu", "cuda"):

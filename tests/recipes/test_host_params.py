@@ -104,6 +104,23 @@ def test_host_weights_are_created_in_host_memory_with_the_device_values():
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_pinned_host_bytes_count_state_weights_and_gradients_before_anything_exists(grad_accum):
+    recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", f"train.grad_accum={grad_accum}")
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    pinned = step_lib.pinned_host_bytes(recipe, mesh)
+    _, state = step_lib.abstract_model(recipe)
+    stacked = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+               if "blocks" in jax.tree_util.keystr(path)]
+    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in stacked)
+    assert pinned.weights == weights
+    # grad_accum 1: one gradient like the weights; more: the float32 sum read and the one written.
+    assert pinned.gradients == (weights if grad_accum == 1 else 2 * 4 * sum(leaf.size for leaf in stacked))
+    s = step_lib.setup(recipe, mesh)
+    assert pinned.optimizer_state == s.optimizer.host_bytes(s.optimizer.init(s.params)) > 0
+    assert pinned.total == pinned.optimizer_state + pinned.weights + pinned.gradients
+
+
 def test_block_gradients_come_back_in_host_memory():
     """In the traced step the stacked gradients are host arrays (the transpose of the per-layer device_put)."""
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", "train.grad_accum=1")

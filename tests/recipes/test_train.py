@@ -86,6 +86,20 @@ def test_resume_moves_optimizer_state_between_device_and_host(data_cache, tmp_pa
     for a, b in zip(jax.tree.leaves(straight.model), jax.tree.leaves(second.model)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-6)
 
+def test_pinned_memory_above_the_hosts_ram_stops_the_run_before_anything_is_allocated(
+        data_cache, tmp_path, monkeypatch):
+    from spillway.recipes.train import loop, optimizer
+
+    monkeypatch.setattr(optimizer, "_meminfo_total_bytes", lambda: 10_000)
+    monkeypatch.setattr(loop, "setup", lambda *args, **kwargs: pytest.fail("setup() ran: the weights were made"))
+    recipe = micro(data_cache, tmp_path / "run", "offload.params=host", "offload.optimizer_state=host",
+                   "train.grad_accum=2")
+    with pytest.raises(optimizer.HostMemoryError, match=r"needs \S+ GiB of pinned host memory \(optimizer state "
+                       r"\S+ GiB, weights \S+ GiB, their gradients \S+ GiB\), but this host has 0.00 GiB.*"
+                       r"offload.params=device"):
+        train(recipe, progress=False)
+
+
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_finetune_from_checkpoint_onto_another_mesh(full_run, data_cache, tmp_path):
     scratch = train(micro(data_cache, tmp_path / "scratch", "train.steps=1"), progress=False)
