@@ -8,18 +8,15 @@ H200 to show the HBM saving.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.registry import get_recipe
-from spillway.recipes.train import optimizer as opt_lib
 from spillway.recipes.train import step as step_lib
 
 STEPS = 20
