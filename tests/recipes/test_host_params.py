@@ -8,7 +8,6 @@ H200 to show the HBM saving.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
