@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--workers", type=int, default=None,
                    help="compile processes at once (default: one per core, at most 4)")
+    p.add_argument("--all-plans", action="store_true",
+                   help="compile every candidate, also those with more in host memory than a plan that fits "
+                        "with the same activations (by default skipped: they cannot be faster)")
     p.set_defaults(fn=_cmd_plan)
     return parser
 

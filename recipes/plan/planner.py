@@ -337,6 +337,9 @@ class Plan:
     full_codegen_check: list[dict] = dataclasses.field(default_factory=list)
     hbm_budget_bytes: float | None = None   # --hbm-budget: a user's own HBM limit per GPU
     host_update: dict | None = None   # host-compute pricing: params_per_s_per_core, cores_per_gpu, source
+    # Candidates not compiled because a plan with less in host memory fits (plan(prune=True)):
+    # the candidate's fields, its "label" and "because" (the label of the plan that fits).
+    skipped: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def hbm_limit_bytes(self) -> float:
@@ -400,7 +403,7 @@ class Plan:
         return {"summary": self.summary(), "warnings": self.warnings,
                 "plans": [row.to_dict() for row in self.rows],
                 "pick": None if picked is None else picked.candidate.to_dict(),
-                "search": self.search, "timing": self.timing,
+                "search": self.search, "timing": self.timing, "skipped": self.skipped,
                 "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
 
 
@@ -786,7 +789,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
          host_ram_gb: float | None = None, hbm_budget_gib: float | None = None,
          host_update_rate: float | None = None, host_cores_per_gpu: float | None = None, search: str | None = None,
          plans: list[Candidate] | None = None, verify_full_codegen: int = 0,
-         workers: int | None = None) -> Plan:
+         workers: int | None = None, prune: bool = True) -> Plan:
     """Compile the recipe's train step for every candidate on `devices` x `gpu`; rows and the pick.
 
     host_ram_gb: RAM of the host for pinned memory, in GB (10^9 bytes); default
@@ -797,8 +800,12 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     (default `candidates(recipe)`). verify_full_codegen: also compile the first
     N candidates exactly as for a run and record both figures
     (Plan.full_codegen_check). workers: compile processes at once (default
-    `default_workers`). ValueError for bad inputs (unknown GPU, mesh not
-    matching, toolchain missing), saying what to do.
+    `default_workers`). prune: compile in three stages (everything on device;
+    optimizer state on host; weights on host too) and skip a candidate when
+    the same activation plan with less in host memory already fits, as it
+    cannot be faster (`_faster_plan_that_fits`; the skipped ones are listed in
+    Plan.skipped); not with `plans` or `search`. ValueError for bad inputs
+    (unknown GPU, mesh not matching, toolchain missing), saying what to do.
     """
     from spillway.recipes.blocks import import_root
     from spillway.recipes.plan.targets import get_target
@@ -832,19 +839,46 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     options = compiler_options()
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
-    workers = default_workers(len(todo)) if workers is None else min(workers, len(todo))
     # The compile processes inherit PYTHONPATH and the working directory, not this process's sys.path:
     # tell them where the recipe's own block class was found.
     import_paths = [root for root in [import_root(recipe.block) if recipe.block else None] if root]
-    answer = _run_children({"recipe": compiled_recipe.to_dict(), "import_paths": import_paths,
-                            "target": target.name, "devices": devices,
-                            "candidates": [c.to_dict() for c in todo], "compiler_options": options,
-                            "verify_full_codegen": list(range(min(verify_full_codegen, len(todo)))),
-                            "search": search_request}, workers)
-    rows = [_row(c, result, compiled_recipe, target, mesh, per_core * cores)
-            for c, result in zip(todo, answer["results"])]
-    result = Plan(compiled_recipe, target, devices, answer["mesh"], headroom, host_ram, rows, warnings,
-                  None, {}, hbm_budget_bytes=hbm_budget, host_update=host_pricing).judge()
+    request = {"recipe": compiled_recipe.to_dict(), "import_paths": import_paths, "target": target.name,
+               "devices": devices, "compiler_options": options, "search": search_request}
+    staged = prune and plans is None and search_request is None
+    stages = _stages(todo) if staged else [list(range(len(todo)))]
+    rows_by_index: dict[int, PlanRow] = {}
+    skipped: list[dict] = []
+    answers, used_workers = [], 0
+
+    def judged(rows: list[PlanRow], mesh_answer: dict) -> Plan:
+        return Plan(compiled_recipe, target, devices, mesh_answer, headroom, host_ram, rows, warnings, None, {},
+                    hbm_budget_bytes=hbm_budget, host_update=host_pricing).judge()
+
+    for stage in stages:
+        run = []
+        for index in stage:
+            faster = _faster_plan_that_fits(todo[index], todo, rows_by_index, skipped)
+            if faster is None:
+                run.append(index)
+            else:
+                skipped.append({**todo[index].to_dict(), "label": todo[index].label, "because": faster})
+        if not run:
+            continue
+        stage_workers = default_workers(len(run)) if workers is None else min(workers, len(run))
+        used_workers = max(used_workers, stage_workers)
+        verify = list(range(min(verify_full_codegen, len(run)))) if not answers else []
+        answer = _run_children({**request, "candidates": [todo[i].to_dict() for i in run],
+                                "verify_full_codegen": verify}, stage_workers)
+        answer["indices"] = run
+        answers.append(answer)
+        for index, found in zip(run, answer["results"]):
+            rows_by_index[index] = _row(todo[index], found, compiled_recipe, target, mesh, per_core * cores)
+        judged([rows_by_index[i] for i in sorted(rows_by_index)], answer["mesh"])   # sets fits for the next stage
+    order = sorted(rows_by_index)
+    rows = [rows_by_index[i] for i in order]
+    answer = _merged_answers(answers, len(todo))
+    result = judged(rows, answer["mesh"])
+    result.skipped = skipped
     for row in rows:
         if row.dropped_offload:
             warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
@@ -866,11 +900,63 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     result.timing = {
         "total_s": time.perf_counter() - started, "child_s": answer["seconds"],
         "child_startup_s": answer["startup_seconds"],
-        "compiles": len(todo) + len(answer["full_codegen"]) + sum(
+        "compiles": len(rows) + len(answer["full_codegen"]) + sum(
             found["compiles"] for found in (answer["searches"] or [])),
         "jax_version": answer["jax_version"], "fast_codegen": options is not None,
-        "workers": workers}
+        "workers": used_workers}
     return result
+
+
+def _stages(todo: list[Candidate]) -> list[list[int]]:
+    """Indices of `todo` in the order they are compiled when plans are pruned: everything on device first,
+    then the optimizer state in host memory, then the block weights there too."""
+    def stage(candidate: Candidate) -> int:
+        if candidate.params == "host":
+            return 2
+        return 0 if candidate.optimizer_state == "device" else 1
+    return [[i for i, c in enumerate(todo) if stage(c) == k] for k in range(3)]
+
+
+def _faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dict[int, PlanRow],
+                           skipped: list[dict]) -> str | None:
+    """The label of a plan that fits and that `candidate` cannot beat, or None.
+
+    Same activation plan, less in host memory: the same compute and no more
+    link traffic in any phase (the step-time model in `_row`), so with the
+    optimizer state on device a plan is never slower than with it on host or
+    updated by the host CPU, nor with the weights on device slower than with
+    them on host. An ancestor that was itself skipped was skipped for a plan
+    that fits: that one is named.
+    """
+    ancestors = []
+    if candidate.optimizer_state != "device":
+        ancestors.append(Candidate(candidate.activations, "device", "device"))
+    if candidate.params == "host":
+        ancestors.append(Candidate(candidate.activations, candidate.optimizer_state, "device"))
+    skipped_for = {entry["label"]: entry["because"] for entry in skipped}
+    for ancestor in ancestors:
+        if ancestor.label in skipped_for:
+            return skipped_for[ancestor.label]
+        for index, other in enumerate(todo):
+            if other == ancestor and index in rows and rows[index].fits:
+                return ancestor.label
+    return None
+
+
+def _merged_answers(answers: list[dict], count: int) -> dict:
+    """The compile processes' answers of every stage as one, results and searches by index of the todo list."""
+    merged = {**answers[0], "results": [None] * count, "full_codegen": {},
+              "searches": None if answers[0]["searches"] is None else [None] * count,
+              "seconds": sum(a["seconds"] for a in answers),
+              "startup_seconds": sum(a["startup_seconds"] for a in answers)}
+    for answer in answers:
+        for j, index in enumerate(answer["indices"]):
+            merged["results"][index] = answer["results"][j]
+            if merged["searches"] is not None:
+                merged["searches"][index] = answer["searches"][j]
+        for j, full in answer["full_codegen"].items():
+            merged["full_codegen"][str(answer["indices"][int(j)])] = full
+    return merged
 
 
 def choose(result: Plan) -> PlanRow:
@@ -940,6 +1026,14 @@ def render(p: Plan) -> str:
         lines.append("  no plan fits: " + _nothing_fits_numbers(p))
     else:
         lines.append(f"  * pick: {picked.candidate.label} (fastest estimated step among the plans that fit)")
+    if p.skipped:
+        by_plan: dict[str, list[str]] = {}
+        for entry in p.skipped:
+            by_plan.setdefault(entry["activations"], []).append(Candidate.from_dict(entry).placement)
+        lines.append(f"  not compiled ({len(p.skipped)}), as the same activations with less in host memory fit and "
+                     f"are at least as fast (--all-plans compiles them too): "
+                     + "; ".join(f"{plan_spec} with {', '.join(placements)}"
+                                 for plan_spec, placements in by_plan.items()))
     lines.append("  " + ASSUMPTIONS)
     lines.append("  xfer GB: both directions together; HBM/host GiB per GPU (2^30 bytes).")
     if p.search is not None:
@@ -1011,7 +1105,8 @@ def plan_command(args) -> int:
     budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
                   hbm_budget_gib=budget, host_update_rate=getattr(args, "host_update_rate", None),
-                  host_cores_per_gpu=getattr(args, "host_cores", None), search=args.search, workers=args.workers)
+                  host_cores_per_gpu=getattr(args, "host_cores", None), search=args.search, workers=args.workers,
+                  prune=not getattr(args, "all_plans", False))
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")

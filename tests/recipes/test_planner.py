@@ -46,7 +46,8 @@ def small_recipe(*extra):
 
 @pytest.fixture(scope="module")
 def small_plan():
-    return planner.plan(small_recipe(), "h200", 1)
+    """Every candidate compiled (prune=False): the tests below read the rows of all placements."""
+    return planner.plan(small_recipe(), "h200", 1, prune=False)
 
 
 def rows_by_key(result):
@@ -504,3 +505,54 @@ def test_search_reports_compile_errors_and_stops():
                         step=1024, cap=131072, max_compiles=10)
     assert result["best"] == 8192 and not result["resolved"]
     assert "compiler fell over" in result["errors"][0]
+
+
+# --- pruning: plans that cannot beat one that fits are not compiled ------------------
+
+def _fitting_row(candidate, fits):
+    row = planner.PlanRow(candidate, "flash", None, None, {}, compute_s=1.0, compile_s=0.0)
+    row.fits = fits
+    return row
+
+
+def test_a_plan_is_skipped_only_for_the_same_activations_with_less_in_host_memory_that_fits():
+    todo = planner.candidates(small_recipe())
+    index = {c: i for i, c in enumerate(todo)}
+    device = planner.Candidate("recompute_all", "device")
+    host = planner.Candidate("recompute_all", "host")
+    host_params = planner.Candidate("recompute_all", "host", "host")
+    host_cpu_params = planner.Candidate("recompute_all", planner.HOST_COMPUTE, "host")
+    # Nothing compiled yet, or the device plan does not fit: compile.
+    assert planner._faster_plan_that_fits(host, todo, {}, []) is None
+    assert planner._faster_plan_that_fits(host, todo, {index[device]: _fitting_row(device, False)}, []) is None
+    # Another activation plan fitting on device says nothing about this one.
+    other = planner.Candidate("save_all", "device")
+    assert planner._faster_plan_that_fits(host, todo, {index[other]: _fitting_row(other, True)}, []) is None
+    rows = {index[device]: _fitting_row(device, True)}
+    assert planner._faster_plan_that_fits(host, todo, rows, []) == device.label
+    assert planner._faster_plan_that_fits(host_params, todo, rows, []) == device.label
+    # Weights on host after the state on host fits (device did not): skipped for the host-state plan.
+    rows = {index[device]: _fitting_row(device, False), index[host]: _fitting_row(host, True)}
+    assert planner._faster_plan_that_fits(host_params, todo, rows, []) == host.label
+    # ...but not the host-CPU-update plan with weights on host, whose own ancestor did not fit.
+    assert planner._faster_plan_that_fits(host_cpu_params, todo, rows, []) is None
+    skipped = [{**host.to_dict(), "label": host.label, "because": device.label}]
+    assert planner._faster_plan_that_fits(host_params, todo, {}, skipped) == device.label
+    assert [len(stage) for stage in planner._stages(todo)] == [
+        sum(c.optimizer_state == "device" for c in todo),
+        sum(c.optimizer_state != "device" and c.params == "device" for c in todo),
+        sum(c.params == "host" for c in todo)]
+
+
+@needs_toolchain
+def test_pruned_plan_compiles_less_and_picks_the_same(small_plan):
+    pruned = planner.plan(small_recipe(), "h200", 1)
+    assert pruned.picked.candidate == small_plan.picked.candidate
+    assert len(pruned.rows) + len(pruned.skipped) == len(small_plan.rows)
+    assert pruned.skipped and pruned.timing["compiles"] == len(pruned.rows) < len(small_plan.rows)
+    full = {row.candidate: row for row in small_plan.rows}
+    for entry in pruned.skipped:   # what was skipped is really no faster than what it was skipped for
+        skipped = full[planner.Candidate.from_dict(entry)]
+        because = next(row for row in small_plan.rows if row.candidate.label == entry["because"])
+        assert because.fits and skipped.step_s >= because.step_s
+    assert "not compiled (" in planner.render(pruned)
