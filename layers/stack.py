@@ -17,9 +17,9 @@ collects the names it tags; a plan that names anything else is an error, so a
 policy can never silently do nothing.
 
 Block weights in pinned host memory (a recipe's offload.params=host) are
-created there a layer at a time, brought into HBM one layer per scan iteration (layers/host_weights.py); the
-stack notices them by their memory space, and keeps their device copies out
-of every segment's remat residuals.
+created there a layer at a time and brought into HBM one layer per scan
+iteration (layers/host_weights.py); the stack notices them by their memory
+space, and keeps their device copies out of every segment's remat residuals.
 """
 
 from __future__ import annotations
