@@ -44,6 +44,10 @@ update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
 
 The pick is the fastest estimated step among the candidates that fit under
 headroom x the GPU's HBM, or under `--hbm-budget` GiB when that is lower.
+Candidates compile in three stages (everything on device; optimizer state on
+host; block weights on host too), and one is skipped when the same activation
+plan with less in host memory already fits: by the model above it cannot be
+faster (`_faster_plan_that_fits`; `--all-plans` compiles everything).
 `apply_plan` (`spillway train --plan auto`) applies it to the recipe, or
 refuses with the numbers when nothing fits, so a run that would run out of
 memory never starts.
@@ -532,8 +536,8 @@ def _parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list
         ways = math.prod(math.prod(mesh[a] for a in ((axes,) if isinstance(axes, str) else axes))
                          for axes in spec if axes is not None)
         elements = int(np.prod(value.shape)) // ways
-        leaves.append(_Leaf(tuple(value.shape), elements, elements * jnp.dtype(value.dtype).itemsize, on_host=memory == HOST,
-                            master=keeps_master_copy(recipe.optimizer, value.dtype)))
+        leaves.append(_Leaf(tuple(value.shape), elements, elements * jnp.dtype(value.dtype).itemsize,
+                            on_host=memory == HOST, master=keeps_master_copy(recipe.optimizer, value.dtype)))
     return leaves
 
 
