@@ -423,8 +423,8 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
                "counted twice, in the phase where they move. Block weights in host memory "
                "(params host) come in during the forward, again during the backward, with their gradients going "
                "out (with grad_accum > 1, the float32 running sums come in and go out instead, a layer at a "
-               "time), once per micro-batch, added to that phase's transfers; the update moves only the state, the gradients and "
-               "the new weights.")
+               "time), once per micro-batch, added to that phase's transfers; the update moves only the state, "
+               "the gradients and the new weights.")
 
 
 # --- planning ---------------------------------------------------------------------
