@@ -54,7 +54,8 @@ def mesh_shape(text: str) -> dict[str, int]:
     """
     parts = text.split("x")
     if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"--mesh must be DATAxFSDPxTENSOR with positive sizes (e.g. 1x2x1), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--mesh must be DATAxFSDPxTENSOR with positive sizes (e.g. 1x2x1), got {text!r}")
     return dict(zip(("data", "fsdp", "tensor"), map(int, parts)))
 
 
@@ -93,11 +94,11 @@ def measure(argv: list[str]) -> dict:
     args = parser.parse_args(argv)
     prepare_compile_process()
 
-    from spillway.recipes.plan import compile as aot
-    from spillway.recipes.plan import hlo
     import jax
 
     from spillway.layers.sharding import init_program
+    from spillway.recipes.plan import compile as aot
+    from spillway.recipes.plan import hlo
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, model_maker
 
     rows = {}

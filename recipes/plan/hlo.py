@@ -271,6 +271,12 @@ def _transfer_bytes(instruction: Instruction, shapes: dict[str, Shape]) -> tuple
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
+def _op_name(instruction: Instruction) -> str:
+    """JAX's metadata op_name of an instruction, "" when XLA made the instruction up."""
+    found = _OP_NAME.search(instruction.attributes)
+    return found.group(1) if found else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class HostTransfer:
     """One instruction that moves data between device and host memory, and how often it runs."""
@@ -315,9 +321,8 @@ def host_transfers(hlo_text: str) -> tuple[list[HostTransfer], int]:
                 continue
             to_host, to_device = _transfer_bytes(instruction, shapes)
             if to_host or to_device:
-                name = _OP_NAME.search(instruction.attributes)
                 found.append(HostTransfer(computation, instruction.name, instruction.opcode,
-                                          name.group(1) if name else "", multiplier, to_host, to_device))
+                                          _op_name(instruction), multiplier, to_host, to_device))
 
     visit(entry, 1, 0)
     return found, unknown
@@ -414,9 +419,7 @@ def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
             if instruction.opcode.endswith("-start") and instruction.opcode not in _NOT_TRANSFERS:
                 to_host, to_device = _transfer_bytes(instruction, shapes)
                 if to_host or to_device:
-                    name = _OP_NAME.search(instruction.attributes)
-                    started[instruction.name] = (index, to_host, to_device,
-                                                 autodiff_pass(name.group(1) if name else ""))
+                    started[instruction.name] = (index, to_host, to_device, autodiff_pass(_op_name(instruction)))
             elif instruction.opcode.endswith("-done") and instruction.operands \
                     and instruction.operands[0] in started:
                 begin, to_host, to_device, kind = started.pop(instruction.operands[0])

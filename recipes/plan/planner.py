@@ -37,9 +37,10 @@ update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
                  overlap gets none). Within forward and backward, transfers
                  are assumed to overlap compute fully, the two link directions
                  added, less what the compiled schedule moves with both in
-                 flight in that pass (overlap is credited per autodiff pass,
-                 hlo.overlapping_host_copies). The weight terms are zero unless the block weights
-                 live in host memory (params host); `ParamTraffic` says how
+                 flight in that pass (overlap is credited per autodiff
+                 pass, hlo.overlapping_host_copies). The weight terms are
+                 zero unless the block weights live in host memory (params
+                 host); `ParamTraffic` says how
                  they are counted and how they compare with the compiled step.
 
 The pick is the fastest estimated step among the candidates that fit under
@@ -757,10 +758,17 @@ def _run_children(request: dict, workers: int) -> dict:
                  "verify_full_codegen": [j for j, i in enumerate(group) if i in verify]} for group in groups]
     with ThreadPoolExecutor(workers) as pool:   # threads only wait on the child processes
         answers = list(pool.map(_run_child, requests))
+    return _merge_answers(answers, groups, count, combine_seconds=max)   # the processes ran side by side
+
+
+def _merge_answers(answers: list[dict], groups: list[list[int]], count: int, combine_seconds) -> dict:
+    """Compile-process answers as one: answers[k] holds the candidates at indices groups[k] of a list of
+    `count`; its results, searches and full-codegen checks go to those indices. combine_seconds: `max`
+    for processes that ran at once, `sum` for ones that ran one after another."""
     merged = {**answers[0], "results": [None] * count, "full_codegen": {},
               "searches": None if answers[0]["searches"] is None else [None] * count,
-              "seconds": max(a["seconds"] for a in answers),
-              "startup_seconds": max(a["startup_seconds"] for a in answers)}
+              "seconds": combine_seconds(a["seconds"] for a in answers),
+              "startup_seconds": combine_seconds(a["startup_seconds"] for a in answers)}
     for group, answer in zip(groups, answers):
         for j, i in enumerate(group):
             merged["results"][i] = answer["results"][j]
@@ -852,7 +860,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     stages = _stages(todo) if staged else [list(range(len(todo)))]
     rows_by_index: dict[int, PlanRow] = {}
     skipped: list[dict] = []
-    answers, used_workers = [], 0
+    answers, compiled_groups, used_workers = [], [], 0
 
     def judged(rows: list[PlanRow], mesh_answer: dict) -> Plan:
         return Plan(compiled_recipe, target, devices, mesh_answer, headroom, host_ram, rows, warnings, None, {},
@@ -873,14 +881,14 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
         verify = list(range(min(verify_full_codegen, len(run)))) if not answers else []
         answer = _run_children({**request, "candidates": [todo[i].to_dict() for i in run],
                                 "verify_full_codegen": verify}, stage_workers)
-        answer["indices"] = run
         answers.append(answer)
+        compiled_groups.append(run)
         for index, found in zip(run, answer["results"]):
             rows_by_index[index] = _row(todo[index], found, compiled_recipe, target, mesh, per_core * cores)
         judged([rows_by_index[i] for i in sorted(rows_by_index)], answer["mesh"])   # sets fits for the next stage
     order = sorted(rows_by_index)
     rows = [rows_by_index[i] for i in order]
-    answer = _merged_answers(answers, len(todo))
+    answer = _merge_answers(answers, compiled_groups, len(todo), combine_seconds=sum)   # stages run in turn
     result = judged(rows, answer["mesh"])
     result.skipped = skipped
     for row in rows:
@@ -945,22 +953,6 @@ def _faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: di
             if other == ancestor and index in rows and rows[index].fits:
                 return ancestor.label
     return None
-
-
-def _merged_answers(answers: list[dict], count: int) -> dict:
-    """The compile processes' answers of every stage as one, results and searches by index of the todo list."""
-    merged = {**answers[0], "results": [None] * count, "full_codegen": {},
-              "searches": None if answers[0]["searches"] is None else [None] * count,
-              "seconds": sum(a["seconds"] for a in answers),
-              "startup_seconds": sum(a["startup_seconds"] for a in answers)}
-    for answer in answers:
-        for j, index in enumerate(answer["indices"]):
-            merged["results"][index] = answer["results"][j]
-            if merged["searches"] is not None:
-                merged["searches"][index] = answer["searches"][j]
-        for j, full in answer["full_codegen"].items():
-            merged["full_codegen"][str(answer["indices"][int(j)])] = full
-    return merged
 
 
 def choose(result: Plan) -> PlanRow:
