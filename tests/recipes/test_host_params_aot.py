@@ -157,6 +157,7 @@ def test_sharded_weights_stream_one_gpu_share():
     assert whole / 4 < model.forward_in < whole / 2
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): three more compiles, keeping `make test` under 15 minutes
 def test_with_gradient_accumulation_no_hbm_buffer_holds_a_stacked_gradient():
     """grad_accum > 1: the float32 running sums of the host gradients are accumulated inside the backward
     scan a layer at a time (layers/host_weights.AccumulatingWeight), so HBM still holds about a layer of
