@@ -11,6 +11,10 @@ of the model, once per placement:
                     into HBM a layer per scan iteration, gradients back to host,
                     optimizer state on host, the update streamed through HBM
     host_params_host_update   the same, the update run by the host CPU
+    device_params_update_in_forward   weights in HBM, optimizer state on host, each layer's
+                    update run in the next step's forward pass just before the layer
+                    (offload.update=next_forward; grad_accum 1 only), the pending
+                    gradients in host memory
 
 Reports per placement: HBM (argument + output - alias + temp), host bytes, the
 largest device-memory arrays of the compiled program (recipes/plan/hlo.py
@@ -22,7 +26,7 @@ and the start-up: HBM of the program that creates the weights in their
 memories (host-resident ones a layer at a time).
 
 Run:  .venv/bin/python benchmarks/host_params_toy.py [--target h200] [--layers 8] [--d-model 512]
-      [--mesh DATAxFSDPxTENSOR, default 1x1x1]
+      [--mesh DATAxFSDPxTENSOR, default 1x1x1] [--param-dtype float32|bfloat16] [--placements A,B]
       [--json]   one JSON document on stdout, for tests (run it as a compile process)
 """
 
@@ -43,7 +47,11 @@ PLACEMENTS = {
     "device_params": ["offload.params=device", "optimizer.update_on_host=false"],
     "host_params": ["offload.params=host", "optimizer.update_on_host=false"],
     "host_params_host_update": ["offload.params=host", "optimizer.update_on_host=true"],
+    "device_params_update_in_forward": ["offload.params=device", "optimizer.update_on_host=false",
+                                        "offload.update=next_forward"],
 }
+# Placements that take one batch per step (offload.update=next_forward): left out with --grad-accum > 1.
+ONE_BATCH_PLACEMENTS = ("device_params_update_in_forward",)
 
 
 def mesh_shape(text: str) -> dict[str, int]:
@@ -66,6 +74,7 @@ def recipe_for(args, placement: str):
         "model.num_heads=8", "model.num_kv_heads=2", f"model.mlp_hidden={4 * args.d_model}",
         "model.max_seq_len=64", "data.seq_len=32", "train.global_batch=4", f"train.grad_accum={args.grad_accum}",
         "train.steps=10", "optimizer.warmup_steps=2", f"offload.activations={args.activations}",
+        f"execution.param_dtype={getattr(args, 'param_dtype', 'float32')}",
         "offload.optimizer_state=host", *PLACEMENTS[placement]])
 
 
@@ -88,7 +97,10 @@ def measure(argv: list[str]) -> dict:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--activations", default="recompute_all")
     parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="bfloat16: with float32 master weights in the optimizer state")
+    parser.add_argument("--placements", default=None, help="comma-separated; default: every placement the "
+                        "grad_accum allows")
     parser.add_argument("--mesh", default="1x1x1", type=mesh_shape)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -102,12 +114,14 @@ def measure(argv: list[str]) -> dict:
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, model_maker
 
     rows = {}
-    for placement in args.placements.split(","):
+    placements = args.placements.split(",") if args.placements else [
+        p for p in PLACEMENTS if args.grad_accum == 1 or p not in ONE_BATCH_PLACEMENTS]
+    for placement in placements:
         recipe = recipe_for(args, placement)
         try:
             mesh = aot.compile_only_mesh(args.target, args.mesh)
             s = abstract_setup(recipe, mesh, platform="cuda")
-            compiled = s.train_step.lower(*abstract_step_arguments(s)).compile()
+            compiled = s.train_step.lower(*abstract_step_arguments(s)).compile()   # with `pending` if deferred
             report = aot.CompileReport.from_compiled(compiled, keep_hlo_text=True)
             largest = hlo.largest_device_arrays(report.hlo_text, 5)
             layer_bytes, largest_layer_leaf = layer_weight_bytes(recipe)

@@ -16,6 +16,10 @@ for "no remat"). At build time the stack traces one block abstractly and
 collects the names it tags; a plan that names anything else is an error, so a
 policy can never silently do nothing.
 
+A `layers.layer_hook.LayerHook` in force while the stack is traced runs
+before each layer inside the scan (the train step's update deferred into the
+forward pass uses it); the stack then needs one activation policy throughout.
+
 Block weights in pinned host memory (a recipe's offload.params=host) are
 created there a layer at a time and brought into HBM one layer per scan
 iteration (layers/host_weights.py); the stack notices them by their memory
@@ -31,7 +35,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from flax import nnx
 
-from spillway.layers import host_weights, names
+from spillway.layers import host_weights, layer_hook, names
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.offload import OffloadPolicy, RematPlan
 from spillway.layers.sharding import constrain
@@ -135,6 +139,13 @@ class BlockStack(nnx.Module):
     def __call__(self, x_btd: jax.Array, ctx: BlockContext, cache: dict | None = None):
         """Runs all layers. `cache` (decoding) holds arrays with a leading layer axis."""
         graphdef, state = nnx.split(self.blocks)
+        hook = layer_hook.current()
+        if hook is not None:
+            if cache is not None or len(self.segments) != 1:
+                raise ValueError(f"a layer hook runs in training with one activation policy for every layer; "
+                                 f"this stack has {len(self.segments)} segments"
+                                 + (" and a decoding cache" if cache is not None else ""))
+            return self._scan_with_hook(graphdef, state, x_btd, ctx, self.segments[0][2], hook), None
         new_caches = []
         for start, stop, policy in self.segments:
             take = lambda a: a[start:stop]  # noqa: E731 — a slice of the layer axis
@@ -146,7 +157,31 @@ class BlockStack(nnx.Module):
         return x_btd, jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *new_caches)
 
     @staticmethod
+    def _scan_with_hook(graphdef, state, x_btd, ctx, policy: OffloadPolicy, hook):
+        """All layers in one scan, `hook.before_layer` run before each outside the rematerialised body."""
+        body = BlockStack._layer_body(graphdef, state, ctx, policy)
+        num_layers = jax.tree.leaves(state)[0].shape[0]
+
+        def hooked(carry, layer):
+            x_btd, hook_carry = carry
+            layer_state, layer_index = layer
+            hook_carry, layer_state, outputs = hook.before_layer(hook_carry, layer_index, layer_state)
+            x_btd, _ = body(x_btd, (layer_state, None))
+            return (x_btd, hook_carry), outputs
+
+        (x_btd, _), outputs = jax.lax.scan(hooked, (x_btd, hook.start()), (state, jnp.arange(num_layers)))
+        hook.collect(outputs)
+        return x_btd
+
+    @staticmethod
     def _scan(graphdef, seg_state, x_btd, ctx, seg_cache, policy: OffloadPolicy):
+        body = BlockStack._layer_body(graphdef, seg_state, ctx, policy)
+        return jax.lax.scan(body, x_btd, (seg_state, seg_cache))
+
+    @staticmethod
+    def _layer_body(graphdef, seg_state, ctx, policy: OffloadPolicy):
+        """One layer as a scan body (x, (layer state, layer cache)) -> (x, layer cache), rematerialised
+        as `policy` says."""
         weights_on_host = host_weights.any_in_host_memory(seg_state)
 
         def body(x_btd, layer):
@@ -170,4 +205,4 @@ class BlockStack(nnx.Module):
             # backward pass: save everything but them (layers/host_weights.py).
             body = jax.checkpoint(body, policy=host_weights.never_save_device_weights(
                 jax.checkpoint_policies.everything_saveable), prevent_cse=False)
-        return jax.lax.scan(body, x_btd, (seg_state, seg_cache))
+        return body

@@ -32,6 +32,9 @@ from spillway.recipes.train.optimizer import OptimizerConfig
 TOKENIZER_TYPES = ("bpe", "unigram")
 OPTIMIZER_STATES = ("device", "host")
 PARAM_MEMORIES = ("device", "host")
+# When a host-resident optimizer state's streamed update runs: after the backward pass, or each block
+# layer's just before that layer runs in the next step's forward pass (recipes/train/update_in_forward.py).
+UPDATE_TIMES = ("after_backward", "next_forward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,11 @@ class OffloadConfig:
     # "host" streams them through HBM a layer at a time (layers/host_weights.py).
     # Embedding, final norm and head stay on device.
     params: str = "device"
+    # "after_backward" | "next_forward": when the streamed update of host optimizer state runs.
+    # "next_forward" updates each block layer in the next step's forward pass, just before the layer
+    # runs, so the state's copies move while the forward pass computes (same maths; a checkpoint,
+    # validation or the end of training first finishes the update still pending).
+    update: str = "after_backward"
     # The GPUs the two settings above were planned for: `spillway plan RECIPE` picks them there, and
     # `spillway train RECIPE --plan auto` plans for that GPU by default. None: a recipe for no GPU in particular.
     target_gpu: str | None = None         # a recipes/plan/targets.py name, e.g. "h200"
@@ -88,6 +96,12 @@ class OffloadConfig:
             raise ConfigError("offload.params=host needs offload.optimizer_state=host (the update of host "
                               "weights reads host gradients; with the state on device it would need them "
                               "all in HBM)")
+        if self.update not in UPDATE_TIMES:
+            raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
+        if self.update == "next_forward" and (self.optimizer_state != "host" or self.params != "device"):
+            raise ConfigError("offload.update=next_forward streams a host-resident optimizer state under the "
+                              "next forward pass: it needs offload.optimizer_state=host and offload.params=device "
+                              f"(got optimizer_state={self.optimizer_state}, params={self.params})")
         require_positive("offload", target_devices=self.target_devices)
         if self.target_gpu is not None:
             from spillway.recipes.plan.targets import get_target   # GPU facts as data: imports nothing heavy
@@ -213,9 +227,20 @@ class Recipe:
             raise ConfigError(f"data.val_fraction is 0, so there is no validation data, but train.eval_every is "
                               f"{self.train.eval_every}: set train.eval_every=0 or a positive data.val_fraction")
         try:
-            RematPlan.parse(self.offload.activations).resolve(self.model.num_layers)
+            segments = RematPlan.parse(self.offload.activations).resolve(self.model.num_layers)
         except ValueError as err:
             raise ConfigError(f"offload.activations: {err}") from None
+        if self.offload.update == "next_forward":
+            if len(segments) > 1:
+                raise ConfigError(f"offload.update=next_forward needs one activation policy for every layer; "
+                                  f"offload.activations={self.offload.activations!r} has {len(segments)} segments")
+            if self.train.grad_accum != 1:
+                raise ConfigError(f"offload.update=next_forward takes one batch per step (train.grad_accum=1, "
+                                  f"got {self.train.grad_accum}): the pending gradients wait in host memory "
+                                  f"as the backward pass makes them, with no running sum")
+            if self.optimizer.update_on_host:
+                raise ConfigError("offload.update=next_forward streams the update through HBM; "
+                                  "optimizer.update_on_host=true runs it on the host CPU instead: set one of them")
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
 

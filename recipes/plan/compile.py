@@ -217,6 +217,8 @@ class CompileReport:
     overlapped_transfer_bytes: int = 0
     # The same split by autodiff pass ("forward", "backward", "other"); empty in older reports.
     overlapped_bytes_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Bytes each way per autodiff pass (hlo.traffic_by_pass); empty in older reports.
+    transfer_bytes_by_pass: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     hlo_text: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def host_transfer_seconds(self, link_bytes_per_s: float) -> float:
@@ -270,6 +272,7 @@ class CompileReport:
             num_devices=num_devices,
             overlapped_transfer_bytes=overlap.overlapped_bytes,
             overlapped_bytes_by_pass=overlap.overlapped_by_pass,
+            transfer_bytes_by_pass=hlo.traffic_by_pass(hlo_text),
             hlo_text=hlo_text if keep_hlo_text else None,
         )
 

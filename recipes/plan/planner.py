@@ -8,7 +8,12 @@ section 5). A candidate is an activation plan (an offload preset or a
 per-segment mix, layers/offload.py) with the optimizer state on device or in
 pinned host memory, or (for the two plans with the least HBM) in host memory
 and updated by the host CPU (`host_compute`, priced at the host's measured
-update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
+update rate, recipes/plan/host_update.py); with one batch per step also the
+single-policy plans with the host state's update run in the next step's
+forward pass (`host_in_fwd`, offload.update=next_forward,
+recipes/train/update_in_forward.py), whose phases are read straight from what
+the compiled step moves in each autodiff pass (`_phases_by_pass`). Per
+candidate it reports, per GPU:
 
     HBM          argument + output - alias + temp bytes of device memory (XLA's
                  buffer assignment), compared with headroom x the GPU's memory;
@@ -45,10 +50,13 @@ update rate, recipes/plan/host_update.py). Per candidate it reports, per GPU:
 
 The pick is the fastest estimated step among the candidates that fit under
 headroom x the GPU's HBM, or under `--hbm-budget` GiB when that is lower.
-Candidates compile in three stages (everything on device; optimizer state on
-host; block weights on host too), and one is skipped when the same activation
-plan with less in host memory already fits: by the model above it cannot be
-faster (`_faster_plan_that_fits`; `--all-plans` compiles everything).
+Candidates compile in stages (everything on device; optimizer state on host,
+streamed; then updated by the host CPU, or streamed with the block weights on
+host too; last the host CPU's update with the weights on host), and one is skipped when the same activation plan with less in host
+memory already fits: by the model above it cannot be faster. A host-CPU
+update plan is also skipped when the streamed plan of the same activations
+fits and is no slower than the compute plus the host CPU's update time alone
+(`_faster_plan_that_fits`; `--all-plans` compiles everything).
 `apply_plan` (`spillway train --plan auto`) applies it to the recipe, or
 refuses with the numbers when nothing fits, so a run that would run out of
 memory never starts.
@@ -96,6 +104,10 @@ OPTIMIZER_STATES = ("device", "host")
 # Tried with the activation plans that need the least HBM, where it can matter.
 HOST_COMPUTE = "host_compute"
 HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
+# offload.update=next_forward: the streamed update of host state deferred into the next forward pass
+# (recipes/train/update_in_forward.py); single-policy plans only.
+NEXT_FORWARD = "next_forward"
+AFTER_BACKWARD = "after_backward"
 # Block weights (and their gradients) in pinned host memory too (offload.params=host), for
 # models this large only, with the state on host (the only combination the step supports)
 # and the activation plans that need the least HBM: the last resort of a small GPU.
@@ -117,16 +129,20 @@ class Candidate:
     activations: str        # a RematPlan spec
     optimizer_state: str    # "device" | "host" | "host_compute" (host state, updated by the host CPU)
     params: str = "device"  # "device" | "host": where the stacked block weights live (offload.params)
+    update: str = AFTER_BACKWARD   # offload.update: when the streamed update of host state runs
 
     @property
     def label(self) -> str:
         return f"{self.activations} / opt state {self.optimizer_state}" + (
-            " / params host" if self.params == "host" else "")
+            " / params host" if self.params == "host" else "") + (
+            " / update in next forward" if self.update == NEXT_FORWARD else "")
 
     @property
     def placement(self) -> str:
-        """The optimizer state's placement, with "+params" when the block weights live on host too."""
-        return self.optimizer_state + ("+params" if self.params == "host" else "")
+        """The optimizer state's placement, with "+params" when the block weights live on host too and
+        "_in_fwd" when its update runs in the next forward pass."""
+        return self.optimizer_state + ("+params" if self.params == "host" else "") + (
+            "_in_fwd" if self.update == NEXT_FORWARD else "")
 
     @property
     def offloads_activations(self) -> bool:
@@ -138,11 +154,13 @@ class Candidate:
         return self.optimizer_state == "device" and self.params == "device" and not self.offloads_activations
 
     def to_dict(self) -> dict:
-        return {"activations": self.activations, "optimizer_state": self.optimizer_state, "params": self.params}
+        return {"activations": self.activations, "optimizer_state": self.optimizer_state, "params": self.params,
+                "update": self.update}
 
     @classmethod
     def from_dict(cls, data: dict) -> Candidate:
-        return cls(data["activations"], data["optimizer_state"], data.get("params", "device"))
+        return cls(data["activations"], data["optimizer_state"], data.get("params", "device"),
+                   data.get("update", AFTER_BACKWARD))
 
     def applied_to(self, recipe: Recipe) -> Recipe:
         """The recipe with this plan's offload settings (host_compute: state on host, update_on_host)."""
@@ -151,7 +169,7 @@ class Candidate:
         return dataclasses.replace(
             recipe, offload=OffloadConfig(activations=self.activations,
                                           optimizer_state="host" if on_host_cpu else self.optimizer_state,
-                                          params=self.params),
+                                          params=self.params, update=self.update),
             optimizer=dataclasses.replace(recipe.optimizer, update_on_host=on_host_cpu))
 
 
@@ -168,6 +186,8 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     found = [Candidate(plan, state) for state in OPTIMIZER_STATES
              for plan in activation_plans(recipe.model.num_layers)] + [
         Candidate(plan, HOST_COMPUTE) for plan in HOST_COMPUTE_PLANS]
+    if recipe.train.grad_accum == 1:   # the update in the next forward pass takes one batch per step
+        found += [Candidate(plan, "host", "device", NEXT_FORWARD) for plan in PRESET_PLANS]
     if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS:
         found += [Candidate(plan, state, "host") for state in HOST_PARAMS_STATES for plan in HOST_COMPUTE_PLANS]
     return found
@@ -602,6 +622,10 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[
         raise ValueError("host-compute plans need the host update rate (recipes/plan/host_update.py)")
     link = target.host_link_bytes_per_s
     to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
+    row.transfer_s = (to_host + from_host - row.report.get("overlapped_transfer_bytes", 0)) / link
+    if candidate.update == NEXT_FORWARD:
+        _phases_by_pass(row, counted, rate, link)
+        return row
     params = param_traffic(candidate, recipe, mesh)
     # Host-resident optimizer state is the rest of the step's host *argument*;
     # the streamed update brings all of it in and writes it back. The host CPU
@@ -631,8 +655,29 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[
         row.update_s = (update_in + update_out) / link + _params_per_gpu(recipe, mesh) / host_update_params_per_s
     else:
         row.update_s = (update_in + update_out - min(by_pass.get("other", 0), update_in, update_out)) / link
-    row.transfer_s = (to_host + from_host - overlapped) / link
     return row
+
+
+def _phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
+    """The three phases from what the compiled step moves in each autodiff pass (CompileReport
+    transfer_bytes_by_pass), for a plan whose update runs in the next forward pass: the stacked state
+    crosses in the forward pass, beside its compute; what the update moves before it (the leaves outside
+    the stack) is the update phase. Within a pass the two directions add, less the bytes the schedule
+    moves with both in flight. A report without the split counts every byte in the update phase."""
+    report = row.report
+    moved = report.get("transfer_bytes_by_pass") or {
+        "other": {"device_to_host_bytes": report["device_to_host_bytes"],
+                  "host_to_device_bytes": report["host_to_device_bytes"]}}
+    overlapped = report.get("overlapped_bytes_by_pass") or {}
+
+    def link_s(kind: str) -> float:
+        out = moved.get(kind, {}).get("device_to_host_bytes", 0)
+        back = moved.get(kind, {}).get("host_to_device_bytes", 0)
+        return (out + back - min(overlapped.get(kind, 0), out, back)) / link
+
+    row.forward_s = max(counted.forward / rate, link_s("forward"))
+    row.backward_s = max((counted.backward + counted.recompute) / rate, link_s("backward"))
+    row.update_s = link_s("other")
 
 
 def _params_per_gpu(recipe: Recipe, mesh: dict[str, int]) -> float:
@@ -857,6 +902,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     request = {"recipe": compiled_recipe.to_dict(), "import_paths": import_paths, "target": target.name,
                "devices": devices, "compiler_options": options, "search": search_request}
     staged = prune and plans is None and search_request is None
+    host_update_floor_s = _params_per_gpu(compiled_recipe, mesh) / (per_core * cores)
     stages = _stages(todo) if staged else [list(range(len(todo)))]
     rows_by_index: dict[int, PlanRow] = {}
     skipped: list[dict] = []
@@ -869,7 +915,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     for stage in stages:
         run = []
         for index in stage:
-            faster = _faster_plan_that_fits(todo[index], todo, rows_by_index, skipped)
+            faster = _faster_plan_that_fits(todo[index], todo, rows_by_index, skipped, host_update_floor_s)
             if faster is None:
                 run.append(index)
             else:
@@ -920,17 +966,25 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
 
 
 def _stages(todo: list[Candidate]) -> list[list[int]]:
-    """Indices of `todo` in the order they are compiled when plans are pruned: everything on device first,
-    then the optimizer state in host memory, then the block weights there too."""
+    """Indices of `todo` in the order they are compiled when plans are pruned: everything on device; the
+    optimizer state on host, streamed; then updated by the host CPU, beside the streamed plans with the
+    block weights on host too; last the host CPU's update with the weights on host.
+
+    Each stage needs only the rows of the stages before it (`_faster_plan_that_fits`); fewer stages keep
+    more compile processes busy at once.
+    """
     def stage(candidate: Candidate) -> int:
-        if candidate.params == "host":
-            return 2
-        return 0 if candidate.optimizer_state == "device" else 1
-    return [[i for i, c in enumerate(todo) if stage(c) == k] for k in range(3)]
+        on_host_cpu = candidate.optimizer_state == HOST_COMPUTE
+        if candidate.optimizer_state == "device":
+            return 0
+        if candidate.params == "device":
+            return 2 if on_host_cpu else 1
+        return 3 if on_host_cpu else 2
+    return [[i for i, c in enumerate(todo) if stage(c) == k] for k in range(4)]
 
 
 def _faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dict[int, PlanRow],
-                           skipped: list[dict]) -> str | None:
+                           skipped: list[dict], host_update_floor_s: float | None = None) -> str | None:
     """The label of a plan that fits and that `candidate` cannot beat, or None.
 
     Same activation plan, less in host memory: the same compute and no more
@@ -939,6 +993,12 @@ def _faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: di
     updated by the host CPU, nor with the weights on device slower than with
     them on host. An ancestor that was itself skipped was skipped for a plan
     that fits: that one is named.
+
+    A host-CPU update plan (host_compute) also cannot beat the streamed plan
+    of the same activations and weights when that one fits and is already as
+    fast as host_compute's least possible step: the same compute plus the
+    host CPU's update alone (`host_update_floor_s`, the GPU's share of the
+    parameters over the host update rate), as if no byte crossed the link.
     """
     ancestors = []
     if candidate.optimizer_state != "device":
@@ -952,6 +1012,13 @@ def _faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: di
         for index, other in enumerate(todo):
             if other == ancestor and index in rows and rows[index].fits:
                 return ancestor.label
+    if candidate.optimizer_state == HOST_COMPUTE and host_update_floor_s is not None:
+        streamed = Candidate(candidate.activations, "host", candidate.params)
+        for index, other in enumerate(todo):
+            row = rows.get(index)
+            if other == streamed and row is not None and row.fits and row.step_s is not None \
+                    and row.step_s <= row.compute_s + host_update_floor_s:
+                return streamed.label
     return None
 
 
@@ -1026,8 +1093,9 @@ def render(p: Plan) -> str:
         by_plan: dict[str, list[str]] = {}
         for entry in p.skipped:
             by_plan.setdefault(entry["activations"], []).append(Candidate.from_dict(entry).placement)
-        lines.append(f"  not compiled ({len(p.skipped)}), as the same activations with less in host memory fit and "
-                     f"are at least as fast (--all-plans compiles them too): "
+        lines.append(f"  not compiled ({len(p.skipped)}), as the same activations with less in host memory (or, "
+                     f"for a host-CPU update, streamed) fit and are at least as fast (--all-plans compiles them "
+                     f"too): "
                      + "; ".join(f"{plan_spec} with {', '.join(placements)}"
                                  for plan_spec, placements in by_plan.items()))
     lines.append("  " + ASSUMPTIONS)

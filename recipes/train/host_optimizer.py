@@ -140,8 +140,13 @@ def stream_update(
 
     def compute_piece(i, params, on_device):
         """The update of piece i, on device; returns new param pieces and new state pieces."""
-        return [fn(_piece(g, i), _piece(p, i), leaf_dev)
+        # A host-resident gradient (offload.update=next_forward keeps the pending one there) visits
+        # HBM a piece at a time too.
+        return [fn(_device_piece(g, i), _piece(p, i), leaf_dev)
                 for fn, g, p, leaf_dev in zip(update_fns, grads, params, on_device)]
+
+    def _device_piece(x, i):
+        return to_device(_piece(x, i)) if in_host_memory(x) else _piece(x, i)
 
     def write_piece(i, params, states, results):
         new_params, new_states = [], []

@@ -169,6 +169,17 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         loader.restore(restored["loader_state"])
         return check_weights(restored["params"], first_batch).problem()
 
+    # offload.update=next_forward: the optimizer update each step leaves for the next one's forward pass
+    # (recipes/train/update_in_forward.py); `settle` applies it before anything reads params or state.
+    deferred = s.nothing_pending(params) if s.defers_update else None
+    settled = True
+
+    def settle() -> None:
+        nonlocal params, opt_state, deferred, settled
+        if not settled:
+            params, opt_state, deferred = s.flush(params, opt_state, deferred)
+            settled = True
+
     step = 0
     if candidates:
         resumed = restore_for_resume(
@@ -266,7 +277,11 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
             while step < cfg.steps:
                 if profile and step == profile[0] and main:
                     jax.profiler.start_trace(str(run_dir / "profile"))
-                params, opt_state, metrics = s.train_step(params, opt_state, next_batch())
+                if deferred is None:
+                    params, opt_state, metrics = s.train_step(params, opt_state, next_batch())
+                else:
+                    params, opt_state, deferred, metrics = s.train_step(params, opt_state, deferred, next_batch())
+                    settled = False
                 step += 1
                 window_steps += 1
                 if profile and step == profile[1] and main:
@@ -296,6 +311,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                                      **({"mem": f"{row['memory_gib']:.1f}G"} if memory is not None else {})})
                     window_start, window_steps = time.perf_counter(), 0
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    settle()
                     vals = validation_losses()
                     logger.log(step, vals)
                     per_source = "".join(f", {key.removeprefix('val_loss/')} {value:.4f}"
@@ -307,6 +323,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                 leave_early = stop_after is not None and step - first_step >= stop_after and step < cfg.steps
                 # the last step is always saved, whatever the period, and so is a step the run stops at
                 if checkpointer.should_save(step) or step == cfg.steps or leave_early or stop_status:
+                    settle()
                     save(step, metrics)
                 bar.update(1)
                 if leave_early:
@@ -321,6 +338,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
             bar.close()
             logger.close()
     checkpointer.wait()
+    settle()
 
     plot = logger.plot_loss()
     if plot:

@@ -314,6 +314,9 @@ class _StepScalars:
     grad_norm: jax.Array
     count_inc: jax.Array
     learning_rate: jax.Array
+    # A boolean scalar, or None: where False the piece comes back unchanged (a deferred update with
+    # nothing pending: recipes/train/update_in_forward.py).
+    apply: jax.Array | None = None
 
 
 def _adamw_piece(cfg: OptimizerConfig, layout: LeafLayout, scalars: _StepScalars,
@@ -342,9 +345,15 @@ def _adamw_piece(cfg: OptimizerConfig, layout: LeafLayout, scalars: _StepScalars
     # scale_by_learning_rate: step size -lr(count), cast to the update's dtype
     update = jnp.array(-1 * scalars.learning_rate, dtype=update.dtype) * update
     new_weights = (weights + update).astype(jnp.float32)  # optax.apply_updates
+    new_state = (mu, nu, new_weights) if layout.master else (mu, nu)
+    if scalars.apply is None:
+        return new_weights.astype(param.dtype), new_state
+    new_state = tuple(jnp.where(scalars.apply, new, old.astype(new.dtype)) for new, old in zip(new_state, state))
     if layout.master:
-        return new_weights.astype(param.dtype), (mu, nu, new_weights)
-    return new_weights.astype(param.dtype), (mu, nu)
+        # The parameter is its master's rounding whether or not the step applied: the old
+        # parameter is not read (a deferred update then never holds the old weights).
+        return new_state[2].astype(param.dtype), new_state
+    return jnp.where(scalars.apply, new_weights.astype(param.dtype), param), new_state
 
 
 def host_sharding(sharding):
@@ -378,12 +387,16 @@ class Optimizer:
     """
 
     def __init__(self, cfg: OptimizerConfig, layout_tree, *, total_steps: int, stream_prefetch: bool = True,
-                 stream_piece_elements: int = streaming.PIECE_ELEMENTS):
+                 stream_piece_elements: int = streaming.PIECE_ELEMENTS, update_in_forward: bool = False):
         # stream_prefetch=False streams without double buffering: one layer's
         # state less in HBM, no chance for its copy to overlap the update
         # (benchmarks/optimizer_state_toy.py measures both).
         # stream_piece_elements: the largest piece of a non-stacked host leaf
         # (LeafLayout.stream_axis) that visits HBM at once.
+        # update_in_forward: the stacked host leaves are updated a layer at a time inside the next
+        # step's forward pass (recipes/train/update_in_forward.py), which reads their state as one
+        # array per leaf (no LayerHalves); `update` then streams them with one buffer.
+        self.update_in_forward = update_in_forward
         self.cfg = cfg
         self.total_steps = total_steps   # the schedule's length: warmup, then cosine decay to the end
         self.stream_prefetch = stream_prefetch
@@ -405,7 +418,14 @@ class Optimizer:
 
     def _halved(self, layout: LeafLayout) -> bool:
         """Whether this leaf's host state is kept as LayerHalves (streamed stacked leaves)."""
-        return layout.stacked and layout.state_memory == HOST and not self.cfg.update_on_host
+        return (layout.stacked and layout.state_memory == HOST and not self.cfg.update_on_host
+                and not self.update_in_forward)
+
+    def updated_in_forward(self) -> set[int]:
+        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller:
+        the stacked leaves with host state, streamed through HBM."""
+        return {k for k, layout in enumerate(self._layouts)
+                if layout.stacked and layout.state_memory == HOST and not self.cfg.update_on_host}
 
     # -- tree plumbing
 
@@ -532,8 +552,21 @@ class Optimizer:
         """Pinned host bytes this process holds for the state (arrays, or ShapeDtypeStructs with shardings)."""
         return streaming.tree_nbytes_by_memory_kind(opt_state_or_abstract).get(PINNED_HOST, 0)
 
-    def update(self, grads, opt_state: OptState, params):
-        """One AdamW step. Returns (new params, new opt_state, {"grad_norm", "learning_rate"})."""
+    def update(self, grads, opt_state: OptState, params, apply: jax.Array | None = None,
+               grad_norm: jax.Array | None = None):
+        """One AdamW step. Returns (new params, new opt_state, {"grad_norm", "learning_rate"}).
+
+        `apply` (a boolean scalar, or None for always): where False, everything comes back unchanged
+        (the step count too). `grad_norm`: the gradients' global norm when the caller has it already
+        (None: computed here).
+        """
+        return self.begin(grads, opt_state, params, apply=apply, grad_norm=grad_norm, stacked_host_later=False)
+
+    def begin(self, grads, opt_state: OptState, params, *, apply: jax.Array | None = None,
+              grad_norm: jax.Array | None = None, stacked_host_later: bool = True):
+        """The step's scalars and every leaf's update, except (stacked_host_later) the stacked leaves with host
+        state: those are left to the caller, a layer at a time (a `BegunUpdate`, whose `finish` takes them
+        back). With stacked_host_later=False, the whole update: `update`'s result."""
         cfg = self.cfg
         grad_leaves, _ = self._flatten_like_layouts(grads, "grads")
         param_leaves, treedef = self._flatten_like_layouts(params, "params")
@@ -548,9 +581,13 @@ class Optimizer:
         # Clipping needs the norm over all gradients before any piece is
         # updated. Same sums, in the same order, as optax.tree.norm over the
         # same tree (host-resident gradients summed by the host CPU).
-        grad_norm = jnp.sqrt(functools.reduce(operator.add, [streaming.squared_norm(g) for g in grad_leaves], 0))
-        scalars = _StepScalars(grad_norm=grad_norm, count_inc=optax.safe_increment(opt_state.count),
-                               learning_rate=self.schedule(opt_state.count))
+        if grad_norm is None:
+            grad_norm = jnp.sqrt(functools.reduce(operator.add, [streaming.squared_norm(g) for g in grad_leaves], 0))
+        count_inc = optax.safe_increment(opt_state.count)
+        if apply is not None:
+            count_inc = jnp.where(apply, count_inc, opt_state.count)
+        scalars = _StepScalars(grad_norm=grad_norm, count_inc=count_inc,
+                               learning_rate=self.schedule(opt_state.count), apply=apply)
 
         def piece_fn(k):
             return functools.partial(_adamw_piece, cfg, self._layouts[k], scalars)
@@ -578,18 +615,56 @@ class Optimizer:
                     prefetch=self.stream_prefetch)
                 previous_one_piece = new_states[k]
 
+        begun = BegunUpdate(self, treedef, new_params, new_states, scalars,
+                            {k: piece_fn(k) for k in host_stacked}, {k: state_of(k) for k in host_stacked})
+        if stacked_host_later:
+            return begun
         shapes = [p.shape for p in param_leaves]
+        streamed = {}
         for group in streaming.group_by_layer_count(host_stacked, shapes).values():
-            group_params, group_states = streaming.stream_layer_halves(
+            stream = streaming.stream_layer_halves if self._halved(self._layouts[group[0]]) else functools.partial(
+                streaming.stream_update, axis=0, piece=1)
+            group_params, group_states = stream(
                 [piece_fn(k) for k in group], [grad_leaves[k] for k in group],
                 [param_leaves[k] for k in group], [state_of(k) for k in group], prefetch=self.stream_prefetch)
-            for k, p, s in zip(group, group_params, group_states):
-                new_params[k], new_states[k] = p, s
+            streamed.update({k: (p, st) for k, p, st in zip(group, group_params, group_states)})
+        return begun.finish(streamed)
 
-        new_mu = [s[0] for s in new_states]
-        new_nu = [s[1] for s in new_states]
-        new_master = [s[2] if layout.master else None for s, layout in zip(new_states, self._layouts)]
-        new_state = OptState(count=scalars.count_inc, mu=treedef.unflatten(new_mu),
-                             nu=treedef.unflatten(new_nu), master=treedef.unflatten(new_master))
-        return treedef.unflatten(new_params), new_state, {
-            "grad_norm": grad_norm, "learning_rate": scalars.learning_rate}
+
+@dataclasses.dataclass
+class BegunUpdate:
+    """An optimizer update whose stacked host leaves are still to be updated by the caller, a layer at a time.
+
+    `params` holds every new parameter but those leaves' (still the old ones); `layer_update[k]` updates
+    one layer of leaf k (a `host_optimizer.PieceUpdate`: grad row, param row, state rows on device ->
+    new param row, new state rows) and `host_state[k]` is its state, host arrays with a leading layer
+    axis. `finish` takes {k: (new stacked param, new host state)} for those leaves.
+    """
+    optimizer: Optimizer
+    treedef: Any
+    new_params: list
+    new_states: list
+    scalars: _StepScalars
+    layer_update: dict[int, Callable]
+    host_state: dict[int, tuple]
+
+    @property
+    def params(self):
+        return self.treedef.unflatten(self.new_params)
+
+    def finish(self, stacked: dict[int, tuple]):
+        """(new params, new OptState, {"grad_norm", "learning_rate"})."""
+        missing = set(self.layer_update) - set(stacked)
+        if missing:
+            raise ValueError(f"the update of stacked host leaves {sorted(missing)} was never handed back")
+        new_params, new_states = list(self.new_params), list(self.new_states)
+        for k, (param, state) in stacked.items():
+            new_params[k], new_states[k] = param, state
+        layouts = self.optimizer._layouts
+        new_state = OptState(
+            count=self.scalars.count_inc, mu=self.treedef.unflatten([st[0] for st in new_states]),
+            nu=self.treedef.unflatten([st[1] for st in new_states]),
+            master=self.treedef.unflatten([st[2] if layout.master else None
+                                           for st, layout in zip(new_states, layouts)]))
+        return self.treedef.unflatten(new_params), new_state, {
+            "grad_norm": self.scalars.grad_norm, "learning_rate": self.scalars.learning_rate}

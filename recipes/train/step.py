@@ -21,6 +21,7 @@ from spillway.layers.sharding import (activation_sharding, batch_sharding, const
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import param_placement as placement
+from spillway.recipes.train import update_in_forward
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 from spillway.recipes.train.optimizer import Optimizer, donate_opt_state_ok, make_layouts
 
@@ -139,6 +140,18 @@ class TrainSetup:
     opt_state_shardings: object
     batch_sharding: NamedSharding
     train_step: object  # jitted
+    # offload.update=next_forward (recipes/train/update_in_forward.py): the step takes and returns the
+    # update still pending; `flush` (jitted) applies it; None otherwise.
+    pending_shardings: object = None
+    flush: object = None
+
+    @property
+    def defers_update(self) -> bool:
+        return self.flush is not None
+
+    def nothing_pending(self, params):
+        """The pending update of a run's first step (or one after a resume): nothing to apply."""
+        return jax.jit(update_in_forward.nothing_pending, out_shardings=self.pending_shardings)(params)
 
 
 def build_model(recipe: Recipe, mesh, seed: int, shardings=None):
@@ -199,13 +212,20 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     Counts the step's arguments and the host gradients it makes; its other
     temporaries are the planner's to report (spillway plan's host column).
     With grad_accum > 1 the float32 running sum is read and a new one written
-    in each micro-batch: two of them.
+    in each micro-batch: two of them. With the update in the next forward pass
+    the state and the pending gradients are read and new ones written: two of
+    each.
     """
     from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
 
     s = abstract_setup(recipe, mesh, platform=jax.default_backend())
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
+    if s.defers_update:
+        # The step writes the new state beside the old and the new pending gradients beside the old ones
+        # (recipes/train/update_in_forward.py): two of each while it runs.
+        pending = abstract_step_arguments(s)[2]
+        return PinnedHostBytes(2 * state, weights, 2 * tree_nbytes_by_memory_kind(pending).get(placement.PINNED_HOST, 0))
     if recipe.train.grad_accum == 1:
         gradients = weights
     else:
@@ -261,9 +281,27 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
                          f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
     layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
                            state_memory=recipe.offload.optimizer_state)
-    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps)
+    deferred = recipe.offload.update == "next_forward"
+    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred)
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
+    scalar_sh = NamedSharding(mesh, PartitionSpec())
+    if deferred:
+        pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
+        loss_fn = make_loss_fn(graphdef, recipe.train.loss_chunk, mesh)
+        # Only the params are donated. The step writes the new state into new host arrays (the scan's
+        # output): a donated state would make XLA copy them into the old ones afterwards, host to host
+        # over the link. The pending gradients neither: the stacked weights are not read (their masters
+        # are), so JAX drops those inputs and would pair the donated gradient buffers, same shapes, with
+        # the new weights, which XLA then copies to host memory.
+        donated = _donated(False, param_sh)
+        step = jax.jit(update_in_forward.make_train_step(loss_fn, optimizer),
+                       in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
+                       out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated)
+        flush = jax.jit(update_in_forward.make_flush(optimizer), in_shardings=(param_sh, opt_sh, pending_sh),
+                        out_shardings=(param_sh, opt_sh, pending_sh), donate_argnums=donated)
+        return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
+                          pending_sh, flush)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
@@ -280,13 +318,18 @@ def _donated(donate_opt_state: bool, param_sh) -> tuple[int, ...]:
 
 
 def abstract_step_arguments(s: TrainSetup) -> tuple:
-    """(params, opt_state, tokens) as ShapeDtypeStructs with the step's shardings, for `.lower()`.
+    """(params, opt_state, tokens) as ShapeDtypeStructs with the step's shardings, for `.lower()`;
+    (params, opt_state, pending, tokens) when the step defers its update (TrainSetup.defers_update).
 
     Tokens are [global_batch, seq_len + 1] int32, as the loader delivers them.
     """
     opt_state = abstract_with_shardings(jax.eval_shape(s.optimizer.init, s.params), s.opt_state_shardings)
     tokens = jax.ShapeDtypeStruct((s.recipe.train.global_batch, s.recipe.data.seq_len + 1), jnp.int32,
                                   sharding=s.batch_sharding)
+    if s.defers_update:
+        pending = abstract_with_shardings(jax.eval_shape(update_in_forward.nothing_pending, s.params),
+                                          s.pending_shardings)
+        return s.params, opt_state, pending, tokens
     return s.params, opt_state, tokens
 
 

@@ -115,6 +115,51 @@ def test_hbm_falls_by_most_of_the_weights_and_gradients(rows):
     assert host["hbm_bytes"] < device["hbm_bytes"] / 2
 
 
+@pytest.fixture(scope="module")
+def bfloat16_rows():
+    """bfloat16 weights with float32 masters, the optimizer state on host, updated after the backward pass
+    or in the next forward pass."""
+    return compile_rows(1, "--param-dtype", "bfloat16", "--placements",
+                        "device_params,device_params_update_in_forward")
+
+
+def test_the_update_in_the_next_forward_moves_the_state_there_both_ways_at_once(bfloat16_rows):
+    """offload.update=next_forward: the stacked leaves' state crosses in the forward pass, with both link
+    directions in flight together, and their gradients leave HBM in the backward pass: HBM holds no
+    stacked gradient, less than with the update after the backward pass."""
+    import jax
+
+    from spillway.recipes.train.step import abstract_model
+
+    after, deferred = bfloat16_rows["device_params"], bfloat16_rows["device_params_update_in_forward"]
+    args = argparse.Namespace(layers=LAYERS, d_model=512, grad_accum=1, activations="recompute_all",
+                              param_dtype="bfloat16")
+    recipe = host_params_toy.recipe_for(args, "device_params_update_in_forward")
+    _, model_state = abstract_model(recipe)
+    stacked = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]
+               if "blocks" in jax.tree_util.keystr(path)]
+    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in stacked)   # = their pending gradients
+    # mu and nu in float32, and a float32 master of a bfloat16 weight (norm scales are float32: none)
+    state = sum(leaf.size * (12 if leaf.dtype.itemsize == 2 else 8) for leaf in stacked)
+    forward, backward = deferred["traffic_by_pass"]["forward"], deferred["traffic_by_pass"]["backward"]
+    # The new state out; the state and the pending gradient in.
+    assert forward == {"device_to_host_bytes": state, "host_to_device_bytes": state + weights}, forward
+    assert deferred["overlapped_by_pass"]["forward"] == state, deferred["overlapped_by_pass"]
+    assert backward == {"host_to_device_bytes": 0, "device_to_host_bytes": weights}, backward
+    # Before: nothing crossed in the forward pass; the state crossed after the backward pass, each way.
+    assert after["traffic_by_pass"]["forward"] == {"host_to_device_bytes": 0, "device_to_host_bytes": 0}
+    assert after["traffic_by_pass"]["other"]["device_to_host_bytes"] >= state
+    assert deferred["report"]["hbm_bytes"] < after["report"]["hbm_bytes"] - weights / 4, (
+        deferred["report"]["hbm_bytes"], after["report"]["hbm_bytes"])
+    # The planner prices the state in the forward pass, beside its compute, not after the backward pass:
+    # the two directions overlapped, the larger one sets the link time.
+    target = get_target("h200")
+    candidate = planner.Candidate("recompute_all", "host", "device", planner.NEXT_FORWARD)
+    row = planner._row(candidate, {"report": deferred["report"]}, recipe, target, ONE_GPU)
+    assert row.forward_s >= (state + weights) / target.host_link_bytes_per_s
+    assert row.update_s < row.forward_s / 4
+
+
 def test_the_planner_counts_the_weight_stream_the_compiled_step_moves(rows):
     for placement in CANDIDATES:
         model = assert_model_matches_passes(rows[placement], placement, grad_accum=1)

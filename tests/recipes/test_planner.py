@@ -51,7 +51,29 @@ def small_plan():
 
 
 def rows_by_key(result):
-    return {(row.candidate.activations, row.candidate.optimizer_state): row for row in result.rows}
+    """(activations, optimizer state) -> row, for the plans that update after the backward pass."""
+    return {(row.candidate.activations, row.candidate.optimizer_state): row for row in result.rows
+            if row.candidate.update == planner.AFTER_BACKWARD}
+
+
+def test_the_update_in_the_next_forward_is_priced_in_the_forward_pass(small_plan):
+    """host_in_fwd rows: the compiled step moves the stacked state in the forward pass, both directions at
+    once; the phases come from those bytes per pass, and nothing is lost next to the streamed update's."""
+    link = small_plan.target.host_link_bytes_per_s
+    after = rows_by_key(small_plan)
+    for row in small_plan.rows:
+        if row.candidate.update != planner.NEXT_FORWARD:
+            continue
+        moved, overlapped = row.report["transfer_bytes_by_pass"], row.report["overlapped_bytes_by_pass"]
+        forward = moved["forward"]
+        assert forward["host_to_device_bytes"] > 0 and overlapped["forward"] > 0, row.candidate.label
+        assert row.forward_s == pytest.approx(max(
+            row.flops["forward"] / small_plan.target.peak_bf16_flops,
+            (forward["host_to_device_bytes"] + forward["device_to_host_bytes"]
+             - min(overlapped["forward"], forward["host_to_device_bytes"], forward["device_to_host_bytes"])) / link))
+        streamed = after[row.candidate.activations, "host"]
+        assert row.update_s < streamed.update_s / 2, row.candidate.label
+        assert row.compute_s == pytest.approx(streamed.compute_s)
 
 
 # --- candidates and inputs (no compile) ---------------------------------------------
@@ -62,9 +84,15 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     activations = {c.activations for c in plans}
     assert set(planner.PRESET_PLANS) <= activations
     assert {"offload_dots:2,recompute_all", "save_dots:2,recompute_all"} <= activations
-    assert len(plans) == len(activations) * 2 + len(planner.HOST_COMPUTE_PLANS) == len(set(plans))
+    in_forward = [c for c in plans if c.update == planner.NEXT_FORWARD]
+    assert len(plans) == len(activations) * 2 + len(planner.HOST_COMPUTE_PLANS) + len(in_forward) == len(set(plans))
     assert {c.activations for c in plans if c.optimizer_state == planner.HOST_COMPUTE} == set(
         planner.HOST_COMPUTE_PLANS)
+    # One batch per step: the host state's update in the next forward pass, for every single-policy plan.
+    assert recipe.train.grad_accum == 1
+    assert {(c.activations, c.optimizer_state, c.params) for c in in_forward} == {
+        (plan, "host", "device") for plan in planner.PRESET_PLANS}
+    assert not [c for c in planner.candidates(small_recipe("train.grad_accum=2")) if c.update == planner.NEXT_FORWARD]
     for spec in activations:
         RematPlan.parse(spec).resolve(recipe.model.num_layers)   # all valid for the model
     assert set(planner.PRESET_PLANS) <= set(PRESETS)
@@ -540,8 +568,41 @@ def test_a_plan_is_skipped_only_for_the_same_activations_with_less_in_host_memor
     assert planner._faster_plan_that_fits(host_params, todo, {}, skipped) == device.label
     assert [len(stage) for stage in planner._stages(todo)] == [
         sum(c.optimizer_state == "device" for c in todo),
-        sum(c.optimizer_state != "device" and c.params == "device" for c in todo),
-        sum(c.params == "host" for c in todo)]
+        sum(c.optimizer_state == "host" and c.params == "device" for c in todo),
+        sum((c.optimizer_state == planner.HOST_COMPUTE) != (c.params == "host") for c in todo),
+        sum(c.optimizer_state == planner.HOST_COMPUTE and c.params == "host" for c in todo)]
+
+
+def _row_with_step(candidate, fits, step_s, compute_s=1.0):
+    row = _fitting_row(candidate, fits)
+    row.compute_s = compute_s
+    row.forward_s, row.backward_s, row.update_s = compute_s, 0.0, step_s - compute_s
+    return row
+
+
+def test_a_host_cpu_update_is_skipped_when_the_streamed_update_beats_its_cpu_time_alone():
+    todo = planner.candidates(small_recipe())
+    index = {c: i for i, c in enumerate(todo)}
+    streamed = planner.Candidate("recompute_all", "host")
+    host_cpu = planner.Candidate("recompute_all", planner.HOST_COMPUTE)
+    # The streamed plan takes 1.5 s with 1 s of compute: a host CPU needing 0.6 s for the update alone
+    # cannot beat it, one needing 0.4 s might.
+    rows = {index[streamed]: _row_with_step(streamed, True, 1.5)}
+    assert planner._faster_plan_that_fits(host_cpu, todo, rows, [], host_update_floor_s=0.6) == streamed.label
+    assert planner._faster_plan_that_fits(host_cpu, todo, rows, [], host_update_floor_s=0.4) is None
+    # Without the rate, or when the streamed plan does not fit (the host CPU's may, with less HBM): compile.
+    assert planner._faster_plan_that_fits(host_cpu, todo, rows, []) is None
+    rows = {index[streamed]: _row_with_step(streamed, False, 1.5)}
+    assert planner._faster_plan_that_fits(host_cpu, todo, rows, [], host_update_floor_s=0.6) is None
+    # With the weights on host the streamed plan with the weights on host is the one compared.
+    host_cpu_params = planner.Candidate("recompute_all", planner.HOST_COMPUTE, "host")
+    streamed_params = planner.Candidate("recompute_all", "host", "host")
+    todo = todo + [c for c in (streamed_params, host_cpu_params) if c not in index]   # a small model has none
+    index = {c: i for i, c in enumerate(todo)}
+    rows = {index[streamed]: _row_with_step(streamed, False, 1.5),
+            index[streamed_params]: _row_with_step(streamed_params, True, 1.5)}
+    assert planner._faster_plan_that_fits(host_cpu_params, todo, rows, [],
+                                          host_update_floor_s=0.6) == streamed_params.label
 
 
 @needs_toolchain

@@ -1,0 +1,57 @@
+"""Work that runs right before each layer of the scanned block stack, inside the scan, with a carry.
+
+A `LayerHook` put in force with `running_before_layers(hook)` while a model is
+traced is called by BlockStack (layers/stack.py) in every iteration of its
+scan, outside the layer's rematerialised body:
+
+    carry = hook.start()                      before the first layer
+    carry, layer_state, outputs = hook.before_layer(carry, t, layer_state)
+                                              layer t then runs with the returned layer_state
+    hook.collect(stacked outputs)             once the scan is done (outputs stacked over the layers)
+
+The carry lets the hook fetch what layer t+1 needs while layer t computes
+(double buffering); the outputs come out of the scan stacked, which is how a
+value made inside the loop can leave it. Being outside the rematerialised
+body, the hook's work is done once, in the forward pass, and never repeated
+in the backward pass.
+
+The train step's deferred optimizer update uses it
+(recipes/train/update_in_forward.py): layer t's update runs just before
+layer t, its state's copies moving while the previous layer computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+
+class LayerHook(Protocol):
+    def start(self) -> Any:
+        """The carry before the first layer."""
+
+    def before_layer(self, carry: Any, layer_index: Any, layer_state: Any) -> tuple[Any, Any, Any]:
+        """(carry for the next layer, the layer state the layer runs with, this layer's outputs)."""
+
+    def collect(self, outputs: Any) -> None:
+        """Every layer's outputs, stacked along a leading layer axis."""
+
+
+_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar("spillway_layer_hook", default=None)
+
+
+@contextlib.contextmanager
+def running_before_layers(hook: LayerHook) -> Iterator[None]:
+    """Models traced inside call `hook` before each layer of their block stack."""
+    token = _HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _HOOK.reset(token)
+
+
+def current() -> LayerHook | None:
+    """The hook in force, or None."""
+    return _HOOK.get()

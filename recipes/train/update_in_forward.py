@@ -1,0 +1,213 @@
+"""The optimizer update of host-resident state run inside the next step's forward pass (offload.update=next_forward).
+
+With the optimizer state in pinned host memory, the streamed update after the
+backward pass moves the whole state in and out of HBM with no compute beside
+it: AdamW with global-norm clipping cannot start before the last gradient
+exists. Deferred by one step, the same update finds compute to hide behind.
+Step t returns its gradients (`PendingUpdate`) instead of applying them; step
+t+1 applies them, each block layer's just before that layer runs in its
+forward pass:
+
+    before the forward pass   the scalars (global norm, step count, learning rate) and the
+                              update of every leaf outside the stacked blocks, or with its
+                              state on device (Optimizer.begin; embedding, head, norms)
+    layer t of the forward    layer t's state (prefetched while layer t-1 computed) and its
+                              pending gradient make its new weight and new state; the new
+                              state goes back to host memory; layer t runs with the new
+                              weight; layer t+1's state is fetched meanwhile
+                              (a layers.layer_hook.LayerHook, outside the remat body)
+
+Same maths, in the same order, as the update at the end of step t: the
+parameters every forward pass sees are the ones it would see otherwise, and
+the gradient of the loss with respect to the new weight is what comes back
+(a straight-through custom VJP hands the cotangent to the weight's slot).
+
+The update still pending after a step is finished by `flush` (the
+Optimizer's own update, streamed) before anything reads the weights or the
+state: a checkpoint, validation, the end of training. A flushed
+`PendingUpdate` has apply=False, and a step with nothing to apply leaves
+every value as it is (`_adamw_piece` selects). Checkpoints therefore hold
+exactly what a run without deferral holds, and resuming starts with nothing
+pending.
+
+The stacked state is one host array per leaf here (no LayerHalves): the
+scan reads layer t+1 from it while the new layer t goes to a new host array
+(the scan's output), so the two link directions can run at once; the old
+and the new state are both in host memory during the step (twice the host
+bytes of the state; the planner's host column counts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from spillway.layers import layer_hook
+from spillway.recipes.train import host_optimizer as streaming
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingUpdate:
+    """The gradients of the last step, not yet applied: the stacked leaves' in host memory, the rest on
+    device; their global norm (float32 scalar) and whether there are any (a boolean scalar)."""
+    grads: object
+    grad_norm: jax.Array
+    apply: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["weight", "grad_sink"], meta_fields=["key"])
+@dataclasses.dataclass(frozen=True)
+class _UpdatedBeforeUse:
+    """A stacked weight (or its layer) standing in the model's state for the weight its layer will run
+    with. `grad_sink`: the same layer of the pending gradient's host buffer, the input the step
+    differentiates (its value is never read: the new gradient is what comes back for it). `key`: the
+    leaf's index in the optimizer's flattening."""
+    weight: jax.Array
+    grad_sink: jax.Array
+    key: int
+
+
+def _is_updated(x) -> bool:
+    return isinstance(x, _UpdatedBeforeUse)
+
+
+@jax.custom_vjp
+def _into_layer(new_weight, grad_sink, norm_probe):
+    """new_weight, for the layer to run with. Backward: the weight's gradient goes to host memory as the
+    cotangent of `grad_sink` (the layer's gradient leaves HBM as the backward pass makes it), and its
+    sum of squares on device as the cotangent of `norm_probe` (a scalar every layer shares, so the scan's
+    transpose adds them up: the stacked gradients' squared norm, without reading them back)."""
+    return new_weight
+
+
+def _into_layer_fwd(new_weight, grad_sink, norm_probe):
+    return new_weight, None
+
+
+def _into_layer_bwd(_, grad):
+    return None, streaming.to_host(grad), jnp.sum(jnp.square(grad.astype(jnp.float32)))
+
+
+_into_layer.defvjp(_into_layer_fwd, _into_layer_bwd)
+
+
+class _UpdateBeforeEachLayer:
+    """The LayerHook: layer t's update from its prefetched gradient and state, layer t+1's fetched meanwhile."""
+
+    def __init__(self, begun, host_grads: dict, norm_probe):
+        self.begun = begun
+        self.host_grads = host_grads
+        self.norm_probe = norm_probe
+        self.outputs = None
+        lengths = {state[0].shape[0] for state in begun.host_state.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"offload.update=next_forward needs one stack of layers; the stacked leaves "
+                             f"have {sorted(lengths)} layers")
+        self.num_layers = lengths.pop() if lengths else 0
+
+    def _fetch(self, layer_index):
+        def row(x):
+            return streaming.to_device(lax.dynamic_index_in_dim(x, layer_index, keepdims=False))
+        return {k: (row(self.host_grads[k]), tuple(row(s) for s in state))
+                for k, state in self.begun.host_state.items()}
+
+    def start(self):
+        return self._fetch(0)
+
+    def before_layer(self, carry, layer_index, layer_state):
+        # Issued first and independent of this layer's work: the copy that moves while it computes.
+        upcoming = self._fetch(jnp.minimum(layer_index + 1, self.num_layers - 1))
+        outputs = {}
+
+        def update(leaf):
+            if not _is_updated(leaf):
+                return leaf
+            grad_row, state_rows = carry[leaf.key]
+            new_weight, new_state = self.begun.layer_update[leaf.key](grad_row, leaf.weight, state_rows)
+            new_weight = lax.stop_gradient(new_weight.astype(leaf.weight.dtype))
+            old_state = self.begun.host_state[leaf.key]
+            outputs[leaf.key] = (new_weight, tuple(streaming.to_host(lax.stop_gradient(d).astype(s.dtype))
+                                                   for d, s in zip(new_state, old_state)))
+            return _into_layer(new_weight, leaf.grad_sink, self.norm_probe)
+
+        layer_state = jax.tree.map(update, layer_state, is_leaf=_is_updated)
+        return upcoming, layer_state, outputs
+
+    def collect(self, outputs):
+        if self.outputs is not None:
+            raise ValueError("offload.update=next_forward needs one stack of layers; a second one ran")
+        self.outputs = outputs
+
+
+def make_train_step(loss_fn, optimizer):
+    """(params, opt_state, pending, tokens [batch, seq+1]) -> (params, opt_state, pending, metrics).
+
+    `loss_fn(params, tokens)` is the step's loss (recipes/train/step.make_loss_fn). The params and
+    opt_state returned have the *pending* update applied (the one the returned `pending` does not
+    hold); `flush` applies the rest. Metrics: the loss of this step's batch, the norm of its gradients
+    and the learning rate they will be applied with, as the step without deferral reports them.
+    """
+    def train_step(params, opt_state, pending: PendingUpdate, tokens_bt):
+        begun = optimizer.begin(pending.grads, opt_state, params, apply=pending.apply, grad_norm=pending.grad_norm)
+        leaves, treedef = jax.tree.flatten(begun.params)
+        pending_leaves = treedef.flatten_up_to(pending.grads)
+        in_forward = set(begun.layer_update)
+        # What the step differentiates: the pending gradients' host buffers for the leaves updated in
+        # the forward pass (what comes back for them is the new gradient), the weights for the rest.
+        differentiated = treedef.unflatten([pending_leaves[k] if k in in_forward else leaf
+                                            for k, leaf in enumerate(leaves)])
+
+        def loss_with_update(differentiated, norm_probe, tokens_bt):
+            hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe)
+            wrapped = [_UpdatedBeforeUse(leaves[k], d, k) if k in in_forward else d
+                       for k, d in enumerate(treedef.flatten_up_to(differentiated))]
+            with layer_hook.running_before_layers(hook):
+                loss = loss_fn(treedef.unflatten(wrapped), tokens_bt)
+            if in_forward and hook.outputs is None:
+                raise ValueError("offload.update=next_forward: the model ran no block stack that took the update")
+            return loss, hook.outputs or {}
+
+        (loss, stacked), (grads, stacked_squares) = jax.value_and_grad(loss_with_update, argnums=(0, 1),
+                                                                       has_aux=True)(
+            differentiated, jnp.zeros((), jnp.float32), tokens_bt)
+        new_params, new_opt_state, _ = begun.finish(stacked)
+        grad_leaves = treedef.flatten_up_to(grads)
+        squares = [stacked_squares] + [streaming.squared_norm(g) for k, g in enumerate(grad_leaves)
+                                       if k not in in_forward]
+        grad_norm = jnp.sqrt(functools.reduce(operator.add, squares))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": optimizer.schedule(new_opt_state.count)}
+        return new_params, new_opt_state, PendingUpdate(grads, grad_norm, jnp.ones((), bool)), metrics
+
+    return train_step
+
+
+def make_flush(optimizer):
+    """(params, opt_state, pending) -> the same with the pending update applied, and nothing pending."""
+    def flush(params, opt_state, pending: PendingUpdate):
+        params, opt_state, _ = optimizer.update(pending.grads, opt_state, params, apply=pending.apply,
+                                                grad_norm=pending.grad_norm)
+        return params, opt_state, PendingUpdate(pending.grads, pending.grad_norm, jnp.zeros((), bool))
+    return flush
+
+
+def nothing_pending(params) -> PendingUpdate:
+    """A PendingUpdate with nothing to apply (zero gradients), for the first step; jit it with
+    `pending_shardings` so that the stacked leaves' land in host memory."""
+    return PendingUpdate(jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), bool))
+
+
+def pending_shardings(optimizer, param_shardings, scalar_sharding) -> PendingUpdate:
+    """Where a PendingUpdate lives: the gradients of the leaves updated in the forward pass in pinned host
+    memory, the rest like their parameters; the scalars replicated."""
+    from spillway.recipes.train.optimizer import host_sharding
+
+    leaves, treedef = jax.tree.flatten(param_shardings)
+    in_forward = optimizer.updated_in_forward()
+    grads = treedef.unflatten([host_sharding(s) if k in in_forward else s for k, s in enumerate(leaves)])
+    return PendingUpdate(grads, scalar_sharding, scalar_sharding)
