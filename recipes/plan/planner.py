@@ -1224,7 +1224,7 @@ def predict_cases(cases: dict[str, tuple[str, list[str]]], gpu: str = "h200", de
         recipe = get_recipe(recipe_name, overrides)
         state = HOST_COMPUTE if recipe.optimizer.update_on_host and recipe.offload.optimizer_state == "host" \
             else recipe.offload.optimizer_state
-        candidate = Candidate(recipe.offload.activations, state, recipe.offload.params)
+        candidate = Candidate(recipe.offload.activations, state, recipe.offload.params, recipe.offload.update)
         row = plan(recipe, gpu, devices, plans=[candidate]).rows[0]
         out[name] = {"error": row.error} if row.report is None else {
             "hbm_bytes": row.report["hbm_bytes"], "host_bytes": row.report["host_bytes"],

@@ -77,7 +77,7 @@ def assert_model_matches_passes(row: dict, placement: str, grad_accum: int, mesh
 
 @pytest.fixture(scope="module")
 def rows():
-    return compile_rows(grad_accum=1)
+    return compile_rows(1, "--placements", ",".join(CANDIDATES))
 
 
 def test_no_hbm_buffer_holds_more_than_a_layer_of_weights(rows):
@@ -123,6 +123,7 @@ def bfloat16_rows():
                         "device_params,device_params_update_in_forward")
 
 
+@pytest.mark.slow   # a compile process of its own, 40 s: CI runs it in .venv-jax011's slow step
 def test_the_update_in_the_next_forward_moves_the_state_there_both_ways_at_once(bfloat16_rows):
     """offload.update=next_forward: the stacked leaves' state crosses in the forward pass, with both link
     directions in flight together, and their gradients leave HBM in the backward pass: HBM holds no
