@@ -44,10 +44,17 @@ def small_recipe(*extra):
     return get_recipe("tiny", SMALL_LLAMA + list(extra))
 
 
+# The update in the next forward pass for two activation plans, not all six: `make test` stays under
+# 15 minutes, and the tests read only these (test_the_update_in_the_next_forward_is_priced...).
+IN_FORWARD_PLANS = ("recompute_all", "offload_inputs")
+
+
 @pytest.fixture(scope="module")
 def small_plan():
     """Every candidate compiled (prune=False): the tests below read the rows of all placements."""
-    return planner.plan(small_recipe(), "h200", 1, prune=False)
+    todo = [c for c in planner.candidates(small_recipe())
+            if c.update != planner.NEXT_FORWARD or c.activations in IN_FORWARD_PLANS]
+    return planner.plan(small_recipe(), "h200", 1, prune=False, plans=todo)
 
 
 def rows_by_key(result):
@@ -158,7 +165,9 @@ def test_cudnn_attention_is_planned_with_flash_and_xla_warns():
 
 @needs_toolchain
 def test_every_candidate_compiled_for_the_h200(small_plan):
-    assert [row.candidate for row in small_plan.rows] == planner.candidates(small_plan.recipe)
+    assert [row.candidate for row in small_plan.rows] == [
+        c for c in planner.candidates(small_plan.recipe)
+        if c.update != planner.NEXT_FORWARD or c.activations in IN_FORWARD_PLANS]
     for row in small_plan.rows:
         assert row.error is None, row.error
         assert row.report["device_kind"] == "NVIDIA H200 141GB HBM3e"
@@ -609,11 +618,13 @@ def test_a_host_cpu_update_is_skipped_when_the_streamed_update_beats_its_cpu_tim
 def test_pruned_plan_compiles_less_and_picks_the_same(small_plan):
     pruned = planner.plan(small_recipe(), "h200", 1)
     assert pruned.picked.candidate == small_plan.picked.candidate
-    assert len(pruned.rows) + len(pruned.skipped) == len(small_plan.rows)
+    assert len(pruned.rows) + len(pruned.skipped) == len(planner.candidates(small_recipe()))
     assert pruned.skipped and pruned.timing["compiles"] == len(pruned.rows) < len(small_plan.rows)
     full = {row.candidate: row for row in small_plan.rows}
     for entry in pruned.skipped:   # what was skipped is really no faster than what it was skipped for
-        skipped = full[planner.Candidate.from_dict(entry)]
+        skipped = full.get(planner.Candidate.from_dict(entry))
+        if skipped is None:
+            continue   # not compiled in small_plan either (IN_FORWARD_PLANS)
         because = next(row for row in small_plan.rows if row.candidate.label == entry["because"])
         assert because.fits and skipped.step_s >= because.step_s
     assert "not compiled (" in planner.render(pruned)
