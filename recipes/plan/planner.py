@@ -645,17 +645,22 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[
     by_pass = row.report.get("overlapped_bytes_by_pass") or {"other": overlapped}
     forward_out, forward_in = activations_out, params.forward_in
     backward_in, backward_out = activations_back + params.backward_in, params.backward_out
-    row.forward_s = max(counted.forward / rate, (forward_out + forward_in
-                                                 - min(by_pass.get("forward", 0), forward_out, forward_in)) / link)
+    row.forward_s = max(counted.forward / rate,
+                        _link_seconds(forward_out, forward_in, by_pass.get("forward", 0), link))
     row.backward_s = max((counted.backward + counted.recompute) / rate,
-                         (backward_in + backward_out - min(by_pass.get("backward", 0), backward_in, backward_out))
-                         / link)
+                         _link_seconds(backward_out, backward_in, by_pass.get("backward", 0), link))
     if host_cpu:
         # Per leaf the copies and the host CPU's update follow one another: added.
         row.update_s = (update_in + update_out) / link + _params_per_gpu(recipe, mesh) / host_update_params_per_s
     else:
-        row.update_s = (update_in + update_out - min(by_pass.get("other", 0), update_in, update_out)) / link
+        row.update_s = _link_seconds(update_out, update_in, by_pass.get("other", 0), link)
     return row
+
+
+def _link_seconds(out: int, back: int, overlapped: int, link: float) -> float:
+    """Link time of one phase: both directions added, less the bytes moved with both in flight (at most
+    the smaller direction)."""
+    return (out + back - min(overlapped, out, back)) / link
 
 
 def _phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
@@ -671,9 +676,8 @@ def _phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
     overlapped = report.get("overlapped_bytes_by_pass") or {}
 
     def link_s(kind: str) -> float:
-        out = moved.get(kind, {}).get("device_to_host_bytes", 0)
-        back = moved.get(kind, {}).get("host_to_device_bytes", 0)
-        return (out + back - min(overlapped.get(kind, 0), out, back)) / link
+        return _link_seconds(moved.get(kind, {}).get("device_to_host_bytes", 0),
+                             moved.get(kind, {}).get("host_to_device_bytes", 0), overlapped.get(kind, 0), link)
 
     row.forward_s = max(counted.forward / rate, link_s("forward"))
     row.backward_s = max((counted.backward + counted.recompute) / rate, link_s("backward"))
@@ -1005,20 +1009,21 @@ def _faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: di
         ancestors.append(Candidate(candidate.activations, "device", "device"))
     if candidate.params == "host":
         ancestors.append(Candidate(candidate.activations, candidate.optimizer_state, "device"))
+    def fitting_row(wanted: Candidate) -> PlanRow | None:
+        return next((rows[index] for index, other in enumerate(todo)
+                     if other == wanted and index in rows and rows[index].fits), None)
+
     skipped_for = {entry["label"]: entry["because"] for entry in skipped}
     for ancestor in ancestors:
         if ancestor.label in skipped_for:
             return skipped_for[ancestor.label]
-        for index, other in enumerate(todo):
-            if other == ancestor and index in rows and rows[index].fits:
-                return ancestor.label
+        if fitting_row(ancestor) is not None:
+            return ancestor.label
     if candidate.optimizer_state == HOST_COMPUTE and host_update_floor_s is not None:
         streamed = Candidate(candidate.activations, "host", candidate.params)
-        for index, other in enumerate(todo):
-            row = rows.get(index)
-            if other == streamed and row is not None and row.fits and row.step_s is not None \
-                    and row.step_s <= row.compute_s + host_update_floor_s:
-                return streamed.label
+        row = fitting_row(streamed)
+        if row is not None and row.step_s is not None and row.step_s <= row.compute_s + host_update_floor_s:
+            return streamed.label
     return None
 
 

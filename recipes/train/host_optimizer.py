@@ -97,6 +97,12 @@ def to_host(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Host)
 
 
+def _into_hbm(x: jax.Array) -> jax.Array:
+    """A slice of a host-resident parameter or gradient (offload.params=host; a pending gradient with
+    offload.update=next_forward) copied into HBM; a device one as it is."""
+    return to_device(x) if in_host_memory(x) else x
+
+
 def stream_update(
     update_fns: Sequence[PieceUpdate],
     grads: Sequence[jax.Array],
@@ -140,13 +146,8 @@ def stream_update(
 
     def compute_piece(i, params, on_device):
         """The update of piece i, on device; returns new param pieces and new state pieces."""
-        # A host-resident gradient (offload.update=next_forward keeps the pending one there) visits
-        # HBM a piece at a time too.
-        return [fn(_device_piece(g, i), _piece(p, i), leaf_dev)
+        return [fn(_into_hbm(_piece(g, i)), _piece(p, i), leaf_dev)
                 for fn, g, p, leaf_dev in zip(update_fns, grads, params, on_device)]
-
-    def _device_piece(x, i):
-        return to_device(_piece(x, i)) if in_host_memory(x) else _piece(x, i)
 
     def write_piece(i, params, states, results):
         new_params, new_states = [], []
@@ -280,10 +281,6 @@ def stream_layer_halves(
     def fetch(buffers, i):
         return [tuple(to_device(row(s, i)) for s in leaf) for leaf in buffers]
 
-    def on_device_row(x, i):
-        # Host-resident params and grads (offload.params=host) visit HBM a layer at a time too.
-        return to_device(row(x, i)) if in_host_memory(x) else row(x, i)
-
     def put_param_row(p, new_row, i):
         return put_row(p, to_host(new_row) if in_host_memory(p) else new_row, i)
 
@@ -293,7 +290,7 @@ def stream_layer_halves(
         upcoming = None if upcoming_from is None else fetch(buffers[upcoming_from[0]], upcoming_from[1])
         new_params, own = list(params), list(buffers[half])
         for k, (fn, g, p, leaf_dev) in enumerate(zip(update_fns, grads, params, current)):
-            new_p, new_dev = fn(on_device_row(g, layer), on_device_row(p, layer), leaf_dev)
+            new_p, new_dev = fn(_into_hbm(row(g, layer)), _into_hbm(row(p, layer)), leaf_dev)
             new_params[k] = put_param_row(p, new_p.astype(p.dtype), layer)
             own[k] = tuple(put_row(s, to_host(d.astype(s.dtype)), i) for s, d in zip(own[k], new_dev))
         buffers = tuple(own if h == half else buffers[h] for h in halves)

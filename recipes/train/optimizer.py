@@ -416,16 +416,18 @@ class Optimizer:
                 f"({jax.devices()[0].device_kind}) exposes no '{PINNED_HOST}' memory space; "
                 f"keep the optimizer state on device (offload.optimizer_state=device)")
 
+    def _streamed_by_layer(self, layout: LeafLayout) -> bool:
+        """Whether this leaf's update streams its host state through HBM a layer at a time (stacked, host
+        state, not updated by the host CPU): the leaves `begin` can leave to the caller."""
+        return layout.stacked and layout.state_memory == HOST and not self.cfg.update_on_host
+
     def _halved(self, layout: LeafLayout) -> bool:
         """Whether this leaf's host state is kept as LayerHalves (streamed stacked leaves)."""
-        return (layout.stacked and layout.state_memory == HOST and not self.cfg.update_on_host
-                and not self.update_in_forward)
+        return self._streamed_by_layer(layout) and not self.update_in_forward
 
     def updated_in_forward(self) -> set[int]:
-        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller:
-        the stacked leaves with host state, streamed through HBM."""
-        return {k for k, layout in enumerate(self._layouts)
-                if layout.stacked and layout.state_memory == HOST and not self.cfg.update_on_host}
+        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller."""
+        return {k for k, layout in enumerate(self._layouts) if self._streamed_by_layer(layout)}
 
     # -- tree plumbing
 
@@ -603,11 +605,11 @@ class Optimizer:
             if layout.state_memory == DEVICE:
                 new_params[k], new_states[k] = piece_fn(k)(grad_leaves[k], param_leaves[k], state_of(k))
                 new_params[k] = new_params[k].astype(param_leaves[k].dtype)
+            elif self._streamed_by_layer(layout):
+                host_stacked.append(k)
             elif cfg.update_on_host:
                 new_params[k], new_states[k] = streaming.update_on_host(
                     piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k))
-            elif layout.stacked:
-                host_stacked.append(k)
             else:
                 new_params[k], new_states[k] = streaming.update_outside_stack(
                     piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k), axis=layout.stream_axis,

@@ -224,8 +224,8 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     if s.defers_update:
         # The step writes the new state beside the old and the new pending gradients beside the old ones
         # (recipes/train/update_in_forward.py): two of each while it runs.
-        pending = abstract_step_arguments(s)[2]
-        return PinnedHostBytes(2 * state, weights, 2 * tree_nbytes_by_memory_kind(pending).get(placement.PINNED_HOST, 0))
+        pending = tree_nbytes_by_memory_kind(_abstract_pending(s)).get(placement.PINNED_HOST, 0)
+        return PinnedHostBytes(2 * state, weights, 2 * pending)
     if recipe.train.grad_accum == 1:
         gradients = weights
     else:
@@ -304,7 +304,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
                           pending_sh, flush)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
                    in_shardings=(param_sh, opt_sh, batch_sh),
-                   out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
+                   out_shardings=(param_sh, opt_sh, scalar_sh),
                    donate_argnums=_donated(donate_opt_state, param_sh))
     return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
 
@@ -327,10 +327,13 @@ def abstract_step_arguments(s: TrainSetup) -> tuple:
     tokens = jax.ShapeDtypeStruct((s.recipe.train.global_batch, s.recipe.data.seq_len + 1), jnp.int32,
                                   sharding=s.batch_sharding)
     if s.defers_update:
-        pending = abstract_with_shardings(jax.eval_shape(update_in_forward.nothing_pending, s.params),
-                                          s.pending_shardings)
-        return s.params, opt_state, pending, tokens
+        return s.params, opt_state, _abstract_pending(s), tokens
     return s.params, opt_state, tokens
+
+
+def _abstract_pending(s: TrainSetup):
+    """The step's PendingUpdate argument as ShapeDtypeStructs with its shardings (TrainSetup.defers_update)."""
+    return abstract_with_shardings(jax.eval_shape(update_in_forward.nothing_pending, s.params), s.pending_shardings)
 
 
 def abstract_with_shardings(tree, shardings):
