@@ -94,7 +94,7 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
 
     from spillway.recipes.train.metrics import peak_flops_per_device
     from spillway.recipes.registry import get_recipe
-    from spillway.recipes.plan.flops import model_flops_per_token
+    from spillway.models.flops import model_flops_per_token
     from spillway.recipes.train.step import setup
 
     case = case or CASES[name]

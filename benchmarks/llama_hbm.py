@@ -10,7 +10,7 @@ Sections (--sections, comma-separated):
   presets     every activation preset (layers/offload.py), optimizer state on
               device: HBM, host bytes, host<->device traffic, compile time.
   optimizer   optimizer state on device vs in pinned host memory, streamed a
-              layer at a time (recipes/train/host_optimizer.py), vs in host memory
+              layer at a time (recipes/optim/host_streaming.py), vs in host memory
               but copied whole into HBM for the update (every leaf updated in
               one piece: the design docs/DESIGN.md section 6 warns about). The HBM
               saved is compared with the state's own bytes.
@@ -81,11 +81,11 @@ def with_offload(recipe, activations: str, optimizer_state: str):
 
 
 def optimizer_state_bytes(recipe) -> int:
-    """Bytes of AdamW state as recipes/train/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
+    """Bytes of AdamW state as recipes/optim/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
     import jax
     from flax import nnx
 
-    from spillway.recipes.train.optimizer import keeps_master_copy
+    from spillway.recipes.optim.optimizer import keeps_master_copy
 
     model = nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(0)))
     total = 0
@@ -98,7 +98,7 @@ def compile_whole_state_variant(recipe, mesh, options):
     """Host-resident state, but every host leaf copied into HBM in one piece for its update.
 
     The same train step with the optimizer's layouts marked not stacked: each
-    leaf then visits HBM whole (recipes/host_optimizer.update_outside_stack
+    leaf then visits HBM whole (recipes/optim/host_streaming.update_outside_stack
     without a stream axis). A variant for comparison only; training never
     builds it.
     """
@@ -106,7 +106,7 @@ def compile_whole_state_variant(recipe, mesh, options):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from spillway.recipes.plan.compile import CompileReport
-    from spillway.recipes.train.optimizer import LeafLayout, Optimizer
+    from spillway.recipes.optim.optimizer import LeafLayout, Optimizer
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, make_train_step
 
     s = abstract_setup(recipe, mesh, platform="cuda")
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.plan import planner
     from spillway.recipes.plan.compile import gpu_topology
-    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.targets import get_target
     from spillway.recipes.plan.child import _measure, compile_step, search_one
     from spillway.recipes.registry import get_recipe
 

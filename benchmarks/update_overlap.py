@@ -46,7 +46,7 @@ def measure(argv: list[str]) -> dict:
     from spillway.recipes.config import OffloadConfig
     from spillway.recipes.plan import hlo, planner
     from spillway.recipes.plan.compile import gpu_topology
-    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.targets import get_target
     from spillway.recipes.registry import get_recipe
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 

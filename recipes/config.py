@@ -26,14 +26,14 @@ from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import get_family
 from spillway.recipes.blocks import resolve_block_class
-from spillway.recipes.train.optimizer import OptimizerConfig
+from spillway.recipes.optim.optimizer import OptimizerConfig
 
 
 TOKENIZER_TYPES = ("bpe", "unigram")
 OPTIMIZER_STATES = ("device", "host")
 PARAM_MEMORIES = ("device", "host")
 # When a host-resident optimizer state's streamed update runs: after the backward pass, or each block
-# layer's just before that layer runs in the next step's forward pass (recipes/train/update_in_forward.py).
+# layer's just before that layer runs in the next step's forward pass (recipes/optim/update_in_forward.py).
 UPDATE_TIMES = ("after_backward", "next_forward")
 
 
@@ -81,7 +81,7 @@ class OffloadConfig:
     update: str = "after_backward"
     # The GPUs the two settings above were planned for: `spillway plan RECIPE` picks them there, and
     # `spillway train RECIPE --plan auto` plans for that GPU by default. None: a recipe for no GPU in particular.
-    target_gpu: str | None = None         # a recipes/plan/targets.py name, e.g. "h200"
+    target_gpu: str | None = None         # a recipes/targets.py name, e.g. "h200"
     target_devices: int = 1               # how many of them, on one host
 
     def __post_init__(self):
@@ -104,7 +104,7 @@ class OffloadConfig:
                               f"(got optimizer_state={self.optimizer_state}, params={self.params})")
         require_positive("offload", target_devices=self.target_devices)
         if self.target_gpu is not None:
-            from spillway.recipes.plan.targets import get_target   # GPU facts as data: imports nothing heavy
+            from spillway.recipes.targets import get_target   # GPU facts as data: imports nothing heavy
             try:
                 get_target(self.target_gpu)
             except ValueError as err:

@@ -39,11 +39,11 @@ _PUBLIC_NAMES = {
     "CompileToolchainMissing": "spillway.recipes.plan.subprocess_runner",
     "run_in_compile_process": "spillway.recipes.plan.subprocess_runner",
     "serve_compile_process": "spillway.recipes.plan.subprocess_runner",
-    "TARGETS": "spillway.recipes.plan.targets",
-    "UNSUPPORTED_TARGETS": "spillway.recipes.plan.targets",
-    "GpuTarget": "spillway.recipes.plan.targets",
-    "get_target": "spillway.recipes.plan.targets",
-    "target_names": "spillway.recipes.plan.targets",
+    "TARGETS": "spillway.recipes.targets",
+    "UNSUPPORTED_TARGETS": "spillway.recipes.targets",
+    "GpuTarget": "spillway.recipes.targets",
+    "get_target": "spillway.recipes.targets",
+    "target_names": "spillway.recipes.targets",
 }
 __all__ = sorted(_PUBLIC_NAMES)
 

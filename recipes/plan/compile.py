@@ -43,7 +43,7 @@ from jax.experimental import topologies
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from spillway.recipes.plan import hlo
-from spillway.recipes.plan.targets import GpuTarget, get_target
+from spillway.recipes.targets import GpuTarget, get_target
 
 DEVICE_MEMORY = "device"
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")

@@ -11,7 +11,7 @@ and updated by the host CPU (`host_compute`, priced at the host's measured
 update rate, recipes/plan/host_update.py); with one batch per step also the
 single-policy plans with the host state's update run in the next step's
 forward pass (`host_in_fwd`, offload.update=next_forward,
-recipes/train/update_in_forward.py), whose phases are read straight from what
+recipes/optim/update_in_forward.py), whose phases are read straight from what
 the compiled step moves in each autodiff pass (`_phases_by_pass`). Per
 candidate it reports, per GPU:
 
@@ -25,7 +25,7 @@ candidate it reports, per GPU:
                  moves in one direction while the other is busy too
                  (hlo.overlapping_host_copies: async copy windows of opposite
                  directions in flight together);
-    compute      FLOPs (recipes/plan/flops.py: forward, backward, the plan's remat
+    compute      FLOPs (models/flops.py: forward, backward, the plan's remat
                  recompute) at the GPU's peak dense bf16 rate: a lower bound;
     step         three phases added up. Forward: max(forward compute,
                  (activations going to host + block weights coming in) / link);
@@ -35,7 +35,7 @@ candidate it reports, per GPU:
                  copied in and out of HBM (with host weights also their
                  gradients in and the new weights out), which overlaps no
                  compute: in + out bytes / link, less the overlapped bytes the
-                 compiled schedule shows (recipes/train/host_optimizer.py keeps
+                 compiled schedule shows (recipes/optim/host_streaming.py keeps
                  a stacked leaf's state in two buffers so that the write-back of
                  one layer runs while the next is prefetched; up to the
                  update's smaller direction is credited, so a schedule without
@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway.layers.offload import RematPlan
-from spillway.recipes.plan import flops as flop_count
+from spillway.models import flops as flop_count
 from spillway.recipes.config import Recipe
 
 GiB = 2**30
@@ -105,7 +105,7 @@ OPTIMIZER_STATES = ("device", "host")
 HOST_COMPUTE = "host_compute"
 HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
 # offload.update=next_forward: the streamed update of host state deferred into the next forward pass
-# (recipes/train/update_in_forward.py); single-policy plans only.
+# (recipes/optim/update_in_forward.py); single-policy plans only.
 NEXT_FORWARD = "next_forward"
 AFTER_BACKWARD = "after_backward"
 # Block weights (and their gradients) in pinned host memory too (offload.params=host), for
@@ -350,7 +350,7 @@ class PlanRow:
 @dataclasses.dataclass
 class Plan:
     recipe: Recipe                 # as compiled (attention possibly switched to flash)
-    target: Any                    # spillway.spillway.recipes.plan.targets.GpuTarget
+    target: Any                    # spillway.spillway.recipes.targets.GpuTarget
     devices: int
     mesh: dict
     headroom: float
@@ -435,7 +435,7 @@ class Plan:
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
                "Transfer time: both directions added, at the host link's per-direction rate, less the bytes the "
                "compiled schedule moves while the other direction is busy too. Compute time: "
-               "recipes/plan/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
+               "models/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "
@@ -456,8 +456,8 @@ class ParamTraffic:
 
     Everything here is besides the optimizer state (the step's host argument
     less `host_weights`) and the offloaded activations. From the recipe and the
-    mesh (`param_traffic`), by what lives where (recipes/train/param_placement.py)
-    and how it streams (layers/host_weights.py, recipes/train/host_optimizer.py).
+    mesh (`param_traffic`), by what lives where (recipes/optim/param_placement.py)
+    and how it streams (layers/host_weights.py, recipes/optim/host_streaming.py).
 
     Block weights in host memory (offload.params=host), A = train.grad_accum
     micro-batches, W = their bytes on one GPU (each leaf's shard: fsdp x tensor
@@ -543,8 +543,8 @@ def _parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list
     from flax import nnx
 
     from spillway.layers.sharding import logical_to_spec, variable_axes
-    from spillway.recipes.train.optimizer import keeps_master_copy
-    from spillway.recipes.train.param_placement import HOST, param_memories
+    from spillway.recipes.optim.optimizer import keeps_master_copy
+    from spillway.recipes.optim.param_placement import HOST, param_memories
     from spillway.recipes.train.step import abstract_model
 
     _, state = abstract_model(recipe)
@@ -869,7 +869,7 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
     (unknown GPU, mesh not matching, toolchain missing), saying what to do.
     """
     from spillway.recipes.blocks import import_root
-    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.targets import get_target
 
     started = time.perf_counter()
     target = get_target(gpu)

@@ -17,7 +17,7 @@ Two defaults of JAX's GPU client break plans that `spillway plan` says fit
 set it. Both are read once, when JAX starts its GPU backend, so it must run
 before anything touches a device; on CPU they are ignored. The pinned bytes a
 run needs are checked against the host's RAM separately, before anything is
-allocated (recipes/train/optimizer.py check_host_memory).
+allocated (recipes/optim/optimizer.py check_host_memory).
 """
 
 from __future__ import annotations

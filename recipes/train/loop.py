@@ -27,14 +27,14 @@ from jax.sharding import NamedSharding
 
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.config import Recipe
-from spillway.recipes.plan.flops import model_flops_per_token
+from spillway.models.flops import model_flops_per_token
 from spillway.recipes.sampling import generate
 from spillway.recipes.train import distributed, gpu_allocators
 from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
                                             peak_flops_per_device)
-from spillway.recipes.train.optimizer import check_host_memory
+from spillway.recipes.optim.optimizer import check_host_memory
 from spillway.recipes.train.preemption import GroupStop, StopSignals, signal_name
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.step import abstract_with_shardings, make_eval_step, pinned_host_bytes, setup
@@ -170,7 +170,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         return check_weights(restored["params"], first_batch).problem()
 
     # offload.update=next_forward: the optimizer update each step leaves for the next one's forward pass
-    # (recipes/train/update_in_forward.py); `settle` applies it before anything reads params or state.
+    # (recipes/optim/update_in_forward.py); `settle` applies it before anything reads params or state.
     deferred = s.nothing_pending(params) if s.defers_update else None
     settled = True
 

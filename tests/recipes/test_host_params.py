@@ -138,7 +138,7 @@ def test_host_params_need_host_optimizer_state():
 
 
 def test_host_params_without_pinned_host_memory_is_one_config_error(monkeypatch):
-    from spillway.recipes.train import param_placement
+    from spillway.recipes.optim import param_placement
     monkeypatch.setattr(param_placement, "host_memory_available", lambda device=None: False)
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host")
     with pytest.raises(ConfigError, match=r"offload.params=host.*no 'pinned_host' memory"):

@@ -22,7 +22,7 @@ import pytest
 from benchmarks import host_params_toy
 from spillway.recipes.plan import planner
 from spillway.recipes.plan.subprocess_runner import run_in_compile_process
-from spillway.recipes.plan.targets import get_target
+from spillway.recipes.targets import get_target
 
 pytestmark = pytest.mark.needs_toolchain
 

@@ -1,4 +1,4 @@
-"""recipes/train/optimizer.py against plain optax, on CPU.
+"""recipes/optim/optimizer.py against plain optax, on CPU.
 
 The reference is the chain the optimizer promises to equal:
 optax.chain(clip_by_global_norm, adamw(schedule, mask=decay)). The device path,
@@ -21,8 +21,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spillway.recipes.train import optimizer as opt_lib
-from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig
+from spillway.recipes.optim import optimizer as opt_lib
+from spillway.recipes.optim.optimizer import LeafLayout, Optimizer, OptimizerConfig
 
 LAYERS = 4
 STEPS = 20
@@ -497,7 +497,7 @@ def test_donation_guard():
 # --- streaming pieces of non-stacked leaves ---------------------------------------
 
 def test_piece_rows_is_the_largest_divisor_under_the_limit():
-    from spillway.recipes.train.host_optimizer import piece_rows
+    from spillway.recipes.optim.host_streaming import piece_rows
     assert piece_rows((128256, 4096), 0, 1 << 26) == 16032            # 8 pieces of 250 MiB (fp32)
     assert piece_rows((4096, 128256), 1, 1 << 26) == 16032
     assert piece_rows((32, 8), 0, 64) == 8
@@ -514,7 +514,7 @@ def test_stream_axis_avoids_the_fsdp_sharded_axis():
 
 
 def test_stream_update_rejects_pieces_that_do_not_divide():
-    from spillway.recipes.train.host_optimizer import stream_update
+    from spillway.recipes.optim.host_streaming import stream_update
     x = jnp.ones((6, 4))
     with pytest.raises(ValueError, match="piece 4 must divide the axis length 6"):
         stream_update([lambda g, p, s: (p, s)], [x], [x], [(x,)], axis=0, piece=4)

@@ -11,7 +11,7 @@ import pytest
 
 from spillway.recipes import cli
 from spillway.recipes.plan import planner
-from spillway.recipes.plan.targets import get_target
+from spillway.recipes.targets import get_target
 from spillway.recipes.registry import get_recipe
 
 GiB = 2**30

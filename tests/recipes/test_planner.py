@@ -25,7 +25,8 @@ from flax import nnx
 
 from spillway.layers.offload import PRESETS, RematPlan
 from spillway.recipes import cli
-from spillway.recipes.plan import flops, planner
+from spillway.models import flops
+from spillway.recipes.plan import planner
 from spillway.recipes.plan import plugin
 from spillway.recipes.plan.child import search_one
 from spillway.recipes.registry import get_recipe

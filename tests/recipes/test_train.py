@@ -88,7 +88,8 @@ def test_resume_moves_optimizer_state_between_device_and_host(data_cache, tmp_pa
 
 def test_pinned_memory_above_the_hosts_ram_stops_the_run_before_anything_is_allocated(
         data_cache, tmp_path, monkeypatch):
-    from spillway.recipes.train import loop, optimizer
+    from spillway.recipes.optim import optimizer
+    from spillway.recipes.train import loop
 
     monkeypatch.setattr(optimizer, "_meminfo_total_bytes", lambda: 10_000)
     monkeypatch.setattr(loop, "setup", lambda *args, **kwargs: pytest.fail("setup() ran: the weights were made"))

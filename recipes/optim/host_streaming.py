@@ -28,7 +28,7 @@ prefetch of layer t+1 are in flight together
 (recipes/plan/hlo.py:overlapping_host_copies counts it).
 
 Checkpoints keep the one-array-per-leaf structure: `join_halves` /
-`split_halves` convert at save and restore (recipes/train/optimizer.py
+`split_halves` convert at save and restore (recipes/optim/optimizer.py
 `Optimizer.saved_form`), so a checkpoint does not depend on where the state
 lived or how it was streamed.
 
@@ -59,7 +59,7 @@ deviceless compile for a GPU target whose compile-only devices report no
 memories.
 
 This module knows nothing about AdamW: it streams any per-piece update
-function. recipes/train/optimizer.py supplies the AdamW maths.
+function. recipes/optim/optimizer.py supplies the AdamW maths.
 """
 
 from __future__ import annotations

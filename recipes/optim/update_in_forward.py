@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from spillway.layers import layer_hook
-from spillway.recipes.train import host_optimizer as streaming
+from spillway.recipes.optim import host_streaming as streaming
 
 
 @jax.tree_util.register_dataclass
@@ -205,7 +205,7 @@ def nothing_pending(params) -> PendingUpdate:
 def pending_shardings(optimizer, param_shardings, scalar_sharding) -> PendingUpdate:
     """Where a PendingUpdate lives: the gradients of the leaves updated in the forward pass in pinned host
     memory, the rest like their parameters; the scalars replicated."""
-    from spillway.recipes.train.optimizer import host_sharding
+    from spillway.recipes.optim.optimizer import host_sharding
 
     leaves, treedef = jax.tree.flatten(param_shardings)
     in_forward = optimizer.updated_in_forward()

@@ -22,7 +22,7 @@ from flax import nnx
 from spillway.layers import names
 from spillway.layers.errors import ConfigError
 from spillway.layers.host_weights import DEVICE, HOST, stacked_weight_memory
-from spillway.recipes.train.optimizer import PINNED_HOST, host_memory_available, host_sharding
+from spillway.recipes.optim.optimizer import PINNED_HOST, host_memory_available, host_sharding
 
 
 def _is_variable(x) -> bool:

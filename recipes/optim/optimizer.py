@@ -13,7 +13,7 @@ placement and device and host leaves give the same numbers:
   updated whole, as optax would.
 * state_memory="host": they live in `pinned_host` memory. Inside the jitted
   step, stacked leaves (leading layer axis: the scanned blocks) are streamed
-  through HBM one layer at a time, double-buffered (recipes/train/host_optimizer.py),
+  through HBM one layer at a time, double-buffered (recipes/optim/host_streaming.py),
   their state held as two buffers per array (`LayerHalves`: first and second
   half of the layers) so that the prefetch of one layer and the write-back of
   the previous one use the host link in both directions at once;
@@ -73,7 +73,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from spillway.layers.errors import ConfigError, SpillwayError, require_non_negative, require_positive
-from spillway.recipes.train import host_optimizer as streaming
+from spillway.recipes.optim import host_streaming as streaming
 
 DEVICE = "device"
 HOST = "host"
@@ -315,7 +315,7 @@ class _StepScalars:
     count_inc: jax.Array
     learning_rate: jax.Array
     # A boolean scalar, or None: where False the piece comes back unchanged (a deferred update with
-    # nothing pending: recipes/train/update_in_forward.py).
+    # nothing pending: recipes/optim/update_in_forward.py).
     apply: jax.Array | None = None
 
 
@@ -394,7 +394,7 @@ class Optimizer:
         # stream_piece_elements: the largest piece of a non-stacked host leaf
         # (LeafLayout.stream_axis) that visits HBM at once.
         # update_in_forward: the stacked host leaves are updated a layer at a time inside the next
-        # step's forward pass (recipes/train/update_in_forward.py), which reads their state as one
+        # step's forward pass (recipes/optim/update_in_forward.py), which reads their state as one
         # array per leaf (no LayerHalves); `update` then streams them with one buffer.
         self.update_in_forward = update_in_forward
         self.cfg = cfg
@@ -638,7 +638,7 @@ class BegunUpdate:
     """An optimizer update whose stacked host leaves are still to be updated by the caller, a layer at a time.
 
     `params` holds every new parameter but those leaves' (still the old ones); `layer_update[k]` updates
-    one layer of leaf k (a `host_optimizer.PieceUpdate`: grad row, param row, state rows on device ->
+    one layer of leaf k (a `host_streaming.PieceUpdate`: grad row, param row, state rows on device ->
     new param row, new state rows) and `host_state[k]` is its state, host arrays with a leading layer
     axis. `finish` takes {k: (new stacked param, new host state)} for those leaves.
     """
