@@ -115,7 +115,10 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
 
     from spillway.recipes.plan import compile as aot
     from spillway.recipes.plan import hlo
-    from spillway.recipes.optim.optimizer import LeafLayout, Optimizer, OptimizerConfig, donate_opt_state_ok
+    from spillway.recipes.optim.config import OptimizerConfig
+    from spillway.recipes.optim.host_memory import donate_opt_state_ok
+    from spillway.recipes.optim.layouts import LeafLayout
+    from spillway.recipes.optim.optimizer import Optimizer
 
     cfg = OptimizerConfig(master_weights=variant.master, update_on_host=variant.update_on_host)
     layouts = {"w": LeafLayout(stacked=variant.stacked, state_memory=variant.state_memory,

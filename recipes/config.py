@@ -22,19 +22,22 @@ from typing import Any
 
 from spillway.layers.errors import ConfigError, require_non_negative, require_positive
 from spillway.layers.execution import Execution
+from spillway.layers.memory import MEMORIES, Memory
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import get_family
 from spillway.recipes.blocks import resolve_block_class
-from spillway.recipes.optim.optimizer import OptimizerConfig
+from spillway.recipes.optim.config import OptimizerConfig
+from spillway.recipes.targets import get_target
 
 
 TOKENIZER_TYPES = ("bpe", "unigram")
-OPTIMIZER_STATES = ("device", "host")
-PARAM_MEMORIES = ("device", "host")
 # When a host-resident optimizer state's streamed update runs: after the backward pass, or each block
 # layer's just before that layer runs in the next step's forward pass (recipes/optim/update_in_forward.py).
-UPDATE_TIMES = ("after_backward", "next_forward")
+AFTER_BACKWARD = "after_backward"
+NEXT_FORWARD = "next_forward"
+UPDATE_TIMES = (AFTER_BACKWARD, NEXT_FORWARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,28 +72,27 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
-    optimizer_state: str = "device"       # "device" | "host": where the optimizer state lives
+    optimizer_state: str = Memory.DEVICE  # "device" | "host": where the optimizer state lives
     # "device" | "host": where the stacked block weights (and so their gradients) live;
     # "host" streams them through HBM a layer at a time (layers/host_weights.py).
     # Embedding, final norm and head stay on device.
-    params: str = "device"
+    params: str = Memory.DEVICE
     # "after_backward" | "next_forward": when the streamed update of host optimizer state runs.
     # "next_forward" updates each block layer in the next step's forward pass, just before the layer
     # runs, so the state's copies move while the forward pass computes (same maths; a checkpoint,
     # validation or the end of training first finishes the update still pending).
-    update: str = "after_backward"
+    update: str = AFTER_BACKWARD
     # The GPUs the two settings above were planned for: `spillway plan RECIPE` picks them there, and
     # `spillway train RECIPE --plan auto` plans for that GPU by default. None: a recipe for no GPU in particular.
     target_gpu: str | None = None         # a recipes/targets.py name, e.g. "h200"
     target_devices: int = 1               # how many of them, on one host
 
     def __post_init__(self):
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise ConfigError(f"offload.optimizer_state must be one of {OPTIMIZER_STATES}, "
-                              f"got {self.optimizer_state!r}")
-        if self.params not in PARAM_MEMORIES:
-            raise ConfigError(f"offload.params must be one of {PARAM_MEMORIES}, got {self.params!r}")
-        if self.params == "host" and self.optimizer_state != "host":
+        if self.optimizer_state not in MEMORIES:
+            raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES}, got {self.optimizer_state!r}")
+        if self.params not in MEMORIES:
+            raise ConfigError(f"offload.params must be one of {MEMORIES}, got {self.params!r}")
+        if self.params == Memory.HOST and self.optimizer_state != Memory.HOST:
             # Host weights with device state would bring the whole gradient and weights
             # into HBM for the update: the saving gone. Only host state is supported.
             raise ConfigError("offload.params=host needs offload.optimizer_state=host (the update of host "
@@ -98,13 +100,12 @@ class OffloadConfig:
                               "all in HBM)")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
-        if self.update == "next_forward" and (self.optimizer_state != "host" or self.params != "device"):
+        if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
             raise ConfigError("offload.update=next_forward streams a host-resident optimizer state under the "
                               "next forward pass: it needs offload.optimizer_state=host and offload.params=device "
                               f"(got optimizer_state={self.optimizer_state}, params={self.params})")
         require_positive("offload", target_devices=self.target_devices)
         if self.target_gpu is not None:
-            from spillway.recipes.targets import get_target   # GPU facts as data: imports nothing heavy
             try:
                 get_target(self.target_gpu)
             except ValueError as err:
@@ -113,22 +114,6 @@ class OffloadConfig:
             RematPlan.parse(self.activations)  # the layer counts are checked against the model by Recipe
         except ValueError as err:
             raise ConfigError(f"offload.activations: {err}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    data: int = 1
-    fsdp: int = -1                        # -1: all remaining devices
-    tensor: int = 1
-
-    def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
-        for name, size in sizes.items():
-            if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
-                raise ConfigError(f"mesh.{name} must be a positive number of devices or -1 (the rest), got {size!r}")
-        if list(sizes.values()).count(-1) > 1:
-            raise ConfigError("at most one mesh axis may be -1, got "
-                              + " ".join(f"mesh.{k}={v}" for k, v in sizes.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +215,7 @@ class Recipe:
             segments = RematPlan.parse(self.offload.activations).resolve(self.model.num_layers)
         except ValueError as err:
             raise ConfigError(f"offload.activations: {err}") from None
-        if self.offload.update == "next_forward":
+        if self.offload.update == NEXT_FORWARD:
             if len(segments) > 1:
                 raise ConfigError(f"offload.update=next_forward needs one activation policy for every layer; "
                                   f"offload.activations={self.offload.activations!r} has {len(segments)} segments")

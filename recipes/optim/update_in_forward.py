@@ -49,6 +49,7 @@ from jax import lax
 
 from spillway.layers import layer_hook
 from spillway.recipes.optim import host_streaming as streaming
+from spillway.recipes.optim.host_memory import host_sharding
 
 
 @jax.tree_util.register_dataclass
@@ -205,8 +206,6 @@ def nothing_pending(params) -> PendingUpdate:
 def pending_shardings(optimizer, param_shardings, scalar_sharding) -> PendingUpdate:
     """Where a PendingUpdate lives: the gradients of the leaves updated in the forward pass in pinned host
     memory, the rest like their parameters; the scalars replicated."""
-    from spillway.recipes.optim.optimizer import host_sharding
-
     leaves, treedef = jax.tree.flatten(param_shardings)
     in_forward = optimizer.updated_in_forward()
     grads = treedef.unflatten([host_sharding(s) if k in in_forward else s for k, s in enumerate(leaves)])

@@ -34,7 +34,7 @@ from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
                                             peak_flops_per_device)
-from spillway.recipes.optim.optimizer import check_host_memory
+from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.train.preemption import GroupStop, StopSignals, signal_name
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.step import abstract_with_shardings, make_eval_step, pinned_host_bytes, setup

@@ -17,13 +17,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spillway.layers import host_weights, names
 from spillway.layers.errors import ConfigError
+from spillway.layers.mesh import check_batch_split
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
 from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.optim import update_in_forward
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
-from spillway.recipes.optim.optimizer import Optimizer, donate_opt_state_ok, make_layouts
+from spillway.recipes.optim.host_memory import donate_opt_state_ok
+from spillway.recipes.optim.layouts import make_layouts
+from spillway.recipes.optim.optimizer import Optimizer
 
 
 def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
@@ -276,9 +279,8 @@ def abstract_model(recipe: Recipe):
 def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
               layout_source=None) -> TrainSetup:
     """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step."""
-    if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
-        raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
-                         f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
+    # A micro-batch the batch axes do not divide is replicated: it runs (the planner refuses it).
+    check_batch_split(dict(mesh.shape), recipe.train.global_batch, recipe.train.grad_accum, micro_batches_too=False)
     layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
                            state_memory=recipe.offload.optimizer_state)
     deferred = recipe.offload.update == "next_forward"
