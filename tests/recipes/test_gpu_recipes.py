@@ -14,6 +14,9 @@ import pytest
 from spillway.data import parse_hub_spec
 from spillway.layers.errors import ConfigError
 from spillway.recipes import cli
+from spillway.recipes.plan import mesh_rules
+from spillway.recipes.plan import result as plan_result
+from spillway.recipes.plan import render as plan_render
 from spillway.recipes.plan import planner
 from spillway.recipes.registry import get_recipe, recipe_names
 
@@ -56,7 +59,7 @@ def test_a_gpu_recipe_names_its_corpus_tokenizer_and_published_hyperparameters(n
         (published["lr"], published["warmup"], published["floor"], published["eps"])
     assert (opt.b1, opt.b2, opt.weight_decay, opt.clip_norm) == (0.9, 0.95, 0.1, 1.0)
     # Gradient accumulation reaches the batch with micro-batches that split evenly over the target GPUs.
-    planner.resolve_mesh(recipe, recipe.offload.target_devices)
+    mesh_rules.resolve_mesh(recipe, recipe.offload.target_devices)
     assert recipe.train.grad_accum > 1
     # The description says where the numbers come from, and which are our choice.
     assert "Sources:" in recipe.description and "our choice" in recipe.description
@@ -171,7 +174,7 @@ def test_train_plan_auto_plans_for_the_recipes_gpu(monkeypatch):
     monkeypatch.setattr(planner, "apply_plan", fake_apply_plan)
     monkeypatch.setattr(loop, "train", lambda recipe, **kwargs: None)
     assert cli.main(["train", "llama3_8b_offload", "--plan", "auto"]) == 0
-    assert seen == {"gpu": "h100", "devices": None}   # devices: what the run sees (planner._default_devices)
+    assert seen == {"gpu": "h100", "devices": None}   # devices: what the run sees (commands.default_devices)
     assert cli.main(["train", "llama3_8b_offload", "--plan", "auto", "--gpu", "gh200"]) == 0
     assert seen["gpu"] == "gh200"
 
@@ -189,9 +192,9 @@ def test_an_unknown_target_gpu_is_a_config_error_naming_the_field():
 def test_the_stored_offload_settings_are_the_planners_pick_on_the_named_gpus(name):
     recipe = get_recipe(name)
     result = planner.plan(recipe, recipe.offload.target_gpu, recipe.offload.target_devices)
-    picked = planner.choose(result).candidate
+    picked = plan_result.choose(result).candidate
     assert (picked.activations, picked.optimizer_state) == \
-        (recipe.offload.activations, recipe.offload.optimizer_state), planner.render(result)
+        (recipe.offload.activations, recipe.offload.optimizer_state), plan_render.render(result)
 
 
 def test_the_gpu_check_of_the_picks_runs_each_one_h200_recipes_own_micro_batch():
