@@ -26,7 +26,7 @@ from spillway.layers.memory import MEMORIES, Memory
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
-from spillway.models.registry import get_family
+from spillway.models.registry import family_of_config, get_family
 from spillway.recipes.blocks import resolve_block_class
 from spillway.recipes.optim.config import OptimizerConfig
 from spillway.recipes.targets import get_target
@@ -178,8 +178,7 @@ DERIVED_FIELDS = {
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     name: str
-    family: str                           # a models/ family name (spillway recipes lists them)
-    model: Any                            # that family's config (architecture only)
+    model: Any                            # a models/ family's config (architecture only); its class is the family
     execution: Execution = Execution()    # dtypes, attention kernel, init scale: shared by all families
     block: str | None = None              # "package.module:Class": a TransformerBlock subclass (recipes/blocks.py)
     data: DataConfig = DataConfig()
@@ -191,10 +190,7 @@ class Recipe:
     description: str = ""
 
     def __post_init__(self):
-        family = get_family(self.family)
-        if not isinstance(self.model, family.config_cls):
-            raise ConfigError(f"model is a {type(self.model).__name__}, but family {self.family!r} takes a "
-                              f"{family.config_cls.__name__}")
+        family_of_config(self.model)   # a ConfigError unless the model is a registered family's config
         sections = {"execution": Execution, "data": DataConfig, "optimizer": OptimizerConfig,
                     "offload": OffloadConfig, "mesh": MeshConfig, "checkpoint": CheckpointConfig,
                     "train": TrainConfig}
@@ -230,12 +226,17 @@ class Recipe:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
 
     @property
+    def family(self) -> str:
+        """The model family (models/registry.py): the one whose config class the model is."""
+        return family_of_config(self.model).name
+
+    @property
     def run_dir(self) -> str:
         return self.checkpoint.dir or f"runs/{self.name}"
 
     def decoder_spec(self):
         """The model's shapes (models/decoder.py DecoderSpec) with this recipe's execution settings."""
-        return get_family(self.family).spec(self.model, self.execution)
+        return family_of_config(self.model).spec(self.model, self.execution)
 
     def num_params(self) -> int:
         return self.decoder_spec().num_params()
@@ -247,7 +248,7 @@ class Recipe:
 
     def build_model(self, rngs):
         """The model with the recipe's activation plan (call under nnx.eval_shape for shapes only)."""
-        return get_family(self.family).build(self.model, self.execution, rngs=rngs,
+        return family_of_config(self.model).build(self.model, self.execution, rngs=rngs,
                                              remat=self.offload.activations, block_cls=self.block_class())
 
     @property
@@ -261,7 +262,8 @@ class Recipe:
 
     # --- serialisation --------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, and `family` (derived, but what tells a reader which config class `model` is)."""
+        return {"family": self.family, **dataclasses.asdict(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -307,8 +309,12 @@ def _model_config_class(tree: dict):
 
 
 def _from_dict(cls, d: dict, where: str):
-    if cls is Recipe and isinstance(d.get("model"), dict):
-        d = dict(d, model=_from_dict(_model_config_class(d), d["model"], "model."))
+    if cls is Recipe:
+        # `family` names the class of the `model` mapping (Recipe.to_dict); the recipe derives it from that.
+        config_class = _model_config_class(d) if isinstance(d.get("model"), dict) else None
+        d = {k: v for k, v in d.items() if k != "family"}
+        if config_class is not None:
+            d["model"] = _from_dict(config_class, d["model"], "model.")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
@@ -408,14 +414,14 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
 def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
     fields = {f.name for f in dataclasses.fields(cls)}
     key = keys[0]
+    if cls is Recipe and key == "family" and len(keys) == 1:
+        raise ConfigError("family cannot be changed with --set (the model config is the family's): "
+                         "pick a recipe of that family (`spillway recipes` lists them)")
     if key not in fields:
         raise ConfigError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} (fields: {sorted(fields)})")
     annotation = typing.get_type_hints(cls)[key]
     if cls is Recipe and key == "model":
         annotation = _model_config_class(tree)   # the family decides what `model.*` holds
-    if cls is Recipe and key == "family" and len(keys) == 1:
-        raise ConfigError("family cannot be changed with --set (the model config is the family's): "
-                         "pick a recipe of that family (`spillway recipes` lists them)")
     nested = [a for a in (typing.get_args(annotation) or (annotation,)) if dataclasses.is_dataclass(a)]
     if len(keys) == 1:
         if nested and not (raw.lower() in ("none", "null") and type(None) in typing.get_args(annotation)):

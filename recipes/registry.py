@@ -48,7 +48,6 @@ def tiny() -> Recipe:
     return Recipe(
         name="tiny",
         description="4-layer Llama (5M params) on the embedded stdlib corpus; the CPU main job",
-        family="llama",
         model=llama_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6, num_kv_heads=2,
                            mlp_hidden=512, max_seq_len=128),
         execution=Execution(dtype="float32"),
@@ -93,13 +92,13 @@ def steps_for(token_budget: float, tokens_per_step: int) -> int:
     return int(token_budget // tokens_per_step)
 
 
-def _pretraining_recipe(name: str, *, family: str, model, description: str, corpus: str, tokenizer_origin: str,
+def _pretraining_recipe(name: str, *, model, description: str, corpus: str, tokenizer_origin: str,
                         seq_len: int, global_batch: int, grad_accum: int, token_budget: float,
                         optimizer: OptimizerConfig, offload: OffloadConfig, val_fraction: float = 0.001,
                         eval_every: int = 1000, eval_batches: int = 4, checkpoint_every: int = 1000) -> Recipe:
     """A GPU pretraining recipe; `global_batch` sequences of `seq_len` per step, `grad_accum` micro-batches."""
     return Recipe(
-        name=name, description=description, family=family, model=model, execution=GPU_EXECUTION,
+        name=name, description=description, model=model, execution=GPU_EXECUTION,
         data=DataConfig(source=corpus, text_field="text", tokenizer=f"{TOKENIZERS_DIR}/{tokenizer_origin}",
                         tokenizer_origin=tokenizer_origin, seq_len=seq_len, val_fraction=val_fraction, num_proc=16),
         optimizer=optimizer,
@@ -116,7 +115,7 @@ def _pretraining_recipe(name: str, *, family: str, model, description: str, corp
 def llama3_1b() -> Recipe:
     """Llama 3.2 1B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "llama3_1b", family="llama", model=llama_config("llama3_2_1b", max_seq_len=8192),
+        "llama3_1b", model=llama_config("llama3_2_1b", max_seq_len=8192),
         description=(
             "Llama 3.2 1B on FineWeb-Edu with the Llama 3 tokenizer, 4M tokens/step (512 x 8192, 128 micro-batches "
             "of 4), 9T tokens; one H200. Sources: 9T tokens is the Llama 3.2 model card's 'up to 9 trillion' (Meta "
@@ -133,7 +132,7 @@ def llama3_1b() -> Recipe:
 def llama3_8b() -> Recipe:
     """Llama 3.1 8B from scratch on FineWeb-Edu with its own tokenizer; one node of 8 H200s."""
     return _pretraining_recipe(
-        "llama3_8b", family="llama", model=llama_config("llama3_1_8b", max_seq_len=8192),
+        "llama3_8b", model=llama_config("llama3_1_8b", max_seq_len=8192),
         description=(
             "Llama 3.1 8B on FineWeb-Edu with the Llama 3 tokenizer, 4M tokens/step (512 x 8192, 64 micro-batches "
             "of one sequence per GPU), 15T tokens; 8 H200s. Sources: 15T tokens and sequence 8192 are the Llama 3 "
@@ -171,7 +170,7 @@ from spillway.models.gpt2 import gpt2_config  # noqa: E402
 def gpt2_tiny() -> Recipe:
     """CPU-sized GPT-2: the `tiny` recipe's data, optimizer and schedule with a 4-layer GPT-2."""
     return dataclasses.replace(
-        tiny(), name="gpt2_tiny", family="gpt2", model=gpt2_config("tiny"),
+        tiny(), name="gpt2_tiny", model=gpt2_config("tiny"),
         description="4-layer GPT-2 (2M params) on the embedded stdlib corpus")
 
 
@@ -179,7 +178,7 @@ def gpt2_tiny() -> Recipe:
 def gpt2_124m() -> Recipe:
     """GPT-2 124M on FineWeb-Edu's 10B-token sample: Karpathy's build-nanogpt baseline; one H200."""
     return _pretraining_recipe(
-        "gpt2_124m", family="gpt2", model=gpt2_config("gpt2_124m"),
+        "gpt2_124m", model=gpt2_config("gpt2_124m"),
         description=(
             "GPT-2 124M on FineWeb-Edu sample-10BT with the GPT-2 tokenizer, 524,288 tokens/step (512 x 1024, 8 "
             "micro-batches of 64), 19,073 steps (about 10B tokens, one pass); one H200. Sources: Karpathy's "
@@ -198,9 +197,9 @@ def gpt2_124m() -> Recipe:
 
 # --- helper for the CPU recipes below: another family's small model with `tiny`'s setup
 
-def _cpu_recipe(name: str, family: str, model, description: str) -> Recipe:
+def _cpu_recipe(name: str, model, description: str) -> Recipe:
     """A CPU recipe with `tiny`'s data, optimizer and schedule for another family's small model."""
-    return dataclasses.replace(tiny(), name=name, family=family, model=model, description=description)
+    return dataclasses.replace(tiny(), name=name, model=model, description=description)
 
 
 # --- Mistral ---------------------------------------------------------------------
@@ -210,7 +209,7 @@ from spillway.models.mistral import mistral_config  # noqa: E402
 @register("mistral_tiny")
 def mistral_tiny() -> Recipe:
     """CPU-sized Mistral: a 64-position sliding window inside 128-token sequences, so the window matters."""
-    return _cpu_recipe("mistral_tiny", "mistral",
+    return _cpu_recipe("mistral_tiny",
                        mistral_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                       num_kv_heads=2, mlp_hidden=512, sliding_window=64, max_seq_len=128),
                        "4-layer Mistral, sliding window 64 over 128 tokens, on the stdlib corpus")
@@ -224,7 +223,7 @@ MISTRAL_SOURCE = ("Mistral AI has not published the data, budget or optimizer se
 def mistral_7b() -> Recipe:
     """Mistral 7B v0.3 (no sliding window) from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
     return _pretraining_recipe(
-        "mistral_7b", family="mistral", model=mistral_config("mistral_7b_v0_3", max_seq_len=8192),
+        "mistral_7b", model=mistral_config("mistral_7b_v0_3", max_seq_len=8192),
         description=(
             "Mistral 7B v0.3 on FineWeb-Edu with its own tokenizer (32,768 pieces), 4M tokens/step (512 x 8192, "
             f"64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: {MISTRAL_SOURCE}"),
@@ -239,7 +238,7 @@ def mistral_7b() -> Recipe:
 def mistral_7b_v0_1() -> Recipe:
     """Mistral 7B v0.1: sequence 8192 through its 4096-position sliding window; 8 H200s."""
     return _pretraining_recipe(
-        "mistral_7b_v0_1", family="mistral", model=mistral_config("mistral_7b_v0_1", max_seq_len=8192),
+        "mistral_7b_v0_1", model=mistral_config("mistral_7b_v0_1", max_seq_len=8192),
         description=(
             "Mistral 7B v0.1 (sliding window 4096) on FineWeb-Edu with its own tokenizer (32,000 pieces), 4M "
             "tokens/step (512 x 8192, 64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: "
@@ -258,7 +257,7 @@ from spillway.models.qwen import qwen2_config, qwen3_config  # noqa: E402
 @register("qwen2_tiny")
 def qwen2_tiny() -> Recipe:
     """CPU-sized Qwen2.5-shaped model: q/k/v biases, tied head."""
-    return _cpu_recipe("qwen2_tiny", "qwen2",
+    return _cpu_recipe("qwen2_tiny",
                        qwen2_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                     num_kv_heads=2, mlp_hidden=512, max_seq_len=128),
                        "4-layer Qwen2.5-shaped model (q/k/v biases) on the stdlib corpus")
@@ -267,7 +266,7 @@ def qwen2_tiny() -> Recipe:
 @register("qwen3_tiny")
 def qwen3_tiny() -> Recipe:
     """CPU-sized Qwen3-shaped model: q/k norms, head_dim wider than d_model // num_heads, tied head."""
-    return _cpu_recipe("qwen3_tiny", "qwen3",
+    return _cpu_recipe("qwen3_tiny",
                        qwen3_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                     num_kv_heads=2, head_dim=48, mlp_hidden=512, max_seq_len=128),
                        "4-layer Qwen3-shaped model (q/k norms) on the stdlib corpus")
@@ -283,7 +282,7 @@ QWEN_OPTIMIZER_SOURCE = ("the Qwen reports give no per-model learning rate or ba
 def qwen2_5_1_5b() -> Recipe:
     """Qwen2.5 1.5B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "qwen2_5_1_5b", family="qwen2", model=qwen2_config("qwen2_5_1_5b", max_seq_len=4096),
+        "qwen2_5_1_5b", model=qwen2_config("qwen2_5_1_5b", max_seq_len=4096),
         description=(
             "Qwen2.5 1.5B on FineWeb-Edu with the Qwen2.5 tokenizer, 4M tokens/step (1024 x 4096, 128 "
             "micro-batches of 8), 18T tokens; one H200. Sources: 18T tokens is Qwen2.5's pretraining budget (its "
@@ -299,7 +298,7 @@ def qwen2_5_1_5b() -> Recipe:
 def qwen3_0_6b() -> Recipe:
     """Qwen3 0.6B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "qwen3_0_6b", family="qwen3", model=qwen3_config("qwen3_0_6b", max_seq_len=4096),
+        "qwen3_0_6b", model=qwen3_config("qwen3_0_6b", max_seq_len=4096),
         description=(
             "Qwen3 0.6B on FineWeb-Edu with the Qwen3 tokenizer, 4M tokens/step (1024 x 4096, 128 micro-batches "
             "of 8), 36T tokens; one H200. Sources: 36T tokens is Qwen3's pretraining budget (its technical "
@@ -315,7 +314,7 @@ def qwen3_0_6b() -> Recipe:
 def qwen3_8b() -> Recipe:
     """Qwen3 8B from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
     return _pretraining_recipe(
-        "qwen3_8b", family="qwen3", model=qwen3_config("qwen3_8b", max_seq_len=4096),
+        "qwen3_8b", model=qwen3_config("qwen3_8b", max_seq_len=4096),
         description=(
             "Qwen3 8B on FineWeb-Edu with the Qwen3 tokenizer, 4M tokens/step (1024 x 4096, 64 micro-batches of "
             "two sequences per GPU), 36T tokens; 8 H200s. Sources: 36T tokens is Qwen3's pretraining budget (its "
