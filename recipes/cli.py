@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from spillway.layers.errors import ConfigError, SpillwayError
 from spillway.recipes.targets import DEFAULT_GPU, HBM_HEADROOM
@@ -34,16 +35,18 @@ _MAX_INTERNAL_MESSAGE = 500
 def _cmd_recipes(args) -> int:
     from spillway.recipes.registry import get_recipe, recipe_names
     if args.name:
-        # one recipe in full: where its numbers come from, then every field (what `--set` can change)
-        import textwrap
+        # one recipe in full: what it is, what its fields make of a step, where its numbers come from, then
+        # every field (what `--set` can change)
         recipe = get_recipe(args.name, args.set)
         print(textwrap.fill(f"{recipe.name}: {recipe.description}", width=100, subsequent_indent="  "))
+        print(textwrap.fill(f"  {recipe.step_summary()}", width=100, subsequent_indent="  "))
+        if recipe.sources:
+            print(textwrap.fill(f"  Sources: {recipe.sources}", width=100, subsequent_indent="  "))
         print(recipe.to_json())
         return 0
     for name in recipe_names():
         recipe = get_recipe(name)
-        summary = recipe.description.split(" Sources: ")[0]   # the list shows what it is, not where from
-        print(f"{name:20s} {recipe.family:8s} {recipe.num_params() / 1e6:9.1f}M  {summary}")
+        print(f"{name:20s} {recipe.family:8s} {recipe.num_params() / 1e6:9.1f}M  {recipe.description}")
     return 0
 
 

@@ -187,7 +187,8 @@ class Recipe:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
-    description: str = ""
+    description: str = ""                 # what the recipe is (`spillway recipes` lists it)
+    sources: str = ""                     # where its numbers come from, and which are our choice
 
     def __post_init__(self):
         family_of_config(self.model)   # a ConfigError unless the model is a registered family's config
@@ -250,6 +251,24 @@ class Recipe:
         """The model with the recipe's activation plan (call under nnx.eval_shape for shapes only)."""
         return family_of_config(self.model).build(self.model, self.execution, rngs=rngs,
                                              remat=self.offload.activations, block_cls=self.block_class())
+
+    def step_summary(self) -> str:
+        """What the fields make of a step and a run, worked out here rather than restated in prose:
+        "4,194,304 tokens/step (512 x 8192, 128 micro-batches of 4); 2,145,767 steps, 9.00T tokens"
+        (with a GPU target also the micro-batch per GPU and where the recipe was planned for)."""
+        t, seq = self.train, self.data.seq_len
+        micro = t.global_batch // t.grad_accum
+        per_gpu = self.offload.target_devices if self.offload.target_gpu else 1
+        micro_words = (f"{micro:,}" if per_gpu == 1 or micro % per_gpu else
+                       f"{micro // per_gpu:,} sequence{'s' if micro // per_gpu > 1 else ''} per GPU")
+        tokens = t.steps * t.global_batch * seq
+        words = (f"{t.global_batch * seq:,} tokens/step ({t.global_batch:,} x {seq:,}, {t.grad_accum:,} "
+                 f"micro-batch{'es' if t.grad_accum > 1 else ''} of {micro_words}); {t.steps:,} steps, "
+                 + (f"{tokens / 1e12:.2f}T" if tokens >= 1e12 else f"{tokens / 1e9:.2f}B" if tokens >= 1e9
+                    else f"{tokens:,}") + " tokens")
+        if self.offload.target_gpu:
+            words += f"; planned for {self.offload.target_devices} x {get_target(self.offload.target_gpu).display_name}"
+        return words
 
     @property
     def schedule_steps(self) -> int:
