@@ -90,7 +90,7 @@ class ParamTraffic:
     split by the mesh (each GPU streams them whole).
 
     Checked against what the compiled step moves per autodiff pass
-    (recipes/plan/hlo.py traffic_by_pass; tests/recipes/test_host_params_aot.py),
+    (recipes/plan/hlo.py traffic_by_pass; tests/recipes/plan/test_host_params_aot.py),
     jaxlib 0.10.2, H200 target, bf16 and fp32 weights, grad_accum 1 to 3, meshes
     1x1x1, 1x2x1, 1x1x2, 1x2x2: equal to the byte in the forward and backward
     passes and in the update, except that the compiled update moves a few

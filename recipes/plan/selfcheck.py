@@ -15,7 +15,7 @@ for GPU targets and prints one JSON document:
 * ``targets``: the offloading step compiled for every known target, each
   reported as ok with its numbers or failed with the error.
 
-The tests use it (tests/recipes/test_aot.py), and it is a quick way to see
+The tests use it (tests/recipes/plan/test_aot.py), and it is a quick way to see
 whether a machine can plan. Sizes are small so that the whole run takes seconds.
 """
 

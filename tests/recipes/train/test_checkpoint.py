@@ -5,7 +5,7 @@ The state saved here looks like a run's: a params tree sharded over a
 pinned_host memory and whose master copy is None for some leaves. Host-memory
 and device-memory arrays cannot meet in one op, so values are compared as NumPy
 copies. The crash test (SIGKILL mid-save) runs a real child process; SIGTERM is the
-train loop's (tests/recipes/test_train.py).
+train loop's (tests/recipes/train/test_train.py).
 """
 
 from __future__ import annotations

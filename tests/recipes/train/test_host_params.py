@@ -2,7 +2,7 @@
 
 CPU lowers memory-kind moves to no-ops, so these tests prove the maths and the
 placement (shardings' memory kinds, the gradients' memory space in the traced
-step, checkpoints); tests/recipes/test_host_params_aot.py compiles for an
+step, checkpoints); tests/recipes/plan/test_host_params_aot.py compiles for an
 H200 to show the HBM saving.
 """
 

@@ -5,7 +5,7 @@ compiles in one compile process, about a minute on 2 cores); every test that
 needs compiled figures reads that result, and the CLI tests replay it through
 `plan_command` / `apply_plan` without compiling again. The rest (FLOP counts,
 the seq_len search logic, input errors) needs no GPU compiler; the FLOP count
-is checked against XLA's in tests/recipes/test_flops.py.
+is checked against XLA's in tests/models/test_flops.py.
 
 Ground truth for offload (docs/DESIGN.md section 3): an offloading plan must show
 activations in host memory in the compiled step (S(5) buffers and host temp

@@ -12,7 +12,7 @@ forward and backward passes must be what the compiled program moves in them,
 told apart by JAX's own names for its autodiff passes (recipes/plan/hlo.py
 traffic_by_pass), and a host-weights plan must pay for them in its step time.
 
-Marked `needs_toolchain` (tests/ci_gate.py), like tests/recipes/test_optimizer_aot.py.
+Marked `needs_toolchain` (tests/ci_gate.py), like tests/recipes/optim/test_optimizer_aot.py.
 """
 
 import argparse
