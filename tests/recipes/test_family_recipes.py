@@ -18,8 +18,7 @@ from flax import nnx
 
 from spillway.models.decoder import count_params
 from spillway.models.registry import get_family
-from spillway.recipes.plan import plugin
-from spillway.recipes.plan import planner
+from spillway.recipes.plan import planner, plugin
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.loop import train

@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 from spillway.models.decoder import count_params
-from spillway.recipes.plan import plugin
-from spillway.recipes.plan import planner
+from spillway.recipes.plan import planner, plugin
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.loop import train

@@ -14,11 +14,9 @@ import pytest
 from spillway.data import parse_hub_spec
 from spillway.layers.errors import ConfigError
 from spillway.recipes import cli
-from spillway.recipes.plan import commands
-from spillway.recipes.plan import mesh_rules
-from spillway.recipes.plan import result as plan_result
+from spillway.recipes.plan import commands, mesh_rules, planner
 from spillway.recipes.plan import render as plan_render
-from spillway.recipes.plan import planner
+from spillway.recipes.plan import result as plan_result
 from spillway.recipes.registry import get_recipe, recipe_names
 
 GPU_RECIPES = sorted(name for name in recipe_names() if get_recipe(name).offload.target_gpu is not None)

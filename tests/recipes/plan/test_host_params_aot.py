@@ -20,10 +20,9 @@ import argparse
 import pytest
 
 from benchmarks import host_params_toy
-from spillway.recipes.plan import cost_model
-from spillway.recipes.plan import planner
-from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.config import NEXT_FORWARD
+from spillway.recipes.plan import cost_model, planner
+from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.subprocess_runner import run_in_compile_process
 from spillway.recipes.targets import get_target
 

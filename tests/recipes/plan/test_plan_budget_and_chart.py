@@ -10,11 +10,11 @@ import types
 import pytest
 
 from spillway.recipes import cli
-from spillway.recipes.plan import result as plan_result
 from spillway.recipes.plan import planner
+from spillway.recipes.plan import result as plan_result
 from spillway.recipes.plan.candidates import Candidate
-from spillway.recipes.targets import get_target
 from spillway.recipes.registry import get_recipe
+from spillway.recipes.targets import get_target
 
 GiB = 2**30
 
