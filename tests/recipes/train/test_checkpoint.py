@@ -33,7 +33,7 @@ from spillway.recipes.train.checkpoint import (CheckpointError, CheckpointMismat
                                                restore_params_only)
 from spillway.recipes.train.errors import RunError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 PINNED_HOST = "pinned_host"
 RECIPE_JSON = '{\n  "model": "llama_tiny",\n  "lr": 0.0003\n}\n'
 
