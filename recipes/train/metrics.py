@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spillway.recipes.targets import target_for_device_kind   # the planner's GPU facts, one table
 from spillway.recipes.train.errors import RunError
 
 
@@ -47,7 +48,6 @@ def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
 def peak_flops_per_device() -> tuple[float, str]:
     device = jax.local_devices()[0]
     if device.platform == "gpu":
-        from spillway.recipes.targets import target_for_device_kind  # the planner's GPU facts, one table
         target = target_for_device_kind(device.device_kind)
         if target is None:
             return float("nan"), f"unknown GPU {device.device_kind}"

@@ -23,10 +23,11 @@ from spillway.layers.sharding import (activation_sharding, batch_sharding, const
 from spillway.recipes.config import Recipe
 from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.optim import update_in_forward
-from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 from spillway.recipes.optim.host_memory import donate_opt_state_ok
+from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
+from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 
 
 def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
@@ -219,8 +220,6 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     the state and the pending gradients are read and new ones written: two of
     each.
     """
-    from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
-
     s = abstract_setup(recipe, mesh, platform=jax.default_backend())
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
