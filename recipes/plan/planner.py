@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 
+from spillway.layers.mesh import batch_ways
 from spillway.layers.offload import RematPlan
 from spillway.recipes.blocks import import_root
 from spillway.recipes.config import Recipe
@@ -51,7 +52,7 @@ def _search_request(recipe: Recipe, axis: str, mesh: dict, hbm_limit: float, hos
         while step > 16 and (cap < 4 * step or recipe.data.seq_len < step):
             step //= 2
     elif axis == "batch":
-        step = math.lcm(mesh["data"] * mesh["fsdp"], recipe.train.grad_accum)
+        step = math.lcm(batch_ways(mesh), recipe.train.grad_accum)
         cap = max(step, BATCH_SEARCH_CAP - BATCH_SEARCH_CAP % step)
     else:
         raise ValueError(f"--search must be seq_len or batch, got {axis!r}")
