@@ -10,7 +10,7 @@ import types
 import pytest
 
 from spillway.recipes import cli
-from spillway.recipes.plan import planner
+from spillway.recipes.plan import commands, planner
 from spillway.recipes.plan import result as plan_result
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.registry import get_recipe
