@@ -72,11 +72,11 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
-    optimizer_state: str = Memory.DEVICE  # "device" | "host": where the optimizer state lives
+    optimizer_state: str = Memory.DEVICE.value  # "device" | "host": where the optimizer state lives
     # "device" | "host": where the stacked block weights (and so their gradients) live;
     # "host" streams them through HBM a layer at a time (layers/host_weights.py).
     # Embedding, final norm and head stay on device.
-    params: str = Memory.DEVICE
+    params: str = Memory.DEVICE.value
     # "after_backward" | "next_forward": when the streamed update of host optimizer state runs.
     # "next_forward" updates each block layer in the next step's forward pass, just before the layer
     # runs, so the state's copies move while the forward pass computes (same maths; a checkpoint,

@@ -32,6 +32,10 @@ HOST_PARAMS_MIN_PARAMS = 3e9
 PRESET_PLANS = tuple(name for name in PRESETS if name != "offload_all")
 
 
+def _offload_field(name: str) -> property:
+    return property(lambda candidate: getattr(candidate.offload, name), doc=f"offload.{name}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     offload: OffloadConfig      # activations, optimizer_state, params, update, as a recipe sets them
@@ -42,26 +46,17 @@ class Candidate:
             raise ValueError("a plan whose host CPU runs the update needs its optimizer state on host")
 
     @classmethod
-    def of(cls, activations: str, optimizer_state: str = Memory.DEVICE, params: str = Memory.DEVICE,
+    def of(cls, activations: str, optimizer_state: str = Memory.DEVICE.value, params: str = Memory.DEVICE.value,
            update: str = AFTER_BACKWARD, *, update_on_host: bool = False) -> Candidate:
-        return cls(OffloadConfig(activations=activations, optimizer_state=optimizer_state, params=params,
+        # Plain strings, as a recipe's fields hold them (a Memory member compares equal but prints otherwise).
+        return cls(OffloadConfig(activations=activations, optimizer_state=str(optimizer_state), params=str(params),
                                  update=update), update_on_host)
 
-    @property
-    def activations(self) -> str:
-        return self.offload.activations
-
-    @property
-    def optimizer_state(self) -> str:
-        return self.offload.optimizer_state
-
-    @property
-    def params(self) -> str:
-        return self.offload.params
-
-    @property
-    def update(self) -> str:
-        return self.offload.update
+    # The offload fields, read through: candidate.activations is candidate.offload.activations.
+    activations = _offload_field("activations")
+    optimizer_state = _offload_field("optimizer_state")
+    params = _offload_field("params")
+    update = _offload_field("update")
 
     @property
     def state_word(self) -> str:
@@ -97,7 +92,7 @@ class Candidate:
 
     @classmethod
     def from_dict(cls, data: dict) -> Candidate:
-        return cls.of(data["activations"], data["optimizer_state"], data.get("params", Memory.DEVICE),
+        return cls.of(data["activations"], data["optimizer_state"], data.get("params", Memory.DEVICE.value),
                       data.get("update", AFTER_BACKWARD), update_on_host=data.get("update_on_host", False))
 
     @classmethod
