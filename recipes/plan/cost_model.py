@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spillway.layers.memory import MEMORIES, Memory
+from spillway.layers.memory import Memory
 from spillway.layers.sharding import logical_to_spec, variable_axes
 from spillway.models import flops as flop_count
 from spillway.recipes.config import NEXT_FORWARD, Recipe
@@ -152,9 +152,7 @@ def parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list[
 
 
 def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) -> ParamTraffic:
-    """`ParamTraffic` of a candidate (per GPU, per step); ValueError for an unknown placement."""
-    if candidate.params not in MEMORIES:
-        raise ValueError(f"a plan's params placement must be 'device' or 'host', got {candidate.params!r}")
+    """`ParamTraffic` of a candidate (per GPU, per step)."""
     host_cpu = candidate.update_on_host
     if candidate.params == Memory.DEVICE and not host_cpu:
         return ParamTraffic()   # nothing of the parameters crosses: the state is all the update moves
