@@ -126,6 +126,6 @@ def test_plan_compiles_a_block_found_only_on_this_process_path(user_folder, tmp_
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.chdir(tmp_path)   # not the module's folder: only the planner's request can tell the child
     recipe = get_recipe("tiny", MICRO + [f"block={MODULE}:ParallelBlock", "execution.attention_impl=flash"])
-    result = plan(recipe, "h200", 1, plans=[Candidate("save_all", "device")])
+    result = plan(recipe, "h200", 1, plans=[Candidate.of("save_all", "device")])
     row = result.rows[0]
     assert row.error is None and row.report["hbm_bytes"] > 0, row.error
