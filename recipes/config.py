@@ -256,9 +256,8 @@ class Recipe:
         return self.decoder_spec().num_params()
 
     def block_class(self) -> type:
-        """The TransformerBlock subclass `block` names (the base class when None)."""
-        from spillway.layers.block import TransformerBlock
-        return TransformerBlock if self.block is None else resolve_block_class(self.block)
+        """The TransformerBlock subclass `block` names (the family's own block when None)."""
+        return get_family(self.family).block_cls if self.block is None else resolve_block_class(self.block)
 
     def build_model(self, rngs):
         """The model with the recipe's activation plan (call under nnx.eval_shape for shapes only)."""
