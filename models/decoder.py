@@ -27,7 +27,7 @@ from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.embed import Embedding, LMHead, PositionEmbedding
 from spillway.layers.errors import ConfigError
 from spillway.layers.execution import Execution
-from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, run_bounds
+from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds
 from spillway.layers.norm import make_norm
 from spillway.layers.offload import OffloadPolicy, RematPlan
 from spillway.layers.stack import BlockStack
@@ -87,6 +87,9 @@ class DecoderSpec:
                     f"the layer pattern mixes windowed and global layers, but its window ({widest}) is larger "
                     f"than max_seq_len ({self.max_seq_len}): every windowed layer would attend globally; "
                     f"shrink the window or give every layer global attention")
+        if self.block.execution.attention_impl == "cudnn" and needs_values(self.layer_settings, self.stack_runs()):
+            raise ConfigError("attention_impl='cudnn' takes one static window for every layer; this model's "
+                              "layers differ in their window or RoPE (a layer pattern): use attention_impl=flash")
         heads = {(r.block.num_kv_heads, r.block.resolved_head_dim) for r in self.stack_runs()}
         if len(heads) > 1:
             raise ConfigError(f"the runs of layers have different KV head layouts {sorted(heads)}: the KV cache "

@@ -39,7 +39,7 @@ _GEMMA2_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1
                     "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                     "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
                     "hidden_activation": "gelu_pytorch_tanh"}
-_GEMMA3_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
                     "max_position_embeddings": 131072, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                     "sliding_window": 4096, "final_logit_softcapping": None, "attn_logit_softcapping": None,
                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window_pattern": 6}
@@ -93,6 +93,11 @@ def _common_fields(hf_config: Mapping[str, Any], family: str, pattern: str) -> d
         final_softcap=_cap(hf_config.get("final_logit_softcapping")),
         norm_eps=float(hf_config["rms_norm_eps"]), tie_embeddings=bool(hf_config["tie_word_embeddings"]),
         max_seq_len=int(hf_config["max_position_embeddings"]), layer_pattern=pattern)
+
+
+def _integral(value: float) -> int | float:
+    """transformers types query_pre_attn_scalar as an int: whole numbers are written as one."""
+    return int(value) if float(value).is_integer() else value
 
 
 def _cap(value) -> float | None:
@@ -150,7 +155,7 @@ def _fields_to_hf(cfg) -> dict[str, Any]:
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.mlp_hidden, "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": cfg.max_seq_len, "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+        "max_position_embeddings": cfg.max_seq_len, "query_pre_attn_scalar": _integral(cfg.query_pre_attn_scalar),
         "sliding_window": cfg.sliding_window, "layer_types": layer_types_to_hf(cfg),
         "attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
         "attention_bias": False,
@@ -182,6 +187,10 @@ def weights(cfg) -> list[hf.HFWeight]:
         W(p + "self_attn.k_proj.weight", ("attn", "wk"), hf.IN_HEADS),
         W(p + "self_attn.v_proj.weight", ("attn", "wv"), hf.IN_HEADS),
         W(p + "self_attn.o_proj.weight", ("attn", "wo"), hf.OUT_HEADS),
+    ]
+    if cfg.QK_NORM:   # Gemma 3's per-head q/k norms, where transformers lists them
+        table += [W(p + f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "scale"), hf.VECTOR) for x in "qk"]
+    table += [
         W(p + "mlp.gate_proj.weight", ("mlp", "w_gate"), hf.LINEAR),
         W(p + "mlp.up_proj.weight", ("mlp", "w_up"), hf.LINEAR),
         W(p + "mlp.down_proj.weight", ("mlp", "w_down"), hf.LINEAR),
@@ -191,8 +200,6 @@ def weights(cfg) -> list[hf.HFWeight]:
         W(p + "pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), hf.VECTOR),
         W(p + "post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), hf.VECTOR),
     ]
-    if cfg.QK_NORM:
-        table += [W(p + f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "scale"), hf.VECTOR) for x in "qk"]
     table.append(W("model.norm.weight", ("final_norm", "scale"), hf.VECTOR))
     if not cfg.tie_embeddings:
         table.append(W("lm_head.weight", ("head", "w"), hf.LINEAR))

@@ -243,6 +243,7 @@ class Recipe:
                                   "optimizer.update_on_host=true runs it on the host CPU instead: set one of them")
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
+        self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
 
     @property
     def run_dir(self) -> str:
