@@ -96,10 +96,11 @@ def steps_for(token_budget: float, tokens_per_step: int) -> int:
 def _pretraining_recipe(name: str, *, family: str, model, description: str, corpus: str, tokenizer_origin: str,
                         seq_len: int, global_batch: int, grad_accum: int, token_budget: float,
                         optimizer: OptimizerConfig, offload: OffloadConfig, val_fraction: float = 0.001,
-                        eval_every: int = 1000, eval_batches: int = 4, checkpoint_every: int = 1000) -> Recipe:
+                        eval_every: int = 1000, eval_batches: int = 4, checkpoint_every: int = 1000,
+                        execution: Execution = GPU_EXECUTION) -> Recipe:
     """A GPU pretraining recipe; `global_batch` sequences of `seq_len` per step, `grad_accum` micro-batches."""
     return Recipe(
-        name=name, description=description, family=family, model=model, execution=GPU_EXECUTION,
+        name=name, description=description, family=family, model=model, execution=execution,
         data=DataConfig(source=corpus, text_field="text", tokenizer=f"{TOKENIZERS_DIR}/{tokenizer_origin}",
                         tokenizer_origin=tokenizer_origin, seq_len=seq_len, val_fraction=val_fraction, num_proc=16),
         optimizer=optimizer,
@@ -358,7 +359,7 @@ GEMMA_OPTIMIZER_SOURCE = ("the Gemma reports publish no learning rate, schedule 
 
 def _gemma_recipe(name: str, **kwargs) -> Recipe:
     """A GPU pretraining recipe (`_pretraining_recipe`) running the blockwise JAX attention."""
-    return dataclasses.replace(_pretraining_recipe(name, **kwargs), execution=GEMMA_EXECUTION)
+    return _pretraining_recipe(name, execution=GEMMA_EXECUTION, **kwargs)
 
 
 @register("gemma2_2b")
