@@ -131,10 +131,14 @@ class TransformerBlock(nnx.Module):
         self.cfg = cfg
         self.attn_norm = self.make_norm(rngs)
         self.attn = self.make_attention(rngs)
-        self.post_attn_norm = self.make_norm(rngs) if cfg.post_norms else None
+        # Only made when asked for: a subclass may add its own post_attn_norm (an attribute set to None here
+        # would be static, and nnx refuses a module assigned to it later).
+        if cfg.post_norms:
+            self.post_attn_norm = self.make_norm(rngs)
         self.mlp_norm = self.make_norm(rngs)
         self.mlp = self.make_mlp(rngs)
-        self.post_mlp_norm = self.make_norm(rngs) if cfg.post_norms else None
+        if cfg.post_norms:
+            self.post_mlp_norm = self.make_norm(rngs)
 
     # Factories: a subclass overrides one to swap a part (a MoE layer for the MLP, say).
     def make_norm(self, rngs: nnx.Rngs) -> nnx.Module:
@@ -166,10 +170,10 @@ class TransformerBlock(nnx.Module):
 
     def forward(self, x_btd: jax.Array, ctx: BlockContext, cache: dict | None):
         attn_btd, cache = self.attention(self.attn_norm(x_btd), ctx, cache)
-        if self.post_attn_norm is not None:
+        if self.cfg.post_norms:
             attn_btd = self.post_attn_norm(attn_btd)
         x_btd = x_btd + attn_btd
         mlp_btd = self.mlp(self.mlp_norm(x_btd))
-        if self.post_mlp_norm is not None:
+        if self.cfg.post_norms:
             mlp_btd = self.post_mlp_norm(mlp_btd)
         return x_btd + mlp_btd, cache

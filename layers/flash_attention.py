@@ -299,12 +299,13 @@ class _Layout(NamedTuple):
     num_k_blocks: int
 
 
-def _in_window(cfg: _Config, window, k_pos, q_pos):
-    """k_pos > q_pos - w for the static or traced window (True everywhere for a traced 0); None: no window."""
+def _in_window(cfg: _Config, window, k_pos_bj, q_pos_bi):
+    """[b, i, j]: k_pos > q_pos - w for the static or traced window (True everywhere for a traced 0);
+    None without a window (and no op traced then: a windowless call is the program it always was)."""
     if cfg.sliding_window is not None:
-        return k_pos > q_pos - cfg.sliding_window
+        return k_pos_bj[:, None, :] > q_pos_bi[:, :, None] - cfg.sliding_window
     if window is not None:
-        return (window <= 0) | (k_pos > q_pos - window)
+        return (window <= 0) | (k_pos_bj[:, None, :] > q_pos_bi[:, :, None] - window)
     return None
 
 
@@ -333,7 +334,7 @@ def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window) -
         k_max_bj = jnp.where(kv_valid_bs, kv_pos_bs, -big).reshape(b, nk, bk).max(-1)
         visit_bij = k_min_bj[:, None, :] <= q_max_bi[:, :, None]
         # q_min is +big on an all-padding block: big - w (w >= 0) cannot overflow.
-        in_window_bij = _in_window(cfg, window, k_max_bj[:, None, :], q_min_bi[:, :, None])
+        in_window_bij = _in_window(cfg, window, k_max_bj, q_min_bi)
         if in_window_bij is not None:
             visit_bij &= in_window_bij
         visit_ij = visit_bij.any(0)
@@ -355,7 +356,7 @@ def _block_mask(cfg: _Config, lay: _Layout, g, q0, k0):
     mask_brs = q_valid_br[:, :, None] & _slice(lay.kv_valid_bs, k0, bk, 1)[:, None, :]
     if cfg.causal:
         mask_brs &= k_pos_bs[:, None, :] <= q_pos_br[:, :, None]
-    in_window_brs = _in_window(cfg, lay.window, k_pos_bs[:, None, :], q_pos_br[:, :, None])
+    in_window_brs = _in_window(cfg, lay.window, k_pos_bs, q_pos_br)
     if in_window_brs is not None:
         mask_brs &= in_window_brs
     return mask_brs[:, None]
