@@ -48,6 +48,8 @@ ROWS = (
     ("qwen2_5_1_5b", "Qwen2.5 1.5B", 8192),
     ("qwen3_0_6b", "Qwen3 0.6B", 8192),
     ("qwen3_8b", "Qwen3 8B", 8192),
+    ("gemma2_2b", "Gemma 2 2B", 8192),
+    ("gemma3_1b", "Gemma 3 1B", 8192),
 )
 HEADER = ("| family | model | params | recompute_all / opt device: HBM GiB | step ms | picked plan | HBM GiB "
           "| host GiB | step ms | HBM saved | command |")

@@ -6,6 +6,7 @@
     sharding      logical-axis rules, meshes, sharded creation
     norm, rope, attention, flash_attention, mlp, embed   one layer each
     block         TransformerBlock: the offload-aware base users subclass
+    layer_values  LayerValues: per-layer traced window, RoPE base and scale
     stack         BlockStack: stacked init, scan, remat/offload from outside
 
 The names below are imported on first use (PEP 562), not with the package:
@@ -18,7 +19,7 @@ _EXPORTS = {
     "BlockConfig": "block", "BlockContext": "block", "TransformerBlock": "block",
     "PRESETS": "offload", "OffloadPolicy": "offload", "Placement": "offload", "RematPlan": "offload",
     "Segment": "offload", "preset": "offload",
-    "BlockStack": "stack",
+    "BlockStack": "stack", "LayerValues": "layer_values",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -40,6 +40,13 @@ def require_positive(section: str, **values) -> None:
             raise ConfigError(f"{section}.{field} must be positive, got {value!r}")
 
 
+def require_positive_finite(section: str, **values) -> None:
+    """ConfigError naming `section.field` for each value that is not a finite number > 0 (None is allowed)."""
+    for field, value in values.items():
+        if value is not None and not (_is_number(value) and 0 < value < float("inf")):
+            raise ConfigError(f"{section}.{field} must be a positive finite number, got {value!r}")
+
+
 def require_non_negative(section: str, **values) -> None:
     """ConfigError naming `section.field` for each value that is < 0 (None is allowed: unset)."""
     for field, value in values.items():

@@ -82,13 +82,18 @@ from spillway.layers import names
 
 
 class _Config(NamedTuple):
-    """Static (hashable) settings of one call; nondiff argument of the custom_vjp."""
+    """Static (hashable) settings of one call; nondiff argument of the custom_vjp.
+
+    A traced window is not here: it is an operand of the custom_vjp (`window`), and
+    `sliding_window` is then None.
+    """
 
     causal: bool
     sliding_window: int | None
     block_q: int
     block_k: int
     scale: float
+    softcap: float | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -96,9 +101,9 @@ class _Config(NamedTuple):
 # ----------------------------------------------------------------------------
 
 
-def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_window: int | None = None,
+def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_window: int | jax.Array | None = None,
                     q_positions_bt=None, kv_positions_bs=None, block_q: int = 512, block_k: int = 512,
-                    scale: float | None = None) -> jax.Array:
+                    scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Blockwise attention, memory linear in sequence length; see the module docstring.
 
     Args:
@@ -107,12 +112,16 @@ def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_wind
       v_bskh: values [batch, s, num_kv_heads, head_dim_v].
       causal: mask keys whose position is after the query's position.
       sliding_window: w >= 1; the query sees keys with q_pos - w < k_pos <= q_pos.
+        A Python int (static), or an integer array of shape [] (traced: one
+        layer's window in a scan over layers), where 0 means no window.
         Requires causal=True.
       q_positions_bt, kv_positions_bs: integer positions, [batch, t] / [batch, s]
         (or [t] / [s], shared by the batch). Default arange.
       block_q, block_k: tile sizes; clipped to the sequence lengths. Lengths need
         not be multiples of them.
       scale: score scale, a static Python float; default 1 / sqrt(head_dim).
+      softcap: c > 0 caps the scaled scores as c * tanh(s / c) before the mask
+        (Gemma 2), a static Python float; None: no cap.
 
     Returns:
       o_btnh: [batch, t, num_heads, head_dim_v], dtype of q.
@@ -120,13 +129,14 @@ def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_wind
     o_btnh, _ = flash_attention_with_lse(
         q_btnh, k_bskh, v_bskh, causal=causal, sliding_window=sliding_window,
         q_positions_bt=q_positions_bt, kv_positions_bs=kv_positions_bs,
-        block_q=block_q, block_k=block_k, scale=scale)
+        block_q=block_q, block_k=block_k, scale=scale, softcap=softcap)
     return o_btnh
 
 
-def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_window: int | None = None,
-                             q_positions_bt=None, kv_positions_bs=None, block_q: int = 512,
-                             block_k: int = 512, scale: float | None = None):
+def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True,
+                             sliding_window: int | jax.Array | None = None, q_positions_bt=None,
+                             kv_positions_bs=None, block_q: int = 512, block_k: int = 512,
+                             scale: float | None = None, softcap: float | None = None):
     """As `flash_attention`, also returning the per-row logsumexp lse_bnt ([b, n, t], fp32).
 
     Both outputs are differentiable (the lse cotangent enters as ds += p * dlse),
@@ -135,12 +145,14 @@ def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sli
     lse = -inf.
     """
     q_btnh, k_bskh, v_bskh = jnp.asarray(q_btnh), jnp.asarray(k_bskh), jnp.asarray(v_bskh)
-    cfg = _check_inputs(q_btnh, k_bskh, v_bskh, causal, sliding_window, block_q, block_k, scale)
+    window = _traced_window(sliding_window, causal)
+    cfg = _check_inputs(q_btnh, k_bskh, v_bskh, causal, None if window is not None else sliding_window,
+                        block_q, block_k, scale, softcap)
     b, t = q_btnh.shape[:2]
     s = k_bskh.shape[1]
     q_pos_bt = _positions(q_positions_bt, b, t, "q_positions_bt")
     kv_pos_bs = _positions(kv_positions_bs, b, s, "kv_positions_bs")
-    return _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+    return _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
 
 
 # ----------------------------------------------------------------------------
@@ -148,7 +160,20 @@ def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sli
 # ----------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, causal, sliding_window, block_q, block_k, scale) -> _Config:
+def _traced_window(sliding_window, causal):
+    """An array window as an int32 scalar operand (0: no window), or None for a static (or no) window."""
+    if sliding_window is None or isinstance(sliding_window, numbers.Number):
+        return None   # static: checked by _check_inputs
+    window = jnp.asarray(sliding_window)
+    if window.shape != () or not jnp.issubdtype(window.dtype, jnp.integer):
+        raise ValueError(f"flash_attention: a traced sliding_window must be an integer scalar, "
+                         f"got {window.dtype}{list(window.shape)}")
+    if not causal:
+        raise ValueError("flash_attention: sliding_window requires causal=True")
+    return window.astype(jnp.int32)
+
+
+def _check_inputs(q, k, v, causal, sliding_window, block_q, block_k, scale, softcap) -> _Config:
     for name, x in (("q_btnh", q), ("k_bskh", k), ("v_bskh", v)):
         if x.ndim != 4:
             raise ValueError(f"flash_attention: {name} must have rank 4 [batch, seq, heads, head_dim], "
@@ -178,13 +203,17 @@ def _check_inputs(q, k, v, causal, sliding_window, block_q, block_k, scale) -> _
             # A look-back window without the causal bound would let a query see
             # every future key; no model we know wants that, so refuse it.
             raise ValueError("flash_attention: sliding_window requires causal=True")
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"flash_attention: {name} must be a positive finite float or None, got {value!r}")
     if scale is None:
         scale = q.shape[3] ** -0.5
     # Clip blocks to the lengths so short sequences are not padded to 512.
     t, s = q.shape[1], k.shape[1]
     return _Config(causal=bool(causal), sliding_window=None if sliding_window is None else int(sliding_window),
                    block_q=max(1, min(int(block_q), t)), block_k=max(1, min(int(block_k), s)),
-                   scale=float(scale))
+                   scale=float(scale), softcap=None if softcap is None else float(softcap))
 
 
 def _positions(pos, b, n, name):
@@ -265,11 +294,22 @@ class _Layout(NamedTuple):
     kv_pos_bs: jax.Array      # [b, Sp] int32
     kv_valid_bs: jax.Array    # [b, Sp] bool
     visit_ij: jax.Array       # [nq, nk] bool: block (i, j) may hold a visible entry
+    window: jax.Array | None  # traced int32 window (0: none), or None (static cfg.sliding_window)
     num_q_blocks: int
     num_k_blocks: int
 
 
-def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs) -> _Layout:
+def _in_window(cfg: _Config, window, k_pos_bj, q_pos_bi):
+    """[b, i, j]: k_pos > q_pos - w for the static or traced window (True everywhere for a traced 0);
+    None without a window (and no op traced then: a windowless call is the program it always was)."""
+    if cfg.sliding_window is not None:
+        return k_pos_bj[:, None, :] > q_pos_bi[:, :, None] - cfg.sliding_window
+    if window is not None:
+        return (window <= 0) | (k_pos_bj[:, None, :] > q_pos_bi[:, :, None] - window)
+    return None
+
+
+def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window) -> _Layout:
     b, t = q_btnh.shape[:2]
     s = k_bskh.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
@@ -293,9 +333,10 @@ def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs) -> _Layou
         k_min_bj = jnp.where(kv_valid_bs, kv_pos_bs, big).reshape(b, nk, bk).min(-1)
         k_max_bj = jnp.where(kv_valid_bs, kv_pos_bs, -big).reshape(b, nk, bk).max(-1)
         visit_bij = k_min_bj[:, None, :] <= q_max_bi[:, :, None]
-        if cfg.sliding_window is not None:
-            # q_min is +big on an all-padding block: big - w cannot overflow.
-            visit_bij &= k_max_bj[:, None, :] > q_min_bi[:, :, None] - cfg.sliding_window
+        # q_min is +big on an all-padding block: big - w (w >= 0) cannot overflow.
+        in_window_bij = _in_window(cfg, window, k_max_bj, q_min_bi)
+        if in_window_bij is not None:
+            visit_bij &= in_window_bij
         visit_ij = visit_bij.any(0)
     else:
         visit_ij = jnp.ones((nq, nk), bool)
@@ -303,7 +344,7 @@ def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs) -> _Layou
     return _Layout(
         q_btnh=_pad_axis(q_btnh, 1, tp), k_bskh=_pad_axis(k_bskh, 1, sp), v_bskh=_pad_axis(v_bskh, 1, sp),
         q_pos_bt=q_pos_bt, q_valid_bt=q_valid_bt, kv_pos_bs=kv_pos_bs, kv_valid_bs=kv_valid_bs,
-        visit_ij=visit_ij, num_q_blocks=nq, num_k_blocks=nk)
+        visit_ij=visit_ij, window=window, num_q_blocks=nq, num_k_blocks=nk)
 
 
 def _block_mask(cfg: _Config, lay: _Layout, g, q0, k0):
@@ -315,8 +356,9 @@ def _block_mask(cfg: _Config, lay: _Layout, g, q0, k0):
     mask_brs = q_valid_br[:, :, None] & _slice(lay.kv_valid_bs, k0, bk, 1)[:, None, :]
     if cfg.causal:
         mask_brs &= k_pos_bs[:, None, :] <= q_pos_br[:, :, None]
-    if cfg.sliding_window is not None:
-        mask_brs &= k_pos_bs[:, None, :] > q_pos_br[:, :, None] - cfg.sliding_window
+    in_window_brs = _in_window(cfg, lay.window, k_pos_bs, q_pos_br)
+    if in_window_brs is not None:
+        mask_brs &= in_window_brs
     return mask_brs[:, None]
 
 
@@ -342,12 +384,20 @@ def _visited_range(visit_n):
 # ----------------------------------------------------------------------------
 
 
-def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
+def _capped(cfg: _Config, s_bkrs):
+    """The scores after soft-capping: (c * tanh(s / c), tanh(s / c)), or (s, None) without a cap."""
+    if cfg.softcap is None:
+        return s_bkrs, None
+    tanh_bkrs = jnp.tanh(s_bkrs / cfg.softcap)
+    return cfg.softcap * tanh_bkrs, tanh_bkrs
+
+
+def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window):
     b, t, n, _ = q_btnh.shape
     kv, hv = v_bskh.shape[2], v_bskh.shape[3]
     g = n // kv
     bq, bk = cfg.block_q, cfg.block_k
-    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
     rows = bq * g
 
     def q_block(i, carry):
@@ -362,6 +412,7 @@ def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
             v_bksh = _kv_heads_first(_slice(lay.v_bskh, k0, bk, 1))
             s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh,
                                 preferred_element_type=jnp.float32) * cfg.scale
+            s_bkrs, _ = _capped(cfg, s_bkrs)   # soft-cap first, then the mask
             s_bkrs = jnp.where(_block_mask(cfg, lay, g, q0, k0), s_bkrs, -jnp.inf)
             m_new = jnp.maximum(m_bkr, s_bkrs.max(-1))
             # A row with nothing visible yet has m = -inf; shift by 0 there
@@ -399,12 +450,13 @@ def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
 # ----------------------------------------------------------------------------
 
 
-def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt, do_btnh, dlse_bnt):
+def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt, do_btnh,
+              dlse_bnt):
     b, t, n, h = q_btnh.shape
     s, kv, hv = v_bskh.shape[1], v_bskh.shape[2], v_bskh.shape[3]
     g = n // kv
     bq, bk = cfg.block_q, cfg.block_k
-    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
     tp, sp = lay.num_q_blocks * bq, lay.num_k_blocks * bk
 
     # D = rowsum(dO * O): the softmax-Jacobian term, fp32. An lse cotangent adds
@@ -433,12 +485,17 @@ def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh,
             d_bkr = _stat_to_rows(_slice(d_bnt, q0, bq, 2), kv)
             s_bkrs = jnp.einsum("bkrh,bksh->bkrs", q_bkrh, k_bksh,
                                 preferred_element_type=jnp.float32) * cfg.scale
+            s_bkrs, tanh_bkrs = _capped(cfg, s_bkrs)
             p_bkrs = jnp.where(_block_mask(cfg, lay, g, q0, k0), jnp.exp(s_bkrs - lse_bkr[..., None]), 0.0)
             dv_bksh = dv_bksh + jnp.einsum("bkrs,bkrh->bksh", p_bkrs.astype(do_bkrh.dtype), do_bkrh,
                                            preferred_element_type=jnp.float32)
             dp_bkrs = jnp.einsum("bkrh,bksh->bkrs", do_bkrh, v_bksh, preferred_element_type=jnp.float32)
-            # Fold the score scale into ds once rather than into both grads.
-            ds_bkrs = p_bkrs * (dp_bkrs - d_bkr[..., None]) * cfg.scale
+            # Fold the score scale into ds once rather than into both grads. Under a soft-cap
+            # the chain rule adds d(c tanh(s / c))/ds = 1 - tanh(s / c)^2, from the capped scores.
+            if tanh_bkrs is None:
+                ds_bkrs = p_bkrs * (dp_bkrs - d_bkr[..., None]) * cfg.scale
+            else:
+                ds_bkrs = p_bkrs * (dp_bkrs - d_bkr[..., None]) * (1.0 - tanh_bkrs * tanh_bkrs) * cfg.scale
             dk_bksh = dk_bksh + jnp.einsum("bkrs,bkrh->bksh", ds_bkrs.astype(q_bkrh.dtype), q_bkrh,
                                            preferred_element_type=jnp.float32)
             dq_bkrh = jnp.einsum("bkrs,bksh->bkrh", ds_bkrs.astype(k_bksh.dtype), k_bksh,
@@ -470,27 +527,27 @@ def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
-    return _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+def _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window):
+    return _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
 
 
-def _flash_fwd(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs):
-    o_btnh, lse_bnt = _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs)
+def _flash_fwd(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window):
+    o_btnh, lse_bnt = _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
     # Both share one name so a remat policy keeps (or offloads) them together:
     # the backward needs both, or it reruns the forward (module docstring).
     o_btnh = checkpoint_name(o_btnh, names.ATTN_CONTEXT)
     lse_bnt = checkpoint_name(lse_bnt, names.ATTN_CONTEXT)
-    residuals = (q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt)
+    residuals = (q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt)
     return (o_btnh, lse_bnt), residuals
 
 
 def _flash_bwd(cfg, residuals, cotangents):
-    q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt = residuals
+    q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt = residuals
     do_btnh, dlse_bnt = cotangents
-    dq, dk, dv = _backward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, o_btnh, lse_bnt,
+    dq, dk, dv = _backward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt,
                            do_btnh, dlse_bnt)
-    # Positions are integers: no cotangent.
-    return dq, dk, dv, None, None
+    # Positions and the window are integers: no cotangent.
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,5 +1,9 @@
 """Feed-forward layers: gated (SwiGLU, GeGLU) and plain GELU MLPs, with or without biases.
 
+Both GELUs are the tanh approximation: "geglu" is Gemma's gated MLP
+(transformers' `gelu_pytorch_tanh`), down(gelu_tanh(gate(x)) * up(x)); "gelu"
+is GPT-2's `gelu_new`.
+
 Both tag their matmul outputs: the up/gate projections as MLP_HIDDEN and the
 down projection as MLP_OUT, so an OffloadPolicy can keep, offload or recompute
 them.

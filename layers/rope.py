@@ -2,6 +2,11 @@
 
 Uses the "rotate half" layout of Hugging Face Llama checkpoints: the first and
 second halves of each head dimension form the rotated pairs.
+
+`inverse_frequencies` takes a static base (NumPy, constant-folded into the
+program); `traced_inverse_frequencies` the same for a traced base and linear
+scale (a layer's LayerValues, layers/layer_values.py), in float32 as Hugging
+Face computes them.
 """
 
 from __future__ import annotations
@@ -51,7 +56,28 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return np.where(is_medium, interpolated, scaled).astype(np.float32)
 
 
-def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h2: np.ndarray) -> jax.Array:
+def traced_inverse_frequencies(head_dim: int, theta: jax.Array, linear_scale: jax.Array | float = 1.0,
+                               scaling: RopeScaling | None = None) -> jax.Array:
+    """`inverse_frequencies` for a traced base, divided by a (traced) linear scale: Hugging Face's "linear"
+    rope scaling (inv_freq / factor, i.e. positions / factor). A static Llama 3.1 `scaling` applies too."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponents)
+    if scaling is not None:
+        low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+        inv_freq = jnp.where(is_medium, interpolated, scaled)
+    return inv_freq / jnp.asarray(linear_scale, jnp.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h2: np.ndarray | jax.Array) -> jax.Array:
     """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq]."""
     angles_bth2 = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h2)
     cos = jnp.cos(angles_bth2)[:, :, None, :]

@@ -24,11 +24,21 @@ Block weights in pinned host memory (a recipe's offload.params=host) are
 created there a layer at a time and brought into HBM one layer per scan
 iteration (layers/host_weights.py); the stack notices them by their memory
 space, and keeps their device copies out of every segment's remat residuals.
+
+Layers that differ (layers/layer_pattern.py). Per-layer values (Gemma's
+sliding window, RoPE base and scale per layer) are `LayerValues` arrays [L]
+scanned as data beside the weights and handed to each block in its
+`BlockContext`: the weights stay one stack, the body one compiled block, and
+remat segments, the host weight stream and the layer hook slice them with the
+weights. Layers of another structure are a run of their own (`StackRun`):
+their own weight stack and their own scans, one per remat segment the run
+meets.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
 import jax
 import jax.extend.core as jex_core
@@ -37,6 +47,8 @@ from flax import nnx
 
 from spillway.layers import host_weights, layer_hook, names
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
+from spillway.layers.errors import ConfigError
+from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds, values_of
 from spillway.layers.offload import OffloadPolicy, RematPlan
 from spillway.layers.sharding import constrain
 
@@ -84,26 +96,72 @@ def host_offloaded_names(closed_jaxpr) -> collections.Counter:
 
 
 class BlockStack(nnx.Module):
+    """The layers of a model: stacked weights per run of one structure, scanned per remat segment.
+
+    `BlockStack(cfg, num_layers, ...)` is a uniform stack: every layer is
+    `cfg`. `layer_settings` (one `LayerSettings` per layer) gives layers their
+    own window / RoPE base / RoPE scale, scanned as `LayerValues` beside the
+    weights; `runs` (`StackRun`s covering the layers in order) gives
+    consecutive layers another structure, each run its own weight stack. One
+    run keeps its weights under `blocks` (the path every checkpoint and
+    Hugging Face table of a uniform stack uses); several keep them under
+    `runs` (an nnx.List of the runs' stacked blocks, first layers first).
+    """
+
     def __init__(self, cfg: BlockConfig, num_layers: int, *, block_cls: type = TransformerBlock,
-                 remat: str | OffloadPolicy | RematPlan = "recompute_all", rngs: nnx.Rngs):
+                 remat: str | OffloadPolicy | RematPlan = "recompute_all", rngs: nnx.Rngs,
+                 runs: Sequence[StackRun] | None = None, layer_settings: Sequence[LayerSettings] | None = None):
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
-        if not (isinstance(block_cls, type) and issubclass(block_cls, TransformerBlock)):
-            raise TypeError(f"block_cls must subclass TransformerBlock, got {block_cls!r}")
+        runs = check_runs(runs or (StackRun(cfg, num_layers),), num_layers)
+        classes = tuple(run.block_cls or block_cls for run in runs)
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, TransformerBlock)):
+                raise TypeError(f"block_cls must subclass TransformerBlock, got {cls!r}")
+        if layer_settings is not None and len(layer_settings) != num_layers:
+            raise ConfigError(f"{len(layer_settings)} per-layer settings for a stack of {num_layers} layers")
         self.num_layers = num_layers
         self.plan = RematPlan.parse(remat)
         self.segments = tuple(self.plan.resolve(num_layers))  # hashable: graphdefs are jit static args
+        self.run_bounds = run_bounds(runs)
+        # Static (hashable) per-layer settings, or None when every layer is its run's block config as is:
+        # then the blocks read their static values and the program is the uniform stack's.
+        self.layer_settings = tuple(layer_settings) if needs_values(layer_settings, runs) else None
 
-        self.blocks = self._make_blocks(cfg, num_layers, block_cls, rngs)
-        for _, var in nnx.iter_graph(self.blocks):
-            if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
-                var.set_metadata(logical_axes=(names.LAYERS,) + tuple(var.get_metadata()["logical_axes"]))
-        self.block_names = frozenset(self._trace_tagged_names(cfg))
+        stacks = [self._make_blocks(run.block, run.num_layers, cls, rngs) for run, cls in zip(runs, classes)]
+        for stack in stacks:
+            for _, var in nnx.iter_graph(stack):
+                if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
+                    var.set_metadata(logical_axes=(names.LAYERS,) + tuple(var.get_metadata()["logical_axes"]))
+        if len(stacks) == 1:
+            self.blocks = stacks[0]
+        else:
+            self.runs = nnx.List(stacks)
+        tagged = [self._trace_tagged_names(stack, run.block) for stack, run in zip(stacks, runs)]
+        self.block_names = frozenset().union(*tagged)
         unknown = self.plan.names() - self.block_names
         if unknown:
             raise ValueError(
-                f"remat plan names {sorted(unknown)}, which {block_cls.__name__} never tags "
-                f"(it tags {sorted(self.block_names)}); the policy would silently do nothing")
+                f"remat plan names {sorted(unknown)}, which {'/'.join(sorted({c.__name__ for c in classes}))} "
+                f"never tags (it tags {sorted(self.block_names)}); the policy would silently do nothing")
+
+    def run_stacks(self) -> list:
+        """The stacked blocks of each run, first layers first."""
+        return [self.blocks] if hasattr(self, "blocks") else list(self.runs)
+
+    def pieces(self) -> list[tuple[int, int, int, OffloadPolicy]]:
+        """[(run, first layer, stop, policy)]: each run cut at the remat plan's segment boundaries.
+
+        Every boundary is honoured: the per-layer values are sliced with the
+        weights, so a segment may start at any layer, inside a run or at its edge.
+        """
+        out = []
+        for run, (run_start, run_stop) in enumerate(self.run_bounds):
+            for seg_start, seg_stop, policy in self.segments:
+                start, stop = max(run_start, seg_start), min(run_stop, seg_stop)
+                if start < stop:
+                    out.append((run, start, stop, policy))
+        return out
 
     @staticmethod
     def _make_blocks(cfg: BlockConfig, num_layers: int, block_cls: type, rngs: nnx.Rngs):
@@ -125,8 +183,9 @@ class BlockStack(nnx.Module):
             return carry, block
         return make_one(0, rngs)[1]
 
-    def _trace_tagged_names(self, cfg: BlockConfig) -> set[str]:
-        graphdef, state = nnx.split(self.blocks)
+    @staticmethod
+    def _trace_tagged_names(blocks, cfg: BlockConfig) -> set[str]:
+        graphdef, state = nnx.split(blocks)
         layer_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         x = jax.ShapeDtypeStruct((1, 8, cfg.d_model), cfg.execution.compute_dtype)
 
@@ -136,61 +195,80 @@ class BlockStack(nnx.Module):
 
         return tagged_names(jax.make_jaxpr(one_block)(layer_state, x))
 
+    def _values(self, start: int, stop: int):
+        """The LayerValues of layers [start, stop) (constants of the program), or None for static values."""
+        if self.layer_settings is None:
+            return None
+        return jax.tree.map(jnp.asarray, values_of(self.layer_settings[start:stop]))
+
     def __call__(self, x_btd: jax.Array, ctx: BlockContext, cache: dict | None = None):
         """Runs all layers. `cache` (decoding) holds arrays with a leading layer axis."""
-        graphdef, state = nnx.split(self.blocks)
+        split = [nnx.split(stack) for stack in self.run_stacks()]
         hook = layer_hook.current()
         if hook is not None:
-            if cache is not None or len(self.segments) != 1:
-                raise ValueError(f"a layer hook runs in training with one activation policy for every layer; "
-                                 f"this stack has {len(self.segments)} segments"
-                                 + (" and a decoding cache" if cache is not None else ""))
-            return self._scan_with_hook(graphdef, state, x_btd, ctx, self.segments[0][2], hook), None
+            if cache is not None or len(self.segments) != 1 or len(split) != 1:
+                raise ConfigError(
+                    f"a layer hook (offload.update=next_forward) runs in training with one activation policy "
+                    f"for every layer and one run of layers; this stack has {len(self.segments)} segments and "
+                    f"{len(split)} runs" + (" and a decoding cache" if cache is not None else ""))
+            graphdef, state = split[0]
+            return self._scan_with_hook(graphdef, state, self._values(0, self.num_layers), x_btd, ctx,
+                                        self.segments[0][2], hook), None
         new_caches = []
-        for start, stop, policy in self.segments:
-            take = lambda a: a[start:stop]  # noqa: E731 — a slice of the layer axis
-            seg_cache = None if cache is None else jax.tree.map(take, cache)
-            x_btd, seg_cache = self._scan(graphdef, jax.tree.map(take, state), x_btd, ctx, seg_cache, policy)
+        for run, start, stop, policy in self.pieces():
+            graphdef, state = split[run]
+            offset = self.run_bounds[run][0]
+            take = lambda a, lo=start - offset, hi=stop - offset: a[lo:hi]  # noqa: E731 — layers of the run
+            seg_cache = None if cache is None else jax.tree.map(lambda a: a[start:stop], cache)
+            x_btd, seg_cache = self._scan(graphdef, jax.tree.map(take, state), self._values(start, stop), x_btd,
+                                          ctx, seg_cache, policy)
             new_caches.append(seg_cache)
         if cache is None:
             return x_btd, None
         return x_btd, jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *new_caches)
 
     @staticmethod
-    def _scan_with_hook(graphdef, state, x_btd, ctx, policy: OffloadPolicy, hook):
+    def _scan_with_hook(graphdef, state, values, x_btd, ctx, policy: OffloadPolicy, hook):
         """All layers in one scan, `hook.before_layer` run before each outside the rematerialised body."""
         body = BlockStack._layer_body(graphdef, state, ctx, policy)
         num_layers = jax.tree.leaves(state)[0].shape[0]
 
         def hooked(carry, layer):
             x_btd, hook_carry = carry
-            layer_state, layer_index = layer
+            layer_state, layer_values, layer_index = layer
             hook_carry, layer_state, outputs = hook.before_layer(hook_carry, layer_index, layer_state)
-            x_btd, _ = body(x_btd, (layer_state, None))
+            x_btd, _ = body(x_btd, (layer_state, None, layer_values))
             return (x_btd, hook_carry), outputs
 
-        (x_btd, _), outputs = jax.lax.scan(hooked, (x_btd, hook.start()), (state, jnp.arange(num_layers)))
+        (x_btd, _), outputs = jax.lax.scan(hooked, (x_btd, hook.start()),
+                                           (state, values, jnp.arange(num_layers)))
         hook.collect(outputs)
         return x_btd
 
     @staticmethod
-    def _scan(graphdef, seg_state, x_btd, ctx, seg_cache, policy: OffloadPolicy):
+    def _scan(graphdef, seg_state, seg_values, x_btd, ctx, seg_cache, policy: OffloadPolicy):
         body = BlockStack._layer_body(graphdef, seg_state, ctx, policy)
-        return jax.lax.scan(body, x_btd, (seg_state, seg_cache))
+        return jax.lax.scan(body, x_btd, (seg_state, seg_cache, seg_values))
 
     @staticmethod
     def _layer_body(graphdef, seg_state, ctx, policy: OffloadPolicy):
-        """One layer as a scan body (x, (layer state, layer cache)) -> (x, layer cache), rematerialised
-        as `policy` says."""
+        """One layer as a scan body (x, (layer state, layer cache, layer values)) -> (x, layer cache),
+        rematerialised as `policy` says.
+
+        It returns the residual stream and the cache only, never the module
+        state: a body that hands back the layer's weights makes the scan stack
+        them again, a second copy of every weight (tests/layers/test_stack_patterns.py).
+        """
         weights_on_host = host_weights.any_in_host_memory(seg_state)
 
         def body(x_btd, layer):
             # The residual stream is pinned at the block boundary too, so a
             # subclass's own forward() keeps the batch layout between blocks.
-            layer_state, layer_cache = layer
+            layer_state, layer_cache, layer_values = layer
             # Host-resident weights (offload.params=host) come into HBM one layer per iteration.
             layer_state = host_weights.layer_to_device(layer_state)
-            x_btd, layer_cache = nnx.merge(graphdef, layer_state)(constrain(x_btd, names.RESIDUAL_AXES), ctx,
+            layer_ctx = ctx if layer_values is None else ctx._replace(layer_values=layer_values)
+            x_btd, layer_cache = nnx.merge(graphdef, layer_state)(constrain(x_btd, names.RESIDUAL_AXES), layer_ctx,
                                                                   layer_cache)
             return constrain(x_btd, names.RESIDUAL_AXES), layer_cache
 

@@ -6,7 +6,7 @@ the generic code needs: the model is built from it, parameters and FLOPs are
 counted from it, and the KV cache is laid out from it.
 
     tokens -> embedding (* embed_scale) (+ learned positions) -> BlockStack
-           -> final norm -> head (tied to the embedding or separate) -> logits
+           -> final norm -> head (tied to the embedding or separate) -> logits (soft-capped)
 
 `DecoderLM` answers `model(tokens_bt)` with logits [batch, seq, vocab], and
 `model(tokens_bt, cache=..., cache_index=...)` with (logits, cache) when
@@ -27,6 +27,7 @@ from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.embed import Embedding, LMHead, PositionEmbedding
 from spillway.layers.errors import ConfigError
 from spillway.layers.execution import Execution
+from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds
 from spillway.layers.norm import make_norm
 from spillway.layers.offload import OffloadPolicy, RematPlan
 from spillway.layers.stack import BlockStack
@@ -34,27 +35,27 @@ from spillway.layers.stack import BlockStack
 
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
-    """The shape of a decoder-only model: what generic code may ask of any dense family.
+    """The shape of a decoder-only model: what generic code may ask of any family.
 
-    Every layer is the same block (`block`): the stack is one scan over
-    identical layers. That is what refuses per-layer attention patterns today
-    (Gemma 2/3's alternating local sliding-window and global layers, Qwen
-    configs that window only some layers; see `PER_LAYER_PATTERN_NEEDS`).
-    Supporting them would take, in this order:
+    `block` is every layer's structure (and its static window and RoPE base).
+    Layers may differ two ways (layers/layer_pattern.py, docs/DESIGN.md section 2):
 
-      1. a layer pattern here: `blocks: tuple[BlockConfig, ...]`, one config
-         per layer kind, repeated to `num_layers` (Gemma 3: five local, one
-         global), with `layer_params`, `kv_cache_shape` and the FLOP count
-         (models/flops.py) summed per kind, windows per kind;
-      2. BlockStack (layers/stack.py) scanning over repetitions of the pattern
-         (the scanned body holds one block of each kind) plus a remainder,
-         so a heterogeneous stack stays one scan and RematPlan segments and
-         offload policies still apply per layer;
-      3. Hugging Face tables whose `{i}` maps to (repetition, kind) (models/hf.py).
+      layer_settings  one `LayerSettings` per layer: the sliding window, RoPE
+                      base and linear RoPE scale of that layer (Gemma 2's
+                      alternating local/global layers, Gemma 3's five local
+                      and one global). They are scanned as data beside the
+                      weights: one weight stack, one compiled body.
+      runs            consecutive layers of one structure (`StackRun`: a block
+                      config, its layer count, optionally its block class), in
+                      order, covering the stack; None is one run of `block`.
+                      A mixture-of-experts family's dense layers among sparse
+                      ones would be runs; the six dense families and Gemma are
+                      one run.
 
-    Gemma also needs block parts (post-attention and post-MLP norms,
-    attention and final-logit soft-capping) that are a block subclass or
-    BlockConfig switches, not spec changes; `embed_scale` is already here.
+    Parameter counts, the KV cache and the FLOP count (models/flops.py)
+    are summed over the layers' own configs (`layer_configs`).
+    `final_logit_softcap` caps the logits, cap * tanh(logits / cap) (Gemma 2),
+    wherever the head is applied: the model, the chunked loss and generation.
     """
 
     vocab_size: int
@@ -63,49 +64,104 @@ class DecoderSpec:
     block: BlockConfig
     tie_embeddings: bool = False
     learned_positions: bool = False     # GPT-2: a learned vector per position, added to the embedding
-    embed_scale: float | None = None    # multiply the embedding by this (Gemma: sqrt(d_model))
+    embed_scale: float | None = None    # multiply the embedding by this, in the compute dtype (Gemma: sqrt(d_model))
+    layer_settings: tuple[LayerSettings, ...] | None = None   # one per layer; None: every layer as its block says
+    runs: tuple[StackRun, ...] | None = None                  # None: one run of `block` over every layer
+    final_logit_softcap: float | None = None                  # Gemma 2: 30.0
 
     def __post_init__(self):
-        for field in ("vocab_size", "num_layers", "max_seq_len", "embed_scale"):
+        for field in ("vocab_size", "num_layers", "max_seq_len", "embed_scale", "final_logit_softcap"):
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ConfigError(f"{field} must be positive, got {value}")
+        if self.runs is not None:
+            object.__setattr__(self, "runs", check_runs(self.runs, self.num_layers))
+        if self.layer_settings is not None:
+            object.__setattr__(self, "layer_settings", tuple(self.layer_settings))
+            if len(self.layer_settings) != self.num_layers:
+                raise ConfigError(f"{len(self.layer_settings)} per-layer settings for {self.num_layers} layers")
+            windows = {s.sliding_window for s in self.layer_settings}
+            widest = max((w for w in windows if w is not None), default=None)
+            if None in windows and widest is not None and widest > self.max_seq_len:
+                raise ConfigError(
+                    f"the layer pattern mixes windowed and global layers, but its window ({widest}) is larger "
+                    f"than max_seq_len ({self.max_seq_len}): every windowed layer would attend globally; "
+                    f"shrink the window or give every layer global attention")
+        if self.block.execution.attention_impl == "cudnn" and needs_values(self.layer_settings, self.stack_runs()):
+            raise ConfigError("attention_impl='cudnn' takes one static window for every layer; this model's "
+                              "layers differ in their window or RoPE (a layer pattern): use attention_impl=flash")
+        heads = {(r.block.num_kv_heads, r.block.resolved_head_dim) for r in self.stack_runs()}
+        if len(heads) > 1:
+            raise ConfigError(f"the runs of layers have different KV head layouts {sorted(heads)}: the KV cache "
+                              f"is one stack over the layers")
 
     @property
     def d_model(self) -> int:
         return self.block.d_model
 
-    def layer_params(self) -> int:
-        """Parameters of one block, counted from its config."""
-        b = self.block
+    def stack_runs(self) -> tuple[StackRun, ...]:
+        """The runs of layers of one structure, first layers first (one run of `block` when `runs` is None)."""
+        return self.runs or (StackRun(self.block, self.num_layers),)
+
+    def layer_configs(self) -> tuple[BlockConfig, ...]:
+        """Each layer's block config with its own window and RoPE base (what its FLOPs and parameters follow).
+
+        A linear RoPE scale has no BlockConfig field; it changes neither.
+        """
+        configs = [run.block for run in self.stack_runs() for _ in range(run.num_layers)]
+        if self.layer_settings is None:
+            return tuple(configs)
+        return tuple(dataclasses.replace(b, sliding_window=s.sliding_window, rope_theta=s.rope_theta)
+                     for b, s in zip(configs, self.layer_settings, strict=True))
+
+    @staticmethod
+    def block_params(b: BlockConfig) -> int:
+        """Parameters of one block of config `b`, counted from its fields."""
         d, h, n, kv, f = b.d_model, b.resolved_head_dim, b.num_heads, b.num_kv_heads, b.mlp_hidden
         norm = d * (2 if b.norm == "layer" else 1)
+        norms = 4 if b.post_norms else 2    # pre-norms, and Gemma's post-attention and post-MLP norms
         attn = d * h * (2 * n + 2 * kv)
         attn += (n + 2 * kv) * h if b.qkv_bias else 0
         attn += d if b.out_bias else 0
         attn += 2 * h if b.qk_norm else 0
         mlp = (3 if b.gated_mlp else 2) * d * f
         mlp += ((2 if b.gated_mlp else 1) * f + d) if b.mlp_bias else 0
-        return 2 * norm + attn + mlp
+        return norms * norm + attn + mlp
+
+    def layer_params(self, layer: int = 0) -> int:
+        """Parameters of one layer (default the first), counted from its run's block config."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside the model's {self.num_layers} layers")
+        for (start, stop), run in zip(run_bounds(self.stack_runs()), self.stack_runs()):
+            if start <= layer < stop:
+                return self.block_params(run.block)
+        raise AssertionError("unreachable: the runs cover the layers")
 
     def num_params(self) -> int:
-        """Parameter count from the shapes alone (no allocation)."""
+        """Parameter count from the shapes alone (no allocation), summed layer by layer."""
         d = self.d_model
         embed = self.vocab_size * d
         positions = self.max_seq_len * d if self.learned_positions else 0
+        layers = sum(r.num_layers * self.block_params(r.block) for r in self.stack_runs())
         final_norm = d * (2 if self.block.norm == "layer" else 1)
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return embed + positions + self.num_layers * self.layer_params() + final_norm + head
+        return embed + positions + layers + final_norm + head
 
     def kv_cache_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
-        """Shape of each of the K and V caches: [layers, batch, max_len, kv_heads, head_dim]."""
+        """Shape of each of the K and V caches: [layers, batch, max_len, kv_heads, head_dim].
+
+        Every layer caches all `max_len` positions, windowed ones too (their
+        mask hides what lies outside the window), so the cache is one stack.
+        """
         return (self.num_layers, batch, max_len, self.block.num_kv_heads, self.block.resolved_head_dim)
 
 
-# Appended to refusals of configs whose layers differ (models/qwen.py), so the user learns what is missing.
-PER_LAYER_PATTERN_NEEDS = ("spillway's stack repeats one block kind in every layer; a per-layer attention pattern "
-                           "needs a layer pattern in DecoderSpec and a BlockStack that scans over its repetitions "
-                           "(models/decoder.py, DecoderSpec)")
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap), computed in float32 and returned in the logits' dtype; `cap` None: unchanged."""
+    if cap is None:
+        return logits
+    capped = cap * jnp.tanh(logits.astype(jnp.float32) / cap)
+    return capped.astype(logits.dtype)
 
 
 class DecoderLM(nnx.Module):
@@ -122,7 +178,8 @@ class DecoderLM(nnx.Module):
                                init_std=ex.init_std, rngs=rngs)
         self.positions = PositionEmbedding(spec.max_seq_len, spec.d_model, dtype=dtype, param_dtype=param_dtype,
                                            init_std=ex.init_std, rngs=rngs) if spec.learned_positions else None
-        self.layers = BlockStack(spec.block, spec.num_layers, block_cls=block_cls, remat=remat, rngs=rngs)
+        self.layers = BlockStack(spec.block, spec.num_layers, block_cls=block_cls, remat=remat, rngs=rngs,
+                                 runs=spec.runs, layer_settings=spec.layer_settings)
         self.final_norm = make_norm(spec.block.norm, spec.d_model, eps=spec.block.norm_eps, rngs=rngs)
         self.head = None if spec.tie_embeddings else LMHead(
             spec.d_model, spec.vocab_size, dtype=dtype, param_dtype=param_dtype, init_std=ex.init_std, rngs=rngs)
@@ -157,7 +214,9 @@ class DecoderLM(nnx.Module):
         return self.final_norm(x_btd), new_cache
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
-        return self.embed.attend(x_btd) if self.head is None else self.head(x_btd)
+        """The head's logits, soft-capped where the family caps them (Gemma 2)."""
+        logits_btv = self.embed.attend(x_btd) if self.head is None else self.head(x_btd)
+        return soft_cap(logits_btv, self.spec.final_logit_softcap)
 
     def split_head(self):
         """(logits_fn, head_params) with logits_fn(head_params, x) == self.logits(x).
@@ -168,10 +227,11 @@ class DecoderLM(nnx.Module):
         """
         module = self.embed if self.head is None else self.head
         graphdef, head_params = nnx.split(module)
+        cap = self.spec.final_logit_softcap
 
         def logits_fn(head_params, x_btd):
             head = nnx.merge(graphdef, head_params)
-            return head.attend(x_btd) if isinstance(head, Embedding) else head(x_btd)
+            return soft_cap(head.attend(x_btd) if isinstance(head, Embedding) else head(x_btd), cap)
 
         return logits_fn, head_params
 

@@ -27,7 +27,9 @@ custom backward included) and the recompute of every offload preset.
 
 Pure arithmetic on a DecoderSpec (models/decoder.py), the shape description
 every family gives: plain or gated MLP, grouped-query attention, sliding
-windows. Nothing is traced or compiled, no device is needed.
+windows, counted layer by layer from each layer's own config
+(`spec.layer_configs()`: Gemma's local layers attend through a window, its
+global ones do not). Nothing is traced or compiled, no device is needed.
 """
 
 from __future__ import annotations
@@ -107,18 +109,24 @@ def flash_attention_pairs(seq_len: int, block: int, *, sliding_window: int | Non
 ATTENTION_COUNTS = ("causal", "full", "flash")
 
 
-def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> LayerFlops:
+def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal", layer: int = 0) -> LayerFlops:
     """Forward FLOPs of one block of `spec` (a DecoderSpec) for `batch` sequences of `seq_len`.
 
+    layer: which layer (its own config: Gemma's local and global layers differ
+    in their window); default the first.
     attention: "causal" counts only the pairs the mask keeps, "full" every
     pair (XLA's dense attention, which masks after multiplying), "flash" the
     blocks layers/flash_attention.py computes (block: the spec's
     execution.flash_block_size).
     """
+    return block_flops(spec.layer_configs()[layer], batch, seq_len, attention=attention)
+
+
+def block_flops(b, batch: int, seq_len: int, *, attention: str = "causal") -> LayerFlops:
+    """Forward FLOPs of one block of config `b` (a BlockConfig): see `layer_flops`."""
     if attention not in ATTENTION_COUNTS:
         raise ValueError(f"attention must be one of {ATTENTION_COUNTS}, got {attention!r}")
     tokens = batch * seq_len
-    b = spec.block
     d, h = b.d_model, b.resolved_head_dim
     n, kv = b.num_heads, b.num_kv_heads
     if attention == "flash":
@@ -136,13 +144,24 @@ def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") ->
     )
 
 
+def stack_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> list[LayerFlops]:
+    """Forward FLOPs of every layer, first layer first (layers differ where their windows do)."""
+    cache: dict = {}   # layers of one config (most of them) are counted once
+    out = []
+    for b in spec.layer_configs():
+        if b not in cache:
+            cache[b] = block_flops(b, batch, seq_len, attention=attention)
+        out.append(cache[b])
+    return out
+
+
 def head_flops(spec, batch: int, seq_len: int) -> float:
     """The output projection to the vocabulary (tied or not, the same product)."""
     return 2.0 * batch * seq_len * spec.d_model * spec.vocab_size
 
 
 def forward_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> float:
-    return spec.num_layers * layer_flops(spec, batch, seq_len, attention=attention).total \
+    return sum(layer.total for layer in stack_flops(spec, batch, seq_len, attention=attention)) \
         + head_flops(spec, batch, seq_len)
 
 
@@ -212,12 +231,12 @@ def train_step_flops(spec, batch: int, seq_len: int, *, remat: str | OffloadPoli
     """
     impl = attention_impl or spec.block.execution.attention_impl
     plan = RematPlan.parse(remat)
-    layer = layer_flops(spec, batch, seq_len, attention={"xla": "full", "flash": "flash"}.get(impl, "causal"))
+    layers = stack_flops(spec, batch, seq_len, attention={"xla": "full", "flash": "flash"}.get(impl, "causal"))
     head = head_flops(spec, batch, seq_len)
-    forward = spec.num_layers * layer.total + head
+    forward = sum(layer.total for layer in layers) + head
     backward = 2.0 * forward
     if impl in ("flash", "cudnn"):
-        backward += spec.num_layers * layer.attn_scores   # scores recomputed in the kernel's backward
-    recompute = sum((stop - start) * recompute_per_layer(policy, layer, impl)
-                    for start, stop, policy in plan.resolve(spec.num_layers))
+        backward += sum(layer.attn_scores for layer in layers)   # scores recomputed in the kernel's backward
+    recompute = sum(recompute_per_layer(policy, layers[i], impl)
+                    for start, stop, policy in plan.resolve(spec.num_layers) for i in range(start, stop))
     return StepFlops(forward=forward, backward=backward, recompute=recompute)

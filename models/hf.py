@@ -111,6 +111,10 @@ class HFTable:
     # transformers' `base_model_prefix` when the table's names carry it: a checkpoint saved from the
     # base model (GPT-2's published files) lacks it on every name and is read as if it had it.
     base_prefix: str = ""
+    # A tower of a larger checkpoint (Gemma 3's text tower inside its multimodal model): (checkpoint prefix,
+    # table prefix) pairs. A checkpoint with any name under a non-identical checkpoint prefix is read
+    # through them, and its tensors under none of them (the vision tower) are left unread.
+    tower_prefixes: tuple[tuple[str, str], ...] = ()
 
 
 # --- tensor sources ----------------------------------------------------------
@@ -159,8 +163,34 @@ class _PrefixedSource:
         return self.source.get(name.removeprefix(self.prefix))
 
 
+class _TowerSource:
+    """The tensors of one tower of a larger checkpoint, under the table's names (`HFTable.tower_prefixes`)."""
+
+    def __init__(self, source, prefixes: tuple[tuple[str, str], ...]):
+        self.source = source
+        self.to_source: dict[str, str] = {}
+        for name in source.names():
+            for theirs, ours in prefixes:
+                if name.startswith(theirs):
+                    self.to_source.setdefault(ours + name[len(theirs):], name)
+                    break
+
+    def names(self):
+        return list(self.to_source)
+
+    def shape(self, name):
+        return self.source.shape(self.to_source[name])
+
+    def get(self, name):
+        return self.source.get(self.to_source[name])
+
+
 def _with_base_prefix(source, table: HFTable):
-    """`source` as the table names it: prefixed when it was saved from the base model (no name has the prefix)."""
+    """`source` as the table names it: prefixed when it was saved from the base model (no name has the prefix),
+    or its tower's tensors renamed when it is a larger checkpoint holding the table's model as one tower."""
+    towers = [theirs for theirs, ours in table.tower_prefixes if theirs != ours]
+    if towers and any(n.startswith(tuple(towers)) for n in source.names()):
+        return _TowerSource(source, table.tower_prefixes)
     if table.base_prefix and not any(n.startswith(table.base_prefix) for n in source.names()):
         return _PrefixedSource(source, table.base_prefix)
     return source
@@ -253,8 +283,9 @@ def _resolve(source, config) -> tuple[Any, Any]:
 class _Entry:
     weight: HFWeight
     path: tuple[str, ...]            # full spillway path
-    hf_names: tuple[str, ...]        # one per layer for per-layer weights, else one
+    hf_names: tuple[str, ...]        # one per layer (of its run) for per-layer weights, else one
     shape: tuple[int, ...]           # spillway shape of one layer's worth
+    first_layer: int = 0             # the model layer of hf_names[0]
 
     def hf_shape(self) -> tuple[int, ...]:
         shape = list(self.weight.layout.hf_shape(self.shape))
@@ -264,15 +295,38 @@ class _Entry:
         return tuple(shape)
 
 
+def _stack_runs(param_shapes: dict[tuple, tuple[int, ...]]) -> list[tuple[tuple, int]]:
+    """(path of the stacked blocks, first layer) of each run of layers, first layers first.
+
+    One run keeps its blocks at STACK_PATH; several (layers/stack.py) at
+    ("layers", "runs", k), whose layer counts are their leading dimensions.
+    """
+    if any(p[:len(STACK_PATH)] == STACK_PATH for p in param_shapes):
+        return [(STACK_PATH, 0)]
+    runs = sorted({p[2] for p in param_shapes if p[:2] == ("layers", "runs") and len(p) > 2})
+    out, first = [], 0
+    for k in runs:
+        prefix = ("layers", "runs", k)
+        out.append((prefix, first))
+        first += next(shape[0] for p, shape in param_shapes.items() if p[:3] == prefix)
+    return out
+
+
 def _entries(family, config, param_shapes: dict[tuple, tuple[int, ...]]) -> list[_Entry]:
     out = []
+    runs = _stack_runs(param_shapes)
     for w in family.hf.weights(config):
         if w.per_layer:
-            path = STACK_PATH + w.path
-            if path not in param_shapes:
-                raise AssertionError(f"{family.name} HF table names {path}, which the model does not have")
-            names = tuple(w.hf_name.format(i=i) for i in range(param_shapes[path][0]))
-            out.append(_Entry(w, path, names, param_shapes[path][1:]))
+            found = False
+            for prefix, first in runs:   # a per-layer tensor of every run whose blocks have the parameter
+                path = prefix + w.path
+                if path in param_shapes:
+                    found = True
+                    names = tuple(w.hf_name.format(i=first + i) for i in range(param_shapes[path][0]))
+                    out.append(_Entry(w, path, names, param_shapes[path][1:], first))
+            if not found:
+                raise AssertionError(f"{family.name} HF table names {STACK_PATH + w.path}, which the model "
+                                     f"does not have")
         else:
             if w.path not in param_shapes:
                 raise AssertionError(f"{family.name} HF table names {w.path}, which the model does not have")
@@ -413,9 +467,10 @@ def export_hf_state_dict(model, dtype: Any = None) -> dict[str, np.ndarray]:
     # transformers' order: the table's entries before its first per-layer one, then layer by
     # layer, then the rest (embedding, layers, final norm, head): easier to read and diff.
     first_layer = next((k for k, e in enumerate(entries) if e.weight.per_layer), len(entries))
-    num_layers = max((len(e.hf_names) for e in entries if e.weight.per_layer), default=0)
+    per_layer = [(e.first_layer + i, k, name) for k, e in enumerate(entries) if e.weight.per_layer
+                 for i, name in enumerate(e.hf_names)]
     order = [n for e in entries[:first_layer] for n in e.hf_names]
-    order += [e.hf_names[i] for i in range(num_layers) for e in entries if e.weight.per_layer]
+    order += [name for _, _, name in sorted(per_layer)]
     order += [n for e in entries[first_layer:] if not e.weight.per_layer for n in e.hf_names]
     order = list(dict.fromkeys(order))   # a fused tensor appears once
     axis_of = {n: e.weight.part[0] for e in entries if e.weight.part is not None for n in e.hf_names}

@@ -13,10 +13,11 @@ families, because their checkpoints differ:
 
 Qwen's config.json carries `use_sliding_window` / `sliding_window` /
 `max_window_layers`: with the window on, layers from `max_window_layers` up
-attend through a window and the ones below do not. spillway's stack has one
-block kind, so such a config is refused, saying what a layer pattern would
-need (models/decoder.py DecoderSpec); every published Qwen2.5 and Qwen3 dense
-checkpoint has `use_sliding_window: false`, which is read.
+attend through a window and the ones below do not. spillway's Qwen configs
+have no window field, so such a config is refused by name; every published
+Qwen2.5 and Qwen3 dense checkpoint has `use_sliding_window: false`, which is
+read. (The family spec could express it: per-layer windows are
+`DecoderSpec.layer_settings`, as the Gemma families use them.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spillway.models import hf, llama_shaped
-from spillway.models.decoder import PER_LAYER_PATTERN_NEEDS, DecoderLM
+from spillway.models.decoder import DecoderLM
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -121,7 +122,8 @@ def _refuse_sliding_layers(hf_config: Mapping[str, Any], family: str) -> None:
     hf.refuse(len(windowed) == len(layer_types), f"{where} every layer to {window} positions, and spillway's "
                                                  f"{family} has no sliding window (spillway's Mistral has one)")
     hf.refuse(True, f"{where} layers {windowed} to {window} positions (max_window_layers="
-                    f"{hf_config['max_window_layers']}) and the others not; {PER_LAYER_PATTERN_NEEDS}")
+                    f"{hf_config['max_window_layers']}) and the others not, and spillway's {family} config has "
+                    f"no per-layer windows")
 
 
 def _qwen_fields_from_hf(hf_config: Mapping[str, Any], family: str, **options) -> dict[str, Any]:

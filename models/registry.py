@@ -6,19 +6,23 @@ presets at published sizes, its model class and its Hugging Face table. A
 family config answers:
 
     config.vocab_size, config.num_layers, config.max_seq_len
-    config.decoder_spec(execution) -> DecoderSpec    shapes, parameter count, KV-cache layout
+    config.decoder_spec(execution) -> DecoderSpec    shapes, per-layer values and runs,
+                                                     parameter count, KV-cache layout
 
-and everything else follows from the spec: `Family.build` makes the model
+and the `Family` names the rest: its block class (`block_cls`, which a
+recipe's `block` replaces), its model class and its Hugging Face table.
+Everything else follows from the spec: `Family.build` makes the model
 (abstractly too, under nnx.eval_shape), models/flops.py counts training
-FLOPs from the spec's block config (plain or gated MLP, sliding windows), the
-KV cache is laid out from it, and models/hf.py reads and writes checkpoints
-through the family's `HFTable`. Generic code names no family: it looks one up
-here by name, by config class, or by Hugging Face `model_type`.
+FLOPs layer by layer from the spec's per-layer configs (plain or gated MLP,
+each layer's window), the KV cache is laid out from it, and models/hf.py reads
+and writes checkpoints through the family's `HFTable`. Generic code names no
+family: it looks one up here by name, by config class, or by Hugging Face
+`model_type`.
 
-Families still to come shape this spec: Gemma's alternating local/global
-layers (a block pattern in the spec: models/decoder.py's DecoderSpec docstring
-lists what it needs), mixture-of-experts (an expert axis and an auxiliary loss
-the train step adds). Llama-shaped families share their config base and
+Layers that differ are the spec's (models/decoder.py DecoderSpec): per-layer
+values (Gemma's windows and RoPE bases) scanned beside one weight stack, and
+runs of layers of another structure (a mixture-of-experts family's dense
+layers among sparse ones). Llama-shaped families share their config base and
 Hugging Face mapping (models/llama_shaped.py).
 """
 
@@ -45,6 +49,7 @@ class Family:
     description: str
     hf: Any = None                         # models/hf.py HFTable, or None (no Hugging Face mapping)
     model_cls: type = DecoderLM
+    block_cls: type = TransformerBlock     # the family's block; a recipe's `block` replaces it
 
     def config(self, preset: str, **overrides):
         """A preset's config with fields replaced; unknown presets and fields are errors that name them."""
@@ -63,9 +68,9 @@ class Family:
         return config.decoder_spec(execution)
 
     def build(self, config, execution: Execution = Execution(), *, rngs: nnx.Rngs,
-              remat="recompute_all", block_cls: type = TransformerBlock):
-        """The model of `config` (call under nnx.eval_shape for shapes only)."""
-        return self.model_cls(config, execution, rngs=rngs, remat=remat, block_cls=block_cls)
+              remat="recompute_all", block_cls: type | None = None):
+        """The model of `config` (call under nnx.eval_shape for shapes only); `block_cls` None: the family's."""
+        return self.model_cls(config, execution, rngs=rngs, remat=remat, block_cls=block_cls or self.block_cls)
 
     def abstract(self, config, execution: Execution = Execution(), **kwargs):
         """The model with ShapeDtypeStructs for parameters: nothing allocated."""
@@ -77,7 +82,7 @@ FAMILIES: dict[str, Family] = {}
 # Imported on first lookup, so that `models.registry` itself stays import-light and a
 # family module can import this one.
 _FAMILY_MODULES = ("spillway.models.llama", "spillway.models.gpt2", "spillway.models.mistral",
-                   "spillway.models.qwen")
+                   "spillway.models.qwen", "spillway.models.gemma")
 
 
 def register_family(family: Family) -> Family:

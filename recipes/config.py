@@ -225,6 +225,7 @@ class Recipe:
                                   "optimizer.update_on_host=true runs it on the host CPU instead: set one of them")
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
+        self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
 
     @property
     def family(self) -> str:
@@ -243,9 +244,8 @@ class Recipe:
         return self.decoder_spec().num_params()
 
     def block_class(self) -> type:
-        """The TransformerBlock subclass `block` names (the base class when None)."""
-        from spillway.layers.block import TransformerBlock
-        return TransformerBlock if self.block is None else resolve_block_class(self.block)
+        """The TransformerBlock subclass `block` names (the family's own block when None)."""
+        return get_family(self.family).block_cls if self.block is None else resolve_block_class(self.block)
 
     def build_model(self, rngs):
         """The model with the recipe's activation plan (call under nnx.eval_shape for shapes only)."""

@@ -95,10 +95,11 @@ def steps_for(token_budget: float, tokens_per_step: int) -> int:
 def _pretraining_recipe(name: str, *, model, description: str, sources: str, corpus: str, tokenizer_origin: str,
                         seq_len: int, global_batch: int, grad_accum: int, token_budget: float,
                         optimizer: OptimizerConfig, offload: OffloadConfig, val_fraction: float = 0.001,
-                        eval_every: int = 1000, eval_batches: int = 4, checkpoint_every: int = 1000) -> Recipe:
+                        eval_every: int = 1000, eval_batches: int = 4, checkpoint_every: int = 1000,
+                        execution: Execution = GPU_EXECUTION) -> Recipe:
     """A GPU pretraining recipe; `global_batch` sequences of `seq_len` per step, `grad_accum` micro-batches."""
     return Recipe(
-        name=name, description=description, sources=sources, model=model, execution=GPU_EXECUTION,
+        name=name, description=description, sources=sources, model=model, execution=execution,
         data=DataConfig(source=corpus, text_field="text", tokenizer=f"{TOKENIZERS_DIR}/{tokenizer_origin}",
                         tokenizer_origin=tokenizer_origin, seq_len=seq_len, val_fraction=val_fraction, num_proc=16),
         optimizer=optimizer,
@@ -316,5 +317,90 @@ def qwen3_8b() -> Recipe:
         corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-8B-Base",
         seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=64,
         token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
+                              target_devices=8))
+
+
+# --- Gemma -----------------------------------------------------------------------
+from spillway.models.gemma import gemma2_config, gemma3_config  # noqa: E402
+
+
+@register("gemma2_tiny")
+def gemma2_tiny() -> Recipe:
+    """CPU-sized Gemma 2: alternating 32-token sliding-window and global layers over 128 tokens, soft-caps."""
+    return _cpu_recipe("gemma2_tiny", gemma2_config("tiny"),
+                       "4-layer Gemma 2 (local/global layers, window 32 over 128 tokens, soft-capped attention "
+                       "and logits) on the stdlib corpus")
+
+
+@register("gemma3_tiny")
+def gemma3_tiny() -> Recipe:
+    """CPU-sized Gemma 3: 8 layers of five local and one global (one period and two more), two RoPE bases."""
+    return _cpu_recipe("gemma3_tiny", gemma3_config("tiny"),
+                       "8-layer Gemma 3 (five local layers and one global, window 32 over 128 tokens, RoPE bases "
+                       "10,000 and 1,000,000) on the stdlib corpus")
+
+
+# Soft-capped attention has no cuDNN kernel, and cuDNN takes no per-layer window: the Gemma recipes run the
+# blockwise JAX attention (layers/flash_attention.py), which has both, forward and backward.
+GEMMA_EXECUTION = dataclasses.replace(GPU_EXECUTION, attention_impl="flash")
+GEMMA_OPTIMIZER_SOURCE = ("the Gemma reports publish no learning rate, schedule or batch (and the small models "
+                          f"were distilled from a larger teacher, which this recipe does not do), so the optimizer "
+                          f"and 4M-token batch are {LLAMA2_SOURCE}: our choice")
+
+
+def _gemma_recipe(name: str, **kwargs) -> Recipe:
+    """A GPU pretraining recipe (`_pretraining_recipe`) running the blockwise JAX attention."""
+    return _pretraining_recipe(name, execution=GEMMA_EXECUTION, **kwargs)
+
+
+@register("gemma2_2b")
+def gemma2_2b() -> Recipe:
+    """Gemma 2 2B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
+    return _gemma_recipe(
+        "gemma2_2b", model=gemma2_config("gemma2_2b"),
+        description="Gemma 2 2B from scratch on FineWeb-Edu with the Gemma tokenizer, for 2T tokens",
+        sources=(
+            "2T tokens is the Gemma 2 model card's budget for 2B, and 8192 its context length (Gemma Team 2024, 'Gemma 2: Improving Open Language Models at a "
+            f"Practical Size'); {GEMMA_OPTIMIZER_SOURCE}; the corpus and micro-batch are our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="google/gemma-2-2b",
+        seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=128,
+        token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
+
+
+GEMMA3_SEQUENCE = ("sequence 32768 is Gemma 3's pretraining length (Gemma Team 2025, 'Gemma 3 Technical Report': "
+                   "32K sequences, the 4B and larger extended to 128K at the end of pretraining, which this "
+                   "recipe does not do)")
+
+
+@register("gemma3_1b")
+def gemma3_1b() -> Recipe:
+    """Gemma 3 1B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
+    return _gemma_recipe(
+        "gemma3_1b", model=gemma3_config("gemma3_1b"),
+        description="Gemma 3 1B from scratch on FineWeb-Edu with the Gemma 3 tokenizer, for 2T tokens",
+        sources=(
+            "2T tokens is the Gemma 3 model "
+            f"card's budget for 1B; {GEMMA3_SEQUENCE}; {GEMMA_OPTIMIZER_SOURCE}; the corpus and micro-batch are "
+            "our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="google/gemma-3-1b-pt",
+        seq_len=32768, global_batch=LLAMA2_BATCH_TOKENS // 32768, grad_accum=128,
+        token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
+        offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200"))
+
+
+@register("gemma3_12b")
+def gemma3_12b() -> Recipe:
+    """Gemma 3 12B (text tower) from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
+    return _gemma_recipe(
+        "gemma3_12b", model=gemma3_config("gemma3_12b", max_seq_len=32768),
+        description="Gemma 3 12B's text tower from scratch on FineWeb-Edu with the Gemma 3 tokenizer, for 12T tokens",
+        sources=(
+            f"12T tokens is the Gemma 3 model card's budget for 12B; {GEMMA3_SEQUENCE}; {GEMMA_OPTIMIZER_SOURCE}; "
+            "the corpus, text-only training (the published model is multimodal) and micro-batch are our choice"),
+        corpus=FINEWEB_EDU, tokenizer_origin="google/gemma-3-12b-pt",
+        seq_len=32768, global_batch=LLAMA2_BATCH_TOKENS // 32768, grad_accum=16,
+        token_budget=12e12, optimizer=LLAMA2_OPTIMIZER,
         offload=OffloadConfig(activations="save_dots", optimizer_state="device", target_gpu="h200",
                               target_devices=8))

@@ -1,4 +1,9 @@
-"""The training loss: next-token cross-entropy in float32, whole or a chunk of tokens at a time."""
+"""The training loss: next-token cross-entropy in float32, whole or a chunk of tokens at a time.
+
+Both see the logits the model gives: a family's final-logit soft-cap (Gemma 2)
+is applied by the model's head, whole (`DecoderLM.logits`) or as the
+`logits_fn` of `DecoderLM.split_head` that the chunked loss calls per chunk.
+"""
 
 from __future__ import annotations
 

@@ -99,8 +99,8 @@ def test_flash_pairs_are_the_blocks_the_kernel_visits(seq_len, block, window):
     from spillway.layers import flash_attention as kernel
 
     q = jnp.zeros((1, seq_len, 1, 2), jnp.float32)
-    cfg = kernel._check_inputs(q, q, q, True, window, block, block, None)
-    layout = kernel._layout(cfg, q, q, q, None, None)
+    cfg = kernel._check_inputs(q, q, q, True, window, block, block, None, None)   # no scale, no soft-cap
+    layout = kernel._layout(cfg, q, q, q, None, None, None)   # the window is static here (in cfg)
     visited = 0
     for i in range(layout.num_q_blocks):
         lo, hi = kernel._visited_range(layout.visit_ij[i])

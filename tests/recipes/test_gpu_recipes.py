@@ -35,6 +35,10 @@ PUBLISHED = {
     "qwen2_5_1_5b": dict(tokens=4 * 2**20, budget=18e12, tokenizer="Qwen/Qwen2.5-1.5B", **LLAMA2),
     "qwen3_0_6b": dict(tokens=4 * 2**20, budget=36e12, tokenizer="Qwen/Qwen3-0.6B-Base", **LLAMA2),
     "qwen3_8b": dict(tokens=4 * 2**20, budget=36e12, tokenizer="Qwen/Qwen3-8B-Base", **LLAMA2),
+    # Gemma 2 / Gemma 3 model cards: 2T tokens at 2B, 2T at 1B, 12T at 12B; the optimizer is Llama 2's.
+    "gemma2_2b": dict(tokens=4 * 2**20, budget=2e12, tokenizer="google/gemma-2-2b", **LLAMA2),
+    "gemma3_1b": dict(tokens=4 * 2**20, budget=2e12, tokenizer="google/gemma-3-1b-pt", **LLAMA2),
+    "gemma3_12b": dict(tokens=4 * 2**20, budget=12e12, tokenizer="google/gemma-3-12b-pt", **LLAMA2),
 }
 
 

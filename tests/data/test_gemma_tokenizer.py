@@ -1,0 +1,57 @@
+"""Gemma's tokenizer: a sentencepiece `tokenizer.model` and the `tokenizer.json` transformers makes of it.
+
+Nothing can be downloaded, so the test trains a small sentencepiece model laid
+out as Gemma's is: <pad> 0, <eos> 1, <bos> 2, <unk> 3, byte fallback (a
+character the model never saw is spelled in <0x..> byte pieces), and the chat
+markers as user-defined pieces. The loader reads it (data/spm_tokenizer.py),
+and reads the tokenizer.json + tokenizer_config.json that transformers'
+GemmaTokenizer writes from it (data/hf_tokenizer.py) with the same special ids
+and the ids transformers itself gives.
+"""
+
+import io
+
+import pytest
+
+from spillway.data import load_tokenizer
+
+CORPUS = ["The quick brown fox jumps over the lazy dog. Gemma reads résumés and naïve cafés."] * 50 + \
+    [f"line {i} of a tiny corpus, with the words {i * 7} and {i * 13}" for i in range(300)]
+TEXT = "Gemma reads naïve ✓ <start_of_turn>"   # ✓ is in no training sentence: byte fallback
+
+
+@pytest.fixture(scope="module")
+def gemma_like_spm(tmp_path_factory):
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=400, model_type="bpe", pad_id=0, eos_id=1,
+        bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        byte_fallback=True, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], character_coverage=1.0,
+        num_threads=1, minloglevel=2)
+    directory = tmp_path_factory.mktemp("gemma_spm")
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    return directory
+
+
+def test_a_gemma_sentencepiece_model_is_read_with_its_special_ids(gemma_like_spm):
+    tokenizer = load_tokenizer(gemma_like_spm)
+    assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, tokenizer.unk_id) == (0, 1, 2, 3)
+    (ids,) = tokenizer.encode([TEXT])
+    assert ids[-1] == 4                                      # <start_of_turn>: one piece
+    assert tokenizer.unk_id not in ids                      # the unseen character went to byte pieces
+    assert tokenizer.decode(ids) == TEXT
+
+
+def test_the_tokenizer_json_transformers_writes_for_gemma_is_read(gemma_like_spm, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the parity extra)")
+    reference = transformers.GemmaTokenizer.from_pretrained(gemma_like_spm)
+    reference.save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").exists() and not (tmp_path / "tokenizer.model").exists()
+    tokenizer = load_tokenizer(tmp_path)
+    assert type(tokenizer).__name__ == "HFTokenizer"
+    assert (tokenizer.eos_id, tokenizer.bos_id) == (reference.eos_token_id, reference.bos_token_id) == (1, 2)
+    (ids,) = tokenizer.encode([TEXT])
+    assert ids == reference(TEXT, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == TEXT
