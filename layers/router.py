@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spillway.layers import names
 from spillway.layers.params import normal, param
-from spillway.layers.sharding import constrain
+from spillway.layers.sharding import constrain, current_activation_mesh, logical_to_spec
 
 # The router's output axis is labelled "expert" too; its embed axis takes fsdp first, so it is not split.
 ROUTER_AXES = (names.EMBED, names.EXPERT)
@@ -72,16 +72,30 @@ class Router(nnx.Module):
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
     """Top-k experts of each token by router probability (ties: the lower expert index, as torch.topk)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weight, expert_index = jax.lax.top_k(probs, top_k)
+    weight, expert_index = _top_k(probs, top_k)
     if renormalize:
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
     return Routing(expert_index.astype(jnp.int32), weight, probs, logits)
 
 
+def _top_k(probs: jax.Array, top_k: int):
+    """lax.top_k, per device under a mesh: XLA's partitioner gathered the whole batch's probabilities
+    for a top_k of batch-split ones (jaxlib 0.10.2, CPU); each token's choice needs only its own row."""
+    active = current_activation_mesh()
+    if active is None or probs.ndim != 3:
+        return jax.lax.top_k(probs, top_k)
+    mesh, rules = active
+    spec = logical_to_spec((names.BATCH, names.SEQ, None), probs.shape, mesh, rules)
+    return jax.shard_map(lambda p: tuple(jax.lax.top_k(p, top_k)), mesh=mesh, in_specs=spec, out_specs=(spec, spec))(probs)
+
+
 def router_stats(routing: Routing, dropped: jax.Array | float = 0.0) -> RouterStats:
     """The sums of one layer's routing over all its tokens."""
     num_experts = routing.probs.shape[-1]
-    choices = jnp.zeros((num_experts,), jnp.float32).at[routing.expert_index.reshape(-1)].add(1.0)
+    # A one-hot sum, not a scatter: under a mesh it reduces where the tokens are (a scatter of
+    # batch-split indices made XLA gather the whole batch's [tokens, experts] first).
+    choices = jnp.sum(jax.nn.one_hot(routing.expert_index, num_experts, dtype=jnp.float32),
+                      axis=tuple(range(routing.expert_index.ndim)))
     probs = routing.probs.reshape(-1, num_experts)
     log_z = jax.nn.logsumexp(routing.logits.reshape(-1, num_experts).astype(jnp.float32), axis=-1)
     return RouterStats(choices, jnp.sum(probs, axis=0), jnp.asarray(probs.shape[0], jnp.float32),
