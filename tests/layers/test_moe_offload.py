@@ -1,8 +1,8 @@
 """Offload presets on blocks whose MLP is an MoE layer: every applicable one gives the no-remat loss and
 gradients, and the expert-activation preset copies exactly the expert activations to host (jaxpr level).
 
-The blocks are `TransformerBlock`s whose `make_mlp` returns an `MoE` (top-2 of
-5 experts, odd sizes), scanned by the real `BlockStack`. Applicable: the
+The blocks are `layers.moe_block` blocks (a TransformerBlock whose `make_mlp` returns an `MoE` (top-2 of
+5 experts, odd sizes)), scanned by the real `BlockStack`. Applicable: the
 presets naming no tag the block lacks (the stack refuses the others, which is
 checked too): without shared experts the dense presets that name no MLP tag
 plus every MoE preset; with shared experts (a dense MLP) every preset.
@@ -15,8 +15,9 @@ import pytest
 from flax import nnx
 
 from spillway.layers import names
-from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
-from spillway.layers.moe import MoE, MoEConfig
+from spillway.layers.block import BlockConfig, BlockContext
+from spillway.layers.moe import MoEConfig
+from spillway.layers.moe_block import moe_block
 from spillway.layers.offload import MOE_PRESETS, PRESETS
 from spillway.layers.stack import BlockStack, host_offloaded_names
 
@@ -30,13 +31,6 @@ MOE = {
 }
 LAYERS = 3
 NO_MLP_TAGS = ("save_all", "recompute_all", "offload_inputs")
-
-
-def moe_block(moe_cfg: MoEConfig) -> type:
-    class MoEBlock(TransformerBlock):
-        def make_mlp(self, rngs):
-            return MoE(moe_cfg, rngs=rngs)
-    return MoEBlock
 
 
 def build(kind: str, plan) -> BlockStack:
