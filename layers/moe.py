@@ -4,7 +4,8 @@
                   (layers/router.py)
     experts       stacked gated-MLP weights [experts, d, f] (gate, up) and [experts, f, d]
                   (down), the activation kinds of layers/mlp.py
-    dispatch      "dropless" or "capacity" (layers/moe_dispatch.py), one interface
+    dispatch      "dropless" or "capacity" (layers/moe_dispatch.py), one interface; dropless
+                  multiplies by `jax.lax.ragged_dot` or by blocks (layers/grouped_matmul.py)
     shared        optionally a dense MLP every token goes through (Qwen2-MoE, DeepSeek),
                   optionally scaled by sigmoid(x @ w_shared_gate) (Qwen2-MoE)
 
@@ -21,6 +22,7 @@ MLP_OUT: the MoE presets of layers/offload.py keep, recompute or offload them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +32,14 @@ from flax import nnx
 from spillway.layers import aux_outputs, moe_dispatch, names
 from spillway.layers.errors import ConfigError, require_positive
 from spillway.layers.execution import Execution
+from spillway.layers.grouped_matmul import blocked_grouped_matmul
 from spillway.layers.mlp import ACTIVATIONS, GATED, MLP
 from spillway.layers.params import normal, param
 from spillway.layers.router import Router, RouterStats, route, router_stats
 from spillway.layers.sharding import DEFAULT_RULES, current_activation_mesh
 
 DISPATCHES = ("dropless", "capacity")
+GROUPED_MATMULS = ("ragged_dot", "blocked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +54,8 @@ class MoEConfig:
     renormalize: bool = True          # top-k weights divided by their sum (Mixtral, Qwen3-MoE norm_topk_prob)
     dispatch: str = "dropless"        # "dropless" | "capacity" (layers/moe_dispatch.py)
     capacity_factor: float = 1.25     # slots per expert = ceil(factor * k * tokens / E), capacity dispatch only
+    grouped_matmul: str = "ragged_dot"  # dropless only: "ragged_dot" | "blocked" (layers/grouped_matmul.py)
+    grouped_matmul_block: int = 128   # rows per block of the "blocked" grouped matmul
     shared_expert_hidden: int = 0     # hidden size of the shared experts' dense MLP; 0: none
     shared_expert_gate: bool = False  # scale the shared output by sigmoid(x @ w) (Qwen2-MoE)
     aux_key: str = "moe"              # the key its RouterStats are emitted under
@@ -57,13 +63,16 @@ class MoEConfig:
 
     def __post_init__(self):
         require_positive("moe", d_model=self.d_model, num_experts=self.num_experts, top_k=self.top_k,
-                         expert_hidden=self.expert_hidden, capacity_factor=self.capacity_factor)
+                         expert_hidden=self.expert_hidden, capacity_factor=self.capacity_factor,
+                         grouped_matmul_block=self.grouped_matmul_block)
         if self.top_k > self.num_experts:
             raise ConfigError(f"moe.top_k ({self.top_k}) is more than moe.num_experts ({self.num_experts})")
         if self.mlp_kind not in ACTIVATIONS:
             raise ConfigError(f"moe.mlp_kind must be one of {sorted(ACTIVATIONS)}, got {self.mlp_kind!r}")
         if self.dispatch not in DISPATCHES:
             raise ConfigError(f"moe.dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ConfigError(f"moe.grouped_matmul must be one of {GROUPED_MATMULS}, got {self.grouped_matmul!r}")
         if self.shared_expert_hidden < 0:
             raise ConfigError(f"moe.shared_expert_hidden must be zero (none) or positive, "
                               f"got {self.shared_expert_hidden}")
@@ -112,6 +121,11 @@ class MoE(nnx.Module):
         return moe_dispatch.ExpertWeights(self.w_up[...].astype(dtype), self.w_down[...].astype(dtype),
                                           None if self.w_gate is None else self.w_gate[...].astype(dtype))
 
+    def _grouped_matmul(self):
+        if self.cfg.grouped_matmul == "ragged_dot":
+            return jax.lax.ragged_dot
+        return functools.partial(blocked_grouped_matmul, block=self.cfg.grouped_matmul_block)
+
     def apply(self, x_btd: jax.Array) -> tuple[jax.Array, RouterStats]:
         """(output [b, t, d] in the compute dtype, this call's RouterStats)."""
         cfg = self.cfg
@@ -123,7 +137,7 @@ class MoE(nnx.Module):
         act = ACTIVATIONS[cfg.mlp_kind]
         if cfg.dispatch == "dropless":
             y_btd, dropped = moe_dispatch.dropless(x_btd, routing.expert_index, routing.weight,
-                                                   self.expert_weights(), act)
+                                                   self.expert_weights(), act, self._grouped_matmul())
         else:
             y_btd, dropped = moe_dispatch.capacity(x_btd, routing.expert_index, routing.weight,
                                                    self.expert_weights(), act, cfg.capacity_factor)

@@ -81,37 +81,42 @@ def _hidden(x: jax.Array, weights: ExpertWeights, act: Callable, matmul: Callabl
 
 # --- dropless ------------------------------------------------------------------------------------
 
-def _dropless_local(x_nd, expert_nk, weight_nk, weights: ExpertWeights, act, num_experts: int):
+def _dropless_local(x_nd, expert_nk, weight_nk, weights: ExpertWeights, act, num_experts: int, grouped_matmul):
     """Sort, grouped matmuls, unsort and combine, on the tokens and experts this program holds."""
     n, k = expert_nk.shape
     flat_expert = expert_nk.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)               # copy i of the sorted list is flat copy order[i]
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_expert].add(1)
     x_sorted = checkpoint_name(x_nd[order // k], names.EXPERT_INPUT)
-    matmul = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)   # noqa: E731
+    matmul = lambda a, w: grouped_matmul(a, w, group_sizes)   # noqa: E731
     out_sorted = checkpoint_name(matmul(_hidden(x_sorted, weights, act, matmul), weights.down), names.EXPERT_OUT)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     out_nkd = out_sorted[inverse].reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", out_nkd, weight_nk.astype(out_nkd.dtype))
 
 
-def dropless(x_btd, expert_btk, weight_btk, weights: ExpertWeights, act: Callable):
-    """(output [b, t, d], dropped = 0). Under a mesh, runs per device with the experts gathered."""
+def dropless(x_btd, expert_btk, weight_btk, weights: ExpertWeights, act: Callable,
+             grouped_matmul: Callable = jax.lax.ragged_dot):
+    """(output [b, t, d], dropped = 0). Under a mesh, runs per device with the experts gathered.
+
+    `grouped_matmul(rows sorted by group, [G, d, f], group sizes)` is `jax.lax.ragged_dot` or
+    `layers.grouped_matmul.blocked_grouped_matmul` (with its block size bound)."""
     b, t, d = x_btd.shape
     num_experts = weights.up.shape[0]
     active = current_activation_mesh()
     if active is None:
         y_nd = _dropless_local(x_btd.reshape(b * t, d), expert_btk.reshape(b * t, -1),
-                               weight_btk.reshape(b * t, -1), weights, act, num_experts)
+                               weight_btk.reshape(b * t, -1), weights, act, num_experts, grouped_matmul)
         return y_nd.reshape(b, t, d), jnp.zeros((), jnp.float32)
-    return _dropless_sharded(x_btd, expert_btk, weight_btk, weights, act, *active), jnp.zeros((), jnp.float32)
+    y_btd = _dropless_sharded(x_btd, expert_btk, weight_btk, weights, act, grouped_matmul, *active)
+    return y_btd, jnp.zeros((), jnp.float32)
 
 
 def _axes_of(entry) -> tuple[str, ...]:
     return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def _dropless_sharded(x_btd, expert_btk, weight_btk, weights: ExpertWeights, act, mesh, rules):
+def _dropless_sharded(x_btd, expert_btk, weight_btk, weights: ExpertWeights, act, grouped_matmul, mesh, rules):
     num_experts = weights.up.shape[0]
     token_spec = logical_to_spec(names.RESIDUAL_AXES, x_btd.shape, mesh, rules)
     route_spec = PartitionSpec(token_spec[0], token_spec[1], None)
@@ -132,7 +137,7 @@ def _dropless_sharded(x_btd, expert_btk, weight_btk, weights: ExpertWeights, act
                               None if gate is None else gather(gate, in_spec, 2))
         b, t, d = x_btd.shape
         y_nd = _dropless_local(x_btd.reshape(b * t, d), expert_btk.reshape(b * t, -1),
-                               weight_btk.reshape(b * t, -1), local, act, num_experts)
+                               weight_btk.reshape(b * t, -1), local, act, num_experts, grouped_matmul)
         if hidden_axes:
             y_nd = jax.lax.psum(y_nd, hidden_axes)
         return y_nd.reshape(b, t, d)

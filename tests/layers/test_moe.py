@@ -69,6 +69,8 @@ VARIANTS = {
     "gelu_not_renormalised": dataclasses.replace(BASE, mlp_kind="gelu", renormalize=False),
     "geglu_shared_gated": dataclasses.replace(BASE, mlp_kind="geglu", shared_expert_hidden=5,
                                               shared_expert_gate=True),
+    # Blocks of 4 rows: groups of 0 to 21 copies pad to different block counts.
+    "swiglu_blocked": dataclasses.replace(BASE, grouped_matmul="blocked", grouped_matmul_block=4),
 }
 
 
@@ -162,6 +164,8 @@ def test_the_layer_emits_its_stats_to_the_collector_and_returns_the_apply_output
     ({"capacity_factor": -1.5}, "moe.capacity_factor must be positive, got -1.5"),
     ({"dispatch": "sorted"}, "moe.dispatch must be one of"),
     ({"shared_expert_gate": True}, "moe.shared_expert_gate needs shared experts"),
+    ({"grouped_matmul": "triton"}, "moe.grouped_matmul must be one of"),
+    ({"grouped_matmul_block": 0}, "moe.grouped_matmul_block must be positive, got 0"),
 ])
 def test_bad_settings_are_one_line_config_errors(changes, message):
     with pytest.raises(ConfigError, match=message) as error:

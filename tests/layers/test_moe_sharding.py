@@ -37,9 +37,11 @@ def loss_and_grads(model: MoE, x_btd, mesh=None):
     return compiled(state, x_btd), compiled.as_text()
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity", "dropless_blocked"])
 def test_sharded_forward_and_backward_equal_one_device(dispatch):
-    cfg = dataclasses.replace(CFG, dispatch=dispatch, capacity_factor=1.5)
+    blocked = {"grouped_matmul": "blocked", "grouped_matmul_block": 4} if dispatch == "dropless_blocked" else {}
+    dispatch = dispatch.removesuffix("_blocked")
+    cfg = dataclasses.replace(CFG, dispatch=dispatch, capacity_factor=1.5, **blocked)
     x_btd = jax.random.normal(jax.random.key(1), (4, 5, cfg.d_model), jnp.float32)
     single = MoE(cfg, rngs=nnx.Rngs(0))
     (want, want_grads), _ = loss_and_grads(single, x_btd)
