@@ -43,7 +43,8 @@ def _parse(argv):
     parser.add_argument("--stack-layers", type=int, default=4)
     parser.add_argument("--stack-tokens", type=int, default=1024)
     parser.add_argument("--stack-presets", default=",".join(STACK_PRESETS))
-    parser.add_argument("--dispatches", default="dropless,capacity")
+    parser.add_argument("--dispatches", default="dropless,dropless_blocked,capacity",
+                        help="dropless (ragged_dot), dropless_blocked (layers/grouped_matmul.py), capacity")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     args.stack_presets = [p.strip() for p in args.stack_presets.split(",") if p.strip()]
@@ -55,6 +56,13 @@ def _parse(argv):
     if args.tokens % args.seq_len and args.tokens > args.seq_len:
         parser.error(f"--tokens ({args.tokens}) must be a multiple of --seq-len ({args.seq_len})")
     return args
+
+
+def _moe_variant(cfg, dispatch: str):
+    """cfg with the dispatch a row names; "dropless_blocked" is dropless by the blocked grouped matmul."""
+    if dispatch == "dropless_blocked":
+        return dataclasses.replace(cfg, dispatch="dropless", grouped_matmul="blocked")
+    return dataclasses.replace(cfg, dispatch=dispatch)
 
 
 def _compile(fn, state, x_btd, mesh):
@@ -96,7 +104,7 @@ def _layer_rows(args, mesh, target) -> dict:
         return fn
 
     for dispatch in args.dispatches:
-        cfg = dataclasses.replace(base, dispatch=dispatch)
+        cfg = _moe_variant(base, dispatch)
         graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, rngs=nnx.Rngs(0))))
         row = _compile(loss(graphdef), state, x_btd, mesh)
         active = moe_layer_flops(cfg, batch, seq).total
@@ -133,8 +141,8 @@ def _stack_rows(args, mesh) -> dict:
     x_btd = jax.ShapeDtypeStruct((args.stack_tokens // seq, seq, d), jnp.bfloat16)
     rows = {}
     for dispatch in args.dispatches:
-        moe = MoEConfig(d_model=d, num_experts=8, top_k=2, expert_hidden=512, dispatch=dispatch,
-                        capacity_factor=1.25, execution=bf16)
+        moe = _moe_variant(MoEConfig(d_model=d, num_experts=8, top_k=2, expert_hidden=512, capacity_factor=1.25,
+                                     execution=bf16), dispatch)
         for preset in args.stack_presets:
             stack = nnx.eval_shape(lambda: BlockStack(block, args.stack_layers, block_cls=moe_block(moe),
                                                       remat=preset, rngs=nnx.Rngs(0)))
@@ -149,7 +157,7 @@ def _stack_rows(args, mesh) -> dict:
     # projections and the expert output, d + f + f + d bf16 values per token copy the experts compute
     # (dropless: tokens x k copies; capacity: every slot, groups x experts x capacity).
     from spillway.layers.moe_dispatch import expert_capacity
-    copies = {"dropless": args.stack_tokens * 2,
+    copies = {"dropless": args.stack_tokens * 2, "dropless_blocked": args.stack_tokens * 2,
               "capacity": x_btd.shape[0] * 8 * expert_capacity(seq, 8, 2, 1.25)}
     return {"layers": args.stack_layers, "tokens": args.stack_tokens, "rows": rows,
             "expert_activation_bytes_per_layer": {k: n * (d + 512 + 512 + d) * 2 for k, n in copies.items()}}

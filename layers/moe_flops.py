@@ -11,8 +11,11 @@ computes 8. Counted, 2 FLOPs per multiply-add:
 
 `counted="active"` is the useful work (the figure MFU and the FLOP oracles
 use, the same for both dispatches). `counted="executed"` is what the chosen
-dispatch multiplies: the same for dropless; for the capacity dispatch every
-slot, empty or not: E x capacity slots per sequence instead of t x k copies.
+dispatch multiplies: the same for dropless by ragged_dot (as specified; XLA's
+GPU lowering of it multiplies E times more, docs/DESIGN.md section 12); by
+blocks, every row of the fixed block count, padding included; for the capacity
+dispatch every slot, empty or not: E x capacity slots per sequence instead of
+t x k copies.
 Not counted, as in recipes/plan/flops.py: elementwise work (softmax, top-k,
 the activation, the combine) and the dispatch's sorts, gathers and scatters.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from spillway.layers.grouped_matmul import padded_blocks
 from spillway.layers.moe import MoEConfig
 from spillway.layers.moe_dispatch import expert_capacity
 
@@ -55,6 +59,9 @@ def moe_layer_flops(cfg: MoEConfig, batch: int, seq_len: int, *, counted: str = 
     copies = tokens * cfg.top_k
     if counted == "executed" and cfg.dispatch == "capacity":
         copies = batch * cfg.num_experts * expert_capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+    elif counted == "executed" and cfg.grouped_matmul == "blocked":
+        # The block loop runs over a fixed number of blocks, padding and trailing empty blocks included.
+        copies = padded_blocks(copies, cfg.num_experts, cfg.grouped_matmul_block) * cfg.grouped_matmul_block
     matrices = 2 if cfg.gated else 1
     return MoELayerFlops(
         router=2.0 * tokens * d * cfg.num_experts,

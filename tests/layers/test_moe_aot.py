@@ -5,13 +5,14 @@ CPU JAX treats memory kinds as no-ops, so only a GPU compile shows where a
 value lives (docs/DESIGN.md section 3). One compile process (the planner's,
 recipes/plan/subprocess_runner.py) runs benchmarks/moe_dispatch.py's stack
 check: 2 scanned blocks (d 512, 8 experts, top-2, expert hidden 512), 512
-tokens, bfloat16, forward and backward, each dispatch. What the preset
+tokens, bfloat16, forward and backward, each dispatch (dropless by ragged_dot
+and by blocks, capacity). What the preset
 offloads per layer, and so what must appear as host temp and as bytes sent to
 host, is d + f + f + d values per token copy the experts compute (the
 dispatched tokens, gate, up, the expert output): tokens x k copies dropless,
 every slot with the capacity dispatch.
 
-Marked `needs_toolchain` (tests/ci_gate.py) and `slow` (four GPU compiles).
+Marked `needs_toolchain` (tests/ci_gate.py) and `slow` (six GPU compiles).
 """
 
 import pytest
@@ -29,7 +30,7 @@ def stack():
          "--stack-presets", "recompute_all,moe_offload_experts"], timeout_s=900)["stack"]
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+@pytest.mark.parametrize("dispatch", ["dropless", "dropless_blocked", "capacity"])
 def test_expert_activation_offload_shows_host_buffers_of_exactly_the_expert_activations(stack, dispatch):
     offload = stack["rows"][f"{dispatch}/moe_offload_experts"]["report"]
     expected = stack["layers"] * stack["expert_activation_bytes_per_layer"][dispatch]
@@ -41,7 +42,7 @@ def test_expert_activation_offload_shows_host_buffers_of_exactly_the_expert_acti
     assert offload["host_async_transfers"] > 0
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+@pytest.mark.parametrize("dispatch", ["dropless", "dropless_blocked", "capacity"])
 def test_recompute_all_keeps_nothing_in_host_memory(stack, dispatch):
     report = stack["rows"][f"{dispatch}/recompute_all"]["report"]
     assert report["host_buffer_count"] == 0 and report["host_bytes"] == 0 and report["device_to_host_bytes"] == 0

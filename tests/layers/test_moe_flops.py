@@ -34,6 +34,9 @@ def test_active_flops_by_hand():
     executed = moe_layer_flops(capacity, 3, 7, counted="executed")
     assert executed.expert_out == 2 * (3 * 5 * 3) * 7 * 6
     assert moe_layer_flops(capacity, 3, 7).expert_out == flops.expert_out
+    # By blocks of 4: 42 copies need at most ceil(42 / 4) + 5 = 16 blocks, all of which the loop runs.
+    blocked = dataclasses.replace(cfg, grouped_matmul="blocked", grouped_matmul_block=4)
+    assert moe_layer_flops(blocked, 3, 7, counted="executed").expert_out == 2 * 16 * 4 * 7 * 6
 
 
 @pytest.mark.parametrize("cfg", [
