@@ -5,10 +5,10 @@ combine weights [b, t, k], the stacked expert weights) and give the layer's
 output [b, t, d] plus the number of token-choices dropped:
 
     dropless   every token copy is computed. The b*t*k copies are sorted by expert,
-               the experts run as grouped matmuls (`jax.lax.ragged_dot`, group sizes
-               from the routing), the results are unsorted and summed with the
-               combine weights. Shapes are fixed; what varies is where the group
-               boundaries fall. Nothing is dropped.
+               the experts run as grouped matmuls (`jax.lax.ragged_dot` or the blocked
+               loop of layers/grouped_matmul.py, group sizes from the routing), the
+               results are unsorted and summed with the combine weights. Shapes are
+               fixed; what varies is where the group boundaries fall. Nothing is dropped.
     capacity   fixed shapes throughout: each sequence (a "group") gives every expert
                `capacity` slots; token copies claim slots in choice-major order (all
                first choices in token order, then all second choices, as GShard and
@@ -18,8 +18,10 @@ output [b, t, d] plus the number of token-choices dropped:
                [experts, groups, capacity, d]. Padding slots cost compute.
 
 Neither is assumed fast (docs/DESIGN.md section 12): XLA's ragged_dot on GPUs
-has been reported far below dense matmul speed, and the capacity einsum spends
-FLOPs on empty slots; the recipe chooses, and the choice is measured.
+has been reported far below dense matmul speed (and jax 0.10.2's GPU lowering
+expands it per group), the blocked loop runs many small matmuls, and the
+capacity einsum spends FLOPs on empty slots; the recipe chooses, and the choice
+is measured.
 
 Under a mesh (`layers.sharding.activation_sharding`), experts are split over
 the mesh axes the "expert" rule names (fsdp by default) and tokens over the

@@ -26,6 +26,8 @@ MOE = {
     "dropless": MoEConfig(d_model=12, num_experts=5, top_k=2, expert_hidden=7),
     "capacity": MoEConfig(d_model=12, num_experts=5, top_k=2, expert_hidden=7, dispatch="capacity",
                           capacity_factor=1.0),
+    "dropless_blocked": MoEConfig(d_model=12, num_experts=5, top_k=2, expert_hidden=7, grouped_matmul="blocked",
+                                  grouped_matmul_block=4),
     "dropless_shared": MoEConfig(d_model=12, num_experts=5, top_k=2, expert_hidden=7, shared_expert_hidden=6,
                                  shared_expert_gate=True),
 }
@@ -56,8 +58,9 @@ def applicable(kind: str) -> list[str]:
     return dense + sorted(MOE_PRESETS) + ["moe_offload_experts:1,moe_save_dots:1,recompute_all"]
 
 
-# With shared experts every one of the 11 presets applies: the longest case (about a minute on 2 cores).
-@pytest.mark.parametrize("kind", ["capacity", "dropless",
+# With shared experts every one of the 11 presets applies: the longest case (about a minute on 2 cores);
+# dropless by blocks is the dropless dispatch with another grouped matmul, so it runs with the slow ones.
+@pytest.mark.parametrize("kind", ["capacity", "dropless", pytest.param("dropless_blocked", marks=pytest.mark.slow),
                                   pytest.param("dropless_shared", marks=pytest.mark.slow)])
 def test_every_applicable_preset_gives_the_no_remat_loss_and_gradients(kind):
     reference = build(kind, "save_all")
@@ -78,7 +81,7 @@ def test_a_dense_preset_naming_mlp_tags_is_refused_where_the_moe_layer_has_no_de
     assert set(names.MOE_ACTIVATION_NAMES) <= build("capacity", "recompute_all").block_names
 
 
-@pytest.mark.parametrize("kind", ["dropless", "capacity"])
+@pytest.mark.parametrize("kind", ["dropless", "dropless_blocked", "capacity"])
 def test_the_expert_offload_preset_copies_exactly_the_expert_activations_to_host(kind):
     """Gate and up are two EXPERT_HIDDEN values; the combine reads EXPERT_OUT back; attention stays on device."""
     stack = build(kind, "moe_offload_experts")
