@@ -9,11 +9,14 @@ respect to the parameters and the input), bfloat16 parameters and compute:
             beside a dense gated MLP of the same active FLOPs (hidden 8 x 768): HBM,
             temp, the largest device arrays, the FLOPs each executes, and the time
             they take at the target's peak bf16 rate (a lower bound: no GPU was timed)
+    ragged_dot  `jax.lax.ragged_dot` alone at the layer's shapes (tokens x 8 copies of d 2048 times
+            128 experts' [2048, 768]): temp and the largest array of its forward, input-gradient
+            and weight-gradient products, to see where the GPU lowering's memory goes
     stack   a small scanned stack of MoE blocks (layers/moe_block.py) under MoE offload
             presets, each dispatch: HBM and the host buffers and bytes each preset moves
             (tests/layers/test_moe_aot.py asserts the expert-activation offload shows up)
 
-Run:  .venv/bin/python benchmarks/moe_dispatch.py [--target h200] [--checks layer,stack]
+Run:  .venv/bin/python benchmarks/moe_dispatch.py [--target h200] [--checks layer,stack,ragged_dot]
       [--tokens 8192] [--dispatches dropless,capacity] [--stack-presets A,B] [--json]   (--json: one JSON document, for tests; run as a compile process)
 """
 
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
 
 MiB = 2**20
-CHECKS = ("layer", "stack")
+CHECKS = ("layer", "stack", "ragged_dot")
 STACK_PRESETS = ("recompute_all", "moe_save_dots", "moe_offload_experts", "moe_offload_dots")
 
 
@@ -123,6 +126,33 @@ def _layer_rows(args, mesh, target) -> dict:
     return {"tokens": args.tokens, "seq_len": seq, "capacity_factor": args.capacity_factor, "rows": rows}
 
 
+def _ragged_dot_rows(args, mesh) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from spillway.recipes.plan import compile as aot
+    from spillway.recipes.plan import hlo
+
+    experts, rows, d, f = 128, args.tokens * 8, 2048, 768
+    x_md = aot.abstract_array((rows, d), jnp.bfloat16, mesh)
+    w_edf = aot.abstract_array((experts, d, f), jnp.bfloat16, mesh)
+    sizes = aot.abstract_array((experts,), jnp.int32, mesh)
+    dy_mf = aot.abstract_array((rows, f), jnp.bfloat16, mesh)
+    products = {
+        "forward": (lambda x, w, g: jax.lax.ragged_dot(x, w, g), (x_md, w_edf, sizes)),
+        "input_gradient": (lambda x, w, g, dy: jax.vjp(lambda x: jax.lax.ragged_dot(x, w, g), x)[1](dy)[0],
+                           (x_md, w_edf, sizes, dy_mf)),
+        "weight_gradient": (lambda x, w, g, dy: jax.vjp(lambda w: jax.lax.ragged_dot(x, w, g), w)[1](dy)[0],
+                            (x_md, w_edf, sizes, dy_mf)),
+    }
+    out = {}
+    for name, (fn, arguments) in products.items():
+        report = aot.compile_report(jax.jit(fn), *arguments, keep_hlo_text=True)
+        largest = hlo.largest_device_arrays(report.hlo_text, 1)[0]
+        out[name] = {"temp_bytes": report.temp_bytes, "largest_device_arrays": [dataclasses.asdict(largest)]}
+    return {"rows": rows, "experts": experts, "products": out}
+
+
 def _stack_rows(args, mesh) -> dict:
     import jax
     import jax.numpy as jnp
@@ -176,10 +206,21 @@ def measure(argv: list[str]) -> dict:
         result["layer"] = _layer_rows(args, mesh, get_target(args.target))
     if "stack" in args.checks:
         result["stack"] = _stack_rows(args, mesh)
+    if "ragged_dot" in args.checks:
+        result["ragged_dot"] = _ragged_dot_rows(args, mesh)
     return result
 
 
 def print_tables(result: dict) -> None:
+    if "ragged_dot" in result:
+        rd = result["ragged_dot"]
+        print(f"jax.lax.ragged_dot of [{rd['rows']}, 2048] bf16 rows by {rd['experts']} experts' [2048, 768], "
+              f"{result['target']} (deviceless)")
+        for name, row in rd["products"].items():
+            big = row["largest_device_arrays"][0]
+            print(f"  {name:<16} temp {row['temp_bytes'] / MiB:>8.0f} MiB   largest {big['opcode']} "
+                  f"{'x'.join(map(str, big['dims']))} {big['nbytes'] / MiB:.0f} MiB")
+        print()
     if "layer" in result:
         layer = result["layer"]
         print(f"One Qwen3-MoE-shaped layer (d 2048, 128 experts, top-8, hidden 768), {layer['tokens']} tokens "
@@ -196,10 +237,10 @@ def print_tables(result: dict) -> None:
         stack = result["stack"]
         print(f"\nScanned stack of {stack['layers']} MoE blocks (d 512, 8 experts, top-2, hidden 512), "
               f"{stack['tokens']} tokens, bf16, forward + backward")
-        print(f"{'dispatch/preset':<34}{'HBM MiB':>9}{'host MiB':>10}{'host bufs':>10}{'to host MiB':>13}")
+        print(f"{'dispatch/preset':<38}{'HBM MiB':>9}{'host MiB':>10}{'host bufs':>10}{'to host MiB':>13}")
         for name, row in stack["rows"].items():
             r = row["report"]
-            print(f"{name:<34}{r['hbm_bytes'] / MiB:>9.1f}{r['host_bytes'] / MiB:>10.1f}{r['host_buffer_count']:>10}"
+            print(f"{name:<38}{r['hbm_bytes'] / MiB:>9.1f}{r['host_bytes'] / MiB:>10.1f}{r['host_buffer_count']:>10}"
                   f"{r['device_to_host_bytes'] / MiB:>13.1f}")
 
 
