@@ -17,7 +17,8 @@ respect to the parameters and the input), bfloat16 parameters and compute:
             (tests/layers/test_moe_aot.py asserts the expert-activation offload shows up)
 
 Run:  .venv/bin/python benchmarks/moe_dispatch.py [--target h200] [--checks layer,stack,ragged_dot]
-      [--tokens 8192] [--dispatches dropless,capacity] [--stack-presets A,B] [--json]   (--json: one JSON document, for tests; run as a compile process)
+      [--tokens 8192] [--dispatches dropless,dropless_blocked,capacity] [--stack-presets A,B]
+      [--json]   one JSON document on stdout, for tests (run it as a compile process)
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def print_tables(result: dict) -> None:
         for name, row in layer["rows"].items():
             r, big = row["report"], row["largest_device_arrays"][0]
             print(f"{name:<22}{r['hbm_bytes'] / MiB:>10.0f}{r['temp_bytes'] / MiB:>10.0f}"
-                  f"{big['opcode'] + ' ' + 'x'.join(map(str, big['dims'])) + ' ' + format(big['nbytes'] / MiB, '.0f'):>44}"
+                  f"{' '.join([big['opcode'], 'x'.join(map(str, big['dims'])), format(big['nbytes'] / MiB, '.0f')]):>44}"
                   f"{row['executed_forward_flops'] / 1e12:>11.3f}{row['peak_seconds'] * 1e3:>19.2f}")
     if "stack" in result:
         stack = result["stack"]

@@ -171,7 +171,7 @@ def capacity(x_btd, expert_btk, weight_btk, weights: ExpertWeights, act: Callabl
     slot_btk, kept_btk = capacity_slots(expert_btk, num_experts, slots)
     # Flat slot index into [E * C]; a dropped copy points past the end, where scatters drop and gathers fill 0.
     index_bn = jnp.where(kept_btk, expert_btk * slots + slot_btk, num_experts * slots).reshape(b, t * k)
-    copies_bnd = jnp.repeat(x_btd, k, axis=1)                                    # [b, t*k, d], copy j of token i at i*k+j
+    copies_bnd = jnp.repeat(x_btd, k, axis=1)             # [b, t*k, d]: copy j of token i at i*k+j
 
     def scatter(copies_nd, index_n):
         return jnp.zeros((num_experts * slots, d), x_btd.dtype).at[index_n].add(copies_nd, mode="drop")

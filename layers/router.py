@@ -86,7 +86,9 @@ def _top_k(probs: jax.Array, top_k: int):
         return jax.lax.top_k(probs, top_k)
     mesh, rules = active
     spec = logical_to_spec((names.BATCH, names.SEQ, None), probs.shape, mesh, rules)
-    return jax.shard_map(lambda p: tuple(jax.lax.top_k(p, top_k)), mesh=mesh, in_specs=spec, out_specs=(spec, spec))(probs)
+    per_device = jax.shard_map(lambda p: tuple(jax.lax.top_k(p, top_k)), mesh=mesh, in_specs=spec,
+                               out_specs=(spec, spec))
+    return per_device(probs)
 
 
 def router_stats(routing: Routing, dropped: jax.Array | float = 0.0) -> RouterStats:
