@@ -94,7 +94,7 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
 
     from spillway.recipes.train.metrics import peak_flops_per_device
     from spillway.recipes.registry import get_recipe
-    from spillway.recipes.plan.flops import model_flops_per_token
+    from spillway.models.flops import model_flops_per_token
     from spillway.recipes.train.step import setup
 
     case = case or CASES[name]
@@ -160,7 +160,7 @@ def run_child(name: str, timeout_s: float, module: str = "benchmarks.gpu_suite")
 
 def predict() -> None:
     """Deviceless predictions (HBM bytes per case for one H200) from the planner's compile process."""
-    from spillway.recipes.plan.planner import predict_cases
+    from spillway.recipes.plan.commands import predict_cases
     cases = {name: (case.recipe, case_overrides(case)) for name, case in CASES.items()}
     PREDICTIONS.write_text(json.dumps(predict_cases(cases, gpu="h200"), indent=2, sort_keys=True))
     print(f"wrote {PREDICTIONS}")

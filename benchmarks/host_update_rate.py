@@ -38,7 +38,9 @@ def measure(layers: int, d_model: int, d_ff: int, steps: int, master: bool) -> d
     import jax
     import jax.numpy as jnp
 
-    from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig
+    from spillway.recipes.optim.config import OptimizerConfig
+    from spillway.recipes.optim.layouts import LeafLayout
+    from spillway.recipes.optim.optimizer import Optimizer
 
     dtype = jnp.bfloat16 if master else jnp.float32
     cfg = OptimizerConfig(update_on_host=True, master_weights=master, warmup_steps=0)  # the rate ignores the schedule

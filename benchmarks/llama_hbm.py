@@ -10,7 +10,7 @@ Sections (--sections, comma-separated):
   presets     every activation preset (layers/offload.py), optimizer state on
               device: HBM, host bytes, host<->device traffic, compile time.
   optimizer   optimizer state on device vs in pinned host memory, streamed a
-              layer at a time (recipes/train/host_optimizer.py), vs in host memory
+              layer at a time (recipes/optim/host_streaming.py), vs in host memory
               but copied whole into HBM for the update (every leaf updated in
               one piece: the design docs/DESIGN.md section 6 warns about). The HBM
               saved is compared with the state's own bytes.
@@ -81,11 +81,11 @@ def with_offload(recipe, activations: str, optimizer_state: str):
 
 
 def optimizer_state_bytes(recipe) -> int:
-    """Bytes of AdamW state as recipes/train/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
+    """Bytes of AdamW state as recipes/optim/optimizer.py stores it: fp32 mu and nu, fp32 master for non-fp32 params."""
     import jax
     from flax import nnx
 
-    from spillway.recipes.train.optimizer import keeps_master_copy
+    from spillway.recipes.optim.layouts import keeps_master_copy
 
     model = nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(0)))
     total = 0
@@ -98,7 +98,7 @@ def compile_whole_state_variant(recipe, mesh, options):
     """Host-resident state, but every host leaf copied into HBM in one piece for its update.
 
     The same train step with the optimizer's layouts marked not stacked: each
-    leaf then visits HBM whole (recipes/host_optimizer.update_outside_stack
+    leaf then visits HBM whole (recipes/optim/host_streaming.update_outside_stack
     without a stream axis). A variant for comparison only; training never
     builds it.
     """
@@ -106,7 +106,8 @@ def compile_whole_state_variant(recipe, mesh, options):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from spillway.recipes.plan.compile import CompileReport
-    from spillway.recipes.train.optimizer import LeafLayout, Optimizer
+    from spillway.recipes.optim.layouts import LeafLayout
+    from spillway.recipes.optim.optimizer import Optimizer
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, make_train_step
 
     s = abstract_setup(recipe, mesh, platform="cuda")
@@ -160,9 +161,10 @@ def main(argv=None) -> int:
 
     from spillway.layers.offload import PRESETS
     from spillway.layers.sharding import make_mesh
-    from spillway.recipes.plan import planner
+    from spillway.recipes.plan.candidates import planned_recipe
+    from spillway.recipes.plan.toolchain import compiler_options
     from spillway.recipes.plan.compile import gpu_topology
-    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.targets import get_target
     from spillway.recipes.plan.child import _measure, compile_step, search_one
     from spillway.recipes.registry import get_recipe
 
@@ -170,10 +172,10 @@ def main(argv=None) -> int:
     target = get_target(args.gpu)
     overrides = [f"model.max_seq_len={max(args.max_seq, args.seq)}", f"data.seq_len={args.seq}",
                  f"train.global_batch={args.batch}", "train.grad_accum=1", *args.set]   # one micro-batch
-    recipe, warnings = planner.planned_recipe(get_recipe(args.recipe, overrides))
+    recipe, warnings = planned_recipe(get_recipe(args.recipe, overrides))
     mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor,
                      devices=gpu_topology(target, 1).devices)
-    options = None if args.full_codegen else planner.compiler_options()
+    options = None if args.full_codegen else compiler_options()
     state_bytes = optimizer_state_bytes(recipe)
     m = recipe.model
     print(f"jax {jax.__version__}; {target.display_name} ({target.hbm_bytes / GiB:.1f} GiB HBM), deviceless "
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
         print("\n[codegen] offload_dots / host compiled with fast and with full code generation")
         print(report_header("code generation"))
         planned = with_offload(recipe, "offload_dots", "host")
-        fast, _ = compile_step(planned, mesh, planner.compiler_options())
+        fast, _ = compile_step(planned, mesh, compiler_options())
         print(report_line("fast (LLVM -O0, no ptxas)", fast), flush=True)
         full, _ = compile_step(planned, mesh, None)
         print(report_line("full (as for a run)", full), flush=True)
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
         for n in counts:
             per_gpu = get_recipe(args.recipe, overrides + ["model.num_layers=4", f"train.global_batch={n}",
                                                            "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"])
-            per_gpu, _ = planner.planned_recipe(per_gpu)
+            per_gpu, _ = planned_recipe(per_gpu)
             gpus = make_mesh(1, -1, 1, devices=gpu_topology(target, n).devices)
             report, _ = compile_step(with_offload(per_gpu, "save_all", "device"), gpus, options)
             print(report_line(f"{n} x {target.name}", report), flush=True)

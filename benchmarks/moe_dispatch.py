@@ -199,7 +199,7 @@ def measure(argv: list[str]) -> dict:
     prepare_compile_process()
 
     from spillway.recipes.plan import compile as aot
-    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.targets import get_target
 
     mesh = aot.compile_only_mesh(args.target, {"data": 1})
     result = {"target": args.target}

@@ -115,7 +115,10 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
 
     from spillway.recipes.plan import compile as aot
     from spillway.recipes.plan import hlo
-    from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig, donate_opt_state_ok
+    from spillway.recipes.optim.config import OptimizerConfig
+    from spillway.recipes.optim.host_memory import donate_opt_state_ok
+    from spillway.recipes.optim.layouts import LeafLayout
+    from spillway.recipes.optim.optimizer import Optimizer
 
     cfg = OptimizerConfig(master_weights=variant.master, update_on_host=variant.update_on_host)
     layouts = {"w": LeafLayout(stacked=variant.stacked, state_memory=variant.state_memory,
@@ -161,7 +164,7 @@ def measure(argv: list[str]) -> dict:
     import jax
 
     from spillway.recipes.plan import compile as aot
-    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.targets import get_target
 
     target = get_target(args.target)
     mesh = aot.compile_only_mesh(target, {"data": 1, "fsdp": 1, "tensor": 1})

@@ -42,7 +42,7 @@ def cases() -> dict[str, tuple[str, list[str]]]:
 
 
 def predict() -> None:
-    from spillway.recipes.plan.planner import predict_cases
+    from spillway.recipes.plan.commands import predict_cases
     PREDICTIONS.write_text(json.dumps(predict_cases(cases(), gpu="h200"), indent=2, sort_keys=True) + "\n")
     print(f"wrote {PREDICTIONS}")
 

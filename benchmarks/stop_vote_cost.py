@@ -2,7 +2,7 @@
 """What it costs every process to agree, every step, on whether to stop (recipes/train/preemption.py).
 
 Two processes on this machine stand in for two hosts (gloo collectives, two
-CPU devices each, as tests/recipes/test_multiprocess.py). Each runs a jitted
+CPU devices each, as tests/recipes/train/test_multiprocess.py). Each runs a jitted
 stand-in for a train step (a chain of matmuls over a batch sharded on all four
 devices, with a cross-process reduction like a gradient all-reduce) and reads
 its "loss" one step late, as the train loop does, in three ways:

@@ -44,22 +44,24 @@ def measure(argv: list[str]) -> dict:
 
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.config import OffloadConfig
-    from spillway.recipes.plan import hlo, planner
+    from spillway.recipes.plan import hlo
+    from spillway.recipes.plan.candidates import planned_recipe
+    from spillway.recipes.plan.toolchain import compiler_options
     from spillway.recipes.plan.compile import gpu_topology
-    from spillway.recipes.plan.targets import get_target
+    from spillway.recipes.targets import get_target
     from spillway.recipes.registry import get_recipe
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 
     recipe = get_recipe(args.recipe, args.set)
     recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state="host"))
-    recipe, _ = planner.planned_recipe(recipe)
+    recipe, _ = planned_recipe(recipe)
     target = get_target(args.gpu)
     topology = gpu_topology(target, 1)
     mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor, devices=topology.devices)
     started = time.perf_counter()
     s = abstract_setup(recipe, mesh, platform="cuda")
     compiled = s.train_step.lower(*abstract_step_arguments(s)).compile(
-        compiler_options=planner.compiler_options())
+        compiler_options=compiler_options())
     seconds = time.perf_counter() - started
     text = compiled.as_text()
     stats = compiled.memory_analysis()

@@ -38,10 +38,10 @@ from .tokenizer import (
     NoEosTokenError,
     Tokenizer,
     check_vocab,
-    load_tokenizer,
     padded_vocab_size,
     tokenizer_file_in,
 )
+from .tokenizer_loader import load_tokenizer
 
 __all__ = [
     "BOS_ID",

@@ -8,10 +8,11 @@ Two kinds sit behind `Tokenizer`:
 - `HFTokenizer` (data/hf_tokenizer.py): a Hugging Face `tokenizer.json`
   (the `tokenizers` library), which Llama 3 and Qwen checkpoints ship.
 
-`load_tokenizer(path)` takes a `.json` file, a `.model` file or a directory
-holding either; where a directory holds both (many Hugging Face checkpoints
-do, and they describe the same tokenizer), `tokenizer.json` is read, as
-transformers' fast tokenizers do.
+`load_tokenizer(path)` (data/tokenizer_loader.py, which imports both kinds,
+so that neither imports back here through it) takes a `.json` file, a
+`.model` file or a directory holding either; where a directory holds both
+(many Hugging Face checkpoints do, and they describe the same tokenizer),
+`tokenizer.json` is read, as transformers' fast tokenizers do.
 
 End of sequence: the packing puts the EOS id after every document, so every
 tokenizer must know it. `tokenizer.json` does not say which token it is; the
@@ -34,6 +35,8 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+
+from .cache import atomic_write_bytes
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 SPM_TOKENIZER_FILE = "tokenizer.model"
@@ -164,8 +167,6 @@ class Tokenizer(abc.ABC):
 
     def save_to_directory(self, directory: str | os.PathLike) -> Path:
         """`file_name` and a tokenizer_config.json naming EOS/BOS in `directory`; load_tokenizer reads it back."""
-        from .cache import atomic_write_bytes
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = self.save(directory / self.file_name)
@@ -182,26 +183,6 @@ def tokenizer_file_in(directory: str | os.PathLike) -> Path | None:
         if (Path(directory) / name).is_file():
             return Path(directory) / name
     return None
-
-
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A tokenizer from a `.json` file (Hugging Face), any other file (sentencepiece), or a directory holding
-    tokenizer.json or tokenizer.model. Special tokens come from the files beside it (module docstring)."""
-    from .hf_tokenizer import HFTokenizer
-    from .spm_tokenizer import SentencePieceTokenizer
-
-    path = Path(path).expanduser()
-    if path.is_dir():
-        found = tokenizer_file_in(path)
-        if found is None:
-            raise FileNotFoundError(f"{path} holds no tokenizer: neither {' nor '.join(TOKENIZER_FILES)}")
-        path = found
-    elif not path.is_file():
-        raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist")
-    special = read_special_tokens(path.parent)
-    if path.suffix == ".json":
-        return HFTokenizer.from_file(path, special)
-    return SentencePieceTokenizer.from_file(path, special)
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:

@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spillway.layers import names
 from spillway.layers.errors import ConfigError
+from spillway.layers.execution import ATTENTION_IMPLS
 from spillway.layers.names import RESIDUAL_AXES
 from spillway.layers.norm import RMSNorm
 from spillway.layers.params import normal, param
@@ -41,8 +42,6 @@ from spillway.layers.sharding import constrain
 
 _Q_AXES = (names.BATCH, names.SEQ, names.ACT_HEADS, None)
 _KV_AXES = (names.BATCH, names.SEQ, names.ACT_KV_HEADS, None)
-
-IMPLEMENTATIONS = ("xla", "cudnn", "flash")
 
 
 def check_head_layout(d_model: int, num_heads: int, num_kv_heads: int, head_dim: int | None) -> int:
@@ -76,8 +75,8 @@ class Attention(nnx.Module):
                  dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
                  flash_block_size: int = 512, rngs: nnx.Rngs):
         head_dim = check_head_layout(d_model, num_heads, num_kv_heads, head_dim)
-        if impl not in IMPLEMENTATIONS:
-            raise ValueError(f"unknown attention impl {impl!r}; known: {IMPLEMENTATIONS}")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention impl {impl!r}; known: {ATTENTION_IMPLS}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

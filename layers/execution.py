@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from spillway.layers.errors import ConfigError, require_positive
 
-ATTENTION_IMPLS = ("xla", "cudnn", "flash")
+ATTENTION_IMPLS = ("xla", "cudnn", "flash")   # what each one is: layers/attention.py
 
 
 @dataclasses.dataclass(frozen=True)

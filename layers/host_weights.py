@@ -46,11 +46,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from spillway.layers.memory import Memory
+
 # checkpoint_name of a layer's weights copied into HBM inside the scan: never saved.
 DEVICE_WEIGHTS = "layer_weights_on_device"
-
-HOST = "host"
-DEVICE = "device"
 
 # While a model is built: the offload.params setting its stacked weights are created under, or None.
 _INITIAL_SETTING: contextvars.ContextVar[str | None] = contextvars.ContextVar("spillway_initial_params",
@@ -152,7 +151,7 @@ def send_layer_to_host(layer_module, setting: str) -> None:
 
     for _, var in nnx.iter_graph(layer_module):
         if isinstance(var, nnx.Variable) and not isinstance(var, nnx.RngState) \
-                and stacked_weight_memory(var.get_metadata(), setting) == HOST:
+                and stacked_weight_memory(var.get_metadata(), setting) == Memory.HOST:
             var.set_value(jax.device_put(var.get_value(), jax.memory.Space.Host))
 
 

@@ -16,7 +16,7 @@ body, the hook's work is done once, in the forward pass, and never repeated
 in the backward pass.
 
 The train step's deferred optimizer update uses it
-(recipes/train/update_in_forward.py): layer t's update runs just before
+(recipes/optim/update_in_forward.py): layer t's update runs just before
 layer t, its state's copies moving while the previous layer computes.
 """
 

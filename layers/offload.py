@@ -32,11 +32,12 @@ from collections.abc import Mapping
 import jax
 
 from spillway.layers import names
+from spillway.layers.memory import Memory
 
 
 class Placement(str, enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
+    DEVICE = Memory.DEVICE.value      # the two memories (layers/memory.py), and a third choice
+    HOST = Memory.HOST.value
     RECOMPUTE = "recompute"
 
 

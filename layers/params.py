@@ -2,7 +2,7 @@
 
 `param(rngs, init, shape, logical_axes, dtype)` makes an `nnx.Param` whose
 `logical_axes` metadata names each dimension (layers/names.py). Sharding rules
-(layers/sharding.py) and the optimizer (recipes/train/optimizer.py) read this
+(layers/sharding.py) and the optimizer (recipes/optim/optimizer.py) read this
 metadata. Two optional keys concern the optimizer: `optimizer_memory`
 ("device" or "host": where this parameter's state lives, overriding the
 recipe) and `weight_decay` (False for norms, biases and embeddings, which the

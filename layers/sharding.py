@@ -33,8 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spillway.layers import names
-
-MESH_AXES = ("data", "fsdp", "tensor")
+from spillway.layers.mesh import MESH_AXES, MeshConfig
 
 # logical axis -> mesh axes. Batch is split over data and fsdp (FSDP is data
 # parallel for activations); weights are split over fsdp on their embed axis
@@ -63,23 +62,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh; one axis may be -1 (filled from the device count)."""
+    """A ("data", "fsdp", "tensor") mesh; one axis may be -1 (filled from the device count, layers/mesh.py)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
-    known = int(np.prod([s for s in sizes if s != -1]))
-    if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh axis sizes must be positive or -1, got data={data} fsdp={fsdp} tensor={tensor}")
-    if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"mesh data={data} fsdp={fsdp} tensor={tensor} does not divide {len(devices)} devices")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if int(np.prod(sizes)) != len(devices):
-        raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {int(np.prod(sizes))} devices, "
-            f"but {len(devices)} devices are available")
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    sizes = MeshConfig(data, fsdp, tensor).resolve(len(devices))
+    return Mesh(np.asarray(devices).reshape([sizes[axis] for axis in MESH_AXES]), MESH_AXES)
 
 
 def _mesh_sizes(mesh) -> Mapping[str, int]:

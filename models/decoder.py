@@ -45,7 +45,7 @@ class DecoderSpec:
       1. a layer pattern here: `blocks: tuple[BlockConfig, ...]`, one config
          per layer kind, repeated to `num_layers` (Gemma 3: five local, one
          global), with `layer_params`, `kv_cache_shape` and the FLOP count
-         (recipes/plan/flops.py) summed per kind, windows per kind;
+         (models/flops.py) summed per kind, windows per kind;
       2. BlockStack (layers/stack.py) scanning over repetitions of the pattern
          (the scanned body holds one block of each kind) plus a remainder,
          so a heterogeneous stack stays one scan and RematPlan segments and

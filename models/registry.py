@@ -9,7 +9,7 @@ family config answers:
     config.decoder_spec(execution) -> DecoderSpec    shapes, parameter count, KV-cache layout
 
 and everything else follows from the spec: `Family.build` makes the model
-(abstractly too, under nnx.eval_shape), recipes/plan/flops.py counts training
+(abstractly too, under nnx.eval_shape), models/flops.py counts training
 FLOPs from the spec's block config (plain or gated MLP, sliding windows), the
 KV cache is laid out from it, and models/hf.py reads and writes checkpoints
 through the family's `HFTable`. Generic code names no family: it looks one up

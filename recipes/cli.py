@@ -20,30 +20,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from spillway.layers.errors import ConfigError, SpillwayError
+from spillway.recipes.targets import DEFAULT_GPU, HBM_HEADROOM
 
 DEBUG_ENV = "SPILLWAY_DEBUG"
 EXIT_USER_ERROR = 2      # what argparse uses for a bad command line, too
 EXIT_INTERNAL_ERROR = 1
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
-DEFAULT_GPU = "h200"     # planning target of a recipe that names none
 _MAX_INTERNAL_MESSAGE = 500
 
 
 def _cmd_recipes(args) -> int:
     from spillway.recipes.registry import get_recipe, recipe_names
     if args.name:
-        # one recipe in full: where its numbers come from, then every field (what `--set` can change)
-        import textwrap
+        # one recipe in full: what it is, what its fields make of a step, where its numbers come from, then
+        # every field (what `--set` can change)
         recipe = get_recipe(args.name, args.set)
         print(textwrap.fill(f"{recipe.name}: {recipe.description}", width=100, subsequent_indent="  "))
+        print(textwrap.fill(f"  {recipe.step_summary()}", width=100, subsequent_indent="  "))
+        if recipe.sources:
+            print(textwrap.fill(f"  Sources: {recipe.sources}", width=100, subsequent_indent="  "))
         print(recipe.to_json())
         return 0
     for name in recipe_names():
         recipe = get_recipe(name)
-        summary = recipe.description.split(" Sources: ")[0]   # the list shows what it is, not where from
-        print(f"{name:20s} {recipe.family:8s} {recipe.num_params() / 1e6:9.1f}M  {summary}")
+        print(f"{name:20s} {recipe.family:8s} {recipe.num_params() / 1e6:9.1f}M  {recipe.description}")
     return 0
 
 
@@ -54,7 +57,7 @@ def _cmd_train(args) -> int:
     from spillway.recipes.registry import get_recipe
     recipe = get_recipe(args.recipe, args.set)
     if args.plan:
-        from spillway.recipes.plan.planner import apply_plan
+        from spillway.recipes.plan.commands import apply_plan
         from spillway.recipes.train.preflight import check_run_inputs
         check_run_inputs(recipe)   # a missing corpus or tokenizer fails now, not after minutes of compiles
         recipe = apply_plan(recipe, args.plan, gpu=args.gpu or recipe.offload.target_gpu or DEFAULT_GPU,
@@ -79,7 +82,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from spillway.recipes.plan.planner import plan_command
+    from spillway.recipes.plan.commands import plan_command
     if args.gpu is None or args.devices is None:
         # the recipe's own target (offload.target_gpu x offload.target_devices), where it names one
         from spillway.recipes.registry import get_recipe
@@ -137,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs on one host (default: the recipe's offload.target_devices, else 1)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--host-ram-gb", type=float, default=None, help="host RAM available for pinned memory")
-    p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM a plan may use")
+    p.add_argument("--headroom", type=float, default=HBM_HEADROOM, help="fraction of HBM a plan may use")
     p.add_argument("--hbm-budget", type=float, default=None, metavar="GIB",
                    help="HBM per GPU a plan may use, in GiB (with the headroom, the lower limit wins); "
                         "picks the fastest plan under it, or fails naming the smallest plan")

@@ -22,19 +22,22 @@ from typing import Any
 
 from spillway.layers.errors import ConfigError, require_non_negative, require_positive
 from spillway.layers.execution import Execution
+from spillway.layers.memory import MEMORIES, Memory
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
-from spillway.models.registry import get_family
+from spillway.models.registry import family_of_config, get_family
 from spillway.recipes.blocks import resolve_block_class
-from spillway.recipes.train.optimizer import OptimizerConfig
+from spillway.recipes.optim.config import OptimizerConfig
+from spillway.recipes.targets import get_target
 
 
 TOKENIZER_TYPES = ("bpe", "unigram")
-OPTIMIZER_STATES = ("device", "host")
-PARAM_MEMORIES = ("device", "host")
 # When a host-resident optimizer state's streamed update runs: after the backward pass, or each block
-# layer's just before that layer runs in the next step's forward pass (recipes/train/update_in_forward.py).
-UPDATE_TIMES = ("after_backward", "next_forward")
+# layer's just before that layer runs in the next step's forward pass (recipes/optim/update_in_forward.py).
+AFTER_BACKWARD = "after_backward"
+NEXT_FORWARD = "next_forward"
+UPDATE_TIMES = (AFTER_BACKWARD, NEXT_FORWARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,28 +72,27 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
-    optimizer_state: str = "device"       # "device" | "host": where the optimizer state lives
+    optimizer_state: str = Memory.DEVICE.value  # "device" | "host": where the optimizer state lives
     # "device" | "host": where the stacked block weights (and so their gradients) live;
     # "host" streams them through HBM a layer at a time (layers/host_weights.py).
     # Embedding, final norm and head stay on device.
-    params: str = "device"
+    params: str = Memory.DEVICE.value
     # "after_backward" | "next_forward": when the streamed update of host optimizer state runs.
     # "next_forward" updates each block layer in the next step's forward pass, just before the layer
     # runs, so the state's copies move while the forward pass computes (same maths; a checkpoint,
     # validation or the end of training first finishes the update still pending).
-    update: str = "after_backward"
+    update: str = AFTER_BACKWARD
     # The GPUs the two settings above were planned for: `spillway plan RECIPE` picks them there, and
     # `spillway train RECIPE --plan auto` plans for that GPU by default. None: a recipe for no GPU in particular.
-    target_gpu: str | None = None         # a recipes/plan/targets.py name, e.g. "h200"
+    target_gpu: str | None = None         # a recipes/targets.py name, e.g. "h200"
     target_devices: int = 1               # how many of them, on one host
 
     def __post_init__(self):
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise ConfigError(f"offload.optimizer_state must be one of {OPTIMIZER_STATES}, "
-                              f"got {self.optimizer_state!r}")
-        if self.params not in PARAM_MEMORIES:
-            raise ConfigError(f"offload.params must be one of {PARAM_MEMORIES}, got {self.params!r}")
-        if self.params == "host" and self.optimizer_state != "host":
+        if self.optimizer_state not in MEMORIES:
+            raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES}, got {self.optimizer_state!r}")
+        if self.params not in MEMORIES:
+            raise ConfigError(f"offload.params must be one of {MEMORIES}, got {self.params!r}")
+        if self.params == Memory.HOST and self.optimizer_state != Memory.HOST:
             # Host weights with device state would bring the whole gradient and weights
             # into HBM for the update: the saving gone. Only host state is supported.
             raise ConfigError("offload.params=host needs offload.optimizer_state=host (the update of host "
@@ -98,13 +100,12 @@ class OffloadConfig:
                               "all in HBM)")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
-        if self.update == "next_forward" and (self.optimizer_state != "host" or self.params != "device"):
+        if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
             raise ConfigError("offload.update=next_forward streams a host-resident optimizer state under the "
                               "next forward pass: it needs offload.optimizer_state=host and offload.params=device "
                               f"(got optimizer_state={self.optimizer_state}, params={self.params})")
         require_positive("offload", target_devices=self.target_devices)
         if self.target_gpu is not None:
-            from spillway.recipes.plan.targets import get_target   # GPU facts as data: imports nothing heavy
             try:
                 get_target(self.target_gpu)
             except ValueError as err:
@@ -113,22 +114,6 @@ class OffloadConfig:
             RematPlan.parse(self.activations)  # the layer counts are checked against the model by Recipe
         except ValueError as err:
             raise ConfigError(f"offload.activations: {err}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    data: int = 1
-    fsdp: int = -1                        # -1: all remaining devices
-    tensor: int = 1
-
-    def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
-        for name, size in sizes.items():
-            if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
-                raise ConfigError(f"mesh.{name} must be a positive number of devices or -1 (the rest), got {size!r}")
-        if list(sizes.values()).count(-1) > 1:
-            raise ConfigError("at most one mesh axis may be -1, got "
-                              + " ".join(f"mesh.{k}={v}" for k, v in sizes.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +178,7 @@ DERIVED_FIELDS = {
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     name: str
-    family: str                           # a models/ family name (spillway recipes lists them)
-    model: Any                            # that family's config (architecture only)
+    model: Any                            # a models/ family's config (architecture only); its class is the family
     execution: Execution = Execution()    # dtypes, attention kernel, init scale: shared by all families
     block: str | None = None              # "package.module:Class": a TransformerBlock subclass (recipes/blocks.py)
     data: DataConfig = DataConfig()
@@ -203,13 +187,11 @@ class Recipe:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
-    description: str = ""
+    description: str = ""                 # what the recipe is (`spillway recipes` lists it)
+    sources: str = ""                     # where its numbers come from, and which are our choice
 
     def __post_init__(self):
-        family = get_family(self.family)
-        if not isinstance(self.model, family.config_cls):
-            raise ConfigError(f"model is a {type(self.model).__name__}, but family {self.family!r} takes a "
-                              f"{family.config_cls.__name__}")
+        family_of_config(self.model)   # a ConfigError unless the model is a registered family's config
         sections = {"execution": Execution, "data": DataConfig, "optimizer": OptimizerConfig,
                     "offload": OffloadConfig, "mesh": MeshConfig, "checkpoint": CheckpointConfig,
                     "train": TrainConfig}
@@ -230,7 +212,7 @@ class Recipe:
             segments = RematPlan.parse(self.offload.activations).resolve(self.model.num_layers)
         except ValueError as err:
             raise ConfigError(f"offload.activations: {err}") from None
-        if self.offload.update == "next_forward":
+        if self.offload.update == NEXT_FORWARD:
             if len(segments) > 1:
                 raise ConfigError(f"offload.update=next_forward needs one activation policy for every layer; "
                                   f"offload.activations={self.offload.activations!r} has {len(segments)} segments")
@@ -245,12 +227,17 @@ class Recipe:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
 
     @property
+    def family(self) -> str:
+        """The model family (models/registry.py): the one whose config class the model is."""
+        return family_of_config(self.model).name
+
+    @property
     def run_dir(self) -> str:
         return self.checkpoint.dir or f"runs/{self.name}"
 
     def decoder_spec(self):
         """The model's shapes (models/decoder.py DecoderSpec) with this recipe's execution settings."""
-        return get_family(self.family).spec(self.model, self.execution)
+        return family_of_config(self.model).spec(self.model, self.execution)
 
     def num_params(self) -> int:
         return self.decoder_spec().num_params()
@@ -262,8 +249,26 @@ class Recipe:
 
     def build_model(self, rngs):
         """The model with the recipe's activation plan (call under nnx.eval_shape for shapes only)."""
-        return get_family(self.family).build(self.model, self.execution, rngs=rngs,
+        return family_of_config(self.model).build(self.model, self.execution, rngs=rngs,
                                              remat=self.offload.activations, block_cls=self.block_class())
+
+    def step_summary(self) -> str:
+        """What the fields make of a step and a run, worked out here rather than restated in prose:
+        "4,194,304 tokens/step (512 x 8192, 128 micro-batches of 4); 2,145,767 steps, 9.00T tokens"
+        (with a GPU target also the micro-batch per GPU and where the recipe was planned for)."""
+        t, seq = self.train, self.data.seq_len
+        micro = t.global_batch // t.grad_accum
+        per_gpu = self.offload.target_devices if self.offload.target_gpu else 1
+        micro_words = (f"{micro:,}" if per_gpu == 1 or micro % per_gpu else
+                       f"{micro // per_gpu:,} sequence{'s' if micro // per_gpu > 1 else ''} per GPU")
+        tokens = t.steps * t.global_batch * seq
+        words = (f"{t.global_batch * seq:,} tokens/step ({t.global_batch:,} x {seq:,}, {t.grad_accum:,} "
+                 f"micro-batch{'es' if t.grad_accum > 1 else ''} of {micro_words}); {t.steps:,} steps, "
+                 + (f"{tokens / 1e12:.2f}T" if tokens >= 1e12 else f"{tokens / 1e9:.2f}B" if tokens >= 1e9
+                    else f"{tokens:,}") + " tokens")
+        if self.offload.target_gpu:
+            words += f"; planned for {self.offload.target_devices} x {get_target(self.offload.target_gpu).display_name}"
+        return words
 
     @property
     def schedule_steps(self) -> int:
@@ -276,7 +281,8 @@ class Recipe:
 
     # --- serialisation --------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, and `family` (derived, but what tells a reader which config class `model` is)."""
+        return {"family": self.family, **dataclasses.asdict(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -322,8 +328,12 @@ def _model_config_class(tree: dict):
 
 
 def _from_dict(cls, d: dict, where: str):
-    if cls is Recipe and isinstance(d.get("model"), dict):
-        d = dict(d, model=_from_dict(_model_config_class(d), d["model"], "model."))
+    if cls is Recipe:
+        # `family` names the class of the `model` mapping (Recipe.to_dict); the recipe derives it from that.
+        config_class = _model_config_class(d) if isinstance(d.get("model"), dict) else None
+        d = {k: v for k, v in d.items() if k != "family"}
+        if config_class is not None:
+            d["model"] = _from_dict(config_class, d["model"], "model.")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
@@ -423,14 +433,14 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
 def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
     fields = {f.name for f in dataclasses.fields(cls)}
     key = keys[0]
+    if cls is Recipe and key == "family" and len(keys) == 1:
+        raise ConfigError("family cannot be changed with --set (the model config is the family's): "
+                         "pick a recipe of that family (`spillway recipes` lists them)")
     if key not in fields:
         raise ConfigError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} (fields: {sorted(fields)})")
     annotation = typing.get_type_hints(cls)[key]
     if cls is Recipe and key == "model":
         annotation = _model_config_class(tree)   # the family decides what `model.*` holds
-    if cls is Recipe and key == "family" and len(keys) == 1:
-        raise ConfigError("family cannot be changed with --set (the model config is the family's): "
-                         "pick a recipe of that family (`spillway recipes` lists them)")
     nested = [a for a in (typing.get_args(annotation) or (annotation,)) if dataclasses.is_dataclass(a)]
     if len(keys) == 1:
         if nested and not (raw.lower() in ("none", "null") and type(None) in typing.get_args(annotation)):

@@ -47,8 +47,7 @@ def tiny() -> Recipe:
     """CPU-sized: trains a 4-layer Llama on the embedded stdlib corpus in minutes."""
     return Recipe(
         name="tiny",
-        description="4-layer Llama (5M params) on the embedded stdlib corpus; the CPU main job",
-        family="llama",
+        description="4-layer Llama on the embedded stdlib corpus; the CPU main job",
         model=llama_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6, num_kv_heads=2,
                            mlp_hidden=512, max_seq_len=128),
         execution=Execution(dtype="float32"),
@@ -93,13 +92,13 @@ def steps_for(token_budget: float, tokens_per_step: int) -> int:
     return int(token_budget // tokens_per_step)
 
 
-def _pretraining_recipe(name: str, *, family: str, model, description: str, corpus: str, tokenizer_origin: str,
+def _pretraining_recipe(name: str, *, model, description: str, sources: str, corpus: str, tokenizer_origin: str,
                         seq_len: int, global_batch: int, grad_accum: int, token_budget: float,
                         optimizer: OptimizerConfig, offload: OffloadConfig, val_fraction: float = 0.001,
                         eval_every: int = 1000, eval_batches: int = 4, checkpoint_every: int = 1000) -> Recipe:
     """A GPU pretraining recipe; `global_batch` sequences of `seq_len` per step, `grad_accum` micro-batches."""
     return Recipe(
-        name=name, description=description, family=family, model=model, execution=GPU_EXECUTION,
+        name=name, description=description, sources=sources, model=model, execution=GPU_EXECUTION,
         data=DataConfig(source=corpus, text_field="text", tokenizer=f"{TOKENIZERS_DIR}/{tokenizer_origin}",
                         tokenizer_origin=tokenizer_origin, seq_len=seq_len, val_fraction=val_fraction, num_proc=16),
         optimizer=optimizer,
@@ -116,11 +115,10 @@ def _pretraining_recipe(name: str, *, family: str, model, description: str, corp
 def llama3_1b() -> Recipe:
     """Llama 3.2 1B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "llama3_1b", family="llama", model=llama_config("llama3_2_1b", max_seq_len=8192),
-        description=(
-            "Llama 3.2 1B on FineWeb-Edu with the Llama 3 tokenizer, 4M tokens/step (512 x 8192, 128 micro-batches "
-            "of 4), 9T tokens; one H200. Sources: 9T tokens is the Llama 3.2 model card's 'up to 9 trillion' (Meta "
-            "also distilled from larger Llama 3 models, which this recipe does not); sequence 8192 is Llama 3's "
+        "llama3_1b", model=llama_config("llama3_2_1b", max_seq_len=8192),
+        description="Llama 3.2 1B from scratch on FineWeb-Edu with the Llama 3 tokenizer, for 9T tokens",
+        sources=(
+            "9T tokens is the Llama 3.2 model card's 'up to 9 trillion' (Meta also distilled from larger Llama 3 models, which this recipe does not); sequence 8192 is Llama 3's "
             f"pretraining length; the optimizer and batch are {LLAMA2_SOURCE}, our choice at 1B; the corpus "
             "(smaller than the budget: the loader passes over it again) and micro-batch are our choice"),
         corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.2-1B",
@@ -133,11 +131,10 @@ def llama3_1b() -> Recipe:
 def llama3_8b() -> Recipe:
     """Llama 3.1 8B from scratch on FineWeb-Edu with its own tokenizer; one node of 8 H200s."""
     return _pretraining_recipe(
-        "llama3_8b", family="llama", model=llama_config("llama3_1_8b", max_seq_len=8192),
-        description=(
-            "Llama 3.1 8B on FineWeb-Edu with the Llama 3 tokenizer, 4M tokens/step (512 x 8192, 64 micro-batches "
-            "of one sequence per GPU), 15T tokens; 8 H200s. Sources: 15T tokens and sequence 8192 are the Llama 3 "
-            "model card's ('15T+' tokens, 8k context); Meta has not published the 8B's optimizer settings, so "
+        "llama3_8b", model=llama_config("llama3_1_8b", max_seq_len=8192),
+        description="Llama 3.1 8B from scratch on FineWeb-Edu with the Llama 3 tokenizer, for 15T tokens",
+        sources=(
+            "15T tokens and sequence 8192 are the Llama 3 model card's ('15T+' tokens, 8k context); Meta has not published the 8B's optimizer settings, so "
             f"these are {LLAMA2_SOURCE}; the corpus (smaller than the budget: the loader passes over it again) is "
             "our choice"),
         corpus=FINEWEB_EDU, tokenizer_origin="meta-llama/Llama-3.1-8B",
@@ -153,11 +150,9 @@ def llama3_8b_offload() -> Recipe:
     base = llama3_8b()
     return dataclasses.replace(
         base, name="llama3_8b_offload",
-        description=(
-            "llama3_8b (same model, data, tokenizer, optimizer, 15T-token budget) on ONE H100 80GB: the fp32 "
-            "optimizer state (96 GB) cannot live in HBM, so the planner puts it in pinned host memory; 4M "
-            "tokens/step as 512 micro-batches of one 8192-token sequence. Sources: as llama3_8b; the single "
-            "H100 is our choice, to show what offload makes possible"),
+        description=("llama3_8b (same model, data, tokenizer, optimizer, 15T-token budget) on ONE H100 80GB: its "
+                     "fp32 optimizer state cannot live in HBM, so the planner puts it in pinned host memory"),
+        sources="as llama3_8b; the single H100 is our choice, to show what offload makes possible",
         train=dataclasses.replace(base.train, grad_accum=512),
         offload=OffloadConfig(activations="offload_inputs", optimizer_state="host", target_gpu="h100"))
 
@@ -171,19 +166,18 @@ from spillway.models.gpt2 import gpt2_config  # noqa: E402
 def gpt2_tiny() -> Recipe:
     """CPU-sized GPT-2: the `tiny` recipe's data, optimizer and schedule with a 4-layer GPT-2."""
     return dataclasses.replace(
-        tiny(), name="gpt2_tiny", family="gpt2", model=gpt2_config("tiny"),
-        description="4-layer GPT-2 (2M params) on the embedded stdlib corpus")
+        tiny(), name="gpt2_tiny", model=gpt2_config("tiny"),
+        description="4-layer GPT-2 on the embedded stdlib corpus")
 
 
 @register("gpt2_124m")
 def gpt2_124m() -> Recipe:
     """GPT-2 124M on FineWeb-Edu's 10B-token sample: Karpathy's build-nanogpt baseline; one H200."""
     return _pretraining_recipe(
-        "gpt2_124m", family="gpt2", model=gpt2_config("gpt2_124m"),
-        description=(
-            "GPT-2 124M on FineWeb-Edu sample-10BT with the GPT-2 tokenizer, 524,288 tokens/step (512 x 1024, 8 "
-            "micro-batches of 64), 19,073 steps (about 10B tokens, one pass); one H200. Sources: Karpathy's "
-            "build-nanogpt train_gpt2.py (GPT-2 124M reproduced on this corpus): AdamW 0.9/0.95, eps 1e-8, "
+        "gpt2_124m", model=gpt2_config("gpt2_124m"),
+        description="GPT-2 124M from scratch on FineWeb-Edu sample-10BT with the GPT-2 tokenizer, one pass (10B tokens)",
+        sources=(
+            "Karpathy's build-nanogpt train_gpt2.py (GPT-2 124M reproduced on this corpus): AdamW 0.9/0.95, eps 1e-8, "
             "weight decay 0.1, clipping 1.0, peak lr 6e-4, 715 warmup steps (GPT-3's 375M tokens), cosine to "
             "10%, validation every 250 steps on about 10M tokens (20 batches), a checkpoint every 5000 steps, "
             "1% of the documents held out (their first 100M-token shard); bf16 weights with fp32 master copies "
@@ -198,9 +192,9 @@ def gpt2_124m() -> Recipe:
 
 # --- helper for the CPU recipes below: another family's small model with `tiny`'s setup
 
-def _cpu_recipe(name: str, family: str, model, description: str) -> Recipe:
+def _cpu_recipe(name: str, model, description: str) -> Recipe:
     """A CPU recipe with `tiny`'s data, optimizer and schedule for another family's small model."""
-    return dataclasses.replace(tiny(), name=name, family=family, model=model, description=description)
+    return dataclasses.replace(tiny(), name=name, model=model, description=description)
 
 
 # --- Mistral ---------------------------------------------------------------------
@@ -210,7 +204,7 @@ from spillway.models.mistral import mistral_config  # noqa: E402
 @register("mistral_tiny")
 def mistral_tiny() -> Recipe:
     """CPU-sized Mistral: a 64-position sliding window inside 128-token sequences, so the window matters."""
-    return _cpu_recipe("mistral_tiny", "mistral",
+    return _cpu_recipe("mistral_tiny",
                        mistral_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                       num_kv_heads=2, mlp_hidden=512, sliding_window=64, max_seq_len=128),
                        "4-layer Mistral, sliding window 64 over 128 tokens, on the stdlib corpus")
@@ -224,10 +218,9 @@ MISTRAL_SOURCE = ("Mistral AI has not published the data, budget or optimizer se
 def mistral_7b() -> Recipe:
     """Mistral 7B v0.3 (no sliding window) from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
     return _pretraining_recipe(
-        "mistral_7b", family="mistral", model=mistral_config("mistral_7b_v0_3", max_seq_len=8192),
-        description=(
-            "Mistral 7B v0.3 on FineWeb-Edu with its own tokenizer (32,768 pieces), 4M tokens/step (512 x 8192, "
-            f"64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: {MISTRAL_SOURCE}"),
+        "mistral_7b", model=mistral_config("mistral_7b_v0_3", max_seq_len=8192),
+        description="Mistral 7B v0.3 from scratch on FineWeb-Edu with its own tokenizer, for 2T tokens",
+        sources=MISTRAL_SOURCE,
         corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.3",
         seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
         token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
@@ -239,11 +232,10 @@ def mistral_7b() -> Recipe:
 def mistral_7b_v0_1() -> Recipe:
     """Mistral 7B v0.1: sequence 8192 through its 4096-position sliding window; 8 H200s."""
     return _pretraining_recipe(
-        "mistral_7b_v0_1", family="mistral", model=mistral_config("mistral_7b_v0_1", max_seq_len=8192),
-        description=(
-            "Mistral 7B v0.1 (sliding window 4096) on FineWeb-Edu with its own tokenizer (32,000 pieces), 4M "
-            "tokens/step (512 x 8192, 64 micro-batches of one sequence per GPU), 2T tokens; 8 H200s. Sources: "
-            f"{MISTRAL_SOURCE}"),
+        "mistral_7b_v0_1", model=mistral_config("mistral_7b_v0_1", max_seq_len=8192),
+        description=("Mistral 7B v0.1 (sequences longer than its sliding window) from scratch on FineWeb-Edu with "
+                     "its own tokenizer, for 2T tokens"),
+        sources=MISTRAL_SOURCE,
         corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.1",
         seq_len=8192, global_batch=LLAMA2_BATCH_TOKENS // 8192, grad_accum=64,
         token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
@@ -258,7 +250,7 @@ from spillway.models.qwen import qwen2_config, qwen3_config  # noqa: E402
 @register("qwen2_tiny")
 def qwen2_tiny() -> Recipe:
     """CPU-sized Qwen2.5-shaped model: q/k/v biases, tied head."""
-    return _cpu_recipe("qwen2_tiny", "qwen2",
+    return _cpu_recipe("qwen2_tiny",
                        qwen2_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                     num_kv_heads=2, mlp_hidden=512, max_seq_len=128),
                        "4-layer Qwen2.5-shaped model (q/k/v biases) on the stdlib corpus")
@@ -267,7 +259,7 @@ def qwen2_tiny() -> Recipe:
 @register("qwen3_tiny")
 def qwen3_tiny() -> Recipe:
     """CPU-sized Qwen3-shaped model: q/k norms, head_dim wider than d_model // num_heads, tied head."""
-    return _cpu_recipe("qwen3_tiny", "qwen3",
+    return _cpu_recipe("qwen3_tiny",
                        qwen3_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                     num_kv_heads=2, head_dim=48, mlp_hidden=512, max_seq_len=128),
                        "4-layer Qwen3-shaped model (q/k norms) on the stdlib corpus")
@@ -283,10 +275,10 @@ QWEN_OPTIMIZER_SOURCE = ("the Qwen reports give no per-model learning rate or ba
 def qwen2_5_1_5b() -> Recipe:
     """Qwen2.5 1.5B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "qwen2_5_1_5b", family="qwen2", model=qwen2_config("qwen2_5_1_5b", max_seq_len=4096),
-        description=(
-            "Qwen2.5 1.5B on FineWeb-Edu with the Qwen2.5 tokenizer, 4M tokens/step (1024 x 4096, 128 "
-            "micro-batches of 8), 18T tokens; one H200. Sources: 18T tokens is Qwen2.5's pretraining budget (its "
+        "qwen2_5_1_5b", model=qwen2_config("qwen2_5_1_5b", max_seq_len=4096),
+        description="Qwen2.5 1.5B from scratch on FineWeb-Edu with the Qwen2.5 tokenizer, for 18T tokens",
+        sources=(
+            "18T tokens is Qwen2.5's pretraining budget (its "
             f"technical report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: "
             "the loader passes over it again) and micro-batch are our choice"),
         corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen2.5-1.5B",
@@ -299,10 +291,10 @@ def qwen2_5_1_5b() -> Recipe:
 def qwen3_0_6b() -> Recipe:
     """Qwen3 0.6B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "qwen3_0_6b", family="qwen3", model=qwen3_config("qwen3_0_6b", max_seq_len=4096),
-        description=(
-            "Qwen3 0.6B on FineWeb-Edu with the Qwen3 tokenizer, 4M tokens/step (1024 x 4096, 128 micro-batches "
-            "of 8), 36T tokens; one H200. Sources: 36T tokens is Qwen3's pretraining budget (its technical "
+        "qwen3_0_6b", model=qwen3_config("qwen3_0_6b", max_seq_len=4096),
+        description="Qwen3 0.6B from scratch on FineWeb-Edu with the Qwen3 tokenizer, for 36T tokens",
+        sources=(
+            "36T tokens is Qwen3's pretraining budget (its technical "
             f"report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: the loader "
             "passes over it again) and micro-batch are our choice"),
         corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-0.6B-Base",
@@ -315,10 +307,10 @@ def qwen3_0_6b() -> Recipe:
 def qwen3_8b() -> Recipe:
     """Qwen3 8B from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
     return _pretraining_recipe(
-        "qwen3_8b", family="qwen3", model=qwen3_config("qwen3_8b", max_seq_len=4096),
-        description=(
-            "Qwen3 8B on FineWeb-Edu with the Qwen3 tokenizer, 4M tokens/step (1024 x 4096, 64 micro-batches of "
-            "two sequences per GPU), 36T tokens; 8 H200s. Sources: 36T tokens is Qwen3's pretraining budget (its "
+        "qwen3_8b", model=qwen3_config("qwen3_8b", max_seq_len=4096),
+        description="Qwen3 8B from scratch on FineWeb-Edu with the Qwen3 tokenizer, for 36T tokens",
+        sources=(
+            "36T tokens is Qwen3's pretraining budget (its "
             f"technical report); {QWEN_SEQUENCE}; {QWEN_OPTIMIZER_SOURCE}; the corpus (smaller than the budget: "
             "the loader passes over it again) is our choice"),
         corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-8B-Base",

@@ -3,17 +3,19 @@
 The planner compiles the real train step for a target GPU and reads its HBM and
 host-memory use from XLA (docs/DESIGN.md section 5). Pieces:
 
-* ``planner``: candidates, the table, the pick, ``--search``; runs ``child``
-  (one compile process per worker) and adds the step-time model.
-* ``flops``: training FLOPs counted from the model's shapes (a deviceless
-  compile reports none).
+* ``planner``: ``plan()``, which drives the rest; ``commands``: the entry points
+  (``spillway plan``, ``spillway train --plan auto``, the benchmarks' ``predict_cases``).
+* ``candidates``: the plans tried, each an ``OffloadConfig`` (and ``update_on_host``).
+* ``mesh_rules``: the recipe's mesh for ``--devices``; the meshes refused before compiling.
+* ``workers`` and ``child``: the compile processes; ``toolchain``: XLA options and the
+  ptxas stand-in that make a plan's compile fast.
+* ``cost_model``: a compiled candidate's step time and parameter traffic; ``pruning``:
+  the compile order and the candidates not compiled; ``result``: rows, verdicts, the pick.
+* ``render`` (the table) and ``chart`` (``--png``).
 * ``host_update``: the host CPU's optimizer-update rate for host-compute plans
   (measured by benchmarks/host_update_rate.py, or a default).
-* ``chart``: ``--png``, the plan table drawn with matplotlib.
-
 * ``plugin``: where the jax-cuda13 compiler plugin lives, whether it matches
   jaxlib, how to install it; whether ptxas/libdevice are there.
-* ``targets``: GPU targets as data (``get_target("h200")``).
 * ``subprocess_runner``: ``run_in_compile_process(module, args)`` runs a compile
   program in a child process set up for the plugin and returns its JSON.
 * ``compile`` (imports JAX; use it inside the compile process): compile-only
@@ -21,6 +23,9 @@ host-memory use from XLA (docs/DESIGN.md section 5). Pieces:
 * ``hlo``: host<->device traffic read from compiled HLO text, and which async
   copies of the two link directions are in flight together.
 * ``selfcheck``: a compile program that shows the whole chain works here.
+
+FLOPs are counted in models/flops.py and the GPU targets are recipes/targets.py
+(both read by the train loop too).
 
 This package's ``__init__`` imports neither JAX nor the plugin.
 """
@@ -39,11 +44,6 @@ _PUBLIC_NAMES = {
     "CompileToolchainMissing": "spillway.recipes.plan.subprocess_runner",
     "run_in_compile_process": "spillway.recipes.plan.subprocess_runner",
     "serve_compile_process": "spillway.recipes.plan.subprocess_runner",
-    "TARGETS": "spillway.recipes.plan.targets",
-    "UNSUPPORTED_TARGETS": "spillway.recipes.plan.targets",
-    "GpuTarget": "spillway.recipes.plan.targets",
-    "get_target": "spillway.recipes.plan.targets",
-    "target_names": "spillway.recipes.plan.targets",
 }
 __all__ = sorted(_PUBLIC_NAMES)
 

@@ -17,7 +17,7 @@ GiB = 2**30
 
 
 def draw_plan(plan, path: str | Path) -> Path:
-    """Draw `plan` (a planner.Plan) to the image file `path`; returns the path."""
+    """Draw `plan` (a recipes/plan/result.Plan) to the image file `path`; returns the path."""
     import matplotlib
     matplotlib.use("Agg")   # files only, never a window
     import matplotlib.pyplot as plt

@@ -1,14 +1,14 @@
 """The planner's compile process: the recipe's train step compiled for a GPU target, once per candidate plan.
 
-Started by recipes/plan/planner.py through `run_in_compile_process` (the GPU compiler
+Started by recipes/plan/workers.py through `run_in_compile_process` (the GPU compiler
 plugin can only join a JAX process at backend start, so compiles happen here,
 never in the caller). One process compiles all the candidates it is given, so
 start-up (JAX, the plugin, the topology) is paid once per process; the planner
-deals the candidates over a few such processes at once (`planner.default_workers`).
+deals the candidates over a few such processes at once (`workers.default_workers`).
 
     python -m spillway.recipes.plan.child REQUEST.json
 
-The request (written by planner.py) holds the resolved recipe as a dict, the
+The request (written by recipes/plan/planner.py) holds the resolved recipe as a dict, the
 folders to put on sys.path to import the recipe's own block class, the
 target name, the number of GPUs, the candidate plans (activation plan x
 optimizer-state placement) and optionally a search. For each candidate the
@@ -44,11 +44,15 @@ from typing import Any
 
 import jax
 
+from spillway.layers.sharding import make_mesh
+from spillway.recipes.config import Recipe
+from spillway.recipes.plan.candidates import Candidate
+from spillway.recipes.plan.compile import CompileReport, gpu_topology
 from spillway.recipes.plan.subprocess_runner import serve_compile_process
+from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 
 
 def _with_plan(recipe, candidate: dict):
-    from spillway.recipes.plan.planner import Candidate
     return Candidate.from_dict(candidate).applied_to(recipe)
 
 
@@ -62,12 +66,9 @@ def compile_step(recipe, mesh, compiler_options: dict | None = None):
     """(CompileReport, build seconds) of `recipe`'s train step on `mesh` (compile-only GPUs).
 
     `compiler_options` are XLA debug options for this compile only (the
-    planner's fast code generation, see recipes/plan/planner.py); None compiles as
+    planner's fast code generation, see recipes/plan/toolchain.py); None compiles as
     for a run.
     """
-    from spillway.recipes.plan.compile import CompileReport
-    from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
-
     started = time.perf_counter()
     s = abstract_setup(recipe, mesh, platform="cuda")
     arguments = abstract_step_arguments(s)
@@ -92,7 +93,7 @@ def compile_lowered(lowered, compiler_options: dict | None):
     for HLO" where that tiling does not suit the fusion (a bf16[2048,1536] weight
     gradient of Qwen2.5 1.5B, among others); level 1 tries a short list instead,
     without timing anything (there is no GPU). 0.10 and 0.12 compile the same
-    steps at level 0 (planner.compiler_options says why it is 0). Judged by the
+    steps at level 0 (toolchain.compiler_options says why it is 0). Judged by the
     error, not by the version, so a patch release is handled by what it does.
     Once one compile needed level 1, this process's later compiles start there:
     a failed level-0 attempt costs most of a compile.
@@ -263,10 +264,6 @@ def _measure(recipe, mesh, axis: str, compiler_options: dict | None):
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    from spillway.layers.sharding import make_mesh
-    from spillway.recipes.plan.compile import gpu_topology
-    from spillway.recipes.config import Recipe
-
     started = time.perf_counter()
     with open(argv[0]) as f:
         request = json.load(f)

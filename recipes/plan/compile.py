@@ -42,8 +42,8 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from spillway.recipes.plan import hlo
-from spillway.recipes.plan.targets import GpuTarget, get_target
+from spillway.recipes.plan import hlo, plugin
+from spillway.recipes.targets import GpuTarget, get_target
 
 DEVICE_MEMORY = "device"
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
@@ -54,7 +54,6 @@ class CompilerPluginNotLoaded(RuntimeError):
 
 
 def _plugin_not_loaded_message(cause: BaseException) -> str:
-    from spillway.recipes.plan import plugin
     reason = plugin.missing_reason()
     hint = (f"\n{reason}" if reason else
             "\nThe plugin is installed but this process did not load it: JAX initialised "

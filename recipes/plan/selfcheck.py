@@ -15,7 +15,7 @@ for GPU targets and prints one JSON document:
 * ``targets``: the offloading step compiled for every known target, each
   reported as ok with its numbers or failed with the error.
 
-The tests use it (tests/recipes/test_aot.py), and it is a quick way to see
+The tests use it (tests/recipes/plan/test_aot.py), and it is a quick way to see
 whether a machine can plan. Sizes are small so that the whole run takes seconds.
 """
 
@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from spillway.recipes.plan import plugin
 from spillway.recipes.plan.compile import abstract_array, compile_only_mesh, compile_report, on_compile_mesh
 from spillway.recipes.plan.subprocess_runner import serve_compile_process
-from spillway.recipes.plan.targets import target_names
+from spillway.recipes.targets import target_names
 
 CHECKS = ("policies", "sharded", "host_arguments", "targets")
 HIDDEN_NAME = "mlp_hidden"

@@ -20,7 +20,7 @@ import filecmp
 import shutil
 from pathlib import Path
 
-from spillway.data import load_tokenizer
+from spillway.data import load_tokenizer, tokenizer_file_in
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import distributed
 from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
@@ -35,8 +35,6 @@ class FineTuneTokenizerError(RunError):
 
 def source_tokenizer_path(init_from: str) -> Path | None:
     """The tokenizer file (tokenizer.json or tokenizer.model) of the spillway run a checkpoint is in, else None."""
-    from spillway.data import tokenizer_file_in
-
     source_run = run_dir_of(resolve_step_dir(init_from))
     return None if source_run is None else tokenizer_file_in(Path(source_run))
 

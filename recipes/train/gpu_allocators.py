@@ -17,33 +17,23 @@ Two defaults of JAX's GPU client break plans that `spillway plan` says fit
 set it. Both are read once, when JAX starts its GPU backend, so it must run
 before anything touches a device; on CPU they are ignored. The pinned bytes a
 run needs are checked against the host's RAM separately, before anything is
-allocated (recipes/train/optimizer.py check_host_memory).
+allocated (recipes/optim/host_memory.py check_host_memory).
 """
 
 from __future__ import annotations
 
 import os
 
+from spillway.recipes.optim.host_memory import host_ram_bytes
+from spillway.recipes.targets import HBM_HEADROOM
+
 HBM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-# The planner's default headroom (`spillway plan --headroom`): a plan it says
-# fits must fit what the client reserves.
-HBM_FRACTION = 0.9
+# The planner's default headroom: a plan it says fits must fit what the client reserves.
+HBM_FRACTION = HBM_HEADROOM
 # Of the host's RAM, what pinned buffers may take: the rest stays for the
 # process itself (the data loader, checkpoint writes) and the OS.
 HOST_RAM_FRACTION = 0.9
-
-
-def host_ram_bytes() -> int | None:
-    """This host's RAM from /proc/meminfo, or None where there is none (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        return None
-    return None
 
 
 def configure(environ=os.environ, ram_bytes: int | None = None) -> dict[str, str]:

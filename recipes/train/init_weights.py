@@ -38,6 +38,7 @@ from spillway.data import tokenizer_file_in
 from spillway.models.hf import family_config_from_hf, load_hf_weights, read_hf_config
 from spillway.models.registry import get_family
 from spillway.recipes.config import Recipe
+from spillway.recipes.train.checkpoint import restore_params_only
 
 HF_PREFIX = "hf:"
 # Model fields that only bound the positions a run feeds (see the module docstring).
@@ -125,8 +126,6 @@ def load_init_weights(recipe: Recipe, abstract_params, say=print):
     init_from = recipe.checkpoint.init_from
     directory = hf_checkpoint_dir(init_from)
     if directory is None:
-        from spillway.recipes.train.checkpoint import restore_params_only
-
         params, meta = restore_params_only(init_from, abstract_params)
         say(f"fine-tuning from {init_from} (weights of step {meta.get('step')}); fresh optimizer state and schedule")
         return params

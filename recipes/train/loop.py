@@ -25,16 +25,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from spillway.layers.memory import Memory
 from spillway.layers.sharding import make_mesh
+from spillway.models.flops import model_flops_per_token
 from spillway.recipes.config import Recipe
-from spillway.recipes.plan.flops import model_flops_per_token
+from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
 from spillway.recipes.train import distributed, gpu_allocators
 from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
                                             peak_flops_per_device)
-from spillway.recipes.train.optimizer import check_host_memory
 from spillway.recipes.train.preemption import GroupStop, StopSignals, signal_name
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.step import abstract_with_shardings, make_eval_step, pinned_host_bytes, setup
@@ -144,7 +145,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 
     mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
-    if recipe.offload.optimizer_state == "host":
+    if recipe.offload.optimizer_state == Memory.HOST:
         # Before anything is allocated: pinned memory the host cannot give fails here, not mid-init.
         pinned = pinned_host_bytes(recipe, mesh)
         check_host_memory(pinned.total, breakdown=pinned.describe())
@@ -170,7 +171,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         return check_weights(restored["params"], first_batch).problem()
 
     # offload.update=next_forward: the optimizer update each step leaves for the next one's forward pass
-    # (recipes/train/update_in_forward.py); `settle` applies it before anything reads params or state.
+    # (recipes/optim/update_in_forward.py); `settle` applies it before anything reads params or state.
     deferred = s.nothing_pending(params) if s.defers_update else None
     settled = True
 

@@ -11,7 +11,7 @@ trains again replace those rows instead of repeating them. `read_metrics`
 reads files written before that rule (rows repeated after a restart) the same
 way: a step going backwards starts a new segment that replaces what came
 after it. MFU is model FLOPs per second over the
-device's peak: the target's published bf16 peak on GPUs (recipes/plan/targets.py), and on a CPU the
+device's peak: the target's published bf16 peak on GPUs (recipes/targets.py), and on a CPU the
 measured rate of a large float32 matmul (so the figure means "fraction of what
 this machine's matmul can do").
 """
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spillway.recipes.targets import target_for_device_kind   # the planner's GPU facts, one table
 from spillway.recipes.train.errors import RunError
 
 
@@ -47,7 +48,6 @@ def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
 def peak_flops_per_device() -> tuple[float, str]:
     device = jax.local_devices()[0]
     if device.platform == "gpu":
-        from spillway.recipes.plan.targets import target_for_device_kind  # the planner's GPU facts, one table
         target = target_for_device_kind(device.device_kind)
         if target is None:
             return float("nan"), f"unknown GPU {device.device_kind}"

@@ -57,6 +57,7 @@ MAY_CHANGE = "may change"
 RESUME_RULES: dict[str, str] = {
     "name": MAY_CHANGE,
     "description": MAY_CHANGE,
+    "sources": MAY_CHANGE,
     "family": MUST_MATCH,
     "model": MUST_MATCH,
     "block": MUST_MATCH,

@@ -17,13 +17,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spillway.layers import host_weights, names
 from spillway.layers.errors import ConfigError
+from spillway.layers.mesh import check_batch_split
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
-from spillway.recipes.train import param_placement as placement
-from spillway.recipes.train import update_in_forward
+from spillway.recipes.optim import param_placement as placement
+from spillway.recipes.optim import update_in_forward
+from spillway.recipes.optim.host_memory import donate_opt_state_ok
+from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
+from spillway.recipes.optim.layouts import make_layouts
+from spillway.recipes.optim.optimizer import Optimizer
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
-from spillway.recipes.train.optimizer import Optimizer, donate_opt_state_ok, make_layouts
 
 
 def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
@@ -140,7 +144,7 @@ class TrainSetup:
     opt_state_shardings: object
     batch_sharding: NamedSharding
     train_step: object  # jitted
-    # offload.update=next_forward (recipes/train/update_in_forward.py): the step takes and returns the
+    # offload.update=next_forward (recipes/optim/update_in_forward.py): the step takes and returns the
     # update still pending; `flush` (jitted) applies it; None otherwise.
     pending_shardings: object = None
     flush: object = None
@@ -216,14 +220,12 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     the state and the pending gradients are read and new ones written: two of
     each.
     """
-    from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
-
     s = abstract_setup(recipe, mesh, platform=jax.default_backend())
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
     if s.defers_update:
         # The step writes the new state beside the old and the new pending gradients beside the old ones
-        # (recipes/train/update_in_forward.py): two of each while it runs.
+        # (recipes/optim/update_in_forward.py): two of each while it runs.
         pending = tree_nbytes_by_memory_kind(_abstract_pending(s)).get(placement.PINNED_HOST, 0)
         return PinnedHostBytes(2 * state, weights, 2 * pending)
     if recipe.train.grad_accum == 1:
@@ -276,9 +278,8 @@ def abstract_model(recipe: Recipe):
 def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
               layout_source=None) -> TrainSetup:
     """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step."""
-    if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
-        raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
-                         f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
+    # A micro-batch the batch axes do not divide is replicated: it runs (the planner refuses it).
+    check_batch_split(dict(mesh.shape), recipe.train.global_batch, recipe.train.grad_accum, micro_batches_too=False)
     layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
                            state_memory=recipe.offload.optimizer_state)
     deferred = recipe.offload.update == "next_forward"

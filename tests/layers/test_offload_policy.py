@@ -5,7 +5,7 @@ On CPU, memory kinds lower to no-ops: a CPU run cannot see where a value
 lives, only that the numbers are right. Placement is asserted where it shows:
 in the jaxpr here (the `device_put` to host that remat's partial evaluation
 inserts for each offloaded residual), and in the compiled HLO of the
-deviceless GPU compiles (tests/recipes/test_aot.py, test_planner.py).
+deviceless GPU compiles (tests/recipes/plan/test_aot.py, test_planner.py).
 """
 
 import jax

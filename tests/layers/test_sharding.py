@@ -17,9 +17,10 @@ def test_eight_fake_devices():
 
 def test_make_mesh_fills_minus_one_and_rejects_mismatch():
     assert dict(make_mesh(2, -1, 2).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    with pytest.raises(ValueError, match="= 12 devices, but 8 devices are available"):
+    # The one mesh rule's words (layers/mesh.py), the planner's too.
+    with pytest.raises(ValueError, match="data=3 x fsdp=2 x tensor=2 needs 12 devices, but the device count is 8"):
         make_mesh(3, 2, 2)
-    with pytest.raises(ValueError, match="does not divide 8 devices"):
+    with pytest.raises(ValueError, match="does not fit 8 devices: 8 is not a multiple of 3"):
         make_mesh(3, -1, 1)
 
 

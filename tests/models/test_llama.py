@@ -107,7 +107,7 @@ def test_subclassed_blocks_give_the_no_remat_gradients_under_offload_policies(bl
                                                      (PostNormBlock, True)])
 def test_subclassed_blocks_copy_their_tagged_activations_to_host(block_cls, reads_attn_out):
     """Placement, where a CPU run can see it: the jaxpr copies the subclass's tagged values to host
-    (memory kinds are no-ops on CPU; tests/recipes/test_aot.py checks the GPU HLO). What is copied is what
+    (memory kinds are no-ops on CPU; tests/recipes/plan/test_aot.py checks the GPU HLO). What is copied is what
     the backward pass reads: a parallel block never normalises x + attn_out, so ATTN_OUT stays behind."""
     from spillway.layers.stack import host_offloaded_names
 

@@ -14,6 +14,7 @@ import pytest
 from spillway.layers.errors import ConfigError
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import FAMILIES, family_names, family_of_config
+from spillway.recipes.config import Recipe
 from spillway.recipes.registry import get_recipe
 
 LLAMA_SHAPED = [name for name in family_names() if issubclass(FAMILIES[name].config_cls, LlamaShapedConfig)]
@@ -35,10 +36,16 @@ def test_each_preset_is_found_by_its_own_family(name):
         assert family_of_config(config) is FAMILIES[name]
 
 
-def test_a_recipe_refuses_a_sibling_familys_config():
+def test_a_recipes_family_is_its_model_configs_and_a_recipe_json_naming_a_sibling_is_refused():
+    """The family is derived from the model config's class (no second field to disagree with it); a
+    recipe.json that names a sibling family for a Mistral model fails on the field only Mistral has."""
     mistral = get_recipe("mistral_tiny")
-    with pytest.raises(ConfigError, match="model is a MistralConfig, but family 'llama' takes a LlamaConfig"):
-        dataclasses.replace(mistral, family="llama")
+    assert mistral.family == "mistral" and mistral.to_dict()["family"] == "mistral"
+    saved = dict(mistral.to_dict(), family="llama")
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['sliding_window'\] in model"):
+        Recipe.from_dict(saved)
+    with pytest.raises(ConfigError, match="is no registered family's config"):
+        dataclasses.replace(mistral, model=object())
 
 
 @pytest.mark.parametrize("name, field, value", [

@@ -166,3 +166,13 @@ def test_block_class_is_resolved_when_the_recipe_is_built():
         tiny("block=no_such_module:Block")
     with pytest.raises(ConfigError, match="not a subclass of spillway.layers.block.TransformerBlock"):
         tiny("block=spillway.layers.norm:RMSNorm")
+
+
+def test_the_step_summary_is_worked_out_from_the_fields():
+    """Numbers the fields decide are printed by the code (`spillway recipes NAME`), not restated in prose.
+    By hand: tiny is 16 sequences of 128 tokens in one micro-batch, 500 steps; llama3_8b is 512 x 8192 in
+    64 micro-batches of 8 sequences, one per GPU on its 8 H200s, and 15e12 // 4,194,304 = 3,576,278 steps."""
+    assert tiny().step_summary() == "2,048 tokens/step (16 x 128, 1 micro-batch of 16); 500 steps, 1,024,000 tokens"
+    assert get_recipe("llama3_8b").step_summary() == (
+        "4,194,304 tokens/step (512 x 8,192, 64 micro-batches of 1 sequence per GPU); 3,576,278 steps, "
+        "15.00T tokens; planned for 8 x H200 SXM 141GB")

@@ -19,6 +19,7 @@ from flax import nnx
 from spillway.models.decoder import count_params
 from spillway.models.registry import get_family
 from spillway.recipes.plan import planner, plugin
+from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.loop import train
 
@@ -85,7 +86,7 @@ def test_deviceless_h200_compile_keeps_offloaded_activations_in_host_memory(name
         pytest.fail(f"deviceless GPU compile tests need the compiler plugin: {reason}")
     recipe = get_recipe(name, SMALL + SMALL_EXTRA[name])
     result = planner.plan(recipe, "h200", 1, workers=1, plans=[
-        planner.Candidate("save_all", "device"), planner.Candidate("offload_dots", "device")])
+        Candidate.of("save_all", "device"), Candidate.of("offload_dots", "device")])
     save, offload = result.rows
     for row in result.rows:
         assert row.error is None, row.error

@@ -13,6 +13,7 @@ from flax import nnx
 
 from spillway.models.decoder import count_params
 from spillway.recipes.plan import planner, plugin
+from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.loop import train
 
@@ -61,7 +62,7 @@ def test_small_gpt2_offload_compiles_to_host_buffers_for_an_h200():
         f"model.num_layers={layers}", f"model.d_model={d_model}", "model.num_heads=4", "model.vocab_size=1024",
         "model.max_seq_len=512", "execution.flash_block_size=128", f"data.seq_len={seq}",
         f"train.global_batch={batch}", "train.grad_accum=1", "train.loss_chunk=0"])
-    plans = [planner.Candidate("offload_dots", "device"), planner.Candidate("save_all", "device")]
+    plans = [Candidate.of("offload_dots", "device"), Candidate.of("save_all", "device")]
     result = planner.plan(recipe, "h200", 1, plans=plans, workers=1)
     rows = {row.candidate.activations: row for row in result.rows}
     for row in result.rows:

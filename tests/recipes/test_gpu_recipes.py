@@ -14,7 +14,9 @@ import pytest
 from spillway.data import parse_hub_spec
 from spillway.layers.errors import ConfigError
 from spillway.recipes import cli
-from spillway.recipes.plan import planner
+from spillway.recipes.plan import commands, mesh_rules, planner
+from spillway.recipes.plan import render as plan_render
+from spillway.recipes.plan import result as plan_result
 from spillway.recipes.registry import get_recipe, recipe_names
 
 GPU_RECIPES = sorted(name for name in recipe_names() if get_recipe(name).offload.target_gpu is not None)
@@ -56,11 +58,13 @@ def test_a_gpu_recipe_names_its_corpus_tokenizer_and_published_hyperparameters(n
         (published["lr"], published["warmup"], published["floor"], published["eps"])
     assert (opt.b1, opt.b2, opt.weight_decay, opt.clip_norm) == (0.9, 0.95, 0.1, 1.0)
     # Gradient accumulation reaches the batch with micro-batches that split evenly over the target GPUs.
-    planner.resolve_mesh(recipe, recipe.offload.target_devices)
+    mesh_rules.resolve_mesh(recipe, recipe.offload.target_devices)
     assert recipe.train.grad_accum > 1
-    # The description says where the numbers come from, and which are our choice.
-    assert "Sources:" in recipe.description and "our choice" in recipe.description
-    assert f"{recipe.data.seq_len}" in recipe.description
+    # The recipe says where the numbers come from, and which are our choice; the numbers its fields make
+    # of a step are the code's to print, not the prose's to restate.
+    assert recipe.sources and "our choice" in recipe.sources and "micro-batches" not in recipe.description
+    assert f"{recipe.data.seq_len:,}" in recipe.step_summary() and f"{recipe.train.steps:,} steps" in \
+        recipe.step_summary()
 
 
 def test_gpt2_124m_is_the_build_nanogpt_baseline():
@@ -154,7 +158,7 @@ def test_offline_through_the_command_is_exit_2_without_a_traceback(tmp_path):
 ])
 def test_plan_defaults_to_the_recipes_own_gpus(argv, gpu, devices, monkeypatch):
     seen = {}
-    monkeypatch.setattr(planner, "plan_command", lambda args: seen.update(gpu=args.gpu, devices=args.devices) or 0)
+    monkeypatch.setattr(commands, "plan_command", lambda args: seen.update(gpu=args.gpu, devices=args.devices) or 0)
     assert cli.main(argv) == 0
     assert seen == {"gpu": gpu, "devices": devices}
 
@@ -168,10 +172,10 @@ def test_train_plan_auto_plans_for_the_recipes_gpu(monkeypatch):
         seen.update(gpu=gpu, devices=devices)
         return recipe
     monkeypatch.setattr(preflight, "check_run_inputs", lambda recipe: None)
-    monkeypatch.setattr(planner, "apply_plan", fake_apply_plan)
+    monkeypatch.setattr(commands, "apply_plan", fake_apply_plan)
     monkeypatch.setattr(loop, "train", lambda recipe, **kwargs: None)
     assert cli.main(["train", "llama3_8b_offload", "--plan", "auto"]) == 0
-    assert seen == {"gpu": "h100", "devices": None}   # devices: what the run sees (planner._default_devices)
+    assert seen == {"gpu": "h100", "devices": None}   # devices: what the run sees (commands.default_devices)
     assert cli.main(["train", "llama3_8b_offload", "--plan", "auto", "--gpu", "gh200"]) == 0
     assert seen["gpu"] == "gh200"
 
@@ -189,9 +193,9 @@ def test_an_unknown_target_gpu_is_a_config_error_naming_the_field():
 def test_the_stored_offload_settings_are_the_planners_pick_on_the_named_gpus(name):
     recipe = get_recipe(name)
     result = planner.plan(recipe, recipe.offload.target_gpu, recipe.offload.target_devices)
-    picked = planner.choose(result).candidate
+    picked = plan_result.choose(result).candidate
     assert (picked.activations, picked.optimizer_state) == \
-        (recipe.offload.activations, recipe.offload.optimizer_state), planner.render(result)
+        (recipe.offload.activations, recipe.offload.optimizer_state), plan_render.render(result)
 
 
 def test_the_gpu_check_of_the_picks_runs_each_one_h200_recipes_own_micro_batch():

@@ -117,7 +117,8 @@ def test_the_compile_process_reports_a_block_it_cannot_import(tmp_path):
 
 def test_plan_compiles_a_block_found_only_on_this_process_path(user_folder, tmp_path, monkeypatch):
     from spillway.recipes.plan import plugin
-    from spillway.recipes.plan.planner import Candidate, plan
+    from spillway.recipes.plan.candidates import Candidate
+    from spillway.recipes.plan.planner import plan
 
     if plugin.missing_reason() is not None:
         pytest.skip(f"deviceless GPU compiles need: {plugin.missing_reason()}")
@@ -125,6 +126,6 @@ def test_plan_compiles_a_block_found_only_on_this_process_path(user_folder, tmp_
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.chdir(tmp_path)   # not the module's folder: only the planner's request can tell the child
     recipe = get_recipe("tiny", MICRO + [f"block={MODULE}:ParallelBlock", "execution.attention_impl=flash"])
-    result = plan(recipe, "h200", 1, plans=[Candidate("save_all", "device")])
+    result = plan(recipe, "h200", 1, plans=[Candidate.of("save_all", "device")])
     row = result.rows[0]
     assert row.error is None and row.report["hbm_bytes"] > 0, row.error

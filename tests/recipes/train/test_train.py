@@ -88,13 +88,14 @@ def test_resume_moves_optimizer_state_between_device_and_host(data_cache, tmp_pa
 
 def test_pinned_memory_above_the_hosts_ram_stops_the_run_before_anything_is_allocated(
         data_cache, tmp_path, monkeypatch):
-    from spillway.recipes.train import loop, optimizer
+    from spillway.recipes.optim import host_memory
+    from spillway.recipes.train import loop
 
-    monkeypatch.setattr(optimizer, "_meminfo_total_bytes", lambda: 10_000)
+    monkeypatch.setattr(host_memory, "_meminfo_total_bytes", lambda: 10_000)
     monkeypatch.setattr(loop, "setup", lambda *args, **kwargs: pytest.fail("setup() ran: the weights were made"))
     recipe = micro(data_cache, tmp_path / "run", "offload.params=host", "offload.optimizer_state=host",
                    "train.grad_accum=2")
-    with pytest.raises(optimizer.HostMemoryError, match=r"needs \S+ GiB of pinned host memory \(optimizer state "
+    with pytest.raises(host_memory.HostMemoryError, match=r"needs \S+ GiB of pinned host memory \(optimizer state "
                        r"\S+ GiB, weights \S+ GiB, their gradients \S+ GiB\), but this host has 0.00 GiB.*"
                        r"offload.params=device"):
         train(recipe, progress=False)

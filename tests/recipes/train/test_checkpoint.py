@@ -5,7 +5,7 @@ The state saved here looks like a run's: a params tree sharded over a
 pinned_host memory and whose master copy is None for some leaves. Host-memory
 and device-memory arrays cannot meet in one op, so values are compared as NumPy
 copies. The crash test (SIGKILL mid-save) runs a real child process; SIGTERM is the
-train loop's (tests/recipes/test_train.py).
+train loop's (tests/recipes/train/test_train.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from spillway.recipes.train.checkpoint import (CheckpointError, CheckpointMismat
                                                restore_params_only)
 from spillway.recipes.train.errors import RunError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 PINNED_HOST = "pinned_host"
 RECIPE_JSON = '{\n  "model": "llama_tiny",\n  "lr": 0.0003\n}\n'
 

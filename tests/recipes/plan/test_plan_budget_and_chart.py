@@ -10,9 +10,11 @@ import types
 import pytest
 
 from spillway.recipes import cli
-from spillway.recipes.plan import planner
-from spillway.recipes.plan.targets import get_target
+from spillway.recipes.plan import commands, planner
+from spillway.recipes.plan import result as plan_result
+from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.registry import get_recipe
+from spillway.recipes.targets import get_target
 
 GiB = 2**30
 
@@ -21,7 +23,7 @@ def fake_row(activations, state, hbm_gib, step_ms, host_gib=0.0, temp_gib=1.0):
     report = {"hbm_bytes": hbm_gib * GiB, "temp_bytes": temp_gib * GiB, "host_bytes": host_gib * GiB,
               "host_temp_bytes": host_gib * GiB, "host_buffer_count": 1 if host_gib else 0,
               "device_to_host_bytes": host_gib * GiB, "host_to_device_bytes": host_gib * GiB}
-    row = planner.PlanRow(planner.Candidate(activations, state), "flash", report, None, {}, compute_s=0.0,
+    row = plan_result.PlanRow(Candidate.of(activations, state), "flash", report, None, {}, compute_s=0.0,
                           compile_s=0.0)
     row.forward_s, row.backward_s, row.update_s = step_ms / 1e3, 0.0, 0.0
     return row
@@ -32,7 +34,7 @@ def fake_plan(budget_gib=None):
             fake_row("save_dots", "device", 40.0, 110.0),
             fake_row("offload_dots", "host", 20.0, 150.0, host_gib=50.0),
             fake_row("recompute_all", "host", 12.0, 180.0, host_gib=40.0)]
-    return planner.Plan(get_recipe("tiny"), get_target("h200"), 1, {"data": 1}, 0.9, 512 * GiB, rows, [],
+    return plan_result.Plan(get_recipe("tiny"), get_target("h200"), 1, {"data": 1}, 0.9, 512 * GiB, rows, [],
                         None, {"jax_version": "test", "compiles": 4, "total_s": 1.0, "workers": 1,
                                "child_startup_s": 0.0},
                         hbm_budget_bytes=None if budget_gib is None else budget_gib * GiB).judge()
@@ -49,7 +51,7 @@ def test_budget_picks_the_fastest_plan_under_it():
 def test_budget_that_nothing_fits_names_the_smallest_plan():
     with pytest.raises(ValueError, match=r"smallest HBM is 12\.00 GiB \(recompute_all / opt state host.*"
                                          r"budget 8\.00 GiB"):
-        planner.choose(fake_plan(8))
+        plan_result.choose(fake_plan(8))
     assert fake_plan().rejudged(hbm_budget_bytes=8 * GiB).picked is None
 
 
@@ -59,7 +61,7 @@ def test_cli_budget_prints_the_table_then_fails_naming_the_smallest(monkeypatch,
     def replay(recipe, gpu, devices, **kwargs):
         seen.update(kwargs)
         return fake_plan(kwargs["hbm_budget_gib"])
-    monkeypatch.setattr(planner, "plan", replay)
+    monkeypatch.setattr(commands, "plan", replay)
     assert cli.main(["plan", "tiny", "--hbm-budget", "45"]) == 0
     out = capsys.readouterr().out
     assert seen["hbm_budget_gib"] == 45.0 and "budget 45.00 GiB" in out
@@ -81,7 +83,7 @@ def test_png_draws_every_compiled_plan(tmp_path, monkeypatch, capsys):
     from spillway.recipes.plan.chart import draw_plan
 
     plan = fake_plan(45)
-    plan.rows.append(planner.PlanRow(planner.Candidate("save_qkv_offload_mlp", "host"), "flash", None,
+    plan.rows.append(plan_result.PlanRow(Candidate.of("save_qkv_offload_mlp", "host"), "flash", None,
                                      "compile failed", {}, compute_s=0.0, compile_s=0.0))
     path = draw_plan(plan, tmp_path / "plan.png")
     with Image.open(path) as image:
@@ -89,7 +91,7 @@ def test_png_draws_every_compiled_plan(tmp_path, monkeypatch, capsys):
         # not a blank canvas: the bars and lines put several colours on it
         assert len(image.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 10
 
-    monkeypatch.setattr(planner, "plan", lambda *args, **kwargs: fake_plan())
+    monkeypatch.setattr(commands, "plan", lambda *args, **kwargs: fake_plan())
     assert cli.main(["plan", "tiny", "--png", str(tmp_path / "cli.png")]) == 0
     assert (tmp_path / "cli.png").stat().st_size > 10_000
     capsys.readouterr()

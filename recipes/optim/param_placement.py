@@ -21,8 +21,9 @@ from flax import nnx
 
 from spillway.layers import names
 from spillway.layers.errors import ConfigError
-from spillway.layers.host_weights import DEVICE, HOST, stacked_weight_memory
-from spillway.recipes.train.optimizer import PINNED_HOST, host_memory_available, host_sharding
+from spillway.layers.host_weights import stacked_weight_memory
+from spillway.layers.memory import MEMORIES, PINNED_HOST, Memory
+from spillway.recipes.optim.host_memory import host_memory_available, host_sharding
 
 
 def _is_variable(x) -> bool:
@@ -35,11 +36,11 @@ def param_memories(state, setting: str):
         metadata = var.get_metadata()
         axes = tuple(metadata.get("logical_axes") or ())
         stacked = bool(axes) and axes[0] == names.LAYERS
-        memory = stacked_weight_memory(metadata, setting) if stacked else metadata.get("param_memory") or DEVICE
-        if memory not in (HOST, DEVICE):
+        memory = stacked_weight_memory(metadata, setting) if stacked else metadata.get("param_memory") or Memory.DEVICE
+        if memory not in MEMORIES:
             raise ConfigError(f"param_memory of {jax.tree_util.keystr(path)} must be 'host' or 'device', "
                               f"got {memory!r}")
-        if memory == HOST and not stacked:
+        if memory == Memory.HOST and not stacked:
             raise ConfigError(f"parameter {jax.tree_util.keystr(path)} asks for host memory, but only stacked "
                               f"block weights (a leading 'layers' axis) can live on host")
         return memory
@@ -52,13 +53,13 @@ def placed_shardings(state, shardings, setting: str):
     Raises ConfigError when a parameter is to live on host and the platform has no pinned host memory.
     """
     memories = param_memories(state, setting)
-    on_host = [m == HOST for m in jax.tree.leaves(memories)]
+    on_host = [m == Memory.HOST for m in jax.tree.leaves(memories)]
     if any(on_host) and not host_memory_available():
         raise ConfigError(f"offload.params=host, but the {jax.default_backend()} platform exposes no "
                           f"'{PINNED_HOST}' memory: set offload.params=device")
 
     def one(memory, sharding):
-        if memory != HOST:
+        if memory != Memory.HOST:
             return sharding
         if _is_variable(sharding):   # nnx.State of shardings: Variables holding them
             return sharding.replace(host_sharding(sharding.get_value()))

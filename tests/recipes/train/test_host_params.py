@@ -2,7 +2,7 @@
 
 CPU lowers memory-kind moves to no-ops, so these tests prove the maths and the
 placement (shardings' memory kinds, the gradients' memory space in the traced
-step, checkpoints); tests/recipes/test_host_params_aot.py compiles for an
+step, checkpoints); tests/recipes/plan/test_host_params_aot.py compiles for an
 H200 to show the HBM saving.
 """
 
@@ -138,7 +138,7 @@ def test_host_params_need_host_optimizer_state():
 
 
 def test_host_params_without_pinned_host_memory_is_one_config_error(monkeypatch):
-    from spillway.recipes.train import param_placement
+    from spillway.recipes.optim import param_placement
     monkeypatch.setattr(param_placement, "host_memory_available", lambda device=None: False)
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host")
     with pytest.raises(ConfigError, match=r"offload.params=host.*no 'pinned_host' memory"):

@@ -3,7 +3,7 @@ the update after the backward pass, and the train loop settles it before anythin
 
 CPU lowers memory-kind moves to no-ops, so these tests prove the maths and the loop; the compiled
 schedule on a GPU target (state bytes moving in the forward pass, both link directions at once, the
-gradients out of HBM) is checked in tests/recipes/test_host_params_aot.py.
+gradients out of HBM) is checked in tests/recipes/plan/test_host_params_aot.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.loop import train
-from tests.recipes.test_host_params import batches, small_recipe
-from tests.recipes.test_train import data_cache, losses, micro  # noqa: F401 (data_cache: a fixture)
+from tests.recipes.train.test_host_params import batches, small_recipe
+from tests.recipes.train.test_train import data_cache, losses, micro  # noqa: F401 (data_cache: a fixture)
 
 ON_HOST = ("offload.optimizer_state=host", "train.grad_accum=1")
 IN_FORWARD = "offload.update=next_forward"

@@ -1,65 +1,19 @@
 """Streaming an optimizer update through HBM for state that lives in pinned host memory.
 
-The optimizer state of a host-resident parameter (AdamW moments, fp32 master
-weights) stays in `pinned_host` memory. Copying all of it to HBM for the update
-does not lower peak HBM; it raises it above keeping the state on device
-(docs/DESIGN.md section 6; today's figures from benchmarks/optimizer_state_toy.py
-are in BENCHMARKS.md). What lowers it is moving the state through HBM one layer
-at a time, so HBM only ever holds a layer or two.
+Copying a host-resident state to HBM whole for the update raises peak HBM;
+moving it through a layer (or a piece of rows) at a time lowers it. Why and
+how, with the measurements, is told once in docs/DESIGN.md section 6; here:
 
-A stacked leaf's host state is kept as two buffers (`LayerHalves`): layers
-[0, ceil(L/2)) and [ceil(L/2), L). The layers are updated alternating between
-the halves, so the prefetch of the next layer always reads the *other* buffer
-than the write-back of the current one:
-
-    prefetch(layer 0)
-    for each layer t (first[0], second[0], first[1], second[1], ...):
-        prefetch(t + 1)      host -> HBM, from the other half's buffer
-        update(t)            on device, with the state prefetched last slot
-        write back(t)        HBM -> host, into t's own buffer, while prefetch(t+1) is still in flight
-        (barrier: slot t+1 starts once both copies are done)
-
-With one buffer per leaf (the layout before) XLA cannot tell row i from row
-i+1: the write-back of layer i had to be ordered after the prefetch of layer
-i+1 finished, and the two link directions never ran at once. With two
-buffers nothing orders them, and in the compiled schedule (H200 target,
-jaxlib 0.10.2) the device->host write of layer t and the host->device
-prefetch of layer t+1 are in flight together
-(recipes/plan/hlo.py:overlapping_host_copies counts it).
-
-Checkpoints keep the one-array-per-leaf structure: `join_halves` /
-`split_halves` convert at save and restore (recipes/train/optimizer.py
-`Optimizer.saved_form`), so a checkpoint does not depend on where the state
-lived or how it was streamed.
-
-A large leaf outside the stack (Llama 3 8B's embedding and head: 5.9 GiB of
-state each) goes the same way in pieces of rows along an axis its sharding
-does not split (`update_outside_stack`, pieces of at most PIECE_ELEMENTS), one
-leaf after the other; small leaves (norm scales) visit HBM whole.
-
-The prefetched slices travel in the loop carry (double buffering). `lax.scan`
-over the layer axis measured worse (docs/DESIGN.md section 6: more HBM, plus a host
-temp the size of the state), hence `fori_loop` + `dynamic_slice` +
-`device_put` per slice.
-
-What XLA (jaxlib 0.10.2, H200 target) makes of it, read from the compiled HLO:
-the slice copies become async `dynamic-slice-start/done` (host -> HBM) and
-`dynamic-update-slice-start/done` (HBM -> host) fusions. Double buffering
-costs one layer's state of HBM (0.44 GiB for a 4096x14336 layer without
-master copy); `prefetch=False` saves it and serialises copy and update. For
-AdamW the update is short next to the copies (HBM is ~100x faster than the
-host link), so the link time is the cost, and running both directions at
-once halves it. Non-stacked leaves streamed in pieces (`stream_update`) keep
-one buffer and their two directions still take turns.
-
-Memory moves use `jax.device_put(x, jax.memory.Space.Device | Host)` inside the
-jitted step: that changes only the memory kind and leaves the sharding to XLA's
-propagation, so the same code runs on any mesh (Auto or Explicit axes) and in a
-deviceless compile for a GPU target whose compile-only devices report no
-memories.
+    stream_update          leaves updated piece by piece along an axis (one buffer per array)
+    stream_layer_halves    stacked leaves whose state is `LayerHalves`, a layer at a time in the order
+                           first[0], second[0], first[1], ...: the prefetch of layer t+1 and the
+                           write-back of layer t use different buffers, so both link directions run at once
+    update_outside_stack   a non-stacked leaf (embedding, head) in pieces of rows, or a small one whole
+    update_on_host         the whole update of one leaf run by the host CPU
+    new_host_state(_halves), split_halves / join_halves, squared_norm, tree_nbytes_by_memory_kind
 
 This module knows nothing about AdamW: it streams any per-piece update
-function. recipes/train/optimizer.py supplies the AdamW maths.
+function (recipes/optim/adamw.py supplies the AdamW maths).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 
 from spillway.recipes.plan import host_update
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_flag_beats_file_beats_default(tmp_path, monkeypatch):

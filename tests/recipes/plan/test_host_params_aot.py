@@ -12,7 +12,7 @@ forward and backward passes must be what the compiled program moves in them,
 told apart by JAX's own names for its autodiff passes (recipes/plan/hlo.py
 traffic_by_pass), and a host-weights plan must pay for them in its step time.
 
-Marked `needs_toolchain` (tests/ci_gate.py), like tests/recipes/test_optimizer_aot.py.
+Marked `needs_toolchain` (tests/ci_gate.py), like tests/recipes/optim/test_optimizer_aot.py.
 """
 
 import argparse
@@ -20,9 +20,11 @@ import argparse
 import pytest
 
 from benchmarks import host_params_toy
-from spillway.recipes.plan import planner
+from spillway.recipes.config import NEXT_FORWARD
+from spillway.recipes.plan import cost_model, planner
+from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.subprocess_runner import run_in_compile_process
-from spillway.recipes.plan.targets import get_target
+from spillway.recipes.targets import get_target
 
 pytestmark = pytest.mark.needs_toolchain
 
@@ -30,9 +32,9 @@ LAYERS = 8
 ONE_GPU = {"data": 1, "fsdp": 1, "tensor": 1}
 # The toy's placements as the planner's candidates (its activation plan is recompute_all).
 CANDIDATES = {
-    "device_params": planner.Candidate("recompute_all", "host", "device"),
-    "host_params": planner.Candidate("recompute_all", "host", "host"),
-    "host_params_host_update": planner.Candidate("recompute_all", planner.HOST_COMPUTE, "host"),
+    "device_params": Candidate.of("recompute_all", "host", "device"),
+    "host_params": Candidate.of("recompute_all", "host", "host"),
+    "host_params_host_update": Candidate.of("recompute_all", "host", "host", update_on_host=True),
 }
 # What the compiled update moves besides the model: the host CPU's partial sums
 # of squared host gradients for the clipping norm, a float32 scalar per leaf.
@@ -62,12 +64,12 @@ def assert_model_matches_passes(row: dict, placement: str, grad_accum: int, mesh
     (the update, the micro-batch gradient sums) is OTHER.
     """
     candidate = CANDIDATES[placement]
-    model = planner.param_traffic(candidate, toy_recipe(placement, grad_accum), mesh)
+    model = cost_model.param_traffic(candidate, toy_recipe(placement, grad_accum), mesh)
     passes, report = row["traffic_by_pass"], row["report"]
     assert passes["forward"] == {"host_to_device_bytes": model.forward_in, "device_to_host_bytes": 0}
     assert passes["backward"] == {"host_to_device_bytes": model.backward_in,
                                   "device_to_host_bytes": model.backward_out}
-    state = 0 if candidate.optimizer_state == planner.HOST_COMPUTE else \
+    state = 0 if candidate.update_on_host else \
         report["host_argument_bytes"] - model.host_weights
     assert passes["other"]["device_to_host_bytes"] == state + model.update_out
     extra = passes["other"]["host_to_device_bytes"] - (state + model.update_in)
@@ -155,8 +157,8 @@ def test_the_update_in_the_next_forward_moves_the_state_there_both_ways_at_once(
     # The planner prices the state in the forward pass, beside its compute, not after the backward pass:
     # the two directions overlapped, the larger one sets the link time.
     target = get_target("h200")
-    candidate = planner.Candidate("recompute_all", "host", "device", planner.NEXT_FORWARD)
-    row = planner._row(candidate, {"report": deferred["report"]}, recipe, target, ONE_GPU)
+    candidate = Candidate.of("recompute_all", "host", "device", NEXT_FORWARD)
+    row = cost_model.plan_row(candidate, {"report": deferred["report"]}, recipe, target, ONE_GPU)
     assert row.forward_s >= (state + weights) / target.host_link_bytes_per_s
     assert row.update_s < row.forward_s / 4
 
@@ -165,7 +167,7 @@ def test_the_planner_counts_the_weight_stream_the_compiled_step_moves(rows):
     for placement in CANDIDATES:
         model = assert_model_matches_passes(rows[placement], placement, grad_accum=1)
         if placement == "device_params":
-            assert model == planner.ParamTraffic()
+            assert model == cost_model.ParamTraffic()
         else:   # every layer's weights, in per forward, in again and their gradients out per backward
             assert model.forward_in == model.weights_in_backward == model.gradients_out == \
                 LAYERS * rows[placement]["layer_weight_bytes"]
@@ -174,7 +176,7 @@ def test_the_planner_counts_the_weight_stream_the_compiled_step_moves(rows):
 def test_host_weights_cost_their_link_time_in_forward_and_backward_not_in_the_update(rows):
     target = get_target("h200")
     link = target.host_link_bytes_per_s
-    device, host = (planner._row(CANDIDATES[p], {"report": rows[p]["report"]}, toy_recipe(p), target, ONE_GPU)
+    device, host = (cost_model.plan_row(CANDIDATES[p], {"report": rows[p]["report"]}, toy_recipe(p), target, ONE_GPU)
                     for p in ("device_params", "host_params"))
     passes = rows["host_params"]["traffic_by_pass"]
     forward_weights = passes["forward"]["host_to_device_bytes"]
@@ -229,7 +231,7 @@ def test_with_gradient_accumulation_no_hbm_buffer_holds_a_stacked_gradient():
     overlapped = report["overlapped_bytes_by_pass"]["backward"]
     assert 0 < overlapped <= passes["device_to_host_bytes"]
     target = get_target("h200")
-    row = planner._row(CANDIDATES["host_params"], {"report": report}, toy_recipe("host_params", 2), target, ONE_GPU)
+    row = cost_model.plan_row(CANDIDATES["host_params"], {"report": report}, toy_recipe("host_params", 2), target, ONE_GPU)
     moved = passes["device_to_host_bytes"] + passes["host_to_device_bytes"]
     assert row.backward_s == pytest.approx((moved - overlapped) / target.host_link_bytes_per_s, rel=1e-6)
 

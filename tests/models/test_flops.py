@@ -1,4 +1,4 @@
-"""The planner's FLOP count (recipes/plan/flops.py) against XLA's own count of the same program.
+"""The planner's FLOP count (models/flops.py) against XLA's own count of the same program.
 
 The oracle is `cost_analysis()["flops"]` of the train step's forward and
 backward (`jax.value_and_grad` of the real loss) compiled for the CPU: XLA
@@ -34,7 +34,7 @@ from spillway.layers import names
 from spillway.layers.execution import Execution
 from spillway.layers.offload import PRESETS, OffloadPolicy
 from spillway.models.llama import Llama, llama_config
-from spillway.recipes.plan import flops
+from spillway.models import flops
 from spillway.recipes.train.step import make_loss_fn
 
 BATCH, SEQ = 2, 128

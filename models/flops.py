@@ -21,7 +21,7 @@ docs/DESIGN.md section 5), so the planner counts them itself. What is counted:
 Not counted: elementwise work (norms, RoPE, SiLU, softmax exponentials,
 residual adds, the loss), the embedding lookup (a gather) and the optimizer
 update. For a model whose matmuls dominate, that is a few percent.
-tests/recipes/test_flops.py checks the count against XLA's own
+tests/models/test_flops.py checks the count against XLA's own
 (`cost_analysis()` of CPU compiles): forward, backward (the flash kernel's
 custom backward included) and the recompute of every offload preset.
 

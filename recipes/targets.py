@@ -1,4 +1,7 @@
-"""GPU targets for deviceless compiles, as data.
+"""GPU targets for deviceless compiles, as data, and the planning defaults train and plan share.
+
+Imports nothing (of this project or outside the standard library): `recipes/config.py`,
+`recipes/train/` and `recipes/plan/` all read it.
 
 A ``GpuTarget`` holds two kinds of facts about one GPU:
 
@@ -42,6 +45,12 @@ from collections.abc import Mapping
 
 GB = 10**9
 MiB = 2**20
+
+# The planning target of a recipe that names none (`spillway plan --gpu`, `train --plan auto`).
+DEFAULT_GPU = "h200"
+# The fraction of a GPU's HBM a plan may use (`spillway plan --headroom`), and so the fraction training
+# lets JAX's GPU allocator reserve (recipes/train/gpu_allocators.py): a plan that fits must fit there.
+HBM_HEADROOM = 0.9
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ mismatched plugin fails, with the install command: ``make test`` installs it.
 
 import pytest
 
-from spillway.recipes.plan import targets
+from spillway.recipes import targets
 from spillway.recipes.plan.subprocess_runner import CompileProcessError, run_in_compile_process
 
 pytestmark = pytest.mark.needs_toolchain   # tests/ci_gate.py: skips only without the CUDA toolkit, never under CI

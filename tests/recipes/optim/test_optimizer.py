@@ -1,4 +1,4 @@
-"""recipes/train/optimizer.py against plain optax, on CPU.
+"""recipes/optim/optimizer.py against plain optax, on CPU.
 
 The reference is the chain the optimizer promises to equal:
 optax.chain(clip_by_global_norm, adamw(schedule, mask=decay)). The device path,
@@ -21,8 +21,11 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spillway.recipes.train import optimizer as opt_lib
-from spillway.recipes.train.optimizer import LeafLayout, Optimizer, OptimizerConfig
+from spillway.recipes.optim import host_memory, host_streaming, layouts as layouts_lib, optimizer as optimizer_lib
+from spillway.recipes.optim import schedule as schedule_lib
+from spillway.recipes.optim.config import OptimizerConfig
+from spillway.recipes.optim.layouts import LeafLayout
+from spillway.recipes.optim.optimizer import Optimizer, OptState
 
 LAYERS = 4
 STEPS = 20
@@ -66,7 +69,7 @@ def toy_grads(params, step, scale):
 def reference_chain(cfg: OptimizerConfig):
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm is not None else optax.identity(),
-        optax.adamw(opt_lib.make_schedule(cfg, STEPS), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        optax.adamw(schedule_lib.make_schedule(cfg, STEPS), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                     weight_decay=cfg.weight_decay, mask=DECAY))
 
 
@@ -84,7 +87,7 @@ def host_leaves(opt_state, layouts):
 
 
 def run_against_optax(cfg: OptimizerConfig, memory: str, param_dtype, grad_scale: float,
-                      stream_prefetch: bool = True, piece_elements: int = opt_lib.streaming.PIECE_ELEMENTS):
+                      stream_prefetch: bool = True, piece_elements: int = host_streaming.PIECE_ELEMENTS):
     """20 jitted steps of our optimizer and of the optax chain (on fp32 masters); returns both.
 
     Our state comes back in saved form (`Optimizer.saved_form`: streamed
@@ -122,7 +125,7 @@ def assert_tree_close(actual, expected, rtol=1e-6, atol=1e-7):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol)
 
 
-WHOLE = opt_lib.streaming.PIECE_ELEMENTS   # the toy's embedding and head fit one piece
+WHOLE = host_streaming.PIECE_ELEMENTS   # the toy's embedding and head fit one piece
 CASES = {
     # name: (state_memory, update_on_host, grad_scale, clip_norm, stream_prefetch, piece_elements)
     "device_clipped": ("device", False, 10.0, 1.0, True, WHOLE),
@@ -211,7 +214,7 @@ def test_mixed_placement_and_bf16_grads():
 
 def test_schedule_warmup_then_cosine_to_min_ratio():
     cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    schedule = opt_lib.make_schedule(cfg, 110)
+    schedule = schedule_lib.make_schedule(cfg, 110)
     np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
                                [0.0, 0.5, 1.0, 0.55, 0.1], rtol=1e-6, atol=1e-7)
 
@@ -274,7 +277,7 @@ def test_orbax_roundtrip_keeps_host_state_in_pinned_host(tmp_path):
         checkpointer.restore(tmp_path / "opt_state", opt.saved_abstract_state(params, param_sh)))
     assert jax.tree.structure(restored) == jax.tree.structure(state)
 
-    assert isinstance(restored, opt_lib.OptState)
+    assert isinstance(restored, OptState)
     for name in ("mu", "nu", "master"):
         for got, want in zip(jax.tree.leaves(getattr(restored, name)), jax.tree.leaves(getattr(state, name))):
             assert got.sharding.memory_kind == "pinned_host"
@@ -307,7 +310,7 @@ def test_saved_form_is_placement_independent_and_round_trips():
         _, state, _ = jax.jit(opt.update)(grads, opt.init(params), params)
         states[memory] = (opt, state)
     host_opt, host_state = states["host"]
-    assert isinstance(host_state.mu["blocks"]["w"], opt_lib.streaming.LayerHalves)
+    assert isinstance(host_state.mu["blocks"]["w"], host_streaming.LayerHalves)
     assert host_state.mu["blocks"]["w"].first.shape == (2, 8, 16)
     saved = host_opt.saved_form(host_state)
     device_saved = states["device"][0].saved_form(states["device"][1])
@@ -339,7 +342,7 @@ def test_make_layouts_reads_nnx_metadata_and_runs_on_state():
 
     cfg = OptimizerConfig()
     state = nnx.state(Toy(), nnx.Param)
-    layouts = opt_lib.make_layouts(state, cfg, state_memory="host")
+    layouts = layouts_lib.make_layouts(state, cfg, state_memory="host")
     assert layouts["embed"] == LeafLayout(stacked=False, state_memory="host", decay=False, master=True,
                                           stream_axis=0)
     assert layouts["w"] == LeafLayout(stacked=True, state_memory="host", decay=True, master=True)
@@ -380,7 +383,7 @@ def test_decay_follows_parameter_metadata_on_a_model_with_qkv_biases():
     abstract = nnx.state(nnx.eval_shape(lambda: DecoderLM(QwenLike(), rngs=nnx.Rngs(0), remat="save_all")), nnx.Param)
     state = random_like(abstract, 0)
     cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.5)
-    layouts = opt_lib.make_layouts(state, cfg)
+    layouts = layouts_lib.make_layouts(state, cfg)
 
     is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
     decay = {jax.tree_util.keystr(path): layout.decay
@@ -390,13 +393,13 @@ def test_decay_follows_parameter_metadata_on_a_model_with_qkv_biases():
     assert decay == expected
     assert sum(expected.values()) == 8   # wq, wk, wv, wo, w_gate, w_up, w_down, head
     bq = state["layers"]["blocks"]["attn"]["bq"]
-    assert opt_lib.rank_decay(bq.get_metadata()["logical_axes"], bq.get_value().shape, True), \
+    assert layouts_lib.rank_decay(bq.get_metadata()["logical_axes"], bq.get_value().shape, True), \
         "the 2-D bias would be decayed by shape alone: this test would not see the metadata"
 
     # The same mask in plain optax gives the same parameters (and the decay is strong enough to matter).
     mask = [layout.decay for layout in jax.tree.leaves(layouts, is_leaf=is_layout)]
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                     optax.adamw(opt_lib.make_schedule(cfg, STEPS), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                     optax.adamw(schedule_lib.make_schedule(cfg, STEPS), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                  weight_decay=cfg.weight_decay, mask=mask))
     opt = Optimizer(cfg, layouts, total_steps=STEPS)
 
@@ -418,14 +421,14 @@ def test_decay_follows_parameter_metadata_on_a_model_with_qkv_biases():
 
 def test_bad_state_memory_is_rejected():
     with pytest.raises(ValueError, match="state_memory"):
-        opt_lib.make_layouts({"w": jnp.ones((2, 2))}, OptimizerConfig(), state_memory="hbm")
+        layouts_lib.make_layouts({"w": jnp.ones((2, 2))}, OptimizerConfig(), state_memory="hbm")
     with pytest.raises(ValueError, match="state_memory"):
         LeafLayout(stacked=False, state_memory="cpu", decay=True)
 
 
 def test_host_state_without_pinned_host_memory_is_rejected(monkeypatch):
-    assert opt_lib.host_memory_available()  # CPU JAX exposes pinned_host
-    monkeypatch.setattr(opt_lib, "host_memory_available", lambda device=None: False)
+    assert host_memory.host_memory_available()  # CPU JAX exposes pinned_host
+    monkeypatch.setattr(optimizer_lib, "host_memory_available", lambda device=None: False)
     with pytest.raises(ValueError, match="pinned_host"):
         Optimizer(OptimizerConfig(), toy_layouts("host", master=False), total_steps=LONG_SCHEDULE)
     # Device state needs nothing.
@@ -433,12 +436,12 @@ def test_host_state_without_pinned_host_memory_is_rejected(monkeypatch):
 
 
 def test_check_host_memory():
-    opt_lib.check_host_memory(2**30, host_ram_bytes=2**31)
-    with pytest.raises(opt_lib.HostMemoryError, match="GiB"):
-        opt_lib.check_host_memory(2**31 + 1, host_ram_bytes=2**31)
-    opt_lib.check_host_memory(1)  # default: /proc/meminfo
-    with pytest.raises(opt_lib.HostMemoryError):
-        opt_lib.check_host_memory(2**62)
+    host_memory.check_host_memory(2**30, host_ram_bytes=2**31)
+    with pytest.raises(host_memory.HostMemoryError, match="GiB"):
+        host_memory.check_host_memory(2**31 + 1, host_ram_bytes=2**31)
+    host_memory.check_host_memory(1)  # default: /proc/meminfo
+    with pytest.raises(host_memory.HostMemoryError):
+        host_memory.check_host_memory(2**62)
 
 
 def test_host_bytes_counts_pinned_state():
@@ -483,21 +486,21 @@ def test_hyperparameters_that_cannot_work_are_config_errors(field, value, messag
 
 def test_schedule_needs_steps_past_the_warmup():
     with pytest.raises(ValueError, match=r"warmup_steps \(10\) must be fewer than the schedule's 10 steps"):
-        opt_lib.make_schedule(OptimizerConfig(warmup_steps=10), 10)
+        schedule_lib.make_schedule(OptimizerConfig(warmup_steps=10), 10)
     with pytest.raises(ValueError, match="total_steps must be a positive integer"):
         Optimizer(OptimizerConfig(), toy_layouts("device", master=False), total_steps=0)
 
 
 def test_donation_guard():
-    assert opt_lib.donate_opt_state_ok() is (jax.default_backend() != "cpu")
-    assert opt_lib.donate_opt_state_ok("cuda") is True
-    assert opt_lib.donate_opt_state_ok("cpu") is False
+    assert host_memory.donate_opt_state_ok() is (jax.default_backend() != "cpu")
+    assert host_memory.donate_opt_state_ok("cuda") is True
+    assert host_memory.donate_opt_state_ok("cpu") is False
 
 
 # --- streaming pieces of non-stacked leaves ---------------------------------------
 
 def test_piece_rows_is_the_largest_divisor_under_the_limit():
-    from spillway.recipes.train.host_optimizer import piece_rows
+    from spillway.recipes.optim.host_streaming import piece_rows
     assert piece_rows((128256, 4096), 0, 1 << 26) == 16032            # 8 pieces of 250 MiB (fp32)
     assert piece_rows((4096, 128256), 1, 1 << 26) == 16032
     assert piece_rows((32, 8), 0, 64) == 8
@@ -507,14 +510,14 @@ def test_piece_rows_is_the_largest_divisor_under_the_limit():
 
 def test_stream_axis_avoids_the_fsdp_sharded_axis():
     from spillway.layers import names
-    assert opt_lib._stream_axis((names.VOCAB, names.EMBED), (128256, 4096)) == 0
-    assert opt_lib._stream_axis((names.EMBED, names.VOCAB), (4096, 128256)) == 1
-    assert opt_lib._stream_axis((names.NORM,), (4096,)) is None
-    assert opt_lib._stream_axis(None, (8, 32)) == 1                   # no metadata: the longest axis
+    assert layouts_lib._stream_axis((names.VOCAB, names.EMBED), (128256, 4096)) == 0
+    assert layouts_lib._stream_axis((names.EMBED, names.VOCAB), (4096, 128256)) == 1
+    assert layouts_lib._stream_axis((names.NORM,), (4096,)) is None
+    assert layouts_lib._stream_axis(None, (8, 32)) == 1                   # no metadata: the longest axis
 
 
 def test_stream_update_rejects_pieces_that_do_not_divide():
-    from spillway.recipes.train.host_optimizer import stream_update
+    from spillway.recipes.optim.host_streaming import stream_update
     x = jnp.ones((6, 4))
     with pytest.raises(ValueError, match="piece 4 must divide the axis length 6"):
         stream_update([lambda g, p, s: (p, s)], [x], [x], [(x,)], axis=0, piece=4)

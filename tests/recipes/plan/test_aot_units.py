@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from spillway.recipes.plan import hlo, plugin, targets
+from spillway.recipes import targets
+from spillway.recipes.plan import hlo, plugin
 
 # A hand-written post-optimisation module in the form XLA prints it: a loop of 4
 # iterations offloads one 1x128x256 bf16 slice per iteration through an async
@@ -287,7 +288,7 @@ def test_install_never_replaces_a_folder_holding_other_files(monkeypatch, tmp_pa
 
 
 def test_runtime_device_kinds_map_to_targets():
-    from spillway.recipes.plan.targets import target_for_device_kind
+    from spillway.recipes.targets import target_for_device_kind
     assert target_for_device_kind("NVIDIA H200").name == "h200"
     assert target_for_device_kind("NVIDIA GH200 480GB").name == "gh200-96gb"  # not taken for H200
     assert target_for_device_kind("NVIDIA A100-SXM4-80GB").peak_bf16_flops == 312e12

@@ -1,12 +1,9 @@
 """The optimizer update of host-resident state run inside the next step's forward pass (offload.update=next_forward).
 
-With the optimizer state in pinned host memory, the streamed update after the
-backward pass moves the whole state in and out of HBM with no compute beside
-it: AdamW with global-norm clipping cannot start before the last gradient
-exists. Deferred by one step, the same update finds compute to hide behind.
-Step t returns its gradients (`PendingUpdate`) instead of applying them; step
-t+1 applies them, each block layer's just before that layer runs in its
-forward pass:
+Step t returns its gradients (`PendingUpdate`) instead of applying them;
+step t+1 applies them, each block layer's just before that layer runs in its
+forward pass, so the state's copies cross the link beside compute. Why, what
+the compiled schedule does with it, and its limits: docs/DESIGN.md section 6.
 
     before the forward pass   the scalars (global norm, step count, learning rate) and the
                               update of every leaf outside the stacked blocks, or with its
@@ -17,24 +14,13 @@ forward pass:
                               weight; layer t+1's state is fetched meanwhile
                               (a layers.layer_hook.LayerHook, outside the remat body)
 
-Same maths, in the same order, as the update at the end of step t: the
-parameters every forward pass sees are the ones it would see otherwise, and
-the gradient of the loss with respect to the new weight is what comes back
-(a straight-through custom VJP hands the cotangent to the weight's slot).
-
-The update still pending after a step is finished by `flush` (the
-Optimizer's own update, streamed) before anything reads the weights or the
-state: a checkpoint, validation, the end of training. A flushed
-`PendingUpdate` has apply=False, and a step with nothing to apply leaves
-every value as it is (`_adamw_piece` selects). Checkpoints therefore hold
-exactly what a run without deferral holds, and resuming starts with nothing
-pending.
-
-The stacked state is one host array per leaf here (no LayerHalves): the
-scan reads layer t+1 from it while the new layer t goes to a new host array
-(the scan's output), so the two link directions can run at once; the old
-and the new state are both in host memory during the step (twice the host
-bytes of the state; the planner's host column counts them).
+Same maths, in the same order, as the update at the end of step t. `flush`
+(the Optimizer's own streamed update) applies what is still pending before a
+checkpoint, validation or the end of training; a flushed `PendingUpdate` has
+apply=False, and a step with nothing to apply leaves every value as it is
+(adamw.adamw_piece selects). The stacked state is one host array per leaf
+here (no LayerHalves): the scan reads layer t+1 from it while the new layer t
+goes to a new host array (the scan's output).
 """
 
 from __future__ import annotations
@@ -48,7 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from spillway.layers import layer_hook
-from spillway.recipes.train import host_optimizer as streaming
+from spillway.recipes.optim import host_streaming as streaming
+from spillway.recipes.optim.host_memory import host_sharding
 
 
 @jax.tree_util.register_dataclass
@@ -205,8 +192,6 @@ def nothing_pending(params) -> PendingUpdate:
 def pending_shardings(optimizer, param_shardings, scalar_sharding) -> PendingUpdate:
     """Where a PendingUpdate lives: the gradients of the leaves updated in the forward pass in pinned host
     memory, the rest like their parameters; the scalars replicated."""
-    from spillway.recipes.train.optimizer import host_sharding
-
     leaves, treedef = jax.tree.flatten(param_shardings)
     in_forward = optimizer.updated_in_forward()
     grads = treedef.unflatten([host_sharding(s) if k in in_forward else s for k, s in enumerate(leaves)])

@@ -1,0 +1,342 @@
+"""`Optimizer`: clip-by-global-norm + AdamW with per-leaf state placement, for the one jitted train step.
+
+The state of each leaf (moments, fp32 master copy) lives in HBM or in pinned
+host memory as its `LeafLayout` says; host leaves are streamed through HBM a
+layer (or a piece of rows) at a time (recipes/optim/host_streaming.py) or
+updated by the host CPU (`update_on_host`). What it does and why, with the
+measurements, is told once in docs/DESIGN.md section 6; the maths of one piece
+is recipes/optim/adamw.py. Checkpoints hold `saved_form(state)`: one whole
+array per state leaf whatever the placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from spillway.layers.memory import PINNED_HOST, Memory
+from spillway.recipes.optim import host_streaming as streaming
+from spillway.recipes.optim.adamw import StepScalars, adamw_piece
+from spillway.recipes.optim.config import OptimizerConfig
+from spillway.recipes.optim.host_memory import host_memory_available, host_sharding
+from spillway.recipes.optim.layouts import LeafLayout, normalized_paths
+from spillway.recipes.optim.schedule import make_schedule
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OptState:
+    """AdamW state. mu / nu / master mirror the params tree; master holds None where no copy is kept."""
+    count: jax.Array  # int32 scalar: steps taken
+    mu: Any
+    nu: Any
+    master: Any
+
+
+
+class Optimizer:
+    """Clip-by-global-norm + AdamW with a cosine schedule; per-leaf state placement.
+
+    Functional: `init` and `update` are pure and traceable, for use inside one
+    jitted train step:
+
+        opt = Optimizer(cfg, make_layouts(params, cfg, state_memory="host"), total_steps=10_000)
+        state_sh = opt.state_shardings(param_shardings)
+        check_host_memory(opt.host_bytes(opt.abstract_state(params, param_shardings)))
+        opt_state = jax.jit(opt.init, out_shardings=state_sh)(params)
+        step = jax.jit(train_step, donate_argnums=... if donate_opt_state_ok() else ...)
+        # in train_step: params, opt_state, stats = opt.update(grads, opt_state, params)
+    """
+
+    def __init__(self, cfg: OptimizerConfig, layout_tree, *, total_steps: int, stream_prefetch: bool = True,
+                 stream_piece_elements: int = streaming.PIECE_ELEMENTS, update_in_forward: bool = False):
+        # stream_prefetch=False streams without double buffering: one layer's
+        # state less in HBM, no chance for its copy to overlap the update
+        # (benchmarks/optimizer_state_toy.py measures both).
+        # stream_piece_elements: the largest piece of a non-stacked host leaf
+        # (LeafLayout.stream_axis) that visits HBM at once.
+        # update_in_forward: the stacked host leaves are updated a layer at a time inside the next
+        # step's forward pass (recipes/optim/update_in_forward.py), which reads their state as one
+        # array per leaf (no LayerHalves); `update` then streams them with one buffer.
+        self.update_in_forward = update_in_forward
+        self.cfg = cfg
+        self.total_steps = total_steps   # the schedule's length: warmup, then cosine decay to the end
+        self.stream_prefetch = stream_prefetch
+        self.stream_piece_elements = stream_piece_elements
+        self.schedule = make_schedule(cfg, total_steps)
+        self.layout_tree = layout_tree
+        self._layouts: list[LeafLayout] = jax.tree.leaves(layout_tree, is_leaf=lambda x: isinstance(x, LeafLayout))
+        bad = [x for x in self._layouts if not isinstance(x, LeafLayout)]
+        if bad:
+            raise TypeError(f"layout_tree leaves must be LeafLayout, found {type(bad[0]).__name__}")
+        self._layout_paths = normalized_paths(layout_tree, is_leaf=lambda x: isinstance(x, LeafLayout))
+        if any(x.master for x in self._layouts) and not cfg.master_weights:
+            raise ValueError("a LeafLayout asks for a master copy but cfg.master_weights is False")
+        if any(x.state_memory == Memory.HOST for x in self._layouts) and not host_memory_available():
+            raise ValueError(
+                f"host-resident optimizer state was requested, but the {jax.default_backend()} platform "
+                f"({jax.devices()[0].device_kind}) exposes no '{PINNED_HOST}' memory space; "
+                f"keep the optimizer state on device (offload.optimizer_state=device)")
+
+    def _streamed_by_layer(self, layout: LeafLayout) -> bool:
+        """Whether this leaf's update streams its host state through HBM a layer at a time (stacked, host
+        state, not updated by the host CPU): the leaves `begin` can leave to the caller."""
+        return layout.stacked and layout.state_memory == Memory.HOST and not self.cfg.update_on_host
+
+    def _halved(self, layout: LeafLayout) -> bool:
+        """Whether this leaf's host state is kept as LayerHalves (streamed stacked leaves)."""
+        return self._streamed_by_layer(layout) and not self.update_in_forward
+
+    def updated_in_forward(self) -> set[int]:
+        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller."""
+        return {k for k, layout in enumerate(self._layouts) if self._streamed_by_layer(layout)}
+
+    # -- tree plumbing
+
+    def _flatten_like_layouts(self, tree, what: str):
+        leaves, treedef = jax.tree.flatten(tree)
+        if len(leaves) != len(self._layouts) or normalized_paths(tree) != self._layout_paths:
+            raise ValueError(
+                f"{what} do not match the layout tree: {len(leaves)} leaves {normalized_paths(tree)[:4]}... "
+                f"against {len(self._layouts)} layouts {self._layout_paths[:4]}...")
+        return leaves, treedef
+
+    def _check_leaf(self, path: str, layout: LeafLayout, shape, dtype):
+        low_precision = jnp.dtype(dtype) != jnp.float32
+        if self.cfg.master_weights and low_precision and not layout.master:
+            raise ValueError(f"parameter {path} is {jnp.dtype(dtype).name} and cfg.master_weights is True, "
+                             f"but its LeafLayout has master=False: build layouts with make_layouts")
+        if layout.master and not low_precision:
+            raise ValueError(f"parameter {path} is float32: it needs no master copy (LeafLayout.master=True)")
+        if layout.stacked and len(shape) < 1:
+            raise ValueError(f"parameter {path} is marked stacked but is a scalar")
+
+    # -- public API
+
+    def init(self, params) -> OptState:
+        """Zero moments (fp32) and fp32 master copies; host leaves placed in pinned_host memory.
+
+        Called on concrete arrays, it compiles itself with out_shardings =
+        state_shardings(the params' shardings), so every leaf lands in its
+        parameter's sharding. Inside a jit, pass those out_shardings to the jit.
+        """
+        leaves = jax.tree.leaves(params)
+        if leaves and all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
+            shardings = jax.tree.map(lambda p: p.sharding, params)
+            return jax.jit(self._init, out_shardings=self.state_shardings(shardings))(params)
+        return self._init(params)
+
+    def _init(self, params) -> OptState:
+        leaves, treedef = self._flatten_like_layouts(params, "params")
+        mu, nu, master = [], [], []
+        for path, layout, p in zip(self._layout_paths, self._layouts, leaves):
+            self._check_leaf(path, layout, p.shape, p.dtype)
+            if self._halved(layout):
+                state = streaming.new_host_state_halves(p, layout.master)
+            elif layout.state_memory == Memory.HOST:
+                state = streaming.new_host_state(p, layout.master)
+            else:
+                zeros = jnp.zeros(p.shape, jnp.float32)
+                state = (zeros, zeros) + ((p.astype(jnp.float32),) if layout.master else ())
+            mu.append(state[0])
+            nu.append(state[1])
+            master.append(state[2] if layout.master else None)
+        return OptState(count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mu),
+                        nu=treedef.unflatten(nu), master=treedef.unflatten(master))
+
+    def state_shardings(self, param_shardings) -> OptState:
+        """NamedShardings for the state: each leaf keeps its parameter's mesh and spec; host leaves
+        get memory_kind pinned_host. Usable as jit in/out_shardings and orbax restore targets.
+
+        Works with shardings over an abstract mesh (deviceless compiles), whose
+        memory kinds survive where compile-only devices would drop them.
+        """
+        leaves, treedef = self._flatten_like_layouts(param_shardings, "param_shardings")
+        if not all(isinstance(s, (NamedSharding, SingleDeviceSharding)) for s in leaves):
+            raise TypeError("param_shardings must be a tree of NamedSharding (or SingleDeviceSharding)")
+        state_leaves = [host_sharding(s) if layout.state_memory == Memory.HOST else s
+                        for s, layout in zip(leaves, self._layouts)]
+        state_leaves = [streaming.LayerHalves(s, s) if self._halved(layout) else s
+                        for s, layout in zip(state_leaves, self._layouts)]
+        master = [s if layout.master else None for s, layout in zip(state_leaves, self._layouts)]
+        first = leaves[0]
+        count = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) \
+            else first.with_memory_kind(Memory.DEVICE)
+        return OptState(count=count, mu=treedef.unflatten(state_leaves), nu=treedef.unflatten(state_leaves),
+                        master=treedef.unflatten(master))
+
+    def abstract_state(self, params, param_shardings=None) -> OptState:
+        """The state as ShapeDtypeStructs carrying `state_shardings`, without allocating it.
+
+        For orbax restore targets, and for `check_host_memory(opt.host_bytes(...))`
+        before `init` pins any memory. `param_shardings` defaults to the params' own.
+        """
+        if param_shardings is None:
+            param_shardings = jax.tree.map(lambda p: p.sharding, params)
+        shapes = jax.eval_shape(self._init, params)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            shapes, self.state_shardings(param_shardings))
+
+    # -- checkpoints: one whole array per state leaf, whatever the placement
+
+    def _map_halved(self, fn, opt_state: OptState) -> OptState:
+        """OptState with `fn` applied to the mu / nu / master entries of halved leaves."""
+        def per_tree(tree):
+            leaves, treedef = jax.tree.flatten(
+                tree, is_leaf=lambda x: x is None or isinstance(x, streaming.LayerHalves))
+            if len(leaves) != len(self._layouts):
+                raise ValueError(f"optimizer state has {len(leaves)} entries per tree, the layouts "
+                                 f"{len(self._layouts)}: not this optimizer's state")
+            return treedef.unflatten([fn(x) if self._halved(layout) and x is not None else x
+                                      for x, layout in zip(leaves, self._layouts)])
+        return OptState(count=opt_state.count, mu=per_tree(opt_state.mu), nu=per_tree(opt_state.nu),
+                        master=per_tree(opt_state.master))
+
+    def saved_form(self, opt_state: OptState) -> OptState:
+        """The state as checkpoints hold it: LayerHalves joined into one host array each.
+
+        The same structure and shapes whatever the placement or streaming, so a
+        checkpoint from a run with state on device restores into one with state
+        on host and back. Joining costs a host copy of the halved state.
+        """
+        return self._map_halved(streaming.join_halves, opt_state)
+
+    def from_saved_form(self, saved: OptState) -> OptState:
+        """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves."""
+        return self._map_halved(streaming.split_halves, saved)
+
+    def saved_abstract_state(self, params, param_shardings=None) -> OptState:
+        """`abstract_state` in saved form: what to hand orbax as the restore target."""
+        abstract = self.abstract_state(params, param_shardings)
+        return self._map_halved(
+            lambda h: jax.ShapeDtypeStruct((h.num_layers, *h.first.shape[1:]), h.first.dtype,
+                                           sharding=h.first.sharding), abstract)
+
+    def host_bytes(self, opt_state_or_abstract) -> int:
+        """Pinned host bytes this process holds for the state (arrays, or ShapeDtypeStructs with shardings)."""
+        return streaming.tree_nbytes_by_memory_kind(opt_state_or_abstract).get(PINNED_HOST, 0)
+
+    def update(self, grads, opt_state: OptState, params, apply: jax.Array | None = None,
+               grad_norm: jax.Array | None = None):
+        """One AdamW step. Returns (new params, new opt_state, {"grad_norm", "learning_rate"}).
+
+        `apply` (a boolean scalar, or None for always): where False, everything comes back unchanged
+        (the step count too). `grad_norm`: the gradients' global norm when the caller has it already
+        (None: computed here).
+        """
+        return self.begin(grads, opt_state, params, apply=apply, grad_norm=grad_norm, stacked_host_later=False)
+
+    def begin(self, grads, opt_state: OptState, params, *, apply: jax.Array | None = None,
+              grad_norm: jax.Array | None = None, stacked_host_later: bool = True):
+        """The step's scalars and every leaf's update, except (stacked_host_later) the stacked leaves with host
+        state: those are left to the caller, a layer at a time (a `BegunUpdate`, whose `finish` takes them
+        back). With stacked_host_later=False, the whole update: `update`'s result."""
+        cfg = self.cfg
+        grad_leaves, _ = self._flatten_like_layouts(grads, "grads")
+        param_leaves, treedef = self._flatten_like_layouts(params, "params")
+        mu = treedef.flatten_up_to(opt_state.mu)
+        nu = treedef.flatten_up_to(opt_state.nu)
+        master = treedef.flatten_up_to(opt_state.master)
+
+        for path, layout, p in zip(self._layout_paths, self._layouts, param_leaves):
+            if layout.state_memory == Memory.DEVICE and streaming.in_host_memory(p):
+                raise ValueError(f"parameter {path} lives in host memory but its optimizer state on device: "
+                                 f"host parameters need host state (offload.optimizer_state=host)")
+        # Clipping needs the norm over all gradients before any piece is
+        # updated. Same sums, in the same order, as optax.tree.norm over the
+        # same tree (host-resident gradients summed by the host CPU).
+        if grad_norm is None:
+            grad_norm = jnp.sqrt(functools.reduce(operator.add, [streaming.squared_norm(g) for g in grad_leaves], 0))
+        count_inc = optax.safe_increment(opt_state.count)
+        if apply is not None:
+            count_inc = jnp.where(apply, count_inc, opt_state.count)
+        scalars = StepScalars(grad_norm=grad_norm, count_inc=count_inc,
+                               learning_rate=self.schedule(opt_state.count), apply=apply)
+
+        def piece_fn(k):
+            return functools.partial(adamw_piece, cfg, self._layouts[k], scalars)
+
+        def state_of(k):
+            return (mu[k], nu[k]) + ((master[k],) if self._layouts[k].master else ())
+
+        new_params = list(param_leaves)
+        new_states: list[tuple] = [None] * len(param_leaves)
+        host_stacked = []
+        previous_one_piece = None  # non-stacked host leaves visit HBM in turn, never two at once
+        for k, layout in enumerate(self._layouts):
+            if layout.state_memory == Memory.DEVICE:
+                new_params[k], new_states[k] = piece_fn(k)(grad_leaves[k], param_leaves[k], state_of(k))
+                new_params[k] = new_params[k].astype(param_leaves[k].dtype)
+            elif self._streamed_by_layer(layout):
+                host_stacked.append(k)
+            elif cfg.update_on_host:
+                new_params[k], new_states[k] = streaming.update_on_host(
+                    piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k))
+            else:
+                new_params[k], new_states[k] = streaming.update_outside_stack(
+                    piece_fn(k), grad_leaves[k], param_leaves[k], state_of(k), axis=layout.stream_axis,
+                    max_elements=self.stream_piece_elements, after=previous_one_piece,
+                    prefetch=self.stream_prefetch)
+                previous_one_piece = new_states[k]
+
+        begun = BegunUpdate(self, treedef, new_params, new_states, scalars,
+                            {k: piece_fn(k) for k in host_stacked}, {k: state_of(k) for k in host_stacked})
+        if stacked_host_later:
+            return begun
+        shapes = [p.shape for p in param_leaves]
+        streamed = {}
+        for group in streaming.group_by_layer_count(host_stacked, shapes).values():
+            stream = streaming.stream_layer_halves if self._halved(self._layouts[group[0]]) else functools.partial(
+                streaming.stream_update, axis=0, piece=1)
+            group_params, group_states = stream(
+                [piece_fn(k) for k in group], [grad_leaves[k] for k in group],
+                [param_leaves[k] for k in group], [state_of(k) for k in group], prefetch=self.stream_prefetch)
+            streamed.update({k: (p, st) for k, p, st in zip(group, group_params, group_states)})
+        return begun.finish(streamed)
+
+
+@dataclasses.dataclass
+class BegunUpdate:
+    """An optimizer update whose stacked host leaves are still to be updated by the caller, a layer at a time.
+
+    `params` holds every new parameter but those leaves' (still the old ones); `layer_update[k]` updates
+    one layer of leaf k (a `host_streaming.PieceUpdate`: grad row, param row, state rows on device ->
+    new param row, new state rows) and `host_state[k]` is its state, host arrays with a leading layer
+    axis. `finish` takes {k: (new stacked param, new host state)} for those leaves.
+    """
+    optimizer: Optimizer
+    treedef: Any
+    new_params: list
+    new_states: list
+    scalars: StepScalars
+    layer_update: dict[int, Callable]
+    host_state: dict[int, tuple]
+
+    @property
+    def params(self):
+        return self.treedef.unflatten(self.new_params)
+
+    def finish(self, stacked: dict[int, tuple]):
+        """(new params, new OptState, {"grad_norm", "learning_rate"})."""
+        missing = set(self.layer_update) - set(stacked)
+        if missing:
+            raise ValueError(f"the update of stacked host leaves {sorted(missing)} was never handed back")
+        new_params, new_states = list(self.new_params), list(self.new_states)
+        for k, (param, state) in stacked.items():
+            new_params[k], new_states[k] = param, state
+        layouts = self.optimizer._layouts
+        new_state = OptState(
+            count=self.scalars.count_inc, mu=self.treedef.unflatten([st[0] for st in new_states]),
+            nu=self.treedef.unflatten([st[1] for st in new_states]),
+            master=self.treedef.unflatten([st[2] if layout.master else None
+                                           for st, layout in zip(new_states, layouts)]))
+        return self.treedef.unflatten(new_params), new_state, {
+            "grad_norm": self.scalars.grad_norm, "learning_rate": self.scalars.learning_rate}

@@ -1,0 +1,146 @@
+"""The plans `spillway plan` compiles: each an `OffloadConfig` (plus whether the host CPU runs the update).
+
+A candidate is the offload section a recipe would train with (activation
+plan, where the optimizer state and the block weights live, when the update
+runs) and `update_on_host`, the one optimizer setting the planner varies:
+host state updated by the host CPU instead of streamed through HBM. The table
+calls that placement "host_compute" (`Candidate.placement`); it is a word of
+the table, never a setting. `applied_to` gives the recipe the candidate
+stands for. Which candidates a recipe gets: `candidates` (docs/DESIGN.md
+section 9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spillway.layers.memory import MEMORIES, Memory
+from spillway.layers.offload import PRESETS, RematPlan
+from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, OffloadConfig, Recipe
+
+# How the table names host state updated by the host CPU (OptimizerConfig.update_on_host).
+HOST_COMPUTE = "host_compute"
+# The host CPU's update is tried with the activation plans that need the least HBM, where it can matter;
+# priced at the host's update rate (recipes/plan/host_update.py).
+HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
+# Block weights (and their gradients) in pinned host memory too (offload.params=host), for models this
+# large only, with the state on host (the only combination the step supports) and the activation plans
+# that need the least HBM: the last resort of a small GPU.
+HOST_PARAMS_MIN_PARAMS = 3e9
+# Single-policy plans, in the order the table shows them: every preset of layers/offload.py but
+# offload_all (offload_dots with the block inputs offloaded too), which the planner has never tried.
+PRESET_PLANS = tuple(name for name in PRESETS if name != "offload_all")
+
+
+def _offload_field(name: str) -> property:
+    return property(lambda candidate: getattr(candidate.offload, name), doc=f"offload.{name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    offload: OffloadConfig      # activations, optimizer_state, params, update, as a recipe sets them
+    update_on_host: bool = False   # optimizer.update_on_host: the host CPU updates the host state
+
+    def __post_init__(self):
+        if self.update_on_host and self.offload.optimizer_state != Memory.HOST:
+            raise ValueError("a plan whose host CPU runs the update needs its optimizer state on host")
+
+    @classmethod
+    def of(cls, activations: str, optimizer_state: str = Memory.DEVICE.value, params: str = Memory.DEVICE.value,
+           update: str = AFTER_BACKWARD, *, update_on_host: bool = False) -> Candidate:
+        # Plain strings, as a recipe's fields hold them (a Memory member compares equal but prints otherwise).
+        return cls(OffloadConfig(activations=activations, optimizer_state=str(optimizer_state), params=str(params),
+                                 update=update), update_on_host)
+
+    # The offload fields, read through: candidate.activations is candidate.offload.activations.
+    activations = _offload_field("activations")
+    optimizer_state = _offload_field("optimizer_state")
+    params = _offload_field("params")
+    update = _offload_field("update")
+
+    @property
+    def state_word(self) -> str:
+        """The optimizer state's placement as the table names it: device, host, or host_compute."""
+        return HOST_COMPUTE if self.update_on_host else self.optimizer_state
+
+    @property
+    def label(self) -> str:
+        return f"{self.activations} / opt state {self.state_word}" + (
+            " / params host" if self.params == Memory.HOST else "") + (
+            " / update in next forward" if self.update == NEXT_FORWARD else "")
+
+    @property
+    def placement(self) -> str:
+        """The optimizer state's placement, with "+params" when the block weights live on host too and
+        "_in_fwd" when its update runs in the next forward pass."""
+        return self.state_word + ("+params" if self.params == Memory.HOST else "") + (
+            "_in_fwd" if self.update == NEXT_FORWARD else "")
+
+    @property
+    def offloads_activations(self) -> bool:
+        return any(segment.policy.offloads for segment in RematPlan.parse(self.activations).segments)
+
+    @property
+    def no_offload(self) -> bool:
+        """Nothing in host memory: the baseline a GPU without offload support would run."""
+        return (self.optimizer_state == Memory.DEVICE and self.params == Memory.DEVICE
+                and not self.offloads_activations)
+
+    def to_dict(self) -> dict:
+        return {"activations": self.activations, "optimizer_state": self.optimizer_state, "params": self.params,
+                "update": self.update, "update_on_host": self.update_on_host}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Candidate:
+        return cls.of(data["activations"], data["optimizer_state"], data.get("params", Memory.DEVICE.value),
+                      data.get("update", AFTER_BACKWARD), update_on_host=data.get("update_on_host", False))
+
+    @classmethod
+    def of_recipe(cls, recipe: Recipe) -> Candidate:
+        """The candidate a recipe's own settings stand for."""
+        offload = recipe.offload
+        return cls.of(offload.activations, offload.optimizer_state, offload.params, offload.update,
+                      update_on_host=recipe.optimizer.update_on_host and offload.optimizer_state == Memory.HOST)
+
+    def applied_to(self, recipe: Recipe) -> Recipe:
+        """The recipe with this plan's offload section and optimizer.update_on_host."""
+        return dataclasses.replace(recipe, offload=self.offload,
+                                   optimizer=dataclasses.replace(recipe.optimizer, update_on_host=self.update_on_host))
+
+
+def activation_plans(num_layers: int) -> list[str]:
+    """The presets, and per-segment mixes over the first half of the layers."""
+    plans = list(PRESET_PLANS)
+    half = num_layers // 2
+    if 0 < half < num_layers:
+        plans += [f"offload_dots:{half},recompute_all", f"save_dots:{half},recompute_all"]
+    return plans
+
+
+def candidates(recipe: Recipe) -> list[Candidate]:
+    """Every activation plan with the state on device and on host; the host CPU's update for the plans
+    with the least HBM; with one batch per step the update in the next forward pass (single-policy
+    plans); for large models the block weights on host too."""
+    found = [Candidate.of(plan, state) for state in MEMORIES for plan in activation_plans(recipe.model.num_layers)]
+    found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in HOST_COMPUTE_PLANS]
+    if recipe.train.grad_accum == 1:   # the update in the next forward pass takes one batch per step
+        found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in PRESET_PLANS]
+    if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS:
+        found += [Candidate.of(plan, Memory.HOST, Memory.HOST, update_on_host=on_host_cpu)
+                  for on_host_cpu in (False, True) for plan in HOST_COMPUTE_PLANS]
+    return found
+
+
+def planned_recipe(recipe: Recipe) -> tuple[Recipe, list[str]]:
+    """The recipe as it is compiled (attention cudnn -> flash), and warnings to show."""
+    impl = recipe.execution.attention_impl
+    if impl == "cudnn":
+        return (dataclasses.replace(recipe, execution=dataclasses.replace(recipe.execution, attention_impl="flash")),
+                ["attention: the recipe uses cuDNN attention, which cannot be compiled without cuDNN; "
+                 "planned with 'flash' (layers/flash_attention.py, also memory-linear in the sequence). "
+                 "On an H200 the two measured within 0.5% of each other in HBM, cuDNN 3.6x faster "
+                 "(Llama 3.2 1B, BENCHMARKS.md)."])
+    if impl == "xla":
+        return recipe, ["attention: 'xla' materialises the [seq, seq] scores per head (memory quadratic "
+                        "in the sequence); --set execution.attention_impl=flash for long sequences."]
+    return recipe, []

@@ -1,0 +1,277 @@
+"""The planner's cost model: a compiled candidate's step time, and what the parameters move over the host link.
+
+From a candidate's compile report (HBM, host bytes, the bytes each link
+direction moves, by autodiff pass, and the bytes moved with both directions
+in flight) and the FLOPs counted from the model's shapes (models/flops.py), a
+`PlanRow` per candidate (`plan_row`), per GPU:
+
+    transfer     both directions added, less the bytes the compiled schedule
+                 moves in one direction while the other is busy too
+                 (hlo.overlapping_host_copies), at the host link's rate;
+    compute      FLOPs at the GPU's peak dense bf16 rate: a lower bound;
+    step         forward + backward + update. Forward: max(forward compute,
+                 (activations going to host + block weights coming in) / link);
+                 backward: max(backward + recompute compute, (activations
+                 coming back + block weights coming in again + their gradients
+                 going out) / link); update: host-resident optimizer state
+                 copied in and out of HBM (with host weights also their
+                 gradients in and the new weights out), which overlaps no
+                 compute. Within each phase the two directions add, less the
+                 bytes that phase's compiled schedule moves with both in flight
+                 (never more than its smaller direction: `link_seconds`). A
+                 plan whose update runs in the next forward pass is read
+                 straight from what each pass moves (`phases_by_pass`).
+
+The weight terms are zero unless the block weights live in host memory;
+`ParamTraffic` says how they are counted and how they compare with the
+compiled step. docs/DESIGN.md section 9 tells the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from spillway.layers.memory import Memory
+from spillway.layers.sharding import logical_to_spec, variable_axes
+from spillway.models import flops as flop_count
+from spillway.recipes.config import NEXT_FORWARD, Recipe
+from spillway.recipes.optim.layouts import keeps_master_copy
+from spillway.recipes.optim.param_placement import param_memories
+from spillway.recipes.plan.candidates import Candidate
+from spillway.recipes.plan.mesh_rules import compute_ways
+from spillway.recipes.plan.result import PlanRow
+from spillway.recipes.train.step import abstract_model
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamTraffic:
+    """Bytes per GPU and per step that the parameters and their gradients move over the host link.
+
+    Everything here is besides the optimizer state (the step's host argument
+    less `host_weights`) and the offloaded activations. From the recipe and the
+    mesh (`param_traffic`), by what lives where (recipes/optim/param_placement.py)
+    and how it streams (layers/host_weights.py, recipes/optim/host_streaming.py).
+
+    Block weights in host memory (offload.params=host), A = train.grad_accum
+    micro-batches, W = their bytes on one GPU (each leaf's shard: fsdp x tensor
+    split what the sharding rules split; norm scales stay whole), F = the same
+    elements as float32:
+
+        forward    A x W in: the scan brings each layer's weights into HBM;
+        backward   A x W in again (the device copy is never saved for the
+                   backward pass, so it is copied again) and A x W of
+                   gradients out (the transpose of the copy; gradients have
+                   the parameter's dtype);
+        sums       A > 1 only: the float32 running sums of the host
+                   gradients are accumulated inside each backward pass, a
+                   layer at a time (layers/host_weights.AccumulatingWeight):
+                   per micro-batch A x F in and A x F out, the new sums
+                   leaving in place of the gradients; before the loop the
+                   zeroed sums go out once (F, one buffer per distinct
+                   shape, which the first micro-batch reads), counted in the
+                   update;
+        update     streamed through HBM (optimizer state "host"): gradients in
+                   (W, or the summed F), the weights of
+                   leaves without an fp32 master copy in (the others are
+                   recomputed from the master), new weights out (W). Updated
+                   by the host CPU (host_compute): nothing of the host
+                   weights crosses; the parameters left in HBM send their
+                   gradients (float32 once summed) and, without a master
+                   copy, themselves out, and come back updated.
+
+    Per leaf, not from DecoderSpec.num_params x the param dtype: norm scales
+    are float32 whatever the param dtype, have no master copy, and are not
+    split by the mesh (each GPU streams them whole).
+
+    Checked against what the compiled step moves per autodiff pass
+    (recipes/plan/hlo.py traffic_by_pass; tests/recipes/plan/test_host_params_aot.py),
+    jaxlib 0.10.2, H200 target, bf16 and fp32 weights, grad_accum 1 to 3, meshes
+    1x1x1, 1x2x1, 1x1x2, 1x2x2: equal to the byte in the forward and backward
+    passes and in the update, except that the compiled update moves a few
+    bytes more host->device (a float32 per host leaf: the host CPU's sums of
+    squared gradients for the clipping norm), which the residual counts as
+    activations. Where the compile first disagreed with this model, the
+    compile was right: the update of a leaf with a master copy never reads its
+    weights; the gradient sums of grad_accum > 1 cross as float32; and hlo.py
+    counted every host computation twice (fixed there).
+    """
+
+    host_weights: int = 0          # W: the step's host argument holds these besides the optimizer state
+    weights_in_forward: int = 0
+    weights_in_backward: int = 0
+    gradients_out: int = 0
+    sums_in: int = 0               # grad_accum > 1: the running sums into each backward pass
+    update_in: int = 0             # besides optimizer state; includes the sums outside the loop
+    update_out: int = 0
+
+    @property
+    def forward_in(self) -> int:
+        return self.weights_in_forward
+
+    @property
+    def backward_in(self) -> int:
+        return self.weights_in_backward + self.sums_in
+
+    @property
+    def backward_out(self) -> int:
+        return self.gradients_out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One parameter on one GPU: its shape, its shard's elements and bytes, where it lives, whether it has a
+    master copy."""
+    shape: tuple[int, ...]
+    elements: int
+    nbytes: int
+    on_host: bool
+    master: bool
+
+
+def parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list[_Leaf]:
+    """Every parameter's shard on one GPU, placed as offload.params=`params` places it."""
+    _, state = abstract_model(recipe)
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    memories = jax.tree.leaves(param_memories(state, params))   # "host" | "device", in the same order
+    leaves = []
+    for var, memory in zip(variables, memories, strict=True):
+        value = var.get_value()
+        spec = logical_to_spec(variable_axes(var), value.shape, mesh)
+        ways = math.prod(math.prod(mesh[a] for a in ((axes,) if isinstance(axes, str) else axes))
+                         for axes in spec if axes is not None)
+        elements = int(np.prod(value.shape)) // ways
+        leaves.append(_Leaf(tuple(value.shape), elements, elements * jnp.dtype(value.dtype).itemsize,
+                            on_host=memory == Memory.HOST, master=keeps_master_copy(recipe.optimizer, value.dtype)))
+    return leaves
+
+
+def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) -> ParamTraffic:
+    """`ParamTraffic` of a candidate (per GPU, per step)."""
+    host_cpu = candidate.update_on_host
+    if candidate.params == Memory.DEVICE and not host_cpu:
+        return ParamTraffic()   # nothing of the parameters crosses: the state is all the update moves
+    accum = recipe.train.grad_accum
+    leaves = parameter_shards(recipe, mesh, candidate.params)
+
+    def grad_bytes(leaf: _Leaf) -> int:   # micro-batch sums are float32
+        return leaf.nbytes if accum == 1 else 4 * leaf.elements
+
+    on_host = [leaf for leaf in leaves if leaf.on_host]
+    in_hbm = [leaf for leaf in leaves if not leaf.on_host]
+    weights = sum(leaf.nbytes for leaf in on_host)
+    summed = accum > 1 and bool(on_host)
+    host_grads = sum(grad_bytes(leaf) for leaf in on_host)
+    # The zeroed sums: one buffer per distinct shape (recipes/train/step.py), a GPU's shard of it.
+    zeros = sum(4 * leaf.elements for leaf in {leaf.shape: leaf for leaf in on_host}.values()) if summed else 0
+    if host_cpu:
+        update_out = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in in_hbm)
+        update_in = sum(leaf.nbytes for leaf in in_hbm)
+    else:
+        update_in = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in on_host)
+        update_out = weights
+    return ParamTraffic(
+        host_weights=weights, weights_in_forward=accum * weights, weights_in_backward=accum * weights,
+        gradients_out=accum * host_grads, sums_in=accum * host_grads if summed else 0,
+        update_in=update_in, update_out=update_out + zeros)
+
+
+def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],
+             host_update_params_per_s: float | None = None) -> PlanRow:
+    """One candidate's row. host_update_params_per_s: the host CPU's update rate per GPU (host_compute).
+
+    The compiled step's host traffic (report device_to_host / host_to_device
+    bytes) is split into what `param_traffic` says the parameters move, the
+    optimizer state (the host argument less the host-resident weights, in and
+    out during the update) and, the rest, offloaded activations: out during
+    the forward pass, back during the backward pass. Within each phase the
+    two link directions are added, less the bytes the compiled schedule moves
+    with both directions in flight (hlo.overlapping_host_copies, by autodiff
+    pass): with grad_accum 1 and host weights the backward scan's weight
+    prefetch and gradient write-back are not in flight together; with
+    grad_accum > 1 most of the running sums' two directions are.
+    """
+    impl = recipe.execution.attention_impl
+    counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
+                                          remat=candidate.activations, attention_impl=impl)
+    rate = compute_ways(mesh) * target.peak_bf16_flops
+    row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
+                  compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
+    if row.report is None:
+        return row
+    host_cpu = candidate.update_on_host
+    if host_cpu and host_update_params_per_s is None:
+        raise ValueError("host-compute plans need the host update rate (recipes/plan/host_update.py)")
+    link = target.host_link_bytes_per_s
+    to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
+    row.transfer_s = (to_host + from_host - row.report.get("overlapped_transfer_bytes", 0)) / link
+    if candidate.update == NEXT_FORWARD:
+        phases_by_pass(row, counted, rate, link)
+        return row
+    params = param_traffic(candidate, recipe, mesh)
+    # Host-resident optimizer state is the rest of the step's host *argument*;
+    # the streamed update brings all of it in and writes it back. The host CPU
+    # updates it where it is.
+    state = 0 if host_cpu else max(0, min(row.report["host_argument_bytes"] - params.host_weights,
+                                          to_host, from_host))
+    update_in, update_out = state + params.update_in, state + params.update_out
+    activations_out = max(0, to_host - params.backward_out - update_out)
+    activations_back = max(0, from_host - params.forward_in - params.backward_in - update_in)
+    # Bytes the compiled schedule moves in both directions at once (the
+    # streamed update's write-back beside the next prefetch; in the backward
+    # pass with grad_accum > 1, a layer's gradient sum going out beside the
+    # next layer's coming in), credited to the phase whose copies they are,
+    # never more than that phase's smaller direction. Reports older than the
+    # split credit everything to the update.
+    overlapped = row.report.get("overlapped_transfer_bytes", 0)
+    by_pass = row.report.get("overlapped_bytes_by_pass") or {"other": overlapped}
+    forward_out, forward_in = activations_out, params.forward_in
+    backward_in, backward_out = activations_back + params.backward_in, params.backward_out
+    row.forward_s = max(counted.forward / rate,
+                        link_seconds(forward_out, forward_in, by_pass.get("forward", 0), link))
+    row.backward_s = max((counted.backward + counted.recompute) / rate,
+                         link_seconds(backward_out, backward_in, by_pass.get("backward", 0), link))
+    if host_cpu:
+        # Per leaf the copies and the host CPU's update follow one another: added.
+        row.update_s = (update_in + update_out) / link + params_per_gpu(recipe, mesh) / host_update_params_per_s
+    else:
+        row.update_s = link_seconds(update_out, update_in, by_pass.get("other", 0), link)
+    return row
+
+
+def link_seconds(out: int, back: int, overlapped: int, link: float) -> float:
+    """Link time of one phase: both directions added, less the bytes moved with both in flight (at most
+    the smaller direction)."""
+    return (out + back - min(overlapped, out, back)) / link
+
+
+def phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
+    """The three phases from what the compiled step moves in each autodiff pass (CompileReport
+    transfer_bytes_by_pass), for a plan whose update runs in the next forward pass: the stacked state
+    crosses in the forward pass, beside its compute; what the update moves before it (the leaves outside
+    the stack) is the update phase. Within a pass the two directions add, less the bytes the schedule
+    moves with both in flight. A report without the split counts every byte in the update phase."""
+    report = row.report
+    moved = report.get("transfer_bytes_by_pass") or {
+        "other": {"device_to_host_bytes": report["device_to_host_bytes"],
+                  "host_to_device_bytes": report["host_to_device_bytes"]}}
+    overlapped = report.get("overlapped_bytes_by_pass") or {}
+
+    def link_s(kind: str) -> float:
+        return link_seconds(moved.get(kind, {}).get("device_to_host_bytes", 0),
+                             moved.get(kind, {}).get("host_to_device_bytes", 0), overlapped.get(kind, 0), link)
+
+    row.forward_s = max(counted.forward / rate, link_s("forward"))
+    row.backward_s = max((counted.backward + counted.recompute) / rate, link_s("backward"))
+    row.update_s = link_s("other")
+
+
+def params_per_gpu(recipe: Recipe, mesh: dict[str, int]) -> float:
+    """A GPU's share of the parameters, which the host CPU updates: the parameters are split over
+    fsdp x tensor; data-parallel replicas each update their own copy."""
+    return recipe.num_params() / (mesh["fsdp"] * mesh["tensor"])

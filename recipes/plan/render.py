@@ -1,0 +1,111 @@
+"""`spillway plan`'s table (and the `--search` table) as text; `--json` is `Plan.to_dict`, `--png` chart.py."""
+
+from __future__ import annotations
+
+from spillway.recipes.plan.candidates import Candidate
+from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
+
+GiB = 2**30
+GB = 10**9
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms >= 10 or ms == 0 else f"{ms:.3f}"
+
+
+def _phases(row: PlanRow) -> str:
+    if row.forward_s is None:
+        return "-"
+    return "/".join(f"{seconds * 1e3:.0f}" for seconds in (row.forward_s, row.backward_s, row.update_s))
+
+
+def render(p: Plan) -> str:
+    s = p.summary()
+    t = p.target
+    lines = [
+        f"spillway plan: {s['recipe']} on {p.devices} x {t.display_name} (deviceless compile, "
+        f"jax {p.timing['jax_version']})",
+        f"  model      {s['params'] / 1e9:.3f}B params, {s['layers']} layers, {s['param_dtype']} weights, "
+        f"{s['dtype']} compute; attention {s['attention_impl']}",
+        f"  step       {s['global_batch']} x {s['seq_len']} = {s['tokens_per_step']} tokens/step "
+        f"(grad_accum {s['grad_accum']}); mesh " + " ".join(f"{k}={v}" for k, v in p.mesh.items()),
+        f"  limits     HBM {hbm_limit_words(p)} per GPU; "
+        f"host RAM {p.host_ram_bytes / GiB:.1f} GiB for {p.devices} GPU(s)",
+        f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction; "
+        f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
+    ]
+    if p.host_update is not None and any(row.candidate.update_on_host for row in p.rows):
+        h = p.host_update
+        lines.append(f"  host CPU   update {h['params_per_s_per_core'] / 1e6:.0f} M params/s per core x "
+                     f"{h['cores_per_gpu']:g} cores per GPU for host_compute plans ({h['source']})")
+    lines += [f"  warning    {w}" for w in p.warnings]
+    header = (f"  {'plan':36s} {'opt':12s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'xfer GB':>8s} "
+              f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
+    lines += ["", header, "  " + "-" * (len(header) - 2)]
+    for row in p.rows:
+        r = row.report or {}
+        moved = None if not r else (r["device_to_host_bytes"] + r["host_to_device_bytes"]) / GB
+        fits = "yes" if row.fits else f"no ({row.why_not})"
+        lines.append(
+            f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.placement:12s} "
+            f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
+            f"{'-' if moved is None else f'{moved:.2f}':>8s} "
+            f"{_ms(row.transfer_s):>8s} "
+            f"{_ms(row.compute_s):>8s} {_ms(row.step_s):>8s} {_phases(row):>18s}  {fits}")
+    picked = p.picked
+    lines.append("")
+    if picked is None:
+        lines.append("  no plan fits: " + nothing_fits_numbers(p))
+    else:
+        lines.append(f"  * pick: {picked.candidate.label} (fastest estimated step among the plans that fit)")
+    if p.skipped:
+        by_plan: dict[str, list[str]] = {}
+        for entry in p.skipped:
+            by_plan.setdefault(entry["activations"], []).append(Candidate.from_dict(entry).placement)
+        lines.append(f"  not compiled ({len(p.skipped)}), as the same activations with less in host memory (or, "
+                     f"for a host-CPU update, streamed) fit and are at least as fast (--all-plans compiles them "
+                     f"too): "
+                     + "; ".join(f"{plan_spec} with {', '.join(placements)}"
+                                 for plan_spec, placements in by_plan.items()))
+    lines.append("  " + ASSUMPTIONS)
+    lines.append("  xfer GB: both directions together; HBM/host GiB per GPU (2^30 bytes).")
+    if p.search is not None:
+        lines += ["", *render_search(p)]
+    lines.append(f"  {p.timing['compiles']} compiles in {p.timing['total_s']:.1f} s "
+                 f"({p.timing['workers']} compile process(es), start-up {p.timing['child_startup_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def render_search(p: Plan) -> list[str]:
+    search = p.search
+    axis = search["axis"]
+    unit = "tokens" if axis == "seq_len" else "sequences"
+    lines = [f"  search: largest {axis} that fits, per plan (multiples of {search['step']} {unit}, "
+             f"cap {search['cap']})"]
+    header = f"  {'plan':36s} {'opt':12s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    best_baseline = max((r["best"] or 0 for r in search["results"]
+                         if Candidate.from_dict(r).no_offload), default=0)
+    for r in search["results"]:
+        notes = []
+        if r["at_cap"]:
+            notes.append("fits at the cap")
+        elif not r["resolved"]:
+            notes.append(f"unresolved between {r['best']} and {r['first_fail']}")
+        if r["errors"]:
+            notes.append(r["errors"][0].splitlines()[0][:120])
+        if Candidate.from_dict(r).no_offload:
+            notes.append("no offload")
+        elif best_baseline and r["best"]:
+            notes.append(f"{r['best'] / best_baseline:.1f}x the best without offload")
+        lines.append(f"  {r['activations']:36s} {Candidate.from_dict(r).state_word:12s} "
+                     f"{'none' if r['best'] is None else r['best']:>10} {r['compiles']:8d} {r['seconds']:8.1f}  "
+                     + "; ".join(notes))
+    return lines

@@ -1,0 +1,82 @@
+"""The planner's compile processes: a request (recipe, target, candidates) run in one or several at once.
+
+Each process (recipes/plan/child.py, started by subprocess_runner with the GPU
+compiler plugin) compiles the candidates it is dealt and answers one JSON
+document; `merge_answers` puts the answers of several back in the order of
+the candidates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from spillway.recipes.plan.subprocess_runner import run_in_compile_process
+
+
+def run_child(request: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spillway-plan-", delete=False) as f:
+        json.dump(request, f)
+        path = f.name
+    started = time.perf_counter()
+    try:
+        answer = run_in_compile_process("spillway.recipes.plan.child", [path], timeout_s=3600)
+    finally:
+        os.unlink(path)
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    # Python, JAX and the plugin starting, before the child's main() ran.
+    answer["startup_seconds"] = time.perf_counter() - started - answer["seconds"] + answer["setup_seconds"]
+    return answer
+
+
+def default_workers(num_candidates: int) -> int:
+    """Compile processes to run at once: one per core, at most 4, at most one per candidate.
+
+    XLA's GPU compile of one candidate keeps more than one core busy only part
+    of the time, so two processes on two cores finish sooner than one
+    (BENCHMARKS.md, `spillway plan llama3_8b`). More than 4 mostly adds memory
+    (each process holds its own traced model).
+    """
+    return max(1, min(4, os.cpu_count() or 1, num_candidates))
+
+
+def run_children(request: dict, workers: int) -> dict:
+    """`run_child` over `workers` processes, candidates dealt round-robin; one merged answer.
+
+    Round-robin spreads both optimizer-state placements (which compile at
+    different speeds) over the processes. Each candidate's search runs in
+    the process that compiled it.
+    """
+    count = len(request["candidates"])
+    workers = max(1, min(workers, count))
+    if workers == 1:
+        return run_child(request)
+    groups = [list(range(w, count, workers)) for w in range(workers)]
+    verify = set(request.get("verify_full_codegen", []))
+    requests = [{**request, "candidates": [request["candidates"][i] for i in group],
+                 "verify_full_codegen": [j for j, i in enumerate(group) if i in verify]} for group in groups]
+    with ThreadPoolExecutor(workers) as pool:   # threads only wait on the child processes
+        answers = list(pool.map(run_child, requests))
+    return merge_answers(answers, groups, count, combine_seconds=max)   # the processes ran side by side
+
+
+def merge_answers(answers: list[dict], groups: list[list[int]], count: int, combine_seconds) -> dict:
+    """Compile-process answers as one: answers[k] holds the candidates at indices groups[k] of a list of
+    `count`; its results, searches and full-codegen checks go to those indices. combine_seconds: `max`
+    for processes that ran at once, `sum` for ones that ran one after another."""
+    merged = {**answers[0], "results": [None] * count, "full_codegen": {},
+              "searches": None if answers[0]["searches"] is None else [None] * count,
+              "seconds": combine_seconds(a["seconds"] for a in answers),
+              "startup_seconds": combine_seconds(a["startup_seconds"] for a in answers)}
+    for group, answer in zip(groups, answers):
+        for j, i in enumerate(group):
+            merged["results"][i] = answer["results"][j]
+            if merged["searches"] is not None:
+                merged["searches"][i] = answer["searches"][j]
+        for j, full in answer["full_codegen"].items():
+            merged["full_codegen"][str(group[int(j)])] = full
+    return merged

@@ -1,0 +1,98 @@
+"""recipes/plan/cost_model.py on hand-worked cases: compile reports written out as numbers, the phases and
+the step they must give worked out by hand in the docstrings (no compile).
+
+A host link of 1 GB/s and a GPU so fast that compute takes no time make every phase its link time in
+seconds: bytes / 1e9. The compiled figures these formulas meet are checked against the bytes computed from
+the model's shapes in test_planner.py and test_host_params_aot.py.
+"""
+
+import dataclasses
+
+import pytest
+
+from spillway.recipes.config import NEXT_FORWARD
+from spillway.recipes.plan import cost_model
+from spillway.recipes.plan.candidates import Candidate
+from spillway.recipes.registry import get_recipe
+from spillway.recipes.targets import get_target
+
+ONE_GPU = {"data": 1, "fsdp": 1, "tensor": 1}
+SLOW_LINK = dataclasses.replace(get_target("h200"), host_link_bytes_per_s=1e9, peak_bf16_flops=1e30)
+GB = 1e9
+
+
+def small_recipe():
+    return get_recipe("tiny", ["train.global_batch=4"])
+
+
+def test_the_streamed_update_pays_state_in_and_out_less_what_moves_both_ways_at_once():
+    """5 GB out, 6 GB in, 4 GB of host argument (the optimizer state, weights on device), 3 GB moved with
+    both directions busy: 0.5 GB of it in the backward pass, 2.5 GB in the update.
+
+        transfer  (5 + 6 - 3) / 1             = 8 s
+        state     min(4, 5, 6)                = 4 GB in and 4 GB out during the update
+        forward   activations out: 5 - 4      = 1 s   (nothing comes in)
+        backward  activations back: 6 - 4     = 2 s   (nothing goes out, so 0.5 GB overlap counts as 0)
+        update    (4 + 4 - 2.5) / 1           = 5.5 s
+        step      1 + 2 + 5.5                 = 8.5 s
+    """
+    report = {"device_to_host_bytes": 5 * GB, "host_to_device_bytes": 6 * GB, "host_argument_bytes": 4 * GB,
+              "overlapped_transfer_bytes": 3 * GB,
+              "overlapped_bytes_by_pass": {"forward": 0, "backward": 0.5 * GB, "other": 2.5 * GB}}
+    row = cost_model.plan_row(Candidate.of("recompute_all", "host"), {"report": report}, small_recipe(),
+                              SLOW_LINK, ONE_GPU)
+    assert row.transfer_s == pytest.approx(8.0)
+    assert (row.forward_s, row.backward_s, row.update_s) == pytest.approx((1.0, 2.0, 5.5))
+    assert row.step_s == pytest.approx(8.5)
+
+
+def test_overlap_is_credited_at_most_the_smaller_direction():
+    """The same state, 4 GB each way, with 5 GB reported as overlapped in the update: at most 4 GB can be,
+    so the update takes (4 + 4 - 4) / 1 = 4 s, not 3."""
+    report = {"device_to_host_bytes": 4 * GB, "host_to_device_bytes": 4 * GB, "host_argument_bytes": 4 * GB,
+              "overlapped_transfer_bytes": 5 * GB, "overlapped_bytes_by_pass": {"other": 5 * GB}}
+    row = cost_model.plan_row(Candidate.of("recompute_all", "host"), {"report": report}, small_recipe(),
+                              SLOW_LINK, ONE_GPU)
+    assert row.update_s == pytest.approx(4.0)
+    assert (row.forward_s, row.backward_s) == pytest.approx((0.0, 0.0))
+    assert cost_model.link_seconds(6, 4, 3, 1.0) == 7.0 and cost_model.link_seconds(6, 4, 9, 1.0) == 6.0
+
+
+def test_state_on_device_moves_nothing_in_the_update():
+    """No host argument: the 2 GB out and 2 GB back are offloaded activations, 1 GB of them overlapped in the
+    backward pass: forward 2 s, backward (2 - 0) = 2 s (nothing goes out then), update 0 s."""
+    report = {"device_to_host_bytes": 2 * GB, "host_to_device_bytes": 2 * GB, "host_argument_bytes": 0,
+              "overlapped_transfer_bytes": 1 * GB, "overlapped_bytes_by_pass": {"backward": 1 * GB}}
+    row = cost_model.plan_row(Candidate.of("offload_inputs", "device"), {"report": report}, small_recipe(),
+                              SLOW_LINK, ONE_GPU)
+    assert (row.forward_s, row.backward_s, row.update_s) == pytest.approx((2.0, 2.0, 0.0))
+    assert row.transfer_s == pytest.approx(3.0)
+
+
+def test_the_update_in_the_next_forward_is_read_pass_by_pass():
+    """Forward: 3 GB out, 4 GB in, 2 GB of it both ways at once: (3 + 4 - 2) = 5 s; backward: 1 GB of
+    gradients out: 1 s; the update before the forward pass (leaves outside the stack): 0.5 GB each way, no
+    overlap: 1 s. Transfer: (4.5 + 4.5 - 2) = 7 s."""
+    report = {"device_to_host_bytes": 4.5 * GB, "host_to_device_bytes": 4.5 * GB, "host_argument_bytes": 4 * GB,
+              "overlapped_transfer_bytes": 2 * GB, "overlapped_bytes_by_pass": {"forward": 2 * GB},
+              "transfer_bytes_by_pass": {
+                  "forward": {"device_to_host_bytes": 3 * GB, "host_to_device_bytes": 4 * GB},
+                  "backward": {"device_to_host_bytes": 1 * GB, "host_to_device_bytes": 0},
+                  "other": {"device_to_host_bytes": 0.5 * GB, "host_to_device_bytes": 0.5 * GB}}}
+    candidate = Candidate.of("recompute_all", "host", "device", NEXT_FORWARD)
+    row = cost_model.plan_row(candidate, {"report": report}, small_recipe(), SLOW_LINK, ONE_GPU)
+    assert (row.forward_s, row.backward_s, row.update_s) == pytest.approx((5.0, 1.0, 1.0))
+    assert row.transfer_s == pytest.approx(7.0)
+
+
+def test_compute_hides_a_shorter_transfer():
+    """At a peak rate that makes the forward pass take 10 s, 1 GB of activations (1 s) hides under it: the
+    phase is the compute's 10 s."""
+    recipe = small_recipe()
+    forward_flops = cost_model.flop_count.train_step_flops(recipe.decoder_spec(), 4, recipe.data.seq_len,
+                                                           remat="offload_inputs").forward
+    target = dataclasses.replace(SLOW_LINK, peak_bf16_flops=forward_flops / 10)
+    report = {"device_to_host_bytes": 1 * GB, "host_to_device_bytes": 1 * GB, "host_argument_bytes": 0,
+              "overlapped_transfer_bytes": 0}
+    row = cost_model.plan_row(Candidate.of("offload_inputs", "device"), {"report": report}, recipe, target, ONE_GPU)
+    assert row.forward_s == pytest.approx(10.0)
