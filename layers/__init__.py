@@ -8,6 +8,8 @@
     block         TransformerBlock: the offload-aware base users subclass
     layer_values  LayerValues: per-layer traced window, RoPE base and scale
     stack         BlockStack: stacked init, scan, remat/offload from outside
+    moe, router, moe_dispatch, moe_block, moe_flops   the mixture-of-experts layer (docs/DESIGN.md section 12)
+    aux_outputs   the channel that carries auxiliary outputs (router statistics) out of a block stack
 
 The names below are imported on first use (PEP 562), not with the package:
 `spillway.data` imports `spillway.layers.errors`, and that must not start JAX.

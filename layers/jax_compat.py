@@ -55,3 +55,18 @@ def on_host(f: Callable[..., Any], *, out_memory_spaces: Any) -> Callable[..., A
     buffers.
     """
     return _compute_on_transform()(f, compute_type="device_host", out_memory_spaces=out_memory_spaces)
+
+
+def varying_mesh_axes(x: Any) -> frozenset[str]:
+    """Inside a shard_map: the mesh axes over which `x` differs between devices (empty outside one).
+
+    A custom VJP inside a shard_map must give each cotangent the same varying axes as its primal:
+    a cotangent that varies over more (a replicated weight's gradient from split tokens) is summed
+    over the extra axes. jax 0.10.2 to 0.12 record them as `aval.manual_axis_type.varying`;
+    `aval.vma` is the older spelling.
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))

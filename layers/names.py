@@ -22,6 +22,19 @@ ACTIVATION_NAMES = (BLOCK_INPUT, QKV, ATTN_CONTEXT, ATTN_OUT, MLP_HIDDEN, MLP_OU
 # Outputs of matrix multiplications (and attention): expensive to recompute.
 DOT_NAMES = (QKV, ATTN_CONTEXT, ATTN_OUT, MLP_HIDDEN, MLP_OUT)
 
+# Mixture-of-experts layer (layers/moe.py). Its shared experts, if any, are a
+# dense MLP and tag MLP_HIDDEN / MLP_OUT like any MLP.
+ROUTER_LOGITS = "router_logits"  # router output, float32, [tokens, experts]
+EXPERT_INPUT = "expert_input"    # token copies dispatched to their experts (after any exchange)
+EXPERT_HIDDEN = "expert_hidden"  # expert up (and gate) projections, [token copies, f]
+EXPERT_OUT = "expert_out"        # expert down projection, [token copies, d] (before the weighted combine)
+
+MOE_ACTIVATION_NAMES = (ROUTER_LOGITS, EXPERT_INPUT, EXPERT_HIDDEN, EXPERT_OUT)
+# The MoE layer's matmul outputs (router and experts); EXPERT_INPUT is a gather.
+MOE_DOT_NAMES = (ROUTER_LOGITS, EXPERT_HIDDEN, EXPERT_OUT)
+# Attention's matmul outputs: what the dense presets keep or offload in a block whose MLP is an MoE layer.
+ATTENTION_DOT_NAMES = (QKV, ATTN_CONTEXT, ATTN_OUT)
+
 # --- logical axis names -------------------------------------------------------
 BATCH = "batch"
 SEQ = "seq"
@@ -33,6 +46,7 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 LAYERS = "layers"
 NORM = "norm"
+EXPERT = "expert"     # the leading axis of stacked expert weights [experts, d, f] (layers/moe.py)
 
 # Activation feature axes. Separate from the parameter axes because the two
 # shard differently: a weight's embed axis is split over "fsdp", but an

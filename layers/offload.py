@@ -137,11 +137,38 @@ PRESETS: dict[str, OffloadPolicy] = {
 }
 
 
+# Presets for blocks whose MLP is a mixture-of-experts layer (layers/moe.py). Apart from PRESETS
+# because they name the MoE tags, which a dense block never makes (the stack refuses a plan naming
+# a tag its block lacks). The dense presets that name no MLP tag (save_all, recompute_all,
+# offload_inputs) apply to MoE blocks as they are; those naming MLP tags apply where the MoE layer
+# has shared experts (a dense MLP). Attention is treated as in the dense presets.
+_ATTENTION_SAVED = tuple((n, Placement.DEVICE) for n in names.ATTENTION_DOT_NAMES)
+MOE_PRESETS: dict[str, OffloadPolicy] = {
+    # Every matmul output in HBM: attention, router and experts (the dispatch gathers are recomputed).
+    "moe_save_dots": _all(Placement.DEVICE, names.ATTENTION_DOT_NAMES + names.MOE_DOT_NAMES),
+    # Attention and expert matmul outputs and the dispatched tokens to host; the router's logits stay.
+    "moe_offload_dots": OffloadPolicy(placements=(
+        (names.ROUTER_LOGITS, Placement.DEVICE),
+        *((n, Placement.HOST) for n in names.ATTENTION_DOT_NAMES),
+        *((n, Placement.HOST) for n in (names.EXPERT_INPUT, names.EXPERT_HIDDEN, names.EXPERT_OUT)))),
+    # Attention kept in HBM, the expert activations (most of an MoE block's bytes) to host.
+    "moe_offload_experts": OffloadPolicy(placements=(
+        *_ATTENTION_SAVED, (names.ROUTER_LOGITS, Placement.DEVICE),
+        *((n, Placement.HOST) for n in (names.EXPERT_INPUT, names.EXPERT_HIDDEN, names.EXPERT_OUT)))),
+    # Attention kept, the experts (and their dispatch) recomputed in the backward pass.
+    "moe_recompute_experts": OffloadPolicy(placements=(
+        *_ATTENTION_SAVED, (names.ROUTER_LOGITS, Placement.DEVICE))),
+}
+
+
 def preset(name: str) -> OffloadPolicy:
-    try:
+    if name in PRESETS:
         return PRESETS[name]
+    try:
+        return MOE_PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown offload preset {name!r}; known presets: {sorted(PRESETS)}") from None
+        raise ValueError(f"unknown offload preset {name!r}; known presets: {sorted(PRESETS)}, "
+                         f"for mixture-of-experts blocks: {sorted(MOE_PRESETS)}") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     names.MLP: ("tensor",),
     names.LAYERS: (),
     names.NORM: (),
+    # Expert parallelism over the fsdp axis (docs/DESIGN.md section 12): each device holds
+    # whole experts instead of a d_model slice of every expert, and tokens travel to them.
+    # An expert weight's embed axis then finds fsdp taken and stays whole.
+    names.EXPERT: ("fsdp",),
     names.ACT_EMBED: (),
     names.ACT_HEADS: ("tensor",),
     names.ACT_KV_HEADS: ("tensor",),
@@ -199,6 +203,11 @@ def activation_sharding(mesh: Mesh | None, rules: Mapping[str, Sequence[str]] = 
         yield
     finally:
         _ACTIVATION_MESH.reset(token)
+
+
+def current_activation_mesh() -> tuple[Mesh, Mapping] | None:
+    """(mesh, rules) of the `activation_sharding` in force, or None (single-device code and tests)."""
+    return _ACTIVATION_MESH.get()
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
