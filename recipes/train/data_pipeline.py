@@ -106,13 +106,17 @@ def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:
                             f"(now {recipe.data.val_fraction}) or set train.eval_every=0")
 
 
-def prepare(recipe: Recipe) -> tuple[Tokenizer, TrainingData]:
-    """Tokenizer and packed rows for the recipe, computed once per cache key."""
+def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TrainingData]:
+    """Tokenizer and packed rows for the recipe, computed once per cache key.
+
+    `tokenizer`: the one a resumed run trained with (its RUN_DIR copy), used instead of `data.tokenizer` or
+    training one."""
+    given = tokenizer
     cfg = recipe.data
     components = parse_mixture(cfg.mixture) if cfg.mixture else None
 
     def build():
-        tokenizer = load_or_train_tokenizer(recipe)
+        tokenizer = given if given is not None else load_or_train_tokenizer(recipe)
         check_vocab(tokenizer, recipe.model.vocab_size)
         # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
         _ = tokenizer.eos_id

@@ -123,7 +123,8 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from tqdm import tqdm
 
-    from spillway.data import eval_batches
+    from spillway.data import eval_batches, load_tokenizer, tokenizer_file_in
+    from spillway.recipes.train.corpus_record import check_corpus
     from spillway.recipes.train.data_pipeline import prepare, train_loader
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights
@@ -135,11 +136,14 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         recipe = with_source_tokenizer(recipe, run_dir, resuming=cfg.resume and bool(checkpointer.all_steps()),
                                        say=say)
     candidates = steps_to_try(checkpointer, recipe)  # a recipe that cannot resume fails here, before data
+    check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
+    # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py).
+    own_tokenizer = tokenizer_file_in(run_dir) if candidates and not recipe.data.tokenizer else None
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
     t0 = time.perf_counter()
-    tokenizer, data = prepare(recipe)
+    tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None)
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 

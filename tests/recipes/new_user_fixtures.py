@@ -21,24 +21,19 @@ MICRO = ["data.seq_len=32", "data.num_proc=1",
 EOS = "<|endoftext|>"
 BOS = "<|begin|>"
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega river stone cloud paper window garden").split()
-
 
 def micro(cache_dir: Path, run_dir: Path, *extra: str, source: str = "builtin:stdlib:400000"):
     return get_recipe("tiny", [*MICRO, f"data.source={source}", f"data.cache_dir={cache_dir}",
                                f"checkpoint.dir={run_dir}", *extra])
 
 
-def write_corpus(folder: Path, files: int = 12, words_per_file: int = 400, seed: int = 0) -> Path:
-    """A folder of .txt documents of made-up prose (deterministic from `seed`)."""
-    import random
+def copy_stdlib_corpus(folder: Path, max_bytes: int = 400_000) -> Path:
+    """The micro recipe's built-in corpus as a local folder of .py files (one document each), to edit."""
+    from spillway.data import default_corpus_files
 
-    rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    for i in range(files):
-        text = " ".join(rng.choice(WORDS) for _ in range(words_per_file))
-        (folder / f"doc{i:02d}.txt").write_text(text + "\n")
+    for i, path in enumerate(default_corpus_files(max_bytes)):
+        (folder / f"{i:03d}_{path.name}").write_bytes(path.read_bytes())
     return folder
 
 
