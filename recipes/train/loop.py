@@ -76,6 +76,7 @@ def _owned_run_dir(run_dir: Path, main: bool, say):
         else:
             if stale is not None:
                 say(f"took over the run lock {lock.path} from a run that is gone ({stale.describe()})")
+            lock.watch()   # a lock file deleted while the run lives is re-created; one replaced stops the run
     if not distributed.all_processes_ok(error is None):
         raise error or RunLockedError(f"{run_dir}: process 0 could not take the run directory (its error says why)")
     try:
@@ -105,20 +106,20 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     from spillway.recipes.train.step import check_attention_backend
     check_attention_backend(recipe.execution.attention_impl, jax.default_backend())  # before data is prepared
     run_dir = Path(recipe.run_dir)
-    with _owned_run_dir(run_dir, main, say):
+    with _owned_run_dir(run_dir, main, say) as lock:
         # opening checks that checkpoints can be written there: before any data is prepared
         checkpointer = RunCheckpointer(run_dir / CHECKPOINTS_DIRNAME, keep=recipe.checkpoint.keep,
                                        every_steps=recipe.checkpoint.every_steps,
                                        async_save=recipe.checkpoint.async_save)
         try:
             return _train_owned(recipe, run_dir, checkpointer, main=main, say=say, progress=progress,
-                                stop_after=stop_after)
+                                stop_after=stop_after, lock=lock)
         finally:
             checkpointer.close()
 
 
 def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say, progress: bool,
-                 stop_after: int | None) -> RunResult:
+                 stop_after: int | None, lock: RunLock) -> RunResult:
     # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from tqdm import tqdm
@@ -226,6 +227,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         The weights are checked against the next batch (divergence.py), drawn here and kept for the next
         step; the loader state saved is the one before it, so a resumed run draws that batch again."""
         nonlocal peeked
+        lock.check(say)  # another run got into the directory: stop before writing a checkpoint over its own
         loader_state = loader.state()
         peeked = next_batch()
         problem = check_weights(params, peeked, metrics).problem()
@@ -288,6 +290,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                     settled = False
                 step += 1
                 window_steps += 1
+                lock.check(bar.write if main else None)  # metrics and checkpoints are written below
                 if profile and step == profile[1] and main:
                     jax.block_until_ready(params)
                     jax.profiler.stop_trace()
