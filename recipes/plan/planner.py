@@ -762,14 +762,10 @@ exit 0
 def _run_child(request: dict) -> dict:
     from spillway.recipes.plan.subprocess_runner import run_in_compile_process
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spillway-plan-", delete=False) as f:
-        json.dump(request, f)
-        path = f.name
     started = time.perf_counter()
-    try:
-        answer = run_in_compile_process("spillway.recipes.plan.child", [path], timeout_s=3600)
-    finally:
-        os.unlink(path)
+    # the request on stdin: no file to leave behind, however the planner stops
+    answer = run_in_compile_process("spillway.recipes.plan.child", ["-"], timeout_s=3600,
+                                    input_text=json.dumps(request))
     if "error" in answer:
         raise ValueError(answer["error"])
     # Python, JAX and the plugin starting, before the child's main() ran.
@@ -797,15 +793,19 @@ def _run_children(request: dict, workers: int) -> dict:
     """
     from concurrent.futures import ThreadPoolExecutor
 
+    from spillway.recipes.plan.subprocess_runner import compile_processes_bounded
+
     count = len(request["candidates"])
     workers = max(1, min(workers, count))
     if workers == 1:
-        return _run_child(request)
+        with compile_processes_bounded():
+            return _run_child(request)
     groups = [list(range(w, count, workers)) for w in range(workers)]
     verify = set(request.get("verify_full_codegen", []))
     requests = [{**request, "candidates": [request["candidates"][i] for i in group],
                  "verify_full_codegen": [j for j, i in enumerate(group) if i in verify]} for group in groups]
-    with ThreadPoolExecutor(workers) as pool:   # threads only wait on the child processes
+    # threads only wait on the child processes, killed first if this process stops (subprocess_runner.py)
+    with ThreadPoolExecutor(workers) as pool, compile_processes_bounded():
         answers = list(pool.map(_run_child, requests))
     return _merge_answers(answers, groups, count, combine_seconds=max)   # the processes ran side by side
 
@@ -1171,6 +1171,9 @@ def plan_command(args) -> int:
     from spillway.recipes.registry import get_recipe
 
     recipe = get_recipe(args.recipe, args.set)
+    if getattr(args, "png", None):
+        from spillway.recipes.plan.outputs import check_output_path
+        check_output_path(args.png, "--png")   # before minutes of compiles, not after
     budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
                   hbm_budget_gib=budget, host_update_rate=getattr(args, "host_update_rate", None),
