@@ -35,9 +35,20 @@ def _is_the_module_itself(error: ModuleNotFoundError, module_name: str) -> bool:
     return bool(error.name) and (module_name == error.name or module_name.startswith(error.name + "."))
 
 
-def _import(module_name: str):
+def _import_raising_only_not_found(module_name: str):
+    """import_module; a module that raises while importing (SyntaxError, its own error) is a ValueError naming
+    it; only ModuleNotFoundError passes through, to look elsewhere."""
     try:
         return importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        raise
+    except Exception as error:   # the user's module raised while importing
+        raise ValueError(f"block: importing {module_name!r} failed: {type(error).__name__}: {error}") from None
+
+
+def _import(module_name: str):
+    try:
+        return _import_raising_only_not_found(module_name)
     except ModuleNotFoundError as error:
         cwd = os.getcwd()
         if not _is_the_module_itself(error, module_name):
@@ -47,15 +58,16 @@ def _import(module_name: str):
                              f"({cwd})") from None
         sys.path.append(cwd)   # kept when it works: the module may import its siblings later
         try:
-            return importlib.import_module(module_name)
+            return _import_raising_only_not_found(module_name)
+        except ValueError:
+            sys.path.remove(cwd)
+            raise
         except ModuleNotFoundError as again:
             sys.path.remove(cwd)
             if _is_the_module_itself(again, module_name):
                 raise ValueError(f"block: no module {again.name!r} on PYTHONPATH or in the current "
                                  f"directory ({cwd})") from None
             raise ValueError(f"block: importing {module_name!r} failed: {again}") from None
-    except Exception as error:   # the user's module raised while importing (SyntaxError, ...)
-        raise ValueError(f"block: importing {module_name!r} failed: {type(error).__name__}: {error}") from None
 
 
 def resolve_block_class(path: str) -> type:

@@ -873,6 +873,8 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
 
     started = time.perf_counter()
     target = get_target(gpu)
+    from spillway.recipes.plan.preflight import check_user_block
+    check_user_block(recipe)   # a block that cannot be built: one line now, not one per compile process
     if not 0 < headroom <= 1:
         raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
     if host_ram_gb is not None and host_ram_gb <= 0:
@@ -1172,7 +1174,7 @@ def plan_command(args) -> int:
 
     recipe = get_recipe(args.recipe, args.set)
     if getattr(args, "png", None):
-        from spillway.recipes.plan.outputs import check_output_path
+        from spillway.recipes.plan.preflight import check_output_path
         check_output_path(args.png, "--png")   # before minutes of compiles, not after
     budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,

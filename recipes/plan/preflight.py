@@ -1,5 +1,7 @@
-"""Files `spillway plan` will write, checked before anything is compiled (a minute of compiles, then a
-path that cannot be written, would lose the table)."""
+"""What `spillway plan` checks before anything is compiled: the files it will write (a minute of compiles,
+then a path that cannot be written, would lose the table), and a recipe's own block class (built once here,
+abstractly, so a constructor or a forward() that cannot work is one line naming the class, not an error in
+every compile process)."""
 
 from __future__ import annotations
 
@@ -29,3 +31,13 @@ def check_output_path(path: str | os.PathLike, flag: str) -> Path:
         raise ConfigError(f"{flag} {path}: cannot write there ({error.strerror or error}; checked before "
                           f"compiling)") from None
     return path
+
+
+def check_user_block(recipe) -> None:
+    """Builds the model abstractly (nothing allocated) when the recipe names its own block class: a block
+    whose constructor or forward() does not fit the contract is a ConfigError naming it (layers/stack.py)."""
+    if not recipe.block:
+        return
+    from spillway.recipes.train.step import abstract_model
+
+    abstract_model(recipe)

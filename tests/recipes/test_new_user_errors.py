@@ -1,0 +1,76 @@
+"""Errors a new user causes are one line that names the cause, never "internal error, please report it",
+and never advice about something else.
+
+Here: a recipe's own block (`--set block=`) that raises on import, has the
+wrong constructor or returns the wrong shape, in `train` and in `plan`.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from new_user_fixtures import MICRO
+from spillway.recipes import cli
+
+BLOCKS = {
+    "nu_raising_block": 'raise RuntimeError("boom at import")\n',
+    "nu_wrong_init_block": textwrap.dedent("""
+        from spillway.layers.block import TransformerBlock
+        class Block(TransformerBlock):
+            def __init__(self, cfg):
+                super().__init__(cfg)
+    """),
+    "nu_wrong_shape_block": textwrap.dedent("""
+        from spillway.layers.block import TransformerBlock
+        class Block(TransformerBlock):
+            def forward(self, x_btd, ctx, cache):
+                return x_btd[..., :3], cache
+    """),
+}
+EXPECTED = {
+    "nu_raising_block": r"block: importing 'nu_raising_block' failed: RuntimeError: boom at import",
+    "nu_wrong_init_block": r"block nu_wrong_init_block:Block: building it as Block\(cfg, rngs=rngs\) failed "
+                           r"\(.*unexpected keyword argument 'rngs'\); a block's __init__ takes \(cfg, \*, rngs\)",
+    "nu_wrong_shape_block": r"block nu_wrong_shape_block:Block: forward\(\) returns an array of shape \(1, 8, 3\) "
+                            r"\(float32\) for an input of \(1, 8, 32\)",
+}
+
+
+@pytest.fixture
+def user_blocks(tmp_path, monkeypatch):
+    for name, source in BLOCKS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in BLOCKS:
+        sys.modules.pop(name, None)
+
+
+def sets(*values):
+    return [arg for value in values for arg in ("--set", value)]
+
+
+@pytest.mark.parametrize("module", list(BLOCKS))
+def test_a_broken_user_block_is_named_in_train_and_in_plan(module, user_blocks, tmp_path, capsys, monkeypatch):
+    from spillway.recipes.plan import planner
+
+    def no_compiles(*args, **kwargs):
+        raise AssertionError("compile processes started for a block that cannot be built")
+    monkeypatch.setattr(planner, "_run_children", no_compiles)
+    block = f"block={module}:Block"
+    status = cli.main(["train", "tiny", *sets(*MICRO, "data.source=builtin:stdlib:400000", "train.steps=1",
+                                              f"data.cache_dir={tmp_path / 'cache'}",
+                                              f"checkpoint.dir={tmp_path / 'run'}", block)])
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_USER_ERROR, err
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1
+    assert __import__("re").search(EXPECTED[module], err), err
+    sys.modules.pop(module, None)
+    status = cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", *sets(*MICRO, block)])
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_USER_ERROR, err
+    assert __import__("re").search(EXPECTED[module], err), err
