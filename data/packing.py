@@ -29,7 +29,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .cache import atomic_directory, stable_key
+from .cache import atomic_directory, load_cached_array, stable_key
 from .holdout import document_scores, validation_threshold
 from .npy_stream import NpyStreamWriter
 from .shards import DEFAULT_SHARD_TOKENS, SHARD_FORMAT_VERSION, TokenShards, prepare_token_shards
@@ -58,8 +58,8 @@ class PackedData:
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
         return cls(
-            train=np.load(path / "train.npy", mmap_mode="r"),
-            val=np.load(path / "val.npy", mmap_mode="r"),
+            train=load_cached_array(path / "train.npy", mmap=True, rebuild=path),
+            val=load_cached_array(path / "val.npy", mmap=True, rebuild=path),
             seq_len=meta["seq_len"],
             vocab_size=meta["vocab_size"],
             num_tokens=meta["num_tokens"],

@@ -32,7 +32,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock
+from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock, load_cached_array
 from .encoding import encode_chunks, text_chunks
 from .tokenizer import Tokenizer
 
@@ -88,11 +88,11 @@ class TokenShards:
 
     def lengths(self, shard: ShardInfo) -> np.ndarray:
         """Document lengths of `shard` (small: one int64 per document)."""
-        return np.load(self.path / shard.lengths_name)
+        return load_cached_array(self.path / shard.lengths_name, mmap=False, rebuild=self.path)
 
     def tokens(self, shard: ShardInfo) -> np.ndarray:
         """Tokens of `shard`, memory-mapped: only the pages read are loaded."""
-        return np.load(self.path / shard.tokens_name, mmap_mode="r")
+        return load_cached_array(self.path / shard.tokens_name, mmap=True, rebuild=self.path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> TokenShards:

@@ -76,6 +76,16 @@ class TrainingData:
             return BatchLoader(self.sources[CORPUS].train, **options)
         return MixtureLoader({name: packed.train for name, packed in self.sources.items()}, self.weights, **options)
 
+    def check_token_ids(self, batch: np.ndarray, vocab_size: int) -> None:
+        """DataError naming the packed caches when a batch holds an id the model has no embedding row for."""
+        largest = int(batch.max()) if batch.size else 0
+        if largest >= vocab_size or (batch.size and int(batch.min()) < 0):
+            folders = ", ".join(str(packed.path) for packed in self.sources.values())
+            raise DataError(f"a batch holds token id {largest if largest >= vocab_size else int(batch.min())}, "
+                            f"outside the model's vocabulary (0..{vocab_size - 1}): the packed data cache is "
+                            f"damaged or was written with another tokenizer ({folders}); delete it and run again "
+                            f"to rebuild it (the checkpoints are not affected)")
+
     def validation_sets(self) -> dict[str, np.ndarray]:
         """The held-out rows of each source, by name."""
         return {name: packed.val for name, packed in self.sources.items()}

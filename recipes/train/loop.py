@@ -170,7 +170,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     def restored_weights_problem(restored: dict) -> str | None:
         # the weights against the batch the resumed run trains on first; the loader is put back after
         loader.restore(restored["loader_state"])
-        first_batch = _global_batch(next(loader), s.batch_sharding)
+        first_local = next(loader)
+        data.check_token_ids(first_local, recipe.model.vocab_size)  # a damaged cache, not diverged weights
+        first_batch = _global_batch(first_local, s.batch_sharding)
         loader.restore(restored["loader_state"])
         return check_weights(restored["params"], first_batch).problem()
 
@@ -216,9 +218,14 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
 
     peeked = None  # the next batch, drawn early to check the weights of a save against it
 
+    def checked(local_bt: np.ndarray) -> np.ndarray:
+        # an id past the embedding is a damaged cache, not diverged weights (which is what it would look like)
+        data.check_token_ids(local_bt, recipe.model.vocab_size)
+        return local_bt
+
     def next_batch():
         nonlocal peeked
-        batch, peeked = (peeked if peeked is not None else _global_batch(next(loader), s.batch_sharding)), None
+        batch, peeked = (peeked if peeked is not None else _global_batch(checked(next(loader)), s.batch_sharding)), None
         return batch
 
     def save(at_step: int, metrics) -> None:
@@ -253,7 +260,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         batches = eval_batches(val_rows, global_batch_size=cfg.global_batch,
                                process_index=jax.process_index(), process_count=jax.process_count())
         for _, local in zip(range(cfg.eval_batches), batches):
-            losses.append(eval_step(params, _global_batch(local, s.batch_sharding)))
+            losses.append(eval_step(params, _global_batch(checked(local), s.batch_sharding)))
         return float(np.mean([float(x) for x in losses])) if losses else float("nan")
 
     def validation_losses() -> dict[str, float]:

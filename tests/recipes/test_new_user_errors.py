@@ -74,3 +74,22 @@ def test_a_broken_user_block_is_named_in_train_and_in_plan(module, user_blocks, 
     err = capsys.readouterr().err
     assert status == cli.EXIT_USER_ERROR, err
     assert __import__("re").search(EXPECTED[module], err), err
+
+
+def test_token_ids_past_the_vocabulary_name_the_cache_not_diverged_weights(tmp_path, capsys):
+    import numpy as np
+
+    cache = tmp_path / "cache"
+    run = ["train", "tiny", *sets(*MICRO, "data.source=builtin:stdlib:400000", "train.steps=1",
+                                  f"data.cache_dir={cache}")]
+    assert cli.main([*run, "--set", f"checkpoint.dir={tmp_path / 'first'}"]) == 0
+    (rows_file,) = (cache / "packed").glob("*/train.npy")
+    rows = np.load(rows_file, mmap_mode="r+")
+    rows[:] = 1000           # past the model's 512 embedding rows, as a damaged cache may hold
+    rows.flush()
+    del rows
+    capsys.readouterr()
+    assert cli.main([*run, "--set", f"checkpoint.dir={tmp_path / 'second'}"]) == cli.EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "token id 1000, outside the model's vocabulary (0..511)" in err and str(rows_file.parent) in err, err
+    assert "diverged" not in err
