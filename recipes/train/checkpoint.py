@@ -210,6 +210,12 @@ def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
     return directory / _STEP_NAMES.build_name(steps[-1])
 
 
+def finalised_step_dirs(directory: str | os.PathLike) -> list[epath.Path]:
+    """The finalised step folders of a checkpoints directory, oldest first."""
+    directory = _absolute(directory)
+    return [directory / _STEP_NAMES.build_name(step) for step in _finalised_steps(directory)]
+
+
 def run_dir_of(step_dir: epath.Path) -> epath.Path | None:
     """The training run a step folder belongs to (`<run>/checkpoints/<step>`), or None if it is not in one."""
     if step_dir.parent.name == CHECKPOINTS_DIRNAME:
