@@ -31,6 +31,20 @@ class FineTuneTokenizerError(RunError):
     """The tokenizer of a fine-tune cannot be the one its weights were trained with."""
 
 
+def check_not_its_own_source(recipe: Recipe) -> None:
+    """A fine-tune's init_from inside its own checkpoint.dir is no fine-tune: a ConfigError saying what to do."""
+    from spillway.layers.errors import ConfigError
+
+    init_from = recipe.checkpoint.init_from
+    if not init_from or init_from.startswith("hf:"):
+        return
+    given, run_dir = Path(init_from).expanduser().resolve(), Path(recipe.run_dir).expanduser().resolve()
+    if given == run_dir or run_dir in given.parents:
+        raise ConfigError(f"checkpoint.init_from={init_from} is inside this run's own checkpoint.dir ({run_dir}): "
+                          f"to continue this run, leave checkpoint.init_from unset (a rerun resumes); to "
+                          f"fine-tune from it, set checkpoint.dir to a new folder")
+
+
 def source_tokenizer_path(init_from: str) -> Path | None:
     """The tokenizer file (tokenizer.json or tokenizer.model) of the spillway run a checkpoint is in, else None."""
     source_run = run_dir_of(resolve_step_dir(init_from))

@@ -101,6 +101,8 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     _parse_profile(recipe.train.profile_steps)  # a bad value fails before anything is written
     from spillway.recipes.train.init_weights import resolve_init_from
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
+    from spillway.recipes.train.finetune import check_not_its_own_source
+    check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
     from spillway.recipes.train.preflight import check_run_inputs
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
     from spillway.recipes.train.step import check_attention_backend

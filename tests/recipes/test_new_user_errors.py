@@ -93,3 +93,14 @@ def test_token_ids_past_the_vocabulary_name_the_cache_not_diverged_weights(tmp_p
     err = capsys.readouterr().err
     assert "token id 1000, outside the model's vocabulary (0..511)" in err and str(rows_file.parent) in err, err
     assert "diverged" not in err
+
+
+@pytest.mark.parametrize("inside", ["", "checkpoints", "checkpoints/1"])
+def test_init_from_inside_its_own_checkpoint_dir_says_so(inside, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / inside).mkdir(parents=True, exist_ok=True)
+    status = cli.main(["train", "tiny", *sets(*MICRO, "data.source=builtin:stdlib:400000", f"checkpoint.dir={run_dir}",
+                                              f"checkpoint.init_from={run_dir / inside}")])
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_USER_ERROR
+    assert "is inside this run's own checkpoint.dir" in err and "leave checkpoint.init_from unset" in err, err
