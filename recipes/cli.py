@@ -179,6 +179,9 @@ def describe_error(err: BaseException) -> tuple[str, int]:
         return (f"{where}: {reason}" if where else reason), EXIT_USER_ERROR
     if isinstance(err, MemoryError):
         return f"out of host memory ({_one_line(str(err)) or 'MemoryError'})", EXIT_USER_ERROR
+    if "RESOURCE_EXHAUSTED" in str(err):   # XLA could not allocate: the settings asked too much, not a bug
+        return (f"out of memory ({_one_line(str(err))[:_MAX_INTERNAL_MESSAGE]}); `spillway plan` prices a "
+                f"recipe's memory before running it"), EXIT_USER_ERROR
     message = _one_line(f"{type(err).__name__}: {err}")
     if len(message) > _MAX_INTERNAL_MESSAGE:
         message = message[:_MAX_INTERNAL_MESSAGE] + " ..."

@@ -116,6 +116,11 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
         try:
             return _train_owned(recipe, run_dir, checkpointer, main=main, say=say, progress=progress,
                                 stop_after=stop_after, lock=lock)
+        except Exception as error:
+            from spillway.recipes.train.out_of_memory import is_out_of_memory, out_of_memory_error
+            if is_out_of_memory(error):   # the user's settings, not a bug: name them
+                raise out_of_memory_error(recipe, error, jax.default_backend()) from error
+            raise
         finally:
             checkpointer.close()
 

@@ -104,3 +104,20 @@ def test_init_from_inside_its_own_checkpoint_dir_says_so(inside, tmp_path, capsy
     err = capsys.readouterr().err
     assert status == cli.EXIT_USER_ERROR
     assert "is inside this run's own checkpoint.dir" in err and "leave checkpoint.init_from unset" in err, err
+
+
+def test_out_of_memory_with_the_users_settings_names_them_and_the_bytes(tmp_path, capsys, monkeypatch):
+    import jax
+
+    from spillway.recipes.train import loop
+
+    def exhausted(*args, **kwargs):   # what XLA raises when an allocation cannot be made
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 40000000000000 bytes.")
+    monkeypatch.setattr(loop, "setup", exhausted)
+    status = cli.main(["train", "tiny", *sets(*MICRO, "data.source=builtin:stdlib:400000", "train.global_batch=16",
+                                              f"data.cache_dir={tmp_path / 'cache'}",
+                                              f"checkpoint.dir={tmp_path / 'run'}")])
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_USER_ERROR and "internal error" not in err, err
+    assert "out of memory on the host (40,000,000,000,000 bytes (37252.9 GiB) asked for)" in err, err
+    assert "num_layers=2" in err and "train.global_batch=16 x data.seq_len=32" in err and "spillway plan tiny" in err
