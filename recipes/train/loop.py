@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
@@ -357,7 +358,11 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                     raise SystemExit(stop_status)
         finally:
             bar.close()
-            logger.close()
+            if sys.exc_info()[1] is None:
+                logger.close()
+            else:   # a failure in flight (a full disk, say) is the error to report, not this flush's
+                with contextlib.suppress(OSError):
+                    logger.close()
     checkpointer.wait()
     settle()
 

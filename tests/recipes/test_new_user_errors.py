@@ -121,3 +121,25 @@ def test_out_of_memory_with_the_users_settings_names_them_and_the_bytes(tmp_path
     assert status == cli.EXIT_USER_ERROR and "internal error" not in err, err
     assert "out of memory on the host (40,000,000,000,000 bytes (37252.9 GiB) asked for)" in err, err
     assert "num_layers=2" in err and "train.global_batch=16 x data.seq_len=32" in err and "spillway plan tiny" in err
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_unfinished_folder(tmp_path, capfd, monkeypatch):
+    import errno
+
+    from spillway.recipes.train import checkpoint as ckpt_lib
+
+    def disk_full(path, text):   # the recipe file, written in orbax's background commit like the arrays
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(ckpt_lib, "_write_text", disk_full)
+    run_dir = tmp_path / "run"
+    status = cli.main(["train", "tiny", *sets(*MICRO, "data.source=builtin:stdlib:400000", "train.steps=3",
+                                              "checkpoint.every_steps=2", f"data.cache_dir={tmp_path / 'cache'}",
+                                              f"checkpoint.dir={run_dir}")])
+    err = capfd.readouterr().err
+    assert status == cli.EXIT_USER_ERROR
+    assert "Traceback" not in err and "ERROR:absl" not in err, err[:3000]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"spillway train: error: {run_dir / 'checkpoints' / '2'}: the async save failed"), last
+    assert "2.orbax-checkpoint-tmp was removed" in last and "No space left on device in" in last
+    assert "free space there and a rerun starts over" in last
+    assert list((run_dir / "checkpoints").iterdir()) == []
