@@ -37,7 +37,9 @@ def _cmd_recipes(args) -> int:
         # one recipe in full: where its numbers come from, then every field (what `--set` can change)
         import textwrap
         recipe = get_recipe(args.name, args.set)
-        print(textwrap.fill(f"{recipe.name}: {recipe.description}", width=100, subsequent_indent="  "))
+        # the parameter count is computed, never written into a description, so it cannot go stale
+        print(textwrap.fill(f"{recipe.name} ({recipe.num_params() / 1e6:,.2f}M parameters): {recipe.description}",
+                            width=100, subsequent_indent="  "))
         print(recipe.to_json())
         return 0
     for name in recipe_names():

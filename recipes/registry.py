@@ -47,7 +47,7 @@ def tiny() -> Recipe:
     """CPU-sized: trains a 4-layer Llama on the embedded stdlib corpus in minutes."""
     return Recipe(
         name="tiny",
-        description="4-layer Llama (5M params) on the embedded stdlib corpus; the CPU main job",
+        description="4-layer Llama on the embedded stdlib corpus; the CPU main job",
         family="llama",
         model=llama_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6, num_kv_heads=2,
                            mlp_hidden=512, max_seq_len=128),
@@ -172,7 +172,7 @@ def gpt2_tiny() -> Recipe:
     """CPU-sized GPT-2: the `tiny` recipe's data, optimizer and schedule with a 4-layer GPT-2."""
     return dataclasses.replace(
         tiny(), name="gpt2_tiny", family="gpt2", model=gpt2_config("tiny"),
-        description="4-layer GPT-2 (2M params) on the embedded stdlib corpus")
+        description="4-layer GPT-2 on the embedded stdlib corpus")
 
 
 @register("gpt2_124m")

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from spillway.layers.sharding import make_mesh
-from spillway.recipes.config import Recipe
+from spillway.recipes.config import DataConfig, Recipe
 from spillway.recipes.plan.flops import model_flops_per_token
 from spillway.recipes.sampling import generate
 from spillway.recipes.train import distributed, gpu_allocators
@@ -151,6 +151,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
+    if recipe.data.mixture and recipe.data.source != DataConfig.source:
+        say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
+            f"it; list that source in the mixture to train on it)")
     t0 = time.perf_counter()
     tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None)
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
@@ -369,6 +372,10 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     plot = logger.plot_loss()
     if plot:
         say(f"loss curve: {plot}; metrics: {run_dir / 'metrics.jsonl'}; TensorBoard: {run_dir / 'tb'}")
+    elif main and not logger.metrics_path.is_file():
+        say(f"warning: {logger.metrics_path} was deleted while the run wrote it: no loss curve (the checkpoints "
+            f"are saved; TensorBoard: {run_dir / 'tb'})")
+
     model = nnx.merge(s.graphdef, params)
     sample = None
     if main and cfg.sample_tokens > 0:
