@@ -1170,9 +1170,9 @@ def plan_command(args) -> int:
     Exit 0 even when nothing fits (the table says so), except under
     --hbm-budget, which asks for a plan: then ValueError naming the smallest.
     """
-    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.user_recipes import load_recipe
 
-    recipe = get_recipe(args.recipe, args.set)
+    recipe = load_recipe(args.recipe, args.set)   # a registered name, a recipe.json, or module:function
     if getattr(args, "png", None):
         from spillway.recipes.plan.preflight import check_output_path
         check_output_path(args.png, "--png")   # before minutes of compiles, not after
