@@ -51,6 +51,7 @@ class PackedData:
     num_documents: int
     path: Path
     from_cache: bool  # True when loaded from an earlier run's result, nothing tokenized or packed
+    records_without_text: int = 0  # records of the source skipped for having no text field
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
@@ -66,6 +67,7 @@ class PackedData:
             num_documents=meta["num_documents"],
             path=path,
             from_cache=from_cache,
+            records_without_text=int(meta.get("records_without_text", 0)),
         )
 
 
@@ -223,6 +225,7 @@ def prepare_tokens(
         "val_fraction": val_fraction,
         "seed": seed,
         "shards": str(shards.path),
+        "records_without_text": shards.records_without_text,
         "key": key,
     }
     with atomic_directory(final) as partial:

@@ -284,6 +284,18 @@ def _has_text(batch: dict[str, list]) -> list[bool]:
     return [bool(text and not text.isspace()) for text in batch["text"]]
 
 
+class RecordsWithoutText:
+    """The filter of a stream's documents that also counts the records it drops for having no text field
+    (absent or null; an empty text is dropped uncounted). Read `count` once the stream was read to its end."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, batch: dict[str, list]) -> list[bool]:
+        self.count += sum(text is None for text in batch["text"])
+        return _has_text(batch)
+
+
 def load_documents(
     source: str,
     *,
@@ -335,9 +347,13 @@ def load_documents(
             raise
         raise DataError(f"corpus file {where}: field {text_field!r} is not a string; every record's "
                         f"{text_field!r} must be text (or null, to skip the record)") from None
-    dataset = dataset.filter(_has_text, batched=True)
+    streamed = isinstance(dataset, datasets.IterableDataset)
+    counter = RecordsWithoutText() if streamed else None   # a stream is filtered here, as it is read
+    dataset = dataset.filter(counter or _has_text, batched=True)
     if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:
         raise ValueError(f"source {source!r} holds no non-empty documents")
+    if counter is not None:
+        dataset.records_without_text = counter
     return dataset
 
 
@@ -429,4 +445,8 @@ def stream_documents(
             return TextFileDocuments(local.files, start)
     with _torch_left_alone():
         documents = load_documents(source, text_field=text_field, streaming=True, cache_dir=cache_dir)
-        return documents.skip(start) if start else documents
+        if not start:
+            return documents
+        skipped = documents.skip(start)   # the skipped records still pass the counting filter
+        skipped.records_without_text = getattr(documents, "records_without_text", None)
+        return skipped

@@ -60,7 +60,9 @@ class TrainingData:
     def describe(self) -> str:
         """One line: rows per split of each source (and its weight in a mixture)."""
         def rows(packed: PackedData) -> str:
-            return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows"
+            skipped = (f" ({packed.records_without_text} records without a text field skipped)"
+                       if packed.records_without_text else "")
+            return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows{skipped}"
 
         if not self.is_mixture:
             return f"{rows(self.sources[CORPUS])} of {self.seq_len + 1} tokens"

@@ -34,3 +34,23 @@ def test_a_jsonl_with_a_number_in_its_text_field_names_file_and_line(tmp_path):
             f.write(json.dumps({"text": f"document {i} " * 5 if i != 37 else 12345}) + "\n")
     with pytest.raises(DataError, match=rf"corpus file {path}, line 38 \(a JSON int\): field 'text' is not a string"):
         stream_documents(str(path))
+
+
+def test_records_without_the_text_field_are_counted_and_the_count_is_kept_with_the_cache(tokenizer, tmp_path):
+    path = tmp_path / "records.jsonl"
+    with open(path, "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": f"record {i} says something " * 4} if i % 9 else {"title": "no text"}) + "\n")
+    first = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
+    assert first.records_without_text == 7 and first.num_documents == 53
+    again = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
+    assert again.from_cache and again.records_without_text == 7
+
+
+def test_the_run_says_how_many_records_it_skipped(tokenizer, tmp_path):
+    from spillway.recipes.train.data_pipeline import CORPUS, TrainingData
+
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"text": "some words here " * 8} if i % 4 else {}) + "\n" for i in range(40)))
+    packed = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
+    assert "(10 records without a text field skipped)" in TrainingData({CORPUS: packed}, None).describe()
