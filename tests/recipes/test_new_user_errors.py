@@ -43,11 +43,12 @@ EXPECTED = {
 def user_blocks(tmp_path, monkeypatch):
     for name, source in BLOCKS.items():
         (tmp_path / f"{name}.py").write_text(source)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)   # found in the current directory, as `spillway` run there finds it
     yield tmp_path
     for name in BLOCKS:
         sys.modules.pop(name, None)
+    while str(tmp_path) in sys.path:
+        sys.path.remove(str(tmp_path))
 
 
 def sets(*values):
