@@ -101,3 +101,19 @@ def atomic_directory(final: Path) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def load_cached_array(path: Path, *, mmap: bool, rebuild: Path) -> np.ndarray:
+    """np.load of a cache file; one that is truncated or unreadable is a DataError naming it and the folder
+    to delete so that the next run rebuilds it (never numpy's "mmap length is greater than file size")."""
+    from spillway.layers.errors import DataError
+
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None)
+    except (ValueError, OSError, EOFError) as error:
+        if isinstance(error, FileNotFoundError):
+            reason = "missing"
+        else:
+            reason = f"damaged, e.g. truncated by a full disk or an interrupted copy ({error})"
+        raise DataError(f"cache file {path} is {reason}: delete {rebuild} and run again to rebuild it "
+                        f"(the corpus itself is not touched)") from None

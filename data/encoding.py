@@ -32,6 +32,9 @@ from .tokenizer import Tokenizer
 # chunk's Python token lists (about 36 bytes a token) stay a few MB.
 DEFAULT_CHUNK_CHARS = 250_000
 _MAX_CHUNK_DOCUMENTS = 4096
+# A document longer than this is encoded in pieces where the tokenizer allows it (`encode_texts`): a 40 MB
+# one-line document encoded whole peaked at 2.3 GB (sentencepiece's work space and 36 bytes a Python int).
+LONG_DOCUMENT_CHARS = 1_000_000
 _IN_FLIGHT_PER_WORKER = 2
 
 
@@ -53,10 +56,42 @@ def text_chunks(documents, *, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterato
         yield chunk
 
 
+def pieces_before_spaces(text: str, limit: int) -> list[str]:
+    """`text` cut into pieces of at most about `limit` characters, each cut just before a single space that
+    sits between two non-space characters (a piece longer than `limit` remains where there is no such space)."""
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        cut = text.rfind(" ", start + 1, start + limit)
+        while cut > start and (text[cut - 1].isspace() or cut + 1 >= len(text) or text[cut + 1].isspace()):
+            cut = text.rfind(" ", start + 1, cut)
+        if cut <= start:   # no safe cut in this window: the next one past it
+            cut = next((i for i in range(start + limit, len(text) - 1)
+                        if text[i] == " " and not text[i - 1].isspace() and not text[i + 1].isspace()), -1)
+            if cut < 0:
+                break
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _encode_one_long(tokenizer: Tokenizer, text: str, dtype: np.dtype, num_threads: int) -> list[int] | np.ndarray:
+    """A document of more than LONG_DOCUMENT_CHARS characters, in pieces (same ids: the tokenizer says so), each
+    piece's Python ints turned into a compact array at once: memory is bounded by a piece, not the document."""
+    return np.concatenate([np.asarray(tokenizer.encode([piece], num_threads=num_threads)[0], dtype=dtype)
+                           for piece in pieces_before_spaces(text, LONG_DOCUMENT_CHARS)])
+
+
 def encode_texts(
     tokenizer: Tokenizer, texts: list[str], dtype: np.dtype, *, num_threads: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, lengths): the documents' ids, each followed by EOS, flat; the length of each with its EOS."""
+    if tokenizer.splits_exactly_before_spaces and any(len(text) > LONG_DOCUMENT_CHARS for text in texts):
+        parts = [np.append(_encode_one_long(tokenizer, text, dtype, num_threads), tokenizer.eos_id).astype(dtype)
+                 if len(text) > LONG_DOCUMENT_CHARS else
+                 np.asarray(tokenizer.encode([text], num_threads=num_threads)[0] + [tokenizer.eos_id], dtype=dtype)
+                 for text in texts]
+        return np.concatenate(parts), np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
     encoded = tokenizer.encode(texts, num_threads=num_threads)
     eos = tokenizer.eos_id
     for ids in encoded:

@@ -17,6 +17,16 @@ from collections.abc import Iterator
 import numpy as np
 
 
+CORPUS_CHANGED = ("; the corpus packs into another number of rows than when this state was saved: the corpus (or "
+                  "its tokenization) changed since, so the saved data position means nothing now; restore the "
+                  "corpus the run trained on, or train into another checkpoint.dir")
+
+
+def rows_changed_hint(mismatched: dict) -> str:
+    """What a changed row count means, for a loader-state mismatch message ("" if the rows agree)."""
+    return CORPUS_CHANGED if "num_rows" in mismatched else ""
+
+
 def local_batch_size(global_batch_size: int, process_index: int, process_count: int) -> int:
     """Rows of every global batch that one process serves; ValueError naming a split that cannot work.
 
@@ -111,7 +121,7 @@ class BatchLoader:
         mismatched = {k: (state.get(k), v) for k, v in expected.items() if k in state and state[k] != v}
         if mismatched:
             details = ", ".join(f"{k}: saved {saved}, now {now}" for k, (saved, now) in mismatched.items())
-            raise ValueError(f"loader state does not match this loader ({details})")
+            raise ValueError(f"loader state does not match this loader ({details}){rows_changed_hint(mismatched)}")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import stable_key
-from .loader import local_batch_size
+from .loader import local_batch_size, rows_changed_hint
 from .packing import PackedData, prepare_tokens
 from .tokenizer import Tokenizer
 
@@ -217,6 +217,7 @@ class MixtureLoader:
             mismatched["sources"] = (sorted(state.get("taken", {})), sorted(self.names))
         if mismatched:
             details = ", ".join(f"{key}: saved {saved}, now {current}" for key, (saved, current) in mismatched.items())
-            raise ValueError(f"mixture loader state does not match this loader ({details})")
+            raise ValueError(f"mixture loader state does not match this loader ({details})"
+                             f"{rows_changed_hint(mismatched)}")
         self.step = int(state["step"])
         self.taken = np.array([int(state["taken"][name]) for name in self.names], dtype=np.int64)

@@ -29,7 +29,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .cache import atomic_directory, stable_key
+from .cache import atomic_directory, load_cached_array, stable_key
 from .holdout import document_scores, validation_threshold
 from .npy_stream import NpyStreamWriter
 from .shards import DEFAULT_SHARD_TOKENS, SHARD_FORMAT_VERSION, TokenShards, prepare_token_shards
@@ -51,6 +51,7 @@ class PackedData:
     num_documents: int
     path: Path
     from_cache: bool  # True when loaded from an earlier run's result, nothing tokenized or packed
+    records_without_text: int = 0  # records of the source skipped for having no text field
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
@@ -58,14 +59,15 @@ class PackedData:
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
         return cls(
-            train=np.load(path / "train.npy", mmap_mode="r"),
-            val=np.load(path / "val.npy", mmap_mode="r"),
+            train=load_cached_array(path / "train.npy", mmap=True, rebuild=path),
+            val=load_cached_array(path / "val.npy", mmap=True, rebuild=path),
             seq_len=meta["seq_len"],
             vocab_size=meta["vocab_size"],
             num_tokens=meta["num_tokens"],
             num_documents=meta["num_documents"],
             path=path,
             from_cache=from_cache,
+            records_without_text=int(meta.get("records_without_text", 0)),
         )
 
 
@@ -223,6 +225,7 @@ def prepare_tokens(
         "val_fraction": val_fraction,
         "seed": seed,
         "shards": str(shards.path),
+        "records_without_text": shards.records_without_text,
         "key": key,
     }
     with atomic_directory(final) as partial:

@@ -32,7 +32,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock
+from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock, load_cached_array
 from .encoding import encode_chunks, text_chunks
 from .tokenizer import Tokenizer
 
@@ -77,6 +77,7 @@ class TokenShards:
     dtype: np.dtype
     vocab_size: int
     from_cache: bool  # True when an earlier run had finished it: nothing was tokenized
+    records_without_text: int = 0   # records of the source skipped for having no text field (json, parquet)
 
     @property
     def num_documents(self) -> int:
@@ -88,11 +89,11 @@ class TokenShards:
 
     def lengths(self, shard: ShardInfo) -> np.ndarray:
         """Document lengths of `shard` (small: one int64 per document)."""
-        return np.load(self.path / shard.lengths_name)
+        return load_cached_array(self.path / shard.lengths_name, mmap=False, rebuild=self.path)
 
     def tokens(self, shard: ShardInfo) -> np.ndarray:
         """Tokens of `shard`, memory-mapped: only the pages read are loaded."""
-        return np.load(self.path / shard.tokens_name, mmap_mode="r")
+        return load_cached_array(self.path / shard.tokens_name, mmap=True, rebuild=self.path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> TokenShards:
@@ -106,6 +107,7 @@ class TokenShards:
             dtype=np.dtype(manifest["dtype"]),
             vocab_size=manifest["vocab_size"],
             from_cache=from_cache,
+            records_without_text=int(manifest.get("records_without_text", 0)),
         )
 
 
@@ -246,5 +248,8 @@ def prepare_token_shards(
             encoded.close()  # a capped stream stops its worker processes here
         if writer.empty:
             raise ValueError(f"source {description!r} holds no non-empty documents")
+        counter = getattr(documents, "records_without_text", None)
+        if counter is not None and max_tokens is None:   # read to its end: the count is the source's
+            manifest["records_without_text"] = counter.count
         writer.finish()
     return TokenShards.load(folder, from_cache=False)

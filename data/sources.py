@@ -224,6 +224,37 @@ def first_json_error(path: Path) -> str | None:
     return None
 
 
+def first_non_text_record(files, text_field: str) -> str | None:
+    """'FILE, line N (a JSON int)' for the first .jsonl record (or .json array item) whose `text_field` is
+    present and neither a string nor null, else None."""
+    def kind(value) -> str | None:
+        return None if value is None or isinstance(value, str) else type(value).__name__
+
+    for path in files:
+        if path.suffix.lower() == ".jsonl":
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    found = kind(record.get(text_field)) if isinstance(record, dict) else None
+                    if found:
+                        return f"{path}, line {number} (a JSON {found})"
+        else:
+            try:
+                records = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+            except json.JSONDecodeError:
+                continue
+            for index, record in enumerate(records if isinstance(records, list) else []):
+                found = kind(record.get(text_field)) if isinstance(record, dict) else None
+                if found:
+                    return f"{path}, record {index} (a JSON {found})"
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_builders():
     """Silence the packaged builders' own error log while loading: a parse failure is raised as one
@@ -251,6 +282,18 @@ def _unreadable_corpus(local: LocalSpec, error: BaseException) -> DataError:
 
 def _has_text(batch: dict[str, list]) -> list[bool]:
     return [bool(text and not text.isspace()) for text in batch["text"]]
+
+
+class RecordsWithoutText:
+    """The filter of a stream's documents that also counts the records it drops for having no text field
+    (absent or null; an empty text is dropped uncounted). Read `count` once the stream was read to its end."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, batch: dict[str, list]) -> list[bool]:
+        self.count += sum(text is None for text in batch["text"])
+        return _has_text(batch)
 
 
 def load_documents(
@@ -296,10 +339,21 @@ def load_documents(
                 )
         except Exception as error:   # datasets wraps the parser's error; find the file and line ourselves
             raise _unreadable_corpus(local, error) from error
-    dataset = select_text_column(dataset, text_field, source)
-    dataset = dataset.filter(_has_text, batched=True)
+    try:
+        dataset = select_text_column(dataset, text_field, source)
+    except ValueError as error:
+        where = first_non_text_record(local.files, text_field) if hub is None and local.builder == "json" else None
+        if where is None:
+            raise
+        raise DataError(f"corpus file {where}: field {text_field!r} is not a string; every record's "
+                        f"{text_field!r} must be text (or null, to skip the record)") from None
+    streamed = isinstance(dataset, datasets.IterableDataset)
+    counter = RecordsWithoutText() if streamed else None   # a stream is filtered here, as it is read
+    dataset = dataset.filter(counter or _has_text, batched=True)
     if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:
         raise ValueError(f"source {source!r} holds no non-empty documents")
+    if counter is not None:
+        dataset.records_without_text = counter
     return dataset
 
 
@@ -345,6 +399,7 @@ class TextFileDocuments:
         for path in self.files:
             with open(path, encoding="utf-8", errors="replace") as file:
                 text = file.read()
+            check_is_text(path, text)
             if not text or text.isspace():
                 continue
             seen += 1
@@ -356,6 +411,20 @@ class TextFileDocuments:
                 batch = []
         if batch:
             yield {"text": batch}
+
+
+BINARY_SHARE = 0.01   # undecodable bytes (U+FFFD after decoding) above this share of a file: not text
+
+
+def check_is_text(path: Path, text: str) -> None:
+    """DataError naming a file of a text corpus that holds binary data (NUL bytes, or more than 1% of it not
+    UTF-8): such bytes would otherwise surface as a tokenizer that "needs" thousands of pieces."""
+    nul = text.count("\x00")
+    undecodable = text.count("\ufffd")
+    if nul or undecodable > max(16, BINARY_SHARE * len(text)):
+        what = f"{nul} NUL bytes" if nul else f"{undecodable} of its {len(text)} characters are not UTF-8"
+        raise DataError(f"corpus file {path} is not text ({what}): a text corpus holds UTF-8 .txt/.py/.md files; "
+                        f"remove it from the corpus, or point data.source at a folder without it")
 
 
 def stream_documents(
@@ -376,4 +445,8 @@ def stream_documents(
             return TextFileDocuments(local.files, start)
     with _torch_left_alone():
         documents = load_documents(source, text_field=text_field, streaming=True, cache_dir=cache_dir)
-        return documents.skip(start) if start else documents
+        if not start:
+            return documents
+        skipped = documents.skip(start)   # the skipped records still pass the counting filter
+        skipped.records_without_text = getattr(documents, "records_without_text", None)
+        return skipped

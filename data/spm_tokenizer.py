@@ -138,6 +138,19 @@ class SentencePieceTokenizer(Tokenizer):
     def token_text(self, token_id: int) -> str:
         return self.processor.id_to_piece(int(token_id))
 
+    @property
+    def splits_exactly_before_spaces(self) -> bool:
+        """True for models like the ones `train_tokenizer` makes: no dummy prefix, whitespace kept as is, pieces
+        never crossing a word start (split_by_whitespace). Then " word" encodes alone as it does after
+        another word, and a text cut just before such a space encodes to the same ids in pieces."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self.model_proto)
+        normalizer, trainer = proto.normalizer_spec, proto.trainer_spec
+        return (not normalizer.add_dummy_prefix and not normalizer.remove_extra_whitespaces
+                and trainer.split_by_whitespace and not trainer.treat_whitespace_as_suffix)
+
     def encode(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
         """Token ids of each text (no BOS/EOS added).
 

@@ -149,6 +149,13 @@ class Tokenizer(abc.ABC):
     def fingerprint(self) -> str:
         """A hash of everything that decides the ids (vocabulary, rules, EOS): equal -> same tokens."""
 
+    @property
+    def splits_exactly_before_spaces(self) -> bool:
+        """Whether encoding a text in pieces cut just before a single space between two words gives exactly the
+        ids of encoding it whole (data/encoding.py cuts very long documents there to bound memory). False
+        unless a tokenizer knows it: then long documents are encoded whole."""
+        return False
+
     @abc.abstractmethod
     def encode(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
         """Token ids of each text, with no BOS or EOS added."""

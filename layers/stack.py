@@ -51,6 +51,7 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds, values_of
 from spillway.layers.offload import OffloadPolicy, RematPlan
 from spillway.layers.sharding import constrain
+from spillway.layers.errors import ConfigError
 
 
 def tagged_names(closed_jaxpr) -> set[str]:
@@ -93,6 +94,22 @@ def host_offloaded_names(closed_jaxpr) -> collections.Counter:
 
     visit(closed_jaxpr.jaxpr)
     return found
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _build_block(block_cls: type, cfg: BlockConfig, rngs: nnx.Rngs):
+    """block_cls(cfg, rngs=rngs); a user's block whose constructor does not take that is named as such."""
+    try:
+        return block_cls(cfg, rngs=rngs)
+    except TypeError as error:
+        if block_cls.__module__.split(".")[0] == "spillway":
+            raise
+        raise ConfigError(f"block {_class_path(block_cls)}: building it as {block_cls.__name__}(cfg, rngs=rngs) "
+                          f"failed ({error}); a block's __init__ takes (cfg, *, rngs) and passes both to "
+                          f"TransformerBlock.__init__") from None
 
 
 class BlockStack(nnx.Module):
@@ -172,13 +189,13 @@ class BlockStack(nnx.Module):
             @nnx.split_rngs(splits=num_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make_all(rngs):
-                return block_cls(cfg, rngs=rngs)
+                return _build_block(block_cls, cfg, rngs)
             return make_all(rngs)
 
         @nnx.split_rngs(splits=num_layers)
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
         def make_one(carry, rngs):
-            block = block_cls(cfg, rngs=rngs)
+            block = _build_block(block_cls, cfg, rngs)
             host_weights.send_layer_to_host(block, setting)
             return carry, block
         return make_one(0, rngs)[1]
@@ -193,7 +210,13 @@ class BlockStack(nnx.Module):
             positions_bt = jnp.arange(x_btd.shape[1])[None]
             return nnx.merge(graphdef, layer_state)(x_btd, BlockContext(positions_bt))[0]
 
-        return tagged_names(jax.make_jaxpr(one_block)(layer_state, x))
+        jaxpr, out = jax.make_jaxpr(one_block, return_shape=True)(layer_state, x)
+        if (out.shape, out.dtype) != (x.shape, x.dtype):
+            # else lax.scan fails with a message about carry types that names no block
+            raise ConfigError(f"block {_class_path(type(self.blocks))}: forward() returns an array of shape "
+                              f"{out.shape} ({out.dtype}) for an input of {x.shape} ({x.dtype}); a block returns "
+                              f"(the residual stream, same shape and dtype as its input, cache)")
+        return tagged_names(jaxpr)
 
     def _values(self, start: int, stop: int):
         """The LayerValues of layers [start, stop) (constants of the program), or None for static values."""

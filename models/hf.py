@@ -134,8 +134,12 @@ class _DictSource:
 
 
 class _SafetensorsSource:
-    def __init__(self, files: dict[str, Any]):
+    def __init__(self, files: dict[str, Any], paths: dict[str, Path] | None = None):
         self.files = files  # name -> open safe_open handle
+        self.paths = paths or {}  # name -> the file holding it, for messages
+
+    def file_of(self, name):
+        return self.paths.get(name)
 
     def names(self):
         return list(self.files)
@@ -161,6 +165,9 @@ class _PrefixedSource:
 
     def get(self, name):
         return self.source.get(name.removeprefix(self.prefix))
+
+    def file_of(self, name):
+        return getattr(self.source, "file_of", lambda _: None)(name.removeprefix(self.prefix))
 
 
 class _TowerSource:
@@ -203,11 +210,16 @@ def _safetensors_files(path: Path) -> list[Path]:
         return [path]
     index = path / SAFETENSORS_INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        files = indexed_shards(index)
         absent = [str(f) for f in files if not f.exists()]
         if absent:
             raise FileNotFoundError(f"{index} lists shards that do not exist: {absent}")
+        strays = sorted(set(path.glob("*.safetensors")) - set(files))
+        if strays:
+            # transformers reads model.safetensors where the index's shards are another checkpoint: refuse both
+            raise HFCheckpointError(
+                f"{path} holds two checkpoints: the shards {index.name} lists ({_listed(files)}) and "
+                f"{_listed(strays)}, which it does not list; keep one of them (delete the other) and load again")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -217,22 +229,45 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def indexed_shards(index: Path) -> list[Path]:
+    """The shard files a model.safetensors.index.json lists (beside it), sorted."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise HFCheckpointError(f"{index} is not a safetensors index (JSON with a weight_map): {err}") from None
+    return [index.parent / f for f in sorted(set(weight_map.values()))]
+
+
+def _listed(files: Sequence[Path]) -> str:
+    names = [f.name for f in files]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _safe_open(stack: contextlib.ExitStack, file: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return stack.enter_context(safe_open(str(file), framework="numpy"))
+    except (SafetensorError, OSError) as err:
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({err}); it may be truncated, e.g. "
+                                f"by an interrupted download or copy: fetch it again") from None
+
+
 @contextlib.contextmanager
 def _open_source(source) -> Iterator[Any]:
     if isinstance(source, Mapping):
         yield _DictSource(source)
         return
-    from safetensors import safe_open
-
     with contextlib.ExitStack() as stack:
         by_name: dict[str, Any] = {}
+        paths: dict[str, Path] = {}
         for file in _safetensors_files(Path(source)):
-            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            handle = _safe_open(stack, file)
             for name in handle.keys():
                 if name in by_name:
                     raise HFCheckpointError(f"tensor {name!r} appears in more than one safetensors file under {source}")
-                by_name[name] = handle
-        yield _SafetensorsSource(by_name)
+                by_name[name], paths[name] = handle, file
+        yield _SafetensorsSource(by_name, paths)
 
 
 # --- config --------------------------------------------------------------------
@@ -368,7 +403,17 @@ def _check_names_and_shapes(source, entries: list[_Entry], family, config) -> No
 
 
 def _read_one(source, entry: _Entry, name: str) -> np.ndarray:
-    array = source.get(name)
+    try:
+        array = source.get(name)
+    except Exception as err:   # safetensors raises its own error for a file cut short after its header
+        where = getattr(source, "file_of", lambda _: None)(name) or "the checkpoint"
+        raise HFCheckpointError(f"{where}: tensor {name!r} cannot be read ({type(err).__name__}: {err}); the "
+                                f"file may be truncated: fetch it again") from None
+    if np.issubdtype(np.asarray(array).dtype, np.floating) and not np.all(np.isfinite(array)):
+        # training from these weights would diverge at once, and the NaN stop would blame the learning rate
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        raise HFCheckpointError(f"the Hugging Face checkpoint's tensor {name!r} holds {bad} NaN or infinite "
+                                f"values (of {np.size(array)}): the checkpoint is damaged; fetch it again")
     if entry.weight.part is not None:
         axis, index, count = entry.weight.part
         array = np.split(array, count, axis=axis)[index]
@@ -483,7 +528,12 @@ def export_hf_state_dict(model, dtype: Any = None) -> dict[str, np.ndarray]:
 
 
 def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
-    """Write config.json and model.safetensors that `transformers` (and `from_hf`) can load."""
+    """Write config.json and model.safetensors that `transformers` (and `from_hf`) can load.
+
+    A folder may already hold an earlier export (its model.safetensors is replaced), but not another
+    checkpoint (a safetensors index and its shards, or other .safetensors files): readers would take one or
+    the other, so that is an HFCheckpointError naming them.
+    """
     from safetensors.numpy import save_file
 
     from spillway.models.registry import family_of_config
@@ -491,12 +541,20 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
     family = family_of_config(model.config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    others = sorted(p for p in directory.glob("*.safetensors") if p.name != SAFETENSORS_FILE)
+    if (directory / SAFETENSORS_INDEX_FILE).exists():
+        others = [directory / SAFETENSORS_INDEX_FILE] + others
+    if others:
+        raise HFCheckpointError(f"{directory} already holds another checkpoint ({_listed(others)}): export into "
+                                f"an empty folder, or delete those files first")
     tensors = export_hf_state_dict(model, dtype=dtype)
     hf_config = family.hf.config_to_hf(model.config)
     hf_config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     # "format": "pt" is what transformers checks for before trusting a safetensors file.
-    save_file(tensors, str(directory / SAFETENSORS_FILE), metadata={"format": "pt"})
+    partial = directory / (SAFETENSORS_FILE + ".partial")   # never a half-written model.safetensors
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    partial.replace(directory / SAFETENSORS_FILE)
     return directory
 
 

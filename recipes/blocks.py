@@ -35,27 +35,45 @@ def _is_the_module_itself(error: ModuleNotFoundError, module_name: str) -> bool:
     return bool(error.name) and (module_name == error.name or module_name.startswith(error.name + "."))
 
 
-def _import(module_name: str):
+def _import_raising_only_not_found(module_name: str, label: str):
+    """import_module; a module that raises while importing (SyntaxError, its own error) is a ValueError naming
+    it; only ModuleNotFoundError passes through, to look elsewhere."""
     try:
         return importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        raise
+    except Exception as error:   # the user's module raised while importing
+        raise ValueError(f"{label}: importing {module_name!r} failed: {type(error).__name__}: {error}") from None
+
+
+def import_user_module(module_name: str, label: str = "block"):
+    """A user's module (a block's, a recipe's): from sys.path, else the current directory; every failure a
+    ValueError starting with `label`."""
+    return _import(module_name, label)
+
+
+def _import(module_name: str, label: str = "block"):
+    try:
+        return _import_raising_only_not_found(module_name, label)
     except ModuleNotFoundError as error:
         cwd = os.getcwd()
         if not _is_the_module_itself(error, module_name):
-            raise ValueError(f"block: importing {module_name!r} failed: {error}") from None
+            raise ValueError(f"{label}: importing {module_name!r} failed: {error}") from None
         if cwd in sys.path or "" in sys.path:
-            raise ValueError(f"block: no module {error.name!r} on PYTHONPATH or in the current directory "
+            raise ValueError(f"{label}: no module {error.name!r} on PYTHONPATH or in the current directory "
                              f"({cwd})") from None
         sys.path.append(cwd)   # kept when it works: the module may import its siblings later
         try:
-            return importlib.import_module(module_name)
+            return _import_raising_only_not_found(module_name, label)
+        except ValueError:
+            sys.path.remove(cwd)
+            raise
         except ModuleNotFoundError as again:
             sys.path.remove(cwd)
             if _is_the_module_itself(again, module_name):
-                raise ValueError(f"block: no module {again.name!r} on PYTHONPATH or in the current "
+                raise ValueError(f"{label}: no module {again.name!r} on PYTHONPATH or in the current "
                                  f"directory ({cwd})") from None
-            raise ValueError(f"block: importing {module_name!r} failed: {again}") from None
-    except Exception as error:   # the user's module raised while importing (SyntaxError, ...)
-        raise ValueError(f"block: importing {module_name!r} failed: {type(error).__name__}: {error}") from None
+            raise ValueError(f"{label}: importing {module_name!r} failed: {again}") from None
 
 
 def resolve_block_class(path: str) -> type:

@@ -2,6 +2,7 @@
 
     spillway recipes [NAME]
     spillway train tiny [--set train.steps=100 ...] [--plan auto [--gpu h200]]
+    spillway train path/to/recipe.json | my_recipes:my_recipe [--set ...]   (recipes/user_recipes.py)
     spillway generate runs/tiny --prompt "def " [--tokens 100 --temperature 0.8 --top-p 0.95]
     spillway plan llama3_8b [--gpu h200] [--devices N] [--hbm-budget GIB] [--png PATH] [--json]
 
@@ -36,9 +37,11 @@ def _cmd_recipes(args) -> int:
     from spillway.recipes.registry import get_recipe, recipe_names
     if args.name:
         # one recipe in full: what it is, what its fields make of a step, where its numbers come from, then
-        # every field (what `--set` can change)
-        recipe = get_recipe(args.name, args.set)
-        print(textwrap.fill(f"{recipe.name}: {recipe.description}", width=100, subsequent_indent="  "))
+        # every field (what `--set` can change); the parameter count is computed, never written into a
+        # description, so it cannot go stale
+        recipe = load_recipe(args.name, args.set)
+        print(textwrap.fill(f"{recipe.name} ({recipe.num_params() / 1e6:,.2f}M parameters): {recipe.description}",
+                            width=100, subsequent_indent="  "))
         print(textwrap.fill(f"  {recipe.step_summary()}", width=100, subsequent_indent="  "))
         if recipe.sources:
             print(textwrap.fill(f"  Sources: {recipe.sources}", width=100, subsequent_indent="  "))
@@ -54,8 +57,8 @@ def _cmd_train(args) -> int:
     for flag, value in (("--devices", args.devices), ("--stop-after", args.stop_after)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be positive, got {value}")
-    from spillway.recipes.registry import get_recipe
-    recipe = get_recipe(args.recipe, args.set)
+    from spillway.recipes.user_recipes import load_recipe
+    recipe = load_recipe(args.recipe, args.set)   # a registered name, a recipe.json, or module:function
     if args.plan:
         from spillway.recipes.plan.commands import apply_plan
         from spillway.recipes.train.preflight import check_run_inputs
@@ -85,8 +88,8 @@ def _cmd_plan(args) -> int:
     from spillway.recipes.plan.commands import plan_command
     if args.gpu is None or args.devices is None:
         # the recipe's own target (offload.target_gpu x offload.target_devices), where it names one
-        from spillway.recipes.registry import get_recipe
-        offload = get_recipe(args.recipe, args.set).offload
+        from spillway.recipes.user_recipes import load_recipe
+        offload = load_recipe(args.recipe, args.set).offload
         args.gpu = args.gpu or offload.target_gpu or DEFAULT_GPU
         args.devices = offload.target_devices if args.devices is None else args.devices
     return plan_command(args)
@@ -112,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_recipes)
 
     p = sub.add_parser("train", help="train a recipe", parents=[common])
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="a registered name, a recipe .json file, or module:function returning a Recipe")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
     p.add_argument("--plan", choices=["auto"], help="pick the offload plan with `spillway plan` first")
     p.add_argument("--gpu", default=None,
@@ -182,6 +185,9 @@ def describe_error(err: BaseException) -> tuple[str, int]:
         return (f"{where}: {reason}" if where else reason), EXIT_USER_ERROR
     if isinstance(err, MemoryError):
         return f"out of host memory ({_one_line(str(err)) or 'MemoryError'})", EXIT_USER_ERROR
+    if "RESOURCE_EXHAUSTED" in str(err):   # XLA could not allocate: the settings asked too much, not a bug
+        return (f"out of memory ({_one_line(str(err))[:_MAX_INTERNAL_MESSAGE]}); `spillway plan` prices a "
+                f"recipe's memory before running it"), EXIT_USER_ERROR
     message = _one_line(f"{type(err).__name__}: {err}")
     if len(message) > _MAX_INTERNAL_MESSAGE:
         message = message[:_MAX_INTERNAL_MESSAGE] + " ..."

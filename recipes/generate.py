@@ -1,30 +1,83 @@
 """`spillway generate`: rebuild a run's model from its checkpoint and recipe, then sample.
 
 The checkpoint may be named by its run directory, the run's `checkpoints/`
-directory (both: the newest step) or one step folder; the tokenizer is the
-run's `tokenizer.model`.
+directory (both: the newest readable step) or one step folder; the tokenizer
+is the run's (`tokenizer.json` or `tokenizer.model`).
+
+Named by its run, a newest step that is corrupt is passed over for the next
+older one with a warning, as `train` does (nothing is renamed: generate only
+reads), and a step that the live run's retention (`checkpoint.keep`) deleted
+while it was being read is read again from the newest step, never reported
+as corrupt.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import jax
 from flax import nnx
 
 from spillway.data import load_tokenizer, tokenizer_file_in
+from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.recipes.config import Recipe
 from spillway.recipes.sampling import generate
 
+_RETENTION_RETRIES = 3
+
+
+def _recipe_of(step_dir) -> Recipe:
+    from spillway.recipes.train.checkpoint import RECIPE, RECIPE_FILENAME, read_recipe_json
+
+    text = read_recipe_json(step_dir)
+    try:
+        return Recipe.from_dict(json.loads(text))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{Path(step_dir) / RECIPE / RECIPE_FILENAME}: not valid JSON (line {error.lineno}, "
+                          f"column {error.colno}: {error.msg})") from None
+
+
+def _restore_readable(path: Path, step_dir, target_of, warn):
+    """(step folder, recipe, params) of the newest readable step `path` names (module docstring)."""
+    from spillway.recipes.train.checkpoint import (CheckpointError, CorruptCheckpointError, finalised_step_dirs,
+                                                   resolve_step_dir, restore_params_only)
+
+    explicit = Path(path).absolute() == Path(step_dir)
+    retries = 0
+    while True:
+        try:
+            recipe = _recipe_of(step_dir)
+            params, _ = restore_params_only(step_dir, target_of(recipe))
+            return step_dir, recipe, params
+        except CheckpointError as error:
+            if not Path(step_dir).exists():   # deleted under us: a live run's retention, not damage
+                if explicit:
+                    raise CheckpointError(f"{step_dir}: removed while it was being read (the run writing it keeps "
+                                          f"only its newest checkpoint.keep steps); pass a newer step or the run "
+                                          f"directory") from None
+                retries += 1
+                if retries > _RETENTION_RETRIES:
+                    raise
+                step_dir = resolve_step_dir(path)
+                continue
+            if explicit or not isinstance(error, CorruptCheckpointError):
+                raise
+            older = [d for d in finalised_step_dirs(Path(step_dir).parent) if int(d.name) < int(Path(step_dir).name)]
+            if not older:
+                raise
+            warn(f"warning: {step_dir} is corrupt, using the step before it ({older[-1]}): {error}")
+            step_dir = older[-1]
+
 
 def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_p: float,
-                             seed: int = 0) -> str:
-    import json
-
-    from spillway.recipes.train.checkpoint import read_recipe_json, resolve_step_dir, restore_params_only, run_dir_of
+                             seed: int = 0, warn=None) -> str:
+    from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
+    warn = warn or (lambda line: print(line, file=sys.stderr))
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
@@ -33,18 +86,25 @@ def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tem
     if run_dir is None or tokenizer_file_in(run_dir) is None:
         raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.json or "
                                 f"tokenizer.model beside its checkpoints/ folder)")
-    recipe = Recipe.from_dict(json.loads(read_recipe_json(ckpt)))
     mesh = make_mesh(1, -1, 1, devices=jax.devices()[:1])
-    # Restore straight into the abstract model's shards: no random initialisation to throw away.
-    graphdef, abstract_state = abstract_model(recipe)
-    target = abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
-    params, _ = restore_params_only(ckpt, target)
-    model = nnx.merge(graphdef, params)
+    built = {}
+
+    def target_of(recipe: Recipe):
+        # Restore straight into the abstract model's shards: no random initialisation to throw away.
+        graphdef, abstract_state = abstract_model(recipe)
+        built["graphdef"] = graphdef
+        return abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
+
+    ckpt, recipe, params = _restore_readable(path, ckpt, target_of, warn)
+    model = nnx.merge(built["graphdef"], params)
     tokenizer = load_tokenizer(run_dir)
     prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the model's max_seq_len is {recipe.model.max_seq_len}")
+    if max_new_tokens > room:
+        warn(f"warning: --tokens {max_new_tokens} capped at {room}: the prompt is {len(prompt_ids)} tokens and the "
+             f"model's max_seq_len is {recipe.model.max_seq_len}")
     new_ids = generate(model, prompt_ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
                        top_p=top_p, seed=seed, stop_id=tokenizer.eos_id)
     return tokenizer.decode(prompt_ids + new_ids)

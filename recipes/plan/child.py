@@ -265,8 +265,11 @@ def _measure(recipe, mesh, axis: str, compiler_options: dict | None):
 
 def main(argv: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
-    with open(argv[0]) as f:
-        request = json.load(f)
+    if argv[0] == "-":   # the planner sends its request on stdin: no file to leave behind
+        request = json.load(sys.stdin)
+    else:
+        with open(argv[0]) as f:
+            request = json.load(f)
     # Where the parent found the recipe's own block class (recipes/blocks.py import_root).
     sys.path[:0] = [path for path in request.get("import_paths", []) if path not in sys.path]
     try:

@@ -30,6 +30,7 @@ from spillway.recipes.plan import host_update, pruning
 from spillway.recipes.plan.candidates import Candidate, candidates, planned_recipe
 from spillway.recipes.plan.cost_model import params_per_gpu, plan_row
 from spillway.recipes.plan.mesh_rules import check_sharding, resolve_mesh
+from spillway.recipes.plan.preflight import check_user_block
 from spillway.recipes.plan.result import Plan, PlanRow
 from spillway.recipes.plan.toolchain import check_toolchain, compiler_options
 from spillway.recipes.plan.workers import default_workers, merge_answers, run_children
@@ -84,6 +85,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     """
     started = time.perf_counter()
     target = get_target(gpu)
+    check_user_block(recipe)   # a block that cannot be built: one line now, not one per compile process
     if not 0 < headroom <= 1:
         raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
     if host_ram_gb is not None and host_ram_gb <= 0:

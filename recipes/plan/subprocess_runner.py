@@ -27,14 +27,25 @@ later, after ``serve_compile_process`` has set the process up)::
 
 and the parent calls ``run_in_compile_process("my.module", ["--target", "h200"])``.
 Nothing here imports JAX.
+
+Compile processes never outlive their parent: each starts through
+``parent_guard`` (the kernel kills it when the parent dies, however it dies:
+SIGKILL included), and ``compile_processes_bounded`` kills the live ones when
+the parent stops for any other reason (Ctrl-C, SIGTERM, an error), before its
+threads are joined, so stopping a planner takes no longer than the signal.
+A request goes to the child on stdin (``input_text``), so no file is left
+behind on any exit path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -113,28 +124,80 @@ def _useful_stderr_tail(stderr: str, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(kept[-lines:])
 
 
+_live: set[subprocess.Popen] = set()    # compile processes running now, from any thread
+_live_guard = threading.Lock()
+
+
+def stop_compile_processes() -> int:
+    """Kills every compile process still running (they only compile: nothing is lost); returns how many."""
+    with _live_guard:
+        running = list(_live)
+    for process in running:
+        with contextlib.suppress(OSError):
+            process.kill()
+    return len(running)
+
+
+@contextlib.contextmanager
+def compile_processes_bounded():
+    """While compile processes run: SIGTERM stops this process (SystemExit 143, in the main thread, where
+    it was left at its default), and any exit by exception kills the live compile processes at once.
+
+    Use it inside a thread pool's `with` (so it exits first): the pool's threads then return as soon as
+    their processes are killed, instead of waiting for them to finish compiling."""
+    previous = None
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def terminate(signum, frame):
+            raise SystemExit(128 + signum)
+        previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except BaseException:
+        stop_compile_processes()
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def run_in_compile_process(module: str, args: Sequence[str] = (), *,
                            timeout_s: float | None = 900,
-                           env: Mapping[str, str] | None = None) -> Any:
+                           env: Mapping[str, str] | None = None, input_text: str | None = None) -> Any:
     """Run ``python -m module *args`` as a compile process; return the JSON it prints.
 
-    Raises CompileToolchainMissing before starting when the plugin or CUDA toolkit
-    is missing, and CompileProcessError when the child fails, times out or prints
-    something other than one JSON document.
+    `input_text` goes to its stdin. Raises CompileToolchainMissing before starting when the plugin or CUDA
+    toolkit is missing, and CompileProcessError when the child fails, times out or prints something other
+    than one JSON document. The child dies with this process (module docstring).
     """
     reason = plugin.missing_reason()
     if reason is not None:
         raise CompileToolchainMissing(f"deviceless GPU compiles need:\n{reason}")
+    from spillway.recipes.plan.parent_guard import PARENT_PID_ENV
+
     command = [sys.executable, "-m", module, *map(str, args)]
+    child_env = {**compile_process_env(env), PARENT_PID_ENV: str(os.getpid())}
+    process = subprocess.Popen([sys.executable, "-m", "spillway.recipes.plan.parent_guard", *command[2:]],
+                               stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env)
+    with _live_guard:
+        _live.add(process)
     try:
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                                   env=compile_process_env(env))
-    except subprocess.TimeoutExpired as error:
-        stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) \
-            else (error.stderr or "")
+        stdout, stderr = process.communicate(input_text, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, stderr = process.communicate()
         raise CompileProcessError(
             f"compile process `python {' '.join(command[1:])}` did not finish in {timeout_s} s; "
             f"last stderr lines:\n{_useful_stderr_tail(stderr)}", stderr) from None
+    except BaseException:
+        process.kill()   # this thread was interrupted: the child must not outlive the wait for it
+        process.wait()
+        raise
+    finally:
+        with _live_guard:
+            _live.discard(process)
+    completed = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if completed.returncode != 0:
         raise CompileProcessError(
             f"compile process `python {' '.join(command[1:])}` failed with exit code "

@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from spillway.recipes.plan.subprocess_runner import run_in_compile_process
+from spillway.recipes.plan.subprocess_runner import compile_processes_bounded, run_in_compile_process
 
 
 def run_child(request: dict) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spillway-plan-", delete=False) as f:
-        json.dump(request, f)
-        path = f.name
     started = time.perf_counter()
-    try:
-        answer = run_in_compile_process("spillway.recipes.plan.child", [path], timeout_s=3600)
-    finally:
-        os.unlink(path)
+    # the request on stdin: no file to leave behind, however the planner stops
+    answer = run_in_compile_process("spillway.recipes.plan.child", ["-"], timeout_s=3600,
+                                    input_text=json.dumps(request))
     if "error" in answer:
         raise ValueError(answer["error"])
     # Python, JAX and the plugin starting, before the child's main() ran.
@@ -54,12 +49,14 @@ def run_children(request: dict, workers: int) -> dict:
     count = len(request["candidates"])
     workers = max(1, min(workers, count))
     if workers == 1:
-        return run_child(request)
+        with compile_processes_bounded():
+            return run_child(request)
     groups = [list(range(w, count, workers)) for w in range(workers)]
     verify = set(request.get("verify_full_codegen", []))
     requests = [{**request, "candidates": [request["candidates"][i] for i in group],
                  "verify_full_codegen": [j for j, i in enumerate(group) if i in verify]} for group in groups]
-    with ThreadPoolExecutor(workers) as pool:   # threads only wait on the child processes
+    # threads only wait on the child processes, killed first if this process stops (subprocess_runner.py)
+    with ThreadPoolExecutor(workers) as pool, compile_processes_bounded():
         answers = list(pool.map(run_child, requests))
     return merge_answers(answers, groups, count, combine_seconds=max)   # the processes ran side by side
 

@@ -60,6 +60,7 @@ synchronises them); JSON items and the recipe are written by process 0 only.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import socket
@@ -208,6 +209,12 @@ def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
         raise CheckpointError(f"{path}: no checkpoint found (no finalised step folder in "
                               f"{'this directory' if directory == path else directory})")
     return directory / _STEP_NAMES.build_name(steps[-1])
+
+
+def finalised_step_dirs(directory: str | os.PathLike) -> list[epath.Path]:
+    """The finalised step folders of a checkpoints directory, oldest first."""
+    directory = _absolute(directory)
+    return [directory / _STEP_NAMES.build_name(step) for step in _finalised_steps(directory)]
 
 
 def run_dir_of(step_dir: epath.Path) -> epath.Path | None:
@@ -364,6 +371,8 @@ class RunCheckpointer:
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: exists and is not a directory")
         _check_writable(self.directory)
+        from spillway.recipes.train.save_failures import quiet_orbax_error_logs
+        quiet_orbax_error_logs()   # a failed save is raised as one line; orbax's tracebacks would bury it
         self.keep = keep
         self.every_steps = every_steps
         options = ocp.CheckpointManagerOptions(
@@ -494,7 +503,15 @@ class RunCheckpointer:
         if previous == step:
             previous = None
         intact = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
-        return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}")
+        from spillway.recipes.train.save_failures import remove_unfinished
+        left = remove_unfinished(self.directory, step)
+        full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
+        if full:
+            resume = f"a rerun resumes from step {previous}" if previous is not None else "a rerun starts over"
+            return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): No space "
+                                   f"left on device in {self.directory}; {left}; free space there and {resume}")
+        return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}; "
+                               f"{left}")
 
     def wait(self) -> None:
         """Blocks until the async save in flight (if any) is finalised; raises CheckpointError if it failed."""

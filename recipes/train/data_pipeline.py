@@ -60,7 +60,9 @@ class TrainingData:
     def describe(self) -> str:
         """One line: rows per split of each source (and its weight in a mixture)."""
         def rows(packed: PackedData) -> str:
-            return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows"
+            skipped = (f" ({packed.records_without_text} records without a text field skipped)"
+                       if packed.records_without_text else "")
+            return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows{skipped}"
 
         if not self.is_mixture:
             return f"{rows(self.sources[CORPUS])} of {self.seq_len + 1} tokens"
@@ -75,6 +77,16 @@ class TrainingData:
         if not self.is_mixture:
             return BatchLoader(self.sources[CORPUS].train, **options)
         return MixtureLoader({name: packed.train for name, packed in self.sources.items()}, self.weights, **options)
+
+    def check_token_ids(self, batch: np.ndarray, vocab_size: int) -> None:
+        """DataError naming the packed caches when a batch holds an id the model has no embedding row for."""
+        largest = int(batch.max()) if batch.size else 0
+        if largest >= vocab_size or (batch.size and int(batch.min()) < 0):
+            folders = ", ".join(str(packed.path) for packed in self.sources.values())
+            raise DataError(f"a batch holds token id {largest if largest >= vocab_size else int(batch.min())}, "
+                            f"outside the model's vocabulary (0..{vocab_size - 1}): the packed data cache is "
+                            f"damaged or was written with another tokenizer ({folders}); delete it and run again "
+                            f"to rebuild it (the checkpoints are not affected)")
 
     def validation_sets(self) -> dict[str, np.ndarray]:
         """The held-out rows of each source, by name."""
@@ -106,13 +118,17 @@ def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:
                             f"(now {recipe.data.val_fraction}) or set train.eval_every=0")
 
 
-def prepare(recipe: Recipe) -> tuple[Tokenizer, TrainingData]:
-    """Tokenizer and packed rows for the recipe, computed once per cache key."""
+def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TrainingData]:
+    """Tokenizer and packed rows for the recipe, computed once per cache key.
+
+    `tokenizer`: the one a resumed run trained with (its RUN_DIR copy), used instead of `data.tokenizer` or
+    training one."""
+    given = tokenizer
     cfg = recipe.data
     components = parse_mixture(cfg.mixture) if cfg.mixture else None
 
     def build():
-        tokenizer = load_or_train_tokenizer(recipe)
+        tokenizer = given if given is not None else load_or_train_tokenizer(recipe)
         check_vocab(tokenizer, recipe.model.vocab_size)
         # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
         _ = tokenizer.eos_id

@@ -3,9 +3,11 @@
 Embeddings are rows indexed by token id: weights trained with one tokenizer
 are meaningless under another, and a fine-tune on new data would otherwise
 train a new tokenizer on that data. So a fine-tune reuses the source run's
-tokenizer (`<source run>/tokenizer.model`), copied into the new run so that
-the new run stays usable (and resumable) if the source is moved or deleted.
-The recipe the run trains (and saves) names that copy in `data.tokenizer`.
+tokenizer (`<source run>/tokenizer.json` or `tokenizer.model`), copied into
+the new run under its own file name, with the `tokenizer_config.json` that
+names its special tokens (`Tokenizer.save_to_directory`), so that the new run
+stays usable (and resumable) if the source is moved or deleted. The recipe the
+run trains (and saves) names that copy in `data.tokenizer`.
 
 A tokenizer given on purpose (`data.tokenizer`) is used as given, but its
 vocabulary size must equal the source tokenizer's; a different one with the
@@ -16,8 +18,6 @@ with the same ids for the common pieces).
 from __future__ import annotations
 
 import dataclasses
-import filecmp
-import shutil
 from pathlib import Path
 
 from spillway.data import load_tokenizer, tokenizer_file_in
@@ -26,11 +26,23 @@ from spillway.recipes.train import distributed
 from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
 from spillway.recipes.train.errors import RunError
 
-TOKENIZER_FILENAME = "tokenizer.model"  # every run keeps the tokenizer it trained with here
-
 
 class FineTuneTokenizerError(RunError):
     """The tokenizer of a fine-tune cannot be the one its weights were trained with."""
+
+
+def check_not_its_own_source(recipe: Recipe) -> None:
+    """A fine-tune's init_from inside its own checkpoint.dir is no fine-tune: a ConfigError saying what to do."""
+    from spillway.layers.errors import ConfigError
+
+    init_from = recipe.checkpoint.init_from
+    if not init_from or init_from.startswith("hf:"):
+        return
+    given, run_dir = Path(init_from).expanduser().resolve(), Path(recipe.run_dir).expanduser().resolve()
+    if given == run_dir or run_dir in given.parents:
+        raise ConfigError(f"checkpoint.init_from={init_from} is inside this run's own checkpoint.dir ({run_dir}): "
+                          f"to continue this run, leave checkpoint.init_from unset (a rerun resumes); to "
+                          f"fine-tune from it, set checkpoint.dir to a new folder")
 
 
 def source_tokenizer_path(init_from: str) -> Path | None:
@@ -46,11 +58,11 @@ def with_source_tokenizer(recipe: Recipe, run_dir: Path, *, resuming: bool, say=
     keeps the copy it made when it started.
     """
     init_from = recipe.checkpoint.init_from
-    own_copy = (Path(run_dir) / TOKENIZER_FILENAME).absolute()
     if resuming and recipe.data.tokenizer is not None:
         return recipe  # checked when the fine-tune started; the source may be gone by now
-    if resuming and own_copy.is_file():
-        return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(own_copy)))
+    own_copy = tokenizer_file_in(run_dir) if resuming else None
+    if own_copy is not None:
+        return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(own_copy.absolute())))
     source = source_tokenizer_path(init_from)
     if recipe.data.tokenizer is not None:
         if source is not None:
@@ -58,14 +70,17 @@ def with_source_tokenizer(recipe: Recipe, run_dir: Path, *, resuming: bool, say=
         return recipe
     if source is None:
         raise FineTuneTokenizerError(
-            f"checkpoint.init_from={init_from}: no {TOKENIZER_FILENAME} in the run directory of that checkpoint, "
-            f"so the tokenizer its embeddings were trained with is unknown; set data.tokenizer to that "
-            f"tokenizer's .model file")
-    if distributed.is_main_process() and not (own_copy.is_file() and filecmp.cmp(source, own_copy, shallow=False)):
-        own_copy.parent.mkdir(parents=True, exist_ok=True)
-        tmp = own_copy.with_name(own_copy.name + ".tmp")
-        shutil.copyfile(source, tmp)
-        tmp.replace(own_copy)
+            f"checkpoint.init_from={init_from}: no tokenizer.json or tokenizer.model in the run directory of that "
+            f"checkpoint, so the tokenizer its embeddings were trained with is unknown; set data.tokenizer to "
+            f"that tokenizer's file")
+    source_tokenizer = load_tokenizer(source)   # with the special tokens named beside it
+    own_copy = (Path(run_dir) / source_tokenizer.file_name).absolute()
+    if distributed.is_main_process():
+        # the tokenizer file under its own name (bytes unchanged) and a tokenizer_config.json naming EOS/BOS
+        source_tokenizer.save_to_directory(own_copy.parent)
+        if load_tokenizer(own_copy).fingerprint != source_tokenizer.fingerprint:
+            raise FineTuneTokenizerError(f"{own_copy}: the copy of {source} does not read back as the same "
+                                         f"tokenizer; set data.tokenizer to {source}")
     distributed.barrier("spillway-finetune-tokenizer")
     say(f"fine-tune: using the tokenizer of {init_from} ({source}), copied to {own_copy}")
     return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(own_copy)))

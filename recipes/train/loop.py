@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from jax.sharding import NamedSharding
 from spillway.layers.memory import Memory
 from spillway.layers.sharding import make_mesh
 from spillway.models.flops import model_flops_per_token
-from spillway.recipes.config import Recipe
+from spillway.recipes.config import DataConfig, Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
 from spillway.recipes.train import distributed, gpu_allocators
@@ -77,6 +78,7 @@ def _owned_run_dir(run_dir: Path, main: bool, say):
         else:
             if stale is not None:
                 say(f"took over the run lock {lock.path} from a run that is gone ({stale.describe()})")
+            lock.watch()   # a lock file deleted while the run lives is re-created; one replaced stops the run
     if not distributed.all_processes_ok(error is None):
         raise error or RunLockedError(f"{run_dir}: process 0 could not take the run directory (its error says why)")
     try:
@@ -101,30 +103,38 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     _parse_profile(recipe.train.profile_steps)  # a bad value fails before anything is written
     from spillway.recipes.train.init_weights import resolve_init_from
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
+    from spillway.recipes.train.finetune import check_not_its_own_source
+    check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
     from spillway.recipes.train.preflight import check_run_inputs
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
     from spillway.recipes.train.step import check_attention_backend
     check_attention_backend(recipe.execution.attention_impl, jax.default_backend())  # before data is prepared
     run_dir = Path(recipe.run_dir)
-    with _owned_run_dir(run_dir, main, say):
+    with _owned_run_dir(run_dir, main, say) as lock:
         # opening checks that checkpoints can be written there: before any data is prepared
         checkpointer = RunCheckpointer(run_dir / CHECKPOINTS_DIRNAME, keep=recipe.checkpoint.keep,
                                        every_steps=recipe.checkpoint.every_steps,
                                        async_save=recipe.checkpoint.async_save)
         try:
             return _train_owned(recipe, run_dir, checkpointer, main=main, say=say, progress=progress,
-                                stop_after=stop_after)
+                                stop_after=stop_after, lock=lock)
+        except Exception as error:
+            from spillway.recipes.train.out_of_memory import is_out_of_memory, out_of_memory_error
+            if is_out_of_memory(error):   # the user's settings, not a bug: name them
+                raise out_of_memory_error(recipe, error, jax.default_backend()) from error
+            raise
         finally:
             checkpointer.close()
 
 
 def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say, progress: bool,
-                 stop_after: int | None) -> RunResult:
+                 stop_after: int | None, lock: RunLock) -> RunResult:
     # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from tqdm import tqdm
 
-    from spillway.data import eval_batches
+    from spillway.data import eval_batches, load_tokenizer, tokenizer_file_in
+    from spillway.recipes.train.corpus_record import check_corpus
     from spillway.recipes.train.data_pipeline import prepare, train_loader
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights
@@ -136,11 +146,17 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         recipe = with_source_tokenizer(recipe, run_dir, resuming=cfg.resume and bool(checkpointer.all_steps()),
                                        say=say)
     candidates = steps_to_try(checkpointer, recipe)  # a recipe that cannot resume fails here, before data
+    check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
+    # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py).
+    own_tokenizer = tokenizer_file_in(run_dir) if candidates and not recipe.data.tokenizer else None
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
+    if recipe.data.mixture and recipe.data.source != DataConfig.source:
+        say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
+            f"it; list that source in the mixture to train on it)")
     t0 = time.perf_counter()
-    tokenizer, data = prepare(recipe)
+    tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None)
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 
@@ -166,7 +182,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     def restored_weights_problem(restored: dict) -> str | None:
         # the weights against the batch the resumed run trains on first; the loader is put back after
         loader.restore(restored["loader_state"])
-        first_batch = _global_batch(next(loader), s.batch_sharding)
+        first_local = next(loader)
+        data.check_token_ids(first_local, recipe.model.vocab_size)  # a damaged cache, not diverged weights
+        first_batch = _global_batch(first_local, s.batch_sharding)
         loader.restore(restored["loader_state"])
         return check_weights(restored["params"], first_batch).problem()
 
@@ -212,9 +230,14 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
 
     peeked = None  # the next batch, drawn early to check the weights of a save against it
 
+    def checked(local_bt: np.ndarray) -> np.ndarray:
+        # an id past the embedding is a damaged cache, not diverged weights (which is what it would look like)
+        data.check_token_ids(local_bt, recipe.model.vocab_size)
+        return local_bt
+
     def next_batch():
         nonlocal peeked
-        batch, peeked = (peeked if peeked is not None else _global_batch(next(loader), s.batch_sharding)), None
+        batch, peeked = (peeked if peeked is not None else _global_batch(checked(next(loader)), s.batch_sharding)), None
         return batch
 
     def save(at_step: int, metrics) -> None:
@@ -223,6 +246,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         The weights are checked against the next batch (divergence.py), drawn here and kept for the next
         step; the loader state saved is the one before it, so a resumed run draws that batch again."""
         nonlocal peeked
+        lock.check(say)  # another run got into the directory: stop before writing a checkpoint over its own
         loader_state = loader.state()
         peeked = next_batch()
         problem = check_weights(params, peeked, metrics).problem()
@@ -248,7 +272,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         batches = eval_batches(val_rows, global_batch_size=cfg.global_batch,
                                process_index=jax.process_index(), process_count=jax.process_count())
         for _, local in zip(range(cfg.eval_batches), batches):
-            losses.append(eval_step(params, _global_batch(local, s.batch_sharding)))
+            losses.append(eval_step(params, _global_batch(checked(local), s.batch_sharding)))
         return float(np.mean([float(x) for x in losses])) if losses else float("nan")
 
     def validation_losses() -> dict[str, float]:
@@ -285,6 +309,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                     settled = False
                 step += 1
                 window_steps += 1
+                lock.check(bar.write if main else None)  # metrics and checkpoints are written below
                 if profile and step == profile[1] and main:
                     jax.block_until_ready(params)
                     jax.profiler.stop_trace()
@@ -337,13 +362,21 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                     raise SystemExit(stop_status)
         finally:
             bar.close()
-            logger.close()
+            if sys.exc_info()[1] is None:
+                logger.close()
+            else:   # a failure in flight (a full disk, say) is the error to report, not this flush's
+                with contextlib.suppress(OSError):
+                    logger.close()
     checkpointer.wait()
     settle()
 
     plot = logger.plot_loss()
     if plot:
         say(f"loss curve: {plot}; metrics: {run_dir / 'metrics.jsonl'}; TensorBoard: {run_dir / 'tb'}")
+    elif main and not logger.metrics_path.is_file():
+        say(f"warning: {logger.metrics_path} was deleted while the run wrote it: no loss curve (the checkpoints "
+            f"are saved; TensorBoard: {run_dir / 'tb'})")
+
     model = nnx.merge(s.graphdef, params)
     sample = None
     if main and cfg.sample_tokens > 0:

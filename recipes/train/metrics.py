@@ -145,20 +145,26 @@ class RunLogger:
                     self._tb.add_scalar(key, value, step)
 
     def plot_loss(self, path: str | os.PathLike | None = None) -> Path | None:
-        """Train (and validation) loss against step, as a PNG. Reads the whole metrics.jsonl (resumed runs too)."""
-        if not self.enabled:
+        """Train (and validation) loss against step, as a PNG. Reads the whole metrics.jsonl (resumed runs too).
+
+        None, drawing nothing, when there is no loss to draw: no row logged yet (a run stopped before its first
+        log interval), or metrics.jsonl deleted while the run wrote it (the run itself is saved either way)."""
+        if not self.enabled or not self.metrics_path.is_file():
+            return None
+        rows = read_metrics(self.metrics_path)
+        curves = {label: sorted({r["step"]: r[key] for r in rows if key in r}.items())
+                  for key, label in (("loss", "train"), ("val_loss", "validation"))}
+        if not any(curves.values()):
             return None
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rows = read_metrics(self.metrics_path)
         path = Path(path or self.run_dir / "loss.png")
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in (("loss", "train"), ("val_loss", "validation")):
-            points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
+        for label, points in curves.items():
             if points:
-                ax.plot(*zip(*points), label=label, marker="o" if key == "val_loss" else None)
+                ax.plot(*zip(*points), label=label, marker="o" if label == "validation" else None)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(self.run_dir.name)

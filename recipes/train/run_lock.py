@@ -19,6 +19,13 @@ How the lock is held, and why a crashed run does not keep it:
   process: the owner's start time is recorded). An owner on another host cannot
   be checked from here: the error says to delete the file if that run is gone.
 
+While the run lives, a watcher thread looks at the lock file every second
+(`watch`): a file deleted under it (by hand, or by following advice meant for
+a dead run) is re-created at once, with the holder's record, so that a second
+run started afterwards is refused as before; a file replaced by another run's
+(a second run that got in first) marks the lock lost, and the train loop stops
+at its next step or save without writing more (`check`, RunLockLostError).
+
 A filesystem whose `flock` succeeds but only locally (NFS mounted with
 `local_lock=flock`) cannot see a writer on another host; nothing here can.
 """
@@ -33,6 +40,7 @@ import json
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from spillway.recipes.train.errors import RunError
@@ -40,10 +48,15 @@ from spillway.recipes.train.errors import RunError
 LOCK_FILENAME = "run.lock"
 _NO_FLOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _ATTEMPTS = 5  # a releasing owner unlinks the file between our open and our flock: try again
+WATCH_SECONDS = 1.0  # how often the holder looks at its lock file
 
 
 class RunLockedError(RunError):
     """Another run holds the run directory."""
+
+
+class RunLockLostError(RunLockedError):
+    """The lock file was replaced by another run's while this run held it."""
 
 
 class RunDirectoryError(RunError):
@@ -128,6 +141,12 @@ class RunLock:
         self.owner: LockOwner | None = None
         self._fd: int | None = None
         self._uses_flock = True
+        self._guard = threading.Lock()        # the watcher and release() both touch _fd
+        self._stop_watching = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.lost: str | None = None           # why the lock is no longer ours (another run's file is there)
+        self.retaken = 0                       # times the file was found deleted and re-created
+        self._retaken_said = 0
 
     # -- taking it
 
@@ -140,7 +159,7 @@ class RunLock:
             raise RunDirectoryError(f"{self.run_dir}: cannot create the run directory "
                                     f"({type(e).__name__}: {e.strerror or e})") from e
         for _ in range(_ATTEMPTS):
-            fd = self._open()
+            fd, created = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -148,6 +167,8 @@ class RunLock:
                 os.close(fd)
                 raise self._locked_error(owner) from None
             except OSError as e:
+                if created and self._still_the_file_at_path(fd):
+                    self.path.unlink(missing_ok=True)   # the empty file this probe made is no one's lock
                 os.close(fd)
                 if e.errno not in _NO_FLOCK_ERRNOS:
                     raise RunDirectoryError(f"{self.path}: cannot lock the run directory "
@@ -164,9 +185,13 @@ class RunLock:
         raise RunLockedError(f"{self.run_dir}: the run lock {self.path} keeps changing hands; "
                              f"another run is starting and stopping in this directory")
 
-    def _open(self) -> int:
+    def _open(self) -> tuple[int, bool]:
+        """(a descriptor of the lock file, whether this call created it)."""
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), False
         except OSError as e:
             raise RunDirectoryError(f"{self.run_dir}: cannot write to the run directory "
                                     f"({type(e).__name__}: {e.strerror or e})") from e
@@ -232,19 +257,95 @@ class RunLock:
                f"if that run is no longer running, delete {self.path}")
         return RunLockedError(f"{self.run_dir}: another run is writing this run directory ({who}); {how}")
 
+    # -- holding it
+
+    def watch(self, interval: float = WATCH_SECONDS) -> None:
+        """Starts the thread that keeps the lock file in place (module docstring); release() stops it."""
+        if self._fd is None or self._watcher is not None:
+            return
+        self._stop_watching.clear()
+
+        def loop():
+            while not self._stop_watching.wait(interval):
+                self.inspect()
+
+        self._watcher = threading.Thread(target=loop, name="spillway-run-lock", daemon=True)
+        self._watcher.start()
+
+    def inspect(self) -> None:
+        """Looks at the lock file once: re-creates it if deleted, marks the lock lost if another run's is there."""
+        with self._guard:
+            if self._fd is None or self.lost is not None or self._still_the_file_at_path(self._fd):
+                return
+            if self.path.exists():
+                self.lost = self._foreign_owner()
+                return
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self.lost = self._foreign_owner()   # another run created it between our look and our open
+                return
+            except OSError as e:
+                self.lost = f"the lock file was deleted and cannot be re-created ({e.strerror or e})"
+                return
+            if self._uses_flock:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    self.lost = self._foreign_owner()
+                    return
+            owner = self.owner
+            try:
+                self._write_owner(fd)   # closes fd if it fails
+            except RunDirectoryError as e:
+                self.lost = f"the lock file was deleted and cannot be re-written ({e})"
+                return
+            self.owner = owner          # the same holder as before: keep its original record's start
+            os.close(self._fd)
+            self._fd = fd
+            self.retaken += 1
+
+    def _foreign_owner(self) -> str:
+        try:
+            owner = LockOwner.parse(self.path.read_text())
+        except OSError:
+            owner = None
+        who = owner.describe() if owner is not None else "an owner whose record is unreadable"
+        return f"{self.path} was replaced by another run's lock ({who})"
+
+    def check(self, say=None) -> None:
+        """Raises RunLockLostError once another run holds the directory; says when the file was re-created."""
+        if self._fd is None:
+            return
+        self.inspect()
+        if self.lost is not None:
+            raise RunLockLostError(f"{self.run_dir}: this run's lock is lost: {self.lost}; two runs must not "
+                                   f"write one run directory, so this one stops here without writing more "
+                                   f"(stop the other run, or let it continue alone)")
+        if say is not None and self.retaken > self._retaken_said:
+            self._retaken_said = self.retaken
+            say(f"warning: {self.path} was deleted while this run holds it; re-created, so a second run into "
+                f"this directory is still refused (never delete the lock of a run that is running)")
+
     # -- letting go
 
     def release(self) -> None:
         """Deletes the lock file (if it is still ours) and lets go; safe to call twice."""
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            if self._still_the_file_at_path(fd):
-                self.path.unlink(missing_ok=True)
-        finally:
-            os.close(fd)  # drops the flock, after the unlink: a waiting run then finds no file or a new one
-            self.owner = None
+        self._stop_watching.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        with self._guard:
+            if self._fd is None:
+                return
+            fd, self._fd = self._fd, None
+            try:
+                if self._still_the_file_at_path(fd):
+                    self.path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)  # drops the flock, after the unlink: a waiting run then finds no file or a new one
+                self.owner = None
 
     def __enter__(self) -> RunLock:
         self.acquire()

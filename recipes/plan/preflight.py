@@ -1,0 +1,43 @@
+"""What `spillway plan` checks before anything is compiled: the files it will write (a minute of compiles,
+then a path that cannot be written, would lose the table), and a recipe's own block class (built once here,
+abstractly, so a constructor or a forward() that cannot work is one line naming the class, not an error in
+every compile process)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from spillway.layers.errors import ConfigError
+
+
+def check_output_path(path: str | os.PathLike, flag: str) -> Path:
+    """`path` can be written (its folder exists and takes a file); else ConfigError naming the flag and why."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file name (e.g. {path / 'plan.png'})")
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"{flag} {path}: {folder} {what}, so nothing can be written there "
+                          f"(checked before compiling)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".spillway-write-check-"):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as error:
+        raise ConfigError(f"{flag} {path}: cannot write there ({error.strerror or error}; checked before "
+                          f"compiling)") from None
+    return path
+
+
+def check_user_block(recipe) -> None:
+    """Builds the model abstractly (nothing allocated) when the recipe names its own block class: a block
+    whose constructor or forward() does not fit the contract is a ConfigError naming it (layers/stack.py)."""
+    if not recipe.block:
+        return
+    from spillway.recipes.train.step import abstract_model
+
+    abstract_model(recipe)

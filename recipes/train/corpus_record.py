@@ -1,0 +1,129 @@
+"""The corpus a run trained on, recorded in `RUN_DIR/corpus.json` and checked when the run resumes.
+
+A resumed run continues from a saved data position with the tokenizer it
+trained with (`RUN_DIR/tokenizer.*`, never retrained). Both mean something
+only for the corpus the run started on: a local corpus edited since then
+would be packed into other rows (the saved position then points elsewhere),
+and tokenizing an edited corpus quietly with the old tokenizer, or training a
+new tokenizer on it, would continue another run from these weights. So:
+
+* a run that starts records each source's files (path, size, modification
+  time: what the data cache keys on too, cheap for any corpus size) in
+  `corpus.json`; a Hub dataset is recorded by its name (a Hub dataset is
+  taken not to change under one name);
+* a resumed run compares the corpus as it is now with that record; any
+  difference is a `CorpusChangedError` naming the files added, removed or
+  changed. The documented way to continue anyway, on the corpus as it is now
+  (with the run's own tokenizer; the data position continues only if the
+  corpus still packs into as many rows), is to delete `corpus.json`: the
+  resumed run announces that it records the corpus anew;
+* a run from before this record existed (no `corpus.json`) resumes as before,
+  with a line saying that its corpus could not be checked and is recorded now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from spillway.data import parse_hub_spec, parse_local_spec, parse_mixture
+from spillway.recipes.config import Recipe
+from spillway.recipes.train import distributed
+from spillway.recipes.train.errors import RunError
+
+CORPUS_RECORD_FILENAME = "corpus.json"
+_FORMAT = 1
+_NAMED = 3   # files named per kind of change in a message
+
+
+class CorpusChangedError(RunError):
+    """A resumed run's corpus differs from the one it started on."""
+
+
+def _sources(recipe: Recipe) -> dict[str, str]:
+    """{name: source spec}: "corpus" for data.source, the mixture's names otherwise."""
+    if recipe.data.mixture:
+        return {component.name: component.source for component in parse_mixture(recipe.data.mixture)}
+    return {"corpus": recipe.data.source}
+
+
+def describe_corpus(recipe: Recipe) -> dict:
+    """What identifies the run's corpus now: per source, its spec and (local) files with size and mtime."""
+    sources = {}
+    for name, spec in _sources(recipe).items():
+        if parse_hub_spec(spec) is not None:
+            sources[name] = {"source": spec, "hub": True}
+            continue
+        files = {}
+        for path in parse_local_spec(spec).files:
+            stat = path.stat()
+            files[str(path.resolve())] = [stat.st_size, stat.st_mtime_ns]
+        sources[name] = {"source": spec, "files": files}
+    return {"format": _FORMAT, "text_field": recipe.data.text_field, "sources": sources}
+
+
+def _names(paths: list[str]) -> str:
+    shown = ", ".join(paths[:_NAMED])
+    return shown + (f" and {len(paths) - _NAMED} more" if len(paths) > _NAMED else "")
+
+
+def corpus_differences(saved: dict, now: dict) -> list[str]:
+    """Each difference between two `describe_corpus` records, as a phrase ([] when they agree)."""
+    phrases = []
+    if saved.get("text_field") != now.get("text_field"):
+        phrases.append(f"data.text_field was {saved.get('text_field')!r}, now {now.get('text_field')!r}")
+    saved_sources, now_sources = saved.get("sources", {}), now.get("sources", {})
+    for name in sorted(set(saved_sources) | set(now_sources)):
+        before, after = saved_sources.get(name), now_sources.get(name)
+        label = "" if set(now_sources) == {"corpus"} else f"source {name!r}: "
+        if before is None or after is None or before.get("source") != after.get("source"):
+            phrases.append(f"{label}was {before and before.get('source')!r}, now {after and after.get('source')!r}")
+            continue
+        old_files, new_files = before.get("files") or {}, after.get("files") or {}
+        added = sorted(set(new_files) - set(old_files))
+        removed = sorted(set(old_files) - set(new_files))
+        changed = sorted(path for path in set(old_files) & set(new_files) if old_files[path] != new_files[path])
+        for paths, what in ((changed, "changed (size or modification time)"), (removed, "removed"),
+                            (added, "added")):
+            if paths:
+                phrases.append(f"{label}{len(paths)} file{'s' if len(paths) > 1 else ''} {what}: {_names(paths)}")
+    return phrases
+
+
+def record_corpus(run_dir: str | os.PathLike, recipe: Recipe) -> Path:
+    """Writes `RUN_DIR/corpus.json` for the corpus as it is now (atomically; process 0 only)."""
+    path = Path(run_dir) / CORPUS_RECORD_FILENAME
+    if distributed.is_main_process():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(describe_corpus(recipe), indent=1) + "\n")
+        tmp.replace(path)
+    return path
+
+
+def check_corpus(run_dir: str | os.PathLike, recipe: Recipe, *, resuming: bool, say=print) -> None:
+    """Records the corpus of a run that starts; holds a resumed run's corpus against its record.
+
+    Raises CorpusChangedError naming what changed; a run without a record
+    (written before it existed, or deleted on purpose) is recorded anew, said.
+    """
+    path = Path(run_dir) / CORPUS_RECORD_FILENAME
+    if not resuming or not path.is_file():
+        if resuming:
+            say(f"corpus: {path} is absent (a run from before corpus records, or deleted to accept the corpus "
+                f"as it is now): the corpus cannot be checked against the one this run trained on; recording "
+                f"it as it is now, and resuming with the run's own tokenizer")
+        record_corpus(run_dir, recipe)
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CorpusChangedError(f"{path}: unreadable ({e}); delete it to resume on the corpus as it is "
+                                 f"now") from e
+    differences = corpus_differences(saved, describe_corpus(recipe))
+    if differences:
+        raise CorpusChangedError(
+            f"{run_dir}: cannot resume: the corpus changed since this run started ({'; '.join(differences)}). "
+            f"A resumed run reads the corpus it trained on, with the tokenizer it trained: restore those files, "
+            f"or train into another checkpoint.dir (fine-tune with checkpoint.init_from); to continue on the "
+            f"corpus as it is now with this run's tokenizer, delete {path}")

@@ -1,0 +1,52 @@
+"""What a failed checkpoint save leaves: orbax's error log kept out of the output, and its unfinished folder.
+
+A save that fails in orbax's background threads (a full disk, a file system
+gone read-only) is logged by orbax at ERROR level, with a full traceback, from
+each thread it crossed (hundreds of lines), and then raised to the caller,
+where RunCheckpointer turns it into one CheckpointError naming the step, the
+cause and what was cleaned up. The log adds nothing to that line, so records
+at ERROR or above that orbax's own source files emit are dropped; everything
+else (warnings, other libraries) passes. `--debug` still shows the chained
+traceback of the error itself.
+
+The `<step>.orbax-checkpoint-tmp` folder a failed save leaves is removed at
+once (`remove_unfinished`; on a full disk it holds the space a rerun needs),
+and the error says so, or names it where it could not be removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+_ORBAX_SOURCES = f"{os.sep}orbax{os.sep}"
+
+
+class OrbaxErrorLogFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and _ORBAX_SOURCES in (record.pathname or ""))
+
+
+def quiet_orbax_error_logs() -> None:
+    """Installs the filter on the loggers orbax writes to (absl's, and orbax's own), once."""
+    for name in ("absl", "orbax"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OrbaxErrorLogFilter) for f in logger.filters):
+            logger.addFilter(OrbaxErrorLogFilter())
+
+
+def remove_unfinished(directory, step: int | None) -> str:
+    """Deletes the `<step>.orbax-checkpoint-tmp*` folders a failed save of `step` left; says what happened."""
+    if step is None:
+        return "nothing left behind"
+    leftovers = [p for p in directory.glob(f"{step}.orbax-checkpoint-tmp*")]
+    kept = []
+    for folder in leftovers:
+        try:
+            shutil.rmtree(folder)
+        except OSError:
+            kept.append(str(folder))
+    if kept:
+        return f"the unfinished save is left in {', '.join(kept)}: delete it"
+    return f"its unfinished folder {leftovers[0].name} was removed" if leftovers else "nothing left behind"

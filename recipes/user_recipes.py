@@ -1,0 +1,100 @@
+"""A user's own recipe, run without editing the package: a recipe.json file, or a `module:function`.
+
+    spillway train path/to/recipe.json --set train.steps=100   # the file every checkpoint saves
+    spillway train my_recipes:my_recipe --set train.steps=100  # a function returning a Recipe
+    spillway plan  my_recipes:my_recipe --gpu h100
+
+`load_recipe(spec, overrides)` reads any of the three kinds of name:
+
+* a registered name (`tiny`, `llama3_8b`: recipes/registry.py);
+* a file: a name ending in `.json`, or any existing file: the JSON a
+  checkpoint saves as `recipe/recipe.json` (`Recipe.to_json`), so a run can be
+  reproduced elsewhere (mind its `checkpoint.dir`, which names the run it came
+  from: `--set checkpoint.dir=...`);
+* `module:function` (or `module.function`): the function is called with no
+  arguments and must return a `Recipe`; the module is imported as a
+  `--set block=` module is (PYTHONPATH, else the current directory,
+  recipes/blocks.py).
+
+`--set` overrides apply on top, as for a registered recipe. A missing file, a
+file that is not JSON (its line and column), JSON that is not a recipe, a
+module or function that cannot be found or raises, and a function that
+returns something else are each one ConfigError naming the file or function.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spillway.layers.errors import ConfigError
+from spillway.recipes.config import Recipe, apply_overrides
+
+
+def is_recipe_file(spec: str) -> bool:
+    return spec.lower().endswith(".json") or Path(spec).expanduser().is_file()
+
+
+def recipe_from_file(spec: str) -> Recipe:
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        why = "is a folder, not a recipe file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"recipe file {path} {why}")
+    try:
+        tree = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"recipe file {path}: not valid JSON (line {error.lineno}, column {error.colno}: "
+                          f"{error.msg})") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"recipe file {path}: cannot be read ({error})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"recipe file {path}: a JSON {type(tree).__name__}, not a recipe (a JSON object as "
+                          f"recipe/recipe.json beside every checkpoint holds)")
+    try:
+        return Recipe.from_dict(tree)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f"recipe file {path}: not a spillway recipe: {error}") from None
+
+
+def recipe_from_function(spec: str) -> Recipe:
+    from spillway.recipes.blocks import import_user_module
+
+    module_name, sep, function_name = spec.partition(":")
+    if not sep:
+        module_name, _, function_name = spec.rpartition(".")
+    if not module_name or not function_name.isidentifier():
+        raise ConfigError(f"recipe {spec!r}: not a registered name, a .json file or 'module:function'")
+    module = import_user_module(module_name, label=f"recipe {spec}")
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise ConfigError(f"recipe {spec}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
+                          f"{function_name!r}")
+    if isinstance(function, Recipe):
+        return function   # a Recipe object itself is as good as a function returning it
+    if not callable(function):
+        raise ConfigError(f"recipe {spec}: {function_name!r} is a {type(function).__name__}, not a function "
+                          f"returning a Recipe")
+    try:
+        recipe = function()
+    except Exception as error:   # the user's function raised: name it, not "internal error"
+        raise ConfigError(f"recipe {spec}: calling {function_name}() failed: {type(error).__name__}: "
+                          f"{error}") from None
+    if not isinstance(recipe, Recipe):
+        raise ConfigError(f"recipe {spec}: {function_name}() returned a {type(recipe).__name__}, not a "
+                          f"spillway.recipes.config.Recipe")
+    return recipe
+
+
+def load_recipe(spec: str, overrides: list[str] = ()) -> Recipe:
+    """The recipe `spec` names (module docstring), with `overrides` ("a.b=value") applied."""
+    from spillway.recipes.registry import get_recipe, recipe_names
+
+    if spec in recipe_names():
+        return get_recipe(spec, list(overrides))
+    if is_recipe_file(spec):
+        recipe = recipe_from_file(spec)
+    elif ":" in spec or "." in spec:
+        recipe = recipe_from_function(spec)
+    else:
+        return get_recipe(spec, list(overrides))   # an unknown name: its error lists the known ones
+    return apply_overrides(recipe, list(overrides))

@@ -1,0 +1,56 @@
+"""Corpus files a new user may have: binary files in a text folder, a .jsonl whose text field mixes types.
+Each is named (file, and line where there is one), instead of advice about something else."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from spillway.data import prepare_tokens, stream_documents, train_tokenizer
+from spillway.layers.errors import DataError
+
+
+def test_a_binary_file_in_a_text_corpus_is_named_not_a_vocab_size_problem(text_folder, tmp_path):
+    binary = text_folder / "dump.txt"
+    binary.write_bytes(os.urandom(20_000))
+    with pytest.raises(DataError, match=rf"corpus file {binary} is not text \(\d+ NUL bytes\)"):
+        train_tokenizer(stream_documents(str(text_folder)), vocab_size=400)
+
+
+def test_latin1_text_with_a_few_stray_bytes_is_still_text(text_folder, tokenizer, tmp_path):
+    (text_folder / "caf.txt").write_bytes(("the café " * 400).encode("latin-1"))   # one undecodable byte in 9
+    with pytest.raises(DataError, match="not UTF-8"):
+        prepare_tokens(str(text_folder), tokenizer, seq_len=16, cache_dir=tmp_path / "a")
+    (text_folder / "caf.txt").write_bytes(("the cafe " * 400 + "caf\xe9").encode("latin-1"))   # one stray byte
+    assert prepare_tokens(str(text_folder), tokenizer, seq_len=16, cache_dir=tmp_path / "b").num_documents == 13
+
+
+def test_a_jsonl_with_a_number_in_its_text_field_names_file_and_line(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    with open(path, "w") as f:
+        for i in range(50):
+            f.write(json.dumps({"text": f"document {i} " * 5 if i != 37 else 12345}) + "\n")
+    with pytest.raises(DataError, match=rf"corpus file {path}, line 38 \(a JSON int\): field 'text' is not a string"):
+        stream_documents(str(path))
+
+
+def test_records_without_the_text_field_are_counted_and_the_count_is_kept_with_the_cache(tokenizer, tmp_path):
+    path = tmp_path / "records.jsonl"
+    with open(path, "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": f"record {i} says something " * 4} if i % 9 else {"title": "no text"}) + "\n")
+    first = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
+    assert first.records_without_text == 7 and first.num_documents == 53
+    again = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
+    assert again.from_cache and again.records_without_text == 7
+
+
+def test_the_run_says_how_many_records_it_skipped(tokenizer, tmp_path):
+    from spillway.recipes.train.data_pipeline import CORPUS, TrainingData
+
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"text": "some words here " * 8} if i % 4 else {}) + "\n" for i in range(40)))
+    packed = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
+    assert "(10 records without a text field skipped)" in TrainingData({CORPUS: packed}, None).describe()

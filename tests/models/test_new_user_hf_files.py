@@ -1,0 +1,94 @@
+"""Hugging Face checkpoint folders a user may hand over: one checkpoint each, whole files, finite weights.
+
+* `to_hf` into a folder holding a sharded checkpoint refused naming it (it used
+  to leave the old index and shards, which `from_hf` then read instead of the
+  new model.safetensors); a second export over the first replaces it;
+* `from_hf` refuses a folder holding two checkpoints, naming both;
+* a truncated .safetensors file is an error naming the file;
+* a NaN inside imported weights is an error naming the tensor (not, later,
+  "lower the learning rate").
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from spillway.layers.execution import Execution
+from spillway.models.hf import HFCheckpointError, export_hf_state_dict, from_hf, to_hf
+from spillway.models.llama import Llama, llama_config
+
+SMALL = dict(vocab_size=128, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(llama_config("tiny", **SMALL), Execution(), rngs=nnx.Rngs(0))
+
+
+def write_sharded(directory, tensors: dict[str, np.ndarray]) -> list[str]:
+    """tensors as two shards and the index transformers writes for them; returns the shard names."""
+    from safetensors.numpy import save_file
+
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for shard, members in shards.items():
+        save_file({n: tensors[n] for n in members}, str(directory / shard), metadata={"format": "pt"})
+        weight_map.update({n: shard for n in members})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return list(shards)
+
+
+def embedding(model_or_dir) -> np.ndarray:
+    return np.asarray(model_or_dir.embed.table[...])
+
+
+def test_an_export_into_a_folder_holding_a_sharded_checkpoint_is_refused_naming_it(model, tmp_path):
+    to_hf(model, tmp_path)
+    stale = {n: t * 2 for n, t in export_hf_state_dict(model).items()}
+    (tmp_path / "model.safetensors").unlink()
+    write_sharded(tmp_path, stale)
+    with pytest.raises(HFCheckpointError, match=r"already holds another checkpoint \(model.safetensors.index.json, "
+                                                r"model-00001-of-00002.safetensors"):
+        to_hf(model, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()   # nothing written beside it
+    # an export over an export replaces it: one checkpoint, the new weights
+    fresh = tmp_path / "fresh"
+    to_hf(Llama(llama_config("tiny", **SMALL), Execution(), rngs=nnx.Rngs(1)), fresh)
+    to_hf(model, fresh)
+    assert sorted(p.name for p in fresh.iterdir()) == ["config.json", "model.safetensors"]
+    np.testing.assert_array_equal(embedding(from_hf(fresh)), embedding(model))
+
+
+def test_from_hf_refuses_a_folder_holding_two_checkpoints_naming_both(model, tmp_path):
+    to_hf(model, tmp_path)
+    write_sharded(tmp_path, {n: t * 2 for n, t in export_hf_state_dict(model).items()})
+    with pytest.raises(HFCheckpointError, match=r"holds two checkpoints: the shards model.safetensors.index.json "
+                                                r"lists \(model-00001-of-00002.safetensors, "
+                                                r"model-00002-of-00002.safetensors\) and model.safetensors"):
+        from_hf(tmp_path)
+
+
+def test_a_truncated_safetensors_file_is_named(model, tmp_path):
+    to_hf(model, tmp_path)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(HFCheckpointError, match=rf"{file}: .*truncated"):
+        from_hf(tmp_path)
+
+
+def test_a_nan_in_imported_weights_names_the_tensor(model, tmp_path):
+    tensors = export_hf_state_dict(model)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 5] = np.nan
+    from safetensors.numpy import save_file
+    to_hf(model, tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=rf"tensor {name!r} holds 1 NaN or infinite values"):
+        from_hf(tmp_path)

@@ -1,0 +1,55 @@
+"""Helpers shared by the tests/recipes/test_new_user_*.py files: the micro recipe, a local corpus, a tokenizer.json.
+
+The micro recipe is tests/recipes/test_run_safety.py's (two tiny layers,
+32-token rows, a few steps: seconds per run on one CPU core), reading a local
+text folder so that a test can edit its corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spillway.recipes.registry import get_recipe
+
+MICRO = ["data.seq_len=32", "data.num_proc=1",
+         "model.vocab_size=512", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=64",
+         "train.global_batch=8", "train.log_every=1", "train.eval_every=0", "train.sample_tokens=0",
+         "optimizer.warmup_steps=2", "optimizer.learning_rate=1e-2"]
+
+EOS = "<|endoftext|>"
+BOS = "<|begin|>"
+
+
+def micro(cache_dir: Path, run_dir: Path, *extra: str, source: str = "builtin:stdlib:400000"):
+    return get_recipe("tiny", [*MICRO, f"data.source={source}", f"data.cache_dir={cache_dir}",
+                               f"checkpoint.dir={run_dir}", *extra])
+
+
+def copy_stdlib_corpus(folder: Path, max_bytes: int = 400_000) -> Path:
+    """The micro recipe's built-in corpus as a local folder of .py files (one document each), to edit."""
+    from spillway.data import default_corpus_files
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, path in enumerate(default_corpus_files(max_bytes)):
+        (folder / f"{i:03d}_{path.name}").write_bytes(path.read_bytes())
+    return folder
+
+
+def write_hf_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
+    """A byte-level BPE tokenizer.json (trained here) and the tokenizer_config.json naming its EOS and BOS."""
+    from spillway.data import default_corpus_files
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, BOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    texts = [path.read_text(encoding="utf-8", errors="replace") for path in default_corpus_files(100_000)]
+    tokenizer.train_from_iterator(texts, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "bos_token": BOS}))
+    return directory

@@ -1,0 +1,101 @@
+"""`spillway plan` stopped any way leaves no compile process running and no request file; outputs are
+checked before compiling.
+
+The parent here is a real process running the planner's `_run_children` over
+two stand-in compile processes (a module that only sleeps), so what is tested
+is what the kernel and the parent do: SIGKILL (the parent cannot clean up:
+the children's parent-death signal kills them), SIGTERM and SIGINT (the
+parent kills them itself and leaves at once).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from spillway.recipes import cli
+
+SLEEPY_CHILD = textwrap.dedent("""
+    import os, sys, time
+    sys.stdin.read()
+    open(os.path.join(sys.argv[1], f"pid-{os.getpid()}"), "w").close()
+    time.sleep(120)
+""")
+
+PARENT = textwrap.dedent("""
+    import sys
+    from spillway.recipes.plan import plugin, planner, subprocess_runner
+    plugin.missing_reason = lambda: None            # the stand-in child needs no toolchain
+    real = subprocess_runner.run_in_compile_process
+    subprocess_runner.run_in_compile_process = lambda module, args, **kw: real("sleepy_child", [sys.argv[1]], **kw)
+    planner._run_children({"candidates": [{}, {}], "verify_full_codegen": []}, workers=2)
+""")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")   # a zombie has exited (nothing may reap it in a container)
+
+
+def wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the death signal is Linux's")
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_stopping_the_planner_stops_its_compile_processes_and_leaves_no_request_file(how, tmp_path):
+    (tmp_path / "sleepy_child.py").write_text(SLEEPY_CHILD)
+    pids_dir, tmp = tmp_path / "pids", tmp_path / "tmp"
+    pids_dir.mkdir(), tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp)}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pids_dir)], env=env, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        assert wait_until(lambda: len(list(pids_dir.iterdir())) == 2, 60), parent.stderr and "children did not start"
+        children = [int(p.name.removeprefix("pid-")) for p in pids_dir.iterdir()]
+        assert all(alive(pid) for pid in children)
+        started = time.monotonic()
+        parent.send_signal(how)
+        parent.wait(timeout=20)
+        assert time.monotonic() - started < 10   # not the children's whole compile
+        assert wait_until(lambda: not any(alive(pid) for pid in children), 5), \
+            f"compile processes outlived the planner after {how.name}"
+        assert list(tmp.glob("spillway-plan-*.json")) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in [int(p.name.removeprefix("pid-")) for p in pids_dir.iterdir()]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_an_unwritable_png_path_fails_before_compiling(tmp_path, capsys, monkeypatch):
+    from spillway.recipes.plan import planner
+
+    def no_compiles(*args, **kwargs):
+        raise AssertionError("compiled before checking --png")
+    monkeypatch.setattr(planner, "plan", no_compiles)
+    (tmp_path / "afile").write_text("")
+    status = cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png", str(tmp_path / "afile" / "plan.png")])
+    assert status == cli.EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert f"--png {tmp_path / 'afile' / 'plan.png'}: {tmp_path / 'afile'} is a file, not a folder" in err
+    assert cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png",
+                     str(tmp_path / "nowhere" / "plan.png")]) == cli.EXIT_USER_ERROR
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""`spillway generate` on a run a new user has: a corrupt newest step, a step deleted by the live run's
+retention while it is read, a damaged recipe.json, more --tokens than fit."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import pytest
+
+from new_user_fixtures import micro
+from spillway.layers.errors import ConfigError
+from spillway.recipes import cli
+from spillway.recipes.generate import generate_from_checkpoint
+from spillway.recipes.train import checkpoint as ckpt_lib
+from spillway.recipes.train.loop import train
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """Steps 2 and 4 saved."""
+    base = tmp_path_factory.mktemp("generate-run")
+    run_dir = base / "run"
+    train(micro(base / "cache", run_dir, "train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep=3"),
+          progress=False)
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(saved_run, tmp_path):
+    shutil.copytree(saved_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def sample(run_dir, warnings, tokens=4):
+    return generate_from_checkpoint(str(run_dir), "def ", max_new_tokens=tokens, temperature=0.0, top_p=1.0,
+                                    warn=warnings.append)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_corrupt_newest_step_falls_back_to_the_one_before_with_a_warning(run_copy):
+    expected_from_step_2 = sample(run_copy / "checkpoints" / "2", [])
+    for name in glob.glob(str(run_copy / "checkpoints" / "4" / "params" / "**" / "d" / "*"), recursive=True):
+        os.remove(name)
+    warnings = []
+    assert sample(run_copy, warnings) == expected_from_step_2
+    assert len(warnings) == 1 and f"{run_copy / 'checkpoints' / '4'} is corrupt, using the step before it" \
+        in warnings[0]
+    assert (run_copy / "checkpoints" / "4").is_dir()   # generate only reads: nothing renamed
+
+
+def test_a_step_deleted_by_retention_while_read_is_read_again_from_the_newest(run_copy, monkeypatch):
+    real = ckpt_lib.restore_params_only
+    calls = []
+
+    def retention_strikes_once(step_dir, target):
+        calls.append(str(step_dir))
+        if len(calls) == 1:
+            shutil.rmtree(step_dir)   # as the live run's checkpoint.keep removes the step being read
+        return real(step_dir, target)
+    monkeypatch.setattr(ckpt_lib, "restore_params_only", retention_strikes_once)
+    warnings = []
+    assert sample(run_copy, warnings).startswith("def ")
+    assert calls == [str(run_copy / "checkpoints" / "4"), str(run_copy / "checkpoints" / "2")]
+    assert warnings == []   # no "corrupt": nothing was damaged
+
+
+def test_a_damaged_recipe_json_is_named_with_its_line(run_copy):
+    recipe_file = run_copy / "checkpoints" / "4" / "recipe" / "recipe.json"
+    recipe_file.write_text("{\n  \"name\": \"tiny\",\n  oops\n}\n")
+    with pytest.raises(ConfigError, match=rf"{recipe_file}: not valid JSON \(line 3, column 3"):
+        sample(run_copy, [])
+
+
+def test_more_tokens_than_fit_are_capped_with_a_word(run_copy, capsys):
+    assert cli.main(["generate", str(run_copy), "--prompt", "def ", "--tokens", "1000", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: --tokens 1000 capped at" in captured.err and "max_seq_len is 64" in captured.err
+    assert captured.out.startswith("def ")

@@ -1,0 +1,49 @@
+"""Smaller things a new user meets: a deleted metrics.jsonl, a data.source a mixture ignores, a loss curve
+with nothing to draw, a parameter count written in prose."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+from new_user_fixtures import micro
+from spillway.recipes import cli
+from spillway.recipes.registry import get_recipe, recipe_names
+from spillway.recipes.train.loop import train
+from spillway.recipes.train.metrics import RunLogger
+
+
+def test_a_finished_run_whose_metrics_were_deleted_ends_well_and_a_mixture_names_the_source_it_ignores(tmp_path):
+    run_dir = tmp_path / "run"
+    said = []
+
+    def echo(line):
+        said.append(line)
+        if line.startswith("training steps"):
+            (run_dir / "metrics.jsonl").unlink()   # as a user cleaning up a live run's folder might
+
+    result = train(micro(tmp_path / "cache", run_dir, "train.steps=2",
+                         "data.mixture=a=1:builtin:stdlib:400000,b=1:builtin:stdlib:300000",
+                         source="builtin:stdlib:200000"), progress=False, echo=echo)
+    assert result.final_step == 2 and (run_dir / "checkpoints" / "2").is_dir()
+    assert any(line.startswith(f"warning: {run_dir / 'metrics.jsonl'} was deleted while the run wrote it")
+               for line in said)
+    assert any("data.mixture is set, so data.source=builtin:stdlib:200000 is not read" in line for line in said)
+
+
+def test_no_loss_to_draw_draws_nothing_and_warns_nothing(tmp_path):
+    logger = RunLogger(tmp_path / "run", start_step=0, tensorboard=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # matplotlib's "No artists with labels found to put in legend"
+        assert logger.plot_loss() is None   # a run stopped before its first log interval
+        logger.log(3, {"loss": 2.5})
+        assert logger.plot_loss() == tmp_path / "run" / "loss.png"
+    logger.close()
+
+
+def test_parameter_counts_are_computed_not_written_in_descriptions(capsys):
+    for name in recipe_names():
+        assert not re.search(r"\d[\d.]*\s*[MB] param", get_recipe(name).description), name
+    assert cli.main(["recipes", "tiny"]) == 0
+    count = get_recipe("tiny").num_params() / 1e6
+    assert capsys.readouterr().out.startswith(f"tiny ({count:,.2f}M parameters): 4-layer Llama")
