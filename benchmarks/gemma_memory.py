@@ -5,9 +5,9 @@ For each model, the real train step (one 8192-token sequence per micro-batch,
 grad_accum 8, bf16 weights with fp32 master copies, flash attention) is
 compiled by the planner (recipes/plan/planner.py) for one H200 under a few
 activation plans, each with the optimizer state in HBM and in pinned host
-memory; then the longest sequence that fits is searched for a plan without
-offload (recompute_all, state on device) and one with (offload_inputs, state
-in host memory); then the compile seconds of the step at two depths (the
+memory; then the longest sequence that fits is searched for recompute_all
+with the state on device and in host memory, and for offload_inputs with the
+state in host memory; then the compile seconds of the step at two depths (the
 preset's, and a quarter of it), which the one-body scan keeps about equal.
 
     .venv/bin/python -m benchmarks.gemma_memory [--models gemma2_9b,gemma3_12b] [--no-search] [--json]
@@ -32,7 +32,7 @@ MODELS = {
 }
 PLANS = [("save_dots", "device"), ("recompute_all", "device"), ("offload_inputs", "device"),
          ("save_dots", "host"), ("recompute_all", "host"), ("offload_inputs", "host"), ("offload_dots", "host")]
-SEARCHED = [("recompute_all", "device"), ("offload_inputs", "host")]
+SEARCHED = [("recompute_all", "device"), ("recompute_all", "host"), ("offload_inputs", "host")]
 
 
 def _recipe(name: str, extra=()):

@@ -31,11 +31,11 @@ SLEEPY_CHILD = textwrap.dedent("""
 
 PARENT = textwrap.dedent("""
     import sys
-    from spillway.recipes.plan import plugin, planner, subprocess_runner
+    from spillway.recipes.plan import plugin, workers
     plugin.missing_reason = lambda: None            # the stand-in child needs no toolchain
-    real = subprocess_runner.run_in_compile_process
-    subprocess_runner.run_in_compile_process = lambda module, args, **kw: real("sleepy_child", [sys.argv[1]], **kw)
-    planner._run_children({"candidates": [{}, {}], "verify_full_codegen": []}, workers=2)
+    real = workers.run_in_compile_process
+    workers.run_in_compile_process = lambda module, args, **kw: real("sleepy_child", [sys.argv[1]], **kw)
+    workers.run_children({"candidates": [{}, {}], "verify_full_codegen": []}, workers=2)
 """)
 
 
