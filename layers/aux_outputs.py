@@ -23,8 +23,7 @@ Rules that keep it safe under JAX's transformations:
 - With no collector open, `emit` drops the value. A standalone call of a layer
   (tests, abstract tracing) then costs nothing; a block stack always collects.
 
-How a scanned stack threads it (the stack's side; `layers/stack.py` is being
-changed by the family-spec work, so the stack applies these helpers there):
+How a scanned stack threads it (layers/stack.py does this):
 
     body = aux_outputs.collected_in_body(body)           # (x, xs) -> (x, (ys, aux)) per layer
     x, (ys, aux_l) = jax.lax.scan(body, x, xs)           # aux_l: every leaf stacked [layers, ...]

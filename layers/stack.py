@@ -33,6 +33,12 @@ remat segments, the host weight stream and the layer hook slice them with the
 weights. Layers of another structure are a run of their own (`StackRun`):
 their own weight stack and their own scans, one per remat segment the run
 meets.
+
+Auxiliary outputs (layers/aux_outputs.py): each layer's body collects what
+its block emits (an MoE layer's router statistics) and returns it as a scan
+output; the pieces' stacked values are joined along the layer axis and
+emitted to the collector the caller opened (the training loss), under the
+same keys. A block that emits nothing adds nothing to the program.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from flax import nnx
 
-from spillway.layers import host_weights, layer_hook, names
+from spillway.layers import aux_outputs, host_weights, layer_hook, names
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.errors import ConfigError
 from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds, values_of
@@ -237,15 +243,18 @@ class BlockStack(nnx.Module):
             graphdef, state = split[0]
             return self._scan_with_hook(graphdef, state, self._values(0, self.num_layers), x_btd, ctx,
                                         self.segments[0][2], hook), None
-        new_caches = []
+        new_caches, aux_per_piece = [], []
         for run, start, stop, policy in self.pieces():
             graphdef, state = split[run]
             offset = self.run_bounds[run][0]
             take = lambda a, lo=start - offset, hi=stop - offset: a[lo:hi]  # noqa: E731 — layers of the run
             seg_cache = None if cache is None else jax.tree.map(lambda a: a[start:stop], cache)
-            x_btd, seg_cache = self._scan(graphdef, jax.tree.map(take, state), self._values(start, stop), x_btd,
-                                          ctx, seg_cache, policy)
+            x_btd, (seg_cache, seg_aux) = self._scan(graphdef, jax.tree.map(take, state), self._values(start, stop),
+                                                     x_btd, ctx, seg_cache, policy)
             new_caches.append(seg_cache)
+            aux_per_piece.append(seg_aux)
+        # What the layers emitted (layers/aux_outputs.py), stacked over the layers, to the model's collector.
+        aux_outputs.emit_all(aux_outputs.concat_layers(aux_per_piece))
         if cache is None:
             return x_btd, None
         return x_btd, jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *new_caches)
@@ -260,12 +269,13 @@ class BlockStack(nnx.Module):
             x_btd, hook_carry = carry
             layer_state, layer_values, layer_index = layer
             hook_carry, layer_state, outputs = hook.before_layer(hook_carry, layer_index, layer_state)
-            x_btd, _ = body(x_btd, (layer_state, None, layer_values))
-            return (x_btd, hook_carry), outputs
+            x_btd, (_, aux) = body(x_btd, (layer_state, None, layer_values))
+            return (x_btd, hook_carry), (outputs, aux)
 
-        (x_btd, _), outputs = jax.lax.scan(hooked, (x_btd, hook.start()),
-                                           (state, values, jnp.arange(num_layers)))
+        (x_btd, _), (outputs, aux) = jax.lax.scan(hooked, (x_btd, hook.start()),
+                                                  (state, values, jnp.arange(num_layers)))
         hook.collect(outputs)
+        aux_outputs.emit_all(aux)
         return x_btd
 
     @staticmethod
@@ -275,8 +285,9 @@ class BlockStack(nnx.Module):
 
     @staticmethod
     def _layer_body(graphdef, seg_state, ctx, policy: OffloadPolicy):
-        """One layer as a scan body (x, (layer state, layer cache, layer values)) -> (x, layer cache),
-        rematerialised as `policy` says.
+        """One layer as a scan body (x, (layer state, layer cache, layer values)) -> (x, (layer cache, aux)),
+        rematerialised as `policy` says; aux is the dict of what the layer emitted (layers/aux_outputs.py),
+        empty for blocks that emit nothing (their program is unchanged).
 
         It returns the residual stream and the cache only, never the module
         state: a body that hands back the layer's weights makes the scan stack
@@ -295,6 +306,8 @@ class BlockStack(nnx.Module):
                                                                   layer_cache)
             return constrain(x_btd, names.RESIDUAL_AXES), layer_cache
 
+        # Inside the checkpoint: the emitted values are ordinary outputs of the rematerialised body.
+        body = aux_outputs.collected_in_body(body)
         if policy.remat:
             jax_policy = policy.to_jax()
             if weights_on_host:

@@ -118,3 +118,45 @@ def test_aux_losses_leave_a_scanned_stack_with_the_loss_and_gradients_of_a_loop(
     plain = jax.jit(jax.grad(lambda s: looped_loss(s, graphdef, x_btd, (0.0, 0.0))))(state)
     difference = np.asarray(plain["router"]["w"][...]) - np.asarray(want_grads["router"]["w"][...])
     assert np.abs(difference).max() > 1e-6
+
+
+def test_the_block_stack_carries_every_layers_stats_to_the_models_collector():
+    """A BlockStack of MoE blocks under a two-segment plan: the stats it emits (stacked [layers, ...]) equal
+    those of each layer's block run alone in a Python loop, and so do the loss with the aux losses added and
+    its gradients."""
+    from spillway.layers.block import BlockConfig, BlockContext
+    from spillway.layers.moe_block import moe_block
+    from spillway.layers.stack import BlockStack
+
+    block = BlockConfig(d_model=6, num_heads=3, num_kv_heads=1, mlp_hidden=7)
+    stack = BlockStack(block, LAYERS, block_cls=moe_block(CFG), remat="moe_offload_experts:2,recompute_all",
+                       rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(stack)
+    block_graphdef = nnx.graphdef(stack.blocks)
+    x_btd = jax.random.normal(jax.random.key(5), (2, 9, 6))
+    ctx = BlockContext(jnp.arange(9)[None])
+
+    def through_stack(state):
+        with aux_outputs.collecting() as aux:
+            y_btd, _ = nnx.merge(graphdef, state)(x_btd, ctx)
+        stats = aux.values["moe"]
+        return total_loss(jnp.mean(y_btd ** 2), stats), stats
+
+    def layer_by_layer(state):
+        y_btd, per_layer = x_btd, []
+        for layer in range(LAYERS):
+            layer_state = jax.tree.map(lambda a: a[layer], state["blocks"])
+            with aux_outputs.collecting() as aux:
+                y_btd, _ = nnx.merge(block_graphdef, layer_state)(y_btd, ctx)
+            per_layer.append(aux.values["moe"])
+        stats = jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)
+        return total_loss(jnp.mean(y_btd ** 2), stats), stats
+
+    (got, got_stats), got_grads = jax.jit(jax.value_and_grad(through_stack, has_aux=True))(state)
+    (want, want_stats), want_grads = jax.jit(jax.value_and_grad(layer_by_layer, has_aux=True))(state)
+    assert got_stats.expert_choices.shape == (LAYERS, CFG.num_experts)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got_stats, want_stats)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got_grads, want_grads)
+    # Without a collector the stack runs as before and the stats are dropped.
+    assert nnx.merge(graphdef, state)(x_btd, ctx)[0].shape == x_btd.shape
