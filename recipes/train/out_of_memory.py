@@ -22,6 +22,10 @@ class OutOfMemoryError(RunError):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
+    from spillway.layers.errors import SpillwayError
+
+    if isinstance(error, SpillwayError):   # already says what to do (e.g. HostMemoryError's breakdown)
+        return False
     if isinstance(error, MemoryError):
         return True
     text = str(error)
