@@ -219,7 +219,7 @@ class BlockStack(nnx.Module):
         jaxpr, out = jax.make_jaxpr(one_block, return_shape=True)(layer_state, x)
         if (out.shape, out.dtype) != (x.shape, x.dtype):
             # else lax.scan fails with a message about carry types that names no block
-            raise ConfigError(f"block {_class_path(type(self.blocks))}: forward() returns an array of shape "
+            raise ConfigError(f"block {_class_path(type(blocks))}: forward() returns an array of shape "
                               f"{out.shape} ({out.dtype}) for an input of {x.shape} ({x.dtype}); a block returns "
                               f"(the residual stream, same shape and dtype as its input, cache)")
         return tagged_names(jaxpr)

@@ -35,6 +35,7 @@ _MAX_INTERNAL_MESSAGE = 500
 
 def _cmd_recipes(args) -> int:
     from spillway.recipes.registry import get_recipe, recipe_names
+    from spillway.recipes.user_recipes import load_recipe
     if args.name:
         # one recipe in full: what it is, what its fields make of a step, where its numbers come from, then
         # every field (what `--set` can change); the parameter count is computed, never written into a

@@ -53,11 +53,11 @@ def saved_recipe(run_dir, step):
 
 def planned_recipe(monkeypatch, argv, capsys) -> str:
     """What `spillway plan` would compile (the planner stopped before its compiles)."""
-    from spillway.recipes.plan import planner
+    from spillway.recipes.plan import commands
 
     def stop(recipe, *args, **kwargs):
         raise ConfigError(f"planned {recipe.name} with {recipe.train.steps} steps")
-    monkeypatch.setattr(planner, "plan", stop)
+    monkeypatch.setattr(commands, "plan", stop)
     assert cli.main(["plan", *argv, "--gpu", "h100", "--devices", "1"]) == cli.EXIT_USER_ERROR
     return capsys.readouterr().err
 

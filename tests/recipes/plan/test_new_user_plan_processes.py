@@ -1,7 +1,7 @@
 """`spillway plan` stopped any way leaves no compile process running and no request file; outputs are
 checked before compiling.
 
-The parent here is a real process running the planner's `_run_children` over
+The parent here is a real process running the planner's `workers.run_children` over
 two stand-in compile processes (a module that only sleeps), so what is tested
 is what the kernel and the parent do: SIGKILL (the parent cannot clean up:
 the children's parent-death signal kills them), SIGTERM and SIGINT (the
@@ -86,11 +86,11 @@ def test_stopping_the_planner_stops_its_compile_processes_and_leaves_no_request_
 
 
 def test_an_unwritable_png_path_fails_before_compiling(tmp_path, capsys, monkeypatch):
-    from spillway.recipes.plan import planner
+    from spillway.recipes.plan import commands
 
     def no_compiles(*args, **kwargs):
         raise AssertionError("compiled before checking --png")
-    monkeypatch.setattr(planner, "plan", no_compiles)
+    monkeypatch.setattr(commands, "plan", no_compiles)
     (tmp_path / "afile").write_text("")
     status = cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png", str(tmp_path / "afile" / "plan.png")])
     assert status == cli.EXIT_USER_ERROR
