@@ -72,8 +72,10 @@ def test_stopping_the_planner_stops_its_compile_processes_and_leaves_no_request_
         assert all(alive(pid) for pid in children)
         started = time.monotonic()
         parent.send_signal(how)
-        parent.wait(timeout=20)
-        assert time.monotonic() - started < 10   # not the children's whole compile
+        # well under the stand-in children's 120 s: the parent did not wait for their "compile" (generous,
+        # since a loaded 2-core machine starts and stops Python processes slowly)
+        parent.wait(timeout=60)
+        assert time.monotonic() - started < 40
         assert wait_until(lambda: not any(alive(pid) for pid in children), 5), \
             f"compile processes outlived the planner after {how.name}"
         assert list(tmp.glob("spillway-plan-*.json")) == []
