@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="Hugging Face parity tests need torch and transformers (the `parity` extra), installed only in the Python 3.11 environment")
 from flax import nnx
-from transformers import Gemma2Config, Gemma2Model, Gemma3TextConfig, Gemma3TextModel
+_hf = pytest.importorskip("transformers", reason="Hugging Face parity tests need torch and transformers (the `parity` extra), installed only in the Python 3.11 environment")
+Gemma2Config, Gemma2Model = _hf.Gemma2Config, _hf.Gemma2Model
+Gemma3TextConfig, Gemma3TextModel = _hf.Gemma3TextConfig, _hf.Gemma3TextModel
 
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.execution import Execution

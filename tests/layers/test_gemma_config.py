@@ -4,9 +4,9 @@ and the (1 + w) RMSNorm computes what transformers' Gemma2RMSNorm does, in float
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="Hugging Face parity tests need torch and transformers (the `parity` extra), installed only in the Python 3.11 environment")
 from flax import nnx
-from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+Gemma2RMSNorm = pytest.importorskip("transformers.models.gemma2.modeling_gemma2", reason="Hugging Face parity tests need torch and transformers (the `parity` extra), installed only in the Python 3.11 environment").Gemma2RMSNorm
 
 from spillway.layers.attention import Attention
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
