@@ -45,15 +45,20 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
+    return _llama3_scaled(inv_freq, scaling, np).astype(np.float32)
+
+
+def _llama3_scaled(inv_freq, scaling: RopeScaling, xp):
+    """Llama 3.1's frequency-dependent scaling of `inv_freq`, in NumPy (xp=np) or traced (xp=jnp)."""
     low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
         scaling.high_freq_factor - scaling.low_freq_factor)
     interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    scaled = xp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
     is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
-    return np.where(is_medium, interpolated, scaled).astype(np.float32)
+    return xp.where(is_medium, interpolated, scaled)
 
 
 def traced_inverse_frequencies(head_dim: int, theta: jax.Array, linear_scale: jax.Array | float = 1.0,
@@ -65,15 +70,7 @@ def traced_inverse_frequencies(head_dim: int, theta: jax.Array, linear_scale: ja
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
     inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponents)
     if scaling is not None:
-        low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
-        high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor)
-        interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-        is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
-        inv_freq = jnp.where(is_medium, interpolated, scaled)
+        inv_freq = _llama3_scaled(inv_freq, scaling, jnp)
     return inv_freq / jnp.asarray(linear_scale, jnp.float32)
 
 
