@@ -22,6 +22,7 @@ allocated (recipes/train/optimizer.py check_host_memory).
 
 from __future__ import annotations
 
+import math
 import os
 
 HBM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -46,13 +47,45 @@ def host_ram_bytes() -> int | None:
     return None
 
 
-def configure(environ=os.environ, ram_bytes: int | None = None) -> dict[str, str]:
-    """Set the allocator variables the user has not set; returns the ones set here (to report)."""
+# Above the plan's pinned need (recipes/train/host_memory.py): what XLA pins besides the counted buffers.
+PINNED_MARGIN = 1.1
+PINNED_SLACK_BYTES = 2 * 10**9
+
+
+def configure(environ=os.environ, ram_bytes: int | None = None, pinned_need_bytes: int | None = None
+              ) -> dict[str, str]:
+    """Set the allocator variables the user has not set; returns the ones set here (to report).
+
+    The pinned-host limit: from the plan's pinned need when given (host_memory.pinned_need_of_recipe:
+    the peak over the run's phases, plus a margin), else 90% of the host's RAM.
+    """
     chosen: dict[str, str] = {}
     if HBM_FRACTION_ENV not in environ:
         chosen[HBM_FRACTION_ENV] = str(HBM_FRACTION)
     ram = host_ram_bytes() if ram_bytes is None else ram_bytes
-    if HOST_LIMIT_ENV not in environ and ram:
-        chosen[HOST_LIMIT_ENV] = str(max(1, int(HOST_RAM_FRACTION * ram / 1e9)))
+    if HOST_LIMIT_ENV not in environ:
+        if pinned_need_bytes is not None:
+            chosen[HOST_LIMIT_ENV] = str(math.ceil(round((PINNED_MARGIN * pinned_need_bytes + PINNED_SLACK_BYTES) / 1e9, 6)))
+        elif ram:
+            chosen[HOST_LIMIT_ENV] = str(max(1, int(HOST_RAM_FRACTION * ram / 1e9)))
     environ.update(chosen)
     return chosen
+
+
+def check_pinned_limit(pinned_need_bytes: int, environ=os.environ) -> None:
+    """HostMemoryError (one line) when XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is below the run's pinned need."""
+    from spillway.layers.errors import ConfigError
+    from spillway.recipes.train.optimizer import HostMemoryError
+
+    value = environ.get(HOST_LIMIT_ENV)
+    if value is None:
+        return
+    try:
+        limit_gb = float(value)
+    except ValueError:
+        raise ConfigError(f"{HOST_LIMIT_ENV}={value!r} is not a number of GB") from None
+    if limit_gb * 1e9 < pinned_need_bytes:
+        raise HostMemoryError(
+            f"{HOST_LIMIT_ENV}={value} caps pinned host memory at {limit_gb:g} GB, but this run pins "
+            f"{pinned_need_bytes / 1e9:.1f} GB at its peak (recipes/train/host_memory.py): raise it to at least "
+            f"{math.ceil(pinned_need_bytes / 1e9)} or unset it (training then sets it from the plan)")

@@ -51,11 +51,8 @@ checkpoint restores under any placement; `from_saved_form` splits it again.
 Saving therefore holds one extra host copy of the halved state while the
 checkpoint is written.
 
-Donating the optimizer state to the jitted step saves a copy of it, but on CPU
-a donated pinned_host buffer that XLA aliases to a device-memory output of the
-same shape aborts the process ("PjRtBuffer's memory kind does not match
-sharding's memory kind"; reproduced with this optimizer, fp32 params, jax
-0.10.2); `donate_opt_state_ok()` says when donation is safe.
+The train step donates the optimizer state on every platform (the new state
+is written over the old; `donate_opt_state_ok()`).
 """
 
 from __future__ import annotations
@@ -176,14 +173,20 @@ def host_memory_available(device: jax.Device | None = None) -> bool:
 
 
 def donate_opt_state_ok(platform: str | None = None) -> bool:
-    """Whether the train step may donate the optimizer state.
+    """Whether the train step may donate the optimizer state: on every platform, CPU included.
 
-    False on CPU: a donated pinned_host argument that XLA aliases to a
-    device-memory output of the same shape aborts the process there (JAX
-    0.10.2, docs/DESIGN.md section 4). `platform` defaults to the runtime backend;
-    pass the target's ("cuda") when compiling for a GPU without one.
+    Donated, the step writes the new state over the old one (each host input
+    aliases its host output), so a step never holds two copies of the state.
+    It used to be False on CPU: a donated pinned_host buffer that XLA aliased
+    to a device-memory output of the same shape aborted the process there.
+    JAX 0.10.2 pairs a donated buffer only with an output of its own memory
+    kind (it warns "Some donated buffers were not usable: float32<host>" and
+    copies instead), and the train step with host state, donated, runs on CPU
+    (tests/recipes/test_host_memory.py; docs/DESIGN.md section 4). `platform`
+    is kept for callers that pass the target's.
     """
-    return (platform or jax.default_backend()) != "cpu"
+    del platform
+    return True
 
 
 def _meminfo_total_bytes() -> int:
@@ -387,7 +390,8 @@ class Optimizer:
     """
 
     def __init__(self, cfg: OptimizerConfig, layout_tree, *, total_steps: int, stream_prefetch: bool = True,
-                 stream_piece_elements: int = streaming.PIECE_ELEMENTS, update_in_forward: bool = False):
+                 stream_piece_elements: int = streaming.PIECE_ELEMENTS, update_in_forward: bool = False,
+                 halve_stacked_state: bool = True):
         # stream_prefetch=False streams without double buffering: one layer's
         # state less in HBM, no chance for its copy to overlap the update
         # (benchmarks/optimizer_state_toy.py measures both).
@@ -397,6 +401,10 @@ class Optimizer:
         # step's forward pass (recipes/train/update_in_forward.py), which reads their state as one
         # array per leaf (no LayerHalves); `update` then streams them with one buffer.
         self.update_in_forward = update_in_forward
+        # halve_stacked_state=False keeps a streamed stacked leaf's host state as one buffer: the halves
+        # only let the two host-link directions overlap (a GPU's), and a checkpoint save joins them into
+        # a second copy; the train step on CPU, where host and device memory are the same RAM, passes False.
+        self.halve_stacked_state = halve_stacked_state
         self.cfg = cfg
         self.total_steps = total_steps   # the schedule's length: warmup, then cosine decay to the end
         self.stream_prefetch = stream_prefetch
@@ -423,7 +431,7 @@ class Optimizer:
 
     def _halved(self, layout: LeafLayout) -> bool:
         """Whether this leaf's host state is kept as LayerHalves (streamed stacked leaves)."""
-        return self._streamed_by_layer(layout) and not self.update_in_forward
+        return self._streamed_by_layer(layout) and not self.update_in_forward and self.halve_stacked_state
 
     def updated_in_forward(self) -> set[int]:
         """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller."""
@@ -539,9 +547,19 @@ class Optimizer:
         """
         return self._map_halved(streaming.join_halves, opt_state)
 
-    def from_saved_form(self, saved: OptState) -> OptState:
-        """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves."""
-        return self._map_halved(streaming.split_halves, saved)
+    def from_saved_form(self, saved: OptState, *, consume: bool = False) -> OptState:
+        """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves.
+
+        consume=True deletes each restored array once its halves exist, so a restore holds one leaf
+        twice at most, never the whole state (`saved` is unusable afterwards)."""
+        if not consume:
+            return self._map_halved(streaming.split_halves, saved)
+
+        def split_then_free(x):
+            halves = jax.block_until_ready(streaming.split_halves(x))
+            x.delete()
+            return halves
+        return self._map_halved(split_then_free, saved)
 
     def saved_abstract_state(self, params, param_shardings=None) -> OptState:
         """`abstract_state` in saved form: what to hand orbax as the restore target."""
@@ -549,6 +567,12 @@ class Optimizer:
         return self._map_halved(
             lambda h: jax.ShapeDtypeStruct((h.num_layers, *h.first.shape[1:]), h.first.dtype,
                                            sharding=h.first.sharding), abstract)
+
+    def halved_part(self, opt_state) -> list:
+        """The state's LayerHalves entries (what `saved_form` joins into a copy), as a flat list."""
+        found = []
+        self._map_halved(lambda halves: found.append(halves) or halves, opt_state)
+        return found
 
     def host_bytes(self, opt_state_or_abstract) -> int:
         """Pinned host bytes this process holds for the state (arrays, or ShapeDtypeStructs with shardings)."""

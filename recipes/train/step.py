@@ -185,7 +185,7 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
                                           recipe.offload.params)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed, param_sh)
     _warn_if_replicated(params, mesh)
-    return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
+    return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok(), platform=jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,9 +216,14 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     the state and the pending gradients are read and new ones written: two of
     each.
     """
+    return pinned_bytes_of_setup(abstract_setup(recipe, mesh, platform=jax.default_backend()))
+
+
+def pinned_bytes_of_setup(s: TrainSetup) -> PinnedHostBytes:
+    """`pinned_host_bytes` of a setup already built (abstract or concrete)."""
     from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
 
-    s = abstract_setup(recipe, mesh, platform=jax.default_backend())
+    recipe = s.recipe
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
     if s.defers_update:
@@ -265,7 +270,7 @@ def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetu
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
     return _assemble(recipe, mesh, graphdef, abstract_with_shardings(abstract_state, param_sh), param_sh,
-                     donate_opt_state_ok(platform), layout_source=abstract_state)
+                     donate_opt_state_ok(platform), layout_source=abstract_state, platform=platform)
 
 
 def abstract_model(recipe: Recipe):
@@ -274,15 +279,21 @@ def abstract_model(recipe: Recipe):
 
 
 def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
-              layout_source=None) -> TrainSetup:
-    """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step."""
+              layout_source=None, platform: str = "cuda") -> TrainSetup:
+    """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step.
+
+    `platform` (the runtime's, or the target's) decides whether streamed host state is kept in two
+    buffers per leaf: on a GPU, so that the two host-link directions overlap; not on CPU, where there
+    is no link and the halves only cost a whole copy at every checkpoint save (Optimizer's
+    halve_stacked_state; benchmarks/host_memory_phases.py)."""
     if recipe.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]) and mesh.size > 1:
         raise ValueError(f"train.global_batch ({recipe.train.global_batch}) must be divisible by the "
                          f"data x fsdp mesh size ({mesh.shape['data'] * mesh.shape['fsdp']})")
     layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
                            state_memory=recipe.offload.optimizer_state)
     deferred = recipe.offload.update == "next_forward"
-    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred)
+    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred,
+                          halve_stacked_state=platform != "cpu")
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
