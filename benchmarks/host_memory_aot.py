@@ -16,6 +16,8 @@ and temporaries of each program separately. Programs, per configuration:
   flush     offload.update=next_forward only: the pending update applied
   join      Optimizer.saved_form (checkpoint save): the halved state joined
   split     Optimizer.from_saved_form (restore): back into halves
+  step, state donated   (next_forward) the deferred step with the state donated
+            too: can it write the new state over the old?
 
 Runs in a compile process (recipes/plan/subprocess_runner.py); prints one JSON
 document with --json.
@@ -42,8 +44,12 @@ FIELDS = ("host_argument_bytes", "host_output_bytes", "host_alias_bytes", "host_
 
 def _report(jitted, *args) -> dict:
     from spillway.recipes.plan import compile as aot
-    report = aot.compile_report(jitted, *args)
-    return {field: getattr(report, field) for field in FIELDS}
+    from spillway.recipes.plan import hlo
+    report = aot.compile_report(jitted, *args, keep_hlo_text=True)
+    copies = sum(1 for line in report.hlo_text.splitlines() if " copy-start(" in line or " copy(" in line)
+    return {**{field: getattr(report, field) for field in FIELDS}, "copies": copies,
+            "device_to_host_bytes": report.device_to_host_bytes, "host_to_device_bytes": report.host_to_device_bytes,
+            "host_buffers": hlo.count_host_memory_annotations(report.hlo_text)}
 
 
 def compile_config(config: str, extra: list[str], target: str) -> dict:
@@ -65,6 +71,16 @@ def compile_config(config: str, extra: list[str], target: str) -> dict:
             "step": _report(s.train_step, *arguments)}
     if s.defers_update:
         rows["flush"] = _report(s.flush, *arguments[:3])
+        # Can the deferred update write the new state over the old? The same step with the state donated too.
+        from spillway.recipes.train import update_in_forward
+        from spillway.recipes.train.step import make_loss_fn
+        donated = jax.jit(update_in_forward.make_train_step(make_loss_fn(s.graphdef, recipe.train.loss_chunk, mesh),
+                                                            s.optimizer),
+                          in_shardings=(s.param_shardings, s.opt_state_shardings, s.pending_shardings,
+                                        s.batch_sharding),
+                          out_shardings=(s.param_shardings, s.opt_state_shardings, s.pending_shardings, None),
+                          donate_argnums=(0, 1))
+        rows["step, state donated"] = _report(donated, *arguments)
     saved = jax.eval_shape(s.optimizer.saved_form, opt_state)
     saved_sh = jax.tree.map(lambda leaf: leaf.sharding, s.optimizer.saved_abstract_state(s.params,
                                                                                          s.param_shardings))
@@ -97,7 +113,8 @@ def print_table(result: dict) -> None:
     print(f"{'config':18s} {'program':7s} " + " ".join(f"{f.removesuffix('_bytes'):>13s}" for f in FIELDS))
     for config, row in result["configs"].items():
         for program, r in row["programs"].items():
-            print(f"{config:18s} {program:7s} " + " ".join(f"{r[f] / mib:13.1f}" for f in FIELDS))
+            print(f"{config:18s} {program:7s} " + " ".join(f"{r[f] / mib:13.1f}" for f in FIELDS)
+                  + f"  D->H {r['device_to_host_bytes'] / mib:.1f} H->D {r['host_to_device_bytes'] / mib:.1f}")
         print(f"{config:18s} state in host memory {row['state_host_bytes'] / mib:.1f} MiB, pending gradients "
               f"{row['pending_host_bytes'] / mib:.1f} MiB, parameters {row['param_bytes'] / mib:.1f} MiB")
 

@@ -94,6 +94,7 @@ from typing import Any
 
 from spillway.layers.offload import RematPlan
 from spillway.recipes.plan import flops as flop_count
+from spillway.recipes.plan import host_peak
 from spillway.recipes.config import Recipe
 
 GiB = 2**30
@@ -330,7 +331,7 @@ class PlanRow:
         return (self.report is not None and self.candidate.offloads_activations
                 and (self.report["host_buffer_count"] == 0 or self.report["host_temp_bytes"] == 0))
 
-    def to_dict(self) -> dict:
+    def to_dict(self, devices: int = 1) -> dict:
         r = self.report or {}
         return {
             "plan": self.candidate.activations, "optimizer_state": self.candidate.optimizer_state,
@@ -338,6 +339,7 @@ class PlanRow:
             "attention_impl": self.attention_impl, "pick": self.pick, "fits": self.fits,
             "why_not": self.why_not, "error": self.error,
             "hbm_bytes": r.get("hbm_bytes"), "host_bytes": r.get("host_bytes"),
+            "host_peak": None if not r else dict(zip(("phase", "bytes"), host_peak.host_peak(r, devices))),
             "host_temp_bytes": r.get("host_temp_bytes"), "host_buffer_count": r.get("host_buffer_count"),
             "device_to_host_bytes": r.get("device_to_host_bytes"),
             "host_to_device_bytes": r.get("host_to_device_bytes"),
@@ -386,9 +388,10 @@ class Plan:
             reasons = []
             if row.report["hbm_bytes"] > self.hbm_limit_bytes:
                 reasons.append(f"HBM {row.report['hbm_bytes'] / GiB:.1f} > {self.hbm_limit_bytes / GiB:.1f} GiB")
-            host_total = row.report["host_bytes"] * self.devices
-            if host_total > self.host_ram_bytes:
-                reasons.append(f"host {host_total / GiB:.1f} > {self.host_ram_bytes / GiB:.1f} GiB")
+            # The peak over the run's phases (recipes/plan/host_peak.py), not the step's arguments.
+            host_refusal = host_peak.describe_refusal(row.report, self.devices, self.host_ram_bytes)
+            if host_refusal:
+                reasons.append(host_refusal)
             if row.dropped_offload:
                 reasons.append("offload dropped: no activation in host memory in the compiled step")
             row.fits, row.why_not = not reasons, "; ".join(reasons)
@@ -426,7 +429,7 @@ class Plan:
     def to_dict(self) -> dict:
         picked = self.picked
         return {"summary": self.summary(), "warnings": self.warnings,
-                "plans": [row.to_dict() for row in self.rows],
+                "plans": [row.to_dict(self.devices) for row in self.rows],
                 "pick": None if picked is None else picked.candidate.to_dict(),
                 "search": self.search, "timing": self.timing, "skipped": self.skipped,
                 "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
@@ -1038,6 +1041,14 @@ def choose(result: Plan) -> PlanRow:
 
 # --- output -------------------------------------------------------------------------
 
+def _host_peak_cell(report: dict, devices: int) -> str:
+    """The host's peak over a run's phases and the phase (recipes/plan/host_peak.py): "183.4 save"."""
+    if not report:
+        return "-"
+    phase, peak = host_peak.host_peak(report, devices)
+    return f"{peak / GiB:.1f} {phase.removeprefix('checkpoint ')}"
+
+
 def _gib(n) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
@@ -1075,7 +1086,8 @@ def render(p: Plan) -> str:
         lines.append(f"  host CPU   update {h['params_per_s_per_core'] / 1e6:.0f} M params/s per core x "
                      f"{h['cores_per_gpu']:g} cores per GPU for host_compute plans ({h['source']})")
     lines += [f"  warning    {w}" for w in p.warnings]
-    header = (f"  {'plan':36s} {'opt':12s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'xfer GB':>8s} "
+    header = (f"  {'plan':36s} {'opt':12s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'peak GiB':>17s} "
+              f"{'xfer GB':>8s} "
               f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
     lines += ["", header, "  " + "-" * (len(header) - 2)]
     for row in p.rows:
@@ -1085,6 +1097,7 @@ def render(p: Plan) -> str:
         lines.append(
             f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.placement:12s} "
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
+            f"{_host_peak_cell(r, p.devices):>17s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "
             f"{_ms(row.transfer_s):>8s} "
             f"{_ms(row.compute_s):>8s} {_ms(row.step_s):>8s} {_phases(row):>18s}  {fits}")

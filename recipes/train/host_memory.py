@@ -39,6 +39,7 @@ model with the compiled step's own host bytes (recipes/plan/host_peak.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -129,32 +130,42 @@ class HostPhases:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
-def _bytes_by_kind(tree) -> dict[str, int]:
+def _bytes_by_kind(tree, per_device: bool = False) -> dict[str, int]:
+    """Bytes per memory kind this process holds, or (per_device) one device holds: each leaf's shard."""
     from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
-    return tree_nbytes_by_memory_kind(tree)
+    if not per_device:
+        return tree_nbytes_by_memory_kind(tree)
+    totals: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        kind = leaf.sharding.memory_kind or "device"
+        totals[kind] = totals.get(kind, 0) + math.prod(shape) * leaf.dtype.itemsize
+    return totals
 
 
-def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, gpu: bool = True) -> HostPhases:
+def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, gpu: bool = True,
+              per_device: bool = False) -> HostPhases:
     """HostPhases of a TrainSetup (step.setup or step.abstract_setup); nothing is allocated.
 
     `step_host`: the step's own host bytes (a compiled step's memory analysis); default: what
     step.pinned_host_bytes counts from the arguments. `footprint`: default ASSUMED_GPU_FOOTPRINT_BYTES
-    on a GPU, the process's resident set now on CPU.
+    on a GPU, the process's resident set now on CPU. `per_device`: one GPU's share (each leaf's shard;
+    the planner's figures, with a compiled step's per-GPU host bytes) instead of this process's.
     """
     from spillway.recipes.train import step as train_step
     from spillway.recipes.train.optimizer import PINNED_HOST
 
     opt = s.optimizer
     abstract_state = opt.abstract_state(s.params, s.param_shardings)
-    state = opt.host_bytes(abstract_state)
-    halved = _bytes_by_kind(opt.halved_part(abstract_state)).get(PINNED_HOST, 0)
-    weights = _bytes_by_kind(s.params).get(PINNED_HOST, 0)
+    state = _bytes_by_kind(abstract_state, per_device).get(PINNED_HOST, 0)
+    halved = _bytes_by_kind(opt.halved_part(abstract_state), per_device).get(PINNED_HOST, 0)
+    weights = _bytes_by_kind(s.params, per_device).get(PINNED_HOST, 0)
     pending = 0
     if s.defers_update:
-        pending = _bytes_by_kind(train_step._abstract_pending(s)).get(PINNED_HOST, 0)
+        pending = _bytes_by_kind(train_step._abstract_pending(s), per_device).get(PINNED_HOST, 0)
     if step_host is None:
         step_host = train_step.pinned_bytes_of_setup(s).total
-    saved = _bytes_by_kind((s.params, opt.saved_abstract_state(s.params, s.param_shardings)))
+    saved = _bytes_by_kind((s.params, opt.saved_abstract_state(s.params, s.param_shardings)), per_device)
     if footprint is None:
         footprint = ASSUMED_GPU_FOOTPRINT_BYTES if gpu else _resident_bytes()
     return HostPhases(footprint=footprint, state=state, halved=halved, weights=weights, pending=pending,
