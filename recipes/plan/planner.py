@@ -17,8 +17,10 @@ candidate it reports, per GPU:
 
     HBM          argument + output - alias + temp bytes of device memory (XLA's
                  buffer assignment), compared with headroom x the GPU's memory;
-    host         the same over pinned host memory; all GPUs of the host
-                 together are compared with the host's RAM;
+    host         the same over pinned host memory (the step's); the host's
+                 RAM is compared with the peak over a run's phases (state
+                 creation, step, checkpoint save, restore) for all its GPUs
+                 and the process's footprint (recipes/plan/host_peak.py);
     transfer     bytes the step moves host->device and device->host (read from
                  the compiled HLO) and the time the host link needs for them:
                  both directions added, less the bytes the compiled schedule
@@ -26,7 +28,9 @@ candidate it reports, per GPU:
                  (hlo.overlapping_host_copies: async copy windows of opposite
                  directions in flight together);
     compute      FLOPs (recipes/plan/flops.py: forward, backward, the plan's remat
-                 recompute) at the GPU's peak dense bf16 rate: a lower bound;
+                 recompute) at the fraction of the GPU's peak dense bf16 rate
+                 measured on an H200 for the run's attention kernel
+                 (recipes/plan/compute_model.py: cuDNN 47%, blockwise 14%);
     step         three phases added up. Forward: max(forward compute,
                  (activations going to host + block weights coming in) / link);
                  backward: max(backward + recompute compute, (activations
@@ -94,7 +98,7 @@ from typing import Any
 
 from spillway.layers.offload import RematPlan
 from spillway.recipes.plan import flops as flop_count
-from spillway.recipes.plan import host_peak
+from spillway.recipes.plan import compute_model, host_peak
 from spillway.recipes.config import Recipe
 
 GiB = 2**30
@@ -364,6 +368,8 @@ class Plan:
     full_codegen_check: list[dict] = dataclasses.field(default_factory=list)
     hbm_budget_bytes: float | None = None   # --hbm-budget: a user's own HBM limit per GPU
     host_update: dict | None = None   # host-compute pricing: params_per_s_per_core, cores_per_gpu, source
+    # What the compute column is: counted FLOPs at which fraction of peak (recipes/plan/compute_model.py).
+    compute_basis: str = ""
     # Candidates not compiled because a plan with less in host memory fits (plan(prune=True)):
     # the candidate's fields, its "label" and "because" (the label of the plan that fits).
     skipped: list[dict] = dataclasses.field(default_factory=list)
@@ -424,6 +430,7 @@ class Plan:
             "host_ram_bytes": self.host_ram_bytes,
             "host_link": t.host_link, "host_link_bytes_per_s": t.host_link_bytes_per_s,
             "peak_bf16_flops": t.peak_bf16_flops, "host_update": self.host_update,
+            "compute_basis": self.compute_basis,
         }
 
     def to_dict(self) -> dict:
@@ -438,7 +445,8 @@ class Plan:
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
                "Transfer time: both directions added, at the host link's per-direction rate, less the bytes the "
                "compiled schedule moves while the other direction is busy too. Compute time: "
-               "recipes/plan/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
+               "recipes/plan/flops.py's count at the fraction of the GPU's peak dense bf16 rate measured for the run's "
+               "attention kernel (recipes/plan/compute_model.py; the summary's compute_basis says which). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "
@@ -598,7 +606,7 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
 
 
 def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],
-         host_update_params_per_s: float | None = None) -> PlanRow:
+         host_update_params_per_s: float | None = None, run_attention_impl: str | None = None) -> PlanRow:
     """One candidate's row. host_update_params_per_s: the host CPU's update rate per GPU (host_compute).
 
     The compiled step's host traffic (report device_to_host / host_to_device
@@ -615,7 +623,8 @@ def _row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[
     impl = recipe.execution.attention_impl
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
                                           remat=candidate.activations, attention_impl=impl)
-    rate = compute_ways(mesh) * target.peak_bf16_flops
+    # Compute at the efficiency measured for the kernel the run uses (cuDNN plans compile as flash).
+    rate = compute_model.effective_flops_per_s(compute_ways(mesh) * target.peak_bf16_flops, run_attention_impl or impl)
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
                   compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
     if row.report is None:
@@ -937,13 +946,16 @@ def plan(recipe: Recipe, gpu: str = "h200", devices: int = 1, *, headroom: float
         answers.append(answer)
         compiled_groups.append(run)
         for index, found in zip(run, answer["results"]):
-            rows_by_index[index] = _row(todo[index], found, compiled_recipe, target, mesh, per_core * cores)
+            rows_by_index[index] = _row(todo[index], found, compiled_recipe, target, mesh, per_core * cores,
+                                        run_attention_impl=recipe.execution.attention_impl)
         judged([rows_by_index[i] for i in sorted(rows_by_index)], answer["mesh"])   # sets fits for the next stage
     order = sorted(rows_by_index)
     rows = [rows_by_index[i] for i in order]
     answer = _merge_answers(answers, compiled_groups, len(todo), combine_seconds=sum)   # stages run in turn
     result = judged(rows, answer["mesh"])
     result.skipped = skipped
+    result.compute_basis = compute_model.efficiency(recipe.execution.attention_impl).describe(
+        recipe.execution.attention_impl)
     for row in rows:
         if row.dropped_offload:
             warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
@@ -1081,6 +1093,8 @@ def render(p: Plan) -> str:
         f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction; "
         f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
     ]
+    if p.compute_basis:
+        lines.append(f"  compute    counted FLOPs at {p.compute_basis}")
     if p.host_update is not None and any(row.candidate.optimizer_state == HOST_COMPUTE for row in p.rows):
         h = p.host_update
         lines.append(f"  host CPU   update {h['params_per_s_per_core'] / 1e6:.0f} M params/s per core x "

@@ -21,7 +21,7 @@ from spillway.layers.sharding import (activation_sharding, batch_sharding, const
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import param_placement as placement
-from spillway.recipes.train import update_in_forward
+from spillway.recipes.train import update_in_forward, xla_settings
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 from spillway.recipes.train.optimizer import Optimizer, donate_opt_state_ok, make_layouts
 
@@ -292,6 +292,8 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
                            state_memory=recipe.offload.optimizer_state)
     deferred = recipe.offload.update == "next_forward"
+    # The same XLA settings wherever this step compiles: a GPU run, and the planner's deviceless compile.
+    xla_options = xla_settings.step_compiler_options(platform)
     optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred,
                           halve_stacked_state=platform != "cpu")
     opt_sh = optimizer.state_shardings(param_sh)
@@ -308,15 +310,17 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
         donated = _donated(False, param_sh)
         step = jax.jit(update_in_forward.make_train_step(loss_fn, optimizer),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
-                       out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated)
+                       out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
+                       compiler_options=xla_options)
         flush = jax.jit(update_in_forward.make_flush(optimizer), in_shardings=(param_sh, opt_sh, pending_sh),
-                        out_shardings=(param_sh, opt_sh, pending_sh), donate_argnums=donated)
+                        out_shardings=(param_sh, opt_sh, pending_sh), donate_argnums=donated,
+                        compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, scalar_sh),
-                   donate_argnums=_donated(donate_opt_state, param_sh))
+                   donate_argnums=_donated(donate_opt_state, param_sh), compiler_options=xla_options)
     return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
 
 
