@@ -50,8 +50,10 @@ GiB = 2**30
 # cuBLAS, XLA's GPU compiler compiling the step. Assumed, not measured (on CPU: 0.2 GB at start-up,
 # 1.3 GB after compiling the 66M model's step, benchmarks/host_memory_phases.py).
 ASSUMED_GPU_FOOTPRINT_BYTES = 6 * GiB
-# Orbax reads a restore through NumPy at most this many bytes at once (recipes/train/checkpoint.py).
-RESTORE_STAGING_BYTES = 8 * 10**9
+# Orbax reads a restore through NumPy buffers, at most this many GB at once (its default: 96), set by
+# recipes/train/checkpoint.py: the host memory a restore holds beside the restored arrays.
+RESTORE_CONCURRENT_GB = 8
+RESTORE_STAGING_BYTES = RESTORE_CONCURRENT_GB * 10**9
 PHASES = ("start-up", "state creation", "step", "checkpoint save", "restore")
 
 
