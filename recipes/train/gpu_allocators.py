@@ -14,7 +14,10 @@ Two defaults of JAX's GPU client break plans that `spillway plan` says fit
   64 GB".
 
 `configure()` sets each to match what the planner assumes, unless the user
-set it. Both are read once, when JAX starts its GPU backend, so it must run
+set it: the pinned-host limit from the run's pinned peak over its phases
+(recipes/train/host_memory.pinned_need_of_recipe, with a margin) when the
+train loop passes it, else 90% of the RAM; a limit the user set below that
+need is refused before anything is allocated (`check_pinned_limit`). Both are read once, when JAX starts its GPU backend, so it must run
 before anything touches a device; on CPU they are ignored. The pinned bytes a
 run needs are checked against the host's RAM separately, before anything is
 allocated (recipes/train/optimizer.py check_host_memory).

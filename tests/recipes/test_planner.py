@@ -17,6 +17,7 @@ missing plugin fails with the install command (`make test` installs it).
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -247,13 +248,14 @@ def test_transfers_and_times(small_plan):
             assert r["host_argument_bytes"] == state_bytes
             assert r["host_to_device_bytes"] >= state_bytes and r["device_to_host_bytes"] >= state_bytes
     counted = flops.train_step_flops(recipe.decoder_spec(), 4, 512, remat="offload_inputs")
-    # The link is slower than either phase's compute here, so it sets both phases.
-    assert block_inputs_bytes / link > max(counted.forward, counted.backward + counted.recompute) / rate
+    # Each phase takes the longer of its compute (at the measured efficiency) and its block-input transfers.
+    forward = max(counted.forward / rate, block_inputs_bytes / link)
+    backward = max((counted.backward + counted.recompute) / rate, block_inputs_bytes / link)
     for state in ("device", "host"):
         row = rows["offload_inputs", state]
-        assert row.forward_s == pytest.approx(block_inputs_bytes / link)
-        assert row.backward_s == pytest.approx(block_inputs_bytes / link)
-        assert row.step_s == pytest.approx(2 * block_inputs_bytes / link + row.update_s)
+        assert row.forward_s == pytest.approx(forward)
+        assert row.backward_s == pytest.approx(backward)
+        assert row.step_s == pytest.approx(forward + backward + row.update_s)
     assert rows["recompute_all", "device"].flops["recompute"] > rows["save_dots", "device"].flops["recompute"]
     assert rows["save_all", "device"].flops["recompute"] == 0
 
@@ -299,9 +301,11 @@ def test_nothing_fits_under_a_tiny_headroom_and_the_message_has_numbers(small_pl
     with pytest.raises(ValueError, match=r"no offload plan fits .* smallest HBM is \d+\.\d+ GiB") as error:
         planner.choose(tight)
     assert f"{smallest / 2**30:.2f} GiB" in str(error.value)
-    # Host RAM is a limit too: with almost none, only plans without host memory fit.
+    # Host RAM is a limit too: with almost none nothing fits (every run has a process, and its checkpoint
+    # save copies what it saves into host memory: recipes/plan/host_peak.py), and each refusal names its phase.
     no_host = small_plan.rejudged(host_ram_bytes=1)
-    assert {row.candidate.no_offload for row in no_host.rows if row.fits} == {True}
+    assert not any(row.fits for row in no_host.rows)
+    assert all(re.search(r"host \S+ GiB at [a-z ]+ > 0.0 GiB", row.why_not) for row in no_host.rows if row.report)
 
 
 @needs_toolchain
