@@ -56,8 +56,6 @@ def compile_config(config: str, extra: list[str], target: str) -> dict:
     import jax
 
     from spillway.recipes.plan import compile as aot
-    from spillway.recipes.plan.planner import compiler_options  # noqa: F401  (the planner's settings are not
-    # needed for memory figures: buffer assignment does not depend on code generation)
     from spillway.recipes.registry import get_recipe
     from spillway.recipes.train.host_optimizer import tree_nbytes_by_memory_kind
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, abstract_with_shardings

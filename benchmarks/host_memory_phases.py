@@ -101,7 +101,7 @@ def _child(config: str, role: str, checkpoint_dir: str, extra: list[str]) -> dic
         jax.block_until_ready(jnp.zeros(()))
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.train.checkpoint import RunCheckpointer
-    from spillway.recipes.train.step import abstract_with_shardings, setup
+    from spillway.recipes.train.step import setup
 
     recipe = _recipe(config, extra)
     mesh = make_mesh(1, 1, 1)
@@ -155,9 +155,7 @@ def run_config(config: str, role: str, checkpoint_dir: str, extra: list[str]) ->
     """One configuration's phases, measured in a fresh process (one CPU device, no forced device count)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     command = [sys.executable, "-m", "benchmarks.host_memory_phases", "--child", config, "--role", role,
-               "--checkpoint-dir", checkpoint_dir, "--set", *extra] if extra else [
-        sys.executable, "-m", "benchmarks.host_memory_phases", "--child", config, "--role", role,
-        "--checkpoint-dir", checkpoint_dir]
+               "--checkpoint-dir", checkpoint_dir] + (["--set", *extra] if extra else [])
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{config}/{role} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -70,7 +70,8 @@ def test_a_peak_above_the_ram_stops_the_run_before_anything_is_allocated(tmp_pat
 
     monkeypatch.setattr(loop, "setup", lambda *args, **kwargs: pytest.fail("setup() ran: the weights were made"))
     recipe = small_recipe("offload.optimizer_state=host", "model.vocab_size=512", "data.source=builtin:stdlib:200000",
-                          f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1", "train.steps=2", "train.eval_every=0", "train.global_batch=8",
+                          f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1", "train.steps=2",
+                          "train.eval_every=0", "train.global_batch=8",
                           f"checkpoint.dir={tmp_path / 'run'}")
     with pytest.raises(host_memory.HostPeakError, match=r"^this run's host memory would peak at \S+ GiB during the "
                        r"\w[\w -]+ \(process .*\), but this host has 0.0 GiB of RAM"):
