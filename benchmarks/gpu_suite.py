@@ -4,7 +4,17 @@ under 8 minutes on one H200, prints a table.
 
     python -m benchmarks.gpu_suite --predict      # here, on a CPU machine: deviceless HBM predictions
                                                   #   -> benchmarks/gpu_predictions.json (commit it)
-    python -m benchmarks.gpu_suite                # on the GPU machine: measure every case, print the table
+    python -m benchmarks.gpu_suite --dry-run      # here: what a GPU call would run, its predictions, its skips
+    python -m benchmarks.gpu_suite                # on the GPU machine: measure the default cases, print the table
+
+Before any case starts, each is judged deviceless against the GPU machine (one H200, 128 GiB of host RAM,
+16 cores): the planner's predicted HBM against 0.9 x HBM, the host peak of the phases the suite runs
+(state creation and the step; recipes/train/host_memory.py) against the RAM; a case that would not fit
+is skipped with the reason. Per case it records peak HBM, the process's resident peak (VmHWM) and, where
+the runtime reports it, its pinned host peak, step time, tokens/s and MFU. The default cases are the
+headline: host against device optimizer state at the same global batch with 8 micro-batches (1B, 3B),
+the update in the next forward pass against after the backward pass (1B, 3B), and the 8B step with
+cuDNN attention (its MFU).
 
 Each case runs in its own child process, so each peak is that case's alone
 (`memory_stats()["peak_bytes_in_use"]` cannot be reset). A case that runs out of
@@ -46,6 +56,15 @@ class Case(NamedTuple):
     optimizer_state: str
     seq_len: int = SEQ_LEN
     overrides: tuple[str, ...] = ()
+    global_batch: int = 1
+    grad_accum: int = 1
+    update: str = "after_backward"     # offload.update
+
+
+CUDNN = ("execution.attention_impl=cudnn",)
+# Llama 3.2 3B's shape (Meta's config: 28 layers of 3072, 24 heads, 8 KV heads, MLP 8192), on the 1B recipe.
+LLAMA_3B = ("model.d_model=3072", "model.num_layers=28", "model.num_heads=24", "model.num_kv_heads=8",
+            "model.mlp_hidden=8192")
 
 
 CASES = {
@@ -69,7 +88,33 @@ CASES = {
                                           overrides=("execution.attention_impl=cudnn",)),
     "8b/recompute_all/host/cudnn": Case("llama3_8b", "recompute_all", "host",
                                         overrides=("execution.attention_impl=cudnn",)),
+    # The headline: host state against device state at the same global batch, 8 micro-batches of 8192
+    # tokens (the update's link time spread over 8 forward and backward passes), and the update in the
+    # next forward pass against after the backward pass at one batch per step; cuDNN attention.
+    "1b/recompute_all/device/cudnn/ga8": Case("llama3_1b", "recompute_all", "device", overrides=CUDNN,
+                                              global_batch=8, grad_accum=8),
+    "1b/recompute_all/host/cudnn/ga8": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN,
+                                            global_batch=8, grad_accum=8),
+    "3b/recompute_all/device/cudnn/ga8": Case("llama3_1b", "recompute_all", "device", overrides=CUDNN + LLAMA_3B,
+                                              global_batch=8, grad_accum=8),
+    "3b/recompute_all/host/cudnn/ga8": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN + LLAMA_3B,
+                                            global_batch=8, grad_accum=8),
+    "3b/recompute_all/host/cudnn": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN + LLAMA_3B),
+    "3b/recompute_all/host_in_fwd/cudnn": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN + LLAMA_3B,
+                                               update="next_forward"),
+    "1b/recompute_all/host/cudnn": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN),
+    "1b/recompute_all/host_in_fwd/cudnn": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN,
+                                               update="next_forward"),
 }
+# What one call measures by default (under 8 minutes on one H200): the headline rows, then the 8B step
+# with cuDNN attention (its MFU). `--cases all` runs every case.
+DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cudnn/ga8",
+                 "3b/recompute_all/device/cudnn/ga8", "3b/recompute_all/host/cudnn/ga8",
+                 "3b/recompute_all/host/cudnn", "3b/recompute_all/host_in_fwd/cudnn",
+                 "8b/recompute_all/host/cudnn", "1b/recompute_all/host/cudnn", "1b/recompute_all/host_in_fwd/cudnn")
+# The GPU machine: one H200, 128 GiB of host RAM, 16 cores.
+HOST_RAM_BYTES = 128 * 2**30
+GPU_TARGET = "h200"
 # Most time per case goes to compiling and to 8B host-state steps (seconds each).
 CASE_TIMEOUT_S = 150.0
 LARGE_PARAMS = 3e9   # above this, fewer steps are timed
@@ -77,7 +122,8 @@ LARGE_PARAMS = 3e9   # above this, fewer steps are timed
 
 def case_overrides(case: Case) -> list[str]:
     return [f"offload.activations={case.activations}", f"offload.optimizer_state={case.optimizer_state}",
-            "train.global_batch=1", "train.grad_accum=1", f"data.seq_len={case.seq_len}",
+            f"offload.update={case.update}", f"train.global_batch={case.global_batch}",
+            f"train.grad_accum={case.grad_accum}", f"data.seq_len={case.seq_len}",
             f"model.max_seq_len={case.seq_len}", "mesh.fsdp=-1", *case.overrides]
 
 
@@ -110,19 +156,25 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
     tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, (batch_size, seq_len + 1),
                                                 dtype=np.int32)
     batch = jax.device_put(tokens, s.batch_sharding)
-    compiled = s.train_step.lower(s.params, opt_state, batch).compile()
+    pending = (s.nothing_pending(s.params),) if s.defers_update else ()
+    compiled = s.train_step.lower(s.params, opt_state, *pending, batch).compile()
     m = compiled.memory_analysis()
     compile_s = time.perf_counter() - t0
     params = s.params
     times = []
     for i in range(warmup + timed):
         start = time.perf_counter()
-        params, opt_state, metrics = compiled(params, opt_state, batch)
+        if s.defers_update:
+            params, opt_state, pending, metrics = compiled(params, opt_state, *pending, batch)
+            pending = (pending,)
+        else:
+            params, opt_state, metrics = compiled(params, opt_state, batch)
         jax.block_until_ready((params, metrics))
         if i >= warmup:
             times.append(time.perf_counter() - start)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
+    host_memory = _host_memory_now(device)
     step_s = statistics.median(times)
     peak, _ = peak_flops_per_device()
     tokens_per_step = batch_size * seq_len
@@ -132,7 +184,23 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
             + m.temp_size_in_bytes, "host_temp_bytes": m.host_temp_size_in_bytes,
             "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "step_s": step_s,
             "tokens_per_s": tokens_per_step / step_s, "mfu": flops / step_s / peak, "compile_s": compile_s,
-            "loss": float(metrics["loss"])}
+            "loss": float(metrics["loss"]), **host_memory}
+
+
+def _host_memory_now(device) -> dict:
+    """The process's resident high-water mark (VmHWM) and, where the runtime reports it, its pinned host bytes."""
+    resident = None
+    try:
+        with open("/proc/self/status") as f:
+            resident = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        pass
+    pinned = None
+    for memory in getattr(device, "addressable_memories", lambda: [])():
+        if memory.kind == "pinned_host" and hasattr(memory, "memory_stats"):
+            stats = memory.memory_stats() or {}
+            pinned = stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
+    return {"host_resident_peak_bytes": resident, "host_pinned_peak_bytes": pinned}
 
 
 def run_child(name: str, timeout_s: float, module: str = "benchmarks.gpu_suite") -> dict:
@@ -158,12 +226,74 @@ def run_child(name: str, timeout_s: float, module: str = "benchmarks.gpu_suite")
     return {"case": name, "error": kind, "detail": lines[-1] if lines else "", "traceback": "\n".join(lines[-30:])}
 
 
-def predict() -> None:
-    """Deviceless predictions (HBM bytes per case for one H200) from the planner's compile process."""
+def predict(names: list[str]) -> None:
+    """Deviceless predictions (HBM bytes per case for one H200) from the planner's compile process; the
+    cases named are (re)written, the others kept."""
     from spillway.recipes.plan.commands import predict_cases
-    cases = {name: (case.recipe, case_overrides(case)) for name, case in CASES.items()}
-    PREDICTIONS.write_text(json.dumps(predict_cases(cases, gpu="h200"), indent=2, sort_keys=True))
+    cases = {name: (CASES[name].recipe, case_overrides(CASES[name])) for name in names}
+    kept = json.loads(PREDICTIONS.read_text()) if PREDICTIONS.exists() else {}
+    kept.update(predict_cases(cases, gpu=GPU_TARGET))
+    PREDICTIONS.write_text(json.dumps(kept, indent=2, sort_keys=True))
     print(f"wrote {PREDICTIONS}")
+
+
+def fit_case(name: str, prediction: dict, host_ram_bytes: int = HOST_RAM_BYTES, case: Case | None = None) -> dict:
+    """Whether a case fits the GPU machine, deviceless: the planner's predicted HBM against its limit (0.9 x
+    the H200's), and the host peak of the phases the suite runs (state creation and the step: it saves no
+    checkpoint; recipes/train/host_memory.py) against the host's RAM. Run with JAX on the CPU."""
+    import jax
+
+    from spillway.layers.sharding import make_mesh
+    from spillway.recipes.targets import get_target
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.host_memory import phases_of
+    from spillway.recipes.train.step import abstract_setup
+
+    case = case or CASES[name]
+    recipe = get_recipe(case.recipe, case_overrides(case))
+    s = abstract_setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]), platform="cuda")
+    phases = phases_of(s, step_host=prediction.get("host_bytes"), gpu=True, per_device=True).by_phase()
+    phase, host_peak = max(((p, phases[p]) for p in ("state creation", "step")), key=lambda item: item[1])
+    hbm_limit = 0.9 * get_target(GPU_TARGET).hbm_bytes
+    reasons = []
+    hbm = prediction.get("hbm_bytes")
+    if hbm is not None and hbm > hbm_limit:
+        reasons.append(f"HBM {hbm / 2**30:.1f} > {hbm_limit / 2**30:.1f} GiB")
+    if host_peak > host_ram_bytes:
+        reasons.append(f"host {host_peak / 2**30:.1f} GiB at {phase} > {host_ram_bytes / 2**30:.1f} GiB")
+    return {"case": name, "fits": not reasons, "why_not": "; ".join(reasons), "hbm_bytes": hbm,
+            "host_peak_bytes": host_peak, "host_phase": phase, "predicted_step_s": prediction.get("step_s"),
+            "tokens_per_step": case.global_batch * case.seq_len,
+            "note": "" if hbm is not None else "no deviceless HBM prediction (run --predict)"}
+
+
+def fit_cases(names: list[str], predictions: dict, host_ram_bytes: int = HOST_RAM_BYTES) -> dict:
+    """fit_case for each name, in a child process with JAX on the CPU (the parent must not take the GPU)."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_suite", "--fits", ",".join(names),
+           "--host-ram-gib", str(host_ram_bytes / 2**30)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env,
+                         timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"the deviceless fit check failed: {out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def dry_run_table(fits: dict) -> str:
+    """What a GPU call would run, with the deviceless predictions, and what it would skip and why."""
+    gib = 2**30
+    lines = [f"{'case':38s} {'pred HBM':>9s} {'host peak':>18s} {'pred ms':>8s} {'pred tok/s':>10s}  run?"]
+    for name, f in fits.items():
+        step = f.get("predicted_step_s")
+        hbm = f.get("hbm_bytes")
+        tokens_per_s = f"{f['tokens_per_step'] / step:.0f}" if step else "-"
+        lines.append(f"{name:38s} {'-' if hbm is None else f'{hbm / gib:.2f}G':>9s} "
+                     f"{f['host_peak_bytes'] / gib:8.1f}G {f['host_phase']:>9s} "
+                     f"{'-' if step is None else f'{step * 1e3:.1f}':>8s} "
+                     f"{tokens_per_s:>10s}  "
+                     f"{'yes' if f['fits'] else 'skip: ' + f['why_not']}{'; ' + f['note'] if f['note'] else ''}")
+    return "\n".join(lines)
 
 
 def render_table(rows: list[dict], predictions: dict) -> str:
@@ -196,27 +326,49 @@ def main() -> int:
     ap.add_argument("--predict", action="store_true", help="deviceless predictions (CPU machine)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this long")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    ap.add_argument("--cases", default="default",
+                    help="comma-separated cases, 'default' (the headline set, one call) or 'all'")
     ap.add_argument("--out", help="also write the measured rows (JSON) here")
     ap.add_argument("--render", help="print the table of rows saved by --out, with today's predictions")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print what a GPU call would run, its deviceless predictions and what it would skip")
+    ap.add_argument("--host-ram-gib", type=float, default=HOST_RAM_BYTES / 2**30,
+                    help="host RAM of the GPU machine (default: 128)")
+    ap.add_argument("--fits", help=argparse.SUPPRESS)
     args = ap.parse_args()
     predictions = json.loads(PREDICTIONS.read_text()) if PREDICTIONS.exists() else {}
     if args.render:
         print(render_table(json.loads(Path(args.render).read_text()), predictions))
         return 0
-    if args.predict:
-        predict()
-        return 0
     if args.child:
         print(json.dumps(measure_case(args.child)), flush=True)
         return 0
+    if args.fits:
+        ram = int(args.host_ram_gib * 2**30)
+        print(json.dumps({n: fit_case(n, predictions.get(n, {}), ram) for n in args.fits.split(",")}), flush=True)
+        return 0
 
-    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    names = list(CASES) if args.cases == "all" else list(DEFAULT_CASES) if args.cases == "default" \
+        else args.cases.split(",")
+    unknown = [name for name in names if name not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    if not args.host_ram_gib > 0:
+        ap.error(f"--host-ram-gib must be positive, got {args.host_ram_gib}")
+    if args.predict:
+        predict(names)
+        return 0
+    # Deviceless, before any case starts: the cases that would not fit this machine are skipped, with why.
+    fits = fit_cases(names, predictions, int(args.host_ram_gib * 2**30))
+    if args.dry_run:
+        print(dry_run_table(fits))
+        return 0
     start = time.perf_counter()
     rows = []
-    for name in args.cases.split(","):
+    for name in names:
+        if not fits[name]["fits"]:
+            rows.append({"case": name, "error": f"skipped: does not fit ({fits[name]['why_not']})"})
+            continue
         left = args.budget_s - (time.perf_counter() - start)
         if left < 30:
             rows.append({"case": name, "error": "skipped (time budget)"})

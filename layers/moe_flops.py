@@ -16,7 +16,7 @@ GPU lowering of it multiplies E times more, docs/DESIGN.md section 12); by
 blocks, every row of the fixed block count, padding included; for the capacity
 dispatch every slot, empty or not: E x capacity slots per sequence instead of
 t x k copies.
-Not counted, as in recipes/plan/flops.py: elementwise work (softmax, top-k,
+Not counted, as in models/flops.py: elementwise work (softmax, top-k,
 the activation, the combine) and the dispatch's sorts, gathers and scatters.
 """
 

@@ -65,9 +65,9 @@ def _cmd_train(args) -> int:
         from spillway.recipes.train.preflight import check_run_inputs
         check_run_inputs(recipe)   # a missing corpus or tokenizer fails now, not after minutes of compiles
         recipe = apply_plan(recipe, args.plan, gpu=args.gpu or recipe.offload.target_gpu or DEFAULT_GPU,
-                            devices=args.devices)
+                            devices=args.devices, host_ram_gb=args.host_ram_gb)
     from spillway.recipes.train.loop import train
-    train(recipe, stop_after=args.stop_after)
+    train(recipe, stop_after=args.stop_after, host_ram_gb=args.host_ram_gb)
     return 0
 
 
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None,
                    help=f"target GPU for --plan auto (default: the recipe's offload.target_gpu, else {DEFAULT_GPU})")
     p.add_argument("--devices", type=int, default=None, help="GPUs for --plan auto (default: the mesh's)")
+    p.add_argument("--host-ram-gb", type=float, default=None,
+                   help="host RAM to check the run's host memory peak against (default: this machine's)")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="save and leave after N steps of this invocation (time-limited jobs); rerun to resume")
     p.set_defaults(fn=_cmd_train)

@@ -147,15 +147,22 @@ def llama3_8b() -> Recipe:
 
 @register("llama3_8b_offload")
 def llama3_8b_offload() -> Recipe:
-    """llama3_8b on a single 80 GB H100: its 96 GB of optimizer state cannot live in HBM."""
+    """llama3_8b on a single 80 GB H100: its 96 GB of optimizer state cannot live in HBM.
+
+    The planner's pick with the host peak over a run's phases (recipes/plan/host_peak.py): a streamed
+    update's state halves, joined again at every checkpoint save, take the host past its RAM (293.4 >
+    238.4 GiB), so the state is updated in host memory by the host CPU (one buffer per leaf: 215.4 GiB
+    at the save), with the dots offloaded."""
     base = llama3_8b()
     return dataclasses.replace(
         base, name="llama3_8b_offload",
         description=("llama3_8b (same model, data, tokenizer, optimizer, 15T-token budget) on ONE H100 80GB: its "
-                     "fp32 optimizer state cannot live in HBM, so the planner puts it in pinned host memory"),
+                     "fp32 optimizer state cannot live in HBM, so the planner puts it in pinned host memory, "
+                     "updated there by the host CPU"),
         sources="as llama3_8b; the single H100 is our choice, to show what offload makes possible",
         train=dataclasses.replace(base.train, grad_accum=512),
-        offload=OffloadConfig(activations="offload_inputs", optimizer_state="host", target_gpu="h100"))
+        optimizer=dataclasses.replace(base.optimizer, update_on_host=True),
+        offload=OffloadConfig(activations="offload_dots", optimizer_state="host", target_gpu="h100"))
 
 
 # --- GPT-2 -----------------------------------------------------------------------

@@ -100,13 +100,14 @@ def stream_update(
 
     def compute_piece(i, params, on_device):
         """The update of piece i, on device; returns new param pieces and new state pieces."""
-        return [fn(_into_hbm(_piece(g, i)), _piece(p, i), leaf_dev)
+        return [fn(_into_hbm(_piece(g, i)), _into_hbm(_piece(p, i)), leaf_dev)
                 for fn, g, p, leaf_dev in zip(update_fns, grads, params, on_device)]
 
     def write_piece(i, params, states, results):
         new_params, new_states = [], []
         for p, leaf_states, (new_p, new_dev) in zip(params, states, results):
-            new_params.append(_put_piece(p, new_p.astype(p.dtype), i))
+            new_p = new_p.astype(p.dtype)   # a host parameter (offload.params=host) takes its row back in host memory
+            new_params.append(_put_piece(p, to_host(new_p) if in_host_memory(p) else new_p, i))
             new_states.append(tuple(_put_piece(s, to_host(d.astype(s.dtype)), i)
                                     for s, d in zip(leaf_states, new_dev)))
         return new_params, new_states

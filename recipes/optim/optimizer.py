@@ -57,7 +57,8 @@ class Optimizer:
     """
 
     def __init__(self, cfg: OptimizerConfig, layout_tree, *, total_steps: int, stream_prefetch: bool = True,
-                 stream_piece_elements: int = streaming.PIECE_ELEMENTS, update_in_forward: bool = False):
+                 stream_piece_elements: int = streaming.PIECE_ELEMENTS, update_in_forward: bool = False,
+                 halve_stacked_state: bool = True):
         # stream_prefetch=False streams without double buffering: one layer's
         # state less in HBM, no chance for its copy to overlap the update
         # (benchmarks/optimizer_state_toy.py measures both).
@@ -67,6 +68,10 @@ class Optimizer:
         # step's forward pass (recipes/optim/update_in_forward.py), which reads their state as one
         # array per leaf (no LayerHalves); `update` then streams them with one buffer.
         self.update_in_forward = update_in_forward
+        # halve_stacked_state=False keeps a streamed stacked leaf's host state as one buffer: the halves
+        # only let the two host-link directions overlap (a GPU's), and a checkpoint save joins them into
+        # a second copy; the train step on CPU, where host and device memory are the same RAM, passes False.
+        self.halve_stacked_state = halve_stacked_state
         self.cfg = cfg
         self.total_steps = total_steps   # the schedule's length: warmup, then cosine decay to the end
         self.stream_prefetch = stream_prefetch
@@ -93,7 +98,7 @@ class Optimizer:
 
     def _halved(self, layout: LeafLayout) -> bool:
         """Whether this leaf's host state is kept as LayerHalves (streamed stacked leaves)."""
-        return self._streamed_by_layer(layout) and not self.update_in_forward
+        return self._streamed_by_layer(layout) and not self.update_in_forward and self.halve_stacked_state
 
     def updated_in_forward(self) -> set[int]:
         """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller."""
@@ -209,9 +214,19 @@ class Optimizer:
         """
         return self._map_halved(streaming.join_halves, opt_state)
 
-    def from_saved_form(self, saved: OptState) -> OptState:
-        """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves."""
-        return self._map_halved(streaming.split_halves, saved)
+    def from_saved_form(self, saved: OptState, *, consume: bool = False) -> OptState:
+        """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves.
+
+        consume=True deletes each restored array once its halves exist, so a restore holds one leaf
+        twice at most, never the whole state (`saved` is unusable afterwards)."""
+        if not consume:
+            return self._map_halved(streaming.split_halves, saved)
+
+        def split_then_free(x):
+            halves = jax.block_until_ready(streaming.split_halves(x))
+            x.delete()
+            return halves
+        return self._map_halved(split_then_free, saved)
 
     def saved_abstract_state(self, params, param_shardings=None) -> OptState:
         """`abstract_state` in saved form: what to hand orbax as the restore target."""
@@ -219,6 +234,12 @@ class Optimizer:
         return self._map_halved(
             lambda h: jax.ShapeDtypeStruct((h.num_layers, *h.first.shape[1:]), h.first.dtype,
                                            sharding=h.first.sharding), abstract)
+
+    def halved_part(self, opt_state) -> list:
+        """The state's LayerHalves entries (what `saved_form` joins into a copy), as a flat list."""
+        found = []
+        self._map_halved(lambda halves: found.append(halves) or halves, opt_state)
+        return found
 
     def host_bytes(self, opt_state_or_abstract) -> int:
         """Pinned host bytes this process holds for the state (arrays, or ShapeDtypeStructs with shardings)."""

@@ -123,8 +123,10 @@ def _attempt(recipe, mesh, compiler_options: dict | None) -> dict:
     except Exception as error:   # one failing candidate must not hide the others
         return {"error": f"{type(error).__name__}: {error}"[:3000],
                 "seconds": time.perf_counter() - started}
-    return {"report": report.to_dict(), "build_seconds": built,
-            "seconds": time.perf_counter() - started}
+    from spillway.recipes.plan.host_peak import phases_of_candidate
+    # The run's other phases beside the step's (save, restore, state creation: recipes/plan/host_peak.py).
+    return {"report": {**report.to_dict(), "host_phases": phases_of_candidate(recipe, mesh, report.host_bytes)},
+            "build_seconds": built, "seconds": time.perf_counter() - started}
 
 
 def _round_down(value: float, step: int) -> int:

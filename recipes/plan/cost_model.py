@@ -8,7 +8,9 @@ in flight) and the FLOPs counted from the model's shapes (models/flops.py), a
     transfer     both directions added, less the bytes the compiled schedule
                  moves in one direction while the other is busy too
                  (hlo.overlapping_host_copies), at the host link's rate;
-    compute      FLOPs at the GPU's peak dense bf16 rate: a lower bound;
+    compute      FLOPs at the fraction of the GPU's peak dense bf16 rate
+                 measured on an H200 for the run's attention kernel
+                 (recipes/plan/compute_model.py: cuDNN 47%, blockwise 14%);
     step         forward + backward + update. Forward: max(forward compute,
                  (activations going to host + block weights coming in) / link);
                  backward: max(backward + recompute compute, (activations
@@ -43,6 +45,7 @@ from spillway.models import flops as flop_count
 from spillway.recipes.config import NEXT_FORWARD, Recipe
 from spillway.recipes.optim.layouts import keeps_master_copy
 from spillway.recipes.optim.param_placement import param_memories
+from spillway.recipes.plan import compute_model
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.mesh_rules import compute_ways
 from spillway.recipes.plan.result import PlanRow
@@ -182,7 +185,7 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
 
 
 def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],
-             host_update_params_per_s: float | None = None) -> PlanRow:
+             host_update_params_per_s: float | None = None, run_attention_impl: str | None = None) -> PlanRow:
     """One candidate's row. host_update_params_per_s: the host CPU's update rate per GPU (host_compute).
 
     The compiled step's host traffic (report device_to_host / host_to_device
@@ -199,7 +202,8 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     impl = recipe.execution.attention_impl
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
                                           remat=candidate.activations, attention_impl=impl)
-    rate = compute_ways(mesh) * target.peak_bf16_flops
+    # Compute at the efficiency measured for the kernel the run uses (cuDNN plans compile as flash).
+    rate = compute_model.effective_flops_per_s(compute_ways(mesh) * target.peak_bf16_flops, run_attention_impl or impl)
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
                   compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
     if row.report is None:

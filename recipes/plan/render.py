@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
 
 GiB = 2**30
 GB = 10**9
+
+
+def _host_peak_cell(report: dict, devices: int) -> str:
+    """The host's peak over a run's phases and the phase (recipes/plan/host_peak.py): "183.4 save"."""
+    if not report:
+        return "-"
+    phase, peak = host_peak.host_peak(report, devices)
+    return f"{peak / GiB:.1f} {phase.removeprefix('checkpoint ')}"
 
 
 def _gib(n) -> str:
@@ -41,12 +50,15 @@ def render(p: Plan) -> str:
         f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction; "
         f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
     ]
+    if p.compute_basis:
+        lines.append(f"  compute    counted FLOPs at {p.compute_basis}")
     if p.host_update is not None and any(row.candidate.update_on_host for row in p.rows):
         h = p.host_update
         lines.append(f"  host CPU   update {h['params_per_s_per_core'] / 1e6:.0f} M params/s per core x "
                      f"{h['cores_per_gpu']:g} cores per GPU for host_compute plans ({h['source']})")
     lines += [f"  warning    {w}" for w in p.warnings]
-    header = (f"  {'plan':36s} {'opt':12s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'xfer GB':>8s} "
+    header = (f"  {'plan':36s} {'opt':12s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'peak GiB':>17s} "
+              f"{'xfer GB':>8s} "
               f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
     lines += ["", header, "  " + "-" * (len(header) - 2)]
     for row in p.rows:
@@ -56,6 +68,7 @@ def render(p: Plan) -> str:
         lines.append(
             f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.placement:12s} "
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
+            f"{_host_peak_cell(r, p.devices):>17s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "
             f"{_ms(row.transfer_s):>8s} "
             f"{_ms(row.compute_s):>8s} {_ms(row.step_s):>8s} {_phases(row):>18s}  {fits}")

@@ -1,8 +1,9 @@
 """The planner's result: a `PlanRow` per compiled candidate, the `Plan` that judges them and picks one.
 
 A row fits when its HBM is under the limit (headroom x the GPU's HBM, or
-`--hbm-budget` when lower), all GPUs' pinned host bytes fit the host's RAM
-and, for a plan that offloads activations, the compiled step keeps some in
+`--hbm-budget` when lower), the host's peak over a run's phases (state
+creation, step, checkpoint save, restore) for all its GPUs and the process's
+footprint fits the host's RAM (recipes/plan/host_peak.py) and, for a plan that offloads activations, the compiled step keeps some in
 host memory; the pick is the fastest estimated step among the rows that fit.
 `Plan.to_dict` is `spillway plan --json`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from spillway.recipes.config import Recipe
+from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.targets import GpuTarget
 
@@ -55,7 +57,7 @@ class PlanRow:
         return (self.report is not None and self.candidate.offloads_activations
                 and (self.report["host_buffer_count"] == 0 or self.report["host_temp_bytes"] == 0))
 
-    def to_dict(self) -> dict:
+    def to_dict(self, devices: int = 1) -> dict:
         r = self.report or {}
         return {
             "plan": self.candidate.activations, "optimizer_state": self.candidate.optimizer_state,
@@ -64,6 +66,7 @@ class PlanRow:
             "attention_impl": self.attention_impl, "pick": self.pick, "fits": self.fits,
             "why_not": self.why_not, "error": self.error,
             "hbm_bytes": r.get("hbm_bytes"), "host_bytes": r.get("host_bytes"),
+            "host_peak": None if not r else dict(zip(("phase", "bytes"), host_peak.host_peak(r, devices))),
             "host_temp_bytes": r.get("host_temp_bytes"), "host_buffer_count": r.get("host_buffer_count"),
             "device_to_host_bytes": r.get("device_to_host_bytes"),
             "host_to_device_bytes": r.get("host_to_device_bytes"),
@@ -88,6 +91,8 @@ class Plan:
     full_codegen_check: list[dict] = dataclasses.field(default_factory=list)
     hbm_budget_bytes: float | None = None   # --hbm-budget: a user's own HBM limit per GPU
     host_update: dict | None = None   # host-compute pricing: params_per_s_per_core, cores_per_gpu, source
+    # What the compute column is: counted FLOPs at which fraction of peak (recipes/plan/compute_model.py).
+    compute_basis: str = ""
     # Candidates not compiled because a plan with less in host memory fits (planner.plan(prune=True)):
     # the candidate's fields, its "label" and "because" (the label of the plan that fits).
     skipped: list[dict] = dataclasses.field(default_factory=list)
@@ -112,9 +117,10 @@ class Plan:
             reasons = []
             if row.report["hbm_bytes"] > self.hbm_limit_bytes:
                 reasons.append(f"HBM {row.report['hbm_bytes'] / GiB:.1f} > {self.hbm_limit_bytes / GiB:.1f} GiB")
-            host_total = row.report["host_bytes"] * self.devices
-            if host_total > self.host_ram_bytes:
-                reasons.append(f"host {host_total / GiB:.1f} > {self.host_ram_bytes / GiB:.1f} GiB")
+            # The peak over the run's phases (recipes/plan/host_peak.py), not the step's arguments.
+            host_refusal = host_peak.describe_refusal(row.report, self.devices, self.host_ram_bytes)
+            if host_refusal:
+                reasons.append(host_refusal)
             if row.dropped_offload:
                 reasons.append("offload dropped: no activation in host memory in the compiled step")
             row.fits, row.why_not = not reasons, "; ".join(reasons)
@@ -147,12 +153,13 @@ class Plan:
             "host_ram_bytes": self.host_ram_bytes,
             "host_link": t.host_link, "host_link_bytes_per_s": t.host_link_bytes_per_s,
             "peak_bf16_flops": t.peak_bf16_flops, "host_update": self.host_update,
+            "compute_basis": self.compute_basis,
         }
 
     def to_dict(self) -> dict:
         picked = self.picked
         return {"summary": self.summary(), "warnings": self.warnings,
-                "plans": [row.to_dict() for row in self.rows],
+                "plans": [row.to_dict(self.devices) for row in self.rows],
                 "pick": None if picked is None else picked.candidate.to_dict(),
                 "search": self.search, "timing": self.timing, "skipped": self.skipped,
                 "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
@@ -161,7 +168,8 @@ class Plan:
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
                "Transfer time: both directions added, at the host link's per-direction rate, less the bytes the "
                "compiled schedule moves while the other direction is busy too. Compute time: "
-               "models/flops.py's count at the GPU's peak dense bf16 rate (a lower bound). Step time = "
+               "models/flops.py's count at the fraction of the GPU's peak dense bf16 rate measured for the run's "
+               "attention kernel (recipes/plan/compute_model.py; the summary's compute_basis says which). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "

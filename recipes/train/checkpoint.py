@@ -72,6 +72,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from spillway.recipes.train.errors import RunError
+from spillway.recipes.train.host_memory import RESTORE_CONCURRENT_GB   # what a restore reads at once
 
 PARAMS = "params"
 OPT_STATE = "opt_state"
@@ -154,7 +155,8 @@ class _TextRestore(ocp.args.CheckpointArgs):
 
 
 def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
-    handlers: dict[str, ocp.CheckpointHandler] = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
+    handlers: dict[str, ocp.CheckpointHandler] = {
+        name: ocp.StandardCheckpointHandler(restore_concurrent_gb=RESTORE_CONCURRENT_GB) for name in _ARRAY_ITEMS}
     handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
     handlers[RECIPE] = _TextFileHandler(RECIPE_FILENAME)
     return handlers

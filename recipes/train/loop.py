@@ -32,14 +32,15 @@ from spillway.models.flops import model_flops_per_token
 from spillway.recipes.config import DataConfig, Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
-from spillway.recipes.train import distributed, gpu_allocators
+from spillway.recipes.train import distributed, gpu_allocators, host_memory
 from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
                                             peak_flops_per_device)
 from spillway.recipes.train.preemption import GroupStop, StopSignals, signal_name
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
-from spillway.recipes.train.step import abstract_with_shardings, make_eval_step, pinned_host_bytes, setup
+from spillway.recipes.train.step import (abstract_setup, abstract_with_shardings, make_eval_step, pinned_host_bytes,
+                                         setup)
 
 
 def _global_batch(local_bt: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -87,16 +88,22 @@ def _owned_run_dir(run_dir: Path, main: bool, say):
         lock.release()
 
 
-def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int | None = None) -> RunResult:
+def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int | None = None,
+          host_ram_gb: float | None = None) -> RunResult:
     """Run (or resume) the recipe. `stop_after`: leave after that many steps of this invocation, with a
-    checkpoint, as a time-limited job would; the next call resumes.
+    checkpoint, as a time-limited job would; the next call resumes. `host_ram_gb`: the host RAM to check
+    the run's host memory peak against (default: the machine's; above it, a warning).
 
     Failures a user can fix raise RunError subclasses with one-line messages; SIGTERM and Ctrl-C save the
     step in progress and raise SystemExit(143 or 130) (recipes/train/preemption.py).
     """
     from spillway.recipes.train.checkpoint import CHECKPOINTS_DIRNAME, RunCheckpointer
 
-    gpu_allocators.configure()   # before anything starts the GPU backend
+    if host_ram_gb is not None and not host_ram_gb > 0:
+        from spillway.layers.errors import ConfigError
+        raise ConfigError(f"--host-ram-gb must be positive, got {host_ram_gb}")
+    # Before anything starts the GPU backend: the pinned limit from the run's pinned peak (shapes only).
+    gpu_allocators.configure(pinned_need_bytes=host_memory.pinned_need_of_recipe(recipe))
     distributed.maybe_initialize()
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
@@ -117,7 +124,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                                        async_save=recipe.checkpoint.async_save)
         try:
             return _train_owned(recipe, run_dir, checkpointer, main=main, say=say, progress=progress,
-                                stop_after=stop_after, lock=lock)
+                                stop_after=stop_after, lock=lock, host_ram_gb=host_ram_gb)
         except Exception as error:
             from spillway.recipes.train.out_of_memory import is_out_of_memory, out_of_memory_error
             if is_out_of_memory(error):   # the user's settings, not a bug: name them
@@ -128,7 +135,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
 
 
 def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say, progress: bool,
-                 stop_after: int | None, lock: RunLock) -> RunResult:
+                 stop_after: int | None, lock: RunLock, host_ram_gb: float | None = None) -> RunResult:
     # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from tqdm import tqdm
@@ -165,6 +172,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         # Before anything is allocated: pinned memory the host cannot give fails here, not mid-init.
         pinned = pinned_host_bytes(recipe, mesh)
         check_host_memory(pinned.total, breakdown=pinned.describe())
+        # The peak over the run's phases (state creation, step, checkpoint save, restore) and the pinned limit.
+        host_memory.check_run(abstract_setup(recipe, mesh, platform=jax.default_backend()),
+                              host_ram_bytes=None if host_ram_gb is None else int(host_ram_gb * 1e9), say=say)
     s = setup(recipe, mesh)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
@@ -174,7 +184,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
         if main:
             record_history(run_dir, "fine-tune", step=0, init_from=str(recipe.checkpoint.init_from))
-    opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
+    # A resumed run's state comes from the checkpoint: made here too, it would be a second whole copy
+    # in (pinned host) memory while the restore writes the first (benchmarks/host_memory_phases.py).
+    opt_state = None if candidates else jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
     loader = train_loader(data, recipe, jax.process_index(), jax.process_count())
     check_weights = make_weights_check(s.graphdef, s.mesh, loss_chunk=cfg.loss_chunk, grad_accum=cfg.grad_accum,
                                        param_shardings=s.param_shardings, batch_sharding=s.batch_sharding)
@@ -209,7 +221,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         # Checkpoints hold the state in saved form (one array per leaf); the
         # streamed host leaves go back to their two buffers.
         params, step = resumed.params, int(resumed.meta["step"])
-        opt_state = s.optimizer.from_saved_form(resumed.opt_state)
+        opt_state = s.optimizer.from_saved_form(resumed.opt_state, consume=True)
         loader.restore(resumed.loader_state)
         changes = "".join(f"; {field}: {before} -> {after}" for field, (before, after) in resumed.changed.items())
         say(f"resumed from {checkpointer.step_dir(resumed.step)} at step {step}{changes}")

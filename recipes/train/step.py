@@ -27,6 +27,7 @@ from spillway.recipes.optim.host_memory import donate_opt_state_ok
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
+from spillway.recipes.train import xla_settings
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 
 
@@ -189,7 +190,7 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
                                           recipe.offload.params)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed, param_sh)
     _warn_if_replicated(params, mesh)
-    return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok())
+    return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok(), platform=jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +221,12 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     the state and the pending gradients are read and new ones written: two of
     each.
     """
-    s = abstract_setup(recipe, mesh, platform=jax.default_backend())
+    return pinned_bytes_of_setup(abstract_setup(recipe, mesh, platform=jax.default_backend()))
+
+
+def pinned_bytes_of_setup(s: TrainSetup) -> PinnedHostBytes:
+    """`pinned_host_bytes` of a setup already built (abstract or concrete)."""
+    recipe = s.recipe
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
     if s.defers_update:
@@ -267,7 +273,7 @@ def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetu
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
     return _assemble(recipe, mesh, graphdef, abstract_with_shardings(abstract_state, param_sh), param_sh,
-                     donate_opt_state_ok(platform), layout_source=abstract_state)
+                     donate_opt_state_ok(platform), layout_source=abstract_state, platform=platform)
 
 
 def abstract_model(recipe: Recipe):
@@ -276,14 +282,22 @@ def abstract_model(recipe: Recipe):
 
 
 def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
-              layout_source=None) -> TrainSetup:
-    """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step."""
+              layout_source=None, platform: str = "cuda") -> TrainSetup:
+    """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step.
+
+    `platform` (the runtime's, or the target's) decides whether streamed host state is kept in two
+    buffers per leaf: on a GPU, so that the two host-link directions overlap; not on CPU, where there
+    is no link and the halves only cost a whole copy at every checkpoint save (Optimizer's
+    halve_stacked_state; benchmarks/host_memory_phases.py)."""
     # A micro-batch the batch axes do not divide is replicated: it runs (the planner refuses it).
     check_batch_split(dict(mesh.shape), recipe.train.global_batch, recipe.train.grad_accum, micro_batches_too=False)
     layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
                            state_memory=recipe.offload.optimizer_state)
     deferred = recipe.offload.update == "next_forward"
-    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred)
+    # The same XLA settings wherever this step compiles: a GPU run, and the planner's deviceless compile.
+    xla_options = xla_settings.step_compiler_options(platform)
+    optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred,
+                          halve_stacked_state=platform != "cpu")
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
@@ -298,15 +312,17 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
         donated = _donated(False, param_sh)
         step = jax.jit(update_in_forward.make_train_step(loss_fn, optimizer),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
-                       out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated)
+                       out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
+                       compiler_options=xla_options)
         flush = jax.jit(update_in_forward.make_flush(optimizer), in_shardings=(param_sh, opt_sh, pending_sh),
-                        out_shardings=(param_sh, opt_sh, pending_sh), donate_argnums=donated)
+                        out_shardings=(param_sh, opt_sh, pending_sh), donate_argnums=donated,
+                        compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, scalar_sh),
-                   donate_argnums=_donated(donate_opt_state, param_sh))
+                   donate_argnums=_donated(donate_opt_state, param_sh), compiler_options=xla_options)
     return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
 
 

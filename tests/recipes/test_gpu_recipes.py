@@ -172,14 +172,16 @@ def test_train_plan_auto_plans_for_the_recipes_gpu(monkeypatch):
 
     seen = {}
 
-    def fake_apply_plan(recipe, how, *, gpu, devices):
-        seen.update(gpu=gpu, devices=devices)
+    def fake_apply_plan(recipe, how, *, gpu, devices, host_ram_gb=None):
+        seen.update(gpu=gpu, devices=devices, host_ram_gb=host_ram_gb)
         return recipe
     monkeypatch.setattr(preflight, "check_run_inputs", lambda recipe: None)
     monkeypatch.setattr(commands, "apply_plan", fake_apply_plan)
     monkeypatch.setattr(loop, "train", lambda recipe, **kwargs: None)
     assert cli.main(["train", "llama3_8b_offload", "--plan", "auto"]) == 0
-    assert seen == {"gpu": "h100", "devices": None}   # devices: what the run sees (commands.default_devices)
+    assert seen == {"gpu": "h100", "devices": None, "host_ram_gb": None}   # devices: what the run sees
+    assert cli.main(["train", "llama3_8b_offload", "--plan", "auto", "--host-ram-gb", "137"]) == 0
+    assert seen["host_ram_gb"] == 137.0                # the plan and the run's host check use the same RAM
     assert cli.main(["train", "llama3_8b_offload", "--plan", "auto", "--gpu", "gh200"]) == 0
     assert seen["gpu"] == "gh200"
 

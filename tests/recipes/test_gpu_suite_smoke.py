@@ -75,4 +75,5 @@ def test_every_case_is_a_recipe_that_builds_with_its_overrides():
     from spillway.recipes.registry import get_recipe
     for name, case in gpu_suite.CASES.items():
         recipe = get_recipe(case.recipe, gpu_suite.case_overrides(case))
-        assert (recipe.data.seq_len, recipe.train.global_batch) == (case.seq_len, 1), name
+        assert (recipe.data.seq_len, recipe.train.global_batch, recipe.train.grad_accum) == (
+            case.seq_len, case.global_batch, case.grad_accum), name

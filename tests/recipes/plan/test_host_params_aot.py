@@ -182,10 +182,10 @@ def test_host_weights_cost_their_link_time_in_forward_and_backward_not_in_the_up
     forward_weights = passes["forward"]["host_to_device_bytes"]
     backward_weights = passes["backward"]["host_to_device_bytes"] + passes["backward"]["device_to_host_bytes"]
     assert forward_weights > 0 and backward_weights > 0
-    # A tiny model on an H200: the link, not compute, sets both passes.
-    assert host.compute_s < forward_weights / link / 10
-    assert host.forward_s == pytest.approx(forward_weights / link)
     overlapped = rows["host_params"]["report"]["overlapped_bytes_by_pass"]["backward"]
+    # A tiny model on an H200: the link, not compute (at the efficiency compute_model measured), sets both passes.
+    assert host.compute_s < min(forward_weights, backward_weights - overlapped) / link
+    assert host.forward_s == pytest.approx(forward_weights / link)
     assert host.backward_s == pytest.approx((backward_weights - overlapped) / link)
     assert host.step_s >= device.step_s + (forward_weights + backward_weights) / link * (1 - 1e-9)
     # The update's time covers at most what the compiled step moves outside the two passes.

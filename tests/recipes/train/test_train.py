@@ -73,8 +73,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_cache, tmp_path):
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_resume_moves_optimizer_state_between_device_and_host(data_cache, tmp_path):
     """Checkpoints hold one array per state leaf whatever the placement (Optimizer.saved_form):
-    a run that saved its state on device resumes with it in host memory, where the stacked
-    leaves' state is split into two buffers, and goes on as a run on host throughout."""
+    a run that saved its state on device resumes with it in host memory (on a GPU the stacked
+    leaves' state is split into two buffers there; on CPU it stays one), and goes on as a run on
+    host throughout."""
     on_host = "offload.optimizer_state=host"
     straight = train(micro(data_cache, tmp_path / "straight", on_host), progress=False)
     first = train(micro(data_cache, tmp_path / "moved"), progress=False, stop_after=4)

@@ -1,0 +1,282 @@
+"""Host memory per phase of a training run: the peak a plan must fit, known before anything is allocated.
+
+The step's arguments are not a run's host memory. Measured on CPU
+(benchmarks/host_memory_phases.py) and read from deviceless GPU compiles
+(benchmarks/host_memory_aot.py), a run with its optimizer state in host memory
+holds, besides the process's own footprint F (JAX, the CUDA runtime and
+libraries, XLA's compiler), per process:
+
+    state creation  W + S + Gp           Optimizer.init writes the state straight into host
+                                         memory (deviceless H200: host temp 0)
+    step            the step's own host  donated, the new state is written over the old one
+                    bytes                (host alias = host arguments); with the update in the
+                                         next forward pass 2 (S + Gp): the scan's stacked
+                                         outputs are new buffers (update_in_forward.py)
+    save            W + S + Gp + H       the halved state joined into the saved form (H), and
+                    + staging            orbax's copies: on a GPU, orbax 0.12.8 stages every
+                                         device array in pinned host memory and then copies
+                                         every array into NumPy before writing
+                                         (serialization/replica_slices.transfer_arrays_to_host),
+                                         2 x the device bytes saved + the host bytes saved; on
+                                         CPU NumPy reads the buffers in place
+    restore         2W + S + Gp +        the restored arrays land in their target memory kind;
+                    min(saved, R)        orbax reads through NumPy, at most R bytes at once
+                                         (checkpoint.RESTORE_CONCURRENT_GB); the state is not
+                                         initialised first (loop.py), and the halves are split a
+                                         leaf at a time (Optimizer.from_saved_form(consume=True))
+
+with S the optimizer state in host memory, H its part kept as LayerHalves,
+W the block weights in host memory, Gp the pending gradients
+(offload.update=next_forward). F is assumed (ASSUMED_GPU_FOOTPRINT_BYTES), not
+measured on a GPU yet: benchmarks/gpu_suite.py records the resident peak.
+
+`HostPhases` holds those figures; `phases_of(setup)` makes them from a
+TrainSetup (abstract or concrete), and `check_host_peak` refuses a run whose
+peak exceeds the host's RAM, naming the phase. The planner uses the same
+model with the compiled step's own host bytes (recipes/plan/host_peak.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from spillway.layers.errors import SpillwayError
+
+GiB = 2**30
+# The process's own resident memory on a GPU machine before any state: JAX, the CUDA runtime, cuDNN and
+# cuBLAS, XLA's GPU compiler compiling the step. Assumed, not measured (on CPU: 0.2 GB at start-up,
+# 1.3 GB after compiling the 66M model's step, benchmarks/host_memory_phases.py).
+ASSUMED_GPU_FOOTPRINT_BYTES = 6 * GiB
+# Orbax reads a restore through NumPy buffers, at most this many GB at once (its default: 96), set by
+# recipes/train/checkpoint.py: the host memory a restore holds beside the restored arrays.
+RESTORE_CONCURRENT_GB = 8
+RESTORE_STAGING_BYTES = RESTORE_CONCURRENT_GB * 10**9
+PHASES = ("start-up", "state creation", "step", "checkpoint save", "restore")
+
+
+class HostPeakError(SpillwayError, MemoryError):
+    """A run's host memory would peak above the host's RAM in some phase."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPhases:
+    """Bytes of host memory one process holds per phase (module docstring), and how much of it is pinned."""
+
+    footprint: int
+    state: int            # S: optimizer state in host memory
+    halved: int           # H: the part of S kept as LayerHalves (joined at a save)
+    weights: int          # W: block weights in host memory
+    pending: int          # Gp: pending gradients in host memory (offload.update=next_forward)
+    step_host: int        # what the step holds in host memory (the compiled step's, or the argument count)
+    saved_device: int     # bytes a checkpoint saves from device memory (parameters, device state)
+    saved_host: int       # bytes a checkpoint saves from host memory
+    gpu: bool = True      # orbax stages device arrays through pinned host memory (a GPU's)
+
+    @property
+    def save_staging(self) -> int:
+        return 2 * self.saved_device + self.saved_host if self.gpu else 0
+
+    def by_phase(self) -> dict[str, int]:
+        live = self.weights + self.state + self.pending
+        saved = self.saved_device + self.saved_host
+        return {
+            "start-up": self.footprint,
+            "state creation": self.footprint + live,
+            "step": self.footprint + self.step_host,
+            "checkpoint save": self.footprint + live + self.halved + self.save_staging,
+            "restore": self.footprint + live + self.weights + min(saved, RESTORE_STAGING_BYTES),
+        }
+
+    def pinned_by_phase(self) -> dict[str, int]:
+        """The pinned part of each phase: what XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB must allow."""
+        live = self.weights + self.state + self.pending
+        return {"start-up": 0, "state creation": live, "step": self.step_host,
+                "checkpoint save": live + self.halved + (self.saved_device if self.gpu else 0),
+                "restore": live + self.weights}
+
+    def peak(self) -> tuple[str, int]:
+        """(phase, bytes) of the highest phase."""
+        return max(self.by_phase().items(), key=lambda item: item[1])
+
+    def pinned_peak(self) -> int:
+        return max(self.pinned_by_phase().values())
+
+    def scaled(self, factor: int) -> HostPhases:
+        """The same for `factor` processes' worth (the planner's per-GPU figures x GPUs on the host);
+        the footprint once."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name) * factor
+                                            for f in dataclasses.fields(self) if f.name not in ("footprint", "gpu")})
+
+    def describe(self, phase: str) -> str:
+        gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+        parts = {"start-up": f"process {gib(self.footprint)}",
+                 "state creation": f"process {gib(self.footprint)}, state {gib(self.state)}, weights "
+                                   f"{gib(self.weights)}, pending gradients {gib(self.pending)}",
+                 "step": f"process {gib(self.footprint)}, the step's host buffers {gib(self.step_host)}",
+                 "checkpoint save": f"process {gib(self.footprint)}, state {gib(self.state)}, weights "
+                                    f"{gib(self.weights)}, pending gradients {gib(self.pending)}, the state's "
+                                    f"halves joined {gib(self.halved)}, orbax's host copies {gib(self.save_staging)}",
+                 "restore": f"process {gib(self.footprint)}, state {gib(self.state)}, weights 2 x "
+                            f"{gib(self.weights)}, orbax's read buffers "
+                            f"{gib(min(self.saved_device + self.saved_host, RESTORE_STAGING_BYTES))}"}
+        return parts[phase]
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "by_phase": self.by_phase(), "pinned_by_phase": self.pinned_by_phase()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HostPhases:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+def _bytes_by_kind(tree, per_device: bool = False) -> dict[str, int]:
+    """Bytes per memory kind this process holds, or (per_device) one device holds: each leaf's shard."""
+    from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
+    if not per_device:
+        return tree_nbytes_by_memory_kind(tree)
+    totals: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        kind = leaf.sharding.memory_kind or "device"
+        totals[kind] = totals.get(kind, 0) + math.prod(shape) * leaf.dtype.itemsize
+    return totals
+
+
+def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, gpu: bool = True,
+              per_device: bool = False) -> HostPhases:
+    """HostPhases of a TrainSetup (step.setup or step.abstract_setup); nothing is allocated.
+
+    `step_host`: the step's own host bytes (a compiled step's memory analysis); default: what
+    step.pinned_host_bytes counts from the arguments. `footprint`: default ASSUMED_GPU_FOOTPRINT_BYTES
+    on a GPU, the process's resident set now on CPU. `per_device`: one GPU's share (each leaf's shard;
+    the planner's figures, with a compiled step's per-GPU host bytes) instead of this process's.
+    """
+    from spillway.recipes.train import step as train_step
+    from spillway.layers.memory import PINNED_HOST
+
+    opt = s.optimizer
+    abstract_state = opt.abstract_state(s.params, s.param_shardings)
+    state = _bytes_by_kind(abstract_state, per_device).get(PINNED_HOST, 0)
+    halved = _bytes_by_kind(opt.halved_part(abstract_state), per_device).get(PINNED_HOST, 0)
+    weights = _bytes_by_kind(s.params, per_device).get(PINNED_HOST, 0)
+    pending = 0
+    if s.defers_update:
+        pending = _bytes_by_kind(train_step._abstract_pending(s), per_device).get(PINNED_HOST, 0)
+    if step_host is None:
+        step_host = train_step.pinned_bytes_of_setup(s).total
+    saved = _bytes_by_kind((s.params, opt.saved_abstract_state(s.params, s.param_shardings)), per_device)
+    if footprint is None:
+        footprint = ASSUMED_GPU_FOOTPRINT_BYTES if gpu else _resident_bytes()
+    return HostPhases(footprint=footprint, state=state, halved=halved, weights=weights, pending=pending,
+                      step_host=step_host, saved_device=saved.get("device", 0),
+                      saved_host=sum(n for kind, n in saved.items() if kind != "device"), gpu=gpu)
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_host_peak(phases: HostPhases, host_ram_bytes: int, *, where: str = "this host") -> None:
+    """HostPeakError naming the phase when the run's host memory would peak above `host_ram_bytes`."""
+    phase, peak = phases.peak()
+    if peak > host_ram_bytes:
+        raise HostPeakError(
+            f"this run's host memory would peak at {peak / GiB:.1f} GiB during the {phase} "
+            f"({phases.describe(phase)}), but {where} has {host_ram_bytes / GiB:.1f} GiB of RAM: keep more on "
+            f"device (offload.optimizer_state=device, offload.params=device, offload.update=after_backward) "
+            f"or shard the state over more hosts")
+
+
+def restore_state(checkpointer, s, params, step: int | None = None):
+    """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/loop.py): no state made
+    first, the halves split a leaf at a time."""
+    from spillway.recipes.train.step import abstract_with_shardings
+    restored = checkpointer.restore(step, abstract_params=abstract_with_shardings(params, s.param_shardings),
+                                    abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings))
+    return restored["params"], s.optimizer.from_saved_form(restored["opt_state"], consume=True)
+
+
+def leaves_memory_kinds(tree) -> set[str]:
+    """The memory kinds of a tree of arrays (to check a restore kept them)."""
+    return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
+
+
+# --- a run's checks, before anything is allocated ----------------------------------------------------------
+
+def pinned_need_of_recipe(recipe) -> int:
+    """The pinned bytes one process holding the whole model needs at its pinned peak (HostPhases.pinned_peak),
+    from shapes alone: callable before JAX starts its GPU backend, which reads the pinned limit once.
+
+    An upper bound for a run over several processes (each holds its shard).
+    """
+    from spillway.layers.memory import Memory
+    from spillway.recipes.optim.layouts import LeafLayout, make_layouts
+    from spillway.recipes.train.step import abstract_model
+
+    # The parameters' shapes do not depend on the attention kernel, and building a cuDNN one asks for the
+    # backend (which would start it before the limit is set).
+    _, abstract = abstract_model(dataclasses.replace(
+        recipe, execution=dataclasses.replace(recipe.execution, attention_impl="flash")))
+    layouts = jax.tree.leaves(make_layouts(abstract, recipe.optimizer, state_memory=recipe.offload.optimizer_state),
+                              is_leaf=lambda x: isinstance(x, LeafLayout))
+    values = [getattr(leaf, "value", leaf) for leaf in jax.tree.leaves(abstract)]
+    deferred = recipe.offload.update == "next_forward"
+    state = halved = weights = pending = device_saved = 0
+    for layout, value in zip(layouts, values):
+        size = int(value.size)
+        param_bytes = size * value.dtype.itemsize
+        state_bytes = size * (8 + 4 * layout.master)
+        streamed = layout.stacked and layout.state_memory == Memory.HOST and not recipe.optimizer.update_on_host
+        host_weight = layout.stacked and recipe.offload.params == "host"
+        if layout.state_memory == Memory.HOST:
+            state += state_bytes
+            halved += state_bytes if streamed and not deferred else 0
+            pending += param_bytes if streamed and deferred else 0
+        else:
+            device_saved += state_bytes
+        weights += param_bytes if host_weight else 0
+        device_saved += 0 if host_weight else param_bytes
+    if deferred:
+        step_host = 2 * (state + pending)
+    else:
+        step_host = state + weights + (weights if recipe.train.grad_accum == 1 else 2 * weights)
+    phases = HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,
+                        step_host=step_host, saved_device=device_saved, saved_host=state + weights)
+    return phases.pinned_peak()
+
+
+def check_run(s, *, host_ram_bytes: int | None = None, machine_ram_bytes: int | None = None,
+              environ=None, say=print) -> HostPhases:
+    """Before a run allocates anything: its host peak against the RAM, its pinned peak against
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set that. `s` is the run's abstract setup on this
+    process's mesh. `host_ram_bytes`: the RAM to plan for (spillway train --host-ram-gb); default the
+    machine's. Returns the phases."""
+    import os
+
+    from spillway.recipes.optim.host_memory import host_ram_bytes as machine_ram
+    from spillway.recipes.train import gpu_allocators
+
+    environ = os.environ if environ is None else environ
+    gpu = jax.default_backend() in ("gpu", "cuda")
+    machine = machine_ram() if machine_ram_bytes is None else machine_ram_bytes
+    if host_ram_bytes is not None and machine and host_ram_bytes > machine:
+        say(f"warning: --host-ram-gb {host_ram_bytes / 1e9:g} is more than this machine's RAM "
+            f"({machine / 1e9:.1f} GB, /proc/meminfo): the host memory check uses {host_ram_bytes / 1e9:g} GB, "
+            f"and a run that needs more than the machine has is killed by the kernel")
+    phases = phases_of(s, gpu=gpu)
+    ram = host_ram_bytes if host_ram_bytes is not None else machine
+    if ram:
+        check_host_peak(phases, ram)
+    if gpu:
+        gpu_allocators.check_pinned_limit(phases.pinned_peak(), environ)
+    return phases

@@ -1,0 +1,80 @@
+"""The planner's host figure is the peak over a run's phases (recipes/plan/host_peak.py): judged on plan rows
+made by hand (no compile), and the per-GPU phases of a candidate from its abstract setup."""
+
+import dataclasses
+
+import jax
+
+from spillway.layers.sharding import make_mesh
+from spillway.recipes.plan import host_peak
+from spillway.recipes.plan.candidates import Candidate
+from spillway.recipes.plan.result import Plan, PlanRow
+from spillway.recipes.targets import get_target
+from spillway.recipes.registry import get_recipe
+from spillway.recipes.train.host_memory import ASSUMED_GPU_FOOTPRINT_BYTES, HostPhases
+
+GiB = 2**30
+
+
+def row_with_phases(activations, state, step_ms, phases: HostPhases | None, host_gib=0.0):
+    report = {"hbm_bytes": 20 * GiB, "temp_bytes": GiB, "host_bytes": host_gib * GiB, "host_temp_bytes": 0,
+              "host_buffer_count": 0, "device_to_host_bytes": 0, "host_to_device_bytes": 0}
+    if phases is not None:
+        report["host_phases"] = phases.to_dict()
+    row = PlanRow(Candidate.of(activations, state), "flash", report, None, {}, compute_s=0.0,
+                          compile_s=0.0)
+    row.forward_s, row.backward_s, row.update_s = step_ms / 1e3, 0.0, 0.0
+    return row
+
+
+def eight_b_like(**overrides):
+    # One H200's share of an 8B run with host state: 90 GiB of state, 78 of it halved, 15 GiB of bf16 weights.
+    base = dict(footprint=0, state=90 * GiB, halved=78 * GiB, weights=0, pending=0, step_host=90 * GiB,
+                saved_device=15 * GiB, saved_host=90 * GiB)
+    return HostPhases(**{**base, **overrides})
+
+
+def plan_of(rows, host_ram_gib, devices=1):
+    return Plan(get_recipe("tiny"), get_target("h200"), devices, {"data": devices}, 0.9, host_ram_gib * GiB,
+                        rows, [], None, {}).judge()
+
+
+def test_a_plan_whose_save_does_not_fit_the_hosts_ram_is_refused_naming_the_phase():
+    rows = [row_with_phases("recompute_all", "host", 100.0, eight_b_like(), host_gib=90.0),
+            row_with_phases("save_dots", "device", 150.0, eight_b_like(state=0, halved=0, step_host=0, saved_host=0,
+                                                                      saved_device=105 * GiB))]
+    plan = plan_of(rows, 128)
+    host_row, device_row = plan.rows
+    # 90 state + 78 halves joined + orbax: 2 x 15 + 90, + the process's assumed footprint
+    expected = (90 + 78 + 30 + 90) * GiB + ASSUMED_GPU_FOOTPRINT_BYTES
+    assert host_row.why_not == f"host {expected / GiB:.1f} GiB at checkpoint save > 128.0 GiB"
+    assert not host_row.fits and device_row.fits is False     # the device plan's save stages 2 x 105 GiB
+    roomy = plan_of(rows, 400)
+    assert all(row.fits for row in roomy.rows) and roomy.picked.candidate.activations == "recompute_all"
+    assert PlanRow.to_dict(host_row, 1)["host_peak"] == {"phase": "checkpoint save", "bytes": expected}
+
+
+def test_the_peak_of_a_host_counts_every_gpus_share_and_the_process_once():
+    phases = eight_b_like(state=10 * GiB, halved=8 * GiB, step_host=10 * GiB, saved_device=2 * GiB,
+                          saved_host=10 * GiB)
+    report = {"host_bytes": 10 * GiB, "host_phases": phases.to_dict()}
+    phase, peak = host_peak.host_peak(report, devices=8)
+    assert phase == "checkpoint save"
+    assert peak == 8 * (10 + 8 + 4 + 10) * GiB + ASSUMED_GPU_FOOTPRINT_BYTES
+
+
+def test_reports_without_phases_fall_back_to_the_steps_host_bytes():
+    assert host_peak.host_peak({"host_bytes": 5 * GiB}, devices=4) == ("step", 20 * GiB)
+
+
+def test_a_candidates_phases_are_one_gpus_share():
+    """On 8 (CPU stand-in) devices with fsdp 8 each GPU holds an eighth of the host state..."""
+    recipe = get_recipe("tiny", ["offload.optimizer_state=host", "model.d_model=64", "model.num_heads=4",
+                                 "model.num_kv_heads=2", "model.vocab_size=256", "model.mlp_hidden=128"])
+    one = host_peak.phases_of_candidate(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]), step_host_bytes=0)
+    eight = host_peak.phases_of_candidate(recipe, make_mesh(1, 8, 1, devices=jax.devices()[:8]), step_host_bytes=0)
+    assert one["state"] == 8 * recipe.num_params()
+    # ... except the norm scales (two per layer and the final one, d_model wide), which stay whole.
+    norm_state = (2 * recipe.model.num_layers + 1) * recipe.model.d_model * 8
+    assert eight["state"] == (one["state"] - norm_state) // 8 + norm_state
+    assert dataclasses.asdict(HostPhases.from_dict(one))["state"] == one["state"]

@@ -1,0 +1,50 @@
+"""What a GPU run keeps in pinned host memory, read from deviceless H200 compiles of its programs
+(benchmarks/host_memory_aot.py): the step writes the new state over the old one, the state is created in
+host memory without a copy beside it, and the update in the next forward pass holds old and new (the planner
+counts it: recipes/train/host_memory.py)."""
+
+import pytest
+
+from spillway.recipes.plan.subprocess_runner import run_in_compile_process
+
+pytestmark = [pytest.mark.needs_toolchain,   # tests/ci_gate.py: skips only without the CUDA toolkit, never under CI
+              pytest.mark.slow]            # two minutes of compiles on 2 loaded cores
+
+SMALL = ["model.vocab_size=1024", "model.d_model=128", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=4", "model.mlp_hidden=256"]
+
+
+@pytest.fixture(scope="module")
+def configs():
+    return run_in_compile_process("benchmarks.host_memory_aot", ["--json", "--configs", "host,host_next_forward",
+                                                                 "--set", *SMALL], timeout_s=600)["configs"]
+
+
+def test_the_donated_step_writes_the_new_state_over_the_old(configs):
+    row = configs["host"]
+    step = row["programs"]["step"]
+    assert step["host_argument_bytes"] == row["state_host_bytes"] > 0
+    assert step["host_alias_bytes"] == step["host_argument_bytes"] == step["host_output_bytes"]
+    assert step["host_temp_bytes"] == 0
+
+
+def test_the_state_is_created_in_host_memory_with_nothing_beside_it(configs):
+    for row in configs.values():
+        init = row["programs"]["init"]
+        assert init["host_output_bytes"] == row["state_host_bytes"]
+        assert init["host_temp_bytes"] == 0 and init["host_argument_bytes"] == 0
+
+
+def test_the_update_in_the_next_forward_pass_holds_old_and_new_state(configs):
+    """The scan's stacked outputs are new buffers: nothing aliases, so old and new state and pending
+    gradients are in host memory together; HostPhases' step figure for it is 2 x (state + pending)."""
+    row = configs["host_next_forward"]
+    step = row["programs"]["step"]
+    held = row["state_host_bytes"] + row["pending_host_bytes"]
+    assert step["host_argument_bytes"] == step["host_output_bytes"] == held
+    assert step["host_alias_bytes"] == 0
+
+
+def test_joining_the_halves_for_a_save_is_a_whole_copy_of_them(configs):
+    join = configs["host"]["programs"]["join"]
+    assert join["host_alias_bytes"] == 0 and join["host_output_bytes"] == join["host_argument_bytes"]
