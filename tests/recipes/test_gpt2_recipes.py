@@ -33,6 +33,7 @@ def test_gpt2_124m_is_the_published_model_at_its_whole_context():
         get_recipe("gpt2_124m", ["model.num_kv_heads=4"])
 
 
+@pytest.mark.slow  # an end-to-end run of 38 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_gpt2_tiny_trains_and_the_loss_falls(tmp_path):
     recipe = get_recipe("gpt2_tiny", [
         "data.source=builtin:stdlib:400000", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
@@ -51,6 +52,7 @@ def test_gpt2_tiny_trains_and_the_loss_falls(tmp_path):
     assert saved["family"] == "gpt2" and saved["model"]["num_heads"] == 4
 
 
+@pytest.mark.slow  # an end-to-end run of 39 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 @needs_toolchain
 def test_small_gpt2_offload_compiles_to_host_buffers_for_an_h200():
     """The ground truth for offload (S(5) host buffers, host temp bytes, both transfer directions)."""

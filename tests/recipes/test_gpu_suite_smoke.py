@@ -8,6 +8,7 @@ test environment has it): the measuring code runs in a child process in which
 importing `datasets` fails, as it would there.
 """
 
+import pytest
 import json
 import math
 import subprocess
@@ -56,6 +57,7 @@ def test_the_datasets_blocker_works():
     assert out.returncode != 0 and "blocked: the GPU machine has none" in out.stderr
 
 
+@pytest.mark.slow  # an end-to-end run of 31 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_measure_case_and_table_run_on_cpu_without_datasets():
     out = _run_child(_child_code())
     assert out.returncode == 0, out.stderr[-3000:]

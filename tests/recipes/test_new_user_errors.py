@@ -77,6 +77,7 @@ def test_a_broken_user_block_is_named_in_train_and_in_plan(module, user_blocks, 
     assert __import__("re").search(EXPECTED[module], err), err
 
 
+@pytest.mark.slow  # an end-to-end run of 46 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_token_ids_past_the_vocabulary_name_the_cache_not_diverged_weights(tmp_path, capsys):
     import numpy as np
 
@@ -124,6 +125,7 @@ def test_out_of_memory_with_the_users_settings_names_them_and_the_bytes(tmp_path
     assert "num_layers=2" in err and "train.global_batch=16 x data.seq_len=32" in err and "spillway plan tiny" in err
 
 
+@pytest.mark.slow  # an end-to-end run of 36 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_unfinished_folder(tmp_path, capfd, monkeypatch):
     import errno
 

@@ -17,6 +17,9 @@ from spillway.recipes.train import checkpoint as ckpt_lib
 from spillway.recipes.train.loop import train
 
 
+pytestmark = [pytest.mark.slow]  # one module fixture training the run it reads: 45 s on 2 cores, `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """Steps 2 and 4 saved."""

@@ -62,6 +62,7 @@ def planned_recipe(monkeypatch, argv, capsys) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.slow  # an end-to-end run of 66 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_train_and_plan_a_recipe_json_with_set_on_top(user_dir, capsys, monkeypatch):
     recipe_file = user_dir / "recipe.json"
     recipe_file.write_text(get_recipe("tiny", [*MICRO, "data.source=builtin:stdlib:400000"]).to_json())
@@ -82,6 +83,7 @@ def test_train_and_plan_a_recipe_json_with_set_on_top(user_dir, capsys, monkeypa
     assert '"steps": 9' in capsys.readouterr().out
 
 
+@pytest.mark.slow  # an end-to-end run of 32 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_train_and_plan_a_recipe_function_with_set_on_top(user_dir, capsys, monkeypatch):
     run_dir = user_dir / "run"
     assert cli.main(["train", "nu_my_recipes:my_recipe", *sets("train.steps=1", f"checkpoint.dir={run_dir}",

@@ -68,6 +68,7 @@ def test_a_lock_taken_by_another_run_stops_the_holder(locking, tmp_path):
         intruder.release()
 
 
+@pytest.mark.slow  # an end-to-end run of 30 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_training_stops_when_another_run_takes_its_directory(tmp_path):
     run_dir = tmp_path / "run"
     intruder = RunLock(run_dir)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import warnings
 
+import pytest
+
 from new_user_fixtures import micro
 from spillway.recipes import cli
 from spillway.recipes.registry import get_recipe, recipe_names
@@ -13,6 +15,7 @@ from spillway.recipes.train.loop import train
 from spillway.recipes.train.metrics import RunLogger
 
 
+@pytest.mark.slow  # an end-to-end run of 35 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_a_finished_run_whose_metrics_were_deleted_ends_well_and_a_mixture_names_the_source_it_ignores(tmp_path):
     run_dir = tmp_path / "run"
     said = []

@@ -32,6 +32,7 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("new-user-cache")
 
 
+@pytest.mark.slow  # an end-to-end run of 65 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_finetune_keeps_a_tokenizer_json_and_its_special_tokens(cache_dir, tmp_path):
     hf = write_hf_tokenizer(tmp_path / "hf-tokenizer")
     source_run, tuned_run = tmp_path / "source", tmp_path / "tuned"

@@ -23,7 +23,7 @@ from spillway.recipes.plan import planner
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.registry import get_recipe
 
-pytestmark = pytest.mark.needs_toolchain
+pytestmark = [pytest.mark.needs_toolchain, pytest.mark.slow]  # one module fixture compiling a 12-layer Gemma 3 and its twin: 45 s on 2 cores, `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 
 SMALL = ["model.num_layers=12", "model.d_model=512", "model.num_heads=4", "model.num_kv_heads=2",
          "model.head_dim=128", "model.mlp_hidden=2048", "model.vocab_size=1024", "model.max_seq_len=1024",

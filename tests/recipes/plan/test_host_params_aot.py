@@ -26,7 +26,7 @@ from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.subprocess_runner import run_in_compile_process
 from spillway.recipes.targets import get_target
 
-pytestmark = pytest.mark.needs_toolchain
+pytestmark = [pytest.mark.needs_toolchain, pytest.mark.slow]  # one module fixture compiling every host-weights placement: 150 s on 2 cores, `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 
 LAYERS = 8
 ONE_GPU = {"data": 1, "fsdp": 1, "tensor": 1}

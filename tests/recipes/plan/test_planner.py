@@ -72,6 +72,7 @@ def rows_by_key(result):
             if row.candidate.update == AFTER_BACKWARD}
 
 
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_the_update_in_the_next_forward_is_priced_in_the_forward_pass(small_plan):
     """host_in_fwd rows: the compiled step moves the stacked leaves' state in the forward pass, both
     directions at once, and the price follows those bytes. The oracle is the bytes of the model's shapes:
@@ -196,6 +197,7 @@ def test_cudnn_attention_is_planned_with_flash_and_xla_warns():
 # --- the compiled plans ------------------------------------------------------------------
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_every_candidate_compiled_for_the_h200(small_plan):
     assert [row.candidate for row in small_plan.rows] == [
         c for c in plan_candidates.candidates(small_plan.recipe)
@@ -207,6 +209,7 @@ def test_every_candidate_compiled_for_the_h200(small_plan):
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_offloading_plans_keep_activations_in_host_memory(small_plan):
     """The ground truth: S(5) buffers and host bytes for every plan that offloads, none otherwise."""
     for row in small_plan.rows:
@@ -225,6 +228,7 @@ def test_offloading_plans_keep_activations_in_host_memory(small_plan):
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_hbm_orders_as_the_policies_say(small_plan):
     rows = rows_by_key(small_plan)
     hbm = {key: row.report["hbm_bytes"] for key, row in rows.items()}
@@ -237,6 +241,7 @@ def test_hbm_orders_as_the_policies_say(small_plan):
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_transfers_and_times(small_plan):
     """Times against quantities computed here from the model's shapes, not against the planner's own formula.
 
@@ -294,6 +299,7 @@ def test_transfers_and_times(small_plan):
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_host_compute_plans_pay_the_host_cpu(small_plan):
     """State on the host, updated by its CPU: no state in HBM, the update priced at the host's rate."""
     rows = rows_by_key(small_plan)
@@ -318,6 +324,7 @@ def test_host_compute_plans_pay_the_host_cpu(small_plan):
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_pick_fits_and_is_the_fastest_that_fits(small_plan):
     picked = small_plan.picked
     assert picked is not None and picked.fits
@@ -327,6 +334,7 @@ def test_pick_fits_and_is_the_fastest_that_fits(small_plan):
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_nothing_fits_under_a_tiny_headroom_and_the_message_has_numbers(small_plan):
     smallest = min(row.report["hbm_bytes"] for row in small_plan.rows)
     tight = small_plan.rejudged(headroom=smallest * 0.5 / small_plan.target.hbm_bytes)
@@ -342,6 +350,7 @@ def test_nothing_fits_under_a_tiny_headroom_and_the_message_has_numbers(small_pl
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
     monkeypatch.setattr(commands, "plan", lambda *args, **kwargs: small_plan)
     code, out, _ = run_cli(["plan", "tiny", "--gpu", "h200"], capsys)
@@ -367,6 +376,7 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
 
 
 @needs_toolchain
+@pytest.mark.slow  # reads the module's small_plan (16 compiles, 1-4 minutes on 2 cores): `make test-slow` (CI: .venv-jax011's slow step)
 def test_apply_plan_applies_the_pick_or_refuses(small_plan, monkeypatch):
     calls = []
 
@@ -652,6 +662,7 @@ def test_a_host_cpu_update_is_skipped_when_the_streamed_update_beats_its_cpu_tim
                                           host_update_floor_s=0.6) == streamed_params.label
 
 
+@pytest.mark.slow  # an end-to-end run of 107 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 @needs_toolchain
 def test_pruned_plan_compiles_less_and_picks_the_same(small_plan):
     pruned = planner.plan(small_recipe(), "h200", 1)

@@ -41,6 +41,7 @@ def as_numpy(tree):
     return jax.tree.map(np.asarray, tree)
 
 
+@pytest.mark.slow  # an end-to-end run of 39 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_the_step_donates_host_state_on_cpu_and_matches_the_state_on_device():
     """The state goes into the step donated (its buffers are consumed: the new state is written over
     them) and the numbers equal the state on device's."""

@@ -13,6 +13,9 @@ from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.loop import train
 
 
+pytestmark = [pytest.mark.slow]  # one module fixture training a mixture run: 40 s on 2 cores, `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
+
+
 @pytest.fixture(scope="module")
 def mixture_run(tmp_path_factory):
     """An uninterrupted 6-step run on a 3:1 mixture, saving steps 3 and 6."""

@@ -89,6 +89,7 @@ def run_copy(short_run, tmp_path):
 # -- the last step -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # an end-to-end run of 33 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_the_last_step_is_saved_whatever_the_period(data_cache, tmp_path, capsys):
     run_dir = tmp_path / "run"
     train(micro(data_cache, run_dir, "train.steps=3", "checkpoint.every_steps=1000"), progress=False)
@@ -182,6 +183,7 @@ def test_train_resume_false_into_a_directory_with_steps_is_refused(data_cache, r
 # -- divergence --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # an end-to-end run of 30 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_diverged_weights_are_not_saved_and_no_intact_step_is_claimed(data_cache, tmp_path):
     # the user's report: learning rate 1e30, a checkpoint every 2 steps. Step 2's weights are finite (~1e28)
     # but give a NaN loss: they must not be saved.
@@ -213,6 +215,7 @@ def test_the_nan_stop_names_the_intact_step_and_a_rerun_resumes_from_it(data_cac
 # -- owning the directory, Ctrl-C -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # an end-to-end run of 34 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
 def test_a_second_run_is_refused_and_ctrl_c_saves_and_exits_130(data_cache, tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "spillway.recipes.cli", "train", "tiny"]
