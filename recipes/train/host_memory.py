@@ -221,6 +221,7 @@ def pinned_need_of_recipe(recipe) -> int:
     """
     from spillway.layers.memory import Memory
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
+    from spillway.recipes.optim.param_placement import param_memories
     from spillway.recipes.train.step import abstract_model
 
     # The parameters' shapes do not depend on the attention kernel, and building a cuDNN one asks for the
@@ -230,14 +231,15 @@ def pinned_need_of_recipe(recipe) -> int:
     layouts = jax.tree.leaves(make_layouts(abstract, recipe.optimizer, state_memory=recipe.offload.optimizer_state),
                               is_leaf=lambda x: isinstance(x, LeafLayout))
     values = [getattr(leaf, "value", leaf) for leaf in jax.tree.leaves(abstract)]
+    memories = jax.tree.leaves(param_memories(abstract, recipe.offload.params))   # per leaf, same order
     deferred = recipe.offload.update == "next_forward"
     state = halved = weights = pending = device_saved = 0
-    for layout, value in zip(layouts, values):
+    for layout, value, memory in zip(layouts, values, memories, strict=True):
         size = int(value.size)
         param_bytes = size * value.dtype.itemsize
         state_bytes = size * (8 + 4 * layout.master)
         streamed = layout.stacked and layout.state_memory == Memory.HOST and not recipe.optimizer.update_on_host
-        host_weight = layout.stacked and recipe.offload.params == "host"
+        host_weight = memory == Memory.HOST
         if layout.state_memory == Memory.HOST:
             state += state_bytes
             halved += state_bytes if streamed and not deferred else 0
