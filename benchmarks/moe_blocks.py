@@ -53,9 +53,20 @@ class TinyMoECapacityBlock(ExpertBlock):
     moe_options = {**_TINY, "dispatch": "capacity", "capacity_factor": 1.0}
 
 
+# Top-2 of 4 experts: an expert count a mesh of fsdp 2 or 4 divides (the expert-sharded path).
+_TINY_EVEN = dict(num_experts=4, top_k=2, expert_hidden=24)
+
+
 class TinyEvenMoEBlock(ExpertBlock):
-    """Top-2 of 4 experts: an expert count a mesh of fsdp 2 or 4 divides (the expert-sharded path)."""
-    moe_options = dict(num_experts=4, top_k=2, expert_hidden=24)
+    moe_options = _TINY_EVEN
+
+
+class TinyEvenMoEBlockedBlock(ExpertBlock):
+    moe_options = {**_TINY_EVEN, "grouped_matmul": "blocked", "grouped_matmul_block": 4}
+
+
+class TinyEvenMoECapacityBlock(ExpertBlock):
+    moe_options = {**_TINY_EVEN, "dispatch": "capacity", "capacity_factor": 1.0}
 
 
 # The deviceless compile tests' small scanned MoE: 8 experts, top-2, expert hidden 512.
@@ -95,6 +106,8 @@ class Qwen3MoE30BCapacityBlock(ExpertBlock):
 DISPATCH_BLOCKS = {
     "tiny": {"dropless": "TinyMoEBlock", "dropless_blocked": "TinyMoEBlockedBlock",
              "capacity": "TinyMoECapacityBlock"},
+    "tiny_even": {"dropless": "TinyEvenMoEBlock", "dropless_blocked": "TinyEvenMoEBlockedBlock",
+                  "capacity": "TinyEvenMoECapacityBlock"},
     "toy": {"dropless": "ToyMoEBlock", "dropless_blocked": "ToyMoEBlockedBlock", "capacity": "ToyMoECapacityBlock"},
     "qwen3_30b_a3b": {"dropless": "Qwen3MoE30BBlock", "dropless_blocked": "Qwen3MoE30BBlockedBlock",
                       "capacity": "Qwen3MoE30BCapacityBlock"},

@@ -219,6 +219,11 @@ def pinned_need_of_recipe(recipe) -> int:
 
     An upper bound for a run over several processes (each holds its shard).
     """
+    return phases_of_recipe(recipe).pinned_peak()
+
+
+def phases_of_recipe(recipe) -> HostPhases:
+    """The HostPhases (footprint 0) of one process holding the whole model, from shapes alone (no backend)."""
     from spillway.layers.memory import Memory
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
     from spillway.recipes.optim.param_placement import param_memories
@@ -252,9 +257,8 @@ def pinned_need_of_recipe(recipe) -> int:
         step_host = 2 * (state + pending)
     else:
         step_host = state + weights + (weights if recipe.train.grad_accum == 1 else 2 * weights)
-    phases = HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,
-                        step_host=step_host, saved_device=device_saved, saved_host=state + weights)
-    return phases.pinned_peak()
+    return HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,
+                      step_host=step_host, saved_device=device_saved, saved_host=state + weights)
 
 
 def check_run(s, *, host_ram_bytes: int | None = None, machine_ram_bytes: int | None = None,
