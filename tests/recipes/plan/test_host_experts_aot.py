@@ -63,16 +63,25 @@ def toy_recipe(placement: str, dispatch: str, grad_accum: int = 1):
     return host_params_toy.recipe_for(args, placement)
 
 
-def assert_model_matches_passes(row: dict, placement: str, dispatch: str, grad_accum: int, mesh: dict):
+def assert_model_matches_passes(row: dict, placement: str, dispatch: str, grad_accum: int, mesh: dict,
+                                by_pass: bool = True):
     """The planner's ParamTraffic against what the compiled step moves per autodiff pass (recompute_all
-    offloads no activation: every byte the two passes move is a weight, a gradient or a running sum)."""
+    offloads no activation: every byte the two passes move is a weight, a gradient or a running sum).
+
+    by_pass=False: only the step's totals each way (see the fsdp dropless case below)."""
     candidate = CANDIDATES[placement]
     model = cost_model.param_traffic(candidate, toy_recipe(placement, dispatch, grad_accum), mesh)
     passes, report = row["traffic_by_pass"], row["report"]
+    state = 0 if candidate.update_on_host else report["host_argument_bytes"] - model.host_weights
+    if not by_pass:
+        moved = {way: sum(p[way] for p in passes.values()) for way in ("host_to_device_bytes", "device_to_host_bytes")}
+        assert moved["device_to_host_bytes"] == model.backward_out + state + model.update_out
+        extra = moved["host_to_device_bytes"] - (model.forward_in + model.backward_in + state + model.update_in)
+        assert 0 <= extra <= SCALAR_BYTES, extra
+        return model
     assert passes["forward"] == {"host_to_device_bytes": model.forward_in, "device_to_host_bytes": 0}
     assert passes["backward"] == {"host_to_device_bytes": model.backward_in,
                                   "device_to_host_bytes": model.backward_out}
-    state = 0 if candidate.update_on_host else report["host_argument_bytes"] - model.host_weights
     assert passes["other"]["device_to_host_bytes"] == state + model.update_out
     extra = passes["other"]["host_to_device_bytes"] - (state + model.update_in)
     assert 0 <= extra <= SCALAR_BYTES, extra
@@ -151,12 +160,25 @@ def test_experts_on_host_cost_their_link_time_in_the_passes(rows):
 def test_every_dispatch_streams_host_experts_and_the_model_counts_them(dispatch, grad_accum, mesh):
     """Each dispatch with the experts on host: no HBM buffer above a layer of experts, and the bytes the
     planner counts are what the step moves. fsdp 2 splits the expert axis, so each GPU streams half the
-    experts; grad_accum 2 sends the float32 running sums through the backward scan a layer at a time."""
+    experts; grad_accum 2 sends the float32 running sums through the backward scan a layer at a time.
+
+    Dropless on fsdp 2 (its experts gathered in a shard_map): the step moves the bytes the model counts, but
+    XLA (jaxlib 0.10.2) peels the backward scan's last iteration into the entry computation and fuses each
+    layer's gradient write-back into copies that carry no JAX op_name, so hlo.traffic_by_pass files those
+    bytes under "other" (one layer's weights in, every layer's gradients out) and the planner prices them
+    in the update phase, not beside the backward compute: its step estimate is high there. Only the totals
+    are compared for that case."""
     (row,) = compile_rows(dispatch, ["host_experts"], grad_accum, mesh).values()
     mesh_axes = host_params_toy.mesh_shape(mesh)
     # The dropless dispatch gathers a layer's experts on each GPU (as FSDP gathers a weight): a whole layer.
     assert_no_hbm_buffer_larger_than_a_layer_of_experts(row, dispatch)
-    model = assert_model_matches_passes(row, "host_experts", dispatch, grad_accum, mesh_axes)
+    named = not (dispatch == "dropless" and mesh_axes["fsdp"] > 1)
+    model = assert_model_matches_passes(row, "host_experts", dispatch, grad_accum, mesh_axes, by_pass=named)
+    if not named:   # the unnamed part is what the docstring says: the last layer's weights and the gradients
+        passes = row["traffic_by_pass"]
+        layer = row["layer_expert_bytes"] // mesh_axes["fsdp"]
+        assert passes["backward"]["host_to_device_bytes"] == model.backward_in - layer
+        assert passes["backward"]["device_to_host_bytes"] == 0
     streamed = LAYERS * row["layer_expert_bytes"] // mesh_axes["fsdp"]   # each GPU streams its experts
     assert model.forward_in == grad_accum * streamed
     if grad_accum > 1:   # float32 toy: the running sums are the experts' size, in and out per micro-batch
