@@ -9,8 +9,9 @@ steps and a checkpoint round trip); tests/recipes/plan/test_host_experts_aot.py
 compiles for an H200 to show the HBM saving.
 
 Time: each training here compiles its own step (10-25 s on 2 busy cores), so
-the twenty-step comparisons are slow tests; the placement, the resume and the
-errors share one compiled setup and run by default.
+the twenty-step comparisons and the resume are slow tests; the placement, the
+gradients' memory space (traced, not compiled) and the errors share one setup
+and run by default.
 """
 
 from __future__ import annotations
@@ -78,17 +79,15 @@ def assert_same_params(on_host, on_device, rtol=1e-5, atol=1e-6):
 
 @pytest.fixture(scope="module")
 def experts_setup():
-    """The experts-on-host setup (one compile, shared) and two steps of it."""
+    """The experts-on-host setup (the model built in its memories; the train step not compiled yet)."""
     recipe = moe_recipe(*EXPERTS_ON_HOST)
-    s = step_lib.setup(recipe, one_device())
-    params, opt_state, _ = train(s, s.params, s.optimizer.init(s.params), batches(recipe, 2))
-    return recipe, s, params, opt_state
+    return recipe, step_lib.setup(recipe, one_device())
 
 
 def test_only_the_experts_and_their_state_live_in_host_memory(experts_setup):
-    recipe, s, params, opt_state = experts_setup
+    recipe, s = experts_setup
     assert kinds_by_role(s.params) == {"experts": {"pinned_host"}, "other_blocks": {"device"}, "outside": {"device"}}
-    assert kinds_by_role(params) == kinds_by_role(s.params)   # still there after two steps
+    opt_state = s.optimizer.abstract_state(s.params, s.param_shardings)   # with the shardings it will have
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(opt_state.mu)} == {"pinned_host"}
     # The host bytes the run reserves count the experts' weights and gradients (float32 sums read and written).
     experts = [v.get_value() for p, v in jax.tree_util.tree_flatten_with_path(
@@ -100,7 +99,7 @@ def test_only_the_experts_and_their_state_live_in_host_memory(experts_setup):
 
 
 def test_expert_gradients_come_back_in_host_memory_and_the_rest_on_device(experts_setup):
-    recipe, s, _, _ = experts_setup
+    recipe, s = experts_setup
     loss_fn = step_lib.make_loss_fn(s.graphdef)
     traced = jax.make_jaxpr(jax.grad(loss_fn), return_shape=True)(s.params, batches(recipe, 1)[0])[0]
     variables = jax.tree.leaves(s.params, is_leaf=lambda x: hasattr(x, "get_metadata"))
@@ -109,12 +108,15 @@ def test_expert_gradients_come_back_in_host_memory_and_the_rest_on_device(expert
     assert spaces == {(True, "MemorySpace.Host"), (False, "MemorySpace.Device")}
 
 
+@pytest.mark.slow   # compiles the train step: 20-30 s on 2 busy cores
 def test_resume_from_a_checkpoint_is_exact(experts_setup, tmp_path):
     """orbax saves the host-resident experts and restores them into pinned_host; two more steps from the
     restored state equal two more steps without the round trip, to the bit."""
     from spillway.recipes.train.checkpoint import RunCheckpointer
 
-    recipe, s, params, opt_state = experts_setup
+    recipe, s = experts_setup
+    params, opt_state, _ = train(s, s.params, s.optimizer.init(s.params), batches(recipe, 2))
+    assert kinds_by_role(params) == kinds_by_role(s.params)   # still where they were after two steps
     with RunCheckpointer(tmp_path / "run", keep=2, every_steps=1, async_save=False) as ckpt:
         ckpt.save(2, params=params, opt_state=s.optimizer.saved_form(opt_state), loader_state={}, meta={"step": 2},
                   recipe_json="{}", force=True)
