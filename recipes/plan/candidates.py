@@ -29,10 +29,6 @@ HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
 # large only, with the state on host (the only combination the step supports) and the activation plans
 # that need the least HBM: the last resort of a small GPU.
 HOST_PARAMS_MIN_PARAMS = 3e9
-# Only the routed experts' weights on host (offload.params=experts), for any model with MoE blocks, with the
-# same state placements and activation plans: the experts are most of such a model's weights and a small
-# part of its compute per token, so they are the first weights to leave HBM. Pruning skips it where the
-# weights fit on device, and the whole-stack placement where this one fits (recipes/plan/pruning.py).
 # Single-policy plans, in the order the table shows them: every preset of layers/offload.py but
 # offload_all (offload_dots with the block inputs offloaded too), which the planner has never tried.
 PRESET_PLANS = tuple(name for name in PRESETS if name != "offload_all")
@@ -133,6 +129,10 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in HOST_COMPUTE_PLANS]
     if recipe.train.grad_accum == 1:   # the update in the next forward pass takes one batch per step
         found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in PRESET_PLANS]
+    # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
+    # the same state placements and plans as the whole stack: the experts are most of such a model's
+    # weights and a small part of its compute per token, so they are the first weights to leave HBM.
+    # Pruning skips them where the weights fit on device, and the whole stack where they fit.
     weight_placements = ([EXPERTS] if has_expert_weights(recipe) else []) + (
         [Memory.HOST] if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS else [])
     found += [Candidate.of(plan, Memory.HOST, params, update_on_host=on_host_cpu)
