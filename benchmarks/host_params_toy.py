@@ -15,11 +15,16 @@ of the model, once per placement:
                     update run in the next step's forward pass just before the layer
                     (offload.update=next_forward; grad_accum 1 only), the pending
                     gradients in host memory
+    host_experts    with an MoE block (--block, e.g. benchmarks.moe_blocks:ToyMoEBlock) only the
+                    routed experts' weights in pinned host memory (offload.params=experts),
+                    streamed like host_params; attention, norms and router in HBM
+    host_experts_host_update   the same, the update run by the host CPU
 
 Reports per placement: HBM (argument + output - alias + temp), host bytes, the
 largest device-memory arrays of the compiled program (recipes/plan/hlo.py
 largest_device_arrays: no HBM buffer is larger than the first), one
-layer's weight bytes, so a reader can see how many layers HBM holds at most,
+layer's weight bytes (and its experts' bytes, with an MoE block), so a reader
+can see how many layers HBM holds at most,
 and the host link bytes per autodiff pass (hlo.traffic_by_pass: forward,
 backward, other), which the planner's weight-stream model is checked against;
 and the start-up: HBM of the program that creates the weights in their
@@ -27,6 +32,7 @@ memories (host-resident ones a layer at a time).
 
 Run:  .venv/bin/python benchmarks/host_params_toy.py [--target h200] [--layers 8] [--d-model 512]
       [--mesh DATAxFSDPxTENSOR, default 1x1x1] [--param-dtype float32|bfloat16] [--placements A,B]
+      [--block benchmarks.moe_blocks:ToyMoEBlock]   an MoE block: adds the host_experts placements
       [--json]   one JSON document on stdout, for tests (run it as a compile process)
 """
 
@@ -49,7 +55,11 @@ PLACEMENTS = {
     "host_params_host_update": ["offload.params=host", "optimizer.update_on_host=true"],
     "device_params_update_in_forward": ["offload.params=device", "optimizer.update_on_host=false",
                                         "offload.update=next_forward"],
+    "host_experts": ["offload.params=experts", "optimizer.update_on_host=false"],
+    "host_experts_host_update": ["offload.params=experts", "optimizer.update_on_host=true"],
 }
+# Placements that need an MoE block (--block): left out without one.
+EXPERT_PLACEMENTS = ("host_experts", "host_experts_host_update")
 # Placements that take one batch per step (offload.update=next_forward): left out with --grad-accum > 1.
 ONE_BATCH_PLACEMENTS = ("device_params_update_in_forward",)
 
@@ -75,19 +85,25 @@ def recipe_for(args, placement: str):
         "model.max_seq_len=64", "data.seq_len=32", "train.global_batch=4", f"train.grad_accum={args.grad_accum}",
         "train.steps=10", "optimizer.warmup_steps=2", f"offload.activations={args.activations}",
         f"execution.param_dtype={getattr(args, 'param_dtype', 'float32')}",
+        *([f"block={args.block}"] if getattr(args, "block", None) else []),
         "offload.optimizer_state=host", *PLACEMENTS[placement]])
 
 
-def layer_weight_bytes(recipe) -> tuple[int, int]:
-    """(bytes of one layer of all stacked weights, bytes of the largest one-layer weight) of `recipe`'s model."""
+def layer_weight_bytes(recipe, experts_only: bool = False) -> tuple[int, int]:
+    """(bytes of one layer of all stacked weights, bytes of the largest one-layer weight) of `recipe`'s model;
+    `experts_only`: of the routed experts' weights alone ((0, 0) without any)."""
     import jax
+    from flax import nnx
 
+    from spillway.layers.host_weights import is_expert_weight
     from spillway.recipes.train.step import abstract_model
     _, state = abstract_model(recipe)
-    per_layer = [math.prod(a.shape[1:]) * a.dtype.itemsize
-                 for path, a in jax.tree_util.tree_flatten_with_path(state)[0]
-                 if "blocks" in jax.tree_util.keystr(path)]
-    return sum(per_layer), max(per_layer)
+    per_layer = [math.prod(var.get_value().shape[1:]) * var.get_value().dtype.itemsize
+                 for path, var in jax.tree_util.tree_flatten_with_path(
+                     state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+                 if "blocks" in jax.tree_util.keystr(path)
+                 and (not experts_only or is_expert_weight(var.get_metadata().get("logical_axes")))]
+    return sum(per_layer), max(per_layer, default=0)
 
 
 def measure(argv: list[str]) -> dict:
@@ -102,6 +118,8 @@ def measure(argv: list[str]) -> dict:
     parser.add_argument("--placements", default=None, help="comma-separated; default: every placement the "
                         "grad_accum allows")
     parser.add_argument("--mesh", default="1x1x1", type=mesh_shape)
+    parser.add_argument("--block", default=None, help="a TransformerBlock class path for the model's blocks "
+                        "(an MoE block adds the host_experts placements)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     prepare_compile_process()
@@ -115,7 +133,8 @@ def measure(argv: list[str]) -> dict:
 
     rows = {}
     placements = args.placements.split(",") if args.placements else [
-        p for p in PLACEMENTS if args.grad_accum == 1 or p not in ONE_BATCH_PLACEMENTS]
+        p for p in PLACEMENTS if (args.grad_accum == 1 or p not in ONE_BATCH_PLACEMENTS)
+        and (args.block or p not in EXPERT_PLACEMENTS)]
     for placement in placements:
         recipe = recipe_for(args, placement)
         try:
@@ -125,6 +144,7 @@ def measure(argv: list[str]) -> dict:
             report = aot.CompileReport.from_compiled(compiled, keep_hlo_text=True)
             largest = hlo.largest_device_arrays(report.hlo_text, 5)
             layer_bytes, largest_layer_leaf = layer_weight_bytes(recipe)
+            expert_bytes, largest_expert_leaf = layer_weight_bytes(recipe, experts_only=True)
             # Start-up: the program that creates the weights, in their memories.
             _, init = init_program(model_maker(recipe, 0, s.param_shardings), mesh, shardings=s.param_shardings)
             init_report = aot.CompileReport.from_compiled(init.lower().compile(), keep_hlo_text=True)
@@ -132,6 +152,7 @@ def measure(argv: list[str]) -> dict:
             state_init_report = aot.CompileReport.from_compiled(state_init.compile())
             rows[placement] = {"report": report.to_dict(), "layer_weight_bytes": layer_bytes,
                                "largest_layer_leaf_bytes": largest_layer_leaf,
+                               "layer_expert_bytes": expert_bytes, "largest_layer_expert_leaf_bytes": largest_expert_leaf,
                                "largest_device_arrays": [dataclasses.asdict(a) for a in largest],
                                "traffic_by_pass": hlo.traffic_by_pass(report.hlo_text),
                                "overlapped_by_pass": hlo.overlapping_host_copies(report.hlo_text).overlapped_by_pass,

@@ -23,6 +23,13 @@ sum out. The train step differentiates with respect to the sums (not the
 weights), so the "gradient" JAX returns for them is the new running sum,
 stacked in host memory by the scan's transpose (recipes/train/step.py).
 
+Experts only (`offload.params=experts`): the same stream, for the routed
+experts' stacked weights alone (the leaves whose first axis after "layers" is
+"expert": an MoE layer's gate, up and down, [L, E, d, f]); attention, norms,
+the router (its "expert" axis is its output, not its first) and shared
+experts stay in HBM. The scan handles each leaf by its memory space, so a
+layer's state may mix both.
+
 Start-up: a model whose block weights are to live in host memory is built
 with them there (`initialised_in_host_memory`): the stack then creates its
 layers with a scan instead of a vmap and sends each layer's weights to host
@@ -46,7 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from spillway.layers.memory import Memory
+from spillway.layers import names
+from spillway.layers.memory import EXPERTS, Memory
 
 # checkpoint_name of a layer's weights copied into HBM inside the scan: never saved.
 DEVICE_WEIGHTS = "layer_weights_on_device"
@@ -124,9 +132,24 @@ def host_zeros_f32_like(stacked: jax.Array) -> jax.Array:
     return jax.lax.scan(one_layer, None, None, length=stacked.shape[0])[1]
 
 
+def is_expert_weight(logical_axes) -> bool:
+    """Whether a weight with these logical axes (with or without the stack's leading "layers") holds routed
+    experts: its first axis (after "layers") is "expert"."""
+    axes = tuple(logical_axes or ())
+    if axes[:1] == (names.LAYERS,):
+        axes = axes[1:]
+    return axes[:1] == (names.EXPERT,)
+
+
 def stacked_weight_memory(metadata: dict, setting: str) -> str:
-    """Where a stacked (per-layer) weight lives: its `param_memory` metadata, else the offload.params setting."""
-    return metadata.get("param_memory") or setting
+    """Where a stacked (per-layer) weight lives: its `param_memory` metadata, else the offload.params setting
+    ("device", "host", or "experts": host for routed experts' weights, device for the rest)."""
+    explicit = metadata.get("param_memory")
+    if explicit:
+        return explicit
+    if setting == EXPERTS:
+        return Memory.HOST if is_expert_weight(metadata.get("logical_axes")) else Memory.DEVICE
+    return setting
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from typing import Any
 
 from spillway.layers.errors import ConfigError, require_non_negative, require_positive
 from spillway.layers.execution import Execution
-from spillway.layers.memory import MEMORIES, Memory
+from spillway.layers.memory import MEMORIES, PARAM_PLACEMENTS, Memory
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
 from spillway.layers.rope import RopeScaling
@@ -73,8 +73,9 @@ class DataConfig:
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
     optimizer_state: str = Memory.DEVICE.value  # "device" | "host": where the optimizer state lives
-    # "device" | "host": where the stacked block weights (and so their gradients) live;
-    # "host" streams them through HBM a layer at a time (layers/host_weights.py).
+    # "device" | "host" | "experts": where the stacked block weights (and so their gradients) live;
+    # "host" streams them through HBM a layer at a time (layers/host_weights.py); "experts" streams
+    # only an MoE block's routed experts so, keeping attention, norms, router and shared experts in HBM.
     # Embedding, final norm and head stay on device.
     params: str = Memory.DEVICE.value
     # "after_backward" | "next_forward": when the streamed update of host optimizer state runs.
@@ -90,13 +91,13 @@ class OffloadConfig:
     def __post_init__(self):
         if self.optimizer_state not in MEMORIES:
             raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES}, got {self.optimizer_state!r}")
-        if self.params not in MEMORIES:
-            raise ConfigError(f"offload.params must be one of {MEMORIES}, got {self.params!r}")
-        if self.params == Memory.HOST and self.optimizer_state != Memory.HOST:
+        if self.params not in PARAM_PLACEMENTS:
+            raise ConfigError(f"offload.params must be one of {PARAM_PLACEMENTS}, got {self.params!r}")
+        if self.params != Memory.DEVICE and self.optimizer_state != Memory.HOST:
             # Host weights with device state would bring the whole gradient and weights
             # into HBM for the update: the saving gone. Only host state is supported.
-            raise ConfigError("offload.params=host needs offload.optimizer_state=host (the update of host "
-                              "weights reads host gradients; with the state on device it would need them "
+            raise ConfigError(f"offload.params={self.params} needs offload.optimizer_state=host (the update of "
+                              "host weights reads host gradients; with the state on device it would need them "
                               "all in HBM)")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")

@@ -5,7 +5,10 @@ axis) in pinned host memory: the scan brings them into HBM a layer at a time
 (layers/host_weights.py), their gradients come back to host memory layer by
 layer, and the optimizer updates them there (its state must be on host too,
 recipes/config.py). Embedding, final norm and head stay on device in this
-version. A parameter's `param_memory` metadata ("host" | "device") overrides
+version. `offload.params=experts` keeps only the routed experts' stacked
+weights on host (layers/host_weights.py `is_expert_weight`): attention, norms,
+router and shared experts stay in HBM, and the same stream carries the
+experts. A parameter's `param_memory` metadata ("host" | "device") overrides
 the setting for that leaf; only stacked leaves may be host-resident, because
 only the scan streams them.
 
@@ -21,8 +24,8 @@ from flax import nnx
 
 from spillway.layers import names
 from spillway.layers.errors import ConfigError
-from spillway.layers.host_weights import stacked_weight_memory
-from spillway.layers.memory import MEMORIES, PINNED_HOST, Memory
+from spillway.layers.host_weights import is_expert_weight, stacked_weight_memory
+from spillway.layers.memory import EXPERTS, MEMORIES, PINNED_HOST, Memory
 from spillway.recipes.optim.host_memory import host_memory_available, host_sharding
 
 
@@ -31,7 +34,16 @@ def _is_variable(x) -> bool:
 
 
 def param_memories(state, setting: str):
-    """"host" or "device" per parameter of an nnx.State (Variables at the leaves), from `setting` and metadata."""
+    """"host" or "device" per parameter of an nnx.State (Variables at the leaves), from `setting` and metadata.
+
+    Raises ConfigError for `setting` "experts" on a model without routed expert weights (it would place
+    nothing on host, silently).
+    """
+    if setting == EXPERTS and not any(
+            is_expert_weight(var.get_metadata().get("logical_axes"))
+            for var in jax.tree.leaves(state, is_leaf=_is_variable) if _is_variable(var)):
+        raise ConfigError("offload.params=experts, but the model has no MoE block (no routed expert weights "
+                          "to place on host): use offload.params=host or device")
     def one(path, var):
         metadata = var.get_metadata()
         axes = tuple(metadata.get("logical_axes") or ())
@@ -55,7 +67,7 @@ def placed_shardings(state, shardings, setting: str):
     memories = param_memories(state, setting)
     on_host = [m == Memory.HOST for m in jax.tree.leaves(memories)]
     if any(on_host) and not host_memory_available():
-        raise ConfigError(f"offload.params=host, but the {jax.default_backend()} platform exposes no "
+        raise ConfigError(f"offload.params={setting}, but the {jax.default_backend()} platform exposes no "
                           f"'{PINNED_HOST}' memory: set offload.params=device")
 
     def one(memory, sharding):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from spillway.layers.memory import MEMORIES, Memory
+import jax
+
+from spillway.layers.memory import EXPERTS, MEMORIES, Memory
 from spillway.layers.offload import PRESETS, RematPlan
 from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, OffloadConfig, Recipe
 
@@ -66,15 +68,16 @@ class Candidate:
     @property
     def label(self) -> str:
         return f"{self.activations} / opt state {self.state_word}" + (
-            " / params host" if self.params == Memory.HOST else "") + (
+            f" / params {self.params}" if self.params != Memory.DEVICE else "") + (
             " / update in next forward" if self.update == NEXT_FORWARD else "")
 
     @property
     def placement(self) -> str:
-        """The optimizer state's placement, with "+params" when the block weights live on host too and
-        "_in_fwd" when its update runs in the next forward pass."""
-        return self.state_word + ("+params" if self.params == Memory.HOST else "") + (
-            "_in_fwd" if self.update == NEXT_FORWARD else "")
+        """The optimizer state's placement, with "+params" when the block weights live on host too,
+        "+experts" when only the routed experts' do, and "_in_fwd" when its update runs in the next
+        forward pass."""
+        weights = {Memory.HOST: "+params", EXPERTS: "+experts"}.get(self.params, "")
+        return self.state_word + weights + ("_in_fwd" if self.update == NEXT_FORWARD else "")
 
     @property
     def offloads_activations(self) -> bool:
@@ -120,15 +123,33 @@ def activation_plans(num_layers: int) -> list[str]:
 def candidates(recipe: Recipe) -> list[Candidate]:
     """Every activation plan with the state on device and on host; the host CPU's update for the plans
     with the least HBM; with one batch per step the update in the next forward pass (single-policy
-    plans); for large models the block weights on host too."""
+    plans); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
+    the abstract model: a tenth of a second); for large models the block weights on host too."""
     found = [Candidate.of(plan, state) for state in MEMORIES for plan in activation_plans(recipe.model.num_layers)]
     found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in HOST_COMPUTE_PLANS]
     if recipe.train.grad_accum == 1:   # the update in the next forward pass takes one batch per step
         found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in PRESET_PLANS]
-    if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS:
-        found += [Candidate.of(plan, Memory.HOST, Memory.HOST, update_on_host=on_host_cpu)
-                  for on_host_cpu in (False, True) for plan in HOST_COMPUTE_PLANS]
+    # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
+    # the same state placements and plans as the whole stack: the experts are most of such a model's
+    # weights and a small part of its compute per token, so they are the first weights to leave HBM.
+    # Pruning skips them where the weights fit on device, and the whole stack where they fit.
+    weight_placements = ([EXPERTS] if has_expert_weights(recipe) else []) + (
+        [Memory.HOST] if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS else [])
+    found += [Candidate.of(plan, Memory.HOST, params, update_on_host=on_host_cpu)
+              for params in weight_placements for on_host_cpu in (False, True) for plan in HOST_COMPUTE_PLANS]
     return found
+
+
+def has_expert_weights(recipe: Recipe) -> bool:
+    """Whether the recipe's model has routed expert weights (an MoE block), from its abstract parameters."""
+    from flax import nnx
+
+    from spillway.layers.host_weights import is_expert_weight
+    from spillway.recipes.train.step import abstract_model
+
+    _, state = abstract_model(recipe)
+    return any(is_expert_weight(var.get_metadata().get("logical_axes"))
+               for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def planned_recipe(recipe: Recipe) -> tuple[Recipe, list[str]]:

@@ -61,7 +61,9 @@ class ParamTraffic:
     mesh (`param_traffic`), by what lives where (recipes/optim/param_placement.py)
     and how it streams (layers/host_weights.py, recipes/optim/host_streaming.py).
 
-    Block weights in host memory (offload.params=host), A = train.grad_accum
+    Block weights in host memory (offload.params=host, or only the routed
+    experts' with offload.params=experts: W counts the leaves that live there),
+    A = train.grad_accum
     micro-batches, W = their bytes on one GPU (each leaf's shard: fsdp x tensor
     split what the sharding rules split; norm scales stay whole), F = the same
     elements as float32:
@@ -103,6 +105,13 @@ class ParamTraffic:
     compile was right: the update of a leaf with a master copy never reads its
     weights; the gradient sums of grad_accum > 1 cross as float32; and hlo.py
     counted every host computation twice (fixed there).
+
+    With the experts on host: equal to the byte per pass too, each MoE dispatch,
+    grad_accum 2 and fsdp 2 included (tests/recipes/plan/test_host_experts_aot.py),
+    except that on fsdp 2 the dropless dispatch's compiled step leaves its last
+    backward layer and its gradient write-backs without JAX op_names, so
+    hlo.traffic_by_pass files them under "other" and the plan prices them in
+    the update phase (the totals still match).
     """
 
     host_weights: int = 0          # W: the step's host argument holds these besides the optimizer state

@@ -76,8 +76,9 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     (default `candidates(recipe)`). verify_full_codegen: also compile the first
     N candidates exactly as for a run and record both figures
     (Plan.full_codegen_check). workers: compile processes at once (default
-    `default_workers`). prune: compile in three stages (everything on device;
-    optimizer state on host; weights on host too) and skip a candidate when
+    `default_workers`). prune: compile in stages (everything on device;
+    optimizer state on host; weights on host too, an MoE model's experts
+    before every block weight) and skip a candidate when
     the same activation plan with less in host memory already fits, as it
     cannot be faster (recipes/plan/pruning.py; the skipped ones are listed in
     Plan.skipped); not with `plans` or `search`. ValueError for bad inputs

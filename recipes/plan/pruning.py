@@ -8,27 +8,54 @@ compiles everything.
 
 from __future__ import annotations
 
-from spillway.layers.memory import Memory
+from spillway.layers.memory import EXPERTS, Memory
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import PlanRow
 
 
+def _less_in_host_memory(candidate: Candidate) -> list[Candidate]:
+    """The plans of the same activations with less in host memory, which `candidate` cannot beat: the
+    state on device; the weights on device; with every block weight on host, only the experts' there."""
+    found = []
+    if candidate.optimizer_state != Memory.DEVICE:
+        found.append(Candidate.of(candidate.activations, Memory.DEVICE, Memory.DEVICE))
+    if candidate.params != Memory.DEVICE:
+        found.append(Candidate.of(candidate.activations, candidate.optimizer_state, Memory.DEVICE,
+                                  update_on_host=candidate.update_on_host))
+    if candidate.params == Memory.HOST:
+        found.append(Candidate.of(candidate.activations, candidate.optimizer_state, EXPERTS,
+                                  update_on_host=candidate.update_on_host))
+    return found
+
+
+def _streamed_twin(candidate: Candidate) -> Candidate | None:
+    """A host-CPU-update plan's streamed counterpart (same activations and weights), else None."""
+    if not candidate.update_on_host:
+        return None
+    return Candidate.of(candidate.activations, Memory.HOST, candidate.params)
+
+
 def stages(todo: list[Candidate]) -> list[list[int]]:
-    """Indices of `todo` in the order they are compiled when plans are pruned: everything on device; the
-    optimizer state on host, streamed; then updated by the host CPU, beside the streamed plans with the
-    block weights on host too; last the host CPU's update with the weights on host.
+    """Indices of `todo` in the order they are compiled when plans are pruned: a plan comes one stage after
+    the latest of the plans in `todo` that `faster_plan_that_fits` compares it with. For a dense model:
+    everything on device; the optimizer state on host, streamed; then updated by the host CPU, beside the
+    streamed plans with the block weights on host too; last the host CPU's update with the weights on host.
+    With MoE blocks the experts-on-host plans come before the whole stack's.
 
     Each stage needs only the rows of the stages before it (`faster_plan_that_fits`); fewer stages keep
     more compile processes busy at once.
     """
+    present = set(todo)
+    depth: dict[Candidate, int] = {}
+
     def stage(candidate: Candidate) -> int:
-        on_host_cpu = candidate.update_on_host
-        if candidate.optimizer_state == Memory.DEVICE:
-            return 0
-        if candidate.params == Memory.DEVICE:
-            return 2 if on_host_cpu else 1
-        return 3 if on_host_cpu else 2
-    return [[i for i, c in enumerate(todo) if stage(c) == k] for k in range(4)]
+        if candidate not in depth:
+            before = [c for c in [*_less_in_host_memory(candidate), _streamed_twin(candidate)] if c in present]
+            depth[candidate] = 1 + max(map(stage, before)) if before else 0
+        return depth[candidate]
+
+    levels = [stage(c) for c in todo]
+    return [[i for i, level in enumerate(levels) if level == k] for k in range(max(levels, default=-1) + 1)]
 
 
 def faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dict[int, PlanRow],
@@ -39,8 +66,9 @@ def faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dic
     link traffic in any phase (the step-time model of recipes/plan/cost_model.py), so with the
     optimizer state on device a plan is never slower than with it on host or
     updated by the host CPU, nor with the weights on device slower than with
-    them on host. An ancestor that was itself skipped was skipped for a plan
-    that fits: that one is named.
+    them on host, nor with only the experts' weights on host slower than with
+    every block weight there. An ancestor that was itself skipped was skipped
+    for a plan that fits: that one is named.
 
     A host-CPU update plan (host_compute) also cannot beat the streamed plan
     of the same activations and weights when that one fits and is already as
@@ -48,12 +76,8 @@ def faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dic
     host CPU's update alone (`host_update_floor_s`, the GPU's share of the
     parameters over the host update rate), as if no byte crossed the link.
     """
-    ancestors = []
-    if candidate.optimizer_state != Memory.DEVICE:
-        ancestors.append(Candidate.of(candidate.activations, Memory.DEVICE, Memory.DEVICE))
-    if candidate.params == Memory.HOST:
-        ancestors.append(Candidate.of(candidate.activations, candidate.optimizer_state, Memory.DEVICE,
-                                      update_on_host=candidate.update_on_host))
+    ancestors = _less_in_host_memory(candidate)
+
     def fitting_row(wanted: Candidate) -> PlanRow | None:
         return next((rows[index] for index, other in enumerate(todo)
                      if other == wanted and index in rows and rows[index].fits), None)
@@ -64,8 +88,8 @@ def faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dic
             return skipped_for[ancestor.label]
         if fitting_row(ancestor) is not None:
             return ancestor.label
-    if candidate.update_on_host and host_update_floor_s is not None:
-        streamed = Candidate.of(candidate.activations, Memory.HOST, candidate.params)
+    streamed = _streamed_twin(candidate)
+    if streamed is not None and host_update_floor_s is not None:
         row = fitting_row(streamed)
         if row is not None and row.step_s is not None and row.step_s <= row.compute_s + host_update_floor_s:
             return streamed.label

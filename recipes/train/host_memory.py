@@ -219,8 +219,14 @@ def pinned_need_of_recipe(recipe) -> int:
 
     An upper bound for a run over several processes (each holds its shard).
     """
+    return phases_of_recipe(recipe).pinned_peak()
+
+
+def phases_of_recipe(recipe) -> HostPhases:
+    """The HostPhases (footprint 0) of one process holding the whole model, from shapes alone (no backend)."""
     from spillway.layers.memory import Memory
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
+    from spillway.recipes.optim.param_placement import param_memories
     from spillway.recipes.train.step import abstract_model
 
     # The parameters' shapes do not depend on the attention kernel, and building a cuDNN one asks for the
@@ -230,14 +236,15 @@ def pinned_need_of_recipe(recipe) -> int:
     layouts = jax.tree.leaves(make_layouts(abstract, recipe.optimizer, state_memory=recipe.offload.optimizer_state),
                               is_leaf=lambda x: isinstance(x, LeafLayout))
     values = [getattr(leaf, "value", leaf) for leaf in jax.tree.leaves(abstract)]
+    memories = jax.tree.leaves(param_memories(abstract, recipe.offload.params))   # per leaf, same order
     deferred = recipe.offload.update == "next_forward"
     state = halved = weights = pending = device_saved = 0
-    for layout, value in zip(layouts, values):
+    for layout, value, memory in zip(layouts, values, memories, strict=True):
         size = int(value.size)
         param_bytes = size * value.dtype.itemsize
         state_bytes = size * (8 + 4 * layout.master)
         streamed = layout.stacked and layout.state_memory == Memory.HOST and not recipe.optimizer.update_on_host
-        host_weight = layout.stacked and recipe.offload.params == "host"
+        host_weight = memory == Memory.HOST
         if layout.state_memory == Memory.HOST:
             state += state_bytes
             halved += state_bytes if streamed and not deferred else 0
@@ -250,9 +257,8 @@ def pinned_need_of_recipe(recipe) -> int:
         step_host = 2 * (state + pending)
     else:
         step_host = state + weights + (weights if recipe.train.grad_accum == 1 else 2 * weights)
-    phases = HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,
-                        step_host=step_host, saved_device=device_saved, saved_host=state + weights)
-    return phases.pinned_peak()
+    return HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,
+                      step_host=step_host, saved_device=device_saved, saved_host=state + weights)
 
 
 def check_run(s, *, host_ram_bytes: int | None = None, machine_ram_bytes: int | None = None,

@@ -15,6 +15,17 @@ def test_the_metadata_overrides_the_setting_for_one_weight():
     assert host_weights.stacked_weight_memory({"param_memory": "device"}, "host") == "device"
 
 
+def test_experts_places_only_the_routed_experts_on_host():
+    def memory(axes, **metadata):
+        return host_weights.stacked_weight_memory({"logical_axes": axes, **metadata}, "experts")
+    assert memory(("layers", "expert", "embed", "mlp")) == "host"      # gate and up
+    assert memory(("layers", "expert", "mlp", "embed")) == "host"      # down
+    assert memory(("layers", "embed", "expert")) == "device"           # the router
+    assert memory(("layers", "embed", "heads", "kv")) == "device"      # attention
+    assert memory(("layers", "norm")) == "device"
+    assert memory(("layers", "expert", "embed", "mlp"), param_memory="device") == "device"
+
+
 def test_the_backward_of_an_accumulating_weight_adds_its_gradient_to_the_running_sum():
     """By hand: loss = sum(3 * w * x) with x = [1, 2], so d loss / d w = [3, 6]; the sum [10, 20] comes back
     as [13, 26], in host memory, in place of the sums' gradient."""

@@ -545,7 +545,7 @@ def test_seq_len_search_finds_the_boundary():
 
 def test_a_plan_with_an_unknown_params_placement_is_refused_by_name():
     # A candidate is the offload section it stands for: the section's own check refuses it.
-    with pytest.raises(ValueError, match=r"offload.params must be one of \('device', 'host'\), got 'gpu'"):
+    with pytest.raises(ValueError, match=r"offload.params must be one of \('device', 'host', 'experts'\), got 'gpu'"):
         Candidate.of("recompute_all", "host", "gpu")
 
 
@@ -623,11 +623,12 @@ def test_a_plan_is_skipped_only_for_the_same_activations_with_less_in_host_memor
     assert pruning.faster_plan_that_fits(host_cpu_params, todo, rows, []) is None
     skipped = [{**host.to_dict(), "label": host.label, "because": device.label}]
     assert pruning.faster_plan_that_fits(host_params, todo, {}, skipped) == device.label
-    assert [len(stage) for stage in pruning.stages(todo)] == [
+    # Stages hold the plans that the plans before them decide (a small model has no weights-on-host stage).
+    assert [len(stage) for stage in pruning.stages(todo)] == [n for n in [
         sum(c.optimizer_state == "device" for c in todo),
         sum(c.optimizer_state == "host" and not c.update_on_host and c.params == "device" for c in todo),
         sum(c.update_on_host != (c.params == "host") for c in todo),
-        sum(c.update_on_host and c.params == "host" for c in todo)]
+        sum(c.update_on_host and c.params == "host" for c in todo)] if n]
 
 
 def _row_with_step(candidate, fits, step_s, compute_s=1.0):
