@@ -32,7 +32,7 @@ from spillway.models.flops import model_flops_per_token
 from spillway.recipes.config import DataConfig, Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
-from spillway.recipes.train import distributed, gpu_allocators
+from spillway.recipes.train import aux_terms, distributed, gpu_allocators
 from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
@@ -295,6 +295,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         f"({peak_flops / 1e9:.0f} GFLOP/s per device)")
     bar = tqdm(total=cfg.steps, initial=step, disable=not (main and progress), unit="step", dynamic_ncols=True)
     pending = None  # (step, metrics on device) of the previous step: checked one step late, keeps dispatch async
+    warned_unbalanced = False
     window_start, window_steps = time.perf_counter(), 0
     with StopSignals(echo=(lambda text: bar.write(text)) if main else (lambda text: None)) as signals:
         group_stop = GroupStop(signals, s.mesh)
@@ -331,8 +332,15 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                     if memory is not None:
                         row["memory_gib"] = memory / 2**30
                     row.update(mixture_tokens())
+                    row.update(aux_terms.logged(metrics.get(aux_terms.AUX_METRICS, {})))
+                    if not warned_unbalanced and aux_terms.router_keys(row) and not recipe.aux_loss.load_balancing:
+                        warned_unbalanced = True
+                        bar.write("warning: the model routes tokens to experts and aux_loss.load_balancing is 0: "
+                                  "nothing keeps the experts' load balanced (Mixtral trains with 0.02, Qwen3-MoE "
+                                  "with 0.001)") if main else None
                     logger.log(step, row)
-                    bar.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}",
+                    bar.set_postfix({"loss": f"{loss:.3f}", **aux_terms.progress(row),
+                                     "tok/s": f"{row['tokens_per_s']:.0f}",
                                      "mfu": f"{row['mfu']:.1%}", "step": f"{step_time * 1e3:.0f}ms",
                                      **({"mem": f"{row['memory_gib']:.1f}G"} if memory is not None else {})})
                     window_start, window_steps = time.perf_counter(), 0
@@ -373,6 +381,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     plot = logger.plot_loss()
     if plot:
         say(f"loss curve: {plot}; metrics: {run_dir / 'metrics.jsonl'}; TensorBoard: {run_dir / 'tb'}")
+    load_plot = logger.plot_expert_load()
+    if load_plot:
+        say(f"expert load: {load_plot}")
     elif main and not logger.metrics_path.is_file():
         say(f"warning: {logger.metrics_path} was deleted while the run wrote it: no loss curve (the checkpoints "
             f"are saved; TensorBoard: {run_dir / 'tb'})")
