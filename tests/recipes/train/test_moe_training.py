@@ -7,10 +7,11 @@ recipe's `block`; no model family is added.
 The bound. The load-balancing loss (Hugging Face's, aux_terms.py) pools the statistics of all layers, so
 what it balances is each expert's share of the top-k choices averaged over the layers: the figure bounded
 here is the largest such share times E (1: every expert its fair 1/E; E/k = 2.5: every token of every layer
-on the same two experts). On skewed (Zipf) tokens this toy's router collapses to 2.5 within 40 steps without
-the loss; with Mixtral's coefficient 0.02 it measured 1.25 to 1.45 (mean of the last 10 steps 1.45). The
-bound, 1.75, is halfway between fair and collapsed, and well above what sampling alone gives a balanced
-router here (a share's standard deviation over 512 choices is 0.09 in these units).
+on the same two experts). On skewed (Zipf) tokens this toy's router collapses to 2.49 (mean of the last 10
+of 40 steps) without the loss; with Mixtral's coefficient 0.02 it measured 1.26 (1.25 to 1.31). The bound,
+1.75, is halfway between fair and collapsed, and well above what sampling alone gives a balanced router here
+(a share's standard deviation over 512 choices is 0.09 in these units). Pooling does not balance each layer:
+`moe/load_max`, the worst layer, measured 2.49 with the loss and without (docs/DESIGN.md section 12).
 """
 
 import functools
