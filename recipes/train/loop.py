@@ -107,8 +107,9 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
     from spillway.recipes.train.preflight import check_run_inputs
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
-    from spillway.recipes.train.step import check_attention_backend
+    from spillway.recipes.train.step import check_attention_backend, check_aux_loss
     check_attention_backend(recipe.execution.attention_impl, jax.default_backend())  # before data is prepared
+    check_aux_loss(recipe)  # a coefficient that would weight nothing: before data is prepared
     run_dir = Path(recipe.run_dir)
     with _owned_run_dir(run_dir, main, say) as lock:
         # opening checks that checkpoints can be written there: before any data is prepared

@@ -277,6 +277,19 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     return PinnedHostBytes(state, weights, gradients)
 
 
+def check_aux_loss(recipe: Recipe, graphdef=None, params=None, mesh=None) -> None:
+    """ConfigError when an `aux_loss` coefficient is set and the model's blocks emit no router statistics
+    for it to weight (recipes/train/aux_terms.check_emitted): one abstract trace of the model, only when a
+    coefficient is set. `graphdef`, `params`: the model when already built (abstractly or not)."""
+    if not recipe.aux_loss.any_set:
+        return
+    if graphdef is None:
+        graphdef, params = abstract_model(recipe)
+    micro_tokens = jax.ShapeDtypeStruct((recipe.train.global_batch // recipe.train.grad_accum,
+                                         recipe.data.seq_len + 1), jnp.int32)
+    aux_terms.check_emitted(emitted_values(graphdef, params, micro_tokens, mesh), recipe.aux_loss)
+
+
 def check_attention_backend(attention_impl: str, backend: str) -> None:
     """cuDNN attention runs on NVIDIA GPUs only: elsewhere, one line that says what to set instead."""
     if attention_impl == "cudnn" and backend not in ("gpu", "cuda"):
@@ -328,11 +341,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
-    if recipe.aux_loss.any_set:
-        # A coefficient must weight something: one abstract trace of the model (only when one is set).
-        micro_tokens = jax.ShapeDtypeStruct((recipe.train.global_batch // recipe.train.grad_accum,
-                                             recipe.data.seq_len + 1), jnp.int32)
-        aux_terms.check_emitted(emitted_values(graphdef, params, micro_tokens, mesh), recipe.aux_loss)
+    check_aux_loss(recipe, graphdef, params, mesh)
     if deferred:
         pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
         objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)

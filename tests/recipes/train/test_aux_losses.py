@@ -242,9 +242,16 @@ def test_any_emitted_value_reaches_the_metrics():
 @pytest.mark.parametrize("block, says", [(None, "its blocks emit nothing"),
                                          ("EmitsResidualScale", "it emits only ['resid_scale']")])
 def test_a_coefficient_on_a_model_without_router_statistics_is_an_error(block, says):
-    with pytest.raises(ConfigError, match=rf"aux_loss.router_z=0.001 weights router statistics, but this model has "
-                                          rf"no MoE layer \({re.escape(says)}\)"):
-        step_lib.abstract_setup(recipe(block, "aux_loss.router_z=0.001"), one_device(), platform="cpu")
+    """Raised by the step's setup, and before data is prepared by the train loop and the planner (both call
+    check_aux_loss on the recipe alone); the MoE block with the same coefficient passes."""
+    bad = recipe(block, "aux_loss.router_z=0.001")
+    message = (r"aux_loss.router_z=0.001 weights router statistics, but this model has no MoE layer "
+               rf"\({re.escape(says)}\)")
+    with pytest.raises(ConfigError, match=message):
+        step_lib.abstract_setup(bad, one_device(), platform="cpu")
+    with pytest.raises(ConfigError, match=message):
+        step_lib.check_aux_loss(bad)
+    step_lib.check_aux_loss(recipe("Dropless", "aux_loss.router_z=0.001"))
 
 
 @pytest.mark.parametrize("value", ["-0.01", "NaN", "inf"])
