@@ -382,12 +382,12 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     plot = logger.plot_loss()
     if plot:
         say(f"loss curve: {plot}; metrics: {run_dir / 'metrics.jsonl'}; TensorBoard: {run_dir / 'tb'}")
-    load_plot = logger.plot_expert_load()
-    if load_plot:
-        say(f"expert load: {load_plot}")
     elif main and not logger.metrics_path.is_file():
         say(f"warning: {logger.metrics_path} was deleted while the run wrote it: no loss curve (the checkpoints "
             f"are saved; TensorBoard: {run_dir / 'tb'})")
+    load_plot = logger.plot_expert_load()   # None for a model without MoE layers
+    if load_plot:
+        say(f"expert load: {load_plot}")
 
     model = nnx.merge(s.graphdef, params)
     sample = None
