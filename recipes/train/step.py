@@ -2,7 +2,9 @@
 
 There is exactly one train step (`make_train_step`); the train loop runs it and
 the planner compiles the same function for GPU targets (`abstract_setup`), so
-what the planner measures is what runs.
+what the planner measures is what runs. What it differentiates is
+`make_objective`: the loss plus the auxiliary losses of what the model's blocks
+emit (recipes/train/aux_terms.py), in every variant of the step.
 """
 
 from __future__ import annotations
