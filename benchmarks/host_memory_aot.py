@@ -71,9 +71,9 @@ def compile_config(config: str, extra: list[str], target: str) -> dict:
         rows["flush"] = _report(s.flush, *arguments[:3])
         # Can the deferred update write the new state over the old? The same step with the state donated too.
         from spillway.recipes.optim import update_in_forward
-        from spillway.recipes.train.step import make_loss_fn
-        donated = jax.jit(update_in_forward.make_train_step(make_loss_fn(s.graphdef, recipe.train.loss_chunk, mesh),
-                                                            s.optimizer),
+        from spillway.recipes.train.step import make_objective
+        objective = make_objective(s.graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
+        donated = jax.jit(update_in_forward.make_train_step(objective, s.optimizer),
                           in_shardings=(s.param_shardings, s.opt_state_shardings, s.pending_shardings,
                                         s.batch_sharding),
                           out_shardings=(s.param_shardings, s.opt_state_shardings, s.pending_shardings, None),

@@ -117,7 +117,7 @@ def compile_whole_state_variant(recipe, mesh, options):
     optimizer = Optimizer(s.optimizer.cfg, layouts, total_steps=s.optimizer.total_steps)
     opt_sh = optimizer.state_shardings(s.param_shardings)
     step = jax.jit(make_train_step(s.graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk,
-                                   mesh),
+                                   mesh, recipe.aux_loss),
                    in_shardings=(s.param_shardings, opt_sh, s.batch_sharding),
                    out_shardings=(s.param_shardings, opt_sh, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0, 1))

@@ -118,6 +118,36 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AuxLossConfig:
+    """Coefficients of the auxiliary losses added to the training loss (recipes/train/aux_terms.py).
+
+    They weight what the model's blocks emit through layers/aux_outputs.py; today the router
+    statistics of an MoE layer (layers/router.py). Zero is off: no term is added and the program is
+    the one without it. The defaults are off because every recipe has this section, dense ones too; an
+    MoE recipe sets its model's published value (Mixtral's config.json router_aux_loss_coef 0.02,
+    Qwen3-MoE's 0.001). A coefficient on a model whose blocks emit no router statistics is a
+    ConfigError when the step is built (it would weight nothing).
+    """
+
+    # x E * sum_e f_e P_e over the step's layers (Switch Transformer; Hugging Face's load_balancing_loss_func)
+    load_balancing: float = 0.0
+    # x mean over tokens and layers of logsumexp(router logits)^2 (ST-MoE, which uses 1e-3). 0: Mixtral and
+    # Qwen3-MoE were trained without one (their models define no z-loss); a recipe may set it for stability.
+    router_z: float = 0.0
+
+    def __post_init__(self):
+        for name in ("load_balancing", "router_z"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"aux_loss.{name} must be a finite number >= 0 (a coefficient; 0 is off), "
+                                  f"got {value!r}")
+
+    @property
+    def any_set(self) -> bool:
+        return bool(self.load_balancing or self.router_z)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None                # None: runs/<recipe name>
     every_steps: int = 100
@@ -188,6 +218,7 @@ class Recipe:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
+    aux_loss: AuxLossConfig = AuxLossConfig()     # coefficients of the blocks' auxiliary losses (MoE routers)
     description: str = ""                 # what the recipe is (`spillway recipes` lists it)
     sources: str = ""                     # where its numbers come from, and which are our choice
 
@@ -195,7 +226,7 @@ class Recipe:
         family_of_config(self.model)   # a ConfigError unless the model is a registered family's config
         sections = {"execution": Execution, "data": DataConfig, "optimizer": OptimizerConfig,
                     "offload": OffloadConfig, "mesh": MeshConfig, "checkpoint": CheckpointConfig,
-                    "train": TrainConfig}
+                    "train": TrainConfig, "aux_loss": AuxLossConfig}
         for name, cls in sections.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
@@ -463,5 +494,5 @@ def _parse_scalar(raw: str) -> Any:
         return raw
 
 
-__all__ = ["Recipe", "DataConfig", "OffloadConfig", "MeshConfig", "CheckpointConfig", "TrainConfig",
+__all__ = ["Recipe", "AuxLossConfig", "DataConfig", "OffloadConfig", "MeshConfig", "CheckpointConfig", "TrainConfig",
            "OptimizerConfig", "Execution", "RopeScaling", "apply_overrides", "resolve_block_class"]

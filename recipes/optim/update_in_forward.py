@@ -132,12 +132,13 @@ class _UpdateBeforeEachLayer:
         self.outputs = outputs
 
 
-def make_train_step(loss_fn, optimizer):
+def make_train_step(objective, optimizer):
     """(params, opt_state, pending, tokens [batch, seq+1]) -> (params, opt_state, pending, metrics).
 
-    `loss_fn(params, tokens)` is the step's loss (recipes/train/step.make_loss_fn). The params and
-    opt_state returned have the *pending* update applied (the one the returned `pending` does not
-    hold); `flush` applies the rest. Metrics: the loss of this step's batch, the norm of its gradients
+    `objective(params, tokens)` -> (what the step differentiates, that batch's metrics) is the step's
+    (recipes/train/step.make_objective). The params and opt_state returned have the *pending* update
+    applied (the one the returned `pending` does not hold); `flush` applies the rest. Metrics: the
+    objective's of this step's batch (its loss, and what its blocks emitted), the norm of its gradients
     and the learning rate they will be applied with, as the step without deferral reports them.
     """
     def train_step(params, opt_state, pending: PendingUpdate, tokens_bt):
@@ -155,20 +156,19 @@ def make_train_step(loss_fn, optimizer):
             wrapped = [_UpdatedBeforeUse(leaves[k], d, k) if k in in_forward else d
                        for k, d in enumerate(treedef.flatten_up_to(differentiated))]
             with layer_hook.running_before_layers(hook):
-                loss = loss_fn(treedef.unflatten(wrapped), tokens_bt)
+                value, batch_metrics = objective(treedef.unflatten(wrapped), tokens_bt)
             if in_forward and hook.outputs is None:
                 raise ValueError("offload.update=next_forward: the model ran no block stack that took the update")
-            return loss, hook.outputs or {}
+            return value, (hook.outputs or {}, batch_metrics)
 
-        (loss, stacked), (grads, stacked_squares) = jax.value_and_grad(loss_with_update, argnums=(0, 1),
-                                                                       has_aux=True)(
-            differentiated, jnp.zeros((), jnp.float32), tokens_bt)
+        (_, (stacked, batch_metrics)), (grads, stacked_squares) = jax.value_and_grad(
+            loss_with_update, argnums=(0, 1), has_aux=True)(differentiated, jnp.zeros((), jnp.float32), tokens_bt)
         new_params, new_opt_state, _ = begun.finish(stacked)
         grad_leaves = treedef.flatten_up_to(grads)
         squares = [stacked_squares] + [streaming.squared_norm(g) for k, g in enumerate(grad_leaves)
                                        if k not in in_forward]
         grad_norm = jnp.sqrt(functools.reduce(operator.add, squares))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": optimizer.schedule(new_opt_state.count)}
+        metrics = {**batch_metrics, "grad_norm": grad_norm, "learning_rate": optimizer.schedule(new_opt_state.count)}
         return new_params, new_opt_state, PendingUpdate(grads, grad_norm, jnp.ones((), bool)), metrics
 
     return train_step

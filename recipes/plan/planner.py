@@ -87,6 +87,8 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     started = time.perf_counter()
     target = get_target(gpu)
     check_user_block(recipe)   # a block that cannot be built: one line now, not one per compile process
+    from spillway.recipes.train.step import check_aux_loss
+    check_aux_loss(recipe)     # an aux_loss coefficient that would weight nothing: the same
     if not 0 < headroom <= 1:
         raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
     if host_ram_gb is not None and host_ram_gb <= 0:

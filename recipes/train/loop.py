@@ -32,7 +32,7 @@ from spillway.models.flops import model_flops_per_token
 from spillway.recipes.config import DataConfig, Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
-from spillway.recipes.train import distributed, gpu_allocators, host_memory
+from spillway.recipes.train import aux_terms, distributed, gpu_allocators, host_memory
 from spillway.recipes.train.divergence import make_weights_check
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import (NonFiniteLossError, RunLogger, check_finite, device_memory_in_use,
@@ -114,8 +114,9 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
     from spillway.recipes.train.preflight import check_run_inputs
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
-    from spillway.recipes.train.step import check_attention_backend
+    from spillway.recipes.train.step import check_attention_backend, check_aux_loss
     check_attention_backend(recipe.execution.attention_impl, jax.default_backend())  # before data is prepared
+    check_aux_loss(recipe)  # a coefficient that would weight nothing: before data is prepared
     run_dir = Path(recipe.run_dir)
     with _owned_run_dir(run_dir, main, say) as lock:
         # opening checks that checkpoints can be written there: before any data is prepared
@@ -307,6 +308,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         f"({peak_flops / 1e9:.0f} GFLOP/s per device)")
     bar = tqdm(total=cfg.steps, initial=step, disable=not (main and progress), unit="step", dynamic_ncols=True)
     pending = None  # (step, metrics on device) of the previous step: checked one step late, keeps dispatch async
+    warned_unbalanced = False
     window_start, window_steps = time.perf_counter(), 0
     with StopSignals(echo=(lambda text: bar.write(text)) if main else (lambda text: None)) as signals:
         group_stop = GroupStop(signals, s.mesh)
@@ -343,8 +345,15 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
                     if memory is not None:
                         row["memory_gib"] = memory / 2**30
                     row.update(mixture_tokens())
+                    row.update(aux_terms.logged(metrics.get(aux_terms.AUX_METRICS, {})))
+                    if not warned_unbalanced and aux_terms.router_keys(row) and not recipe.aux_loss.load_balancing:
+                        warned_unbalanced = True
+                        bar.write("warning: the model routes tokens to experts and aux_loss.load_balancing is 0: "
+                                  "nothing keeps the experts' load balanced (Mixtral trains with 0.02, Qwen3-MoE "
+                                  "with 0.001)") if main else None
                     logger.log(step, row)
-                    bar.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}",
+                    bar.set_postfix({"loss": f"{loss:.3f}", **aux_terms.progress(row),
+                                     "tok/s": f"{row['tokens_per_s']:.0f}",
                                      "mfu": f"{row['mfu']:.1%}", "step": f"{step_time * 1e3:.0f}ms",
                                      **({"mem": f"{row['memory_gib']:.1f}G"} if memory is not None else {})})
                     window_start, window_steps = time.perf_counter(), 0
@@ -388,6 +397,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     elif main and not logger.metrics_path.is_file():
         say(f"warning: {logger.metrics_path} was deleted while the run wrote it: no loss curve (the checkpoints "
             f"are saved; TensorBoard: {run_dir / 'tb'})")
+    load_plot = logger.plot_expert_load()   # None for a model without MoE layers
+    if load_plot:
+        say(f"expert load: {load_plot}")
 
     model = nnx.merge(s.graphdef, params)
     sample = None

@@ -1,7 +1,8 @@
-"""What a person watching a run sees and keeps: progress, JSON-lines metrics, TensorBoard, a loss plot.
+"""What a person watching a run sees and keeps: progress, JSON-lines metrics, TensorBoard, loss and expert-load plots.
 
 `RunLogger` writes every logged step as one JSON line (metrics.jsonl) and as
-TensorBoard scalars (tb/), and draws loss.png at the end. Only process 0
+TensorBoard scalars (tb/), and draws loss.png at the end, and expert_load.png
+for a model with MoE layers (recipes/train/aux_terms.py names their metrics). Only process 0
 writes; other processes log nothing.
 
 A run that resumes from step K (after a kill, possibly during a save, so K can
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spillway.recipes.targets import target_for_device_kind   # the planner's GPU facts, one table
+from spillway.recipes.train import aux_terms
 from spillway.recipes.train.errors import RunError
 
 
@@ -170,6 +172,53 @@ class RunLogger:
         ax.set_title(self.run_dir.name)
         ax.grid(alpha=0.3)
         ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def plot_expert_load(self, path: str | os.PathLike | None = None) -> Path | None:
+        """Each MoE router's per-expert load over training, as a PNG (expert_load.png); None when no row
+        has one (a dense model, or nothing logged yet).
+
+        Per router key (recipes/train/aux_terms.py): a map of each expert's share of the top-k choices
+        (averaged over the layers) times the expert count, step against expert, where 1 is its fair
+        share; below it the largest share of any expert in any layer (KEY/load_max), against 1."""
+        if not self.enabled or not self.metrics_path.is_file():
+            return None
+        rows = read_metrics(self.metrics_path)
+        suffix = f"/{aux_terms.LOAD}"
+        keys = sorted({name[:-len(suffix)] for r in rows for name, v in r.items()
+                       if name.endswith(suffix) and isinstance(v, list)})
+        if not keys:
+            return None
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path or self.run_dir / "expert_load.png")
+        fig, axes = plt.subplots(2 * len(keys), 1, figsize=(7, 4.5 * len(keys)), squeeze=False,
+                                 gridspec_kw={"height_ratios": [3, 1] * len(keys)}, sharex=True)
+        for i, key in enumerate(keys):
+            by_step = {r["step"]: r for r in rows if isinstance(r.get(key + suffix), list)}
+            steps = sorted(by_step)
+            load_se = np.asarray([by_step[s][key + suffix] for s in steps]) * len(by_step[steps[0]][key + suffix])
+            top, bottom = axes[2 * i, 0], axes[2 * i + 1, 0]
+            image = top.imshow(load_se.T, aspect="auto", origin="lower", cmap="coolwarm", vmin=0.0,
+                               vmax=max(2.0, float(load_se.max())), interpolation="nearest",
+                               extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, load_se.shape[1] - 0.5))
+            fig.colorbar(image, ax=top, label="share x experts (1 = fair)")
+            top.set_ylabel("expert")
+            top.set_title(f"{self.run_dir.name}: {key} expert load (mean over layers)")
+            worst = [(s, by_step[s][f"{key}/{aux_terms.LOAD_MAX}"]) for s in steps
+                     if f"{key}/{aux_terms.LOAD_MAX}" in by_step[s]]
+            if worst:
+                bottom.plot(*zip(*worst), label="largest in any layer")
+            bottom.axhline(1.0, color="gray", linestyle="--", linewidth=0.8, label="balanced")
+            bottom.set_ylabel("max share x E")
+            bottom.grid(alpha=0.3)
+            bottom.legend(fontsize="small")
+        axes[-1, 0].set_xlabel("step")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)

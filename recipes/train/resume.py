@@ -15,8 +15,8 @@ with the step it resumes from, field by field:
 * fields that a person changes on purpose when continuing a run may change:
   the step count, learning rate, schedule and other optimizer hyperparameters,
   logging, evaluation, sampling, checkpoint cadence, the mesh and the offload
-  plan (they change where numbers live, not the numbers), the attention kernel.
-  Each change is returned, and the train loop records it in history.jsonl.
+  plan (they change where numbers live, not the numbers), the attention kernel,
+  the auxiliary-loss coefficients (`aux_loss`). Each change is returned, and the train loop records it in history.jsonl.
 
 Fields are matched by their dotted path, most specific rule first; a field no
 rule names (one added to the recipe later) must match until someone decides
@@ -77,6 +77,7 @@ RESUME_RULES: dict[str, str] = {
     "train": MAY_CHANGE,
     "train.seed": MUST_MATCH,                     # the data order
     "train.global_batch": MUST_MATCH,             # the loader position counts global batches
+    "aux_loss": MAY_CHANGE,                       # loss coefficients, like the learning rate
 }
 
 

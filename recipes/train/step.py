@@ -2,7 +2,9 @@
 
 There is exactly one train step (`make_train_step`); the train loop runs it and
 the planner compiles the same function for GPU targets (`abstract_setup`), so
-what the planner measures is what runs.
+what the planner measures is what runs. What it differentiates is
+`make_objective`: the loss plus the auxiliary losses of what the model's blocks
+emit (recipes/train/aux_terms.py), in every variant of the step.
 """
 
 from __future__ import annotations
@@ -15,19 +17,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spillway.layers import host_weights, names
+from spillway.layers import aux_outputs, host_weights, names
 from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import check_batch_split
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
-from spillway.recipes.config import Recipe
+from spillway.recipes.config import AuxLossConfig, Recipe
 from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.optim import update_in_forward
 from spillway.recipes.optim.host_memory import donate_opt_state_ok
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
-from spillway.recipes.train import xla_settings
+from spillway.recipes.train import aux_terms, xla_settings
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 
 
@@ -54,47 +56,86 @@ def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
     return loss_fn
 
 
-def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0, mesh=None):
-    """(params, opt_state, tokens [batch, seq+1]) -> (params, opt_state, metrics).
+def make_objective(graphdef, loss_chunk: int = 0, mesh=None, aux_loss: AuxLossConfig = AuxLossConfig()):
+    """(params, tokens [batch, seq+1]) -> (what the step differentiates, this batch's metrics).
 
-    With grad_accum > 1 the batch is split into micro-batches whose gradients
-    are summed in float32 by a scan, so activation memory is that of one
-    micro-batch. Micro-batch m takes rows m, m + grad_accum, ... so that every
-    device's shard of the batch holds rows of every micro-batch: each
-    micro-batch stays spread over all devices, with no reshuffle.
+    The loss of `make_loss_fn` with a collector open around the model
+    (layers/aux_outputs.py): what the blocks emit becomes metrics, and router
+    statistics also loss terms weighted by `aux_loss` (recipes/train/aux_terms.py).
+    Metrics: "loss" (the cross-entropy, without the auxiliary terms, so that it
+    compares with the validation loss and with dense runs) and, when the blocks
+    emit anything, their metrics under aux_terms.AUX_METRICS. A model whose
+    blocks emit nothing gives its plain loss: the same program as without the
+    collector.
     """
     loss_fn = make_loss_fn(graphdef, loss_chunk, mesh)
-    grad_fn = jax.value_and_grad(loss_fn)
+
+    def objective(params, tokens_bt):
+        with aux_outputs.collecting() as collected:
+            loss = loss_fn(params, tokens_bt)
+        weighted, aux_metrics = aux_terms.batch_terms(collected.values, aux_loss)
+        metrics = {"loss": loss, **({aux_terms.AUX_METRICS: aux_metrics} if aux_metrics else {})}
+        return (loss if weighted is None else loss + weighted), metrics
+    return objective
+
+
+def emitted_values(graphdef, params, tokens_bt, mesh=None):
+    """The structure (ShapeDtypeStructs) of what the model's blocks emit for a batch, traced, nothing run."""
+    loss_fn = make_loss_fn(graphdef, mesh=mesh)
+
+    def collect(params, tokens_bt):
+        with aux_outputs.collecting() as collected:
+            loss_fn(params, tokens_bt)
+        return collected.values
+    return jax.eval_shape(collect, params, tokens_bt)
+
+
+def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0, mesh=None,
+                    aux_loss: AuxLossConfig = AuxLossConfig()):
+    """(params, opt_state, tokens [batch, seq+1]) -> (params, opt_state, metrics).
+
+    The step differentiates `make_objective`: the loss plus the auxiliary losses
+    `aux_loss` weights. With grad_accum > 1 the batch is split into micro-batches
+    whose gradients are summed in float32 by a scan, so activation memory is that
+    of one micro-batch; each micro-batch's objective is its own (the load-balancing
+    loss from its own statistics, recipes/train/aux_terms.py), and the step's
+    metrics are the micro-batches' means. Micro-batch m takes rows m,
+    m + grad_accum, ... so that every device's shard of the batch holds rows of
+    every micro-batch: each micro-batch stays spread over all devices, with no
+    reshuffle.
+    """
+    objective = make_objective(graphdef, loss_chunk, mesh, aux_loss)
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
 
     def train_step(params, opt_state, tokens_bt):
         if grad_accum == 1:
-            loss, grads = grad_fn(params, tokens_bt)
+            (_, metrics), grads = grad_fn(params, tokens_bt)
         else:
             micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
             if host_weights.any_in_host_memory(params):
-                loss, grads = _accumulate_in_backward(loss_fn, params, micro_mbt)
+                metrics, grads = _accumulate_in_backward(objective, params, micro_mbt)
             else:
                 def accumulate(grad_sum, micro_bt):
-                    loss, grads = grad_fn(params, micro_bt)
-                    return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), grad_sum, grads), loss
+                    (_, metrics), grads = grad_fn(params, micro_bt)
+                    return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), grad_sum, grads), metrics
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-                grad_sum, losses = jax.lax.scan(accumulate, zeros, micro_mbt)
+                grad_sum, per_micro = jax.lax.scan(accumulate, zeros, micro_mbt)
                 grads = jax.tree.map(lambda g: g / grad_accum, grad_sum)
-                loss = jnp.mean(losses)
+                metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro)
         params, opt_state, stats = optimizer.update(grads, opt_state, params)
-        return params, opt_state, {"loss": loss, **stats}
+        return params, opt_state, {**metrics, **stats}
 
     return train_step
 
 
-def _accumulate_in_backward(loss_fn, params, micro_mbt):
-    """(mean loss, mean gradients) over micro-batches, the host weights' gradients summed inside each backward.
+def _accumulate_in_backward(objective, params, micro_mbt):
+    """(mean metrics, mean gradients) over micro-batches, the host weights' gradients summed inside each backward.
 
     The float32 sums of host-resident weights stay in host memory and pass
     through HBM a layer at a time (layers/host_weights.AccumulatingWeight): the
-    loss is differentiated with respect to those sums, so what comes back for
-    them is the new sum. The loss is divided by the micro-batch count before
+    objective is differentiated with respect to those sums, so what comes back for
+    them is the new sum. The objective is divided by the micro-batch count before
     differentiating, so the sums are the mean gradient with no division pass
     over them at the end (a host computation would write its result to HBM
     first). Device-resident gradients are summed on device as usual.
@@ -103,16 +144,17 @@ def _accumulate_in_backward(loss_fn, params, micro_mbt):
     on_host = jax.tree.map(host_weights.in_host_memory, params)
 
     def micro_step(grad_sum, micro_bt):
-        def scaled_loss(differentiated):
+        def scaled_objective(differentiated):
             merged = jax.tree.map(lambda p, d, host: host_weights.AccumulatingWeight(p, d) if host else d,
                                   params, differentiated, on_host)
-            return loss_fn(merged, micro_bt) / grad_accum
+            value, metrics = objective(merged, micro_bt)
+            return value / grad_accum, metrics
 
         differentiated = jax.tree.map(lambda p, s, host: s if host else p, params, grad_sum, on_host)
-        loss, grads = jax.value_and_grad(scaled_loss)(differentiated)
+        (_, metrics), grads = jax.value_and_grad(scaled_objective, has_aux=True)(differentiated)
         grad_sum = jax.tree.map(lambda s, g, host: g if host else s + g.astype(jnp.float32),
                                 grad_sum, grads, on_host)
-        return grad_sum, loss * grad_accum
+        return grad_sum, metrics
 
     host_zeros = {}   # one host buffer of zeros per shape: the first micro-batch only reads them
 
@@ -124,8 +166,8 @@ def _accumulate_in_backward(loss_fn, params, micro_mbt):
         return host_zeros[p.shape]
 
     zeros = jax.tree.map(zeros_like, params, on_host)
-    grad_sum, losses = jax.lax.scan(micro_step, zeros, micro_mbt)
-    return jnp.mean(losses), grad_sum
+    grad_sum, per_micro = jax.lax.scan(micro_step, zeros, micro_mbt)
+    return jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro), grad_sum
 
 
 def make_eval_step(graphdef, mesh=None):
@@ -242,6 +284,19 @@ def pinned_bytes_of_setup(s: TrainSetup) -> PinnedHostBytes:
     return PinnedHostBytes(state, weights, gradients)
 
 
+def check_aux_loss(recipe: Recipe, graphdef=None, params=None, mesh=None) -> None:
+    """ConfigError when an `aux_loss` coefficient is set and the model's blocks emit no router statistics
+    for it to weight (recipes/train/aux_terms.check_emitted): one abstract trace of the model, only when a
+    coefficient is set. `graphdef`, `params`: the model when already built (abstractly or not)."""
+    if not recipe.aux_loss.any_set:
+        return
+    if graphdef is None:
+        graphdef, params = abstract_model(recipe)
+    micro_tokens = jax.ShapeDtypeStruct((recipe.train.global_batch // recipe.train.grad_accum,
+                                         recipe.data.seq_len + 1), jnp.int32)
+    aux_terms.check_emitted(emitted_values(graphdef, params, micro_tokens, mesh), recipe.aux_loss)
+
+
 def check_attention_backend(attention_impl: str, backend: str) -> None:
     """cuDNN attention runs on NVIDIA GPUs only: elsewhere, one line that says what to set instead."""
     if attention_impl == "cudnn" and backend not in ("gpu", "cuda"):
@@ -301,16 +356,17 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
+    check_aux_loss(recipe, graphdef, params, mesh)
     if deferred:
         pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
-        loss_fn = make_loss_fn(graphdef, recipe.train.loss_chunk, mesh)
+        objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
         # Only the params are donated. The step writes the new state into new host arrays (the scan's
         # output): a donated state would make XLA copy them into the old ones afterwards, host to host
         # over the link. The pending gradients neither: the stacked weights are not read (their masters
         # are), so JAX drops those inputs and would pair the donated gradient buffers, same shapes, with
         # the new weights, which XLA then copies to host memory.
         donated = _donated(False, param_sh)
-        step = jax.jit(update_in_forward.make_train_step(loss_fn, optimizer),
+        step = jax.jit(update_in_forward.make_train_step(objective, optimizer),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
                        compiler_options=xla_options)
@@ -319,7 +375,8 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
                         compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
-    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh),
+    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh,
+                                   recipe.aux_loss),
                    in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, scalar_sh),
                    donate_argnums=_donated(donate_opt_state, param_sh), compiler_options=xla_options)
