@@ -19,6 +19,13 @@ weight [in, out] is `Layout(1, False)`, a q bias [heads*head_dim] into
 q, k and v side by side) is several `HFWeight`s with a `part` (axis, index,
 count): each reads its slice, and export concatenates them again.
 
+Per-expert tensors (`{j}` in the name beside `{i}`: a mixture-of-experts layer's
+experts stored one tensor each, as Mixtral's and Qwen3-MoE's checkpoints do) fill
+the expert axis that follows the layer axis ([L, E, ...], layers/moe.py). A
+table may also read another layout of the same weights (`HFTable.views`: each
+checkpoint name as a slice of a fused tensor, transformers 5's in-memory
+`experts.gate_up_proj`), so one table serves both.
+
 Per-layer tensors are stacked along the leading layer axis (layers/stack.py),
 filled one layer at a time from the memory-mapped files, so host memory peaks
 near one stacked parameter, not a second copy of the checkpoint. With a mesh,
@@ -90,10 +97,18 @@ class HFWeight:
     path: tuple[str, ...]               # spillway parameter path (inside the stacked blocks for per-layer ones)
     layout: Layout
     part: tuple[int, int, int] | None = None   # (axis, index, count) of a fused Hugging Face tensor
+    # The model layers a per-layer tensor exists in; None: every layer whose run has the parameter. A family
+    # whose dense and MoE layers share parameter names (mlp.w_up) says which is which.
+    layers: frozenset[int] | None = None
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf_name
+
+    @property
+    def per_expert(self) -> bool:
+        """One tensor per expert (`{j}`): the parameter's axis after the layer axis is the expert axis."""
+        return "{j}" in self.hf_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +130,10 @@ class HFTable:
     # table prefix) pairs. A checkpoint with any name under a non-identical checkpoint prefix is read
     # through them, and its tensors under none of them (the vision tower) are left unread.
     tower_prefixes: tuple[tuple[str, str], ...] = ()
+    # Another layout of the same weights: config -> {checkpoint name: (name in that layout, index)}, each
+    # checkpoint tensor a slice of one there (transformers 5's fused experts). Read when the checkpoint holds
+    # any of those names; never written.
+    views: Callable[[Any], dict[str, tuple[str, tuple]]] | None = None
 
 
 # --- tensor sources ----------------------------------------------------------
@@ -131,6 +150,9 @@ class _DictSource:
 
     def get(self, name):
         return np.asarray(self.tensors[name])
+
+    def get_part(self, name, index):
+        return np.asarray(self.tensors[name])[index]
 
 
 class _SafetensorsSource:
@@ -149,6 +171,10 @@ class _SafetensorsSource:
 
     def get(self, name):
         return self.files[name].get_tensor(name)
+
+    def get_part(self, name, index):
+        """Only the slice `index` of the tensor is read from the file."""
+        return self.files[name].get_slice(name)[index] if index else self.get(name)
 
 
 class _PrefixedSource:
@@ -190,6 +216,63 @@ class _TowerSource:
 
     def get(self, name):
         return self.source.get(self.to_source[name])
+
+
+def _get_part(source, name: str, index: tuple):
+    part = getattr(source, "get_part", None)
+    return part(name, index) if part is not None else np.asarray(source.get(name))[index]
+
+
+def _indexed_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
+    """The shape of array[index] for an index of ints and slices."""
+    out = []
+    for dim, size in enumerate(shape):
+        if dim >= len(index):
+            out.append(size)
+        elif isinstance(index[dim], slice):
+            out.append(len(range(size)[index[dim]]))
+    return tuple(out)
+
+
+class _ViewSource:
+    """A checkpoint in another layout seen under the table's names (`HFTable.views`): each viewed name a
+    slice of a tensor the checkpoint holds; the tensors viewed are hidden, everything else passes through."""
+
+    def __init__(self, source, views: dict[str, tuple[str, tuple]]):
+        present = set(source.names())
+        self.source = source
+        self.views = {name: view for name, view in views.items() if view[0] in present}
+        viewed = {view[0] for view in self.views.values()}
+        self._names = [n for n in source.names() if n not in viewed] + list(self.views)
+
+    def names(self):
+        return self._names
+
+    def shape(self, name):
+        if name in self.views:
+            fused, index = self.views[name]
+            return _indexed_shape(self.source.shape(fused), index)
+        return self.source.shape(name)
+
+    def get(self, name):
+        if name in self.views:
+            return _get_part(self.source, *self.views[name])
+        return self.source.get(name)
+
+    def file_of(self, name):
+        name = self.views.get(name, (name,))[0]
+        return getattr(self.source, "file_of", lambda _: None)(name)
+
+
+def _in_table_layout(source, table: HFTable, config):
+    """`source` through the table's other layout (`HFTable.views`) when it holds any tensor of that layout."""
+    if table.views is None:
+        return source
+    views = table.views(config)
+    fused = {view[0] for view in views.values()}
+    if not any(name in fused for name in source.names()):
+        return source
+    return _ViewSource(source, views)
 
 
 def _with_base_prefix(source, table: HFTable):
@@ -318,9 +401,15 @@ def _resolve(source, config) -> tuple[Any, Any]:
 class _Entry:
     weight: HFWeight
     path: tuple[str, ...]            # full spillway path
-    hf_names: tuple[str, ...]        # one per layer (of its run) for per-layer weights, else one
-    shape: tuple[int, ...]           # spillway shape of one layer's worth
+    hf_names: tuple[str, ...]        # one per layer (of its run) for per-layer weights (per layer and expert,
+                                     # layer-major, for per-expert ones), else one
+    shape: tuple[int, ...]           # spillway shape of one layer's worth (one expert's, for per-expert ones)
     first_layer: int = 0             # the model layer of hf_names[0]
+    experts: int = 0                 # per-expert weights: the expert count (names per layer); else 0
+
+    def layer_of(self, k: int) -> int:
+        """The model layer of hf_names[k]."""
+        return self.first_layer + (k // self.experts if self.experts else k)
 
     def hf_shape(self) -> tuple[int, ...]:
         shape = list(self.weight.layout.hf_shape(self.shape))
@@ -355,7 +444,19 @@ def _entries(family, config, param_shapes: dict[tuple, tuple[int, ...]]) -> list
             found = False
             for prefix, first in runs:   # a per-layer tensor of every run whose blocks have the parameter
                 path = prefix + w.path
-                if path in param_shapes:
+                if path in param_shapes and w.layers is not None:
+                    held = [first + i in w.layers for i in range(param_shapes[path][0])]
+                    if any(held) and not all(held):
+                        raise AssertionError(f"{family.name} HF table: {w.hf_name} exists in layers "
+                                             f"{sorted(w.layers)}, which cover part of the run from layer {first}")
+                    if not any(held):
+                        continue
+                if path in param_shapes and w.per_expert:
+                    found = True
+                    layers, experts = param_shapes[path][:2]
+                    names = tuple(w.hf_name.format(i=first + i, j=j) for i in range(layers) for j in range(experts))
+                    out.append(_Entry(w, path, names, param_shapes[path][2:], first, experts))
+                elif path in param_shapes:
                     found = True
                     names = tuple(w.hf_name.format(i=first + i) for i in range(param_shapes[path][0]))
                     out.append(_Entry(w, path, names, param_shapes[path][1:], first))
@@ -424,8 +525,10 @@ def _load_param(source, entry: _Entry, dtype) -> np.ndarray:
     if len(entry.hf_names) == 1 and not entry.weight.per_layer:
         return np.asarray(_read_one(source, entry, entry.hf_names[0]), dtype)
     stacked = np.empty((len(entry.hf_names),) + entry.shape, dtype)
-    for layer, name in enumerate(entry.hf_names):
-        stacked[layer] = _read_one(source, entry, name)
+    for k, name in enumerate(entry.hf_names):   # a layer's (or a layer's expert's) tensor at a time
+        stacked[k] = _read_one(source, entry, name)
+    if entry.experts:
+        return stacked.reshape((-1, entry.experts) + entry.shape)
     return stacked
 
 
@@ -441,7 +544,7 @@ def load_hf_weights(source, family, config, abstract_params: nnx.State, sharding
     flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
     loaded = []
     with _open_source(source) as tensors:
-        tensors = _with_base_prefix(tensors, family.hf)
+        tensors = _in_table_layout(_with_base_prefix(tensors, family.hf), family.hf, config)
         _check_names_and_shapes(tensors, entries, family, config)
         for e in entries:
             dtype = np.dtype(flat[e.path].get_value().dtype)
@@ -505,17 +608,17 @@ def export_hf_state_dict(model, dtype: Any = None) -> dict[str, np.ndarray]:
         array = np.asarray(jax.device_get(flat[e.path].get_value()))
         if dtype is not None:
             array = array.astype(np.dtype(jnp.dtype(dtype)))
-        layers = array if e.weight.per_layer else [array]
+        layers = array.reshape((-1,) + e.shape) if e.weight.per_layer else [array]
         for name, one in zip(e.hf_names, layers, strict=True):
             index = 0 if e.weight.part is None else e.weight.part[1]
             parts.setdefault(name, {})[index] = e.weight.layout.to_hf(one)
     # transformers' order: the table's entries before its first per-layer one, then layer by
     # layer, then the rest (embedding, layers, final norm, head): easier to read and diff.
     first_layer = next((k for k, e in enumerate(entries) if e.weight.per_layer), len(entries))
-    per_layer = [(e.first_layer + i, k, name) for k, e in enumerate(entries) if e.weight.per_layer
+    per_layer = [(e.layer_of(i), k, i, name) for k, e in enumerate(entries) if e.weight.per_layer
                  for i, name in enumerate(e.hf_names)]
     order = [n for e in entries[:first_layer] for n in e.hf_names]
-    order += [name for _, _, name in sorted(per_layer)]
+    order += [name for *_, name in sorted(per_layer)]
     order += [n for e in entries[first_layer:] if not e.weight.per_layer for n in e.hf_names]
     order = list(dict.fromkeys(order))   # a fused tensor appears once
     axis_of = {n: e.weight.part[0] for e in entries if e.weight.part is not None for n in e.hf_names}
