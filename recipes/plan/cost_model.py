@@ -197,8 +197,9 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     grad_accum > 1 most of the running sums' two directions are.
     """
     impl = recipe.execution.attention_impl
+    # What the GPU multiplies: an MoE layer's capacity slots and padded blocks too (moe_counted="executed").
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
-                                          remat=candidate.activations, attention_impl=impl)
+                                          remat=candidate.activations, attention_impl=impl, moe_counted="executed")
     rate = compute_ways(mesh) * target.peak_bf16_flops
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
                   compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
