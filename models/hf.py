@@ -26,6 +26,9 @@ table may also read another layout of the same weights (`HFTable.views`: each
 checkpoint name as a slice of a fused tensor, transformers 5's in-memory
 `experts.gate_up_proj`), so one table serves both.
 
+Where tensors are read from (safetensors files, an in-memory state dict, a
+base-model or tower checkpoint, another layout) is models/hf_sources.py.
+
 Per-layer tensors are stacked along the leading layer axis (layers/stack.py),
 filled one layer at a time from the memory-mapped files, so host memory peaks
 near one stacked parameter, not a second copy of the checkpoint. With a mesh,
@@ -36,12 +39,11 @@ numpy the bfloat16 dtype that safetensors needs for bf16 checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +55,12 @@ from flax import nnx
 
 from spillway.layers.execution import Execution
 from spillway.layers.sharding import state_shardings
+from spillway.models.hf_sources import (SAFETENSORS_INDEX_FILE, HFCheckpointError, in_table_layout, indexed_shards,  # noqa: F401 — re-exported
+                                       listed, open_source, with_base_prefix)
 
 CONFIG_FILE = "config.json"
-SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 STACK_PATH = ("layers", "blocks")
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint or config that spillway cannot read as asked (the message says why)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,223 +133,6 @@ class HFTable:
     # checkpoint tensor a slice of one there (transformers 5's fused experts). Read when the checkpoint holds
     # any of those names; never written.
     views: Callable[[Any], dict[str, tuple[str, tuple]]] | None = None
-
-
-# --- tensor sources ----------------------------------------------------------
-
-class _DictSource:
-    def __init__(self, tensors: Mapping[str, Any]):
-        self.tensors = tensors
-
-    def names(self):
-        return list(self.tensors)
-
-    def shape(self, name):
-        return tuple(np.shape(self.tensors[name]))
-
-    def get(self, name):
-        return np.asarray(self.tensors[name])
-
-    def get_part(self, name, index):
-        return np.asarray(self.tensors[name])[index]
-
-
-class _SafetensorsSource:
-    def __init__(self, files: dict[str, Any], paths: dict[str, Path] | None = None):
-        self.files = files  # name -> open safe_open handle
-        self.paths = paths or {}  # name -> the file holding it, for messages
-
-    def file_of(self, name):
-        return self.paths.get(name)
-
-    def names(self):
-        return list(self.files)
-
-    def shape(self, name):
-        return tuple(self.files[name].get_slice(name).get_shape())
-
-    def get(self, name):
-        return self.files[name].get_tensor(name)
-
-    def get_part(self, name, index):
-        """Only the slice `index` of the tensor is read from the file."""
-        return self.files[name].get_slice(name)[index] if index else self.get(name)
-
-
-class _PrefixedSource:
-    """A checkpoint whose names lack the table's `base_prefix`, seen under the prefixed names."""
-
-    def __init__(self, source, prefix: str):
-        self.source, self.prefix = source, prefix
-
-    def names(self):
-        return [self.prefix + name for name in self.source.names()]
-
-    def shape(self, name):
-        return self.source.shape(name.removeprefix(self.prefix))
-
-    def get(self, name):
-        return self.source.get(name.removeprefix(self.prefix))
-
-    def file_of(self, name):
-        return getattr(self.source, "file_of", lambda _: None)(name.removeprefix(self.prefix))
-
-
-class _TowerSource:
-    """The tensors of one tower of a larger checkpoint, under the table's names (`HFTable.tower_prefixes`)."""
-
-    def __init__(self, source, prefixes: tuple[tuple[str, str], ...]):
-        self.source = source
-        self.to_source: dict[str, str] = {}
-        for name in source.names():
-            for theirs, ours in prefixes:
-                if name.startswith(theirs):
-                    self.to_source.setdefault(ours + name[len(theirs):], name)
-                    break
-
-    def names(self):
-        return list(self.to_source)
-
-    def shape(self, name):
-        return self.source.shape(self.to_source[name])
-
-    def get(self, name):
-        return self.source.get(self.to_source[name])
-
-
-def _get_part(source, name: str, index: tuple):
-    part = getattr(source, "get_part", None)
-    return part(name, index) if part is not None else np.asarray(source.get(name))[index]
-
-
-def _indexed_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
-    """The shape of array[index] for an index of ints and slices."""
-    out = []
-    for dim, size in enumerate(shape):
-        if dim >= len(index):
-            out.append(size)
-        elif isinstance(index[dim], slice):
-            out.append(len(range(size)[index[dim]]))
-    return tuple(out)
-
-
-class _ViewSource:
-    """A checkpoint in another layout seen under the table's names (`HFTable.views`): each viewed name a
-    slice of a tensor the checkpoint holds; the tensors viewed are hidden, everything else passes through."""
-
-    def __init__(self, source, views: dict[str, tuple[str, tuple]]):
-        present = set(source.names())
-        self.source = source
-        self.views = {name: view for name, view in views.items() if view[0] in present}
-        viewed = {view[0] for view in self.views.values()}
-        self._names = [n for n in source.names() if n not in viewed] + list(self.views)
-
-    def names(self):
-        return self._names
-
-    def shape(self, name):
-        if name in self.views:
-            fused, index = self.views[name]
-            return _indexed_shape(self.source.shape(fused), index)
-        return self.source.shape(name)
-
-    def get(self, name):
-        if name in self.views:
-            return _get_part(self.source, *self.views[name])
-        return self.source.get(name)
-
-    def file_of(self, name):
-        name = self.views.get(name, (name,))[0]
-        return getattr(self.source, "file_of", lambda _: None)(name)
-
-
-def _in_table_layout(source, table: HFTable, config):
-    """`source` through the table's other layout (`HFTable.views`) when it holds any tensor of that layout."""
-    if table.views is None:
-        return source
-    views = table.views(config)
-    fused = {view[0] for view in views.values()}
-    if not any(name in fused for name in source.names()):
-        return source
-    return _ViewSource(source, views)
-
-
-def _with_base_prefix(source, table: HFTable):
-    """`source` as the table names it: prefixed when it was saved from the base model (no name has the prefix),
-    or its tower's tensors renamed when it is a larger checkpoint holding the table's model as one tower."""
-    towers = [theirs for theirs, ours in table.tower_prefixes if theirs != ours]
-    if towers and any(n.startswith(tuple(towers)) for n in source.names()):
-        return _TowerSource(source, table.tower_prefixes)
-    if table.base_prefix and not any(n.startswith(table.base_prefix) for n in source.names()):
-        return _PrefixedSource(source, table.base_prefix)
-    return source
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    if not path.exists():
-        raise FileNotFoundError(f"no Hugging Face checkpoint at {path}: the path does not exist")
-    if path.is_file():
-        return [path]
-    index = path / SAFETENSORS_INDEX_FILE
-    if index.exists():
-        files = indexed_shards(index)
-        absent = [str(f) for f in files if not f.exists()]
-        if absent:
-            raise FileNotFoundError(f"{index} lists shards that do not exist: {absent}")
-        strays = sorted(set(path.glob("*.safetensors")) - set(files))
-        if strays:
-            # transformers reads model.safetensors where the index's shards are another checkpoint: refuse both
-            raise HFCheckpointError(
-                f"{path} holds two checkpoints: the shards {index.name} lists ({_listed(files)}) and "
-                f"{_listed(strays)}, which it does not list; keep one of them (delete the other) and load again")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
-        hint = f" (found {others}: only safetensors checkpoints are read)" if others else ""
-        raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
-    return files
-
-
-def indexed_shards(index: Path) -> list[Path]:
-    """The shard files a model.safetensors.index.json lists (beside it), sorted."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise HFCheckpointError(f"{index} is not a safetensors index (JSON with a weight_map): {err}") from None
-    return [index.parent / f for f in sorted(set(weight_map.values()))]
-
-
-def _listed(files: Sequence[Path]) -> str:
-    names = [f.name for f in files]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _safe_open(stack: contextlib.ExitStack, file: Path):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return stack.enter_context(safe_open(str(file), framework="numpy"))
-    except (SafetensorError, OSError) as err:
-        raise HFCheckpointError(f"{file}: not a readable safetensors file ({err}); it may be truncated, e.g. "
-                                f"by an interrupted download or copy: fetch it again") from None
-
-
-@contextlib.contextmanager
-def _open_source(source) -> Iterator[Any]:
-    if isinstance(source, Mapping):
-        yield _DictSource(source)
-        return
-    with contextlib.ExitStack() as stack:
-        by_name: dict[str, Any] = {}
-        paths: dict[str, Path] = {}
-        for file in _safetensors_files(Path(source)):
-            handle = _safe_open(stack, file)
-            for name in handle.keys():
-                if name in by_name:
-                    raise HFCheckpointError(f"tensor {name!r} appears in more than one safetensors file under {source}")
-                by_name[name], paths[name] = handle, file
-        yield _SafetensorsSource(by_name, paths)
 
 
 # --- config --------------------------------------------------------------------
@@ -543,8 +325,8 @@ def load_hf_weights(source, family, config, abstract_params: nnx.State, sharding
     entries = _entries(family, config, {path: tuple(v.get_value().shape) for path, v in flat.items()})
     flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
     loaded = []
-    with _open_source(source) as tensors:
-        tensors = _in_table_layout(_with_base_prefix(tensors, family.hf), family.hf, config)
+    with open_source(source) as tensors:
+        tensors = in_table_layout(with_base_prefix(tensors, family.hf), family.hf, config)
         _check_names_and_shapes(tensors, entries, family, config)
         for e in entries:
             dtype = np.dtype(flat[e.path].get_value().dtype)
@@ -648,7 +430,7 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
     if (directory / SAFETENSORS_INDEX_FILE).exists():
         others = [directory / SAFETENSORS_INDEX_FILE] + others
     if others:
-        raise HFCheckpointError(f"{directory} already holds another checkpoint ({_listed(others)}): export into "
+        raise HFCheckpointError(f"{directory} already holds another checkpoint ({listed(others)}): export into "
                                 f"an empty folder, or delete those files first")
     tensors = export_hf_state_dict(model, dtype=dtype)
     hf_config = family.hf.config_to_hf(model.config)

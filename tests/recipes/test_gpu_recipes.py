@@ -39,6 +39,10 @@ PUBLISHED = {
     "gemma2_2b": dict(tokens=4 * 2**20, budget=2e12, tokenizer="google/gemma-2-2b", **LLAMA2),
     "gemma3_1b": dict(tokens=4 * 2**20, budget=2e12, tokenizer="google/gemma-3-1b-pt", **LLAMA2),
     "gemma3_12b": dict(tokens=4 * 2**20, budget=12e12, tokenizer="google/gemma-3-12b-pt", **LLAMA2),
+    # Mixtral and Qwen3-MoE: no published pretraining settings; Llama 2's, Llama 2's 2T budget for Mixtral,
+    # Qwen3's 36T budget for Qwen3-30B-A3B.
+    "mixtral_8x7b": dict(tokens=4 * 2**20, budget=2e12, tokenizer="mistralai/Mixtral-8x7B-v0.1", **LLAMA2),
+    "qwen3_30b_a3b": dict(tokens=4 * 2**20, budget=36e12, tokenizer="Qwen/Qwen3-30B-A3B-Base", **LLAMA2),
 }
 
 
