@@ -471,7 +471,10 @@ def qwen3_30b_a3b() -> Recipe:
         model=qwen3_moe_config("qwen3_30b_a3b", max_seq_len=4096, moe_grouped_matmul="blocked", moe_block_rows=128),
         description=("Qwen3-30B-A3B from scratch on FineWeb-Edu with the Qwen3 tokenizer, for 36T tokens; dropless "
                      "by blocks of 128 rows: on one GPU there is no token exchange, it drops no token and executes "
-                     "the FLOPs of capacity 1.25 (BENCHMARKS.md), and ragged_dot lowers densely on jax 0.10.2"),
+                     "the FLOPs of capacity 1.25 (BENCHMARKS.md), and ragged_dot lowers densely on jax 0.10.2. "
+                     "Its full AdamW state fits one H200 only with the weights streamed from host memory too, "
+                     "which takes 620 GiB of host RAM, a whole 2 TB node's for this one GPU: "
+                     "spillway plan qwen3_30b_a3b --host-ram-gb 700"),
         sources=("36T tokens is Qwen3's pretraining budget (its technical report); " + QWEN_SEQUENCE + "; "
                  + MOE_SOURCE),
         corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-30B-A3B-Base",
