@@ -247,6 +247,20 @@ def test_logits_match_transformers_from_its_fused_state_dict(reference):
     np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), expected, rtol=PARITY_RTOL, atol=PARITY_ATOL)
 
 
+def test_a_fused_safetensors_file_reads_slice_by_slice(reference, tmp_path):
+    """The fused layout on disk (a state dict saved as it is): each expert's slice is read from the file."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    name, directory, hf_model, expected = reference
+    save_file(numpy_state_dict(hf_model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] in ("mixtral", "qwen3_moe")
+    model = from_hf(tmp_path, remat="save_all", **FLOAT32)
+    np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), expected, rtol=PARITY_RTOL, atol=PARITY_ATOL)
+
+
 @pytest.mark.parametrize("dispatch", [dict(moe_grouped_matmul="blocked", moe_block_rows=8),
                                       dict(moe_dispatch="capacity", moe_capacity_factor=2.5)],
                          ids=["blocked", "capacity_dropping_nothing"])
