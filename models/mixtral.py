@@ -20,7 +20,7 @@ Hugging Face: Mistral's tensors, with each layer's MoE under
 `model.layers.{i}.block_sparse_moe.`: `gate.weight` [E, d] (the router) and
 `experts.{j}.w1 / w3 / w2.weight` (gate, up, down, nn.Linear layouts): the
 published files and what transformers 5 `save_pretrained` writes. An in-memory
-transformers 5 state dict (fused `mlp.experts.gate_up_proj`) reads too
+transformers 5 state dict (fused `mlp.experts.gate_up_proj`) (or a safetensors file of it) reads too
 (models/moe_shaped.py). `router_jitter_noise` (multiplicative noise on the
 router input while training) is refused when non-zero: spillway does not add it.
 """

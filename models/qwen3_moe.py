@@ -27,7 +27,7 @@ Hugging Face: Qwen3's tensors, with each sparse layer's `model.layers.{i}.mlp.`
 holding `gate.weight` [E, d] (the router) and `experts.{j}.gate_proj /
 up_proj / down_proj.weight` (the published files and what transformers 5
 `save_pretrained` writes) and each dense layer Qwen3's gate/up/down_proj. An
-in-memory transformers 5 state dict (fused `mlp.experts.gate_up_proj`) reads
+in-memory transformers 5 state dict (fused `mlp.experts.gate_up_proj`) (or a safetensors file of it) reads
 too (models/moe_shaped.py). A config whose mlp_only_layers names a layer past
 the depth, or with a sliding window, is refused.
 """

@@ -400,7 +400,7 @@ def _coerce(annotation, value, where: str):
         return value
     if origin is tuple and len(typing.get_args(annotation)) == 2 and typing.get_args(annotation)[1] is Ellipsis:
         # A JSON list, or on the command line "1,3" / "[1, 3]" / "" (Qwen3-MoE's mlp_only_layers).
-        items = value
+        items = [value] if isinstance(value, int) and not isinstance(value, bool) else value   # "--set x=3"
         if isinstance(value, str):
             items = [part for part in value.strip().strip("[]()").split(",") if part.strip()]
         if not isinstance(items, (list, tuple)):

@@ -7,7 +7,8 @@ parameter perturbed (norm scales 1 + 0.1 N(0, 1), so a norm read as its init
 shows), saved with `save_pretrained` (the per-expert layout of the published
 checkpoints), give the same float32 logits as the spillway model `from_hf`
 reads from that directory and from the model's in-memory state dict (the fused
-`experts.gate_up_proj` layout of transformers 5). Three references: Mixtral
+`experts.gate_up_proj` layout of transformers 5; also as a safetensors file,
+read a slice at a time). Three references: Mixtral
 with a sliding window shorter than the sequence; Qwen3-MoE with layer 1 dense
 among sparse ones (mlp_only_layers, three runs); Qwen3-MoE with
 decoder_sparse_step 2 (dense, sparse, dense, sparse: four runs) and

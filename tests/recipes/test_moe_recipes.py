@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from spillway.layers.errors import ConfigError
 from spillway.layers.offload import MOE_PRESETS, RematPlan
 from spillway.models.registry import get_family
 from spillway.recipes.plan import candidates as plan_candidates
@@ -25,7 +26,8 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("spillway-cache")
 
 
-@pytest.mark.parametrize("name", ["mixtral_tiny", pytest.param("qwen3_moe_tiny", marks=pytest.mark.slow)])
+@pytest.mark.slow   # 30-50 s each on the shared 2-core machine (the 8 fake devices' sharded dispatch)
+@pytest.mark.parametrize("name", sorted(CPU_RECIPES))
 def test_cpu_recipe_trains_and_its_loss_falls(name, data_cache, tmp_path):
     recipe = get_recipe(name, [
         "data.source=builtin:stdlib:400000", f"data.cache_dir={data_cache}", "data.seq_len=96", "data.num_proc=1",
@@ -78,3 +80,15 @@ def test_a_dense_model_keeps_its_plans():
     assert plan_candidates.tagged_names(get_recipe("tiny")) is None
     assert plan_candidates.preset_plans(get_recipe("tiny")) == (plan_candidates.PRESET_PLANS,
                                                                 plan_candidates.HOST_COMPUTE_PLANS)
+
+
+def test_dense_layers_are_set_on_the_command_line_and_bad_ones_named():
+    assert get_recipe("qwen3_moe_tiny", ["model.mlp_only_layers=0,2"]).model.mlp_only_layers == (0, 2)
+    assert get_recipe("qwen3_moe_tiny", ["model.mlp_only_layers=[]"]).model.mlp_only_layers == ()
+    recipe = get_recipe("qwen3_moe_tiny", ["model.mlp_only_layers=3"])
+    assert type(recipe).from_dict(recipe.to_dict()) == recipe          # a JSON list in recipe.json
+    for value, message in (("0,9", r"names layer\(s\) \[9\], outside the model's 4 layers"),
+                           ("one", r"model.mlp_only_layers\[0\]: expected an integer")):
+        with pytest.raises(ConfigError, match=message) as err:
+            get_recipe("qwen3_moe_tiny", [f"model.mlp_only_layers={value}"])
+        assert "\n" not in str(err.value)
