@@ -50,6 +50,8 @@ ROWS = (
     ("qwen3_8b", "Qwen3 8B", 8192),
     ("gemma2_2b", "Gemma 2 2B", 8192),
     ("gemma3_1b", "Gemma 3 1B", 8192),
+    ("qwen3_30b_a3b", "Qwen3-30B-A3B", 8192),   # mixture of experts: 30.5B parameters, 3.4B active
+    ("mixtral_8x7b", "Mixtral 8x7B", 8192),     # 46.7B parameters, 12.9B active (one GPU: nothing fits)
 )
 HEADER = ("| family | model | params | recompute_all / opt device: HBM GiB | step ms | picked plan | HBM GiB "
           "| host GiB | step ms | HBM saved | command |")

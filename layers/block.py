@@ -33,6 +33,7 @@ from spillway.layers.errors import ConfigError, require_positive, require_positi
 from spillway.layers.execution import Execution
 from spillway.layers.layer_values import LayerValues
 from spillway.layers.mlp import ACTIVATIONS, GATED, MLP
+from spillway.layers.moe import MoE, MoEConfig
 from spillway.layers.norm import NORM_KINDS, make_norm
 from spillway.layers.rope import RopeScaling
 
@@ -57,6 +58,13 @@ class BlockConfig:
     post_feedforward_layernorm); mlp_kind="geglu" is the tanh-approximated
     GELU gated MLP (Gemma's gelu_pytorch_tanh). Per-layer sliding windows and
     RoPE bases come through `BlockContext.layer_values`, not from here.
+
+    `moe` makes the MLP slot a mixture-of-experts layer (layers/moe.py, a
+    sparse layer of Mixtral or Qwen3-MoE); None is the dense MLP of
+    `mlp_hidden` / `mlp_kind`. The MoE config's d_model must be the block's,
+    and the block's `execution` replaces the MoE config's (one recipe
+    setting governs the whole block). A model mixing dense and sparse layers
+    gives each kind its own run (layers/layer_pattern.py StackRun).
     """
 
     d_model: int
@@ -78,6 +86,7 @@ class BlockConfig:
     attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap); None: no cap
     query_scale: float | None = None    # score factor; None: 1 / sqrt(head_dim)
     post_norms: bool = False            # norms on the attention and MLP outputs before each residual add
+    moe: MoEConfig | None = None        # the MLP slot is this mixture-of-experts layer; None: the dense MLP
     execution: Execution = Execution()
 
     def __post_init__(self):
@@ -95,6 +104,12 @@ class BlockConfig:
         if self.attn_softcap is not None and self.execution.attention_impl == "cudnn":
             raise ConfigError(f"BlockConfig.attn_softcap={self.attn_softcap}: cuDNN's fused attention has no "
                               f"logit soft-capping; use execution.attention_impl=flash (or xla)")
+        if self.moe is not None:
+            if self.moe.d_model != self.d_model:
+                raise ConfigError(f"BlockConfig.moe.d_model ({self.moe.d_model}) differs from the block's "
+                                  f"d_model ({self.d_model})")
+            if self.moe.execution != self.execution:
+                object.__setattr__(self, "moe", dataclasses.replace(self.moe, execution=self.execution))
 
     @property
     def qk_norm_kind(self) -> str:
@@ -156,6 +171,8 @@ class TransformerBlock(nnx.Module):
 
     def make_mlp(self, rngs: nnx.Rngs) -> nnx.Module:
         cfg, ex = self.cfg, self.cfg.execution
+        if cfg.moe is not None:
+            return MoE(cfg.moe, rngs=rngs)
         return MLP(cfg.d_model, cfg.mlp_hidden, kind=cfg.mlp_kind, bias=cfg.mlp_bias, dtype=ex.compute_dtype,
                    param_dtype=ex.parameter_dtype, init_std=ex.init_std, rngs=rngs)
 

@@ -1,11 +1,13 @@
-"""A TransformerBlock whose MLP is an MoE layer, for a given MoEConfig.
+"""A TransformerBlock whose MLP is a given MoE layer, for a BlockConfig that does not name one.
 
 `moe_block(moe_cfg)` returns a `TransformerBlock` subclass (named MoEBlock)
 whose `make_mlp` builds `MoE(moe_cfg)`; attention, norms and the pre-norm
-forward are the base block's. It exists until `BlockConfig` can describe an
-MoE MLP itself (the family-spec work: runs of dense and sparse layers); the
-class is made once per config, so graphdefs (jit's static arguments) of two
-stacks with equal configs compare equal.
+forward are the base block's. The families describe their MoE layers in
+`BlockConfig.moe` instead (layers/block.py: the base block builds the MoE layer
+itself, and parameter and FLOP counts read it); this class stays for stacks
+built from a plain BlockConfig (the layer tests and benchmarks). The class is
+made once per config, so graphdefs (jit's static arguments) of two stacks
+with equal configs compare equal.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from spillway.layers.embed import Embedding, LMHead, PositionEmbedding
 from spillway.layers.errors import ConfigError
 from spillway.layers.execution import Execution
 from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds
+from spillway.layers.moe import MoEConfig
 from spillway.layers.norm import make_norm
 from spillway.layers.offload import OffloadPolicy, RematPlan
 from spillway.layers.stack import BlockStack
@@ -49,11 +50,14 @@ class DecoderSpec:
                       config, its layer count, optionally its block class), in
                       order, covering the stack; None is one run of `block`.
                       A mixture-of-experts family's dense layers among sparse
-                      ones would be runs; the six dense families and Gemma are
-                      one run.
+                      ones are runs (Qwen3-MoE's mlp_only_layers and
+                      decoder_sparse_step: a run per stretch of dense or
+                      sparse layers, models/qwen3_moe.py); the dense families,
+                      Gemma and Mixtral are one run.
 
-    Parameter counts, the KV cache and the FLOP count (models/flops.py)
-    are summed over the layers' own configs (`layer_configs`).
+    Parameter counts (total and, for MoE layers, active: `num_params`), the
+    KV cache and the FLOP count (models/flops.py) are summed over the layers'
+    own configs (`layer_configs`).
     `final_logit_softcap` caps the logits, cap * tanh(logits / cap) (Gemma 2),
     wherever the head is applied: the model, the chunked loss and generation.
     """
@@ -115,8 +119,12 @@ class DecoderSpec:
                      for b, s in zip(configs, self.layer_settings, strict=True))
 
     @staticmethod
-    def block_params(b: BlockConfig) -> int:
-        """Parameters of one block of config `b`, counted from its fields."""
+    def block_params(b: BlockConfig, *, active: bool = False) -> int:
+        """Parameters of one block of config `b`, counted from its fields.
+
+        `active`: of an MoE block, only what one token uses: the router, its
+        top-k experts and any shared experts (all of a dense block is active).
+        """
         d, h, n, kv, f = b.d_model, b.resolved_head_dim, b.num_heads, b.num_kv_heads, b.mlp_hidden
         norm = d * (2 if b.norm == "layer" else 1)
         norms = 4 if b.post_norms else 2    # pre-norms, and Gemma's post-attention and post-MLP norms
@@ -124,6 +132,8 @@ class DecoderSpec:
         attn += (n + 2 * kv) * h if b.qkv_bias else 0
         attn += d if b.out_bias else 0
         attn += 2 * h if b.qk_norm else 0
+        if b.moe is not None:
+            return norms * norm + attn + moe_params(b.moe, active=active)
         mlp = (3 if b.gated_mlp else 2) * d * f
         mlp += ((2 if b.gated_mlp else 1) * f + d) if b.mlp_bias else 0
         return norms * norm + attn + mlp
@@ -137,15 +147,26 @@ class DecoderSpec:
                 return self.block_params(run.block)
         raise AssertionError("unreachable: the runs cover the layers")
 
-    def num_params(self) -> int:
-        """Parameter count from the shapes alone (no allocation), summed layer by layer."""
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameter count from the shapes alone (no allocation), summed layer by layer.
+
+        `active`: the parameters one token's forward pass uses: the embedding,
+        every attention, norm and dense MLP, and of each MoE layer the router,
+        the top-k experts and any shared experts; the output head. (The whole
+        embedding table is counted, as the published "active" figures of
+        Mixtral and Qwen3-MoE do, though a token reads one row of it.)
+        """
         d = self.d_model
         embed = self.vocab_size * d
         positions = self.max_seq_len * d if self.learned_positions else 0
-        layers = sum(r.num_layers * self.block_params(r.block) for r in self.stack_runs())
+        layers = sum(r.num_layers * self.block_params(r.block, active=active) for r in self.stack_runs())
         final_norm = d * (2 if self.block.norm == "layer" else 1)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return embed + positions + layers + final_norm + head
+
+    def num_active_params(self) -> int:
+        """`num_params(active=True)`: what a token uses (the total for a dense model)."""
+        return self.num_params(active=True)
 
     def kv_cache_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
         """Shape of each of the K and V caches: [layers, batch, max_len, kv_heads, head_dim].
@@ -154,6 +175,16 @@ class DecoderSpec:
         mask hides what lies outside the window), so the cache is one stack.
         """
         return (self.num_layers, batch, max_len, self.block.num_kv_heads, self.block.resolved_head_dim)
+
+
+def moe_params(moe: MoEConfig, *, active: bool = False) -> int:
+    """Parameters of one MoE layer (layers/moe.py): router, experts (all, or the top-k `active` ones),
+    shared experts and their gate."""
+    d, f, fs = moe.d_model, moe.expert_hidden, moe.shared_expert_hidden
+    matrices = 3 if moe.gated else 2
+    experts = (moe.top_k if active else moe.num_experts) * matrices * d * f
+    shared = matrices * d * fs + (d if moe.shared_expert_gate else 0)
+    return d * moe.num_experts + experts + shared
 
 
 def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:

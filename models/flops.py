@@ -25,6 +25,17 @@ tests/models/test_flops.py checks the count against XLA's own
 (`cost_analysis()` of CPU compiles): forward, backward (the flash kernel's
 custom backward included) and the recompute of every offload preset.
 
+Mixture-of-experts layers (a block whose `moe` is set: Mixtral, Qwen3-MoE)
+count their MLP slot by layers/moe_flops.py: the router (tokens x d x E, in
+`router`, with a shared-expert gate), and in `mlp_hidden` / `mlp_out` the k
+experts each token goes through (and any shared experts), not all E. That
+"active" count is what MFU divides by (`model_flops_per_token`). The planner's
+compute time counts what the chosen dispatch multiplies (`moe_counted=
+"executed"`: every capacity slot, every row of the blocked loop's padded
+blocks). In the backward pass an MoE layer's recompute follows its own tags:
+EXPERT_HIDDEN (gate and up products), EXPERT_OUT (the down product: the combine
+weights' gradient reads it, unlike a dense MLP_OUT) and ROUTER_LOGITS.
+
 Pure arithmetic on a DecoderSpec (models/decoder.py), the shape description
 every family gives: plain or gated MLP, grouped-query attention, sliding
 windows, counted layer by layer from each layer's own config
@@ -37,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 
 from spillway.layers import names
+from spillway.layers.moe_flops import moe_layer_flops
 from spillway.layers.offload import OffloadPolicy, Placement, RematPlan
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +59,10 @@ class LayerFlops:
     attn_scores: float
     attn_context: float
     attn_out: float
-    mlp_hidden: float      # gate and up projections
-    mlp_out: float         # down projection
+    mlp_hidden: float      # gate and up projections (of an MoE layer: its experts', top-k per token, and shared)
+    mlp_out: float         # down projection (likewise)
+    router: float = 0.0    # an MoE layer's router (and shared-expert gate); 0 for a dense block
+    moe: bool = False      # the MLP slot is an MoE layer (its recompute follows the expert tags)
 
     @property
     def attention(self) -> float:
@@ -56,7 +70,7 @@ class LayerFlops:
 
     @property
     def total(self) -> float:
-        return self.qkv + self.attention + self.attn_out + self.mlp_hidden + self.mlp_out
+        return self.qkv + self.attention + self.attn_out + self.mlp_hidden + self.mlp_out + self.router
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +123,8 @@ def flash_attention_pairs(seq_len: int, block: int, *, sliding_window: int | Non
 ATTENTION_COUNTS = ("causal", "full", "flash")
 
 
-def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal", layer: int = 0) -> LayerFlops:
+def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal", layer: int = 0,
+                moe_counted: str = "active") -> LayerFlops:
     """Forward FLOPs of one block of `spec` (a DecoderSpec) for `batch` sequences of `seq_len`.
 
     layer: which layer (its own config: Gemma's local and global layers differ
@@ -119,11 +134,13 @@ def layer_flops(spec, batch: int, seq_len: int, *, attention: str = "causal", la
     blocks layers/flash_attention.py computes (block: the spec's
     execution.flash_block_size).
     """
-    return block_flops(spec.layer_configs()[layer], batch, seq_len, attention=attention)
+    return block_flops(spec.layer_configs()[layer], batch, seq_len, attention=attention, moe_counted=moe_counted)
 
 
-def block_flops(b, batch: int, seq_len: int, *, attention: str = "causal") -> LayerFlops:
-    """Forward FLOPs of one block of config `b` (a BlockConfig): see `layer_flops`."""
+def block_flops(b, batch: int, seq_len: int, *, attention: str = "causal", moe_counted: str = "active") -> LayerFlops:
+    """Forward FLOPs of one block of config `b` (a BlockConfig): see `layer_flops`.
+
+    moe_counted: of an MoE block, "active" (k experts a token) or "executed" (what its dispatch multiplies)."""
     if attention not in ATTENTION_COUNTS:
         raise ValueError(f"attention must be one of {ATTENTION_COUNTS}, got {attention!r}")
     tokens = batch * seq_len
@@ -134,23 +151,27 @@ def block_flops(b, batch: int, seq_len: int, *, attention: str = "causal") -> La
     else:
         pairs = batch * attention_pairs(seq_len, causal=attention == "causal",
                                         sliding_window=b.sliding_window if attention == "causal" else None)
+    attention_flops = dict(qkv=2.0 * tokens * d * (n + 2 * kv) * h, attn_scores=2.0 * pairs * n * h,
+                           attn_context=2.0 * pairs * n * h, attn_out=2.0 * tokens * n * h * d)
+    if b.moe is not None:
+        moe = moe_layer_flops(b.moe, batch, seq_len, counted=moe_counted)
+        return LayerFlops(**attention_flops, mlp_hidden=moe.expert_hidden + moe.shared_hidden,
+                          mlp_out=moe.expert_out + moe.shared_out, router=moe.router + moe.shared_gate, moe=True)
     return LayerFlops(
-        qkv=2.0 * tokens * d * (n + 2 * kv) * h,
-        attn_scores=2.0 * pairs * n * h,
-        attn_context=2.0 * pairs * n * h,
-        attn_out=2.0 * tokens * n * h * d,
+        **attention_flops,
         mlp_hidden=2.0 * tokens * d * b.mlp_hidden * (2 if b.gated_mlp else 1),   # gated: gate and up
         mlp_out=2.0 * tokens * b.mlp_hidden * d,
     )
 
 
-def stack_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> list[LayerFlops]:
-    """Forward FLOPs of every layer, first layer first (layers differ where their windows do)."""
+def stack_flops(spec, batch: int, seq_len: int, *, attention: str = "causal",
+                moe_counted: str = "active") -> list[LayerFlops]:
+    """Forward FLOPs of every layer, first layer first (layers differ where their windows or MLPs do)."""
     cache: dict = {}   # layers of one config (most of them) are counted once
     out = []
     for b in spec.layer_configs():
         if b not in cache:
-            cache[b] = block_flops(b, batch, seq_len, attention=attention)
+            cache[b] = block_flops(b, batch, seq_len, attention=attention, moe_counted=moe_counted)
         out.append(cache[b])
     return out
 
@@ -160,9 +181,9 @@ def head_flops(spec, batch: int, seq_len: int) -> float:
     return 2.0 * batch * seq_len * spec.d_model * spec.vocab_size
 
 
-def forward_flops(spec, batch: int, seq_len: int, *, attention: str = "causal") -> float:
-    return sum(layer.total for layer in stack_flops(spec, batch, seq_len, attention=attention)) \
-        + head_flops(spec, batch, seq_len)
+def forward_flops(spec, batch: int, seq_len: int, *, attention: str = "causal", moe_counted: str = "active") -> float:
+    return sum(layer.total for layer in stack_flops(spec, batch, seq_len, attention=attention,
+                                                    moe_counted=moe_counted)) + head_flops(spec, batch, seq_len)
 
 
 def model_flops_per_token(spec, seq_len: int) -> float:
@@ -216,22 +237,33 @@ def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl
             flops += layer.attn_context
     if not _kept(policy, names.ATTN_OUT):
         flops += layer.attn_out
-    if not _kept(policy, names.MLP_HIDDEN):
+    if layer.moe:
+        # The shared experts' MLP (tagged MLP_HIDDEN) is counted with the experts, under the expert tags.
+        if not _kept(policy, names.EXPERT_HIDDEN):
+            flops += layer.mlp_hidden
+        if not _kept(policy, names.EXPERT_OUT):
+            flops += layer.mlp_out
+        if not _kept(policy, names.ROUTER_LOGITS):
+            flops += layer.router
+    elif not _kept(policy, names.MLP_HIDDEN):
         flops += layer.mlp_hidden
     return flops
 
 
 def train_step_flops(spec, batch: int, seq_len: int, *, remat: str | OffloadPolicy | RematPlan,
-                     attention_impl: str | None = None) -> StepFlops:
+                     attention_impl: str | None = None, moe_counted: str = "active") -> StepFlops:
     """FLOPs of one forward + backward (+ remat recompute) over `batch` sequences of `seq_len`.
 
     remat: the activation plan; attention_impl: default the spec's execution
     setting. Dense ("xla") attention is counted over every pair, "flash" over
-    the blocks the kernel computes, "cudnn" over the causal pairs.
+    the blocks the kernel computes, "cudnn" over the causal pairs. moe_counted:
+    MoE layers' "active" FLOPs (MFU) or those their dispatch "executed" (the
+    planner's compute time).
     """
     impl = attention_impl or spec.block.execution.attention_impl
     plan = RematPlan.parse(remat)
-    layers = stack_flops(spec, batch, seq_len, attention={"xla": "full", "flash": "flash"}.get(impl, "causal"))
+    layers = stack_flops(spec, batch, seq_len, attention={"xla": "full", "flash": "flash"}.get(impl, "causal"),
+                         moe_counted=moe_counted)
     head = head_flops(spec, batch, seq_len)
     forward = sum(layer.total for layer in layers) + head
     backward = 2.0 * forward

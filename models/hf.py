@@ -19,6 +19,16 @@ weight [in, out] is `Layout(1, False)`, a q bias [heads*head_dim] into
 q, k and v side by side) is several `HFWeight`s with a `part` (axis, index,
 count): each reads its slice, and export concatenates them again.
 
+Per-expert tensors (`{j}` in the name beside `{i}`: a mixture-of-experts layer's
+experts stored one tensor each, as Mixtral's and Qwen3-MoE's checkpoints do) fill
+the expert axis that follows the layer axis ([L, E, ...], layers/moe.py). A
+table may also read another layout of the same weights (`HFTable.views`: each
+checkpoint name as a slice of a fused tensor, transformers 5's in-memory
+`experts.gate_up_proj`), so one table serves both.
+
+Where tensors are read from (safetensors files, an in-memory state dict, a
+base-model or tower checkpoint, another layout) is models/hf_sources.py.
+
 Per-layer tensors are stacked along the leading layer axis (layers/stack.py),
 filled one layer at a time from the memory-mapped files, so host memory peaks
 near one stacked parameter, not a second copy of the checkpoint. With a mesh,
@@ -29,12 +39,11 @@ numpy the bfloat16 dtype that safetensors needs for bf16 checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +55,12 @@ from flax import nnx
 
 from spillway.layers.execution import Execution
 from spillway.layers.sharding import state_shardings
+from spillway.models.hf_sources import (SAFETENSORS_INDEX_FILE, HFCheckpointError, in_table_layout, indexed_shards,  # noqa: F401 — re-exported
+                                       listed, open_source, with_base_prefix)
 
 CONFIG_FILE = "config.json"
-SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 STACK_PATH = ("layers", "blocks")
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint or config that spillway cannot read as asked (the message says why)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +96,18 @@ class HFWeight:
     path: tuple[str, ...]               # spillway parameter path (inside the stacked blocks for per-layer ones)
     layout: Layout
     part: tuple[int, int, int] | None = None   # (axis, index, count) of a fused Hugging Face tensor
+    # The model layers a per-layer tensor exists in; None: every layer whose run has the parameter. A family
+    # whose dense and MoE layers share parameter names (mlp.w_up) says which is which.
+    layers: frozenset[int] | None = None
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf_name
+
+    @property
+    def per_expert(self) -> bool:
+        """One tensor per expert (`{j}`): the parameter's axis after the layer axis is the expert axis."""
+        return "{j}" in self.hf_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,159 +129,10 @@ class HFTable:
     # table prefix) pairs. A checkpoint with any name under a non-identical checkpoint prefix is read
     # through them, and its tensors under none of them (the vision tower) are left unread.
     tower_prefixes: tuple[tuple[str, str], ...] = ()
-
-
-# --- tensor sources ----------------------------------------------------------
-
-class _DictSource:
-    def __init__(self, tensors: Mapping[str, Any]):
-        self.tensors = tensors
-
-    def names(self):
-        return list(self.tensors)
-
-    def shape(self, name):
-        return tuple(np.shape(self.tensors[name]))
-
-    def get(self, name):
-        return np.asarray(self.tensors[name])
-
-
-class _SafetensorsSource:
-    def __init__(self, files: dict[str, Any], paths: dict[str, Path] | None = None):
-        self.files = files  # name -> open safe_open handle
-        self.paths = paths or {}  # name -> the file holding it, for messages
-
-    def file_of(self, name):
-        return self.paths.get(name)
-
-    def names(self):
-        return list(self.files)
-
-    def shape(self, name):
-        return tuple(self.files[name].get_slice(name).get_shape())
-
-    def get(self, name):
-        return self.files[name].get_tensor(name)
-
-
-class _PrefixedSource:
-    """A checkpoint whose names lack the table's `base_prefix`, seen under the prefixed names."""
-
-    def __init__(self, source, prefix: str):
-        self.source, self.prefix = source, prefix
-
-    def names(self):
-        return [self.prefix + name for name in self.source.names()]
-
-    def shape(self, name):
-        return self.source.shape(name.removeprefix(self.prefix))
-
-    def get(self, name):
-        return self.source.get(name.removeprefix(self.prefix))
-
-    def file_of(self, name):
-        return getattr(self.source, "file_of", lambda _: None)(name.removeprefix(self.prefix))
-
-
-class _TowerSource:
-    """The tensors of one tower of a larger checkpoint, under the table's names (`HFTable.tower_prefixes`)."""
-
-    def __init__(self, source, prefixes: tuple[tuple[str, str], ...]):
-        self.source = source
-        self.to_source: dict[str, str] = {}
-        for name in source.names():
-            for theirs, ours in prefixes:
-                if name.startswith(theirs):
-                    self.to_source.setdefault(ours + name[len(theirs):], name)
-                    break
-
-    def names(self):
-        return list(self.to_source)
-
-    def shape(self, name):
-        return self.source.shape(self.to_source[name])
-
-    def get(self, name):
-        return self.source.get(self.to_source[name])
-
-
-def _with_base_prefix(source, table: HFTable):
-    """`source` as the table names it: prefixed when it was saved from the base model (no name has the prefix),
-    or its tower's tensors renamed when it is a larger checkpoint holding the table's model as one tower."""
-    towers = [theirs for theirs, ours in table.tower_prefixes if theirs != ours]
-    if towers and any(n.startswith(tuple(towers)) for n in source.names()):
-        return _TowerSource(source, table.tower_prefixes)
-    if table.base_prefix and not any(n.startswith(table.base_prefix) for n in source.names()):
-        return _PrefixedSource(source, table.base_prefix)
-    return source
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    if not path.exists():
-        raise FileNotFoundError(f"no Hugging Face checkpoint at {path}: the path does not exist")
-    if path.is_file():
-        return [path]
-    index = path / SAFETENSORS_INDEX_FILE
-    if index.exists():
-        files = indexed_shards(index)
-        absent = [str(f) for f in files if not f.exists()]
-        if absent:
-            raise FileNotFoundError(f"{index} lists shards that do not exist: {absent}")
-        strays = sorted(set(path.glob("*.safetensors")) - set(files))
-        if strays:
-            # transformers reads model.safetensors where the index's shards are another checkpoint: refuse both
-            raise HFCheckpointError(
-                f"{path} holds two checkpoints: the shards {index.name} lists ({_listed(files)}) and "
-                f"{_listed(strays)}, which it does not list; keep one of them (delete the other) and load again")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
-        hint = f" (found {others}: only safetensors checkpoints are read)" if others else ""
-        raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
-    return files
-
-
-def indexed_shards(index: Path) -> list[Path]:
-    """The shard files a model.safetensors.index.json lists (beside it), sorted."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise HFCheckpointError(f"{index} is not a safetensors index (JSON with a weight_map): {err}") from None
-    return [index.parent / f for f in sorted(set(weight_map.values()))]
-
-
-def _listed(files: Sequence[Path]) -> str:
-    names = [f.name for f in files]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _safe_open(stack: contextlib.ExitStack, file: Path):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return stack.enter_context(safe_open(str(file), framework="numpy"))
-    except (SafetensorError, OSError) as err:
-        raise HFCheckpointError(f"{file}: not a readable safetensors file ({err}); it may be truncated, e.g. "
-                                f"by an interrupted download or copy: fetch it again") from None
-
-
-@contextlib.contextmanager
-def _open_source(source) -> Iterator[Any]:
-    if isinstance(source, Mapping):
-        yield _DictSource(source)
-        return
-    with contextlib.ExitStack() as stack:
-        by_name: dict[str, Any] = {}
-        paths: dict[str, Path] = {}
-        for file in _safetensors_files(Path(source)):
-            handle = _safe_open(stack, file)
-            for name in handle.keys():
-                if name in by_name:
-                    raise HFCheckpointError(f"tensor {name!r} appears in more than one safetensors file under {source}")
-                by_name[name], paths[name] = handle, file
-        yield _SafetensorsSource(by_name, paths)
+    # Another layout of the same weights: config -> {checkpoint name: (name in that layout, index)}, each
+    # checkpoint tensor a slice of one there (transformers 5's fused experts). Read when the checkpoint holds
+    # any of those names; never written.
+    views: Callable[[Any], dict[str, tuple[str, tuple]]] | None = None
 
 
 # --- config --------------------------------------------------------------------
@@ -318,9 +183,15 @@ def _resolve(source, config) -> tuple[Any, Any]:
 class _Entry:
     weight: HFWeight
     path: tuple[str, ...]            # full spillway path
-    hf_names: tuple[str, ...]        # one per layer (of its run) for per-layer weights, else one
-    shape: tuple[int, ...]           # spillway shape of one layer's worth
+    hf_names: tuple[str, ...]        # one per layer (of its run) for per-layer weights (per layer and expert,
+                                     # layer-major, for per-expert ones), else one
+    shape: tuple[int, ...]           # spillway shape of one layer's worth (one expert's, for per-expert ones)
     first_layer: int = 0             # the model layer of hf_names[0]
+    experts: int = 0                 # per-expert weights: the expert count (names per layer); else 0
+
+    def layer_of(self, k: int) -> int:
+        """The model layer of hf_names[k]."""
+        return self.first_layer + (k // self.experts if self.experts else k)
 
     def hf_shape(self) -> tuple[int, ...]:
         shape = list(self.weight.layout.hf_shape(self.shape))
@@ -355,7 +226,19 @@ def _entries(family, config, param_shapes: dict[tuple, tuple[int, ...]]) -> list
             found = False
             for prefix, first in runs:   # a per-layer tensor of every run whose blocks have the parameter
                 path = prefix + w.path
-                if path in param_shapes:
+                if path in param_shapes and w.layers is not None:
+                    held = [first + i in w.layers for i in range(param_shapes[path][0])]
+                    if any(held) and not all(held):
+                        raise AssertionError(f"{family.name} HF table: {w.hf_name} exists in layers "
+                                             f"{sorted(w.layers)}, which cover part of the run from layer {first}")
+                    if not any(held):
+                        continue
+                if path in param_shapes and w.per_expert:
+                    found = True
+                    layers, experts = param_shapes[path][:2]
+                    names = tuple(w.hf_name.format(i=first + i, j=j) for i in range(layers) for j in range(experts))
+                    out.append(_Entry(w, path, names, param_shapes[path][2:], first, experts))
+                elif path in param_shapes:
                     found = True
                     names = tuple(w.hf_name.format(i=first + i) for i in range(param_shapes[path][0]))
                     out.append(_Entry(w, path, names, param_shapes[path][1:], first))
@@ -424,8 +307,10 @@ def _load_param(source, entry: _Entry, dtype) -> np.ndarray:
     if len(entry.hf_names) == 1 and not entry.weight.per_layer:
         return np.asarray(_read_one(source, entry, entry.hf_names[0]), dtype)
     stacked = np.empty((len(entry.hf_names),) + entry.shape, dtype)
-    for layer, name in enumerate(entry.hf_names):
-        stacked[layer] = _read_one(source, entry, name)
+    for k, name in enumerate(entry.hf_names):   # a layer's (or a layer's expert's) tensor at a time
+        stacked[k] = _read_one(source, entry, name)
+    if entry.experts:
+        return stacked.reshape((-1, entry.experts) + entry.shape)
     return stacked
 
 
@@ -440,8 +325,8 @@ def load_hf_weights(source, family, config, abstract_params: nnx.State, sharding
     entries = _entries(family, config, {path: tuple(v.get_value().shape) for path, v in flat.items()})
     flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
     loaded = []
-    with _open_source(source) as tensors:
-        tensors = _with_base_prefix(tensors, family.hf)
+    with open_source(source) as tensors:
+        tensors = in_table_layout(with_base_prefix(tensors, family.hf), family.hf, config)
         _check_names_and_shapes(tensors, entries, family, config)
         for e in entries:
             dtype = np.dtype(flat[e.path].get_value().dtype)
@@ -505,17 +390,17 @@ def export_hf_state_dict(model, dtype: Any = None) -> dict[str, np.ndarray]:
         array = np.asarray(jax.device_get(flat[e.path].get_value()))
         if dtype is not None:
             array = array.astype(np.dtype(jnp.dtype(dtype)))
-        layers = array if e.weight.per_layer else [array]
+        layers = array.reshape((-1,) + e.shape) if e.weight.per_layer else [array]
         for name, one in zip(e.hf_names, layers, strict=True):
             index = 0 if e.weight.part is None else e.weight.part[1]
             parts.setdefault(name, {})[index] = e.weight.layout.to_hf(one)
     # transformers' order: the table's entries before its first per-layer one, then layer by
     # layer, then the rest (embedding, layers, final norm, head): easier to read and diff.
     first_layer = next((k for k, e in enumerate(entries) if e.weight.per_layer), len(entries))
-    per_layer = [(e.first_layer + i, k, name) for k, e in enumerate(entries) if e.weight.per_layer
+    per_layer = [(e.layer_of(i), k, i, name) for k, e in enumerate(entries) if e.weight.per_layer
                  for i, name in enumerate(e.hf_names)]
     order = [n for e in entries[:first_layer] for n in e.hf_names]
-    order += [name for _, _, name in sorted(per_layer)]
+    order += [name for *_, name in sorted(per_layer)]
     order += [n for e in entries[first_layer:] if not e.weight.per_layer for n in e.hf_names]
     order = list(dict.fromkeys(order))   # a fused tensor appears once
     axis_of = {n: e.weight.part[0] for e in entries if e.weight.part is not None for n in e.hf_names}
@@ -545,7 +430,7 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
     if (directory / SAFETENSORS_INDEX_FILE).exists():
         others = [directory / SAFETENSORS_INDEX_FILE] + others
     if others:
-        raise HFCheckpointError(f"{directory} already holds another checkpoint ({_listed(others)}): export into "
+        raise HFCheckpointError(f"{directory} already holds another checkpoint ({listed(others)}): export into "
                                 f"an empty folder, or delete those files first")
     tensors = export_hf_state_dict(model, dtype=dtype)
     hf_config = family.hf.config_to_hf(model.config)

@@ -82,7 +82,8 @@ FAMILIES: dict[str, Family] = {}
 # Imported on first lookup, so that `models.registry` itself stays import-light and a
 # family module can import this one.
 _FAMILY_MODULES = ("spillway.models.llama", "spillway.models.gpt2", "spillway.models.mistral",
-                   "spillway.models.qwen", "spillway.models.gemma")
+                   "spillway.models.qwen", "spillway.models.gemma", "spillway.models.mixtral",
+                   "spillway.models.qwen3_moe")
 
 
 def register_family(family: Family) -> Family:

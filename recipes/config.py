@@ -430,6 +430,14 @@ def _coerce(annotation, value, where: str):
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if annotation is Any:
         return value
+    if origin is tuple and len(typing.get_args(annotation)) == 2 and typing.get_args(annotation)[1] is Ellipsis:
+        # A JSON list, or on the command line "1,3" / "[1, 3]" / "" (Qwen3-MoE's mlp_only_layers).
+        items = [value] if isinstance(value, int) and not isinstance(value, bool) else value   # "--set x=3"
+        if isinstance(value, str):
+            items = [part for part in value.strip().strip("[]()").split(",") if part.strip()]
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(_coerce(typing.get_args(annotation)[0], item, f"{where}[{i}]") for i, item in enumerate(items))
     if annotation is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # `--set data.source=2024` means the string

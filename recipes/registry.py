@@ -413,3 +413,91 @@ def gemma3_12b() -> Recipe:
         # the optimizer state in host memory (save_dots everywhere needs 190 GiB per GPU).
         offload=OffloadConfig(activations="save_dots:24,recompute_all", optimizer_state="host",
                               target_gpu="h200", target_devices=8))
+
+
+# --- Mixture of experts: Mixtral and Qwen3-MoE ------------------------------------
+from spillway.models.mixtral import mixtral_config  # noqa: E402
+from spillway.models.qwen3_moe import qwen3_moe_config  # noqa: E402
+from spillway.recipes.config import AuxLossConfig  # noqa: E402
+
+# The load-balancing coefficient each family was published with (config.json router_aux_loss_coef); no z-loss
+# (neither defines one).
+MIXTRAL_AUX_LOSS = AuxLossConfig(load_balancing=0.02)
+QWEN3_MOE_AUX_LOSS = AuxLossConfig(load_balancing=0.001)
+
+
+@register("mixtral_tiny")
+def mixtral_tiny() -> Recipe:
+    """CPU-sized Mixtral: top-2 of 8 experts in every layer, a 64-position window inside 128-token sequences.
+
+    8 experts: the default mesh splits them over fsdp (the test suite's 8 fake CPU devices), which must divide
+    the expert count."""
+    return dataclasses.replace(_cpu_recipe("mixtral_tiny",
+                       mixtral_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                                      num_kv_heads=2, mlp_hidden=128, num_experts=8, sliding_window=64,
+                                      max_seq_len=128),
+                       "4-layer Mixtral (top-2 of 8 experts a layer, dropless) on the stdlib corpus"),
+                               aux_loss=MIXTRAL_AUX_LOSS)
+
+
+@register("qwen3_moe_tiny")
+def qwen3_moe_tiny() -> Recipe:
+    """CPU-sized Qwen3-MoE: top-2 of 8 experts, layer 1 a dense MLP among sparse ones (three runs of layers)."""
+    return dataclasses.replace(_cpu_recipe("qwen3_moe_tiny",
+                       qwen3_moe_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                                        num_kv_heads=2, head_dim=48, mlp_hidden=512, num_experts=8, top_k=2,
+                                        moe_hidden=128, mlp_only_layers=(1,), max_seq_len=128),
+                       "4-layer Qwen3-MoE (top-2 of 8 experts, layer 1 dense) on the stdlib corpus"),
+                               aux_loss=QWEN3_MOE_AUX_LOSS)
+
+
+# The dispatch (BENCHMARKS.md, "MoE dispatches"): jax 0.10.2 lowers `jax.lax.ragged_dot` for GPUs as a dense
+# product masked per expert (a Qwen3-MoE layer's forward and backward: 98 GiB of temp, 128x the expert FLOPs),
+# so neither recipe uses it. Dropless by blocks of 128 rows and capacity (factor 1.25) execute the same FLOPs
+# there (0.777 TFLOP for 0.623 active) at 4.9 and 3.3 GiB of HBM.
+MOE_SOURCE = ("the MoE papers and model cards publish no pretraining optimizer, batch or data for these models "
+              f"(Mixtral: Jiang et al. 2024; Qwen3: its technical report), so the optimizer and 4M-token batch are "
+              f"{LLAMA2_SOURCE}: our choice; the corpus, sequence 4096 and micro-batch are our choice too")
+
+
+@register("mixtral_8x7b")
+def mixtral_8x7b() -> Recipe:
+    """Mixtral 8x7B from scratch on FineWeb-Edu with its own tokenizer; one node of 8 H100s."""
+    return dataclasses.replace(_pretraining_recipe(
+        "mixtral_8x7b",
+        model=mixtral_config("mixtral_8x7b", max_seq_len=4096, moe_dispatch="capacity", moe_capacity_factor=1.25),
+        description=("Mixtral 8x7B from scratch on FineWeb-Edu with the Mixtral tokenizer, for 2T tokens; the "
+                     "capacity dispatch (factor 1.25): with the 8 experts split over the 8 GPUs (fsdp), it "
+                     "exchanges tokens (all-to-all) instead of gathering every expert's weights each layer "
+                     "as dropless does, and ragged_dot lowers densely on jax 0.10.2 (BENCHMARKS.md)"),
+        sources=MOE_SOURCE + "; the 2T-token budget is Llama 2's, our choice",
+        corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mixtral-8x7B-v0.1",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=128,
+        token_budget=2e12, optimizer=LLAMA2_OPTIMIZER,
+        # The planner's pick on 8 H100s (BENCHMARKS.md): matmul outputs of the first 16 layers kept, the rest
+        # recomputed, the optimizer state in host memory (on device it needs 110.7 GiB per GPU at least).
+        offload=OffloadConfig(activations="moe_save_dots:16,recompute_all", optimizer_state="host",
+                              target_gpu="h100", target_devices=8)), aux_loss=MIXTRAL_AUX_LOSS)
+
+
+@register("qwen3_30b_a3b")
+def qwen3_30b_a3b() -> Recipe:
+    """Qwen3-30B-A3B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
+    return dataclasses.replace(_pretraining_recipe(
+        "qwen3_30b_a3b",
+        model=qwen3_moe_config("qwen3_30b_a3b", max_seq_len=4096, moe_grouped_matmul="blocked", moe_block_rows=128),
+        description=("Qwen3-30B-A3B from scratch on FineWeb-Edu with the Qwen3 tokenizer, for 36T tokens; dropless "
+                     "by blocks of 128 rows: on one GPU there is no token exchange, it drops no token and executes "
+                     "the FLOPs of capacity 1.25 (BENCHMARKS.md), and ragged_dot lowers densely on jax 0.10.2. "
+                     "Its full AdamW state fits one H200 only with the weights streamed from host memory too, "
+                     "which takes 620 GiB of host RAM, a whole 2 TB node's for this one GPU: "
+                     "spillway plan qwen3_30b_a3b --host-ram-gb 700"),
+        sources=("36T tokens is Qwen3's pretraining budget (its technical report); " + QWEN_SEQUENCE + "; "
+                 + MOE_SOURCE),
+        corpus=FINEWEB_EDU, tokenizer_origin="Qwen/Qwen3-30B-A3B-Base",
+        seq_len=4096, global_batch=LLAMA2_BATCH_TOKENS // 4096, grad_accum=1024,
+        token_budget=36e12, optimizer=LLAMA2_OPTIMIZER,
+        # The planner's pick on one H200 given 700 GB of host RAM (BENCHMARKS.md); with the per-GPU share of a
+        # 2 TB node nothing fits.
+        offload=OffloadConfig(activations="recompute_all", optimizer_state="host", params="host",
+                              target_gpu="h200")), aux_loss=QWEN3_MOE_AUX_LOSS)

@@ -8,6 +8,11 @@ calls that placement "host_compute" (`Candidate.placement`); it is a word of
 the table, never a setting. `applied_to` gives the recipe the candidate
 stands for. Which candidates a recipe gets: `candidates` (docs/DESIGN.md
 section 9).
+
+A model with mixture-of-experts layers (Mixtral, Qwen3-MoE) gets the MoE
+presets (layers/offload.py MOE_PRESETS) and the dense presets that name only
+tags its blocks make: the stack refuses a plan naming a tag no block has, so
+an all-MoE model's dense save_dots would be an error, not a plan.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import dataclasses
 
 import jax
 
+from spillway.layers import names
 from spillway.layers.memory import EXPERTS, MEMORIES, Memory
-from spillway.layers.offload import PRESETS, RematPlan
+from spillway.layers.offload import MOE_PRESETS, PRESETS, RematPlan
 from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, OffloadConfig, Recipe
 
 # How the table names host state updated by the host CPU (OptimizerConfig.update_on_host).
@@ -111,13 +117,45 @@ class Candidate:
                                    optimizer=dataclasses.replace(recipe.optimizer, update_on_host=self.update_on_host))
 
 
-def activation_plans(num_layers: int) -> list[str]:
-    """The presets, and per-segment mixes over the first half of the layers."""
-    plans = list(PRESET_PLANS)
+# Their counterparts for a model with MoE layers: the MoE presets beside the dense ones its blocks can take.
+MOE_HOST_COMPUTE_PLANS = ("recompute_all", "moe_offload_dots")
+
+
+def activation_plans(num_layers: int, presets: tuple[str, ...] = PRESET_PLANS) -> list[str]:
+    """The presets, and per-segment mixes over the first half of the layers (MoE models: the MoE dot presets')."""
+    plans = list(presets)
     half = num_layers // 2
+    moe = "moe_offload_dots" in presets
     if 0 < half < num_layers:
-        plans += [f"offload_dots:{half},recompute_all", f"save_dots:{half},recompute_all"]
+        plans += [f"{'moe_' if moe else ''}offload_dots:{half},recompute_all",
+                  f"{'moe_' if moe else ''}save_dots:{half},recompute_all"]
     return plans
+
+
+def tagged_names(recipe: Recipe) -> frozenset[str] | None:
+    """The activation tags the recipe's blocks make, or None for a dense model (every dense preset applies)."""
+    runs = recipe.decoder_spec().stack_runs()
+    if all(run.block.moe is None for run in runs):
+        return None
+    tags = {names.BLOCK_INPUT, *names.ATTENTION_DOT_NAMES}
+    for run in runs:
+        moe = run.block.moe
+        if moe is None or moe.shared_expert_hidden:   # a dense MLP (or the MoE layer's shared experts)
+            tags |= {names.MLP_HIDDEN, names.MLP_OUT}
+        if moe is not None:
+            tags |= set(names.MOE_ACTIVATION_NAMES)
+    return frozenset(tags)
+
+
+def preset_plans(recipe: Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(single-policy plans, host-compute plans) for the recipe's model: PRESET_PLANS and HOST_COMPUTE_PLANS for
+    a dense one; with MoE layers, the presets whose tags its blocks make and the MoE presets."""
+    tags = tagged_names(recipe)
+    if tags is None:
+        return PRESET_PLANS, HOST_COMPUTE_PLANS
+    presets = {**PRESETS, **MOE_PRESETS}
+    usable = tuple(p for p in (*PRESET_PLANS, *MOE_PRESETS) if presets[p].names() <= tags)
+    return usable, MOE_HOST_COMPUTE_PLANS
 
 
 def candidates(recipe: Recipe) -> list[Candidate]:
@@ -125,10 +163,12 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     with the least HBM; with one batch per step the update in the next forward pass (single-policy
     plans); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
     the abstract model: a tenth of a second); for large models the block weights on host too."""
-    found = [Candidate.of(plan, state) for state in MEMORIES for plan in activation_plans(recipe.model.num_layers)]
-    found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in HOST_COMPUTE_PLANS]
+    single, host_compute = preset_plans(recipe)
+    found = [Candidate.of(plan, state) for state in MEMORIES
+             for plan in activation_plans(recipe.model.num_layers, single)]
+    found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in host_compute]
     if recipe.train.grad_accum == 1:   # the update in the next forward pass takes one batch per step
-        found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in PRESET_PLANS]
+        found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in single]
     # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
     # the same state placements and plans as the whole stack: the experts are most of such a model's
     # weights and a small part of its compute per token, so they are the first weights to leave HBM.
@@ -136,7 +176,7 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     weight_placements = ([EXPERTS] if has_expert_weights(recipe) else []) + (
         [Memory.HOST] if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS else [])
     found += [Candidate.of(plan, Memory.HOST, params, update_on_host=on_host_cpu)
-              for params in weight_placements for on_host_cpu in (False, True) for plan in HOST_COMPUTE_PLANS]
+              for params in weight_placements for on_host_cpu in (False, True) for plan in host_compute]
     return found
 
 

@@ -209,8 +209,9 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     grad_accum > 1 most of the running sums' two directions are.
     """
     impl = recipe.execution.attention_impl
+    # What the GPU multiplies: an MoE layer's capacity slots and padded blocks too (moe_counted="executed").
     counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
-                                          remat=candidate.activations, attention_impl=impl)
+                                          remat=candidate.activations, attention_impl=impl, moe_counted="executed")
     # Compute at the efficiency measured for the kernel the run uses (cuDNN plans compile as flash).
     rate = compute_model.effective_flops_per_s(compute_ways(mesh) * target.peak_bf16_flops, run_attention_impl or impl)
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),

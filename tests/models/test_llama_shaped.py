@@ -21,7 +21,8 @@ LLAMA_SHAPED = [name for name in family_names() if issubclass(FAMILIES[name].con
 
 
 def test_the_llama_shaped_families_are_the_expected_ones():
-    assert sorted(LLAMA_SHAPED) == ["llama", "mistral", "qwen2", "qwen3"]
+    # Mixtral and Qwen3-MoE: the Llama-shaped base with MoE layers (models/moe_shaped.py).
+    assert sorted(LLAMA_SHAPED) == ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("a, b", list(itertools.permutations(family_names(), 2)))
