@@ -168,3 +168,12 @@ def test_no_import_cycle_between_files():
     lines = [f"{' <-> '.join(c)}: " + "; ".join(_cycle_edges(c, edges)) for c in cycles]
     print(f"{len(cycles)} import cycles:", *lines, sep="\n  ")
     assert not cycles, f"{len(cycles)} import cycles:\n  " + "\n  ".join(lines)
+
+
+def test_test_file_names_are_unique_across_folders():
+    """pytest imports test files by basename (tests/ has no __init__.py): two test_x.py in different folders
+    make the whole run stop at collection ("import file mismatch"), which a run of one folder never shows."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
