@@ -41,6 +41,23 @@ def cases() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
+def does_not_fit_the_gpu_machine(name: str) -> str | None:
+    """Why a case cannot run on the GPU machine (one H200, 128 GiB of host RAM), judged from shapes before any
+    process takes the GPU, or None: the host memory its state creation holds (recipes/train/host_memory.py,
+    with the process's assumed footprint). qwen3_30b_a3b's state alone is 341 GiB; a case started anyway
+    would die of host memory without a word, as the 8B host-state cases once did."""
+    from benchmarks.gpu_suite import HOST_RAM_BYTES
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.host_memory import ASSUMED_GPU_FOOTPRINT_BYTES, phases_of_recipe
+
+    recipe_name, overrides = cases()[name]
+    need = ASSUMED_GPU_FOOTPRINT_BYTES + phases_of_recipe(get_recipe(recipe_name, overrides)).by_phase()[
+        "state creation"]
+    if need <= HOST_RAM_BYTES:
+        return None
+    return f"host {need / 2**30:.1f} GiB at state creation > {HOST_RAM_BYTES / 2**30:.1f} GiB"
+
+
 def predict() -> None:
     from spillway.recipes.plan.commands import predict_cases
     PREDICTIONS.write_text(json.dumps(predict_cases(cases(), gpu="h200"), indent=2, sort_keys=True) + "\n")
@@ -94,6 +111,10 @@ def main() -> int:
     predictions = json.loads(PREDICTIONS.read_text()) if PREDICTIONS.exists() else {}
     rows = []
     for name in cases():
+        why_not = does_not_fit_the_gpu_machine(name)
+        if why_not:
+            rows.append({"case": name, "error": f"skipped: does not fit ({why_not})"})
+            continue
         rows.append(run_child(name, timeout_s=args.timeout_s, module="benchmarks.recipe_picks"))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(render(rows, predictions))
