@@ -70,7 +70,10 @@ def test_the_step_folder_holds_what_the_code_before_wrote(layout_of, case):
     assert after["items"] == before["items"]
     assert after["arrays"] == before["arrays"]
     assert after["meta"] == before["meta"]
-    assert set(after["recipe_fields"]) - set(before["recipe_fields"]) == {"sources"}
+    # The fields added since, each with a default that an older recipe.json loads with: `sources` (issue 18)
+    # and the MoE auxiliary-loss coefficients (issue 21, 0 = off).
+    assert set(after["recipe_fields"]) - set(before["recipe_fields"]) == {
+        "sources", "aux_loss.load_balancing", "aux_loss.router_z"}
     assert set(before["recipe_fields"]) <= set(after["recipe_fields"])
 
 
