@@ -14,7 +14,9 @@ is skipped with the reason. Per case it records peak HBM, the process's resident
 the runtime reports it, its pinned host peak, step time, tokens/s and MFU. The default cases are the
 headline: host against device optimizer state at the same global batch with 8 micro-batches (1B, 3B),
 the update in the next forward pass against after the backward pass (1B, 3B), and the 8B step with
-cuDNN attention (its MFU).
+cuDNN attention (its MFU). With the time left, the call ends with one MoE layer shaped like
+Qwen3-30B-A3B's timed per dispatch beside a dense MLP of the same active FLOPs
+(benchmarks/moe_layer_speed.py; --no-moe-layer skips it).
 
 Each case runs in its own child process, so each peak is that case's alone
 (`memory_stats()["peak_bytes_in_use"]` cannot be reset). A case that runs out of
@@ -335,6 +337,8 @@ def main() -> int:
     ap.add_argument("--host-ram-gib", type=float, default=HOST_RAM_BYTES / 2**30,
                     help="host RAM of the GPU machine (default: 128)")
     ap.add_argument("--fits", help=argparse.SUPPRESS)
+    ap.add_argument("--no-moe-layer", dest="moe_layer", action="store_false",
+                    help="skip the MoE layer timing per dispatch at the end (benchmarks/moe_layer_speed.py)")
     args = ap.parse_args()
     predictions = json.loads(PREDICTIONS.read_text()) if PREDICTIONS.exists() else {}
     if args.render:
@@ -379,8 +383,30 @@ def main() -> int:
             Path(args.out).write_text(json.dumps(rows, indent=1))
 
     print(render_table(rows, predictions))
+    left = args.budget_s - (time.perf_counter() - start)
+    if args.moe_layer and left >= 60:
+        print(moe_layer_speed(timeout_s=min(left, MOE_LAYER_TIMEOUT_S)))
+    elif args.moe_layer:
+        print("MoE layer speed: skipped (time budget)")
     print(f"total {time.perf_counter() - start:.0f}s; {os.uname().nodename}")
     return 0
+
+
+MOE_LAYER_TIMEOUT_S = 180
+
+
+def moe_layer_speed(timeout_s: float) -> str:
+    """benchmarks/moe_layer_speed.py in its own process (a dispatch's out-of-memory stays in it): its table,
+    or why there is none."""
+    cmd = [sys.executable, str(Path(__file__).with_name("moe_layer_speed.py"))]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                             cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        return f"MoE layer speed: timeout after {timeout_s:.0f}s"
+    if out.returncode != 0:
+        return f"MoE layer speed: failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+    return out.stdout.rstrip()
 
 
 if __name__ == "__main__":
