@@ -58,7 +58,7 @@ class BatchLoader:
         process_count: int = 1,
         shuffle: bool = True,
     ):
-        if rows.ndim != 2:
+        if rows.ndim not in (2, 3):   # 3: fine-tuning rows, [num_rows, planes, seq_len + 1] (data/sft_packing.py)
             raise ValueError(f"rows must be a [num_rows, seq_len + 1] array, got shape {rows.shape}")
         self.local_batch_size = local_batch_size(global_batch_size, process_index, process_count)
         if len(rows) < global_batch_size:

@@ -129,7 +129,7 @@ class MixtureLoader:
             raise ValueError(f"weights are given for {sorted(weights)} but the sources are {sorted(self.names)}")
         widths = {name: rows.shape[1:] for name, rows in rows_by_name.items()}
         for name, rows in rows_by_name.items():
-            if rows.ndim != 2 or len(rows) == 0:
+            if rows.ndim not in (2, 3) or len(rows) == 0:
                 raise ValueError(f"mixture source {name!r}: rows must be a non-empty [num_rows, seq_len + 1] array, "
                                  f"got shape {rows.shape}")
         if len(set(widths.values())) > 1:
@@ -177,7 +177,7 @@ class MixtureLoader:
     def __next__(self) -> np.ndarray:
         source, position = self._assign()
         local = slice(self.process_index * self.local_batch_size, (self.process_index + 1) * self.local_batch_size)
-        batch = np.empty((self.local_batch_size, self.rows[0].shape[1]), dtype=np.int32)
+        batch = np.empty((self.local_batch_size, *self.rows[0].shape[1:]), dtype=np.int32)
         for index in np.unique(source[local]):
             mine = source[local] == index
             num_rows = len(self.rows[index])

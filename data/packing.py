@@ -41,7 +41,8 @@ _PACKING_VERSION = 2  # 2: validation held out by document, packed from token sh
 
 @dataclass(frozen=True, eq=False)  # arrays make field-wise == meaningless
 class PackedData:
-    """Packed token rows: `train` and `val` are [rows, seq_len + 1] arrays of token ids."""
+    """Packed token rows: `train` and `val` are [rows, seq_len + 1] arrays of token ids (fine-tuning rows:
+    [rows, 3, seq_len + 1], tokens, target flags and example ids, data/sft_packing.py)."""
 
     train: np.ndarray
     val: np.ndarray
@@ -52,6 +53,11 @@ class PackedData:
     path: Path
     from_cache: bool  # True when loaded from an earlier run's result, nothing tokenized or packed
     records_without_text: int = 0  # records of the source skipped for having no text field
+    # Fine-tuning rows (data/sft_packing.py: [rows, 3, seq_len + 1]): examples longer than a row, and what was
+    # done with them ("truncate" | "drop"); the answer tokens the loss trains on.
+    overlong_examples: int = 0
+    overlong_policy: str | None = None
+    target_tokens: int | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
@@ -68,6 +74,9 @@ class PackedData:
             path=path,
             from_cache=from_cache,
             records_without_text=int(meta.get("records_without_text", 0)),
+            overlong_examples=int(meta.get("overlong_examples", 0)),
+            overlong_policy=meta.get("overlong_policy"),
+            target_tokens=meta.get("target_tokens"),
         )
 
 

@@ -120,9 +120,11 @@ class Attention(nnx.Module):
         return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, cache: dict | None = None,
-                 cache_index: jax.Array | None = None, *, layer_values: LayerValues | None = None):
+                 cache_index: jax.Array | None = None, *, layer_values: LayerValues | None = None,
+                 segment_ids_bt: jax.Array | None = None):
         """Returns (out_btd, new_cache). `cache` is None in training; `layer_values` (traced window, RoPE
-        base and scale) replace the static window and base when given."""
+        base and scale) replace the static window and base when given; `segment_ids_bt` (training only):
+        packed examples, each seeing only itself (layers/segment_mask.py)."""
         x_btd = x_btd.astype(self.dtype)
         q_btnh = self._project(x_btd, self.wq, self.bq)
         k_btkh = self._project(x_btd, self.wk, self.bk)
@@ -149,6 +151,8 @@ class Attention(nnx.Module):
             kv_positions_bs = jnp.broadcast_to(jnp.arange(max_len), (batch, max_len))
             context_btnh = self._attend(q_btnh, k_bskh.astype(self.dtype), v_bskh.astype(self.dtype),
                                         positions_bt, kv_positions_bs, layer_values)
+        elif segment_ids_bt is not None:
+            context_btnh = self._attend_segments(q_btnh, k_btkh, v_btkh, segment_ids_bt, layer_values)
         else:
             context_btnh = self._attend(q_btnh, k_btkh, v_btkh, None, None, layer_values)
         context_btnh = checkpoint_name(constrain(context_btnh, _Q_AXES), names.ATTN_CONTEXT)
@@ -156,6 +160,25 @@ class Attention(nnx.Module):
         if self.bo is not None:
             out_btd = out_btd + self.bo[...].astype(self.dtype)
         return checkpoint_name(constrain(out_btd, RESIDUAL_AXES), names.ATTN_OUT), cache
+
+    def _attend_segments(self, q_btnh, k_bskh, v_bskh, segment_ids_bt, layer_values):
+        """Attention within each packed example (layers/segment_mask.py); cuDNN is refused by name."""
+        from spillway.layers.segment_mask import check_segment_support, segment_causal_mask
+
+        window = self.sliding_window if layer_values is None else layer_values.sliding_window
+        if self.impl == "flash":
+            from spillway.layers.flash_attention import flash_attention
+            return flash_attention(q_btnh, k_bskh, v_bskh, causal=True, sliding_window=window,
+                                   q_segment_ids_bt=segment_ids_bt, kv_segment_ids_bs=segment_ids_bt,
+                                   block_q=self.flash_block_size, block_k=self.flash_block_size,
+                                   scale=self.scale, softcap=self.softcap)
+        if self.impl == "cudnn" and jax.default_backend() == "gpu":
+            check_segment_support(self.impl)
+        mask = segment_causal_mask(segment_ids_bt, window)
+        if self.softcap is not None:
+            return masked_attention(q_btnh, k_bskh, v_bskh, mask, scale=self.scale, softcap=self.softcap)
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, scale=self.scale,
+                                            implementation="xla")
 
     def _attend(self, q_btnh, k_bskh, v_bskh, q_positions_bt, kv_positions_bs, layer_values):
         # A traced window (int32 scalar, 0 = global) when the layer's values are given, else the static one.

@@ -136,6 +136,9 @@ class BlockContext(NamedTuple):
     positions_bt: jax.Array
     cache_index: jax.Array | None = None
     layer_values: LayerValues | None = None
+    # Packed examples that do not see each other: each token's example id [b, t] (layers/segment_mask.py);
+    # None: one sequence per row.
+    segment_ids_bt: jax.Array | None = None
 
 
 class TransformerBlock(nnx.Module):
@@ -183,7 +186,8 @@ class TransformerBlock(nnx.Module):
 
     def attention(self, h_btd: jax.Array, ctx: BlockContext, cache: dict | None):
         """Self-attention of an already normalised input; returns (out_btd, cache)."""
-        return self.attn(h_btd, ctx.positions_bt, cache, ctx.cache_index, layer_values=ctx.layer_values)
+        return self.attn(h_btd, ctx.positions_bt, cache, ctx.cache_index, layer_values=ctx.layer_values,
+                         segment_ids_bt=ctx.segment_ids_bt)
 
     def forward(self, x_btd: jax.Array, ctx: BlockContext, cache: dict | None):
         attn_btd, cache = self.attention(self.attn_norm(x_btd), ctx, cache)

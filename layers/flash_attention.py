@@ -103,7 +103,8 @@ class _Config(NamedTuple):
 
 def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_window: int | jax.Array | None = None,
                     q_positions_bt=None, kv_positions_bs=None, block_q: int = 512, block_k: int = 512,
-                    scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                    scale: float | None = None, softcap: float | None = None, q_segment_ids_bt=None,
+                    kv_segment_ids_bs=None) -> jax.Array:
     """Blockwise attention, memory linear in sequence length; see the module docstring.
 
     Args:
@@ -122,6 +123,10 @@ def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_wind
       scale: score scale, a static Python float; default 1 / sqrt(head_dim).
       softcap: c > 0 caps the scaled scores as c * tanh(s / c) before the mask
         (Gemma 2), a static Python float; None: no cap.
+      q_segment_ids_bt, kv_segment_ids_bs: integer [batch, t] / [batch, s]: a
+        query sees only keys of its own segment (packed examples); both or
+        neither. Key blocks holding no segment of a query block are skipped
+        when the ids are sorted along the sequence (as packing writes them).
 
     Returns:
       o_btnh: [batch, t, num_heads, head_dim_v], dtype of q.
@@ -129,14 +134,16 @@ def flash_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, sliding_wind
     o_btnh, _ = flash_attention_with_lse(
         q_btnh, k_bskh, v_bskh, causal=causal, sliding_window=sliding_window,
         q_positions_bt=q_positions_bt, kv_positions_bs=kv_positions_bs,
-        block_q=block_q, block_k=block_k, scale=scale, softcap=softcap)
+        block_q=block_q, block_k=block_k, scale=scale, softcap=softcap,
+        q_segment_ids_bt=q_segment_ids_bt, kv_segment_ids_bs=kv_segment_ids_bs)
     return o_btnh
 
 
 def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True,
                              sliding_window: int | jax.Array | None = None, q_positions_bt=None,
                              kv_positions_bs=None, block_q: int = 512, block_k: int = 512,
-                             scale: float | None = None, softcap: float | None = None):
+                             scale: float | None = None, softcap: float | None = None, q_segment_ids_bt=None,
+                             kv_segment_ids_bs=None):
     """As `flash_attention`, also returning the per-row logsumexp lse_bnt ([b, n, t], fp32).
 
     Both outputs are differentiable (the lse cotangent enters as ds += p * dlse),
@@ -152,7 +159,11 @@ def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True,
     s = k_bskh.shape[1]
     q_pos_bt = _positions(q_positions_bt, b, t, "q_positions_bt")
     kv_pos_bs = _positions(kv_positions_bs, b, s, "kv_positions_bs")
-    return _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
+    if (q_segment_ids_bt is None) != (kv_segment_ids_bs is None):
+        raise ValueError("flash_attention: give both q_segment_ids_bt and kv_segment_ids_bs, or neither")
+    segments = None if q_segment_ids_bt is None else (
+        _positions(q_segment_ids_bt, b, t, "q_segment_ids_bt"), _positions(kv_segment_ids_bs, b, s, "kv_segment_ids_bs"))
+    return _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments)
 
 
 # ----------------------------------------------------------------------------
@@ -295,6 +306,7 @@ class _Layout(NamedTuple):
     kv_valid_bs: jax.Array    # [b, Sp] bool
     visit_ij: jax.Array       # [nq, nk] bool: block (i, j) may hold a visible entry
     window: jax.Array | None  # traced int32 window (0: none), or None (static cfg.sliding_window)
+    segments: tuple | None    # ([b, Tp], [b, Sp]) int32 segment ids (padding is masked by the valid flags), or None
     num_q_blocks: int
     num_k_blocks: int
 
@@ -309,7 +321,7 @@ def _in_window(cfg: _Config, window, k_pos_bj, q_pos_bi):
     return None
 
 
-def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window) -> _Layout:
+def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments=None) -> _Layout:
     b, t = q_btnh.shape[:2]
     s = k_bskh.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
@@ -340,11 +352,27 @@ def _layout(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window) -
         visit_ij = visit_bij.any(0)
     else:
         visit_ij = jnp.ones((nq, nk), bool)
+    if segments is not None:
+        q_seg_bt, kv_seg_bs = _pad_axis(segments[0], 1, tp), _pad_axis(segments[1], 1, sp)
+        segments = (q_seg_bt, kv_seg_bs)
+        visit_ij &= _segments_meet(q_seg_bt, kv_seg_bs, q_valid_bt, kv_valid_bs, nq, nk)
 
     return _Layout(
         q_btnh=_pad_axis(q_btnh, 1, tp), k_bskh=_pad_axis(k_bskh, 1, sp), v_bskh=_pad_axis(v_bskh, 1, sp),
         q_pos_bt=q_pos_bt, q_valid_bt=q_valid_bt, kv_pos_bs=kv_pos_bs, kv_valid_bs=kv_valid_bs,
-        visit_ij=visit_ij, window=window, num_q_blocks=nq, num_k_blocks=nk)
+        visit_ij=visit_ij, window=window, segments=segments, num_q_blocks=nq, num_k_blocks=nk)
+
+
+def _segments_meet(q_seg_bt, kv_seg_bs, q_valid_bt, kv_valid_bs, nq, nk):
+    """[nq, nk]: the segment-id ranges of query block i and key block j overlap in some row (exact for
+    sorted ids, a superset otherwise: a visited block that sees nothing is computed fully masked)."""
+    b = q_seg_bt.shape[0]
+    big = jnp.iinfo(jnp.int32).max
+    q_lo = jnp.where(q_valid_bt, q_seg_bt, big).reshape(b, nq, -1).min(-1)
+    q_hi = jnp.where(q_valid_bt, q_seg_bt, -big).reshape(b, nq, -1).max(-1)
+    k_lo = jnp.where(kv_valid_bs, kv_seg_bs, big).reshape(b, nk, -1).min(-1)
+    k_hi = jnp.where(kv_valid_bs, kv_seg_bs, -big).reshape(b, nk, -1).max(-1)
+    return ((k_lo[:, None, :] <= q_hi[:, :, None]) & (q_lo[:, :, None] <= k_hi[:, None, :])).any(0)
 
 
 def _block_mask(cfg: _Config, lay: _Layout, g, q0, k0):
@@ -359,6 +387,9 @@ def _block_mask(cfg: _Config, lay: _Layout, g, q0, k0):
     in_window_brs = _in_window(cfg, lay.window, k_pos_bs, q_pos_br)
     if in_window_brs is not None:
         mask_brs &= in_window_brs
+    if lay.segments is not None:
+        q_seg_br = jnp.repeat(_slice(lay.segments[0], q0, bq, 1), g, axis=1)
+        mask_brs &= q_seg_br[:, :, None] == _slice(lay.segments[1], k0, bk, 1)[:, None, :]
     return mask_brs[:, None]
 
 
@@ -392,12 +423,12 @@ def _capped(cfg: _Config, s_bkrs):
     return cfg.softcap * tanh_bkrs, tanh_bkrs
 
 
-def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window):
+def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments=None):
     b, t, n, _ = q_btnh.shape
     kv, hv = v_bskh.shape[2], v_bskh.shape[3]
     g = n // kv
     bq, bk = cfg.block_q, cfg.block_k
-    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
+    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments)
     rows = bq * g
 
     def q_block(i, carry):
@@ -451,12 +482,12 @@ def _forward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window):
 
 
 def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt, do_btnh,
-              dlse_bnt):
+              dlse_bnt, segments=None):
     b, t, n, h = q_btnh.shape
     s, kv, hv = v_bskh.shape[1], v_bskh.shape[2], v_bskh.shape[3]
     g = n // kv
     bq, bk = cfg.block_q, cfg.block_k
-    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
+    lay = _layout(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments)
     tp, sp = lay.num_q_blocks * bq, lay.num_k_blocks * bk
 
     # D = rowsum(dO * O): the softmax-Jacobian term, fp32. An lse cotangent adds
@@ -527,27 +558,27 @@ def _backward(cfg: _Config, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window):
-    return _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
+def _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments):
+    return _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments)
 
 
-def _flash_fwd(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window):
-    o_btnh, lse_bnt = _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window)
+def _flash_fwd(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments):
+    o_btnh, lse_bnt = _forward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments)
     # Both share one name so a remat policy keeps (or offloads) them together:
     # the backward needs both, or it reruns the forward (module docstring).
     o_btnh = checkpoint_name(o_btnh, names.ATTN_CONTEXT)
     lse_bnt = checkpoint_name(lse_bnt, names.ATTN_CONTEXT)
-    residuals = (q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt)
+    residuals = (q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt, segments)
     return (o_btnh, lse_bnt), residuals
 
 
 def _flash_bwd(cfg, residuals, cotangents):
-    q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt = residuals
+    q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt, segments = residuals
     do_btnh, dlse_bnt = cotangents
     dq, dk, dv = _backward(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, o_btnh, lse_bnt,
-                           do_btnh, dlse_bnt)
-    # Positions and the window are integers: no cotangent.
-    return dq, dk, dv, None, None, None
+                           do_btnh, dlse_bnt, segments)
+    # Positions, the window and the segment ids are integers: no cotangent.
+    return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

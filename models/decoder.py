@@ -234,14 +234,16 @@ class DecoderLM(nnx.Module):
         return x_btd
 
     def hidden_states(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: dict | None = None,
-                      cache_index: jax.Array | None = None):
+                      cache_index: jax.Array | None = None, *, segment_ids_bt: jax.Array | None = None):
         """Final-normed hidden states [b, t, d] (and the cache): everything but the output head.
 
         Split from `logits` so a loss can apply the head a chunk of tokens at a
-        time and never hold all [t, vocab] logits (recipes/train/loss.py).
+        time and never hold all [t, vocab] logits (recipes/train/loss.py). `segment_ids_bt`: packed
+        examples, each attending only to its own (layers/segment_mask.py).
         """
         x_btd = self.embed_tokens(tokens_bt, positions_bt)
-        x_btd, new_cache = self.layers(x_btd, BlockContext(positions_bt, cache_index), cache)
+        x_btd, new_cache = self.layers(x_btd, BlockContext(positions_bt, cache_index, segment_ids_bt=segment_ids_bt),
+                                       cache)
         return self.final_norm(x_btd), new_cache
 
     def logits(self, x_btd: jax.Array) -> jax.Array:

@@ -57,8 +57,28 @@ class DataConfig:
                                           # in a mixture, from each source
     shard_tokens: int = 1 << 22           # tokens per on-disk shard of the tokenized corpus (data/shards.py)
     mixture: str | None = None            # "name=weight:source,...": weighted sources instead of `source` (data/mixture.py)
+    # Fine-tuning (data/sft_formats.py, data/sft_packing.py): "text" | "chat" (records with `messages`) |
+    # "instruct" (records with `instruction`, `input`, `output`).
+    format: str = "text"
+    chat_template: str | None = None      # a built-in template's name or a template file; None: the tokenizer's
+    train_on_prompt: bool = False         # chat/instruct: the loss on every token, not only the answers
+    # Packed examples attend only to their own example, positions restarting at 0; None: on for chat and
+    # instruct, off for text (where it cuts at every EOS, as Llama 3 trained).
+    document_mask: bool | None = None
+    packing: str = "pack"                 # chat/instruct: "pack" whole examples into rows | "pad": one a row
+    overlong: str = "truncate"            # chat/instruct: an example longer than a row: "truncate" | "drop"
+
+    @property
+    def uses_document_mask(self) -> bool:
+        return self.format != "text" if self.document_mask is None else self.document_mask
 
     def __post_init__(self):
+        for name, allowed in (("format", ("text", "chat", "instruct")), ("packing", ("pack", "pad")),
+                              ("overlong", ("truncate", "drop"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"data.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.format != "text" and self.mixture:
+            raise ConfigError(f"data.format={self.format} reads data.source; a data.mixture is for text corpora")
         require_positive("data", seq_len=self.seq_len, num_proc=self.num_proc, max_tokens=self.max_tokens)
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")

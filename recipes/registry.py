@@ -60,6 +60,24 @@ def tiny() -> Recipe:
     )
 
 
+@register("tiny_sft")
+def tiny_sft() -> Recipe:
+    """CPU-sized instruction fine-tune of the `tiny` run (runs/tiny, from `make train`) on the shipped set."""
+    from spillway.data.instruct_tiny import INSTRUCT_TINY
+
+    base = tiny()
+    return dataclasses.replace(
+        base, name="tiny_sft",
+        description="the tiny run fine-tuned on 280 instructions asking for short Python functions (answers only)",
+        data=DataConfig(source=str(INSTRUCT_TINY), format="instruct", chat_template="spillway", seq_len=128,
+                        val_fraction=0.1),
+        optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=10, weight_decay=0.0, clip_norm=1.0),
+        checkpoint=CheckpointConfig(every_steps=100, keep=2, init_from="runs/tiny"),
+        train=TrainConfig(steps=150, global_batch=8, log_every=10, eval_every=50, eval_batches=2,
+                          sample_prompt="def ", sample_tokens=0),
+    )
+
+
 # --- GPU pretraining recipes: what a practitioner would train on and with ------------------------------------
 # Each names a real corpus (a Hub dataset, streamed; --set data.source=DIR for a local copy), the model's own
 # tokenizer by path (data.tokenizer, a folder holding the tokenizer.json or tokenizer.model of the Hub

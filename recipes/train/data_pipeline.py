@@ -62,6 +62,10 @@ class TrainingData:
         def rows(packed: PackedData) -> str:
             skipped = (f" ({packed.records_without_text} records without a text field skipped)"
                        if packed.records_without_text else "")
+            if packed.overlong_policy is not None:
+                done = "truncated" if packed.overlong_policy == "truncate" else "dropped"
+                skipped += (f" ({packed.num_documents} examples, {packed.target_tokens} target tokens; "
+                            f"{packed.overlong_examples} longer than a row {done})")
             return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows{skipped}"
 
         if not self.is_mixture:
@@ -80,6 +84,7 @@ class TrainingData:
 
     def check_token_ids(self, batch: np.ndarray, vocab_size: int) -> None:
         """DataError naming the packed caches when a batch holds an id the model has no embedding row for."""
+        batch = batch[:, 0] if batch.ndim == 3 else batch   # fine-tuning rows: plane 0 holds the tokens
         largest = int(batch.max()) if batch.size else 0
         if largest >= vocab_size or (batch.size and int(batch.min()) < 0):
             folders = ", ".join(str(packed.path) for packed in self.sources.values())
@@ -97,6 +102,9 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     cfg = recipe.data
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
+    if cfg.format != "text":
+        raise DataError(f"data.format={cfg.format} needs a tokenizer (data.tokenizer, or the one of "
+                        f"checkpoint.init_from): a tokenizer trained on chat records would not know the model's")
     # A stream: the tokenizer trains on the head of the corpus, which is never copied whole.
     sources = [c.source for c in parse_mixture(cfg.mixture)] if cfg.mixture else [cfg.source]
     streams = [stream_documents(source, text_field=cfg.text_field, cache_dir=Path(cfg.cache_dir) / "datasets")
@@ -104,6 +112,47 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     documents = streams[0] if len(streams) == 1 else interleave_documents(streams)
     return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
                            cache_dir=Path(cfg.cache_dir) / "tokenizers")
+
+
+def run_chat_template(recipe: Recipe, tokenizer: Tokenizer):
+    """The chat template a chat/instruct run renders with (data/chat_template.py), its special tokens filled in
+    from the tokenizer where its files name none."""
+    from spillway.data.chat_template import resolve_chat_template
+
+    special = {"eos_token": tokenizer.token_text(tokenizer.eos_id)}
+    if tokenizer.bos_id is not None:
+        special["bos_token"] = tokenizer.token_text(tokenizer.bos_id)
+    directory = tokenizer.path.parent if tokenizer.path is not None else None
+    return resolve_chat_template(recipe.data.chat_template, directory, special)
+
+
+def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer) -> PackedData:
+    """The chat/instruct source tokenized and packed whole (data/sft_packing.py)."""
+    from spillway.data.sft_packing import SftOptions, prepare_sft_rows
+
+    cfg = recipe.data
+    options = SftOptions(cfg.format, cfg.seq_len, packing=cfg.packing, overlong=cfg.overlong,
+                         train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed)
+    return prepare_sft_rows(cfg.source, tokenizer, run_chat_template(recipe, tokenizer), options,
+                            cache_dir=cfg.cache_dir)
+
+
+def save_run_tokenizer(tokenizer: Tokenizer, run_dir: Path, recipe: Recipe) -> None:
+    """The tokenizer into RUN_DIR (`spillway generate` reads it); a chat/instruct run's tokenizer_config.json
+    also holds the chat template it trained with, so `spillway generate --chat` renders the same turns."""
+    tokenizer.save_to_directory(run_dir)
+    if recipe.data.format == "text":
+        return
+    import json
+
+    from spillway.data.cache import atomic_write_bytes
+    from spillway.data.chat_template import TOKENIZER_CONFIG_FILE
+
+    template = run_chat_template(recipe, tokenizer)
+    path = Path(run_dir) / TOKENIZER_CONFIG_FILE
+    config = json.loads(path.read_text())
+    config.update({"chat_template": template.source, **template.special_tokens})
+    atomic_write_bytes(path, (json.dumps(config, indent=2) + "\n").encode())
 
 
 def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:
@@ -135,7 +184,9 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None) -> tuple[Tokeniz
         options = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_dir, val_fraction=cfg.val_fraction,
                        num_proc=cfg.num_proc, seed=recipe.train.seed, text_field=cfg.text_field,
                        max_tokens=cfg.max_tokens, shard_tokens=cfg.shard_tokens)
-        if components is None:
+        if cfg.format != "text":
+            data = TrainingData({CORPUS: prepare_fine_tuning_rows(recipe, tokenizer)}, None)
+        elif components is None:
             data = TrainingData({CORPUS: prepare_tokens(cfg.source, tokenizer, **options)}, None)
         else:
             total = sum(c.weight for c in components)

@@ -60,7 +60,7 @@ def make_weights_check(graphdef, mesh, *, loss_chunk: int, grad_accum: int, para
         if grad_accum == 1:
             return loss_fn(params, tokens_bt)
         # micro-batch m is rows m, m + grad_accum, ... as in the train step (recipes/train/step.py)
-        micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
+        micro_mbt = jax.tree.map(lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), tokens_bt)
         return jax.lax.map(lambda micro_bt: loss_fn(params, micro_bt), micro_mbt).mean()
 
     def check(params, tokens_bt, step_loss, grad_norm):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -43,8 +44,9 @@ from spillway.recipes.train.step import (abstract_setup, abstract_with_shardings
                                          setup)
 
 
-def _global_batch(local_bt: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    return jax.make_array_from_process_local_data(sharding, np.asarray(local_bt, np.int32))
+def _global_batch(local_bt, sharding: NamedSharding):
+    """The global batch from this process's rows: a token array, or a TrainBatch (recipes/train/batch.py)."""
+    return jax.tree.map(lambda part: jax.make_array_from_process_local_data(sharding, np.asarray(part)), local_bt)
 
 
 def _parse_profile(spec: str | None) -> tuple[int, int] | None:
@@ -114,6 +116,8 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
     from spillway.recipes.train.preflight import check_run_inputs
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
+    from spillway.recipes.train.sft_preflight import check_fine_tuning_inputs
+    check_fine_tuning_inputs(recipe)  # chat/instruct on a text corpus, document masks cuDNN cannot apply
     from spillway.recipes.train.step import check_attention_backend, check_aux_loss
     check_attention_backend(recipe.execution.attention_impl, jax.default_backend())  # before data is prepared
     check_aux_loss(recipe)  # a coefficient that would weight nothing: before data is prepared
@@ -143,7 +147,8 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
 
     from spillway.data import eval_batches, load_tokenizer, tokenizer_file_in
     from spillway.recipes.train.corpus_record import check_corpus
-    from spillway.recipes.train.data_pipeline import prepare, train_loader
+    from spillway.recipes.train.batch import batch_from_rows
+    from spillway.recipes.train.data_pipeline import prepare, save_run_tokenizer, train_loader
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights
     from spillway.recipes.train.resume import record_history, restore_for_resume, steps_to_try
@@ -189,6 +194,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     # in (pinned host) memory while the restore writes the first (benchmarks/host_memory_phases.py).
     opt_state = None if candidates else jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
     loader = train_loader(data, recipe, jax.process_index(), jax.process_count())
+    # Loss masks, example ids and positions of fine-tuning rows (or of text with data.document_mask).
+    as_batch = functools.partial(batch_from_rows, document_mask=recipe.data.uses_document_mask,
+                                 eos_id=tokenizer.eos_id)
     check_weights = make_weights_check(s.graphdef, s.mesh, loss_chunk=cfg.loss_chunk, grad_accum=cfg.grad_accum,
                                        param_shardings=s.param_shardings, batch_sharding=s.batch_sharding)
 
@@ -197,7 +205,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         loader.restore(restored["loader_state"])
         first_local = next(loader)
         data.check_token_ids(first_local, recipe.model.vocab_size)  # a damaged cache, not diverged weights
-        first_batch = _global_batch(first_local, s.batch_sharding)
+        first_batch = _global_batch(as_batch(first_local), s.batch_sharding)
         loader.restore(restored["loader_state"])
         return check_weights(restored["params"], first_batch).problem()
 
@@ -246,7 +254,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     def checked(local_bt: np.ndarray) -> np.ndarray:
         # an id past the embedding is a damaged cache, not diverged weights (which is what it would look like)
         data.check_token_ids(local_bt, recipe.model.vocab_size)
-        return local_bt
+        return as_batch(local_bt)
 
     def next_batch():
         nonlocal peeked
@@ -273,7 +281,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
 
     logger = RunLogger(run_dir, start_step=step, enabled=main)
     if main:
-        tokenizer.save_to_directory(run_dir)  # `spillway generate RUN_DIR` needs it
+        save_run_tokenizer(tokenizer, run_dir, recipe)  # `spillway generate RUN_DIR` needs it (and the chat template)
     eval_step = jax.jit(make_eval_step(s.graphdef, s.mesh), in_shardings=(s.param_shardings, s.batch_sharding))
     tokens_per_step = cfg.global_batch * data.seq_len
     flops_per_step = model_flops_per_token(recipe.decoder_spec(), data.seq_len) * tokens_per_step

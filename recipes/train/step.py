@@ -30,6 +30,7 @@ from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
 from spillway.recipes.train import aux_terms, xla_settings
+from spillway.recipes.train.batch import TrainBatch, with_step_denominator
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 
 
@@ -43,16 +44,23 @@ def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
         with activation_sharding(mesh):
             return _loss(params, tokens_bt)
 
-    def _loss(params, tokens_bt):
+    def _loss(params, batch):
         model = nnx.merge(graphdef, params)
-        tokens_bt = constrain(tokens_bt, (names.BATCH, None))
+        # A plain token array, or a TrainBatch (recipes/train/batch.py) with a loss mask and example ids.
+        fields = batch if isinstance(batch, TrainBatch) else TrainBatch(batch)
+        tokens_bt = constrain(fields.tokens, (names.BATCH, None))
         inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
+        weights_bt = fields.loss_mask
+        denominator = None if fields.loss_denominator is None else fields.loss_denominator[0]
+        positions_bt = fields.positions
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
+        x_btd, _ = model.hidden_states(inputs_bt, positions_bt, segment_ids_bt=fields.segment_ids)
         if not loss_chunk or loss_chunk >= inputs_bt.shape[1]:
-            return cross_entropy(model(inputs_bt), targets_bt)
-        positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
-        x_btd, _ = model.hidden_states(inputs_bt, positions_bt)
+            return cross_entropy(model.logits(x_btd), targets_bt, weights_bt, denominator)
         head_logits, head_params = model.split_head()
-        return chunked_cross_entropy(head_logits, head_params, x_btd, targets_bt, loss_chunk)
+        return chunked_cross_entropy(head_logits, head_params, x_btd, targets_bt, loss_chunk, weights_bt,
+                                     denominator)
     return loss_fn
 
 
@@ -111,7 +119,9 @@ def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk:
         if grad_accum == 1:
             (_, metrics), grads = grad_fn(params, tokens_bt)
         else:
-            micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
+            # Masked targets: every micro-batch's loss is over the whole step's target count (recipes/train/batch.py).
+            tokens_bt = with_step_denominator(tokens_bt, grad_accum)
+            micro_mbt = jax.tree.map(lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), tokens_bt)
             if host_weights.any_in_host_memory(params):
                 metrics, grads = _accumulate_in_backward(objective, params, micro_mbt)
             else:
@@ -140,7 +150,7 @@ def _accumulate_in_backward(objective, params, micro_mbt):
     over them at the end (a host computation would write its result to HBM
     first). Device-resident gradients are summed on device as usual.
     """
-    grad_accum = micro_mbt.shape[0]
+    grad_accum = jax.tree.leaves(micro_mbt)[0].shape[0]
     on_host = jax.tree.map(host_weights.in_host_memory, params)
 
     def micro_step(grad_sum, micro_bt):

@@ -1,0 +1,240 @@
+"""Chat templates: a tokenizer's own Jinja `chat_template`, a built-in one by name, or one from a file.
+
+Rendering follows transformers' `apply_chat_template`: an
+`ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with the
+`loopcontrols` extension, a `tojson` filter that does not escape HTML, the
+globals `raise_exception` and `strftime_now`, and the special tokens
+(`bos_token`, `eos_token`, ...) from the same `tokenizer_config.json` as the
+template. `{% generation %} ... {% endgeneration %}` marks the text the model
+is trained to write (the assistant's answers); a template without such blocks
+has its answers found by rendering the conversation turn by turn
+(data/sft_targets.py).
+
+Where the template comes from (`resolve_chat_template`):
+
+* `data.chat_template` names a built-in template (`BUILTIN_TEMPLATES`) or a
+  file holding one (a `.jinja` file, or a `tokenizer_config.json` with a
+  `chat_template`);
+* unset: the tokenizer's own, from the `tokenizer_config.json` beside it.
+
+A tokenizer with no template and none named is a DataError saying what to set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from spillway.layers.errors import DataError
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"   # transformers >= 4.43 may save the template beside the config
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+# Built-in templates for tokenizers that have none (a sentencepiece model spillway trained). Their
+# end-of-turn token is the tokenizer's EOS; `{% generation %}` marks each answer and that EOS.
+BUILTIN_TEMPLATES = {
+    # Plain-text markers: nothing the tokenizer needs beyond its BOS/EOS.
+    "spillway": (
+        "{% if bos_token %}{{ bos_token }}{% endif %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+        "{% elif message['role'] == 'user' %}### User:\n{{ message['content'] }}\n\n### Assistant:\n"
+        "{% elif message['role'] == 'assistant' %}"
+        "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}{{ '\n\n' }}"
+        "{% else %}{{ raise_exception('unknown role ' ~ message['role'] ~ ': the spillway template knows "
+        "system, user and assistant') }}{% endif %}"
+        "{% endfor %}"
+    ),
+    # ChatML (Qwen, many others) with the tokenizer's EOS closing each turn: for tokenizers without
+    # <|im_start|>/<|im_end|> tokens, where the markers are plain text.
+    "chatml": (
+        "{% for message in messages %}"
+        "{% if message['role'] not in ('system', 'user', 'assistant') %}{{ raise_exception('unknown role ' ~ "
+        "message['role'] ~ ': the chatml template knows system, user and assistant') }}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}"
+        "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}{{ '\n' }}"
+        "{% else %}{{ message['content'] }}{{ eos_token }}{{ '\n' }}{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+}
+# The spillway template needs no generation prompt: a user turn ends with the assistant's marker. (Newlines
+# after a block tag are written as expressions: trim_blocks, as transformers renders, drops the first one.)
+_ROLES_OF_BUILTINS = {"spillway": ("system", "user", "assistant"), "chatml": ("system", "user", "assistant")}
+
+
+class ChatTemplateError(DataError):
+    """A chat template that cannot be found, compiled or rendered: one line naming it and why."""
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}`: records the rendered character span of each block.
+
+    The spans are offsets into the whole rendered text: the template is rendered as a stream
+    (`Template.generate`), and a block's start is the length of what was emitted before it.
+    """
+
+    tags = {"generation"}
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        self.emitted: list[str] | None = None
+        self.spans: list[tuple[int, int]] = []
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_record", []), [], [], body).set_lineno(lineno)
+
+    def _record(self, caller):
+        text = caller()
+        if self.emitted is not None:
+            start = sum(len(piece) for piece in self.emitted)
+            self.spans.append((start, start + len(text)))
+        return text
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: no HTML escaping (jinja's built-in one escapes <, >, &, ').
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format_string):
+    return datetime.now().strftime(format_string)
+
+
+@dataclasses.dataclass
+class Rendered:
+    """A rendered conversation and the character spans of its `{% generation %}` blocks (maybe none)."""
+
+    text: str
+    generation_spans: list[tuple[int, int]]
+
+
+class ChatTemplate:
+    """One compiled chat template, its special tokens, and where it came from (for messages)."""
+
+    def __init__(self, source: str, *, origin: str, special_tokens: dict[str, str] | None = None):
+        self.source = source
+        self.origin = origin
+        self.special_tokens = dict(special_tokens or {})
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=[_GenerationBlocks, jinja2.ext.loopcontrols])
+        environment.filters["tojson"] = _tojson
+        environment.globals["raise_exception"] = _raise_exception
+        environment.globals["strftime_now"] = _strftime_now
+        self._tracker = next(e for e in environment.extensions.values() if isinstance(e, _GenerationBlocks))
+        try:
+            self._template = environment.from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as error:
+            raise ChatTemplateError(f"chat template {origin} does not compile (line {error.lineno}: "
+                                    f"{error.message})") from None
+
+    @property
+    def has_generation_blocks(self) -> bool:
+        return "generation" in self.source and "endgeneration" in self.source
+
+    @property
+    def known_roles(self) -> tuple[str, ...] | None:
+        """The roles a built-in template renders; None for a template whose roles are its own business."""
+        return _ROLES_OF_BUILTINS.get(self.origin.removeprefix("built-in "))
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> Rendered:
+        """The conversation as text, and its generation spans; ChatTemplateError with the template's own error."""
+        self._tracker.emitted, self._tracker.spans = [], []
+        try:
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **self.special_tokens):
+                self._tracker.emitted.append(piece)
+            text = "".join(self._tracker.emitted)
+            return Rendered(text, list(self._tracker.spans))
+        except jinja2.exceptions.TemplateError as error:
+            raise ChatTemplateError(f"chat template {self.origin} failed to render: "
+                                    f"{' '.join(str(error).split())}") from None
+        except Exception as error:   # a template's own Python-level failure (a None + str, say)
+            raise ChatTemplateError(f"chat template {self.origin} failed to render: {type(error).__name__}: "
+                                    f"{' '.join(str(error).split())}") from None
+        finally:
+            self._tracker.emitted = None
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ChatTemplateError(f"{path} is not readable JSON: {error}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _template_in_config(config: dict) -> str | None:
+    """The `chat_template` of a tokenizer_config.json: a string, or the "default" of a list of named ones."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def special_tokens_of(directory: Path | None) -> dict[str, str]:
+    """bos_token, eos_token, ... as the tokenizer_config.json in `directory` names them."""
+    if directory is None or not (directory / TOKENIZER_CONFIG_FILE).is_file():
+        return {}
+    config = _read_config(directory / TOKENIZER_CONFIG_FILE)
+    return {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
+
+
+def tokenizer_template(directory: Path) -> str | None:
+    """The tokenizer's own chat template in `directory` (tokenizer_config.json, else chat_template.jinja)."""
+    config_path = directory / TOKENIZER_CONFIG_FILE
+    if config_path.is_file():
+        template = _template_in_config(_read_config(config_path))
+        if template:
+            return template
+    jinja_path = directory / CHAT_TEMPLATE_FILE
+    return jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else None
+
+
+def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
+                          special_tokens: dict[str, str] | None = None) -> ChatTemplate:
+    """The template a run renders with (module docstring); `special_tokens` fill in what the file lacks."""
+    special = {**(special_tokens or {}), **special_tokens_of(tokenizer_dir)}
+    if named:
+        if named in BUILTIN_TEMPLATES:
+            return ChatTemplate(BUILTIN_TEMPLATES[named], origin=f"built-in {named}", special_tokens=special)
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise ChatTemplateError(f"data.chat_template {named!r}: neither a built-in template "
+                                    f"({', '.join(BUILTIN_TEMPLATES)}) nor a file that exists")
+        if path.suffix == ".json":
+            template = _template_in_config(_read_config(path))
+            if template is None:
+                raise ChatTemplateError(f"data.chat_template {named!r}: the file has no \"chat_template\"")
+            return ChatTemplate(template, origin=str(path), special_tokens=special)
+        return ChatTemplate(path.read_text(encoding="utf-8"), origin=str(path), special_tokens=special)
+    template = tokenizer_template(tokenizer_dir) if tokenizer_dir is not None else None
+    if template is None:
+        where = f"the tokenizer in {tokenizer_dir}" if tokenizer_dir is not None else "the tokenizer"
+        raise ChatTemplateError(f"{where} has no chat template (no \"chat_template\" in its "
+                                f"{TOKENIZER_CONFIG_FILE}) and data.chat_template names none: set "
+                                f"data.chat_template to a built-in ({', '.join(BUILTIN_TEMPLATES)}) or a "
+                                f".jinja file")
+    return ChatTemplate(template, origin=f"of {tokenizer_dir / TOKENIZER_CONFIG_FILE}", special_tokens=special)

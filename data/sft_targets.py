@@ -1,0 +1,172 @@
+"""A conversation as token ids and the flags of the tokens the loss trains on (the assistant's answers).
+
+Targets are the tokens of each assistant message and the end-of-turn
+token(s) the template writes right after it; everything else (system and user
+turns, the template's markers) is not a target. `train_on_prompt` makes every
+token one.
+
+Where the answers are in the rendered text:
+
+* a template with `{% generation %}` blocks says so itself (their spans);
+* any other template is rendered turn by turn: assistant message i starts
+  where the conversation before it, rendered with the generation prompt, ends;
+  its text runs to the end of its content and on through the special tokens
+  that follow it (`<|eot_id|>`, `<|im_end|>`, `</s>`: whitespace before them
+  allowed, as Llama 2 writes " </s>"). A template that renders earlier turns
+  differently once later ones follow cannot be read this way: a DataError
+  asks for generation blocks.
+
+Tokens: a `tokenizer.json` tokenizer encodes the whole rendered text (its
+added tokens matched in it, no special tokens added: what transformers'
+`apply_chat_template(tokenize=True)` gives) and a token is a target when its
+character offsets overlap an answer. A sentencepiece model, which does not
+match special tokens in text, encodes the text piece by piece, cut at the
+answers' edges and at its BOS/EOS texts, which become their ids.
+
+No BOS is added here: the template writes it when the model wants one.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from spillway.layers.errors import DataError
+
+from .chat_template import ChatTemplate, ChatTemplateError
+
+
+def special_token_texts(tokenizer) -> dict[str, int]:
+    """The texts of the tokenizer's special tokens, with their ids (for finding end-of-turn tokens)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None and hasattr(backend, "get_added_tokens_decoder"):
+        texts = {token.content: token_id for token_id, token in backend.get_added_tokens_decoder().items()
+                 if token.special}
+    else:
+        texts = {}
+    for token_id in (tokenizer.bos_id, tokenizer.eos_id):
+        if token_id is not None:
+            texts.setdefault(tokenizer.token_text(token_id), token_id)
+    return texts
+
+
+def _check_roles(template: ChatTemplate, messages: list[dict], where: str) -> None:
+    roles = template.known_roles
+    if roles is None:
+        return
+    for message in messages:
+        if message["role"] not in roles:
+            raise DataError(f"record {where}: role {message['role']!r} is not one the chat template "
+                            f"{template.origin} knows ({', '.join(roles)})")
+
+
+def _end_of_turn(text: str, start: int, limit: int, specials: dict[str, int]) -> int:
+    """The end of the run of special tokens at `start` (whitespace before each allowed), else `start`."""
+    end = position = start
+    while position < limit:
+        stripped = len(text[position:limit]) - len(text[position:limit].lstrip())
+        match = next((s for s in sorted(specials, key=len, reverse=True)
+                      if s and text.startswith(s, position + stripped) and position + stripped + len(s) <= limit),
+                     None)
+        if match is None:
+            break
+        position = end = position + stripped + len(match)
+    return end
+
+
+def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[str, int],
+                 where: str) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, character spans of the answers and their end-of-turn tokens): module docstring."""
+    _check_roles(template, messages, where)
+    rendered = template.render(messages)
+    text = rendered.text
+    for message in messages:
+        if message["content"].strip() and message["content"].strip() not in text:
+            raise DataError(f"record {where}: the chat template {template.origin} does not render role "
+                            f"{message['role']!r} (its message is missing from the text): a role the template "
+                            f"does not know")
+    if template.has_generation_blocks:
+        return text, rendered.generation_spans
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = template.render(messages[:index], add_generation_prompt=True).text
+        through = template.render(messages[: index + 1]).text
+        if not (text.startswith(prompt) and text.startswith(through)):
+            raise ChatTemplateError(f"chat template {template.origin} renders earlier turns differently once "
+                                    f"later ones follow, so its answers cannot be found turn by turn (record "
+                                    f"{where}); use a template with {{% generation %}} blocks (data.chat_template)")
+        content = message["content"].strip()
+        found = text.find(content, len(prompt), len(through)) if content else len(prompt)
+        content_end = (found + len(content)) if found >= 0 else len(prompt)
+        spans.append((len(prompt), _end_of_turn(text, content_end, len(through), specials)))
+    return text, spans
+
+
+def _flags_from_offsets(offsets, spans) -> np.ndarray:
+    flags = np.zeros(len(offsets), bool)
+    for k, (start, end) in enumerate(offsets):
+        flags[k] = any(start < span_end and max(end, start + 1) > span_start for span_start, span_end in spans)
+    return flags
+
+
+def _encode_in_pieces(tokenizer, text: str, spans, specials: dict[str, int]) -> tuple[list[int], np.ndarray]:
+    cuts = {0, len(text)} | {edge for span in spans for edge in span}
+    if specials:
+        pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True) if s))
+        for match in pattern.finditer(text):
+            cuts |= {match.start(), match.end()}
+    edges = sorted(cut for cut in cuts if 0 <= cut <= len(text))
+    pieces = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+    plain = [text[a:b] for a, b in pieces if text[a:b] not in specials]
+    encoded = iter(tokenizer.encode(plain) if plain else [])
+    ids: list[int] = []
+    flags: list[bool] = []
+    for a, b in pieces:
+        piece_ids = [specials[text[a:b]]] if text[a:b] in specials else next(encoded)
+        target = any(a < span_end and b > span_start for span_start, span_end in spans)
+        ids.extend(piece_ids)
+        flags.extend([target] * len(piece_ids))
+    return ids, np.asarray(flags, bool)
+
+
+def encode_with_targets(tokenizer, text: str, spans, specials: dict[str, int],
+                        train_on_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, target flags) of a rendered conversation (module docstring)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        encoding = backend.encode(text, add_special_tokens=False)
+        ids, flags = list(encoding.ids), _flags_from_offsets(encoding.offsets, spans)
+    else:
+        ids, flags = _encode_in_pieces(tokenizer, text, spans, specials)
+    if train_on_prompt:
+        flags = np.ones(len(ids), bool)
+    return np.asarray(ids, np.int64), flags
+
+
+def conversation_tokens(template: ChatTemplate, tokenizer, messages: list[dict], specials: dict[str, int],
+                        where: str, train_on_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, target flags) of one conversation: render, find the answers, encode."""
+    text, spans = answer_spans(template, messages, specials, where)
+    return encode_with_targets(tokenizer, text, spans, specials, train_on_prompt)
+
+
+def prompt_tokens(template: ChatTemplate, tokenizer, messages: list[dict], specials: dict[str, int]) -> list[int]:
+    """The ids a model continues to answer `messages` (rendered with the generation prompt)."""
+    text = template.render(messages, add_generation_prompt=True).text
+    ids, _ = encode_with_targets(tokenizer, text, [], specials)
+    return [int(i) for i in ids]
+
+
+def end_of_turn_ids(template: ChatTemplate, tokenizer, specials: dict[str, int]) -> list[int]:
+    """The ids that end an answer: the tokenizer's EOS and the special tokens the template writes after one."""
+    probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+    text, spans = answer_spans(template, probe, specials, "(end-of-turn probe)")
+    stops = {tokenizer.eos_id}
+    tail = text[text.find("pong") + len("pong"):spans[-1][1]] if spans else ""
+    for special, token_id in specials.items():
+        if special and special in tail:
+            stops.add(token_id)
+    return sorted(stops)

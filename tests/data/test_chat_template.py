@@ -1,0 +1,147 @@
+"""Chat templates rendered as transformers renders them, and the answer tokens the loss trains on.
+
+transformers is the reference (`apply_chat_template`: text, token ids, and with
+`{% generation %}` blocks its `assistant_masks`), on a tiny byte-level BPE
+tokenizer with ChatML's special tokens saved by `save_pretrained`. Without
+generation blocks the answers are found turn by turn: their targets must be
+each answer and the `<|im_end|>` after it, never the newline or the prompt.
+The built-in template serves a sentencepiece tokenizer (no template of its own).
+"""
+
+import json
+
+import pytest
+
+from spillway.data import load_tokenizer
+from spillway.data.chat_template import ChatTemplateError, resolve_chat_template
+from spillway.data.sft_targets import (conversation_tokens, end_of_turn_ids, prompt_tokens, special_token_texts)
+from spillway.layers.errors import DataError
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_GENERATION = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "the answer is forty two"},
+                {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "hello today"}]
+
+
+def byte_level_bpe():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["hello world how are you today the answer is forty two be brief"] * 10, trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def saved_tokenizer(transformers, directory, template):
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(), eos_token="<|im_end|>")
+    reference.chat_template = template
+    reference.save_pretrained(directory)
+    return reference
+
+
+@pytest.mark.parametrize("template", [CHATML, CHATML_GENERATION], ids=["turn_by_turn", "generation_blocks"])
+def test_render_ids_and_answer_mask_equal_transformers(transformers, tmp_path, template):
+    reference = saved_tokenizer(transformers, tmp_path, template)
+    tokenizer = load_tokenizer(tmp_path)
+    chat = resolve_chat_template(None, tmp_path)
+    specials = special_token_texts(tokenizer)
+    ids, flags = conversation_tokens(chat, tokenizer, CONVERSATION, specials, "test")
+    expected = reference.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=template is CHATML_GENERATION)
+    assert chat.render(CONVERSATION).text == reference.apply_chat_template(CONVERSATION, tokenize=False)
+    assert ids.tolist() == list(expected["input_ids"])
+    if template is CHATML_GENERATION:
+        assert flags.astype(int).tolist() == list(expected["assistant_masks"])
+    # Both ways the targets are the answers and the end-of-turn token written right after each, nothing else.
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
+        "the answer is forty two<|im_end|>hello today<|im_end|>"
+    prompt = reference.apply_chat_template(CONVERSATION[:2], add_generation_prompt=True, tokenize=True)
+    assert prompt_tokens(chat, tokenizer, CONVERSATION[:2], specials) == list(prompt["input_ids"])
+    assert end_of_turn_ids(chat, tokenizer, specials) == [reference.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_train_on_prompt_makes_every_token_a_target(tmp_path, transformers):
+    saved_tokenizer(transformers, tmp_path, CHATML)
+    tokenizer = load_tokenizer(tmp_path)
+    chat = resolve_chat_template(None, tmp_path)
+    ids, flags = conversation_tokens(chat, tokenizer, CONVERSATION, special_token_texts(tokenizer), "t",
+                                     train_on_prompt=True)
+    assert flags.all() and len(flags) == len(ids)
+
+
+def test_tojson_does_not_escape_html_and_globals_exist(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ messages | tojson }}|{{ strftime_now('%Y') | length }}|{{ eos_token }}")
+    chat = resolve_chat_template(str(tmp_path / "t.jinja"), None, {"eos_token": "</s>"})
+    text = chat.render([{"role": "user", "content": "<b>&"}]).text
+    assert text == '[{"role": "user", "content": "<b>&"}]|4|</s>'
+
+
+def test_template_errors_are_one_line_with_the_templates_own_message(tmp_path):
+    (tmp_path / "raises.jinja").write_text("{{ raise_exception('Conversation roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="failed to render: Conversation roles must alternate$"):
+        resolve_chat_template(str(tmp_path / "raises.jinja"), None).render([])
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match=r"does not compile \(line 1: "):
+        resolve_chat_template(str(tmp_path / "broken.jinja"), None)
+    with pytest.raises(ChatTemplateError, match="neither a built-in template"):
+        resolve_chat_template("no-such-template", None)
+
+
+def test_a_tokenizer_without_a_template_and_none_named_is_refused(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ChatTemplateError, match="has no chat template .* set data.chat_template to a built-in"):
+        resolve_chat_template(None, tmp_path)
+
+
+class _SentencePieceLike:
+    """Enough of a sentencepiece tokenizer (no added-token matching, no offsets): one id per character."""
+
+    bos_id, eos_id, vocab_size = 1, 2, 300
+
+    def token_text(self, token_id):
+        return {1: "<s>", 2: "</s>"}[token_id]
+
+    def encode(self, texts):
+        return [[10 + ord(c) % 250 for c in text] for text in texts]
+
+
+def test_builtin_template_targets_answers_and_eos_for_a_tokenizer_without_offsets():
+    tokenizer = _SentencePieceLike()
+    chat = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"})
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ids, flags = conversation_tokens(chat, tokenizer, messages, special_token_texts(tokenizer), "t")
+    text = chat.render(messages).text
+    assert text == "<s>### User:\nhi\n\n### Assistant:\nyo</s>\n\n"
+    assert ids[0] == 1 and ids.tolist().count(1) == 1   # the template's BOS, once
+    assert ids[flags].tolist() == [10 + ord("y") % 250, 10 + ord("o") % 250, 2]
+    assert end_of_turn_ids(chat, tokenizer, special_token_texts(tokenizer)) == [2]
+
+
+def test_a_role_the_template_does_not_know_is_named():
+    tokenizer = _SentencePieceLike()
+    chat = resolve_chat_template("spillway", None, {"eos_token": "</s>"})
+    with pytest.raises(DataError, match="role 'narrator' is not one the chat template built-in spillway knows"):
+        conversation_tokens(chat, tokenizer, [{"role": "narrator", "content": "once"}], {}, "f.jsonl, line 3")
+
+
+def test_a_role_a_foreign_template_drops_is_named(tmp_path):
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}"
+                                      "{% endfor %}")
+    chat = resolve_chat_template(str(tmp_path / "t.jinja"), None)
+    with pytest.raises(DataError, match="does not render role 'tool'"):
+        conversation_tokens(chat, _SentencePieceLike(), [{"role": "user", "content": "a"},
+                                                        {"role": "tool", "content": "b"}], {}, "r")
