@@ -4,6 +4,7 @@
     spillway train tiny [--set train.steps=100 ...] [--plan auto [--gpu h200]]
     spillway train path/to/recipe.json | my_recipes:my_recipe [--set ...]   (recipes/user_recipes.py)
     spillway generate runs/tiny --prompt "def " [--tokens 100 --temperature 0.8 --top-p 0.95]
+    spillway generate runs/tiny_sft --chat "Write a function that adds a and b."
     spillway plan llama3_8b [--gpu h200] [--devices N] [--hbm-budget GIB] [--png PATH] [--json]
 
 `--gpu` and `--devices` default to the GPUs the recipe was planned for
@@ -79,8 +80,11 @@ def _cmd_generate(args) -> int:
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     from spillway.recipes.generate import generate_from_checkpoint
+    if (args.prompt is None) == (args.chat is None):
+        raise ConfigError("spillway generate takes --prompt TEXT (continue a text) or --chat MESSAGE (answer it "
+                          "through the run's chat template), one of them")
     text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
-                                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, chat=args.chat)
     print(text)
     return 0
 
@@ -130,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample text from a checkpoint", parents=[common])
     p.add_argument("checkpoint", help="a run directory (latest step) or a checkpoint step directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", help="a text to continue")
+    p.add_argument("--chat", metavar="MESSAGE",
+                   help="a user message: rendered through the run's chat template, answered until the end of turn")
     p.add_argument("--tokens", type=int, default=100, help="new tokens to generate (> 0)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy; > 0: sampling")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1]")

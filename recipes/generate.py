@@ -72,8 +72,11 @@ def _restore_readable(path: Path, step_dir, target_of, warn):
             step_dir = older[-1]
 
 
-def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_p: float,
-                             seed: int = 0, warn=None) -> str:
+def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: int, temperature: float, top_p: float,
+                             seed: int = 0, warn=None, chat: str | None = None) -> str:
+    """The prompt and its continuation; with `chat`, the message rendered as the user's turn through the run's
+    chat template (the one it trained with, kept in RUN_DIR/tokenizer_config.json), sampled until the
+    end-of-turn token, and only the answer returned."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
@@ -98,7 +101,11 @@ def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tem
     ckpt, recipe, params = _restore_readable(path, ckpt, target_of, warn)
     model = nnx.merge(built["graphdef"], params)
     tokenizer = load_tokenizer(run_dir)
-    prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
+    stop_ids = ()
+    if chat is not None:
+        prompt_ids, stop_ids = chat_prompt(run_dir, recipe, tokenizer, chat)
+    else:
+        prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the model's max_seq_len is {recipe.model.max_seq_len}")
@@ -106,5 +113,23 @@ def generate_from_checkpoint(path: str, prompt: str, *, max_new_tokens: int, tem
         warn(f"warning: --tokens {max_new_tokens} capped at {room}: the prompt is {len(prompt_ids)} tokens and the "
              f"model's max_seq_len is {recipe.model.max_seq_len}")
     new_ids = generate(model, prompt_ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
-                       top_p=top_p, seed=seed, stop_id=tokenizer.eos_id)
+                       top_p=top_p, seed=seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids)
+    if chat is not None:
+        return tokenizer.decode(new_ids).strip()
     return tokenizer.decode(prompt_ids + new_ids)
+
+
+def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, end-of-turn ids) of one user message under the run's chat template (data/chat_template.py):
+    the template saved in the run directory, else the recipe's data.chat_template; none is a DataError."""
+    from spillway.data.chat_template import resolve_chat_template, tokenizer_template
+    from spillway.data.sft_targets import end_of_turn_ids, prompt_tokens, special_token_texts
+
+    special = {"eos_token": tokenizer.token_text(tokenizer.eos_id)}
+    if tokenizer.bos_id is not None:
+        special["bos_token"] = tokenizer.token_text(tokenizer.bos_id)
+    named = None if tokenizer_template(Path(run_dir)) is not None else recipe.data.chat_template
+    template = resolve_chat_template(named, Path(run_dir), special)
+    specials = special_token_texts(tokenizer)
+    messages = [{"role": "user", "content": message}]
+    return prompt_tokens(template, tokenizer, messages, specials), end_of_turn_ids(template, tokenizer, specials)

@@ -44,8 +44,10 @@ def _decode_step(graphdef, state, token_b, cache, index, key, temperature, top_p
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.8, top_p: float = 0.95,
-             seed: int = 0, stop_id: int | None = None) -> list[int]:
-    """Continue `prompt_ids`; returns only the new tokens (stops early at `stop_id`)."""
+             seed: int = 0, stop_id: int | None = None, stop_ids=()) -> list[int]:
+    """Continue `prompt_ids`; returns only the new tokens (stops early at `stop_id` or any of `stop_ids`, the
+    end-of-turn tokens of a chat, which are not returned)."""
+    stops = set(stop_ids) | ({stop_id} if stop_id is not None else set())
     if not prompt_ids:
         raise ValueError("generate needs a non-empty prompt")
     if not 0 < top_p <= 1:
@@ -62,7 +64,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: 
     out = []
     for i in range(max_new_tokens):
         token_id = int(np.asarray(token)[0])
-        if stop_id is not None and token_id == stop_id:
+        if token_id in stops:
             break
         out.append(token_id)
         if i == max_new_tokens - 1:

@@ -1,0 +1,107 @@
+"""Fine-tuning runs through the `spillway` command: chat/instruct data, answers-only loss, `generate --chat`.
+
+The cheap default-suite run trains a one-layer model for two steps on the shipped
+instruction set (data/instruct_tiny.jsonl) with a sentencepiece tokenizer trained on
+it and the built-in template, then answers a message with `spillway generate --chat`.
+Bad input gets one line, exit status 2, before any step, and no checkpoint written.
+The README's two-command chain (`spillway train tiny`, then `spillway train tiny_sft`)
+is the slow test.
+"""
+
+import json
+
+import pytest
+
+from spillway.data import train_tokenizer
+from spillway.data.instruct_tiny import INSTRUCT_TINY, records
+from spillway.data.sft_packing import TARGETS
+from spillway.recipes import cli
+
+SMALL_MODEL = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+               "model.mlp_hidden=64", "model.vocab_size=400"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A sentencepiece tokenizer (no chat template of its own) saved the way a run saves it."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    texts = [f"{r['instruction']}\n{r.get('input', '')}\n{r['output']}" for r in records()]
+    train_tokenizer(texts, vocab_size=400, cache_dir=directory / "cache").save_to_directory(directory)
+    return directory
+
+
+def run_args(tmp_path, tokenizer_dir, *extra, source=str(INSTRUCT_TINY)):
+    sets = [f"data.source={source}", "data.format=instruct", "data.chat_template=spillway",
+            f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=128",
+            "data.val_fraction=0.2", *SMALL_MODEL, "model.max_seq_len=128", "train.steps=2", "train.global_batch=8", "train.log_every=1",
+            "train.eval_every=0", "train.sample_tokens=0", f"checkpoint.dir={tmp_path / 'run'}",
+            *extra]
+    return ["train", "tiny", *[arg for item in sets for arg in ("--set", item)]]
+
+
+def test_instruct_run_trains_on_answers_and_answers_a_chat(tmp_path, tokenizer_dir, capsys):
+    assert cli.main(run_args(tmp_path, tokenizer_dir)) == 0
+    out = capsys.readouterr().out
+    assert "280 examples" in out and "0 longer than a row truncated" in out
+    saved = json.loads((tmp_path / "run" / "tokenizer_config.json").read_text())
+    assert "### Assistant:" in saved["chat_template"]   # generate renders with what the run trained with
+    rows = next((tmp_path / "cache" / "sft").iterdir())
+    import numpy as np
+    train = np.load(rows / "train.npy")
+    assert train.ndim == 3 and 0 < train[:, TARGETS].mean() < 0.6   # answers only: most tokens are prompt
+    assert cli.main(["generate", str(tmp_path / "run"), "--chat", "Write a function that adds a and b.",
+                     "--tokens", "5", "--temperature", "0"]) == 0
+    answer = capsys.readouterr().out
+    assert "### User" not in answer and "Write a function" not in answer   # only the answer is printed
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("data_format, rows, message", [
+    ("instruct", [{"instruction": "a", "output": "b"}, {"instruction": "a", "answer": "b"}],
+     r"data.format=instruct: record .*bad.jsonl, line 2 \(fields found: answer, instruction\) needs \"output\""),
+    ("chat", [{"messages": [{"role": "narrator", "content": "x"}]}],
+     r"bad.jsonl, line 1: role 'narrator' is not one the chat template built-in spillway knows"),
+    ("chat", [{"text": "just text"}],
+     r"bad.jsonl, line 1 \(fields found: text\) has no \"messages\" .*set data.format=text"),
+])
+def test_bad_records_are_one_line_before_any_step(tmp_path, tokenizer_dir, capsys, data_format, rows, message):
+    source = write_jsonl(tmp_path / "bad.jsonl", rows)
+    code = cli.main(run_args(tmp_path, tokenizer_dir, f"data.format={data_format}", source=str(source)))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert __import__("re").search(message, err), err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_chat_format_on_a_text_corpus_and_a_missing_template_are_refused(tmp_path, tokenizer_dir, capsys):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("plain text\n")
+    assert cli.main(run_args(tmp_path, tokenizer_dir, "data.format=chat", source=str(tmp_path / "corpus"))) == 2
+    assert "is a text corpus (.txt files" in capsys.readouterr().err
+    assert cli.main(run_args(tmp_path, tokenizer_dir, "data.chat_template=null")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no chat template" in err and len(err.splitlines()) == 1
+    (tmp_path / "broken.jinja").write_text("{{ messages[0]['content'] + 1 }}")
+    assert cli.main(run_args(tmp_path, tokenizer_dir, f"data.chat_template={tmp_path / 'broken.jinja'}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "failed to render" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow   # minutes on 2 busy cores: pretrains the tiny run, then fine-tunes it
+def test_the_readme_chain_pretrain_then_fine_tune(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # runs/tiny, where tiny_sft's checkpoint.init_from points
+    base = ["train", "tiny", "--set", "data.source=builtin:stdlib:1500000", "--set", "train.steps=40",
+            "--set", "train.eval_every=0", "--set", "train.sample_tokens=0"]
+    assert cli.main(base) == 0
+    assert cli.main(["train", "tiny_sft", "--set", "train.steps=60"]) == 0
+    history = [json.loads(line) for line in (tmp_path / "runs" / "tiny_sft" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in history if "loss" in row]
+    assert losses[-1] < losses[0]
+    capsys.readouterr()
+    assert cli.main(["generate", "runs/tiny_sft", "--chat", "Write a function that adds a and b.",
+                     "--temperature", "0", "--tokens", "30"]) == 0
+    assert capsys.readouterr().out.strip()
