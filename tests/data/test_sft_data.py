@@ -1,0 +1,85 @@
+"""Fine-tuning records and rows: chat / ShareGPT / instruct records, whole examples packed or padded, long ones
+truncated or dropped and counted, Parquet read through `datasets`, and the shipped instruction set."""
+
+import json
+
+import numpy as np
+import pytest
+
+from spillway.data.chat_template import resolve_chat_template
+from spillway.data.instruct_tiny import INSTRUCT_TINY, records
+from spillway.data.sft_formats import Record, chat_messages, instruct_messages, iter_records
+from spillway.data.sft_packing import SEGMENTS, TARGETS, TOKENS, SftOptions, prepare_sft_rows, row_layout
+from spillway.layers.errors import DataError
+
+
+class CharTokenizer:
+    """One id per character, BOS 1 and EOS 2 (a sentencepiece-like tokenizer: no offsets, no added tokens)."""
+
+    bos_id, eos_id, vocab_size, fingerprint = 1, 2, 300, "chars"
+
+    def token_text(self, token_id):
+        return {1: "<s>", 2: "</s>"}[token_id]
+
+    def encode(self, texts):
+        return [[10 + ord(c) % 250 for c in text] for text in texts]
+
+
+def test_chat_sharegpt_and_instruct_records_become_conversations():
+    chat = chat_messages(Record({"messages": [{"role": "user", "content": "hi"}]}, "f, line 1"))
+    assert chat == [{"role": "user", "content": "hi"}]
+    sharegpt = chat_messages(Record({"conversations": [{"from": "human", "value": "hi"},
+                                                       {"from": "gpt", "value": "yo"}]}, "f, line 1"))
+    assert sharegpt == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with_input = instruct_messages(Record({"instruction": "Sum", "input": "1 2", "output": "3"}, "w"))
+    assert with_input == [{"role": "user", "content": "Sum\n\n1 2"}, {"role": "assistant", "content": "3"}]
+    assert instruct_messages(Record({"instruction": "Sum", "input": "", "output": "3"}, "w"))[0]["content"] == "Sum"
+    with pytest.raises(DataError, match=r"record f, line 4, message 0: needs string \"role\" and \"content\""):
+        chat_messages(Record({"messages": [{"role": "user"}]}, "f, line 4"))
+
+
+def test_rows_hold_whole_examples_packed_or_one_a_row():
+    assert row_layout([3, 4, 2, 5], 8, "pack") == [[0, 1], [2, 3]]
+    assert row_layout([3, 4, 2, 5], 8, "pad") == [[0], [1], [2], [3]]
+
+
+def write_instruct(path, outputs):
+    path.write_text("".join(json.dumps({"instruction": "q", "output": out}) + "\n" for out in outputs))
+    return path
+
+
+@pytest.mark.parametrize("overlong, kept", [("truncate", 6), ("drop", 4)])
+def test_long_examples_are_truncated_or_dropped_and_counted(tmp_path, overlong, kept):
+    source = write_instruct(tmp_path / "d.jsonl", ["ab", "cd", "x" * 80, "ef", "gh", "y" * 90])
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"})
+    packed = prepare_sft_rows(str(source), CharTokenizer(), template,
+                              SftOptions("instruct", seq_len=40, overlong=overlong, val_fraction=0.0),
+                              cache_dir=tmp_path / "cache")
+    assert packed.overlong_examples == 2 and packed.overlong_policy == overlong
+    rows = packed.train
+    assert rows.shape[1:] == (3, 41)
+    segments = rows[:, SEGMENTS]
+    examples = sum(len(set(row[row > 0].tolist())) for row in segments)
+    assert examples == kept
+    for row in rows:   # every example starts with its BOS: none was split across rows
+        starts = np.flatnonzero(np.diff(np.concatenate([[0], row[SEGMENTS]])) > 0)
+        assert all(row[TOKENS][start] == 1 for start in starts)
+    # targets: only answer tokens and the EOS after them, never the prompt
+    assert (rows[:, TARGETS][rows[:, TOKENS] == 10 + ord("#") % 250] == 0).all()
+    again = prepare_sft_rows(str(source), CharTokenizer(), template,
+                             SftOptions("instruct", seq_len=40, overlong=overlong, val_fraction=0.0),
+                             cache_dir=tmp_path / "cache")
+    assert again.from_cache and np.array_equal(again.train, rows)
+
+
+def test_parquet_records_are_read_through_datasets(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list([{"instruction": "q", "output": "a"}]).to_parquet(str(tmp_path / "d.parquet"))
+    [record] = list(iter_records(str(tmp_path / "d.parquet"), cache_dir=tmp_path / "cache"))
+    assert record.fields == {"instruction": "q", "output": "a"} and record.where.endswith("record 1")
+
+
+def test_the_shipped_instruction_set_is_what_its_generator_makes():
+    shipped = [json.loads(line) for line in INSTRUCT_TINY.read_text().splitlines()]
+    assert shipped == records() and len(shipped) == 280
