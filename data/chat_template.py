@@ -214,11 +214,17 @@ def tokenizer_template(directory: Path) -> str | None:
 
 
 def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
-                          special_tokens: dict[str, str] | None = None) -> ChatTemplate:
-    """The template a run renders with (module docstring); `special_tokens` fill in what the file lacks."""
+                          special_tokens: dict[str, str] | None = None, *, bos_first: bool = False) -> ChatTemplate:
+    """The template a run renders with (module docstring); `special_tokens` fill in what the file lacks.
+
+    A built-in template writes the BOS only when `bos_first` (the tokenizer puts one before every document,
+    `Tokenizer.adds_bos`): a conversation then starts as the model's pretraining documents did. A tokenizer's
+    own template writes it as its authors chose; either way nothing else adds one."""
     special = {**(special_tokens or {}), **special_tokens_of(tokenizer_dir)}
     if named:
         if named in BUILTIN_TEMPLATES:
+            if not bos_first:
+                special.pop("bos_token", None)
             return ChatTemplate(BUILTIN_TEMPLATES[named], origin=f"built-in {named}", special_tokens=special)
         path = Path(named).expanduser()
         if not path.is_file():

@@ -170,3 +170,18 @@ def end_of_turn_ids(template: ChatTemplate, tokenizer, specials: dict[str, int])
         if special and special in tail:
             stops.add(token_id)
     return sorted(stops)
+
+
+def template_special_tokens(tokenizer) -> dict[str, str]:
+    """eos_token / bos_token as the tokenizer itself names them, for a template whose files do not."""
+    special = {"eos_token": tokenizer.token_text(tokenizer.eos_id)}
+    if tokenizer.bos_id is not None:
+        special["bos_token"] = tokenizer.token_text(tokenizer.bos_id)
+    return special
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer starts every document with its BOS (`Tokenizer.adds_bos`; False where the
+    tokenizer does not say): a built-in chat template then writes one too."""
+    return bool(getattr(tokenizer, "adds_bos", False))
+

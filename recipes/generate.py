@@ -123,13 +123,12 @@ def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple
     """(prompt ids, end-of-turn ids) of one user message under the run's chat template (data/chat_template.py):
     the template saved in the run directory, else the recipe's data.chat_template; none is a DataError."""
     from spillway.data.chat_template import resolve_chat_template, tokenizer_template
-    from spillway.data.sft_targets import end_of_turn_ids, prompt_tokens, special_token_texts
+    from spillway.data.sft_targets import (adds_bos, end_of_turn_ids, prompt_tokens, special_token_texts,
+                                           template_special_tokens)
 
-    special = {"eos_token": tokenizer.token_text(tokenizer.eos_id)}
-    if tokenizer.bos_id is not None:
-        special["bos_token"] = tokenizer.token_text(tokenizer.bos_id)
     named = None if tokenizer_template(Path(run_dir)) is not None else recipe.data.chat_template
-    template = resolve_chat_template(named, Path(run_dir), special)
+    template = resolve_chat_template(named, Path(run_dir), template_special_tokens(tokenizer),
+                                     bos_first=adds_bos(tokenizer))
     specials = special_token_texts(tokenizer)
     messages = [{"role": "user", "content": message}]
     return prompt_tokens(template, tokenizer, messages, specials), end_of_turn_ids(template, tokenizer, specials)

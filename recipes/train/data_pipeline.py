@@ -118,12 +118,11 @@ def run_chat_template(recipe: Recipe, tokenizer: Tokenizer):
     """The chat template a chat/instruct run renders with (data/chat_template.py), its special tokens filled in
     from the tokenizer where its files name none."""
     from spillway.data.chat_template import resolve_chat_template
+    from spillway.data.sft_targets import adds_bos, template_special_tokens
 
-    special = {"eos_token": tokenizer.token_text(tokenizer.eos_id)}
-    if tokenizer.bos_id is not None:
-        special["bos_token"] = tokenizer.token_text(tokenizer.bos_id)
     directory = tokenizer.path.parent if tokenizer.path is not None else None
-    return resolve_chat_template(recipe.data.chat_template, directory, special)
+    return resolve_chat_template(recipe.data.chat_template, directory, template_special_tokens(tokenizer),
+                                 bos_first=adds_bos(tokenizer))
 
 
 def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer) -> PackedData:

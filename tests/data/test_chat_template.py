@@ -121,7 +121,7 @@ class _SentencePieceLike:
 
 def test_builtin_template_targets_answers_and_eos_for_a_tokenizer_without_offsets():
     tokenizer = _SentencePieceLike()
-    chat = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"})
+    chat = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     ids, flags = conversation_tokens(chat, tokenizer, messages, special_token_texts(tokenizer), "t")
     text = chat.render(messages).text
@@ -129,6 +129,9 @@ def test_builtin_template_targets_answers_and_eos_for_a_tokenizer_without_offset
     assert ids[0] == 1 and ids.tolist().count(1) == 1   # the template's BOS, once
     assert ids[flags].tolist() == [10 + ord("y") % 250, 10 + ord("o") % 250, 2]
     assert end_of_turn_ids(chat, tokenizer, special_token_texts(tokenizer)) == [2]
+    # A tokenizer that starts no document with a BOS (one spillway trained) gets none from the template either.
+    without = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"})
+    assert without.render(messages).text == text.removeprefix("<s>")
 
 
 def test_a_role_the_template_does_not_know_is_named():

@@ -51,7 +51,7 @@ def write_instruct(path, outputs):
 @pytest.mark.parametrize("overlong, kept", [("truncate", 6), ("drop", 4)])
 def test_long_examples_are_truncated_or_dropped_and_counted(tmp_path, overlong, kept):
     source = write_instruct(tmp_path / "d.jsonl", ["ab", "cd", "x" * 80, "ef", "gh", "y" * 90])
-    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"})
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
     packed = prepare_sft_rows(str(source), CharTokenizer(), template,
                               SftOptions("instruct", seq_len=40, overlong=overlong, val_fraction=0.0),
                               cache_dir=tmp_path / "cache")
