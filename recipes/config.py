@@ -77,8 +77,6 @@ class DataConfig:
                               ("overlong", ("truncate", "drop"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"data.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.format != "text" and self.mixture:
-            raise ConfigError(f"data.format={self.format} reads data.source; a data.mixture is for text corpora")
         require_positive("data", seq_len=self.seq_len, num_proc=self.num_proc, max_tokens=self.max_tokens)
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")

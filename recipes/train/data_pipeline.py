@@ -125,14 +125,14 @@ def run_chat_template(recipe: Recipe, tokenizer: Tokenizer):
                                  bos_first=adds_bos(tokenizer))
 
 
-def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer) -> PackedData:
-    """The chat/instruct source tokenized and packed whole (data/sft_packing.py)."""
+def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer, source: str) -> PackedData:
+    """A chat/instruct source tokenized and packed whole (data/sft_packing.py)."""
     from spillway.data.sft_packing import SftOptions, prepare_sft_rows
 
     cfg = recipe.data
     options = SftOptions(cfg.format, cfg.seq_len, packing=cfg.packing, overlong=cfg.overlong,
                          train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed)
-    return prepare_sft_rows(cfg.source, tokenizer, run_chat_template(recipe, tokenizer), options,
+    return prepare_sft_rows(source, tokenizer, run_chat_template(recipe, tokenizer), options,
                             cache_dir=cfg.cache_dir)
 
 
@@ -183,8 +183,12 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None) -> tuple[Tokeniz
         options = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_dir, val_fraction=cfg.val_fraction,
                        num_proc=cfg.num_proc, seed=recipe.train.seed, text_field=cfg.text_field,
                        max_tokens=cfg.max_tokens, shard_tokens=cfg.shard_tokens)
-        if cfg.format != "text":
-            data = TrainingData({CORPUS: prepare_fine_tuning_rows(recipe, tokenizer)}, None)
+        if cfg.format != "text" and components is None:
+            data = TrainingData({CORPUS: prepare_fine_tuning_rows(recipe, tokenizer, cfg.source)}, None)
+        elif cfg.format != "text":   # a mixture of chat/instruct sources, each packed whole on its own
+            total = sum(c.weight for c in components)
+            data = TrainingData({c.name: prepare_fine_tuning_rows(recipe, tokenizer, c.source) for c in components},
+                                {c.name: c.weight / total for c in components})
         elif components is None:
             data = TrainingData({CORPUS: prepare_tokens(cfg.source, tokenizer, **options)}, None)
         else:

@@ -10,6 +10,7 @@ are tokenized (data/sft_packing.py), which also comes before the first step: eac
 
 from __future__ import annotations
 
+from spillway.data.mixture import parse_mixture
 from spillway.data.sft_formats import check_not_text_corpus
 from spillway.layers.segment_mask import check_segment_support
 from spillway.recipes.config import Recipe
@@ -19,6 +20,8 @@ def check_fine_tuning_inputs(recipe: Recipe) -> None:
     """DataError / ConfigError for the settings above; nothing for a plain text run."""
     data = recipe.data
     if data.format != "text":
-        check_not_text_corpus(data.source, data.format)
+        sources = [c.source for c in parse_mixture(data.mixture)] if data.mixture else [data.source]
+        for source in sources:
+            check_not_text_corpus(source, data.format)
     if data.uses_document_mask:
         check_segment_support(recipe.execution.attention_impl)

@@ -105,3 +105,30 @@ def test_the_readme_chain_pretrain_then_fine_tune(tmp_path, capsys, monkeypatch)
     assert cli.main(["generate", "runs/tiny_sft", "--chat", "Write a function that adds a and b.",
                      "--temperature", "0", "--tokens", "30"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_a_mixture_of_chat_sources_packs_each_whole_and_draws_rows_by_weight(tmp_path, tokenizer_dir):
+    from spillway.recipes.config import DataConfig
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.data_pipeline import prepare
+
+    def chat_file(name, count, answer):
+        rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                              {"role": "assistant", "content": f"{answer} {i}"}]} for i in range(count)]
+        return write_jsonl(tmp_path / name, rows)
+
+    first, second = chat_file("a.jsonl", 60, "def a():"), chat_file("b.jsonl", 40, "return b")
+    recipe = get_recipe("tiny")
+    recipe = type(recipe).from_dict({**json.loads(recipe.to_json()), "data": dataclass_dict(DataConfig(
+        format="chat", chat_template="spillway", tokenizer=str(tokenizer_dir), cache_dir=str(tmp_path / "cache"),
+        seq_len=64, val_fraction=0.1, mixture=f"a=3:{first},b=1:{second}")), "train": {**json.loads(
+        recipe.to_json())["train"], "eval_every": 0}})
+    _, data = prepare(recipe)
+    assert set(data.sources) == {"a", "b"} and data.weights == {"a": 0.75, "b": 0.25}
+    batch = next(data.loader(recipe, 0, 1))
+    assert batch.shape == (recipe.train.global_batch, 3, 65)
+
+
+def dataclass_dict(config):
+    import dataclasses
+    return dataclasses.asdict(config)
