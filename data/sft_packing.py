@@ -152,7 +152,8 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
                     if options.overlong == "drop":
                         continue
                     ids, flags = ids[:row_len], flags[:row_len]
-                held_out = options.val_fraction > 0 and document_scores(index, 1, options.seed)[0] < options.val_fraction
+                score = document_scores(index, 1, options.seed)[0]
+                held_out = options.val_fraction > 0 and score < options.val_fraction
                 splits["val" if held_out else "train"].add(ids, flags)
                 num_tokens += len(ids)
                 target_tokens += int(flags[1:].sum())

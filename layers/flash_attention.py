@@ -161,8 +161,8 @@ def flash_attention_with_lse(q_btnh, k_bskh, v_bskh, *, causal: bool = True,
     kv_pos_bs = _positions(kv_positions_bs, b, s, "kv_positions_bs")
     if (q_segment_ids_bt is None) != (kv_segment_ids_bs is None):
         raise ValueError("flash_attention: give both q_segment_ids_bt and kv_segment_ids_bs, or neither")
-    segments = None if q_segment_ids_bt is None else (
-        _positions(q_segment_ids_bt, b, t, "q_segment_ids_bt"), _positions(kv_segment_ids_bs, b, s, "kv_segment_ids_bs"))
+    segments = None if q_segment_ids_bt is None else (_positions(q_segment_ids_bt, b, t, "q_segment_ids_bt"),
+                                                      _positions(kv_segment_ids_bs, b, s, "kv_segment_ids_bs"))
     return _flash(cfg, q_btnh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, window, segments)
 
 

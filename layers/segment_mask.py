@@ -1,6 +1,6 @@
 """Packed examples that do not see each other: segment ids through every attention implementation.
 
-A row packing several examples carries each token's example id (`segment_ids_bt`, recipes/train/batch.py);
+A row packing several examples carries each token's example id (`segment_ids_bt`, recipes/train/sft_batch.py);
 a query sees a key only when both belong to the same example and the key is not after it. The positions the
 model is given restart at 0 with each example (RoPE); the mask itself is built on token indices, which order
 the tokens of one example as their positions do, so a sliding window counts the same tokens either way.

@@ -45,7 +45,7 @@ from spillway.recipes.train.step import (abstract_setup, abstract_with_shardings
 
 
 def _global_batch(local_bt, sharding: NamedSharding):
-    """The global batch from this process's rows: a token array, or a TrainBatch (recipes/train/batch.py)."""
+    """The global batch from this process's rows: a token array, or a TrainBatch (recipes/train/sft_batch.py)."""
     return jax.tree.map(lambda part: jax.make_array_from_process_local_data(sharding, np.asarray(part)), local_bt)
 
 
@@ -147,7 +147,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
 
     from spillway.data import eval_batches, load_tokenizer, tokenizer_file_in
     from spillway.recipes.train.corpus_record import check_corpus
-    from spillway.recipes.train.batch import batch_from_rows
+    from spillway.recipes.train.sft_batch import batch_from_rows
     from spillway.recipes.train.data_pipeline import prepare, save_run_tokenizer, train_loader
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights

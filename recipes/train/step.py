@@ -30,7 +30,7 @@ from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
 from spillway.recipes.train import aux_terms, xla_settings
-from spillway.recipes.train.batch import TrainBatch, with_step_denominator
+from spillway.recipes.train.sft_batch import TrainBatch, with_step_denominator
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 
 
@@ -46,7 +46,7 @@ def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
 
     def _loss(params, batch):
         model = nnx.merge(graphdef, params)
-        # A plain token array, or a TrainBatch (recipes/train/batch.py) with a loss mask and example ids.
+        # A plain token array, or a TrainBatch (recipes/train/sft_batch.py) with a loss mask and example ids.
         fields = batch if isinstance(batch, TrainBatch) else TrainBatch(batch)
         tokens_bt = constrain(fields.tokens, (names.BATCH, None))
         inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
@@ -119,7 +119,7 @@ def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk:
         if grad_accum == 1:
             (_, metrics), grads = grad_fn(params, tokens_bt)
         else:
-            # Masked targets: every micro-batch's loss is over the whole step's target count (recipes/train/batch.py).
+            # Masked targets: each micro-batch's loss is over the whole step's target count (recipes/train/sft_batch.py).
             tokens_bt = with_step_denominator(tokens_bt, grad_accum)
             micro_mbt = jax.tree.map(lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), tokens_bt)
             if host_weights.any_in_host_memory(params):

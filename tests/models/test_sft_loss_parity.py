@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from spillway.models.hf import from_hf
-from spillway.recipes.train.batch import TrainBatch
+from spillway.recipes.train.sft_batch import TrainBatch
 from spillway.recipes.train.step import make_loss_fn
 
 CONFIG = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,7 +1,7 @@
 """Packed examples that do not see each other: each example's logits and loss in a packed row equal its own alone.
 
 Three examples of different lengths are packed into one row with their example ids
-(segment ids) and positions restarting at 0 (recipes/train/batch.py); every attention
+(segment ids) and positions restarting at 0 (recipes/train/sft_batch.py); every attention
 path that takes segment ids (the blockwise kernel with small blocks, so that blocks are
 skipped and shared across examples; XLA's explicit mask; Gemma 2's soft-capped scores
 with a static sliding window; Gemma 3's per-layer traced windows) must give each
@@ -19,7 +19,7 @@ from flax import nnx
 from spillway.layers.errors import ConfigError
 from spillway.layers.segment_mask import check_segment_support
 from spillway.recipes.registry import get_recipe
-from spillway.recipes.train.batch import TrainBatch, batch_from_rows, positions_in_segments, with_step_denominator
+from spillway.recipes.train.sft_batch import TrainBatch, batch_from_rows, positions_in_segments, with_step_denominator
 from spillway.recipes.train.step import make_loss_fn
 
 LENGTHS = (41, 23, 36)   # longer than the Gemma recipes' 32-token window, so the window is exercised

@@ -33,7 +33,8 @@ def tokenizer_dir(tmp_path_factory):
 def run_args(tmp_path, tokenizer_dir, *extra, source=str(INSTRUCT_TINY)):
     sets = [f"data.source={source}", "data.format=instruct", "data.chat_template=spillway",
             f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=128",
-            "data.val_fraction=0.2", *SMALL_MODEL, "model.max_seq_len=128", "train.steps=2", "train.global_batch=8", "train.log_every=1",
+            "data.val_fraction=0.2", *SMALL_MODEL, "model.max_seq_len=128", "train.steps=2", "train.global_batch=8",
+            "train.log_every=1",
             "train.eval_every=0", "train.sample_tokens=0", f"checkpoint.dir={tmp_path / 'run'}",
             *extra]
     return ["train", "tiny", *[arg for item in sets for arg in ("--set", item)]]

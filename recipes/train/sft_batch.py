@@ -13,7 +13,9 @@ tokens, target flags and example ids) and a text run with
                                     accumulates (the loss is then a mean over the whole step's targets)
 
 Built on the host from the loader's rows (`batch_from_rows`), so the device
-program only reads them.
+program only reads them. The fields are named as the optional fields a train
+step's one batch object carries (tokens, loss_mask, segment_ids, positions),
+so that they fold into it field for field.
 """
 
 from __future__ import annotations
