@@ -1,7 +1,8 @@
 """Encode a stream of documents chunk by chunk, in this process or in worker processes.
 
 Documents are read in chunks of a few megabytes of text; each chunk becomes
-one flat token array (every document followed by EOS) and the length of each
+one flat token array (every document followed by EOS, and preceded by the BOS
+when the tokenizer adds one: `Tokenizer.adds_bos`) and the length of each
 document in it. Chunks come back in corpus order, whatever the number of
 processes, so what is written downstream never depends on the parallelism.
 
@@ -85,15 +86,21 @@ def _encode_one_long(tokenizer: Tokenizer, text: str, dtype: np.dtype, num_threa
 def encode_texts(
     tokenizer: Tokenizer, texts: list[str], dtype: np.dtype, *, num_threads: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, lengths): the documents' ids, each followed by EOS, flat; the length of each with its EOS."""
+    """(tokens, lengths): the documents' ids, each after the BOS (if the tokenizer adds one) and followed by
+    EOS, flat; the length of each with its BOS and EOS."""
+    prefix = tokenizer.document_prefix()
     if tokenizer.splits_exactly_before_spaces and any(len(text) > LONG_DOCUMENT_CHARS for text in texts):
-        parts = [np.append(_encode_one_long(tokenizer, text, dtype, num_threads), tokenizer.eos_id).astype(dtype)
+        parts = [np.concatenate([np.asarray(prefix, dtype), _encode_one_long(tokenizer, text, dtype, num_threads),
+                                 np.asarray([tokenizer.eos_id], dtype)]).astype(dtype)
                  if len(text) > LONG_DOCUMENT_CHARS else
-                 np.asarray(tokenizer.encode([text], num_threads=num_threads)[0] + [tokenizer.eos_id], dtype=dtype)
+                 np.asarray(prefix + tokenizer.encode([text], num_threads=num_threads)[0] + [tokenizer.eos_id],
+                            dtype=dtype)
                  for text in texts]
         return np.concatenate(parts), np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
     encoded = tokenizer.encode(texts, num_threads=num_threads)
     eos = tokenizer.eos_id
+    if prefix:
+        encoded = [prefix + ids for ids in encoded]
     for ids in encoded:
         ids.append(eos)
     lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))

@@ -3,9 +3,10 @@
 The `tokenizers` library does the work; this wrapper makes it behave like the
 sentencepiece one (data/spm_tokenizer.py) where the pipeline relies on it:
 
-- `encode` adds no special tokens: a checkpoint's post-processor (Llama 3
-  prepends `<|begin_of_text|>`) is for chat and inference; packing puts an
-  EOS after each document itself;
+- `encode` adds no special tokens; what the post-processor would put before
+  the text (Llama 3's `<|begin_of_text|>`) is read once (`post_processor_bos`)
+  and decides `family_adds_bos`: packing puts that BOS before each document and
+  an EOS after it itself (data/tokenizer.py says what else decides the BOS);
 - truncation and padding that a tokenizer.json may carry are switched off, so
   a long document is never silently cut;
 - `vocab_size` is one more than the largest id, added tokens included (Llama
@@ -41,6 +42,7 @@ class HFTokenizer(Tokenizer):
         self.special = special
         self._tokenizer: tokenizers.Tokenizer | None = None
         self._vocab_size: int | None = None
+        self._post_processor_prefix: list[int] | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, special: SpecialTokens = SpecialTokens()) -> HFTokenizer:
@@ -77,7 +79,8 @@ class HFTokenizer(Tokenizer):
             eos = self.eos_id
         except NoEosTokenError:
             eos = None
-        return hashlib.sha256(f"{self.backend.to_str()}\neos={eos}".encode()).hexdigest()
+        bos = f"\nbos={self.bos_id}" if self.adds_bos else ""   # none: the fingerprint of before BOS were added
+        return hashlib.sha256(f"{self.backend.to_str()}\neos={eos}{bos}".encode()).hexdigest()
 
     @property
     def vocab_size(self) -> int:
@@ -101,9 +104,26 @@ class HFTokenizer(Tokenizer):
         raise NoEosTokenError(no_eos_message(self.path, "tokenizer.json"))
 
     @property
+    def post_processor_bos(self) -> int | None:
+        """The id the tokenizer.json's post-processor puts before a text (encoded with special tokens), if it
+        puts exactly one there (a TemplateProcessing "<bos> $A"), else None. Read off an encoding, so every
+        kind of post-processor (a Sequence holding the template, as Llama 3's) is read the same way."""
+        if self._post_processor_prefix is None:
+            plain = self.backend.encode("a", add_special_tokens=False).ids
+            full = self.backend.encode("a", add_special_tokens=True).ids
+            starts = [k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain]
+            self._post_processor_prefix = full[:starts[0]] if starts else []
+        prefix = self._post_processor_prefix
+        return prefix[0] if len(prefix) == 1 else None
+
+    @property
+    def family_adds_bos(self) -> bool:
+        return self.post_processor_bos is not None
+
+    @property
     def bos_id(self) -> int | None:
         if self.special.bos_token is None:
-            return None
+            return self.post_processor_bos
         return self._token_id(self.special.bos_token, "bos_token")
 
     def token_text(self, token_id: int) -> str:

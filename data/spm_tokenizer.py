@@ -98,6 +98,8 @@ class SentencePieceTokenizer(Tokenizer):
         digest = hashlib.sha256(self.model_proto)
         if self.special.has_eos and self.eos_id != self.processor.eos_id():
             digest.update(f"eos={self.eos_id}".encode())
+        if self.adds_bos:   # none added: the fingerprint of before BOS could be added, so caches stay valid
+            digest.update(f"bos={self.bos_id}".encode())
         return digest.hexdigest()
 
     @property
@@ -120,6 +122,12 @@ class SentencePieceTokenizer(Tokenizer):
         if self.processor.eos_id() < 0:
             raise NoEosTokenError(no_eos_message(self.path, "sentencepiece model"))
         return self.processor.eos_id()
+
+    @property
+    def family_adds_bos(self) -> bool:
+        """False: a sentencepiece model says nothing about a BOS before documents; a checkpoint's
+        tokenizer_config.json (add_bos_token) or the recipe (data.add_bos) does."""
+        return False
 
     @property
     def bos_id(self) -> int | None:

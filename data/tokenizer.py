@@ -22,14 +22,30 @@ files beside it do: `tokenizer_config.json` or `special_tokens_map.json`
 files override when they name one. A tokenizer that has none fails when asked
 for it, with a message that says where it looked (`eos_id`).
 
+Beginning of sequence: documents are tokenized as the family's tokenizer
+does. `Tokenizer.adds_bos` says whether each document starts with `bos_id`
+(data/encoding.py puts it there; `encode` itself never adds one). It is
+decided, in this order, by: a choice made for the tokenizer (`with_bos`: the
+recipe's `data.add_bos`, or the choice a resumed run started with); the
+`add_bos_token` of the `tokenizer_config.json` beside it (Gemma, Mistral and
+Llama 2 checkpoints set it); a `tokenizer.json`'s post-processor that puts a
+special token before the text (Llama 3's `TemplateProcessing` puts
+`<|begin_of_text|>` there; GPT-2's and Qwen's put none); else no BOS (a
+sentencepiece model this project trained: no BOS unless the recipe asks).
+Code that renders a chat template (whose text may begin with the BOS itself)
+reads `adds_bos`: when it is true, either drop the template's own BOS text or
+encode without `document_prefix()`, so a conversation gets one BOS, never two.
+
 `save_to_directory` writes the tokenizer file and a `tokenizer_config.json`
-naming its EOS and BOS tokens, so `load_tokenizer(directory)` gives the same
-tokenizer back; a run directory holds one (`spillway generate` reads it).
+naming its EOS and BOS tokens and `add_bos_token` (always: a run's record of
+how it tokenized), so `load_tokenizer(directory)` gives the same tokenizer
+back; a run directory holds one (`spillway generate` reads it).
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import json
 import os
@@ -59,6 +75,8 @@ class SpecialTokens:
     bos_token: str | None = None
     eos_id: int | None = None
     source: str | None = None         # the file the EOS came from, for messages
+    add_bos: bool | None = None       # tokenizer_config.json's add_bos_token; None: the file does not say
+    bos_choice: bool | None = None    # a choice made for this tokenizer (`with_bos`), which outranks the files
 
     @property
     def has_eos(self) -> bool:
@@ -92,6 +110,7 @@ def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens:
     directory = Path(directory)
     eos = bos = None
     source = None
+    add_bos = None
     for name in _TOKEN_FILES:
         path = directory / name
         if not path.is_file():
@@ -100,15 +119,17 @@ def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens:
         if eos is None and _token_text(data.get("eos_token")):
             eos, source = _token_text(data.get("eos_token")), str(path)
         bos = bos or _token_text(data.get("bos_token"))
+        if name == TOKENIZER_CONFIG_FILE and isinstance(data.get("add_bos_token"), bool):
+            add_bos = data["add_bos_token"]
     if eos is not None:
-        return SpecialTokens(eos_token=eos, bos_token=bos, source=source)
+        return SpecialTokens(eos_token=eos, bos_token=bos, source=source, add_bos=add_bos)
     for name in _TOKEN_ID_FILES:
         path = directory / name
         if path.is_file():
             eos_id = _first_id(_read_json(path).get("eos_token_id"))
             if eos_id is not None:
-                return SpecialTokens(bos_token=bos, eos_id=eos_id, source=str(path))
-    return SpecialTokens(bos_token=bos)
+                return SpecialTokens(bos_token=bos, eos_id=eos_id, source=str(path), add_bos=add_bos)
+    return SpecialTokens(bos_token=bos, add_bos=add_bos)
 
 
 def no_eos_message(path: Path | None, kind: str) -> str:
@@ -128,6 +149,7 @@ class Tokenizer(abc.ABC):
 
     file_name: str          # the name `save_to_directory` gives the tokenizer file
     path: Path | None
+    special: SpecialTokens  # what the files beside it say (and a `with_bos` choice)
 
     @property
     @abc.abstractmethod
@@ -146,8 +168,41 @@ class Tokenizer(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def family_adds_bos(self) -> bool:
+        """Whether the tokenizer's own files put a BOS first, no choice made (module docstring): a
+        tokenizer.json's post-processor; a sentencepiece model: no."""
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether every document is tokenized with `bos_id` first: the flag a chat template that writes the
+        BOS itself reads, so that it gets no second one (module docstring)."""
+        for said in (self.special.bos_choice, self.special.add_bos):
+            if said is not None:
+                return said
+        return self.family_adds_bos
+
+    def document_prefix(self) -> list[int]:
+        """The ids a document (or a prompt) starts with before its text: [bos_id] if `adds_bos`, else []."""
+        if not self.adds_bos:
+            return []
+        if self.bos_id is None:
+            raise ValueError(f"{self.path or 'the tokenizer'}: documents should start with a BOS (add_bos_token "
+                             f"or data.add_bos=true), but the tokenizer has no BOS token: name one as "
+                             f"\"bos_token\" in a {TOKENIZER_CONFIG_FILE} beside it, or set data.add_bos=false")
+        return [self.bos_id]
+
+    def with_bos(self, add: bool | None) -> Tokenizer:
+        """A copy that puts a BOS before each document (True), none (False), or as its files say (None)."""
+        chosen = copy.copy(self)
+        chosen.special = dataclasses.replace(self.special, bos_choice=add)
+        chosen.document_prefix()   # a BOS asked of a tokenizer that has none fails here, in one line
+        return chosen
+
+    @property
+    @abc.abstractmethod
     def fingerprint(self) -> str:
-        """A hash of everything that decides the ids (vocabulary, rules, EOS): equal -> same tokens."""
+        """A hash of everything that decides the ids (vocabulary, rules, EOS, a BOS added): equal -> same tokens.
+        A tokenizer that adds no BOS keeps the fingerprint it had before BOS were added, so caches stay valid."""
 
     @property
     def splits_exactly_before_spaces(self) -> bool:
@@ -180,6 +235,7 @@ class Tokenizer(abc.ABC):
         config = {"eos_token": self.token_text(self.eos_id)}
         if self.bos_id is not None:
             config["bos_token"] = self.token_text(self.bos_id)
+        config["add_bos_token"] = self.adds_bos   # how the run tokenized (recipes/train/tokenization_record.py)
         atomic_write_bytes(directory / TOKENIZER_CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
         return path
 

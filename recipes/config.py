@@ -49,6 +49,10 @@ class DataConfig:
     tokenizer_origin: str | None = None   # the Hub repository `tokenizer` is a local copy of: named, with the
                                           # command that fetches it, when the file is missing (nothing else)
     tokenizer_type: str = "bpe"           # "bpe" | "unigram" when training
+    # A BOS before every document: None as the tokenizer's family does (a tokenizer.json's post-processor or
+    # tokenizer_config.json's add_bos_token; a tokenizer trained here adds none); true/false to choose.
+    # A resumed run keeps what it started with (recipes/train/tokenization_record.py).
+    add_bos: bool | None = None
     seq_len: int = 256
     val_fraction: float = 0.02
     cache_dir: str = ".cache/spillway"

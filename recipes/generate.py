@@ -102,10 +102,12 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     model = nnx.merge(built["graphdef"], params)
     tokenizer = load_tokenizer(run_dir)
     stop_ids = ()
-    if chat is not None:
+    prefix: list[int] = []
+    if chat is not None:   # the chat template writes the BOS itself where the tokenizer starts documents with one
         prompt_ids, stop_ids = chat_prompt(run_dir, recipe, tokenizer, chat)
-    else:
-        prompt_ids = tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
+    else:   # a prompt starts as the documents the model trained on did: with the BOS, if they had one
+        prefix = tokenizer.document_prefix()
+        prompt_ids = prefix + tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the model's max_seq_len is {recipe.model.max_seq_len}")
@@ -116,7 +118,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
                        top_p=top_p, seed=seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids)
     if chat is not None:
         return tokenizer.decode(new_ids).strip()
-    return tokenizer.decode(prompt_ids + new_ids)
+    return tokenizer.decode(prompt_ids[len(prefix):] + new_ids)   # the text, without the BOS put first
 
 
 def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple[list[int], list[int]]:

@@ -166,17 +166,25 @@ def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:
                             f"(now {recipe.data.val_fraction}) or set train.eval_every=0")
 
 
-def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TrainingData]:
+def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
+            bos: bool | None = None) -> tuple[Tokenizer, TrainingData]:
     """Tokenizer and packed rows for the recipe, computed once per cache key.
 
     `tokenizer`: the one a resumed run trained with (its RUN_DIR copy), used instead of `data.tokenizer` or
-    training one."""
+    training one. `bos`: whether a BOS starts each document, as a resumed run started (else `data.add_bos`,
+    else as the tokenizer's family does: data/tokenizer.py)."""
     given = tokenizer
     cfg = recipe.data
     components = parse_mixture(cfg.mixture) if cfg.mixture else None
+    bos = cfg.add_bos if bos is None else bos
 
     def build():
         tokenizer = given if given is not None else load_or_train_tokenizer(recipe)
+        if bos is not None:
+            try:
+                tokenizer = tokenizer.with_bos(bos)
+            except ValueError as error:   # a BOS asked of a tokenizer without one
+                raise DataError(str(error)) from None
         check_vocab(tokenizer, recipe.model.vocab_size)
         # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
         _ = tokenizer.eos_id

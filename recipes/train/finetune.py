@@ -5,8 +5,10 @@ are meaningless under another, and a fine-tune on new data would otherwise
 train a new tokenizer on that data. So a fine-tune reuses the source run's
 tokenizer (`<source run>/tokenizer.json` or `tokenizer.model`), copied into
 the new run under its own file name, with the `tokenizer_config.json` that
-names its special tokens (`Tokenizer.save_to_directory`), so that the new run
-stays usable (and resumable) if the source is moved or deleted. The recipe the
+names its special tokens and whether the source run put a BOS before each
+document (`Tokenizer.save_to_directory`, recipes/train/tokenization_record.py),
+so that the new run tokenizes as the source did and stays usable (and
+resumable) if the source is moved or deleted. The recipe the
 run trains (and saves) names that copy in `data.tokenizer`.
 
 A tokenizer given on purpose (`data.tokenizer`) is used as given, but its
@@ -25,6 +27,7 @@ from spillway.recipes.config import Recipe
 from spillway.recipes.train import distributed
 from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
 from spillway.recipes.train.errors import RunError
+from spillway.recipes.train.tokenization_record import recorded_bos
 
 
 class FineTuneTokenizerError(RunError):
@@ -74,6 +77,9 @@ def with_source_tokenizer(recipe: Recipe, run_dir: Path, *, resuming: bool, say=
             f"checkpoint, so the tokenizer its embeddings were trained with is unknown; set data.tokenizer to "
             f"that tokenizer's file")
     source_tokenizer = load_tokenizer(source)   # with the special tokens named beside it
+    kept_bos = recorded_bos(source.parent)      # and tokenizing as the source run did: with a BOS or without
+    if kept_bos is not None:
+        source_tokenizer = source_tokenizer.with_bos(kept_bos)
     own_copy = (Path(run_dir) / source_tokenizer.file_name).absolute()
     if distributed.is_main_process():
         # the tokenizer file under its own name (bytes unchanged) and a tokenizer_config.json naming EOS/BOS

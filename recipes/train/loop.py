@@ -152,6 +152,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir, load_init_weights
     from spillway.recipes.train.resume import record_history, restore_for_resume, steps_to_try
+    from spillway.recipes.train.tokenization_record import describe_kept_bos, recorded_bos
 
     cfg = recipe.train
     profile = _parse_profile(cfg.profile_steps)
@@ -162,6 +163,8 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py).
     own_tokenizer = tokenizer_file_in(run_dir) if candidates and not recipe.data.tokenizer else None
+    # ... and with or without a BOS before each document, as it started (tokenization_record.py).
+    kept_bos = recorded_bos(run_dir) if candidates else None
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
@@ -169,7 +172,10 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
             f"it; list that source in the mixture to train on it)")
     t0 = time.perf_counter()
-    tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None)
+    tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
+                              bos=kept_bos)
+    if kept_bos is not None and (line := describe_kept_bos(tokenizer, kept_bos, recipe.data.add_bos)):
+        say(line)
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 
@@ -412,11 +418,13 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     model = nnx.merge(s.graphdef, params)
     sample = None
     if main and cfg.sample_tokens > 0:
-        prompt_ids = tokenizer.encode([cfg.sample_prompt])[0] or [tokenizer.eos_id]
+        # a prompt starts as the documents the model trained on did: with the BOS, if they had one
+        prefix = tokenizer.document_prefix()
+        prompt_ids = prefix + tokenizer.encode([cfg.sample_prompt])[0] or [tokenizer.eos_id]
         room = recipe.model.max_seq_len - len(prompt_ids)
         new_ids = generate(model, prompt_ids, max_new_tokens=min(cfg.sample_tokens, room), temperature=0.8,
                            top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id)
-        sample = tokenizer.decode(prompt_ids + new_ids)
+        sample = tokenizer.decode(prompt_ids[len(prefix):] + new_ids)   # the text, without the BOS put first
         say("sample:\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
     # Process 0 did extra work above; leave together, or jax.distributed's shutdown barrier can time out.
     distributed.barrier("spillway-train-end")

@@ -1,0 +1,54 @@
+"""Whether a run put a BOS before each document, as recorded in its `RUN_DIR/tokenizer_config.json`.
+
+A resumed run (or a fine-tune of it) must tokenize as the run started: a BOS
+added or dropped would give other rows, and the saved data position would
+point elsewhere. Every run writes `add_bos_token` into the tokenizer_config.json
+of its run directory (data/tokenizer.py `save_to_directory`). A run directory
+whose tokenizer_config.json has no `add_bos_token` was written by spillway
+before BOS were added at all: it tokenized without one. A run directory without
+a tokenizer_config.json records nothing (the run never got to save one).
+
+The data cache keys on the tokenizer's fingerprint, which includes the BOS
+only when one is added (data/hf_tokenizer.py, data/spm_tokenizer.py): a run
+that keeps tokenizing without a BOS reuses the cache it always had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from spillway.data import Tokenizer
+from spillway.data.tokenizer import TOKENIZER_CONFIG_FILE
+
+
+def recorded_bos(run_dir: str | os.PathLike) -> bool | None:
+    """Whether the run in `run_dir` put a BOS before each document; None where it recorded nothing."""
+    path = Path(run_dir) / TOKENIZER_CONFIG_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    return bool(saved.get("add_bos_token", False))   # absent: from before spillway added BOS, so none
+
+
+def new_run_adds_bos(tokenizer: Tokenizer, add_bos: bool | None) -> bool:
+    """Whether a run starting now with this tokenizer and `data.add_bos` would put a BOS first."""
+    return tokenizer.with_bos(None).adds_bos if add_bos is None else add_bos
+
+
+def describe_kept_bos(tokenizer: Tokenizer, kept: bool, add_bos: bool | None) -> str | None:
+    """The line a resumed run says when it keeps a BOS choice other than a new run's (None: they agree)."""
+    if new_run_adds_bos(tokenizer, add_bos) == kept:
+        return None
+    bos = tokenizer.bos_id
+    token = f"{tokenizer.token_text(bos)!r} (id {bos})" if bos is not None else "a BOS"
+    if kept:
+        return (f"tokenizer: this run started with {token} before each document and keeps it (its data must not "
+                f"change under it); a new run with this recipe would add none")
+    return (f"tokenizer: this run started without a BOS before each document and keeps it that way (its data "
+            f"must not change under it); a new run with this tokenizer puts {token} first, as its family's "
+            f"tokenizer does")
