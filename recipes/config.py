@@ -277,6 +277,12 @@ class Recipe:
             if self.optimizer.update_on_host:
                 raise ConfigError("offload.update=next_forward streams the update through HBM; "
                                   "optimizer.update_on_host=true runs it on the host CPU instead: set one of them")
+        if self.optimizer.update_on_host and self.offload.optimizer_state != Memory.HOST:
+            # the host CPU updates state that lives in host memory; with the state in HBM there is nothing for
+            # it to update, and a setting that silently does nothing is worse than none
+            raise ConfigError("optimizer.update_on_host=true runs the update of host optimizer state on the host "
+                              "CPU, but offload.optimizer_state=device keeps the state in HBM, where the GPU "
+                              "updates it: set offload.optimizer_state=host, or optimizer.update_on_host=false")
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
