@@ -7,13 +7,20 @@ Useful to warm the cache before a run, and to measure a corpus:
 The tokenizer trains on the head of the corpus, read as a stream; packing
 tokenizes into shards on disk (`--shard-tokens`), so neither holds the corpus
 in memory. A killed run, started again with the same arguments, resumes.
+
+A corpus or setting that cannot be used (a binary file in a text corpus, a
+malformed .jsonl line, a missing path) is one line on stderr and exit status 2,
+as for the `spillway` command.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
+
+from spillway.layers.errors import SpillwayError
 
 from .corpus import BUILTIN_STDLIB
 from .packing import prepare_tokens
@@ -22,9 +29,24 @@ from .shards import DEFAULT_SHARD_TOKENS
 from .sources import stream_documents
 from .spm_tokenizer import MODEL_TYPES, train_tokenizer
 
+PROG = "python -m spillway.data"
+EXIT_USER_ERROR = 2   # the `spillway` command's status for a failure the user can fix (recipes/cli.py)
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m spillway.data", description=__doc__.splitlines()[0])
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command; a failure the user can fix is one line on stderr and EXIT_USER_ERROR."""
+    try:
+        prepare_and_report(argv)
+    except (SpillwayError, ValueError, OSError) as error:
+        reason = (error.strerror if isinstance(error, OSError) and error.strerror and error.filename else None)
+        message = f"{error.filename}: {reason}" if reason else " ".join(str(error).split()) or type(error).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+def prepare_and_report(argv: list[str] | None) -> None:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=BUILTIN_STDLIB)
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -79,4 +101,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,8 +23,6 @@ does not parse is reported as one `DataError` naming the file and line.
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import os
 import re
 import sys
@@ -39,6 +37,7 @@ from spillway.layers.errors import DataError
 
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
+from .corpus_errors import ErrorsNamed, first_non_text_record, quiet_builders, unreadable_corpus
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -202,84 +201,6 @@ def select_text_column(
     return dataset
 
 
-def first_json_error(path: Path) -> str | None:
-    """Where `path` (.jsonl: one object per line; .json: one document) stops being JSON, or None."""
-    if path.suffix.lower() == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as error:
-                    return f"line {number}: not valid JSON ({error.msg}, column {error.colno})"
-                if not isinstance(record, dict):
-                    return f"line {number}: a JSON {type(record).__name__}, not an object with a text field"
-        return None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            json.load(f)
-    except json.JSONDecodeError as error:
-        return f"line {error.lineno}, column {error.colno}: not valid JSON ({error.msg})"
-    return None
-
-
-def first_non_text_record(files, text_field: str) -> str | None:
-    """'FILE, line N (a JSON int)' for the first .jsonl record (or .json array item) whose `text_field` is
-    present and neither a string nor null, else None."""
-    def kind(value) -> str | None:
-        return None if value is None or isinstance(value, str) else type(value).__name__
-
-    for path in files:
-        if path.suffix.lower() == ".jsonl":
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    found = kind(record.get(text_field)) if isinstance(record, dict) else None
-                    if found:
-                        return f"{path}, line {number} (a JSON {found})"
-        else:
-            try:
-                records = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-            except json.JSONDecodeError:
-                continue
-            for index, record in enumerate(records if isinstance(records, list) else []):
-                found = kind(record.get(text_field)) if isinstance(record, dict) else None
-                if found:
-                    return f"{path}, record {index} (a JSON {found})"
-    return None
-
-
-@contextlib.contextmanager
-def _quiet_builders():
-    """Silence the packaged builders' own error log while loading: a parse failure is raised as one
-    DataError naming the file and line, and their multi-line log of it would only repeat it."""
-    logger = logging.getLogger("datasets.packaged_modules")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _unreadable_corpus(local: LocalSpec, error: BaseException) -> DataError:
-    if local.builder == "json":
-        for path in local.files:
-            where = first_json_error(path)
-            if where is not None:
-                return DataError(f"corpus file {str(path)!r}, {where}")
-    cause = error.__cause__ or error.__context__ or error   # datasets' own wrapper says little
-    text = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
-    names = ", ".join(repr(str(p)) for p in local.files[:3]) + (" ..." if len(local.files) > 3 else "")
-    return DataError(f"cannot read the corpus ({local.builder} files {names}): {text}")
-
-
 def _has_text(batch: dict[str, list]) -> list[bool]:
     return [bool(text and not text.isspace()) for text in batch["text"]]
 
@@ -328,7 +249,7 @@ def load_documents(
             # than aborting a whole corpus over one stray file.
             builder_options = {"sample_by": "document", "encoding_errors": "replace"}
         try:
-            with _quiet_builders():
+            with quiet_builders():
                 dataset = datasets.load_dataset(
                     local.builder,
                     data_files=[str(path) for path in local.files],
@@ -338,7 +259,7 @@ def load_documents(
                     **builder_options,
                 )
         except Exception as error:   # datasets wraps the parser's error; find the file and line ourselves
-            raise _unreadable_corpus(local, error) from error
+            raise unreadable_corpus(local.builder, local.files, error) from error
     try:
         dataset = select_text_column(dataset, text_field, source)
     except ValueError as error:
@@ -445,8 +366,10 @@ def stream_documents(
             return TextFileDocuments(local.files, start)
     with _torch_left_alone():
         documents = load_documents(source, text_field=text_field, streaming=True, cache_dir=cache_dir)
-        if not start:
-            return documents
-        skipped = documents.skip(start)   # the skipped records still pass the counting filter
-        skipped.records_without_text = getattr(documents, "records_without_text", None)
-        return skipped
+        if start:
+            skipped = documents.skip(start)   # the skipped records still pass the counting filter
+            skipped.records_without_text = getattr(documents, "records_without_text", None)
+            documents = skipped
+    if parse_hub_spec(source) is None:   # a local file that fails as it is read: named with its line
+        return ErrorsNamed(documents, local.builder, local.files)
+    return documents
