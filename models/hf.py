@@ -145,7 +145,9 @@ def read_hf_config(source) -> dict:
     directory = directory.parent if directory.is_file() else directory
     config_file = directory / CONFIG_FILE
     if not config_file.exists():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}; pass config= explicitly")
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}: a Hugging Face checkpoint folder holds the "
+                                f"{CONFIG_FILE} its model was saved with beside its *.safetensors; copy it there "
+                                f"(from the checkpoint's Hub repository)")
     try:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
@@ -171,7 +173,11 @@ def _resolve(source, config) -> tuple[Any, Any]:
         if isinstance(source, Mapping):
             raise HFCheckpointError("an in-memory state dict needs config= (a Hugging Face config dict or a "
                                     "spillway family config)")
-        config = read_hf_config(source)
+        try:
+            config = read_hf_config(source)
+        except FileNotFoundError as error:   # in Python, the config may also be given
+            raise FileNotFoundError(f"{error}, or pass config= (a Hugging Face config dict or a spillway family "
+                                    f"config)") from None
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return family_of_config(config), config
     return family_config_from_hf(config)
@@ -255,8 +261,9 @@ def _entries(family, config, param_shapes: dict[tuple, tuple[int, ...]]) -> list
     return out
 
 
-def _check_names_and_shapes(source, entries: list[_Entry], family, config) -> None:
-    """One error listing every missing, unexpected and misshapen tensor."""
+def _check_names_and_shapes(source, entries: list[_Entry], family, config, *, contents: bool = True) -> None:
+    """One error listing every missing, unexpected and misshapen tensor; `contents`: also that a tied head
+    saved under its own name is the embedding (reads both tensors; without it, only names and shapes)."""
     table = family.hf
     expected = {name: e.hf_shape() for e in entries for name in e.hf_names}
     present = set(source.names())
@@ -277,7 +284,7 @@ def _check_names_and_shapes(source, entries: list[_Entry], family, config) -> No
     if problems:
         raise HFCheckpointError(f"the Hugging Face checkpoint does not match the {family.name} config "
                                 f"({config.num_layers} layers, vocab {config.vocab_size}):\n  " + "\n  ".join(problems))
-    if tied and table.head_name in present:
+    if contents and tied and table.head_name in present:
         # transformers' state_dict() lists a tied head under its own name; accept it only if it is the embedding.
         head, embed = table.head_name, table.embed_name
         if source.shape(head) != source.shape(embed) or not np.array_equal(source.get(head), source.get(embed)):
@@ -312,6 +319,17 @@ def _load_param(source, entry: _Entry, dtype) -> np.ndarray:
     if entry.experts:
         return stacked.reshape((-1, entry.experts) + entry.shape)
     return stacked
+
+
+def check_checkpoint_tensors(source, family, config, abstract_params: nnx.State) -> None:
+    """HFCheckpointError naming every missing, unexpected or misshapen tensor, from names and shapes alone
+    (the safetensors headers: no tensor is read), so a wrong checkpoint fails before anything costly runs;
+    `load_hf_weights` checks the same again, and the contents of a tied head."""
+    flat = dict(nnx.to_flat_state(abstract_params))
+    entries = _entries(family, config, {path: tuple(v.get_value().shape) for path, v in flat.items()})
+    with open_source(source) as tensors:
+        tensors = in_table_layout(with_base_prefix(tensors, family.hf), family.hf, config)
+        _check_names_and_shapes(tensors, entries, family, config, contents=False)
 
 
 def load_hf_weights(source, family, config, abstract_params: nnx.State, shardings=None) -> nnx.State:

@@ -8,8 +8,11 @@ fresh. They go straight into the shardings of the run's parameters (orbax for
 spillway runs, models/hf.py `load_hf_weights` for Hugging Face), so no host
 ever holds a whole replicated copy.
 
-A Hugging Face checkpoint is checked against the recipe before anything is
-built (`resolve_init_from`): its config.json is read as a family config
+A spillway run of another family is refused in one line naming both families
+(its saved recipe says which), before anything is built. A Hugging Face
+checkpoint is checked against the recipe before anything is built
+(`resolve_init_from`), its tensors' names and shapes too (from the
+safetensors headers, no data read): its config.json is read as a family config
 (models/hf.py `family_config_from_hf`) and must be the recipe's model, field
 by field; the first difference is an error naming the field and both values.
 One field may differ: `max_seq_len` (config.json's max_position_embeddings),
@@ -30,6 +33,7 @@ rows, so a checkpoint without one is an error unless the recipe names one.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -38,7 +42,7 @@ from spillway.data import tokenizer_file_in
 from spillway.models.hf import family_config_from_hf, load_hf_weights, read_hf_config
 from spillway.models.registry import get_family
 from spillway.recipes.config import Recipe
-from spillway.recipes.train.checkpoint import restore_params_only
+from spillway.recipes.train.checkpoint import CheckpointError, read_recipe_json, restore_params_only
 
 HF_PREFIX = "hf:"
 # Model fields that only bound the positions a run feeds (see the module docstring).
@@ -82,6 +86,33 @@ def check_model_matches(recipe: Recipe, directory: Path):
     return checkpoint_model
 
 
+def check_source_run_family(recipe: Recipe, init_from: str) -> None:
+    """ValueError in one line when the spillway run `init_from` names trained another family's model (its
+    saved recipe says which): otherwise every weight would differ in shape, one message line each."""
+    try:
+        saved = json.loads(read_recipe_json(init_from))
+    except (CheckpointError, json.JSONDecodeError):
+        return   # a missing or unreadable checkpoint is reported by the restore, with its own words
+    family = saved.get("family") if isinstance(saved, dict) else None
+    if isinstance(family, str) and family != recipe.family:
+        raise ValueError(f"checkpoint.init_from={init_from}: that run trained a {family} model (recipe "
+                         f"{saved.get('name')!r}), but recipe {recipe.name!r} builds a {recipe.family} model; "
+                         f"fine-tune it with a {family} recipe, or start from a {recipe.family} run")
+
+
+def check_hf_tensors(recipe: Recipe, directory: Path) -> None:
+    """HFCheckpointError naming every missing, unexpected or misshapen tensor of an `hf:` checkpoint, read from
+    the safetensors headers alone (names and shapes, no data) against the recipe's model built abstractly."""
+    from spillway.models.hf import HFCheckpointError, check_checkpoint_tensors
+    from spillway.recipes.train.step import abstract_model
+
+    _, abstract_state = abstract_model(recipe)
+    try:
+        check_checkpoint_tensors(directory, get_family(recipe.family), recipe.model, abstract_state)
+    except HFCheckpointError as error:
+        raise HFCheckpointError(f"checkpoint.init_from=hf:{directory}: {error}") from None
+
+
 def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
     """The recipe checked against its `hf:` checkpoint and given that checkpoint's tokenizer when it names none,
     or names a local copy of a published tokenizer (data.tokenizer_origin) that is not there: a GPU recipe's
@@ -97,8 +128,11 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
         if init_from and _looks_like_hf_checkpoint(Path(init_from).expanduser()):
             raise ValueError(f"checkpoint.init_from={init_from!r} is a Hugging Face checkpoint (config.json and "
                              f"*.safetensors), not a spillway run: write checkpoint.init_from=hf:{init_from}")
+        if init_from:
+            check_source_run_family(recipe, init_from)
         return recipe
     checkpoint_len = check_model_matches(recipe, directory).max_seq_len
+    check_hf_tensors(recipe, directory)   # a missing or misshapen tensor: now, not after the data is prepared
     if recipe.model.max_seq_len > checkpoint_len:
         say(f"note: model.max_seq_len {recipe.model.max_seq_len} is longer than the checkpoint's "
             f"{checkpoint_len} (max_position_embeddings): positions beyond it were never trained")

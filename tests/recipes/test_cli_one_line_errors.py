@@ -1,0 +1,115 @@
+"""`spillway train` inputs a new user gets wrong, each ending in one line and exit status 2, before data is prepared.
+
+* a .jsonl corpus with a line `datasets` cannot read: the file and its
+  1-based line (pyarrow says "row 300" of a block, and logs it twice);
+* fine-tuning from a spillway run of another family: the two families, not a
+  shape difference per weight;
+* a Hugging Face folder without config.json: what to put there (no Python
+  `config=` advice on the command line);
+* a Hugging Face checkpoint with a missing or misshapen tensor: found from the
+  safetensors headers before the data is prepared.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from new_user_fixtures import MICRO
+from spillway.recipes import cli
+from spillway.recipes.registry import get_recipe
+
+
+def run_cli(*argv: str, capsys) -> tuple[int, list[str], str]:
+    """(exit status, stderr lines, stdout) of `spillway train ...`."""
+    status = cli.main(["train", *argv])
+    captured = capsys.readouterr()
+    return status, captured.err.strip().splitlines(), captured.out
+
+
+def micro_set(*extra: str) -> list[str]:
+    return [arg for item in [*MICRO, *extra] for arg in ("--set", item)]
+
+
+def test_a_bad_jsonl_line_is_named_with_its_file_and_1_based_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) for i in range(300)]
+    (tmp_path / "badline.jsonl").write_bytes("\n".join(lines).encode() + b'\n{"text": "caf\xe9"}\n')
+    status, err, _ = run_cli("tiny", *micro_set("data.source=badline.jsonl", "train.steps=1"), capsys=capsys)
+    assert status == 2
+    assert err == ["spillway train: error: corpus file 'badline.jsonl', line 301: not UTF-8 (byte 0xe9 at column 14)"]
+
+
+def test_finetuning_from_a_run_of_another_family_names_both_families(tmp_path, capsys):
+    import jax.numpy as jnp
+
+    from spillway.recipes.train.checkpoint import RunCheckpointer
+
+    source = tmp_path / "runs" / "tiny"   # a llama run's checkpoint: its saved recipe says the family
+    with RunCheckpointer(source / "checkpoints", keep=1, every_steps=1, async_save=False) as checkpointer:
+        checkpointer.save(1, params={"w": jnp.zeros(2)}, opt_state={"m": jnp.zeros(2)}, loader_state={},
+                          meta={"step": 1}, recipe_json=get_recipe("tiny").to_json(), force=True)
+    status, err, out = run_cli("gemma2_tiny", "--set", f"checkpoint.init_from={source}",
+                               "--set", f"checkpoint.dir={tmp_path / 'runs' / 'gemma'}", capsys=capsys)
+    assert status == 2
+    assert err == [f"spillway train: error: checkpoint.init_from={source}: that run trained a llama model (recipe "
+                   f"'tiny'), but recipe 'gemma2_tiny' builds a gemma2 model; fine-tune it with a llama recipe, or "
+                   f"start from a gemma2 run"]
+    assert "data:" not in out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The micro recipe's model exported as a Hugging Face folder (the checks here come before its tokenizer)."""
+    import jax
+    import jax.numpy as jnp
+
+    from spillway.models.hf import to_hf
+    from spillway.recipes.train.step import abstract_model
+
+    # zero weights from the abstract model: the shapes are what matters here (an eager init takes 20 s)
+    graphdef, abstract_state = abstract_model(get_recipe("tiny", MICRO))
+    model = nnx.merge(graphdef, jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), abstract_state))
+    folder = tmp_path_factory.mktemp("exported") / "hf"
+    to_hf(model, folder)
+    return folder
+
+
+@pytest.fixture
+def hf_folder(exported, tmp_path):
+    return Path(shutil.copytree(exported, tmp_path / "hf"))
+
+
+def test_a_hugging_face_folder_without_config_json_says_what_to_put_there(hf_folder, tmp_path, capsys):
+    (hf_folder / "config.json").unlink()
+    status, err, _ = run_cli("tiny", *micro_set(f"checkpoint.init_from=hf:{hf_folder}",
+                                                f"checkpoint.dir={tmp_path / 'run'}"), capsys=capsys)
+    assert status == 2 and len(err) == 1
+    assert err[0].startswith(f"spillway train: error: checkpoint.init_from=hf:{hf_folder}: no config.json in "
+                             f"{hf_folder}: a Hugging Face checkpoint folder holds the config.json")
+    assert "config=" not in err[0]
+
+
+def test_a_missing_or_misshapen_hugging_face_tensor_is_found_before_the_data_is_prepared(hf_folder, tmp_path,
+                                                                                         capsys):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    tensors["model.layers.1.mlp.down_proj.weight"] = np.ascontiguousarray(
+        tensors["model.layers.1.mlp.down_proj.weight"][:, :32])
+    save_file(tensors, str(hf_folder / "model.safetensors"), metadata={"format": "pt"})
+    status, err, out = run_cli("tiny", *micro_set(f"checkpoint.init_from=hf:{hf_folder}",
+                                                  f"data.cache_dir={tmp_path / 'cache'}",
+                                                  f"checkpoint.dir={tmp_path / 'run'}"), capsys=capsys)
+    assert status == 2
+    assert err == [f"spillway train: error: checkpoint.init_from=hf:{hf_folder}: the Hugging Face checkpoint does "
+                   f"not match the llama config (2 layers, vocab 512): missing tensors (1): "
+                   f"['model.layers.0.self_attn.q_proj.weight'] shape mismatches (1): "
+                   f"model.layers.1.mlp.down_proj.weight: checkpoint (32, 32), config expects (32, 64)"]
+    assert "data:" not in out and not (tmp_path / "cache").exists()   # nothing was tokenized
