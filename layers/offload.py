@@ -161,6 +161,11 @@ MOE_PRESETS: dict[str, OffloadPolicy] = {
 }
 
 
+def presets_for(tagged: frozenset[str]) -> list[str]:
+    """The presets (dense and MoE) that name only activations of `tagged`: those a block tagging them serves."""
+    return [name for name, policy in {**PRESETS, **MOE_PRESETS}.items() if policy.names() <= tagged]
+
+
 def preset(name: str) -> OffloadPolicy:
     if name in PRESETS:
         return PRESETS[name]

@@ -55,7 +55,7 @@ from spillway.layers import aux_outputs, host_weights, layer_hook, names
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.errors import ConfigError
 from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds, values_of
-from spillway.layers.offload import OffloadPolicy, RematPlan
+from spillway.layers.offload import OffloadPolicy, RematPlan, presets_for
 from spillway.layers.sharding import constrain
 from spillway.layers.errors import ConfigError
 
@@ -164,9 +164,13 @@ class BlockStack(nnx.Module):
         self.block_names = frozenset().union(*tagged)
         unknown = self.plan.names() - self.block_names
         if unknown:
+            moe = bool(self.block_names & set(names.MOE_ACTIVATION_NAMES))
+            kind = ("an MoE block, whose expert activations only the moe_* presets name (README, Offload "
+                    "policies)" if moe else "a dense block")
             raise ValueError(
                 f"remat plan names {sorted(unknown)}, which {'/'.join(sorted({c.__name__ for c in classes}))} "
-                f"never tags (it tags {sorted(self.block_names)}); the policy would silently do nothing")
+                f"never tags (it tags {sorted(self.block_names)}); the policy would silently do nothing. This is "
+                f"{kind}; the presets that serve it: {', '.join(presets_for(self.block_names))}")
 
     def run_stacks(self) -> list:
         """The stacked blocks of each run, first layers first."""
