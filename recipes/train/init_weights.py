@@ -11,8 +11,8 @@ ever holds a whole replicated copy.
 A spillway run of another family is refused in one line naming both families
 (its saved recipe says which), before anything is built. A Hugging Face
 checkpoint is checked against the recipe before anything is built
-(`resolve_init_from`), its tensors' names and shapes too (from the
-safetensors headers, no data read): its config.json is read as a family config
+(`resolve_init_from`; its tensors' names and shapes by `check_hf_tensors`,
+from the safetensors headers, no data read): its config.json is read as a family config
 (models/hf.py `family_config_from_hf`) and must be the recipe's model, field
 by field; the first difference is an error naming the field and both values.
 One field may differ: `max_seq_len` (config.json's max_position_embeddings),
@@ -100,11 +100,16 @@ def check_source_run_family(recipe: Recipe, init_from: str) -> None:
                          f"fine-tune it with a {family} recipe, or start from a {recipe.family} run")
 
 
-def check_hf_tensors(recipe: Recipe, directory: Path) -> None:
-    """HFCheckpointError naming every missing, unexpected or misshapen tensor of an `hf:` checkpoint, read from
-    the safetensors headers alone (names and shapes, no data) against the recipe's model built abstractly."""
+def check_hf_tensors(recipe: Recipe) -> None:
+    """HFCheckpointError naming every missing, unexpected or misshapen tensor of an `hf:` init_from, read from
+    the safetensors headers alone (names and shapes, no data) against the recipe's model built abstractly.
+    Nothing for any other init_from. Call after `resolve_init_from`, before the data is prepared."""
     from spillway.models.hf import HFCheckpointError, check_checkpoint_tensors
     from spillway.recipes.train.step import abstract_model
+
+    directory = hf_checkpoint_dir(recipe.checkpoint.init_from)
+    if directory is None:
+        return
 
     _, abstract_state = abstract_model(recipe)
     try:
@@ -132,7 +137,6 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
             check_source_run_family(recipe, init_from)
         return recipe
     checkpoint_len = check_model_matches(recipe, directory).max_seq_len
-    check_hf_tensors(recipe, directory)   # a missing or misshapen tensor: now, not after the data is prepared
     if recipe.model.max_seq_len > checkpoint_len:
         say(f"note: model.max_seq_len {recipe.model.max_seq_len} is longer than the checkpoint's "
             f"{checkpoint_len} (max_position_embeddings): positions beyond it were never trained")

@@ -110,8 +110,9 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
     _parse_profile(recipe.train.profile_steps)  # a bad value fails before anything is written
-    from spillway.recipes.train.init_weights import resolve_init_from
+    from spillway.recipes.train.init_weights import check_hf_tensors, resolve_init_from
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
+    check_hf_tensors(recipe)  # ... and hold its tensors, named and shaped as the model's: before data is prepared
     from spillway.recipes.train.finetune import check_not_its_own_source
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
     from spillway.recipes.train.preflight import check_run_inputs

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from new_user_fixtures import MICRO
+from new_user_fixtures import MICRO, write_hf_tokenizer
 from spillway.recipes import cli
 from spillway.recipes.registry import get_recipe
 
@@ -65,7 +65,7 @@ def test_finetuning_from_a_run_of_another_family_names_both_families(tmp_path, c
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """The micro recipe's model exported as a Hugging Face folder (the checks here come before its tokenizer)."""
+    """The micro recipe's model exported as a Hugging Face folder, with a tokenizer.json."""
     import jax
     import jax.numpy as jnp
 
@@ -77,6 +77,7 @@ def exported(tmp_path_factory):
     model = nnx.merge(graphdef, jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), abstract_state))
     folder = tmp_path_factory.mktemp("exported") / "hf"
     to_hf(model, folder)
+    write_hf_tokenizer(folder)
     return folder
 
 
