@@ -180,11 +180,12 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
 
     def build():
         tokenizer = given if given is not None else load_or_train_tokenizer(recipe)
-        if bos is not None:
-            try:
+        try:
+            if bos is not None:
                 tokenizer = tokenizer.with_bos(bos)
-            except ValueError as error:   # a BOS asked of a tokenizer without one
-                raise DataError(str(error)) from None
+            tokenizer.document_prefix()   # a BOS asked of a tokenizer without one: one line, before tokenizing
+        except ValueError as error:
+            raise DataError(str(error)) from None
         check_vocab(tokenizer, recipe.model.vocab_size)
         # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
         _ = tokenizer.eos_id
