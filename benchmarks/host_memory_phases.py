@@ -100,6 +100,7 @@ def _child(config: str, role: str, checkpoint_dir: str, extra: list[str]) -> dic
         import numpy as np
         jax.block_until_ready(jnp.zeros(()))
     from spillway.layers.sharding import make_mesh
+    from spillway.recipes.train.batch import Batch
     from spillway.recipes.train.checkpoint import RunCheckpointer
     from spillway.recipes.train.step import setup
 
@@ -120,22 +121,19 @@ def _child(config: str, role: str, checkpoint_dir: str, extra: list[str]) -> dic
 
     with meter.phase("state"):
         opt_state = jax.block_until_ready(jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params))
-        pending = jax.block_until_ready(s.nothing_pending(params)) if s.defers_update else None
+        pending = jax.block_until_ready(s.nothing_pending(params))
     rng = np.random.default_rng(0)
 
     def batch():
         tokens = rng.integers(0, recipe.model.vocab_size, (recipe.train.global_batch, recipe.data.seq_len + 1))
-        return jax.device_put(np.asarray(tokens, np.int32), s.batch_sharding)
+        return Batch(jax.device_put(np.asarray(tokens, np.int32), s.batch_sharding))
 
-    args = (params, opt_state) + ((pending,) if s.defers_update else ()) + (batch(),)
+    args = (params, opt_state, pending, batch())
     with meter.phase("compile"):
         s.train_step.lower(*args).compile()
     with meter.phase("step"):
         for _ in range(STEPS):
-            if s.defers_update:
-                params, opt_state, pending, metrics = s.train_step(params, opt_state, pending, batch())
-            else:
-                params, opt_state, metrics = s.train_step(params, opt_state, batch())
+            params, opt_state, pending, metrics = s.train_step(params, opt_state, pending, batch())
             jax.block_until_ready(metrics)
         jax.block_until_ready((params, opt_state))
     if s.defers_update:

@@ -133,15 +133,15 @@ class _UpdateBeforeEachLayer:
 
 
 def make_train_step(objective, optimizer):
-    """(params, opt_state, pending, tokens [batch, seq+1]) -> (params, opt_state, pending, metrics).
+    """(params, opt_state, pending, batch) -> (params, opt_state, pending, metrics).
 
-    `objective(params, tokens)` -> (what the step differentiates, that batch's metrics) is the step's
+    `objective(params, batch)` -> (what the step differentiates, that batch's metrics) is the step's
     (recipes/train/step.make_objective). The params and opt_state returned have the *pending* update
     applied (the one the returned `pending` does not hold); `flush` applies the rest. Metrics: the
     objective's of this step's batch (its loss, and what its blocks emitted), the norm of its gradients
     and the learning rate they will be applied with, as the step without deferral reports them.
     """
-    def train_step(params, opt_state, pending: PendingUpdate, tokens_bt):
+    def train_step(params, opt_state, pending: PendingUpdate, batch):
         begun = optimizer.begin(pending.grads, opt_state, params, apply=pending.apply, grad_norm=pending.grad_norm)
         leaves, treedef = jax.tree.flatten(begun.params)
         pending_leaves = treedef.flatten_up_to(pending.grads)
@@ -151,18 +151,18 @@ def make_train_step(objective, optimizer):
         differentiated = treedef.unflatten([pending_leaves[k] if k in in_forward else leaf
                                             for k, leaf in enumerate(leaves)])
 
-        def loss_with_update(differentiated, norm_probe, tokens_bt):
+        def loss_with_update(differentiated, norm_probe, batch):
             hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe)
             wrapped = [_UpdatedBeforeUse(leaves[k], d, k) if k in in_forward else d
                        for k, d in enumerate(treedef.flatten_up_to(differentiated))]
             with layer_hook.running_before_layers(hook):
-                value, batch_metrics = objective(treedef.unflatten(wrapped), tokens_bt)
+                value, batch_metrics = objective(treedef.unflatten(wrapped), batch)
             if in_forward and hook.outputs is None:
                 raise ValueError("offload.update=next_forward: the model ran no block stack that took the update")
             return value, (hook.outputs or {}, batch_metrics)
 
         (_, (stacked, batch_metrics)), (grads, stacked_squares) = jax.value_and_grad(
-            loss_with_update, argnums=(0, 1), has_aux=True)(differentiated, jnp.zeros((), jnp.float32), tokens_bt)
+            loss_with_update, argnums=(0, 1), has_aux=True)(differentiated, jnp.zeros((), jnp.float32), batch)
         new_params, new_opt_state, _ = begun.finish(stacked)
         grad_leaves = treedef.flatten_up_to(grads)
         squares = [stacked_squares] + [streaming.squared_norm(g) for k, g in enumerate(grad_leaves)

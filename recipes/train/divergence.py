@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spillway.recipes.train.batch import Batch, micro_batches
 from spillway.recipes.train.step import make_loss_fn
 
 
@@ -53,29 +54,28 @@ class WeightsReport:
 
 
 def make_weights_check(graphdef, mesh, *, loss_chunk: int, grad_accum: int, param_shardings, batch_sharding):
-    """(params, next tokens_bt, step metrics or None) -> WeightsReport, one jitted call."""
+    """(params, next Batch, step metrics or None) -> WeightsReport, one jitted call."""
     loss_fn = make_loss_fn(graphdef, loss_chunk, mesh)
 
-    def batch_loss(params, tokens_bt):
+    def batch_loss(params, batch: Batch):
         if grad_accum == 1:
-            return loss_fn(params, tokens_bt)
-        # micro-batch m is rows m, m + grad_accum, ... as in the train step (recipes/train/step.py)
-        micro_mbt = jax.tree.map(lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), tokens_bt)
-        return jax.lax.map(lambda micro_bt: loss_fn(params, micro_bt), micro_mbt).mean()
+            return loss_fn(params, batch)
+        # the train step's micro-batches (recipes/train/batch.py)
+        return jax.lax.map(lambda micro: loss_fn(params, micro), micro_batches(batch, grad_accum)).mean()
 
-    def check(params, tokens_bt, step_loss, grad_norm):
+    def check(params, batch, step_loss, grad_norm):
         leaves = [leaf for leaf in jax.tree.leaves(params) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
         params_finite = jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]))
         return jnp.stack([jnp.asarray(step_loss, jnp.float32), jnp.asarray(grad_norm, jnp.float32),
-                          batch_loss(params, tokens_bt).astype(jnp.float32), params_finite.astype(jnp.float32)])
+                          batch_loss(params, batch).astype(jnp.float32), params_finite.astype(jnp.float32)])
 
     jitted = jax.jit(check, in_shardings=(param_shardings, batch_sharding, None, None))
 
-    def run(params, tokens_bt, step_metrics: dict | None = None) -> WeightsReport:
-        """`tokens_bt`: the next batch to train on. `step_metrics`: the train step's metrics ("loss",
+    def run(params, batch: Batch, step_metrics: dict | None = None) -> WeightsReport:
+        """`batch`: the next batch to train on. `step_metrics`: the train step's metrics ("loss",
         "grad_norm") when the weights come from a step (None after a restore)."""
         known = step_metrics is not None
-        values = np.asarray(jitted(params, tokens_bt, step_metrics["loss"] if known else 0.0,
+        values = np.asarray(jitted(params, batch, step_metrics["loss"] if known else 0.0,
                                    step_metrics["grad_norm"] if known else 0.0))
         return WeightsReport(loss_after=float(values[2]), params_finite=bool(values[3]),
                              step_loss=float(values[0]) if known else None,

@@ -1,38 +1,23 @@
 """The train step's batch when it is more than token rows: targets masked, examples that do not see each other.
 
-A text run's batch stays the plain int32 [batch, seq_len + 1] array (the
+A text run's batch holds only its tokens (recipes/train/batch.py: the
 program it always was). A fine-tuning run (data/sft_packing.py: rows of
 tokens, target flags and example ids) and a text run with
-`data.document_mask` get a `TrainBatch`:
-
-    tokens       int32 [b, t + 1]   inputs are tokens[:, :-1], targets tokens[:, 1:]
-    loss_mask    float32 [b, t]     1 where target t counts: a target flag, inside the example it continues
-    segment_ids  int32 [b, t]       the input's example (0: padding); None: one sequence a row
-    positions    int32 [b, t]       RoPE positions, restarting at 0 with each example; None: arange
-    loss_denominator  float32 [b]   the step's target count / micro-batches, set by the step when it
-                                    accumulates (the loss is then a mean over the whole step's targets)
+`data.document_mask` also fill the Batch's loss_mask (1 where target t
+counts: a target flag, inside the example it continues), segment_ids and
+positions, and the step sets loss_denominator when it accumulates.
 
 Built on the host from the loader's rows (`batch_from_rows`), so the device
-program only reads them. The fields are named as the optional fields a train
-step's one batch object carries (tokens, loss_mask, segment_ids, positions),
-so that they fold into it field for field.
+program only reads them. `TrainBatch` is batch.Batch, by its older name.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
+from spillway.recipes.train.batch import Batch
 
-class TrainBatch(NamedTuple):
-    """See the module docstring; a pytree, so jit, sharding and micro-batch splitting map over its fields."""
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray | None = None
-    segment_ids: np.ndarray | None = None
-    positions: np.ndarray | None = None
-    loss_denominator: np.ndarray | None = None
+TrainBatch = Batch
 
 
 def positions_in_segments(segment_ids: np.ndarray) -> np.ndarray:
@@ -53,10 +38,10 @@ def text_segments(tokens: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 def batch_from_rows(rows: np.ndarray, *, document_mask: bool, eos_id: int | None = None):
-    """The step's batch from the loader's local rows (module docstring): a plain array for plain text."""
+    """The step's Batch from the loader's local rows (module docstring): only the tokens for plain text."""
     rows = np.asarray(rows, np.int32)
     if rows.ndim == 2 and not document_mask:
-        return rows
+        return Batch(rows)
     if rows.ndim == 2:
         tokens, segments = rows, text_segments(rows, eos_id)
         targets = np.ones_like(rows[:, 1:], bool)
@@ -74,7 +59,7 @@ def batch_from_rows(rows: np.ndarray, *, document_mask: bool, eos_id: int | None
 def with_step_denominator(batch, grad_accum: int):
     """`batch` with `loss_denominator` set to its target count / `grad_accum` (traced, inside the step):
     the mean of the micro-batches' losses is then the mean over all of the step's targets."""
-    if not isinstance(batch, TrainBatch) or batch.loss_mask is None:
+    if batch.loss_mask is None:
         return batch
     import jax.numpy as jnp
 

@@ -22,32 +22,33 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import check_batch_split
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
-from spillway.recipes.config import AuxLossConfig, Recipe
+from spillway.recipes.config import NEXT_FORWARD, AuxLossConfig, Recipe
 from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.optim import update_in_forward
-from spillway.recipes.optim.host_memory import donate_opt_state_ok
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
 from spillway.recipes.train import aux_terms, xla_settings
-from spillway.recipes.train.sft_batch import TrainBatch, with_step_denominator
+from spillway.recipes.train import batch as batch_lib
+from spillway.recipes.train.batch import Batch, micro_batches
+from spillway.recipes.train.sft_batch import with_step_denominator
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 
 
 def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
-    """Mean next-token loss of a [batch, seq+1] token batch; `loss_chunk` > 0 applies the head in chunks.
+    """(params, Batch) -> the mean next-token loss of its rows; `loss_chunk` > 0 applies the head in chunks.
 
-    With a `mesh`, the layers pin their activations to the batch sharding
-    while this is traced (layers.sharding.activation_sharding).
+    The one place the batch's fields become the loss (recipes/train/batch.py). With a `mesh`, the layers
+    pin their activations to the batch sharding while this is traced (layers.sharding.activation_sharding).
     """
-    def loss_fn(params, tokens_bt):
+    def loss_fn(params, batch: Batch):
         with activation_sharding(mesh):
-            return _loss(params, tokens_bt)
+            return _loss(params, batch)
 
-    def _loss(params, batch):
+    def _loss(params, batch: Batch):
         model = nnx.merge(graphdef, params)
-        # A plain token array, or a TrainBatch (recipes/train/sft_batch.py) with a loss mask and example ids.
-        fields = batch if isinstance(batch, TrainBatch) else TrainBatch(batch)
+        # Token rows, and for fine-tuning (recipes/train/sft_batch.py) a loss mask and example ids.
+        fields = batch
         tokens_bt = constrain(fields.tokens, (names.BATCH, None))
         inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:].astype(jnp.int32)
         weights_bt = fields.loss_mask
@@ -65,7 +66,7 @@ def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
 
 
 def make_objective(graphdef, loss_chunk: int = 0, mesh=None, aux_loss: AuxLossConfig = AuxLossConfig()):
-    """(params, tokens [batch, seq+1]) -> (what the step differentiates, this batch's metrics).
+    """(params, Batch) -> (what the step differentiates, this batch's metrics).
 
     The loss of `make_loss_fn` with a collector open around the model
     (layers/aux_outputs.py): what the blocks emit becomes metrics, and router
@@ -78,29 +79,31 @@ def make_objective(graphdef, loss_chunk: int = 0, mesh=None, aux_loss: AuxLossCo
     """
     loss_fn = make_loss_fn(graphdef, loss_chunk, mesh)
 
-    def objective(params, tokens_bt):
+    def objective(params, batch: Batch):
         with aux_outputs.collecting() as collected:
-            loss = loss_fn(params, tokens_bt)
+            loss = loss_fn(params, batch)
         weighted, aux_metrics = aux_terms.batch_terms(collected.values, aux_loss)
         metrics = {"loss": loss, **({aux_terms.AUX_METRICS: aux_metrics} if aux_metrics else {})}
         return (loss if weighted is None else loss + weighted), metrics
     return objective
 
 
-def emitted_values(graphdef, params, tokens_bt, mesh=None):
+def emitted_values(graphdef, params, batch: Batch, mesh=None):
     """The structure (ShapeDtypeStructs) of what the model's blocks emit for a batch, traced, nothing run."""
     loss_fn = make_loss_fn(graphdef, mesh=mesh)
 
-    def collect(params, tokens_bt):
+    def collect(params, batch):
         with aux_outputs.collecting() as collected:
-            loss_fn(params, tokens_bt)
+            loss_fn(params, batch)
         return collected.values
-    return jax.eval_shape(collect, params, tokens_bt)
+    return jax.eval_shape(collect, params, batch)
 
 
 def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0, mesh=None,
                     aux_loss: AuxLossConfig = AuxLossConfig()):
-    """(params, opt_state, tokens [batch, seq+1]) -> (params, opt_state, metrics).
+    """(params, opt_state, pending, Batch) -> (params, opt_state, pending, metrics); `pending` is None
+    (the signature of every step, TrainSetup.train_step; the deferred update's step passes a
+    PendingUpdate, recipes/optim/update_in_forward.py).
 
     The step differentiates `make_objective`: the loss plus the auxiliary losses
     `aux_loss` weights. With grad_accum > 1 the batch is split into micro-batches
@@ -115,31 +118,30 @@ def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk:
     objective = make_objective(graphdef, loss_chunk, mesh, aux_loss)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-    def train_step(params, opt_state, tokens_bt):
+    def train_step(params, opt_state, pending: None, batch: Batch):
         if grad_accum == 1:
-            (_, metrics), grads = grad_fn(params, tokens_bt)
+            (_, metrics), grads = grad_fn(params, batch)
         else:
-            # Masked targets: each micro-batch's loss is over the whole step's target count (recipes/train/sft_batch.py).
-            tokens_bt = with_step_denominator(tokens_bt, grad_accum)
-            micro_mbt = jax.tree.map(lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), tokens_bt)
+            # Masked targets: each micro-batch's loss is over the whole step's target count (sft_batch.py).
+            micro = micro_batches(with_step_denominator(batch, grad_accum), grad_accum)
             if host_weights.any_in_host_memory(params):
-                metrics, grads = _accumulate_in_backward(objective, params, micro_mbt)
+                metrics, grads = _accumulate_in_backward(objective, params, micro)
             else:
-                def accumulate(grad_sum, micro_bt):
-                    (_, metrics), grads = grad_fn(params, micro_bt)
+                def accumulate(grad_sum, micro_batch):
+                    (_, metrics), grads = grad_fn(params, micro_batch)
                     return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), grad_sum, grads), metrics
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-                grad_sum, per_micro = jax.lax.scan(accumulate, zeros, micro_mbt)
+                grad_sum, per_micro = jax.lax.scan(accumulate, zeros, micro)
                 grads = jax.tree.map(lambda g: g / grad_accum, grad_sum)
                 metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro)
         params, opt_state, stats = optimizer.update(grads, opt_state, params)
-        return params, opt_state, {**metrics, **stats}
+        return params, opt_state, pending, {**metrics, **stats}
 
     return train_step
 
 
-def _accumulate_in_backward(objective, params, micro_mbt):
+def _accumulate_in_backward(objective, params, micro: Batch):
     """(mean metrics, mean gradients) over micro-batches, the host weights' gradients summed inside each backward.
 
     The float32 sums of host-resident weights stay in host memory and pass
@@ -150,14 +152,14 @@ def _accumulate_in_backward(objective, params, micro_mbt):
     over them at the end (a host computation would write its result to HBM
     first). Device-resident gradients are summed on device as usual.
     """
-    grad_accum = jax.tree.leaves(micro_mbt)[0].shape[0]
+    grad_accum = jax.tree.leaves(micro)[0].shape[0]
     on_host = jax.tree.map(host_weights.in_host_memory, params)
 
-    def micro_step(grad_sum, micro_bt):
+    def micro_step(grad_sum, micro_batch):
         def scaled_objective(differentiated):
             merged = jax.tree.map(lambda p, d, host: host_weights.AccumulatingWeight(p, d) if host else d,
                                   params, differentiated, on_host)
-            value, metrics = objective(merged, micro_bt)
+            value, metrics = objective(merged, micro_batch)
             return value / grad_accum, metrics
 
         differentiated = jax.tree.map(lambda p, s, host: s if host else p, params, grad_sum, on_host)
@@ -176,7 +178,7 @@ def _accumulate_in_backward(objective, params, micro_mbt):
         return host_zeros[p.shape]
 
     zeros = jax.tree.map(zeros_like, params, on_host)
-    grad_sum, per_micro = jax.lax.scan(micro_step, zeros, micro_mbt)
+    grad_sum, per_micro = jax.lax.scan(micro_step, zeros, micro)
     return jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro), grad_sum
 
 
@@ -184,9 +186,22 @@ def make_eval_step(graphdef, mesh=None):
     return make_loss_fn(graphdef, mesh=mesh)
 
 
+def _nothing_to_flush(params, opt_state, pending):
+    """TrainSetup.flush of a step that applies its update itself: nothing is left to apply."""
+    return params, opt_state, pending
+
+
 @dataclasses.dataclass
 class TrainSetup:
-    """Everything built from a recipe before the first step (also what the planner compiles)."""
+    """Everything built from a recipe before the first step (also what the planner compiles).
+
+    One step signature whatever offload.update is: `train_step` (jitted) is
+    (params, opt_state, pending, Batch) -> (params, opt_state, pending, metrics).
+    `pending` is the update a step leaves for the next one's forward pass with
+    offload.update=next_forward (recipes/optim/update_in_forward.py), None
+    otherwise; `flush` applies what is pending (jitted; with nothing deferred,
+    it returns its arguments).
+    """
 
     recipe: Recipe
     mesh: jax.sharding.Mesh
@@ -197,17 +212,18 @@ class TrainSetup:
     opt_state_shardings: object
     batch_sharding: NamedSharding
     train_step: object  # jitted
-    # offload.update=next_forward (recipes/optim/update_in_forward.py): the step takes and returns the
-    # update still pending; `flush` (jitted) applies it; None otherwise.
-    pending_shardings: object = None
-    flush: object = None
+    pending_shardings: object = None   # the PendingUpdate's when the update is deferred
+    flush: object = _nothing_to_flush
 
     @property
     def defers_update(self) -> bool:
-        return self.flush is not None
+        return self.pending_shardings is not None
 
     def nothing_pending(self, params):
-        """The pending update of a run's first step (or one after a resume): nothing to apply."""
+        """The `pending` of a run's first step (or one after a resume): nothing to apply (None when the
+        step applies its own update)."""
+        if not self.defers_update:
+            return None
         return jax.jit(update_in_forward.nothing_pending, out_shardings=self.pending_shardings)(params)
 
 
@@ -234,15 +250,17 @@ def model_maker(recipe: Recipe, seed: int, shardings=None):
 
 
 def setup(recipe: Recipe, mesh=None) -> TrainSetup:
-    """Build the model in its shards and the jitted train step."""
-    check_attention_backend(recipe.execution.attention_impl, jax.default_backend())
+    """Build the model in its shards and the jitted train step.
+
+    The recipe's checks against the model (`check_attention_backend`, `check_aux_loss`) are its callers':
+    the train loop and the planner run them once, before data is prepared (recipes/train/loop.py)."""
     mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
     _, abstract_state = abstract_model(recipe)
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed, param_sh)
     _warn_if_replicated(params, mesh)
-    return _assemble(recipe, mesh, graphdef, params, param_sh, donate_opt_state_ok(), platform=jax.default_backend())
+    return _assemble(recipe, mesh, graphdef, params, param_sh, platform=jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,14 +320,13 @@ def check_aux_loss(recipe: Recipe, graphdef=None, params=None, mesh=None) -> Non
         return
     if graphdef is None:
         graphdef, params = abstract_model(recipe)
-    micro_tokens = jax.ShapeDtypeStruct((recipe.train.global_batch // recipe.train.grad_accum,
-                                         recipe.data.seq_len + 1), jnp.int32)
-    aux_terms.check_emitted(emitted_values(graphdef, params, micro_tokens, mesh), recipe.aux_loss)
+    micro = batch_lib.abstract(recipe.train.global_batch // recipe.train.grad_accum, recipe.data.seq_len)
+    aux_terms.check_emitted(emitted_values(graphdef, params, micro, mesh), recipe.aux_loss)
 
 
 def check_attention_backend(attention_impl: str, backend: str) -> None:
     """cuDNN attention runs on NVIDIA GPUs only: elsewhere, one line that says what to set instead."""
-    if attention_impl == "cudnn" and backend not in ("gpu", "cuda"):
+    if attention_impl == "cudnn" and backend not in xla_settings.GPU_PLATFORMS:
         raise ConfigError(f"execution.attention_impl=cudnn needs an NVIDIA GPU, and this run's backend is "
                           f"{backend}: --set execution.attention_impl=flash (the same memory, written in JAX)")
 
@@ -331,14 +348,14 @@ def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetu
 
     For compiling the train step ahead of time (the planner compiles it for a GPU
     target on a mesh of compile-only devices, recipes/plan/child.py), where an
-    8B model must never be built concretely. `platform` is the target's: it decides
-    donation as donate_opt_state_ok does at run time.
+    8B model must never be built concretely. `platform` is the target's (its XLA
+    settings, whether streamed state is kept in halves).
     """
     graphdef, abstract_state = abstract_model(recipe)
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
     return _assemble(recipe, mesh, graphdef, abstract_with_shardings(abstract_state, param_sh), param_sh,
-                     donate_opt_state_ok(platform), layout_source=abstract_state, platform=platform)
+                     layout_source=abstract_state, platform=platform)
 
 
 def abstract_model(recipe: Recipe):
@@ -346,8 +363,8 @@ def abstract_model(recipe: Recipe):
     return nnx.split(nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(recipe.train.seed))))
 
 
-def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state: bool,
-              layout_source=None, platform: str = "cuda") -> TrainSetup:
+def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=None,
+              platform: str = "cuda") -> TrainSetup:
     """What setup() and abstract_setup() share: optimizer, shardings and the one jitted step.
 
     `platform` (the runtime's, or the target's) decides whether streamed host state is kept in two
@@ -358,7 +375,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     check_batch_split(dict(mesh.shape), recipe.train.global_batch, recipe.train.grad_accum, micro_batches_too=False)
     layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
                            state_memory=recipe.offload.optimizer_state)
-    deferred = recipe.offload.update == "next_forward"
+    deferred = recipe.offload.update == NEXT_FORWARD
     # The same XLA settings wherever this step compiles: a GPU run, and the planner's deviceless compile.
     xla_options = xla_settings.step_compiler_options(platform)
     optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred,
@@ -366,7 +383,6 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
-    check_aux_loss(recipe, graphdef, params, mesh)
     if deferred:
         pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
         objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
@@ -375,7 +391,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
         # over the link. The pending gradients neither: the stacked weights are not read (their masters
         # are), so JAX drops those inputs and would pair the donated gradient buffers, same shapes, with
         # the new weights, which XLA then copies to host memory.
-        donated = _donated(False, param_sh)
+        donated = (0,) if not placement.any_host_sharding(param_sh) else ()
         step = jax.jit(update_in_forward.make_train_step(objective, optimizer),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
@@ -385,38 +401,33 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
                         compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
+    # The params and the optimizer state are donated: the step writes the new ones over the old (host
+    # buffers included, on every platform: JAX pairs a donated buffer only with an output of its own
+    # memory kind; docs/DESIGN.md section 4), so it never holds two copies of the state.
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh,
                                    recipe.aux_loss),
-                   in_shardings=(param_sh, opt_sh, batch_sh),
-                   out_shardings=(param_sh, opt_sh, scalar_sh),
-                   donate_argnums=_donated(donate_opt_state, param_sh), compiler_options=xla_options)
+                   in_shardings=(param_sh, opt_sh, None, batch_sh),
+                   out_shardings=(param_sh, opt_sh, None, scalar_sh),
+                   donate_argnums=STEP_DONATES, compiler_options=xla_options)
     return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step)
 
 
-def _donated(donate_opt_state: bool, param_sh) -> tuple[int, ...]:
-    """The step's donated arguments: params always, except host-resident params where donating host
-    buffers is unsafe (CPU, donate_opt_state_ok), where the optimizer state is not donated either."""
-    if donate_opt_state:
-        return (0, 1)
-    return () if placement.any_host_sharding(param_sh) else (0,)
+STEP_DONATES = (0, 1)   # the step applying its own update donates (params, opt_state)
 
 
 def abstract_step_arguments(s: TrainSetup) -> tuple:
-    """(params, opt_state, tokens) as ShapeDtypeStructs with the step's shardings, for `.lower()`;
-    (params, opt_state, pending, tokens) when the step defers its update (TrainSetup.defers_update).
-
-    Tokens are [global_batch, seq_len + 1] int32, as the loader delivers them.
-    """
+    """(params, opt_state, pending, Batch) as ShapeDtypeStructs with the step's shardings, for `.lower()`
+    (pending: None unless the step defers its update). The batch is [global_batch, seq_len + 1] int32
+    tokens, as the loader delivers them."""
     opt_state = abstract_with_shardings(jax.eval_shape(s.optimizer.init, s.params), s.opt_state_shardings)
-    tokens = jax.ShapeDtypeStruct((s.recipe.train.global_batch, s.recipe.data.seq_len + 1), jnp.int32,
-                                  sharding=s.batch_sharding)
-    if s.defers_update:
-        return s.params, opt_state, _abstract_pending(s), tokens
-    return s.params, opt_state, tokens
+    batch = batch_lib.abstract(s.recipe.train.global_batch, s.recipe.data.seq_len, s.batch_sharding)
+    return s.params, opt_state, _abstract_pending(s), batch
 
 
 def _abstract_pending(s: TrainSetup):
-    """The step's PendingUpdate argument as ShapeDtypeStructs with its shardings (TrainSetup.defers_update)."""
+    """The step's `pending` argument as ShapeDtypeStructs with its shardings (None: nothing deferred)."""
+    if not s.defers_update:
+        return None
     return abstract_with_shardings(jax.eval_shape(update_in_forward.nothing_pending, s.params), s.pending_shardings)
 
 

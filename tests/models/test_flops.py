@@ -36,6 +36,7 @@ from spillway.layers.offload import PRESETS, OffloadPolicy
 from spillway.models.llama import Llama, llama_config
 from spillway.models import flops
 from spillway.recipes.train.step import make_loss_fn
+from spillway.recipes.train.batch import Batch
 
 BATCH, SEQ = 2, 128
 SIZES = dict(vocab_size=512, d_model=256, num_heads=4, num_kv_heads=2, mlp_hidden=768, max_seq_len=256)
@@ -51,7 +52,7 @@ def xla_step_flops(impl: str, remat: str) -> float:
     cfg = llama_config("tiny", num_layers=2, **SIZES)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, execution(impl), rngs=nnx.Rngs(0),
                                                                remat=remat)))
-    tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
+    tokens = Batch(tokens=jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32))
     compiled = jax.jit(jax.value_and_grad(make_loss_fn(graphdef))).lower(params, tokens).compile()
     return compiled.cost_analysis()["flops"]
 

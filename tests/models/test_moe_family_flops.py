@@ -22,6 +22,7 @@ from spillway.models import flops
 from spillway.models.mixtral import Mixtral, mixtral_config
 from spillway.models.qwen3_moe import qwen3_moe_config
 from spillway.recipes.train.step import make_loss_fn
+from spillway.recipes.train.batch import Batch
 
 PRESETS = {**DENSE_PRESETS, **MOE_PRESETS}
 
@@ -73,7 +74,7 @@ TINY = dict(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads
 def xla_step_flops(remat: str) -> float:
     cfg = mixtral_config("tiny", **TINY)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Mixtral(cfg, Execution(), rngs=nnx.Rngs(0), remat=remat)))
-    tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
+    tokens = Batch(tokens=jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32))
     compiled = jax.jit(jax.value_and_grad(make_loss_fn(graphdef))).lower(params, tokens).compile()
     return compiled.cost_analysis()["flops"]
 

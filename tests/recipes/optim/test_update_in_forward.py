@@ -15,6 +15,7 @@ import pytest
 from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
+from spillway.recipes.train.batch import Batch
 from spillway.recipes.train.loop import train
 from tests.recipes.train.test_host_params import batches, small_recipe
 from tests.recipes.train.test_train import data_cache, losses, micro  # noqa: F401 (data_cache: a fixture)
@@ -33,18 +34,16 @@ def twenty_steps(recipe, mesh):
     a deferred update is flushed at the end."""
     s = step_lib.setup(recipe, mesh)
     params, opt_state = s.params, s.optimizer.init(s.params)
-    pending = s.nothing_pending(params) if s.defers_update else None
+    pending = s.nothing_pending(params)
     norms, rates = [], []
     for tokens in batches(recipe):
-        tokens = jax.device_put(tokens, s.batch_sharding)
-        if pending is None:
-            params, opt_state, metrics = s.train_step(params, opt_state, tokens)
-        else:
-            params, opt_state, pending, metrics = s.train_step(params, opt_state, pending, tokens)
+        batch = Batch(tokens=jax.device_put(tokens, s.batch_sharding))
+        params, opt_state, pending, metrics = s.train_step(params, opt_state, pending, batch)
         norms.append(float(metrics["grad_norm"]))
         rates.append(float(metrics["learning_rate"]))
+    params, opt_state, pending = s.flush(params, opt_state, pending)
+    assert (pending is None) == (not s.defers_update)
     if pending is not None:
-        params, opt_state, pending = s.flush(params, opt_state, pending)
         assert not bool(pending.apply)
     as_numpy = lambda tree: jax.tree.map(lambda a: np.asarray(a, np.float32), tree)  # noqa: E731
     return as_numpy(params), as_numpy(s.optimizer.saved_form(opt_state)), norms, rates
@@ -82,8 +81,8 @@ def test_a_step_with_nothing_pending_changes_nothing_but_makes_the_gradients():
     s = step_lib.setup(small_recipe(*ON_HOST, IN_FORWARD), MESHES["one_device"]())
     params, opt_state = s.params, s.optimizer.init(s.params)
     before = jax.tree.map(np.asarray, (params, s.optimizer.saved_form(opt_state)))
-    tokens = jax.device_put(batches(s.recipe)[0], s.batch_sharding)
-    new_params, new_state, pending, metrics = s.train_step(params, opt_state, s.nothing_pending(params), tokens)
+    batch = Batch(tokens=jax.device_put(batches(s.recipe)[0], s.batch_sharding))
+    new_params, new_state, pending, metrics = s.train_step(params, opt_state, s.nothing_pending(params), batch)
     after = jax.tree.map(np.asarray, (new_params, s.optimizer.saved_form(new_state)))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)

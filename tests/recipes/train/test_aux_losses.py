@@ -22,11 +22,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spillway.layers import aux_outputs
 from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import make_mesh
-from spillway.recipes.optim.host_memory import donate_opt_state_ok
 from spillway.recipes.optim.schedule import make_schedule
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import aux_terms
 from spillway.recipes.train import step as step_lib
+from spillway.recipes.train.batch import Batch
 from spillway.recipes.train.step import make_loss_fn
 
 import moe_test_blocks
@@ -62,17 +62,14 @@ def run_steps(r, n=STEPS):
     step's metrics, the TrainSetup)."""
     s = step_lib.setup(r, one_device())
     params, opt_state = s.params, s.optimizer.init(s.params)
-    pending = s.nothing_pending(params) if s.defers_update else None
+    pending = s.nothing_pending(params)
     history = [jax.tree.map(np.array, params)]
     for tokens in batches(n):
-        if pending is None:
-            params, opt_state, metrics = s.train_step(params, opt_state, tokens)
-        else:
-            params, opt_state, pending, metrics = s.train_step(params, opt_state, pending, tokens)
+        params, opt_state, pending, metrics = s.train_step(params, opt_state, pending, Batch(tokens=tokens))
         history.append(jax.tree.map(np.array, params))
-    if pending is not None:   # the last update is still pending: what the run applies before a save
-        params, opt_state, pending = s.flush(params, opt_state, pending)
-        history[-1] = jax.tree.map(np.array, params)
+    # the last update may still be pending (offload.update=next_forward): what the run applies before a save
+    params, opt_state, pending = s.flush(params, opt_state, pending)
+    history[-1] = jax.tree.map(np.array, params)
     return history, metrics, s
 
 
@@ -202,14 +199,15 @@ def test_a_model_that_emits_nothing_compiles_the_step_it_compiled_before(grad_ac
     loss_fn = make_loss_fn(s.graphdef, s.recipe.train.loss_chunk, s.mesh)
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def train_step(params, opt_state, tokens_bt):
+    def train_step(params, opt_state, pending, batch):
         if grad_accum == 1:
-            loss, grads = grad_fn(params, tokens_bt)
+            loss, grads = grad_fn(params, batch)
         else:
+            tokens_bt = batch.tokens
             micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
 
             def accumulate(grad_sum, micro_bt):
-                loss, grads = grad_fn(params, micro_bt)
+                loss, grads = grad_fn(params, Batch(tokens=micro_bt))
                 return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), grad_sum, grads), loss
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -217,12 +215,13 @@ def test_a_model_that_emits_nothing_compiles_the_step_it_compiled_before(grad_ac
             grads = jax.tree.map(lambda g: g / grad_accum, grad_sum)
             loss = jnp.mean(losses)
         params, opt_state, stats = s.optimizer.update(grads, opt_state, params)
-        return params, opt_state, {"loss": loss, **stats}
+        return params, opt_state, pending, {"loss": loss, **stats}
 
     args = step_lib.abstract_step_arguments(s)
-    before = jax.jit(train_step, in_shardings=(s.param_shardings, s.opt_state_shardings, s.batch_sharding),
-                     out_shardings=(s.param_shardings, s.opt_state_shardings, NamedSharding(s.mesh, PartitionSpec())),
-                     donate_argnums=step_lib._donated(donate_opt_state_ok("cpu"), s.param_shardings))
+    before = jax.jit(train_step, in_shardings=(s.param_shardings, s.opt_state_shardings, None, s.batch_sharding),
+                     out_shardings=(s.param_shardings, s.opt_state_shardings, None,
+                                    NamedSharding(s.mesh, PartitionSpec())),
+                     donate_argnums=(0, 1))
     assert s.train_step.lower(*args).as_text() == before.lower(*args).as_text()
 
 
@@ -241,14 +240,18 @@ def test_any_emitted_value_reaches_the_metrics():
 
 @pytest.mark.parametrize("block, says", [(None, "its blocks emit nothing"),
                                          ("EmitsResidualScale", "it emits only ['resid_scale']")])
-def test_a_coefficient_on_a_model_without_router_statistics_is_an_error(block, says):
-    """Raised by the step's setup, and before data is prepared by the train loop and the planner (both call
-    check_aux_loss on the recipe alone); the MoE block with the same coefficient passes."""
-    bad = recipe(block, "aux_loss.router_z=0.001")
+def test_a_coefficient_on_a_model_without_router_statistics_is_an_error(block, says, tmp_path):
+    """Raised once, before data is prepared or the run directory taken, by the train loop and the planner
+    (both call check_aux_loss on the recipe alone); the MoE block with the same coefficient passes."""
+    from spillway.recipes.train.loop import train
+
+    bad = recipe(block, "aux_loss.router_z=0.001", f"checkpoint.dir={tmp_path / 'run'}")
     message = (r"aux_loss.router_z=0.001 weights router statistics, but this model has no MoE layer "
                rf"\({re.escape(says)}\)")
+    said = []
     with pytest.raises(ConfigError, match=message):
-        step_lib.abstract_setup(bad, one_device(), platform="cpu")
+        train(bad, echo=said.append, progress=False)
+    assert said == [] and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match=message):
         step_lib.check_aux_loss(bad)
     step_lib.check_aux_loss(recipe("Dropless", "aux_loss.router_z=0.001"))

@@ -88,7 +88,8 @@ def test_rows_become_targets_inside_each_example_and_positions_restart():
     text = batch_from_rows(np.array([[4, 2, 5, 6, 2, 7]]), document_mask=True, eos_id=2)   # text: cut after EOS
     np.testing.assert_array_equal(text.segment_ids, [[1, 1, 2, 2, 2]])
     np.testing.assert_array_equal(text.loss_mask, [[1, 0, 1, 1, 0]])
-    assert isinstance(batch_from_rows(np.array([[4, 2, 5]]), document_mask=False), np.ndarray)
+    plain = batch_from_rows(np.array([[4, 2, 5]]), document_mask=False)   # the tokens alone: the text program
+    assert isinstance(plain.tokens, np.ndarray) and plain[1:] == (None,) * 4
 
 
 def test_accumulated_micro_batches_give_the_mean_over_all_the_steps_targets_and_none_is_not_nan():

@@ -26,6 +26,7 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.host_weights import is_expert_weight
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
+from spillway.recipes.train.batch import Batch
 
 STEPS = 20
 EXPERTS_ON_HOST = ("offload.params=experts", "offload.optimizer_state=host")
@@ -55,7 +56,8 @@ def batches(recipe, count: int = STEPS):
 def train(s, params, opt_state, tokens):
     norms = []
     for t in tokens:
-        params, opt_state, stats = s.train_step(params, opt_state, jax.device_put(t, s.batch_sharding))
+        batch = Batch(tokens=jax.device_put(t, s.batch_sharding))
+        params, opt_state, _, stats = s.train_step(params, opt_state, None, batch)
         norms.append(float(stats["grad_norm"]))
     return params, opt_state, norms
 
@@ -101,7 +103,7 @@ def test_only_the_experts_and_their_state_live_in_host_memory(experts_setup):
 def test_expert_gradients_come_back_in_host_memory_and_the_rest_on_device(experts_setup):
     recipe, s = experts_setup
     loss_fn = step_lib.make_loss_fn(s.graphdef)
-    traced = jax.make_jaxpr(jax.grad(loss_fn), return_shape=True)(s.params, batches(recipe, 1)[0])[0]
+    traced = jax.make_jaxpr(jax.grad(loss_fn), return_shape=True)(s.params, Batch(tokens=batches(recipe, 1)[0]))[0]
     variables = jax.tree.leaves(s.params, is_leaf=lambda x: hasattr(x, "get_metadata"))
     spaces = {(is_expert_weight(v.get_metadata().get("logical_axes")), str(aval.memory_space))
               for v, aval in zip(variables, traced.out_avals, strict=True)}

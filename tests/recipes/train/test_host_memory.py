@@ -18,6 +18,7 @@ from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import host_memory
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.checkpoint import RunCheckpointer
+from spillway.recipes.train.batch import Batch
 
 GiB = 2**30
 
@@ -53,7 +54,7 @@ def test_the_step_donates_host_state_on_cpu_and_matches_the_state_on_device():
         params, opt_state = s.params, s.optimizer.init(s.params)
         for batch in tokens(recipe, s, 3):
             before = jax.tree.leaves(opt_state)
-            params, opt_state, _ = s.train_step(params, opt_state, batch)
+            params, opt_state, _, _ = s.train_step(params, opt_state, None, Batch(tokens=batch))
             assert all(leaf.is_deleted() for leaf in before), memory
         results[memory] = as_numpy((params, s.optimizer.saved_form(opt_state)))
         if memory == "host":
@@ -65,7 +66,7 @@ def test_the_step_donates_host_state_on_cpu_and_matches_the_state_on_device():
 def _trained(recipe, s, n=2):
     params, opt_state = s.params, s.optimizer.init(s.params)
     for batch in tokens(recipe, s, n):
-        params, opt_state, _ = s.train_step(params, opt_state, batch)
+        params, opt_state, _, _ = s.train_step(params, opt_state, None, Batch(tokens=batch))
     return params, opt_state
 
 
@@ -108,8 +109,9 @@ def test_a_checkpoint_saved_with_the_halved_state_restores_into_todays_cpu_run(t
         params, opt_state = host_memory.restore_state(ckpt, today, today.params)
     reference_params, reference_state = today.params, today.optimizer.init(today.params)
     for batch in tokens(recipe, today, 2):
-        params, opt_state, _ = today.train_step(params, opt_state, batch)
-        reference_params, reference_state, _ = today.train_step(reference_params, reference_state, batch)
+        params, opt_state, _, _ = today.train_step(params, opt_state, None, Batch(tokens=batch))
+        reference_params, reference_state, _, _ = today.train_step(reference_params, reference_state, None,
+                                                                   Batch(tokens=batch))
     for a, b in zip(jax.tree.leaves(as_numpy(params)), jax.tree.leaves(as_numpy(reference_params))):
         np.testing.assert_array_equal(a, b)
 

@@ -17,6 +17,7 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import step as step_lib
+from spillway.recipes.train.batch import Batch
 
 STEPS = 20
 LAYERS = 3
@@ -44,7 +45,8 @@ def train_steps(recipe, mesh):
     opt_state = s.optimizer.init(params)
     norms = []
     for tokens in batches(recipe):
-        params, opt_state, stats = s.train_step(params, opt_state, jax.device_put(tokens, s.batch_sharding))
+        batch = Batch(tokens=jax.device_put(tokens, s.batch_sharding))
+        params, opt_state, _, stats = s.train_step(params, opt_state, None, batch)
         norms.append(float(stats["grad_norm"]))
     # Host and device arrays cannot meet in one op (docs/DESIGN.md section 4): compare as NumPy.
     return jax.tree.map(np.asarray, params), norms, s, params, opt_state
@@ -123,7 +125,7 @@ def test_block_gradients_come_back_in_host_memory():
     s = step_lib.setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     loss_fn = step_lib.make_loss_fn(s.graphdef)
     tokens = batches(recipe)[0]
-    traced = jax.make_jaxpr(jax.grad(loss_fn), return_shape=True)(s.params, tokens)[0]
+    traced = jax.make_jaxpr(jax.grad(loss_fn), return_shape=True)(s.params, Batch(tokens=tokens))[0]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s.params)[0]]
     spaces = {p: str(aval.memory_space) for p, aval in zip(paths, traced.out_avals)}
     assert {v for k, v in spaces.items() if "blocks" in k} == {"MemorySpace.Host"}, spaces
@@ -155,7 +157,7 @@ def test_checkpoint_restores_host_params_into_host_memory_and_resumes_exactly(tm
     params, opt_state = s.params, s.optimizer.init(s.params)
     tokens = [jax.device_put(t, s.batch_sharding) for t in batches(recipe)[:4]]
     for t in tokens[:2]:
-        params, opt_state, _ = s.train_step(params, opt_state, t)
+        params, opt_state, _, _ = s.train_step(params, opt_state, None, Batch(tokens=t))
     with RunCheckpointer(tmp_path / "run", keep=2, every_steps=1, async_save=False) as ckpt:
         ckpt.save(2, params=params, opt_state=s.optimizer.saved_form(opt_state), loader_state={}, meta={"step": 2},
                   recipe_json="{}", force=True)
@@ -165,7 +167,7 @@ def test_checkpoint_restores_host_params_into_host_memory_and_resumes_exactly(tm
     restored_state = s.optimizer.from_saved_form(restored["opt_state"])
     assert stacked_kinds(restored_params) == ({"pinned_host"}, {"device"})
     for t in tokens[2:]:
-        params, opt_state, _ = s.train_step(params, opt_state, t)
-        restored_params, restored_state, _ = s.train_step(restored_params, restored_state, t)
+        params, opt_state, _, _ = s.train_step(params, opt_state, None, Batch(tokens=t))
+        restored_params, restored_state, _, _ = s.train_step(restored_params, restored_state, None, Batch(tokens=t))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -28,6 +28,7 @@ from spillway.recipes.train import aux_terms
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.loop import train
 from spillway.recipes.train.metrics import RunLogger, read_metrics
+from spillway.recipes.train.batch import Batch
 
 import moe_test_blocks
 
@@ -84,7 +85,7 @@ def layer_mean_load_max(coefficient: float, steps: int = 40) -> tuple[float, flo
     params, opt_state = s.params, s.optimizer.init(s.params)
     worst, losses = [], []
     for tokens in zipf_batches(steps):
-        params, opt_state, metrics = s.train_step(params, opt_state, tokens)
+        params, opt_state, _, metrics = s.train_step(params, opt_state, None, Batch(tokens=tokens))
         worst.append(max(aux_terms.logged(metrics[aux_terms.AUX_METRICS])["moe/load"]) * E)
         losses.append(float(metrics["loss"]))
     return float(np.mean(worst[-10:])), losses[0], losses[-1]
