@@ -34,6 +34,8 @@ import os
 import sys
 import time
 
+from spillway.recipes.targets import DEFAULT_GPU
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 GiB = 2**30
@@ -59,7 +61,7 @@ HEADER = ("| family | model | params | recompute_all / opt device: HBM GiB | ste
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--gpu", default=DEFAULT_GPU)
     parser.add_argument("--recipes", default=",".join(name for name, _, _ in ROWS),
                         help="comma-separated subset of the rows' recipes")
     parser.add_argument("--workers", type=int, default=None, help="compile processes at once (planner default)")

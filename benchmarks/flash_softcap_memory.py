@@ -30,6 +30,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
 VARIANTS = {"plain": dict(), "softcap": dict(softcap=50.0), "softcap_window": dict(softcap=50.0, traced_window=4096),
@@ -38,7 +39,7 @@ VARIANTS = {"plain": dict(), "softcap": dict(softcap=50.0), "softcap_window": di
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/flash_softcap_memory.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="h200")
+    parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)

@@ -23,6 +23,8 @@ import argparse
 import json
 import sys
 
+from spillway.recipes.targets import DEFAULT_GPU
+
 GiB = 2**30
 STEP = ["data.seq_len=8192", "train.global_batch=8", "train.grad_accum=8", "model.max_seq_len=131072"]
 MODELS = {
@@ -48,7 +50,7 @@ def measure(names: list[str], search: bool) -> dict:
     out = {}
     for name in names:
         recipe = _recipe(name)
-        table = planner.plan(recipe, "h200", 1, workers=1, prune=False,
+        table = planner.plan(recipe, DEFAULT_GPU, 1, workers=1, prune=False,
                              plans=[Candidate.of(a, o) for a, o in PLANS])
         rows = [{"plan": f"{r.candidate.activations} / opt {r.candidate.optimizer_state}",
                  "hbm_gib": None if r.report is None else r.report["hbm_bytes"] / GiB,
@@ -57,14 +59,14 @@ def measure(names: list[str], search: bool) -> dict:
         entry = {"params": recipe.num_params(), "layers": recipe.model.num_layers, "rows": rows,
                  "pick": None if table.picked is None else table.picked.candidate.label}
         if search:
-            searched = planner.plan(recipe, "h200", 1, workers=1, prune=False, search="seq_len",
+            searched = planner.plan(recipe, DEFAULT_GPU, 1, workers=1, prune=False, search="seq_len",
                                     plans=[Candidate.of(a, o) for a, o in SEARCHED])
             entry["longest_seq_len"] = {f"{r['activations']} / opt {r['optimizer_state']}": r["best"]
                                         for r in searched.search["results"]}
         seconds = {}
         for layers in (recipe.model.num_layers // 4, recipe.model.num_layers):
             shallow = _recipe(name, [f"model.num_layers={layers}"])
-            timed = planner.plan(shallow, "h200", 1, workers=1, prune=False,
+            timed = planner.plan(shallow, DEFAULT_GPU, 1, workers=1, prune=False,
                                  plans=[Candidate.of("recompute_all", "device")])
             seconds[layers] = timed.rows[0].compile_s
         entry["compile_seconds"] = seconds

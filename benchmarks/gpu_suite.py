@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from spillway.recipes.targets import DEFAULT_GPU
+
 PREDICTIONS = Path(__file__).with_name("gpu_predictions.json")
 SEQ_LEN = 8192
 
@@ -116,7 +118,7 @@ DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cud
                  "8b/recompute_all/host/cudnn", "1b/recompute_all/host/cudnn", "1b/recompute_all/host_in_fwd/cudnn")
 # The GPU machine: one H200, 128 GiB of host RAM, 16 cores.
 HOST_RAM_BYTES = 128 * 2**30
-GPU_TARGET = "h200"
+GPU_TARGET = DEFAULT_GPU
 # Most time per case goes to compiling and to 8B host-state steps (seconds each).
 CASE_TIMEOUT_S = 150.0
 LARGE_PARAMS = 3e9   # above this, fewer steps are timed
@@ -245,6 +247,7 @@ def fit_case(name: str, prediction: dict, host_ram_bytes: int = HOST_RAM_BYTES, 
     checkpoint; recipes/train/host_memory.py) against the host's RAM. Run with JAX on the CPU."""
     import jax
 
+    from spillway.layers.mesh import MeshConfig
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.targets import get_target
     from spillway.recipes.registry import get_recipe
@@ -253,7 +256,7 @@ def fit_case(name: str, prediction: dict, host_ram_bytes: int = HOST_RAM_BYTES, 
 
     case = case or CASES[name]
     recipe = get_recipe(case.recipe, case_overrides(case))
-    s = abstract_setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]), platform="cuda")
+    s = abstract_setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]), platform="cuda")
     phases = phases_of(s, step_host=prediction.get("host_bytes"), gpu=True, per_device=True).by_phase()
     phase, host_peak = max(((p, phases[p]) for p in ("state creation", "step")), key=lambda item: item[1])
     hbm_limit = 0.9 * get_target(GPU_TARGET).hbm_bytes

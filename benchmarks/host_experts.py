@@ -35,6 +35,8 @@ import json
 import os
 import sys
 
+from spillway.recipes.targets import DEFAULT_GPU
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 GiB = 2**30
@@ -82,7 +84,7 @@ def measure(args) -> dict:
     recipe = qwen3_30b_a3b_shaped(args.layers, args.dispatch, args.micro_batch, args.grad_accum, args.activations)
     names = args.placements.split(",") if args.placements else list(PLACEMENTS)
     plans = [Candidate.of(args.activations, *PLACEMENTS[name]) for name in names]
-    result = planner.plan(recipe, "h200", 1, plans=plans, prune=False, workers=args.workers)
+    result = planner.plan(recipe, DEFAULT_GPU, 1, plans=plans, prune=False, workers=args.workers)
     rows = {}
     for name, row in zip(names, result.rows, strict=True):
         entry = row.to_dict()

@@ -29,6 +29,7 @@ import argparse
 import sys
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process
+from spillway.recipes.targets import DEFAULT_GPU
 
 CONFIGS = {
     "host": ["offload.optimizer_state=host"],
@@ -94,7 +95,7 @@ def compile_config(config: str, extra: list[str], target: str) -> dict:
 
 def measure(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="h200")
+    parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--set", nargs="*", default=[])
     parser.add_argument("--json", action="store_true")

@@ -99,13 +99,14 @@ def _child(config: str, role: str, checkpoint_dir: str, extra: list[str]) -> dic
         import jax.numpy as jnp
         import numpy as np
         jax.block_until_ready(jnp.zeros(()))
+    from spillway.layers.mesh import MeshConfig
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.train.batch import Batch
     from spillway.recipes.train.checkpoint import RunCheckpointer
     from spillway.recipes.train.step import setup
 
     recipe = _recipe(config, extra)
-    mesh = make_mesh(1, 1, 1)
+    mesh = make_mesh(MeshConfig(1, 1, 1))
     with meter.phase("model"):
         s = setup(recipe, mesh)
         params = jax.block_until_ready(s.params)

@@ -47,6 +47,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
 PLACEMENTS = {
@@ -108,7 +109,7 @@ def layer_weight_bytes(recipe, experts_only: bool = False) -> tuple[int, int]:
 
 def measure(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="h200")
+    parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--activations", default="recompute_all")

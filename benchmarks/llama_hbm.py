@@ -42,6 +42,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process  # noqa: E402  (imports no JAX)
+from spillway.recipes.targets import DEFAULT_GPU
 
 GiB = 2**30
 GB = 10**9
@@ -53,7 +54,7 @@ SEARCH_HEADER = (f"{'activations / optimizer state':40s} {'longest':>8s} {'HBM t
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="llama3_8b")
-    parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--gpu", default=DEFAULT_GPU)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
     import jax
 
     from spillway.layers.offload import PRESETS
+    from spillway.layers.mesh import MeshConfig
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.plan.candidates import planned_recipe
     from spillway.recipes.plan.toolchain import compiler_options
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
     overrides = [f"model.max_seq_len={max(args.max_seq, args.seq)}", f"data.seq_len={args.seq}",
                  f"train.global_batch={args.batch}", "train.grad_accum=1", *args.set]   # one micro-batch
     recipe, warnings = planned_recipe(get_recipe(args.recipe, overrides))
-    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor,
+    mesh = make_mesh(recipe.mesh,
                      devices=gpu_topology(target, 1).devices)
     options = None if args.full_codegen else compiler_options()
     state_bytes = optimizer_state_bytes(recipe)
@@ -255,7 +257,7 @@ def main(argv=None) -> int:
             per_gpu = get_recipe(args.recipe, overrides + ["model.num_layers=4", f"train.global_batch={n}",
                                                            "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"])
             per_gpu, _ = planned_recipe(per_gpu)
-            gpus = make_mesh(1, -1, 1, devices=gpu_topology(target, n).devices)
+            gpus = make_mesh(MeshConfig(1, -1, 1), devices=gpu_topology(target, n).devices)
             report, _ = compile_step(with_offload(per_gpu, "save_all", "device"), gpus, options)
             print(report_line(f"{n} x {target.name}", report), flush=True)
 

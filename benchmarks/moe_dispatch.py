@@ -31,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
 CHECKS = ("layer", "stack", "ragged_dot")
@@ -39,7 +40,7 @@ STACK_PRESETS = ("recompute_all", "moe_save_dots", "moe_offload_experts", "moe_o
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="h200")
+    parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--checks", default=",".join(CHECKS))
     parser.add_argument("--tokens", type=int, default=8192, help="tokens of the layer check")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (a capacity group)")

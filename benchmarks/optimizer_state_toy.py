@@ -43,6 +43,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.targets import DEFAULT_GPU
 
 GiB = 2**30
 
@@ -116,7 +117,6 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
     from spillway.recipes.plan import compile as aot
     from spillway.recipes.plan import hlo
     from spillway.recipes.optim.config import OptimizerConfig
-    from spillway.recipes.optim.host_memory import donate_opt_state_ok
     from spillway.recipes.optim.layouts import LeafLayout
     from spillway.recipes.optim.optimizer import Optimizer
 
@@ -136,8 +136,7 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
     def step(params, grads, opt_state):
         return opt.update(grads, opt_state, params)
 
-    donate = (0, 2) if donate_opt_state_ok("cuda") else (0,)
-    jitted = jax.jit(step, donate_argnums=donate, out_shardings=(param_sh, state_sh, None))
+    jitted = jax.jit(step, donate_argnums=(0, 2), out_shardings=(param_sh, state_sh, None))
     report = aot.compile_report(jitted, params, grads, abstract_state, keep_hlo_text=True)
     init_report = aot.compile_report(jax.jit(opt.init, out_shardings=state_sh), params)
     overlapped, prefetches = prefetch_overlap(report.hlo_text)
@@ -149,7 +148,7 @@ def compile_variant(variant: Variant, mesh, shape) -> dict:
 
 def measure(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="h200")
+    parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--d-model", type=int, default=4096)
     parser.add_argument("--d-ff", type=int, default=14336)

@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from spillway.recipes.targets import DEFAULT_GPU
+
 PREDICTIONS = Path(__file__).with_name("recipe_picks_predicted.json")
 MICRO_BATCHES = 2
 
@@ -34,7 +36,7 @@ def cases() -> dict[str, tuple[str, list[str]]]:
     out = {}
     for name in recipe_names():
         recipe = get_recipe(name)
-        if recipe.offload.target_gpu != "h200" or recipe.offload.target_devices != 1:
+        if recipe.offload.target_gpu != DEFAULT_GPU or recipe.offload.target_devices != 1:
             continue
         micro = recipe.train.global_batch // recipe.train.grad_accum
         out[name] = (name, [f"train.global_batch={MICRO_BATCHES * micro}", f"train.grad_accum={MICRO_BATCHES}"])
@@ -60,7 +62,7 @@ def does_not_fit_the_gpu_machine(name: str) -> str | None:
 
 def predict() -> None:
     from spillway.recipes.plan.commands import predict_cases
-    PREDICTIONS.write_text(json.dumps(predict_cases(cases(), gpu="h200"), indent=2, sort_keys=True) + "\n")
+    PREDICTIONS.write_text(json.dumps(predict_cases(cases(), gpu=DEFAULT_GPU), indent=2, sort_keys=True) + "\n")
     print(f"wrote {PREDICTIONS}")
 
 

@@ -39,10 +39,11 @@ def _worker(process_id: int, port: int, steps: int, size: int) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from spillway.layers.mesh import MeshConfig
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.train.distributed import StopVote
 
-    mesh = make_mesh(1, -1, 1)
+    mesh = make_mesh(MeshConfig(1, -1, 1))
     batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
     local = np.ones((4 // jax.process_count() * 8, size), np.float32)
     x = jax.make_array_from_process_local_data(batch_sharding, local)

@@ -41,6 +41,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process  # noqa: E402
+from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
 VARIANTS = ("sliced", "prefetched")
@@ -165,7 +166,7 @@ def measure(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="h200")
+    parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=4096)

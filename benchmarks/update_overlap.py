@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from spillway.recipes.plan.subprocess_runner import serve_compile_process  # noqa: E402
+from spillway.recipes.targets import DEFAULT_GPU
 
 GiB = 2**30
 
@@ -36,7 +37,7 @@ GiB = 2**30
 def measure(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="llama3_8b")
-    parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--gpu", default=DEFAULT_GPU)
     parser.add_argument("--plan", default="recompute_all")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--json", action="store_true")
@@ -57,7 +58,7 @@ def measure(argv: list[str]) -> dict:
     recipe, _ = planned_recipe(recipe)
     target = get_target(args.gpu)
     topology = gpu_topology(target, 1)
-    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor, devices=topology.devices)
+    mesh = make_mesh(recipe.mesh, devices=topology.devices)
     started = time.perf_counter()
     s = abstract_setup(recipe, mesh, platform="cuda")
     compiled = s.train_step.lower(*abstract_step_arguments(s)).compile(

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process
+from spillway.recipes.targets import DEFAULT_GPU
 
 MODEL = ["model.vocab_size=32000", "model.d_model=512", "model.num_layers=8", "model.num_heads=8",
          "model.num_kv_heads=8", "model.mlp_hidden=2048", "model.max_seq_len=1024", "data.seq_len=1024",
@@ -53,7 +54,7 @@ def copies_across_compute(hlo_text: str) -> tuple[int, int]:
 
 def measure(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="h200")
+    parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--set", nargs="*", default=[])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

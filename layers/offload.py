@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import jax
 
 from spillway.layers import names
-from spillway.layers.memory import Memory
+from spillway.layers.memory import PINNED_HOST, Memory
 
 
 class Placement(str, enum.Enum):
@@ -105,12 +105,12 @@ class OffloadPolicy:
                 return base
             offload = cp.save_and_offload_only_these_names(
                 names_which_can_be_saved=[], names_which_can_be_offloaded=offloaded,
-                offload_src="device", offload_dst="pinned_host")
+                offload_src=Memory.DEVICE.value, offload_dst=PINNED_HOST)
             return cp.save_from_both_policies(base, offload)
         if offloaded:
             return cp.save_and_offload_only_these_names(
                 names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
-                offload_src="device", offload_dst="pinned_host")
+                offload_src=Memory.DEVICE.value, offload_dst=PINNED_HOST)
         return cp.save_only_these_names(*saved)
 
     def describe(self) -> str:

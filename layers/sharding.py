@@ -61,10 +61,11 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh; one axis may be -1 (filled from the device count, layers/mesh.py)."""
+def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
+    """The ("data", "fsdp", "tensor") mesh of `config` (a recipe's `mesh`) over `devices` (default: all);
+    one axis may be -1, filled from the device count (layers/mesh.py)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = MeshConfig(data, fsdp, tensor).resolve(len(devices))
+    sizes = config.resolve(len(devices))
     return Mesh(np.asarray(devices).reshape([sizes[axis] for axis in MESH_AXES]), MESH_AXES)
 
 

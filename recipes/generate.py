@@ -22,6 +22,7 @@ from flax import nnx
 
 from spillway.data import load_tokenizer, tokenizer_file_in
 from spillway.layers.errors import ConfigError
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.recipes.config import Recipe
 from spillway.recipes.sampling import generate
@@ -90,7 +91,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     if run_dir is None or tokenizer_file_in(run_dir) is None:
         raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.json or "
                                 f"tokenizer.model beside its checkpoints/ folder)")
-    mesh = make_mesh(1, -1, 1, devices=jax.devices()[:1])
+    mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     built = {}
 
     def target_of(recipe: Recipe):

@@ -23,23 +23,6 @@ def host_memory_available(device: jax.Device | None = None) -> bool:
         return False
 
 
-def donate_opt_state_ok(platform: str | None = None) -> bool:
-    """Whether the train step may donate the optimizer state: on every platform, CPU included.
-
-    Donated, the step writes the new state over the old one (each host input
-    aliases its host output), so a step never holds two copies of the state.
-    It used to be False on CPU: a donated pinned_host buffer that XLA aliased
-    to a device-memory output of the same shape aborted the process there.
-    JAX 0.10.2 pairs a donated buffer only with an output of its own memory
-    kind (it warns "Some donated buffers were not usable: float32<host>" and
-    copies instead), and the train step with host state, donated, runs on CPU
-    (tests/recipes/train/test_host_memory.py; docs/DESIGN.md section 4). `platform`
-    is kept for callers that pass the target's.
-    """
-    del platform
-    return True
-
-
 def host_ram_bytes() -> int | None:
     """This host's RAM from /proc/meminfo, or None where there is none (not Linux)."""
     try:

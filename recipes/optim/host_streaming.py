@@ -30,6 +30,7 @@ from jax import lax
 
 from spillway.layers import jax_compat
 from spillway.layers.host_weights import in_host_memory
+from spillway.layers.memory import Memory
 
 # Largest piece of a non-stacked leaf streamed through HBM, in elements: 64 Mi
 # elements is 256 MiB per fp32 state array, about one layer of the largest
@@ -430,7 +431,7 @@ def tree_nbytes_by_memory_kind(tree: Any, per_process: bool = True) -> dict[str,
         sharding = getattr(leaf, "sharding", None)
         itemsize = jnp.dtype(leaf.dtype).itemsize
         nbytes = math.prod(leaf.shape) * itemsize
-        kind = (sharding.memory_kind if sharding is not None else None) or "device"
+        kind = (sharding.memory_kind if sharding is not None else None) or Memory.DEVICE.value
         if per_process and sharding is not None:
             try:
                 devices = sharding.addressable_devices

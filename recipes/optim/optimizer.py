@@ -52,7 +52,7 @@ class Optimizer:
         state_sh = opt.state_shardings(param_shardings)
         check_host_memory(opt.host_bytes(opt.abstract_state(params, param_shardings)))
         opt_state = jax.jit(opt.init, out_shardings=state_sh)(params)
-        step = jax.jit(train_step, donate_argnums=... if donate_opt_state_ok() else ...)
+        step = jax.jit(train_step, donate_argnums=(0, 1))   # params, opt_state
         # in train_step: params, opt_state, stats = opt.update(grads, opt_state, params)
     """
 

@@ -281,7 +281,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     options = request.get("compiler_options")
     try:
         topology = gpu_topology(request["target"], request["devices"])
-        mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor, devices=topology.devices)
+        mesh = make_mesh(recipe.mesh, devices=topology.devices)
     except ValueError as error:
         return {"error": str(error)}
     ready = time.perf_counter()

@@ -42,11 +42,13 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from spillway.layers.memory import PINNED_HOST, Memory
 from spillway.recipes.plan import hlo, plugin
 from spillway.recipes.targets import GpuTarget, get_target
 
-DEVICE_MEMORY = "device"
-HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+DEVICE_MEMORY = Memory.DEVICE.value
+UNPINNED_HOST = "unpinned_host"   # XLA's pageable host memory kind (no setting names it)
+HOST_MEMORY_KINDS = (PINNED_HOST, UNPINNED_HOST)
 
 
 class CompilerPluginNotLoaded(RuntimeError):
@@ -112,9 +114,9 @@ def normalize_memory_kind(memory_kind: Any) -> str | None:
         return None
     name = getattr(memory_kind, "name", memory_kind)   # jax.memory.Space member
     name = str(name).lower()
-    if name in ("host", "pinned_host"):
-        return "pinned_host"
-    if name in (DEVICE_MEMORY, "unpinned_host"):
+    if name in (Memory.HOST, PINNED_HOST):
+        return PINNED_HOST
+    if name in (DEVICE_MEMORY, UNPINNED_HOST):
         return name
     raise ValueError(f"unknown memory kind {memory_kind!r}; use 'device', 'pinned_host' "
                      f"or 'unpinned_host'")

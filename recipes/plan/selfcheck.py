@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from spillway.recipes.plan import plugin
 from spillway.recipes.plan.compile import abstract_array, compile_only_mesh, compile_report, on_compile_mesh
 from spillway.recipes.plan.subprocess_runner import serve_compile_process
-from spillway.recipes.targets import target_names
+from spillway.recipes.targets import DEFAULT_GPU, target_names
 
 CHECKS = ("policies", "sharded", "host_arguments", "targets")
 HIDDEN_NAME = "mlp_hidden"
@@ -44,7 +44,7 @@ HIDDEN_NAME = "mlp_hidden"
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m spillway.recipes.plan.selfcheck",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="h200", help="GPU target of the main checks")
+    parser.add_argument("--target", default=DEFAULT_GPU, help="GPU target of the main checks")
     parser.add_argument("--checks", default=",".join(CHECKS),
                         help=f"comma-separated subset of {', '.join(CHECKS)}")
     parser.add_argument("--tokens", type=int, default=2048)

@@ -44,6 +44,7 @@ import math
 import jax
 
 from spillway.layers.errors import SpillwayError
+from spillway.layers.memory import PINNED_HOST, Memory
 
 GiB = 2**30
 # The process's own resident memory on a GPU machine before any state: JAX, the CUDA runtime, cuDNN and
@@ -140,7 +141,7 @@ def _bytes_by_kind(tree, per_device: bool = False) -> dict[str, int]:
     totals: dict[str, int] = {}
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape)
-        kind = leaf.sharding.memory_kind or "device"
+        kind = leaf.sharding.memory_kind or Memory.DEVICE.value
         totals[kind] = totals.get(kind, 0) + math.prod(shape) * leaf.dtype.itemsize
     return totals
 
@@ -155,24 +156,21 @@ def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, 
     the planner's figures, with a compiled step's per-GPU host bytes) instead of this process's.
     """
     from spillway.recipes.train import step as train_step
-    from spillway.layers.memory import PINNED_HOST
 
     opt = s.optimizer
     abstract_state = opt.abstract_state(s.params, s.param_shardings)
     state = _bytes_by_kind(abstract_state, per_device).get(PINNED_HOST, 0)
     halved = _bytes_by_kind(opt.halved_part(abstract_state), per_device).get(PINNED_HOST, 0)
     weights = _bytes_by_kind(s.params, per_device).get(PINNED_HOST, 0)
-    pending = 0
-    if s.defers_update:
-        pending = _bytes_by_kind(train_step._abstract_pending(s), per_device).get(PINNED_HOST, 0)
+    pending = _bytes_by_kind(train_step._abstract_pending(s), per_device).get(PINNED_HOST, 0)   # None: 0
     if step_host is None:
         step_host = train_step.pinned_bytes_of_setup(s).total
     saved = _bytes_by_kind((s.params, opt.saved_abstract_state(s.params, s.param_shardings)), per_device)
     if footprint is None:
         footprint = ASSUMED_GPU_FOOTPRINT_BYTES if gpu else _resident_bytes()
     return HostPhases(footprint=footprint, state=state, halved=halved, weights=weights, pending=pending,
-                      step_host=step_host, saved_device=saved.get("device", 0),
-                      saved_host=sum(n for kind, n in saved.items() if kind != "device"), gpu=gpu)
+                      step_host=step_host, saved_device=saved.get(Memory.DEVICE, 0),
+                      saved_host=sum(n for kind, n in saved.items() if kind != Memory.DEVICE), gpu=gpu)
 
 
 def _resident_bytes() -> int:
@@ -224,7 +222,7 @@ def pinned_need_of_recipe(recipe) -> int:
 
 def phases_of_recipe(recipe) -> HostPhases:
     """The HostPhases (footprint 0) of one process holding the whole model, from shapes alone (no backend)."""
-    from spillway.layers.memory import Memory
+    from spillway.recipes.config import NEXT_FORWARD
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
     from spillway.recipes.optim.param_placement import param_memories
     from spillway.recipes.train.step import abstract_model
@@ -237,7 +235,7 @@ def phases_of_recipe(recipe) -> HostPhases:
                               is_leaf=lambda x: isinstance(x, LeafLayout))
     values = [getattr(leaf, "value", leaf) for leaf in jax.tree.leaves(abstract)]
     memories = jax.tree.leaves(param_memories(abstract, recipe.offload.params))   # per leaf, same order
-    deferred = recipe.offload.update == "next_forward"
+    deferred = recipe.offload.update == NEXT_FORWARD
     state = halved = weights = pending = device_saved = 0
     for layout, value, memory in zip(layouts, values, memories, strict=True):
         size = int(value.size)
@@ -271,9 +269,10 @@ def check_run(s, *, host_ram_bytes: int | None = None, machine_ram_bytes: int | 
 
     from spillway.recipes.optim.host_memory import host_ram_bytes as machine_ram
     from spillway.recipes.train import gpu_allocators
+    from spillway.recipes.train.xla_settings import GPU_PLATFORMS
 
     environ = os.environ if environ is None else environ
-    gpu = jax.default_backend() in ("gpu", "cuda")
+    gpu = jax.default_backend() in GPU_PLATFORMS
     machine = machine_ram() if machine_ram_bytes is None else machine_ram_bytes
     if host_ram_bytes is not None and machine and host_ram_bytes > machine:
         say(f"warning: --host-ram-gb {host_ram_bytes / 1e9:g} is more than this machine's RAM "

@@ -210,7 +210,7 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
 
 def _build_setup(recipe: Recipe, host_ram_gb: float | None, say) -> TrainSetup:
     """The mesh, the host memory checks (before anything is allocated), the model in its shards and the step."""
-    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
+    mesh = make_mesh(recipe.mesh)
     if recipe.offload.optimizer_state == Memory.HOST:
         abstract = abstract_setup(recipe, mesh, platform=jax.default_backend())
         # Pinned memory the host cannot give fails here, not mid-init.

@@ -254,7 +254,7 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
 
     The recipe's checks against the model (`check_attention_backend`, `check_aux_loss`) are its callers':
     the train loop and the planner run them once, before data is prepared (recipes/train/loop.py)."""
-    mesh = mesh or make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
+    mesh = mesh or make_mesh(recipe.mesh)
     _, abstract_state = abstract_model(recipe)
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
@@ -401,9 +401,11 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
                         compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
-    # The params and the optimizer state are donated: the step writes the new ones over the old (host
-    # buffers included, on every platform: JAX pairs a donated buffer only with an output of its own
-    # memory kind; docs/DESIGN.md section 4), so it never holds two copies of the state.
+    # The params and the optimizer state are donated on every platform, CPU included: the step writes
+    # the new ones over the old, so it never holds two copies of the state. (Donating host state used
+    # to abort on CPU, where XLA aliased a donated pinned_host buffer to a device output; JAX 0.10.2
+    # pairs a donated buffer only with an output of its own memory kind: docs/DESIGN.md section 4,
+    # tests/recipes/train/test_host_memory.py runs the donated step with host state on CPU.)
     step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh,
                                    recipe.aux_loss),
                    in_shardings=(param_sh, opt_sh, None, batch_sh),

@@ -18,6 +18,7 @@ from flax import nnx
 
 from spillway.layers.errors import ConfigError
 from spillway.layers.moe import MoE, MoEConfig
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import activation_sharding, create_sharded, make_mesh
 
 CFG = MoEConfig(d_model=12, num_experts=6, top_k=2, expert_hidden=8, shared_expert_hidden=4)
@@ -46,7 +47,7 @@ def test_sharded_forward_and_backward_equal_one_device(dispatch):
     single = MoE(cfg, rngs=nnx.Rngs(0))
     (want, want_grads), _ = loss_and_grads(single, x_btd)
 
-    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = create_sharded(lambda: MoE(cfg, rngs=nnx.Rngs(0)), mesh)
     assert sharded.w_up[...].sharding.spec == jax.sharding.PartitionSpec("fsdp", None, "tensor")
     x_sharded = jax.device_put(x_btd, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
@@ -65,5 +66,5 @@ def test_a_mesh_whose_expert_axis_does_not_divide_the_experts_is_refused_while_t
     model = MoE(dataclasses.replace(CFG, num_experts=5), rngs=nnx.Rngs(0))
     x_btd = jnp.zeros((4, 5, CFG.d_model))
     with pytest.raises(ConfigError, match=r"mesh.fsdp=2 = 2, which does not divide num_experts \(5\)"):
-        with activation_sharding(make_mesh(data=2, fsdp=2, tensor=2)):
+        with activation_sharding(make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))):
             jax.eval_shape(model.apply, x_btd)

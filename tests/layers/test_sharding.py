@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import activation_sharding, batch_sharding, constrain, create_sharded, logical_to_spec, make_mesh
 from spillway.models.llama import Llama, llama_config
 
@@ -16,16 +17,16 @@ def test_eight_fake_devices():
 
 
 def test_make_mesh_fills_minus_one_and_rejects_mismatch():
-    assert dict(make_mesh(2, -1, 2).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(make_mesh(MeshConfig(2, -1, 2)).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     # The one mesh rule's words (layers/mesh.py), the planner's too.
     with pytest.raises(ValueError, match="data=3 x fsdp=2 x tensor=2 needs 12 devices, but the device count is 8"):
-        make_mesh(3, 2, 2)
+        make_mesh(MeshConfig(3, 2, 2))
     with pytest.raises(ValueError, match="does not fit 8 devices: 8 is not a multiple of 3"):
-        make_mesh(3, -1, 1)
+        make_mesh(MeshConfig(3, -1, 1))
 
 
 def test_undividable_dims_are_replicated():
-    mesh = make_mesh(2, 2, 2)
+    mesh = make_mesh(MeshConfig(2, 2, 2))
     assert logical_to_spec(("embed", "kv_heads", "head_dim"), (8, 1, 4), mesh) == P("fsdp", None, None)
     assert logical_to_spec(("embed", "mlp"), (7, 6), mesh) == P(None, "tensor")
 
@@ -33,7 +34,7 @@ def test_undividable_dims_are_replicated():
 @pytest.fixture(scope="module")
 def sharded_model():
     cfg = llama_config("tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130)
-    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     return create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat="offload_dots"), mesh), mesh
 
 
@@ -93,7 +94,7 @@ def _constraint_specs(fn, *args):
 def test_constrain_is_a_no_op_without_a_mesh_and_checks_the_rank():
     x = jnp.ones((4, 6, 8))
     assert _constraint_specs(lambda x: constrain(x, ("batch", "seq", "act_embed")), x) == []
-    with activation_sharding(make_mesh(2, 2, 2)):
+    with activation_sharding(make_mesh(MeshConfig(2, 2, 2))):
         with pytest.raises(ValueError, match="do not match an activation of shape"):
             constrain(x, ("batch", "act_embed"))
 

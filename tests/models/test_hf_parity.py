@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from spillway.layers.rope import RopeScaling
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
 from spillway.models.llama import config_from_hf as llama_config_from_hf
@@ -192,7 +193,7 @@ def test_saved_directory_loads_back_in_bfloat16(tmp_path):
 
 
 def test_load_onto_a_mesh_shards_the_parameters():
-    mesh = make_mesh(data=1, fsdp=4, tensor=2)  # 8 CPU devices (tests/conftest.py)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))  # 8 CPU devices (tests/conftest.py)
     model = from_hf(random_state_dict(), config=hf_config(), mesh=mesh, **FLOAT32)
     assert model.layers.blocks.attn.wq[...].sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)
     np.testing.assert_array_equal(np.asarray(model.layers.blocks.attn.wq[...])[1, :, :, 0],

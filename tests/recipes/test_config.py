@@ -35,12 +35,13 @@ def test_the_optimizer_section_holds_no_copy_of_train_or_offload_settings():
 
 def test_the_optimizer_runs_on_train_steps_and_offload_placement():
     """The built optimizer reads its schedule length and state placement from the one field each."""
+    from spillway.layers.mesh import MeshConfig
     from spillway.layers.sharding import make_mesh
     from spillway.recipes.train.step import abstract_setup
     import jax
 
     recipe = tiny("train.steps=321", "offload.optimizer_state=host")
-    s = abstract_setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]), platform="cpu")
+    s = abstract_setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]), platform="cpu")
     assert s.optimizer.total_steps == 321
     assert {layout.state_memory for layout in s.optimizer._layouts} == {"host"}
     # Shorter than the warmup (30 steps in `tiny`): the schedule still ends one step past it.

@@ -491,14 +491,6 @@ def test_schedule_needs_steps_past_the_warmup():
         Optimizer(OptimizerConfig(), toy_layouts("device", master=False), total_steps=0)
 
 
-def test_the_state_is_donated_on_every_platform():
-    # jax 0.10.2 pairs a donated host buffer only with a host output, so CPU donates too
-    # (tests/recipes/train/test_host_memory.py runs the donated step with host state on CPU).
-    assert host_memory.donate_opt_state_ok() is True
-    assert host_memory.donate_opt_state_ok("cuda") is True
-    assert host_memory.donate_opt_state_ok("cpu") is True
-
-
 # --- streaming pieces of non-stacked leaves ---------------------------------------
 
 def test_piece_rows_is_the_largest_divisor_under_the_limit():

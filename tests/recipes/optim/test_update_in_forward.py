@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from spillway.layers.errors import ConfigError
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
@@ -22,8 +23,8 @@ from tests.recipes.train.test_train import data_cache, losses, micro  # noqa: F4
 
 ON_HOST = ("offload.optimizer_state=host", "train.grad_accum=1")
 IN_FORWARD = "offload.update=next_forward"
-MESHES = {"one_device": lambda: make_mesh(1, 1, 1, devices=jax.devices()[:1]),
-          "fsdp8": lambda: make_mesh(1, 8, 1)}
+MESHES = {"one_device": lambda: make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]),
+          "fsdp8": lambda: make_mesh(MeshConfig(1, 8, 1))}
 # float32 weights (no master copy: the update reads the old weight) and bfloat16 ones with a float32
 # master (the new weight is the master's rounding; the old one is never read).
 WEIGHTS = {"float32": (), "bfloat16_master": ("execution.param_dtype=bfloat16",)}

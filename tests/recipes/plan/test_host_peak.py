@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
@@ -71,8 +72,8 @@ def test_a_candidates_phases_are_one_gpus_share():
     """On 8 (CPU stand-in) devices with fsdp 8 each GPU holds an eighth of the host state..."""
     recipe = get_recipe("tiny", ["offload.optimizer_state=host", "model.d_model=64", "model.num_heads=4",
                                  "model.num_kv_heads=2", "model.vocab_size=256", "model.mlp_hidden=128"])
-    one = host_peak.phases_of_candidate(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]), step_host_bytes=0)
-    eight = host_peak.phases_of_candidate(recipe, make_mesh(1, 8, 1, devices=jax.devices()[:8]), step_host_bytes=0)
+    one = host_peak.phases_of_candidate(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]), step_host_bytes=0)
+    eight = host_peak.phases_of_candidate(recipe, make_mesh(MeshConfig(1, 8, 1), devices=jax.devices()[:8]), step_host_bytes=0)
     assert one["state"] == 8 * recipe.num_params()
     # ... except the norm scales (two per layer and the final one, d_model wide), which stay whole.
     norm_state = (2 * recipe.model.num_layers + 1) * recipe.model.d_model * 8

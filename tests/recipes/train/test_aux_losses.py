@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spillway.layers import aux_outputs
 from spillway.layers.errors import ConfigError
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.optim.schedule import make_schedule
 from spillway.recipes.registry import get_recipe
@@ -41,7 +42,7 @@ BASE = ["model.vocab_size=64", f"model.d_model={moe_test_blocks.D_MODEL}", "mode
 
 
 def one_device():
-    return make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    return make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
 
 
 def recipe(block: str | None = "Dropless", *extra):

@@ -149,7 +149,7 @@ def test_loaded_weights_sit_in_their_shards_and_give_transformers_logits(hf_chec
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
     recipe = resolve_init_from(get_recipe("tiny", overrides(hf_checkpoint, data_cache, tmp_path)), lambda *a: None)
-    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
+    mesh = make_mesh(recipe.mesh)
     graphdef, abstract = abstract_model(recipe)
     shardings = state_shardings(abstract, mesh)
     params = load_init_weights(recipe, abstract_with_shardings(abstract, shardings), lambda *a: None)

@@ -24,6 +24,7 @@ import pytest
 from benchmarks.moe_blocks import block_path
 from spillway.layers.errors import ConfigError
 from spillway.layers.host_weights import is_expert_weight
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
@@ -44,7 +45,7 @@ def moe_recipe(*extra, dispatch: str = "dropless", block: str | None = None):
 
 
 def one_device():
-    return make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    return make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
 
 
 def batches(recipe, count: int = STEPS):
@@ -165,7 +166,7 @@ CASES = {
 def test_twenty_steps_with_expert_weights_on_host_equal_everything_on_device(case):
     placement, dispatch, mesh_name = CASES[case]
     sharded = mesh_name != "1x1x1"
-    mesh = make_mesh(2, 2, 2) if sharded else one_device()
+    mesh = make_mesh(MeshConfig(2, 2, 2)) if sharded else one_device()
     block = block_path("tiny_even" if sharded else "tiny", dispatch)
     results = {}
     for name, extra in (("device", ()), ("host", placement)):

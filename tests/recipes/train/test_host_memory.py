@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import host_memory
@@ -46,7 +47,7 @@ def as_numpy(tree):
 def test_the_step_donates_host_state_on_cpu_and_matches_the_state_on_device():
     """The state goes into the step donated (its buffers are consumed: the new state is written over
     them) and the numbers equal the state on device's."""
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
     results = {}
     for memory in ("device", "host"):
         recipe = small_recipe(f"offload.optimizer_state={memory}")
@@ -72,7 +73,7 @@ def _trained(recipe, s, n=2):
 
 def test_restore_writes_host_state_into_pinned_host_memory_without_making_it_first(tmp_path):
     recipe = small_recipe("offload.optimizer_state=host")
-    s = step_lib.setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    s = step_lib.setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]))
     params, opt_state = _trained(recipe, s)
     expected = as_numpy((params, s.optimizer.saved_form(opt_state)))
     with RunCheckpointer(tmp_path / "ckpt", keep=2, every_steps=1, async_save=True) as ckpt:
@@ -96,7 +97,7 @@ def test_a_checkpoint_saved_with_the_halved_state_restores_into_todays_cpu_run(t
     from spillway.recipes.optim.optimizer import Optimizer
 
     recipe = small_recipe("offload.optimizer_state=host")
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
     today = step_lib.setup(recipe, mesh)
     old_optimizer = Optimizer(recipe.optimizer, today.optimizer.layout_tree, total_steps=recipe.schedule_steps,
                               halve_stacked_state=True)
@@ -120,7 +121,7 @@ def test_from_saved_form_consuming_frees_each_restored_array():
     from spillway.recipes.optim.optimizer import Optimizer
 
     recipe = small_recipe("offload.optimizer_state=host")
-    s = step_lib.setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    s = step_lib.setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]))
     opt = Optimizer(recipe.optimizer, s.optimizer.layout_tree, total_steps=recipe.schedule_steps)
     saved = opt.saved_form(opt.init(s.params))
     kept = as_numpy(saved)
@@ -167,7 +168,7 @@ def test_a_peak_above_the_hosts_ram_names_its_phase():
 
 
 def test_phases_of_a_setup_count_state_halves_and_pending_gradients():
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
     recipe = small_recipe("offload.optimizer_state=host")
     gpu_like = step_lib.abstract_setup(recipe, mesh, platform="cuda")   # halves, as on a GPU
     p = host_memory.phases_of(gpu_like, footprint=0)

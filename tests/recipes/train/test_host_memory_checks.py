@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from spillway.layers.errors import ConfigError
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import gpu_allocators, host_memory
@@ -56,7 +57,7 @@ def test_the_pinned_need_of_a_recipe_counts_state_and_the_saves_staging_without_
 
 def test_host_ram_gb_above_the_machines_warns_naming_both():
     s = step_lib.abstract_setup(small_recipe("offload.optimizer_state=host"),
-                                make_mesh(1, 1, 1, devices=jax.devices()[:1]), platform="cpu")
+                                make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]), platform="cpu")
     said = []
     host_memory.check_run(s, host_ram_bytes=512 * GB, machine_ram_bytes=16 * GB, say=said.append)
     assert len(said) == 1 and "--host-ram-gb 512 is more than this machine's RAM (16.0 GB" in said[0]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from spillway.layers.errors import ConfigError
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import step as step_lib
@@ -60,8 +61,8 @@ def stacked_kinds(params):
     return stacked, other
 
 
-MESHES = {"one_device": lambda: make_mesh(1, 1, 1, devices=jax.devices()[:1]),
-          "fsdp8": lambda: make_mesh(1, 8, 1)}
+MESHES = {"one_device": lambda: make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]),
+          "fsdp8": lambda: make_mesh(MeshConfig(1, 8, 1))}
 UPDATES = {"streamed": "optimizer.update_on_host=false", "host_cpu": "optimizer.update_on_host=true"}
 
 
@@ -93,7 +94,7 @@ def test_twenty_steps_with_host_params_equal_everything_on_device(mesh_name, upd
 
 def test_host_weights_are_created_in_host_memory_with_the_device_values():
     """Start-up makes host-resident layers one by one in host memory (a scan, not a vmap): same values."""
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
     on_device = step_lib.setup(small_recipe(), mesh).params
     on_host = step_lib.setup(small_recipe("offload.params=host", "offload.optimizer_state=host"), mesh).params
     assert stacked_kinds(on_host) == ({"pinned_host"}, {"device"})
@@ -105,7 +106,7 @@ def test_host_weights_are_created_in_host_memory_with_the_device_values():
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_pinned_host_bytes_count_state_weights_and_gradients_before_anything_exists(grad_accum):
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", f"train.grad_accum={grad_accum}")
-    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
     pinned = step_lib.pinned_host_bytes(recipe, mesh)
     _, state = step_lib.abstract_model(recipe)
     stacked = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
@@ -122,7 +123,7 @@ def test_pinned_host_bytes_count_state_weights_and_gradients_before_anything_exi
 def test_block_gradients_come_back_in_host_memory():
     """In the traced step the stacked gradients are host arrays (the transpose of the per-layer device_put)."""
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", "train.grad_accum=1")
-    s = step_lib.setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    s = step_lib.setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]))
     loss_fn = step_lib.make_loss_fn(s.graphdef)
     tokens = batches(recipe)[0]
     traced = jax.make_jaxpr(jax.grad(loss_fn), return_shape=True)(s.params, Batch(tokens=tokens))[0]
@@ -144,7 +145,7 @@ def test_host_params_without_pinned_host_memory_is_one_config_error(monkeypatch)
     monkeypatch.setattr(param_placement, "host_memory_available", lambda device=None: False)
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host")
     with pytest.raises(ConfigError, match=r"offload.params=host.*no 'pinned_host' memory"):
-        step_lib.setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+        step_lib.setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]))
 
 
 def test_checkpoint_restores_host_params_into_host_memory_and_resumes_exactly(tmp_path):
@@ -153,7 +154,7 @@ def test_checkpoint_restores_host_params_into_host_memory_and_resumes_exactly(tm
     from spillway.recipes.train.checkpoint import RunCheckpointer
 
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", "train.grad_accum=1")
-    s = step_lib.setup(recipe, make_mesh(1, 8, 1))
+    s = step_lib.setup(recipe, make_mesh(MeshConfig(1, 8, 1)))
     params, opt_state = s.params, s.optimizer.init(s.params)
     tokens = [jax.device_put(t, s.batch_sharding) for t in batches(recipe)[:4]]
     for t in tokens[:2]:

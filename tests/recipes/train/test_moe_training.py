@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import aux_terms
@@ -81,7 +82,7 @@ def layer_mean_load_max(coefficient: float, steps: int = 40) -> tuple[float, flo
         "model.num_heads=4", "model.num_kv_heads=2", "model.max_seq_len=32", "data.seq_len=16",
         "train.global_batch=8", f"train.steps={steps}", "optimizer.warmup_steps=2", "optimizer.learning_rate=1e-2",
         "block=moe_test_blocks:Dropless", f"aux_loss.load_balancing={coefficient}"])
-    s = step_lib.setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    s = step_lib.setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]))
     params, opt_state = s.params, s.optimizer.init(s.params)
     worst, losses = [], []
     for tokens in zipf_batches(steps):

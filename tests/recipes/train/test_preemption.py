@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.train.distributed import StopVote
 from spillway.recipes.train.preemption import SIGINT_EXIT_STATUS, SIGTERM_EXIT_STATUS, GroupStop, StopSignals
@@ -36,7 +37,7 @@ def test_sigterm_and_ctrl_c_set_the_exit_status_and_handlers_are_restored():
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     said = []
     with StopSignals(echo=said.append) as signals:
-        assert GroupStop(signals, make_mesh(1, 1, 1, devices=jax.devices()[:1])).poll() == 0
+        assert GroupStop(signals, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])).poll() == 0
         os.kill(os.getpid(), signal.SIGTERM)
         assert wait_for(lambda: signals.exit_status == SIGTERM_EXIT_STATUS)
         assert signal.getsignal(signal.SIGINT) is not signal.SIG_DFL
@@ -75,7 +76,7 @@ def test_a_second_ctrl_c_quits_at_once():
 
 @pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2)])
 def test_the_stop_vote_is_the_largest_value_replicated(shape):
-    mesh = make_mesh(*shape)
+    mesh = make_mesh(MeshConfig(*shape))
     vote = StopVote(mesh)
     assert int(vote.cast(0)) == 0
     result = vote.cast(SIGINT_EXIT_STATUS)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import xla_settings
@@ -22,7 +23,7 @@ def test_every_setting_is_an_option_this_jaxlib_knows():
 @pytest.mark.parametrize("platform, expected", [("cuda", xla_settings.STEP_OPTIONS), ("cpu", {})])
 def test_the_train_step_carries_the_settings_on_a_gpu_only(platform, expected):
     recipe = get_recipe("tiny", ["model.num_layers=1", "train.global_batch=2", "data.seq_len=16"])
-    s = abstract_setup(recipe, make_mesh(1, 1, 1, devices=jax.devices()[:1]), platform=platform)
+    s = abstract_setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]), platform=platform)
     lowered = s.train_step.lower(*abstract_step_arguments(s))
     # The jit's options travel with its lowering and are merged into any .compile(compiler_options=...).
     assert dict(lowered._lowering._compiler_options_kvs) == expected
