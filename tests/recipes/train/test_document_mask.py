@@ -70,7 +70,7 @@ def test_masked_loss_of_one_packed_example_is_its_loss_alone():
     for example in examples:
         only_this = np.zeros_like(batch.loss_mask)
         only_this[0, start: start + len(example) - 1] = batch.loss_mask[0, start: start + len(example) - 1]
-        alone = float(loss_fn(params, example[None]))
+        alone = float(loss_fn(params, TrainBatch(example[None])))
         assert float(loss_fn(params, batch._replace(loss_mask=only_this))) == pytest.approx(alone, rel=1e-5)
         start += len(example)
 
