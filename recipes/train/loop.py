@@ -115,6 +115,8 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     check_hf_tensors(recipe)  # ... and hold its tensors, named and shaped as the model's: before data is prepared
     from spillway.recipes.train.finetune import check_not_its_own_source
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
+    from spillway.recipes.train import lora_state
+    recipe = lora_state.pin_base(recipe)  # a LoRA run's base: the step folder init_from names now
     from spillway.recipes.train.preflight import check_run_inputs
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
     from spillway.recipes.train.sft_preflight import check_fine_tuning_inputs
@@ -192,7 +194,12 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
     params = s.params
-    if not candidates and recipe.checkpoint.init_from:
+    if recipe.lora.enabled:
+        # Checkpoints hold only the adapters: the frozen base is read from init_from at every start.
+        params = lora_state.load_base(recipe, params, s.param_shardings, say)
+        if main and not candidates:
+            record_history(run_dir, "fine-tune", step=0, init_from=str(recipe.checkpoint.init_from))
+    elif not candidates and recipe.checkpoint.init_from:
         # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
         params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
         if main:
@@ -214,7 +221,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         data.check_token_ids(first_local, recipe.model.vocab_size)  # a damaged cache, not diverged weights
         first_batch = _global_batch(as_batch(first_local), s.batch_sharding)
         loader.restore(restored["loader_state"])
-        return check_weights(restored["params"], first_batch).problem()
+        return check_weights(lora_state.with_restored(recipe, params, restored["params"]), first_batch).problem()
 
     # offload.update=next_forward: the optimizer update each step leaves for the next one's forward pass
     # (recipes/optim/update_in_forward.py); `settle` applies it before anything reads params or state.
@@ -231,12 +238,12 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     if candidates:
         resumed = restore_for_resume(
             checkpointer, recipe, candidates,
-            abstract_params=abstract_with_shardings(params, s.param_shardings),
+            abstract_params=lora_state.checkpointed(recipe, abstract_with_shardings(params, s.param_shardings)),
             abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings),
             weights_problem=restored_weights_problem, say=say)
         # Checkpoints hold the state in saved form (one array per leaf); the
         # streamed host leaves go back to their two buffers.
-        params, step = resumed.params, int(resumed.meta["step"])
+        params, step = lora_state.with_restored(recipe, params, resumed.params), int(resumed.meta["step"])
         opt_state = s.optimizer.from_saved_form(resumed.opt_state, consume=True)
         loader.restore(resumed.loader_state)
         changes = "".join(f"; {field}: {before} -> {after}" for field, (before, after) in resumed.changed.items())
@@ -281,7 +288,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         if problem is not None:
             raise NonFiniteLossError(f"the weights after step {at_step} are diverged ({problem}): not saved, "
                                      f"stopping; {resume_hint()}")
-        checkpointer.save(at_step, params=params, opt_state=s.optimizer.saved_form(opt_state),
+        checkpointer.save(at_step, params=lora_state.checkpointed(recipe, params), opt_state=s.optimizer.saved_form(opt_state),
                           loader_state=loader_state,
                           meta={"step": at_step, "seed": cfg.seed, "tokens_seen": at_step * tokens_per_step},
                           recipe_json=recipe.to_json(), force=True)
