@@ -119,7 +119,7 @@ def _adapters(params) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
 
 def merged_state(recipe: Recipe, params):
     """(graphdef, state) of the recipe's model without adapters, each adapted weight W + (alpha / r) B A."""
-    from spillway.recipes.train.lora_state import split
+    from spillway.recipes.train.lora_step import split
     from spillway.recipes.train.step import abstract_model
 
     plain = dataclasses.replace(recipe, lora=LoraConfig())

@@ -150,6 +150,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
 
     from spillway.data import eval_batches, load_tokenizer, tokenizer_file_in
     from spillway.recipes.train.corpus_record import check_corpus
+    from spillway.recipes.train import lora_state
     from spillway.recipes.train.sft_batch import batch_from_rows
     from spillway.recipes.train.data_pipeline import prepare, save_run_tokenizer, train_loader
     from spillway.recipes.train.finetune import with_source_tokenizer

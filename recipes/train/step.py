@@ -29,7 +29,7 @@ from spillway.recipes.optim.host_memory import donate_opt_state_ok
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
-from spillway.recipes.train import aux_terms, lora_state, xla_settings
+from spillway.recipes.train import aux_terms, lora_step, xla_settings
 from spillway.recipes.train.sft_batch import TrainBatch, with_step_denominator
 from spillway.recipes.train.loss import chunked_cross_entropy, cross_entropy
 
@@ -358,8 +358,8 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     halve_stacked_state; benchmarks/host_memory_phases.py)."""
     # A micro-batch the batch axes do not divide is replicated: it runs (the planner refuses it).
     check_batch_split(dict(mesh.shape), recipe.train.global_batch, recipe.train.grad_accum, micro_batches_too=False)
-    # A LoRA run's optimizer holds state for the adapters only (recipes/train/lora_state.py).
-    layouts = make_layouts(lora_state.trained_part(recipe, params if layout_source is None else layout_source),
+    # A LoRA run's optimizer holds state for the adapters only (recipes/train/lora_step.py).
+    layouts = make_layouts(lora_step.trained_part(recipe, params if layout_source is None else layout_source),
                            recipe.optimizer, state_memory=recipe.offload.optimizer_state)
     deferred = recipe.offload.update == "next_forward"
     # The same XLA settings wherever this step compiles: a GPU run, and the planner's deviceless compile.
@@ -367,7 +367,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
     optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred,
                           halve_stacked_state=platform != "cpu")
     if recipe.lora.enabled:
-        optimizer = lora_state.AdapterOptimizer(optimizer)
+        optimizer = lora_step.AdapterOptimizer(optimizer)
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
@@ -391,7 +391,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, donate_opt_state
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
     if recipe.lora.enabled:   # the gradient of the adapters only; the base passes through
-        step_fn = lora_state.make_train_step(make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss),
+        step_fn = lora_step.make_train_step(make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss),
                                              optimizer, recipe.train.grad_accum, recipe.train.seed)
     else:
         step_fn = make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh,

@@ -19,7 +19,6 @@ from flax import nnx
 
 from spillway.layers.errors import ConfigError
 from spillway.recipes.registry import get_recipe
-from spillway.recipes.train import lora_state
 
 SMALL = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=32", "data.seq_len=16",
