@@ -164,6 +164,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         recipe = with_source_tokenizer(recipe, run_dir, resuming=cfg.resume and bool(checkpointer.all_steps()),
                                        say=say)
     candidates = steps_to_try(checkpointer, recipe)  # a recipe that cannot resume fails here, before data
+    if candidates:   # a LoRA run's adapters resume only on their own base
+        lora_state.check_same_base(recipe, checkpointer.read_recipe_json(candidates[0]),
+                                   checkpointer.step_dir(candidates[0]))
     check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py).
     own_tokenizer = tokenizer_file_in(run_dir) if candidates and not recipe.data.tokenizer else None

@@ -96,3 +96,20 @@ def _load_base_weights(recipe: Recipe, abstract_base):
         raise CheckpointError(f"the LoRA run's base checkpoint.init_from={init_from} does not exist any more: "
                               f"its adapters need it (put it back, or point the saved recipe at a copy)")
     return load_init_weights(recipe, abstract_base, say=lambda *_: None)
+
+
+def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
+    """A LoRA run resumes on the base its adapters were trained on: the saved step's checkpoint.init_from
+    must be the one this run resolves now (a ConfigError naming both otherwise: adapters on another base
+    are another model, and `checkpoint.*` may otherwise change on a resume)."""
+    import json
+
+    from spillway.layers.errors import ConfigError
+
+    if not recipe.lora.enabled:
+        return
+    saved = (json.loads(saved_recipe_json).get("checkpoint") or {}).get("init_from")
+    if saved != recipe.checkpoint.init_from:
+        raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
+                          f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "
+                          f"into a new checkpoint.dir)")

@@ -1,4 +1,4 @@
-"""LoRA (layers/lora.py, recipes/train/lora_state.py) and `spillway export` (recipes/export.py).
+"""LoRA (layers/lora.py, recipes/train/lora_step.py) and `spillway export` (recipes/export.py).
 
 The references are independent of the code under test: a fresh adapter (B = 0)
 leaves the model's logits as they were; a model with adapters computes what the
@@ -50,6 +50,7 @@ def _with_random_b(params, seed=1):
     return nnx.from_flat_state(out)
 
 
+@pytest.mark.slow   # builds two models eagerly and compiles three forward passes: a minute on 2 busy cores
 def test_adapters_start_as_no_change_and_compute_the_merged_weights():
     from spillway.recipes.export import merged_state
 
@@ -87,3 +88,14 @@ def test_a_lora_step_trains_the_adapters_only_with_state_for_them_only():
     changed = {p for p in before if not np.array_equal(before[p], after[p])}
     assert changed == {p for p, v in nnx.to_flat_state(params) if isinstance(v, nnx.LoRAParam)}
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_lora_run_resumes_only_on_the_base_its_adapters_were_trained_on():
+    from spillway.recipes.train.lora_state import check_same_base
+
+    recipe = lora_recipe()
+    check_same_base(recipe, recipe.to_json(), "runs/x/checkpoints/2")   # the same base: nothing to say
+    other = lora_recipe("checkpoint.init_from=/elsewhere")
+    with pytest.raises(ConfigError, match=r"runs/x/checkpoints/2: this LoRA run's adapters were trained on "
+                                          r"checkpoint.init_from=/nowhere, but the run now names /elsewhere"):
+        check_same_base(other, recipe.to_json(), "runs/x/checkpoints/2")
