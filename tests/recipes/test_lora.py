@@ -99,3 +99,11 @@ def test_a_lora_run_resumes_only_on_the_base_its_adapters_were_trained_on():
     with pytest.raises(ConfigError, match=r"runs/x/checkpoints/2: this LoRA run's adapters were trained on "
                                           r"checkpoint.init_from=/nowhere, but the run now names /elsewhere"):
         check_same_base(other, recipe.to_json(), "runs/x/checkpoints/2")
+
+
+def test_the_adapters_share_benchmark_counts_r_times_in_plus_out_per_layer():
+    from benchmarks.lora_share import share
+
+    counted = share("tiny", 4, "q_proj,down_proj")   # tiny: 4 layers, d_model 192, 6 heads of 32, MLP 512
+    assert counted["adapter_params"] == 4 * 4 * ((192 + 192) + (512 + 192))
+    assert counted["adapter_moments_bytes"] == 8 * counted["adapter_params"]

@@ -101,6 +101,10 @@ def test_lora_trains_resumes_exactly_and_exports_to_transformers_and_peft(hf_bas
         np.testing.assert_array_equal(adapter_leaves(resumed)[path], value, err_msg=str(path))
     np.testing.assert_array_equal(resumed_logits, logits)
 
+    # generate reads a LoRA run back the same way: base from its pointer, adapters from the step.
+    assert cli.main(["generate", str(straight), "--prompt", "def", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
     # Merged: transformers loads the folder and computes our logits.
     merged = tmp_path / "merged"
     assert cli.main(["export", str(straight), str(merged)]) == 0, capsys.readouterr().err
