@@ -30,7 +30,8 @@ Dropout on the adapter's input needs a key: the train step puts one in force
 (`dropout_key`) while it traces the loss; without one (validation, generation,
 export) the adapter runs without dropout. Inside the block scan every layer
 sees the same key, so the layers draw the same mask pattern for inputs of the
-same shape (a known simplification: docs/DESIGN.md section 13).
+same shape (a known simplification: docs/DESIGN.md section 13); the
+projections of one layer draw their own masks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import zlib
 from collections.abc import Iterator
 
 import jax
@@ -95,10 +97,12 @@ class LoraAdapter(nnx.Module):
         self.scale = spec.scale
         self.dropout = spec.dropout
 
-    def delta(self, x_bti: jax.Array, dtype) -> jax.Array:
-        """The adapter's term for inputs [..., in] (flattened): [..., out], in `dtype`."""
+    def delta(self, x_bti: jax.Array, dtype, salt: int = 0) -> jax.Array:
+        """The adapter's term for inputs [..., in] (flattened): [..., out], in `dtype`. `salt` tells the
+        projections of one input apart (q, k and v draw their own dropout masks, as PEFT's do)."""
         key = _DROPOUT_KEY.get()
         if self.dropout > 0 and key is not None:
+            key = jax.random.fold_in(key, salt)
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x_bti.shape)
             x_bti = jnp.where(keep, x_bti / (1.0 - self.dropout), 0).astype(x_bti.dtype)
         low = x_bti @ self.a[...].astype(dtype).T
@@ -166,7 +170,7 @@ def adapter_delta(module, weight_name: str, x: jax.Array, in_axes: int, dtype) -
     if adapter is None:
         return None
     lead = x.shape[:x.ndim - in_axes]
-    return adapter.delta(x.reshape(lead + (-1,)), dtype)
+    return adapter.delta(x.reshape(lead + (-1,)), dtype, salt=zlib.crc32(weight_name.encode()))
 
 
 def adapter_names(module) -> list[str]:
