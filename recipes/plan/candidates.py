@@ -162,12 +162,14 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     """Every activation plan with the state on device and on host; the host CPU's update for the plans
     with the least HBM; with one batch per step the update in the next forward pass (single-policy
     plans); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
-    the abstract model: a tenth of a second); for large models the block weights on host too."""
+    the abstract model: a tenth of a second); for large models the block weights on host too (for a LoRA
+    recipe also with the adapters' state on device, and no deferred update)."""
     single, host_compute = preset_plans(recipe)
     found = [Candidate.of(plan, state) for state in MEMORIES
              for plan in activation_plans(recipe.model.num_layers, single)]
     found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in host_compute]
-    if recipe.train.grad_accum == 1:   # the update in the next forward pass takes one batch per step
+    lora = recipe.lora.enabled   # LoRA: no host state to defer; a frozen base on host needs no host state
+    if recipe.train.grad_accum == 1 and not lora:   # the update in the next forward pass: one batch per step
         found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in single]
     # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
     # the same state placements and plans as the whole stack: the experts are most of such a model's
@@ -177,6 +179,8 @@ def candidates(recipe: Recipe) -> list[Candidate]:
         [Memory.HOST] if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS else [])
     found += [Candidate.of(plan, Memory.HOST, params, update_on_host=on_host_cpu)
               for params in weight_placements for on_host_cpu in (False, True) for plan in host_compute]
+    if lora:   # the frozen base streamed from host, the adapters' small state in HBM (recipes/train/lora_state.py)
+        found += [Candidate.of(plan, Memory.DEVICE, params) for params in weight_placements for plan in host_compute]
     return found
 
 
