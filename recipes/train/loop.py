@@ -292,8 +292,8 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         if problem is not None:
             raise NonFiniteLossError(f"the weights after step {at_step} are diverged ({problem}): not saved, "
                                      f"stopping; {resume_hint()}")
-        checkpointer.save(at_step, params=lora_state.checkpointed(recipe, params), opt_state=s.optimizer.saved_form(opt_state),
-                          loader_state=loader_state,
+        checkpointer.save(at_step, params=lora_state.checkpointed(recipe, params),   # a LoRA run: its adapters
+                          opt_state=s.optimizer.saved_form(opt_state), loader_state=loader_state,
                           meta={"step": at_step, "seed": cfg.seed, "tokens_seen": at_step * tokens_per_step},
                           recipe_json=recipe.to_json(), force=True)
 

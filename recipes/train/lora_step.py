@@ -15,6 +15,7 @@ from flax import nnx
 
 from spillway.layers import lora
 from spillway.recipes.config import Recipe
+from spillway.recipes.train.sft_batch import with_step_denominator
 
 
 def _is_adapter(var) -> bool:
@@ -83,7 +84,9 @@ def dropout_key(seed: int, count) -> jax.Array:
 
 
 def make_train_step(objective, optimizer: AdapterOptimizer, grad_accum: int, seed: int):
-    """(params, opt_state, tokens) -> (params, opt_state, metrics), the gradient taken for the adapters only.
+    """(params, opt_state, batch) -> (params, opt_state, metrics), the gradient taken for the adapters only.
+
+    `batch`: token rows, or a TrainBatch (recipes/train/sft_batch.py: loss mask, example ids).
 
     `objective(params, tokens) -> (value, metrics)` is step.make_objective's. Micro-batches are taken
     as step.make_train_step takes them (rows m, m + grad_accum, ...) and their float32 gradient sum is
@@ -101,7 +104,9 @@ def make_train_step(objective, optimizer: AdapterOptimizer, grad_accum: int, see
         if grad_accum == 1:
             (_, metrics), grads = grad_fn(adapters, tokens_bt, key)
         else:
-            micro_mbt = tokens_bt.reshape(-1, grad_accum, tokens_bt.shape[-1]).swapaxes(0, 1)
+            # Masked targets: each micro-batch's loss is over the whole step's target count (sft_batch.py).
+            tokens_bt = with_step_denominator(tokens_bt, grad_accum)
+            micro_mbt = jax.tree.map(lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), tokens_bt)
 
             def accumulate(grad_sum, micro):
                 index, micro_bt = micro
