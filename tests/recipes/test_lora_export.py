@@ -102,6 +102,7 @@ def test_lora_trains_resumes_exactly_and_exports_to_transformers_and_peft(hf_bas
     np.testing.assert_array_equal(resumed_logits, logits)
 
     # generate reads a LoRA run back the same way: base from its pointer, adapters from the step.
+    capsys.readouterr()
     assert cli.main(["generate", str(straight), "--prompt", "def", "--tokens", "4", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("def")
 
