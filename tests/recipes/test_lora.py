@@ -83,11 +83,18 @@ def test_a_lora_step_trains_the_adapters_only_with_state_for_them_only():
     before = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
     tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, 128)
     new_params, opt_state, _ = s.train_step(params, opt_state, tokens)   # warmup: step 0 has no learning rate
-    new_params, _, metrics = s.train_step(new_params, opt_state, tokens)
+    new_params, opt_state, metrics = s.train_step(new_params, opt_state, tokens)
     after = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(new_params)}
     changed = {p for p in before if not np.array_equal(before[p], after[p])}
     assert changed == {p for p, v in nnx.to_flat_state(params) if isinstance(v, nnx.LoRAParam)}
     assert np.isfinite(float(metrics["loss"]))
+    # A fine-tuning batch (masked targets, recipes/train/sft_batch.py) through the same step: micro-batches
+    # split field by field, the loss over the step's targets.
+    from spillway.recipes.train.sft_batch import TrainBatch
+    mask = np.zeros((4, 16), np.float32)
+    mask[:, 8:] = 1
+    _, _, masked = s.train_step(new_params, opt_state, TrainBatch(tokens, mask))
+    assert np.isfinite(float(masked["loss"]))
 
 
 def test_a_lora_run_resumes_only_on_the_base_its_adapters_were_trained_on():
