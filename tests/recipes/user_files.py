@@ -1,7 +1,6 @@
-"""Helpers shared by the tests/recipes/test_new_user_*.py files: the micro recipe, a local corpus, a tokenizer.json.
+"""Files a user brings to a run, made for a test: the micro recipe's corpus as a local folder, a tokenizer.json.
 
-The micro recipe is tests/micro_recipe.py's (two tiny layers, 32-token rows,
-a few steps: seconds per run on one CPU core); `copy_stdlib_corpus` makes its
+`copy_stdlib_corpus` makes the micro recipe's (tests/micro_recipe.py) built-in
 corpus a local text folder that a test can edit.
 """
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from micro_recipe import MICRO, micro  # noqa: F401 (the tests import them from here)
 
 EOS = "<|endoftext|>"
 BOS = "<|begin|>"
