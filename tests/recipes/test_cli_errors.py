@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from new_user_fixtures import MICRO
+from micro_recipe import MICRO
 from spillway.recipes import cli
 
 BLOCKS = {
