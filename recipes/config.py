@@ -25,6 +25,7 @@ from spillway.layers.execution import Execution
 from spillway.layers.memory import MEMORIES, PARAM_PLACEMENTS, Memory
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
+from spillway.layers.residency import check_split_fits, is_split, memory_of, parse_split
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import family_of_config, get_family
 from spillway.recipes.blocks import resolve_block_class
@@ -94,7 +95,9 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
-    optimizer_state: str = Memory.DEVICE.value  # "device" | "host": where the optimizer state lives
+    # "device" | "host" | a split "host:N" / "host:F" (the last N block layers, or that fraction of them, on
+    # host and the rest in HBM; layers/residency.py): where the optimizer state lives.
+    optimizer_state: str = Memory.DEVICE.value
     # "device" | "host" | "experts": where the stacked block weights (and so their gradients) live;
     # "host" streams them through HBM a layer at a time (layers/host_weights.py); "experts" streams
     # only an MoE block's routed experts so, keeping attention, norms, router and shared experts in HBM.
@@ -111,13 +114,17 @@ class OffloadConfig:
     target_devices: int = 1               # how many of them, on one host
 
     def __post_init__(self):
-        if self.optimizer_state not in MEMORIES:
-            raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES}, got {self.optimizer_state!r}")
+        if is_split(self.optimizer_state):
+            parse_split(self.optimizer_state, "offload.optimizer_state")
+        elif self.optimizer_state not in MEMORIES:
+            raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES} or a split host:N / host:F, "
+                              f"got {self.optimizer_state!r}")
         if self.params not in PARAM_PLACEMENTS:
             raise ConfigError(f"offload.params must be one of {PARAM_PLACEMENTS}, got {self.params!r}")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
         if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
+            # a split state too: its resident layers would need an update of their own in the forward pass
             raise ConfigError("offload.update=next_forward streams a host-resident optimizer state under the "
                               "next forward pass: it needs offload.optimizer_state=host and offload.params=device "
                               f"(got optimizer_state={self.optimizer_state}, params={self.params})")
@@ -302,7 +309,7 @@ class Recipe:
             if self.optimizer.update_on_host:
                 raise ConfigError("offload.update=next_forward streams the update through HBM; "
                                   "optimizer.update_on_host=true runs it on the host CPU instead: set one of them")
-        if self.optimizer.update_on_host and self.offload.optimizer_state != Memory.HOST:
+        if self.optimizer.update_on_host and memory_of(self.offload.optimizer_state) != Memory.HOST:
             # the host CPU updates state that lives in host memory; with the state in HBM there is nothing for
             # it to update, and a setting that silently does nothing is worse than none
             raise ConfigError("optimizer.update_on_host=true runs the update of host optimizer state on the host "
@@ -317,6 +324,8 @@ class Recipe:
                               "need them all in HBM)")
         if self.lora.enabled:
             self._check_lora()
+        check_split_fits(self.offload.optimizer_state, "offload.optimizer_state", self.model.num_layers,
+                         len(self.decoder_spec().stack_runs()))
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name

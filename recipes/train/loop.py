@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from spillway.layers.memory import Memory
+from spillway.layers.residency import memory_of
 from spillway.layers.sharding import make_mesh
 from spillway.models.flops import model_flops_per_token
 from spillway.recipes.config import DataConfig, Recipe
@@ -187,7 +188,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 
     mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
-    if recipe.offload.optimizer_state == Memory.HOST:
+    if memory_of(recipe.offload.optimizer_state) == Memory.HOST:   # a split (host:N) too
         # Before anything is allocated: pinned memory the host cannot give fails here, not mid-init.
         pinned = pinned_host_bytes(recipe, mesh)
         check_host_memory(pinned.total, breakdown=pinned.describe())
