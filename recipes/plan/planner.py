@@ -26,7 +26,7 @@ from spillway.layers.mesh import batch_ways
 from spillway.layers.offload import RematPlan
 from spillway.recipes.blocks import import_root
 from spillway.recipes.config import Recipe
-from spillway.recipes.plan import compute_model, host_update, pruning
+from spillway.recipes.plan import compute_model, host_update, pruning, split_search
 from spillway.recipes.plan.candidates import Candidate, candidates, planned_recipe
 from spillway.recipes.plan.cost_model import params_per_gpu, plan_row
 from spillway.recipes.plan.mesh_rules import check_sharding, resolve_mesh
@@ -152,11 +152,31 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
             rows_by_index[index] = plan_row(todo[index], found, compiled_recipe, target, mesh, per_core * cores,
                                             run_attention_impl=recipe.execution.attention_impl)
         judged([rows_by_index[i] for i in sorted(rows_by_index)], answer["mesh"])   # sets fits for the next stage
+
+    def compile_more(more: list[Candidate]) -> list[PlanRow]:
+        """Compile candidates after the stages (the split search); their rows, judged with the others."""
+        run = list(range(len(todo), len(todo) + len(more)))
+        todo.extend(more)
+        answer = run_children({**request, "candidates": [c.to_dict() for c in more], "verify_full_codegen": []},
+                              min(workers or 1, len(run)))
+        answers.append(answer)
+        compiled_groups.append(run)
+        for index, found in zip(run, answer["results"]):
+            rows_by_index[index] = plan_row(todo[index], found, compiled_recipe, target, mesh, per_core * cores,
+                                            run_attention_impl=recipe.execution.attention_impl)
+        judged([rows_by_index[i] for i in sorted(rows_by_index)], answer["mesh"])
+        return [rows_by_index[i] for i in run]
+
+    split = None
+    split_base = split_search.base_plan([rows_by_index[i] for i in sorted(rows_by_index)]) if staged else None
+    if split_base is not None:   # the fastest device-state plan does not fit: keep some layers' state in HBM
+        split = split_search.search(split_base, compiled_recipe.model.num_layers, compile_more)
     order = sorted(rows_by_index)
     rows = [rows_by_index[i] for i in order]
     answer = merge_answers(answers, compiled_groups, len(todo), combine_seconds=sum)   # stages run in turn
     result = judged(rows, answer["mesh"])
     result.skipped = skipped
+    result.split = split
     result.compute_basis = compute_model.efficiency(recipe.execution.attention_impl).describe(
         recipe.execution.attention_impl)
     for row in rows:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spillway.recipes.plan import host_peak
+from spillway.recipes.plan import host_peak, split_search
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
 
@@ -78,6 +78,8 @@ def render(p: Plan) -> str:
         lines.append("  no plan fits: " + nothing_fits_numbers(p))
     else:
         lines.append(f"  * pick: {picked.candidate.label} (fastest estimated step among the plans that fit)")
+    if p.split is not None:
+        lines += split_search.describe(p.split)
     if p.skipped:
         by_plan: dict[str, list[str]] = {}
         for entry in p.skipped:

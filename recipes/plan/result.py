@@ -96,6 +96,8 @@ class Plan:
     # Candidates not compiled because a plan with less in host memory fits (planner.plan(prune=True)):
     # the candidate's fields, its "label" and "because" (the label of the plan that fits).
     skipped: list[dict] = dataclasses.field(default_factory=list)
+    # The per-layer split of the optimizer state the planner searched (recipes/plan/split_search.py), or None.
+    split: object | None = None
 
     @property
     def hbm_limit_bytes(self) -> float:
@@ -162,6 +164,7 @@ class Plan:
                 "plans": [row.to_dict(self.devices) for row in self.rows],
                 "pick": None if picked is None else picked.candidate.to_dict(),
                 "search": self.search, "timing": self.timing, "skipped": self.skipped,
+                "split": None if self.split is None else self.split.to_dict(),
                 "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
 
 
