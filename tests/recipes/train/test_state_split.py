@@ -114,3 +114,18 @@ def test_a_split_on_parameters_without_stacked_leaves_is_one_config_error():
     from spillway.recipes.optim.layouts import make_layouts
     with pytest.raises(ConfigError, match="a split places block layers, and this model has no stacked block weights"):
         make_layouts({"w": jnp.zeros((4, 4))}, OptimizerConfig(), state_memory="host:1")
+
+
+def test_the_pinned_bytes_and_the_byte_model_count_only_the_host_layers():
+    """A split's pinned state is the host layers' share, in the abstract setup and in the shapes-only model
+    the planner and the loop's RAM check read (recipes/train/host_memory.phases_of_recipe); bfloat16
+    moments halve it."""
+    from spillway.recipes.train.host_memory import phases_of_recipe
+    counted = {}
+    for setting in ("host:1", "host:2", f"host:{LAYERS}"):
+        recipe = small_recipe(f"offload.optimizer_state={setting}")
+        counted[setting] = step_lib.pinned_host_bytes(recipe, one_device()).optimizer_state
+        assert phases_of_recipe(recipe).state == counted[setting]
+    assert counted["host:1"] * LAYERS == counted[f"host:{LAYERS}"] and counted["host:2"] == 2 * counted["host:1"]
+    half = small_recipe("offload.optimizer_state=host:1", "optimizer.moment_dtype=bfloat16")
+    assert 2 * step_lib.pinned_host_bytes(half, one_device()).optimizer_state == counted["host:1"]
