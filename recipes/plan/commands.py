@@ -12,7 +12,7 @@ from spillway.recipes.config import Recipe
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.chart import draw_plan
 from spillway.recipes.plan.planner import plan
-from spillway.recipes.plan.preflight import check_output_path
+from spillway.recipes.plan.preflight import check_image_path
 from spillway.recipes.plan.render import render
 from spillway.recipes.plan.result import GiB, choose
 from spillway.recipes.registry import get_recipe
@@ -28,7 +28,7 @@ def plan_command(args) -> int:
     """
     recipe = load_recipe(args.recipe, args.set)   # a registered name, a recipe.json, or module:function
     if getattr(args, "png", None):
-        check_output_path(args.png, "--png")   # before minutes of compiles, not after
+        check_image_path(args.png, "--png")   # its folder and its format, before minutes of compiles
     budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
                   hbm_budget_gib=budget, host_update_rate=getattr(args, "host_update_rate", None),

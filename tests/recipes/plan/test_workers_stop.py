@@ -101,3 +101,20 @@ def test_an_unwritable_png_path_fails_before_compiling(tmp_path, capsys, monkeyp
     assert cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png",
                      str(tmp_path / "nowhere" / "plan.png")]) == cli.EXIT_USER_ERROR
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, says", [("plan.txt", "'txt' is not an image format matplotlib writes"),
+                                        ("plan", "the name has no image suffix")])
+def test_a_png_path_in_a_format_matplotlib_cannot_write_fails_before_compiling(name, says, tmp_path, capsys,
+                                                                                monkeypatch):
+    from spillway.recipes.plan import commands
+
+    def no_compiles(*args, **kwargs):
+        raise AssertionError("compiled before checking the --png format")
+    monkeypatch.setattr(commands, "plan", no_compiles)
+    status = cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png", str(tmp_path / name)])
+    assert status == cli.EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert f"--png {tmp_path / name}: {says}; give one of " in err and ".png" in err and ".pdf" in err
+    assert not (tmp_path / name).exists()
