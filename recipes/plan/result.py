@@ -11,6 +11,7 @@ host memory; the pick is the fastest estimated step among the rows that fit.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 from spillway.recipes.config import Recipe
 from spillway.recipes.plan import host_peak
@@ -57,9 +58,12 @@ class PlanRow:
         return (self.report is not None and self.candidate.offloads_activations
                 and (self.report["host_buffer_count"] == 0 or self.report["host_temp_bytes"] == 0))
 
-    def to_dict(self, devices: int = 1) -> dict:
+    def to_dict(self, devices: int = 1, recipe: Recipe | None = None) -> dict:
+        """JSON-ready; with `recipe` (the planned one) also "set": the --set arguments that train this row."""
         r = self.report or {}
         return {
+            "label": self.candidate.label,
+            "set": None if recipe is None else self.candidate.set_arguments(recipe),
             "plan": self.candidate.activations, "optimizer_state": self.candidate.optimizer_state,
             "params": self.candidate.params, "update": self.candidate.update,
             "update_on_host": self.candidate.update_on_host,
@@ -96,6 +100,29 @@ class Plan:
     # Candidates not compiled because a plan with less in host memory fits (planner.plan(prune=True)):
     # the candidate's fields, its "label" and "because" (the label of the plan that fits).
     skipped: list[dict] = dataclasses.field(default_factory=list)
+    # How the user named the recipe and the --set overrides it was planned with (spillway plan's arguments),
+    # for the command that trains the pick; None: the recipe's registered name.
+    recipe_ref: str | None = None
+    user_sets: list[str] = dataclasses.field(default_factory=list)
+
+    def pick_set_arguments(self) -> list[str]:
+        """The `--set` arguments that make the planned recipe train the pick ([] when it already does, or
+        when nothing fits)."""
+        picked = self.picked
+        return [] if picked is None else picked.candidate.set_arguments(self.recipe)
+
+    def train_command(self) -> str | None:
+        """`spillway train RECIPE --set ...` that trains the pick: the user's own --set overrides (those
+        of a field the pick sets left out) then the pick's; None when nothing fits."""
+        if self.picked is None:
+            return None
+        picked = self.pick_set_arguments()
+        fields = {argument.split("=", 1)[0] for argument in picked}
+        kept = [argument for argument in self.user_sets if argument.split("=", 1)[0].strip() not in fields]
+        words = ["spillway", "train", self.recipe_ref or self.recipe.name]
+        for argument in [*kept, *picked]:
+            words += ["--set", argument]
+        return shlex.join(words)
 
     @property
     def hbm_limit_bytes(self) -> float:
@@ -159,8 +186,10 @@ class Plan:
     def to_dict(self) -> dict:
         picked = self.picked
         return {"summary": self.summary(), "warnings": self.warnings,
-                "plans": [row.to_dict(self.devices) for row in self.rows],
-                "pick": None if picked is None else picked.candidate.to_dict(),
+                "plans": [row.to_dict(self.devices, self.recipe) for row in self.rows],
+                "pick": None if picked is None else {**picked.candidate.to_dict(), "label": picked.candidate.label,
+                                                     "set": self.pick_set_arguments(),
+                                                     "train_command": self.train_command()},
                 "search": self.search, "timing": self.timing, "skipped": self.skipped,
                 "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
 

@@ -122,7 +122,9 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     # are 8 activation plans, each with the state on device and on host (16); the host CPU's update for
     # recompute_all and offload_dots (18); the update in the next forward pass for the 6 presets (24).
     assert len(plans) == len(set(plans)) == 24
-    assert [c.placement for c in plans] == ["device"] * 8 + ["host"] * 8 + ["host_compute"] * 2 + ["host_in_fwd"] * 6
+    assert [c.placement_label for c in plans] == (
+        ["optimizer_state=device"] * 8 + ["optimizer_state=host"] * 8
+        + ["optimizer_state=host / update_on_host=true"] * 2 + ["optimizer_state=host / update=next_forward"] * 6)
     assert [c.activations for c in plans[:8]] == [
         "save_all", "recompute_all", "offload_inputs", "save_dots", "offload_dots", "save_qkv_offload_mlp",
         "offload_dots:2,recompute_all", "save_dots:2,recompute_all"]
@@ -148,7 +150,7 @@ def test_host_params_candidates_only_for_large_models_and_only_with_host_state()
         applied = c.applied_to(large)
         assert applied.offload.params == "host" and applied.offload.optimizer_state == "host"
         assert Candidate.from_dict(c.to_dict()) == c
-        assert c.placement.endswith("+params") and "params host" in c.label
+        assert c.label.endswith("/ params=host") and "host_compute" not in c.label
 
 
 def run_cli(argv, capsys):
@@ -357,8 +359,10 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
     assert code == 0
     lines = out.splitlines()
     for row in small_plan.rows:
-        assert any(line[2:].split()[:2] == [row.candidate.activations, row.candidate.state_word]
+        settings = row.candidate.settings()
+        assert any(line[2:].split()[:5] == [settings[field] for field in plan_candidates.SETTING_FIELDS]
                    for line in lines), row.candidate.label
+    assert "host_compute" not in out
     assert sum(line.startswith("* ") for line in lines) == 1
     assert "H200" in out and "tokens/step" in out and "attention flash" in out
     assert "the overlapped bytes are not counted twice" in out
@@ -368,7 +372,8 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
     assert code == 0
     assert [(p["plan"], p["optimizer_state"]) for p in document["plans"]] == [
         (row.candidate.activations, row.candidate.optimizer_state) for row in small_plan.rows]
-    assert document["pick"] == small_plan.picked.candidate.to_dict()
+    assert Candidate.from_dict(document["pick"]) == small_plan.picked.candidate
+    assert document["pick"]["train_command"].startswith("spillway train tiny")
     assert document["summary"]["params"] == small_plan.recipe.model.num_params()
     assert document["summary"]["tokens_per_step"] == 4 * 512
     for key in ("hbm_bytes", "host_bytes", "transfer_s", "compute_s", "step_s", "fits"):
