@@ -104,7 +104,9 @@ def render(p: Plan) -> str:
                  "together; HBM/host GiB per GPU (2^30 bytes).")
     if p.search is not None:
         lines += ["", *render_search(p)]
-    lines.append(f"  {p.timing['compiles']} compiles in {p.timing['total_s']:.1f} s "
+    cached = p.timing.get("cached", 0)
+    lines.append(f"  {p.timing['compiles']} compiles" + (f", {cached} from the compile cache" if cached else "")
+                 + f" in {p.timing['total_s']:.1f} s "
                  f"({p.timing['workers']} compile process(es), start-up {p.timing['child_startup_s']:.1f} s)")
     return "\n".join(lines)
 

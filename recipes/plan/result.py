@@ -21,6 +21,32 @@ from spillway.recipes.targets import GpuTarget
 GiB = 2**30
 
 
+def dropped_offload(candidate: Candidate, report: dict | None) -> bool:
+    """An offloading plan whose compiled step keeps no activation in host memory: XLA ignored it.
+
+    Offloaded activations live in host memory from the forward to the
+    backward pass: host *temp* buffers (S(5) in the HLO). Host-resident
+    optimizer state is a host *argument*, so it cannot mask a dropped offload.
+    """
+    return (report is not None and candidate.offloads_activations
+            and (report["host_buffer_count"] == 0 or report["host_temp_bytes"] == 0))
+
+
+def refusals(candidate: Candidate, report: dict, hbm_limit: float, devices: int, host_ram: float) -> list[str]:
+    """Why a compiled candidate does not fit ([] when it does): HBM over the limit, the host's peak over its
+    RAM (the peak over the run's phases, recipes/plan/host_peak.py, not the step's arguments), a dropped
+    offload."""
+    reasons = []
+    if report["hbm_bytes"] > hbm_limit:
+        reasons.append(f"HBM {report['hbm_bytes'] / GiB:.1f} > {hbm_limit / GiB:.1f} GiB")
+    host_refusal = host_peak.describe_refusal(report, devices, host_ram)
+    if host_refusal:
+        reasons.append(host_refusal)
+    if dropped_offload(candidate, report):
+        reasons.append("offload dropped: no activation in host memory in the compiled step")
+    return reasons
+
+
 @dataclasses.dataclass
 class PlanRow:
     """One candidate: its compile report (or error), FLOPs, times and verdict."""
@@ -49,14 +75,8 @@ class PlanRow:
 
     @property
     def dropped_offload(self) -> bool:
-        """An offloading plan whose compiled step keeps no activation in host memory: XLA ignored it.
-
-        Offloaded activations live in host memory from the forward to the
-        backward pass: host *temp* buffers (S(5) in the HLO). Host-resident
-        optimizer state is a host *argument*, so it cannot mask a dropped offload.
-        """
-        return (self.report is not None and self.candidate.offloads_activations
-                and (self.report["host_buffer_count"] == 0 or self.report["host_temp_bytes"] == 0))
+        """An offloading plan whose compiled step keeps no activation in host memory: XLA ignored it."""
+        return dropped_offload(self.candidate, self.report)
 
     def to_dict(self, devices: int = 1, recipe: Recipe | None = None) -> dict:
         """JSON-ready; with `recipe` (the planned one) also "set": the --set arguments that train this row."""
@@ -141,15 +161,7 @@ class Plan:
             if row.report is None:
                 row.fits, row.why_not = False, "compile failed"
                 continue
-            reasons = []
-            if row.report["hbm_bytes"] > self.hbm_limit_bytes:
-                reasons.append(f"HBM {row.report['hbm_bytes'] / GiB:.1f} > {self.hbm_limit_bytes / GiB:.1f} GiB")
-            # The peak over the run's phases (recipes/plan/host_peak.py), not the step's arguments.
-            host_refusal = host_peak.describe_refusal(row.report, self.devices, self.host_ram_bytes)
-            if host_refusal:
-                reasons.append(host_refusal)
-            if row.dropped_offload:
-                reasons.append("offload dropped: no activation in host memory in the compiled step")
+            reasons = refusals(row.candidate, row.report, self.hbm_limit_bytes, self.devices, self.host_ram_bytes)
             row.fits, row.why_not = not reasons, "; ".join(reasons)
         fitting = [row for row in self.rows if row.fits]
         if fitting:
