@@ -33,7 +33,7 @@ def plan_command(args) -> int:
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
                   hbm_budget_gib=budget, host_update_rate=getattr(args, "host_update_rate", None),
                   host_cores_per_gpu=getattr(args, "host_cores", None), search=args.search, workers=args.workers,
-                  prune=not getattr(args, "all_plans", False))
+                  prune=not getattr(args, "all_plans", False), cache=not getattr(args, "no_cache", False))
     result.recipe_ref, result.user_sets = args.recipe, list(args.set)   # for the command that trains the pick
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)

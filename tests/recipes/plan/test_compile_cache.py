@@ -192,3 +192,20 @@ def test_the_program_key_ignores_source_positions_and_sees_the_program():
     assert '"written.py":5:' in raw and '"written.py":' not in text   # positions cut
     assert "jit(double)/mul" in text   # op names kept
     assert compile_cache.program_key(text, "target", 1, {"a": 1}, {"jax": 1}) != key(double)   # the options
+
+
+def test_the_command_says_what_each_compile_gave_on_stderr_when_it_is_not_a_terminal(fake, capsys):
+    from spillway.recipes import cli
+
+    assert cli.main(["plan", "tiny", *[f"--set={s}" for s in SMALL], "--gpu", "h100", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)   # stdout stays the document
+    lines = captured.err.splitlines()
+    total = len(planner.candidates(get_recipe("tiny", SMALL)))
+    compiled = [line for line in lines if "compiled in" in line]
+    assert len(compiled) == len(fake.compiled) > 0 and len(lines) == total
+    assert compiled[0].startswith(f"spillway plan: [1/{total}] save_all / optimizer_state=device: compiled in 1.0 s, ")
+    assert all(", fits; HBM " in line or "does not fit (" in line for line in compiled)
+    assert cli.main(["plan", "tiny", *[f"--set={s}" for s in SMALL], "--gpu", "h100", "--no-cache"]) == 0
+    assert len(fake.compiled) == 2 * len(compiled)   # --no-cache: compiled again although cached
+    assert "from the compile cache" not in capsys.readouterr().err

@@ -31,7 +31,7 @@ from spillway.models import flops
 from spillway.recipes import cli
 from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD
 from spillway.recipes.plan import candidates as plan_candidates
-from spillway.recipes.plan import commands, compute_model, cost_model, mesh_rules, planner, plugin, pruning, workers
+from spillway.recipes.plan import commands, compute_model, cost_model, mesh_rules, planner, plugin, pruning, scheduler, workers
 from spillway.recipes.plan import render as plan_render
 from spillway.recipes.plan import result as plan_result
 from spillway.recipes.plan.candidates import Candidate
@@ -430,7 +430,7 @@ def test_a_mesh_that_cannot_split_the_model_is_refused_before_any_compile(monkey
     """3 GPUs for a 4096-wide model: the weights would be replicated while compute counted as split."""
     def no_compiles(*args, **kwargs):
         raise AssertionError("nothing may be compiled for a mesh that cannot split the model")
-    monkeypatch.setattr(planner, "run_children", no_compiles)
+    monkeypatch.setattr(scheduler, "run_children", no_compiles)
     eight_b = get_recipe("llama3_8b", ["train.global_batch=3", "train.grad_accum=1"])
     with pytest.raises(ValueError, match=r"mesh.fsdp=3 does not divide embed \(4096\)\. \d+ weights \([\d.]+ GiB\) "
                                          r"would be replicated"):
@@ -458,7 +458,7 @@ def test_candidates_split_over_compile_processes_come_back_in_order(monkeypatch)
     """`_run_children` deals candidates round-robin and merges answers as one process would give them."""
     seen = []
 
-    def fake_child(request):
+    def fake_child(request, on_progress=None):
         seen.append([c["activations"] for c in request["candidates"]])
         names = [c["activations"] for c in request["candidates"]]
         return {"jax_version": "x", "device_kind": "k", "mesh": {}, "setup_seconds": 0.0, "seconds": len(names),
