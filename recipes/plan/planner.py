@@ -79,6 +79,39 @@ def _open_cache(use: bool, request: dict, todo: list[Candidate], compiled_recipe
     return store, keys
 
 
+def _report_on(result: Plan, answer: dict, compiles: CandidateCompiles, todo: list[Candidate],
+               search_request: dict | None, options: dict | None, started: float) -> None:
+    """What the plan says besides its rows (in place): warnings about them, the full-codegen check, the
+    search, the timing."""
+    rows, warnings = result.rows, result.warnings
+    for row in rows:
+        if row.dropped_offload:
+            warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
+                            f"none in host memory (XLA dropped the offload)")
+        if row.error:
+            warnings.append(f"{row.candidate.label}: compile failed: {row.error.splitlines()[0][:300]}")
+    for index, full in answer["full_codegen"].items():
+        fast = answer["results"][int(index)]
+        figures = ("hbm_bytes", "host_bytes", "temp_bytes", "host_temp_bytes", "host_buffer_count",
+                   "device_to_host_bytes", "host_to_device_bytes")
+        result.full_codegen_check.append({
+            **todo[int(index)].to_dict(),
+            "fast": {k: fast["report"][k] for k in figures} if "report" in fast else fast.get("error"),
+            "full": {k: full["report"][k] for k in figures} if "report" in full else full.get("error"),
+            "fast_compile_s": fast.get("seconds"), "full_compile_s": full.get("seconds")})
+    if search_request is not None:
+        result.search = {**{k: v for k, v in search_request.items() if k != "limits"},
+                         "results": [{**c.to_dict(), **found} for c, found in zip(todo, answer["searches"])]}
+    result.timing = {
+        "total_s": time.perf_counter() - started, "child_s": answer["seconds"],
+        "child_startup_s": answer["startup_seconds"],
+        "compiles": sum(not row_result.get("cached") for row_result in compiles.results.values())
+        + len(answer["full_codegen"]) + sum(found["compiles"] for found in (answer["searches"] or [])),
+        "cached": sum(bool(row_result.get("cached")) for row_result in compiles.results.values()),
+        "jax_version": answer["jax_version"], "fast_codegen": options is not None,
+        "workers": compiles.used_workers}
+
+
 def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: float = HBM_HEADROOM,
          host_ram_gb: float | None = None, hbm_budget_gib: float | None = None,
          host_update_rate: float | None = None, host_cores_per_gpu: float | None = None, search: str | None = None,
@@ -100,12 +133,9 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     before every block weight) and skip a candidate when
     the same activation plan with less in host memory already fits, as it
     cannot be faster (recipes/plan/pruning.py; the skipped ones are listed in
-    Plan.skipped); not with `plans` or `search`. Pruning also skips a candidate
-    whose weights and optimizer state in HBM, or whose host memory outside the
-    step, already exceed a limit (recipes/plan/scheduler.py). cache: answer
-    what was compiled before from the compile cache (recipes/plan/compile_cache.py;
-    off with SPILLWAY_PLAN_CACHE=0 too). progress_write: where the line per finished
-    compile goes (default stderr; None: nowhere). ValueError for bad inputs
+    Plan.skipped), and one its bounds rule out (recipes/plan/scheduler.py); not with `plans` or `search`.
+    cache: answer earlier compiles from recipes/plan/compile_cache.py. progress_write: where the line per
+    finished compile goes (default stderr; None: nowhere). ValueError for bad inputs
     (unknown GPU, mesh not matching, toolchain missing), saying what to do.
     """
     started = time.perf_counter()
@@ -180,30 +210,5 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     result.skipped = skipped
     result.compute_basis = compute_model.efficiency(recipe.execution.attention_impl).describe(
         recipe.execution.attention_impl)
-    for row in rows:
-        if row.dropped_offload:
-            warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
-                            f"none in host memory (XLA dropped the offload)")
-        if row.error:
-            warnings.append(f"{row.candidate.label}: compile failed: {row.error.splitlines()[0][:300]}")
-    for index, full in answer["full_codegen"].items():
-        fast = answer["results"][int(index)]
-        figures = ("hbm_bytes", "host_bytes", "temp_bytes", "host_temp_bytes", "host_buffer_count",
-                   "device_to_host_bytes", "host_to_device_bytes")
-        result.full_codegen_check.append({
-            **todo[int(index)].to_dict(),
-            "fast": {k: fast["report"][k] for k in figures} if "report" in fast else fast.get("error"),
-            "full": {k: full["report"][k] for k in figures} if "report" in full else full.get("error"),
-            "fast_compile_s": fast.get("seconds"), "full_compile_s": full.get("seconds")})
-    if search_request is not None:
-        result.search = {**{k: v for k, v in search_request.items() if k != "limits"},
-                         "results": [{**c.to_dict(), **found} for c, found in zip(todo, answer["searches"])]}
-    result.timing = {
-        "total_s": time.perf_counter() - started, "child_s": answer["seconds"],
-        "child_startup_s": answer["startup_seconds"],
-        "compiles": sum(not row_result.get("cached") for row_result in compiles.results.values())
-        + len(answer["full_codegen"]) + sum(found["compiles"] for found in (answer["searches"] or [])),
-        "cached": sum(bool(row_result.get("cached")) for row_result in compiles.results.values()),
-        "jax_version": answer["jax_version"], "fast_codegen": options is not None,
-        "workers": compiles.used_workers}
+    _report_on(result, answer, compiles, todo, search_request, options, started)
     return result
