@@ -72,8 +72,10 @@ def toolchain_fingerprint(environ=os.environ) -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
+    # JAX's own compilation cache settings say where executables are kept, not what they are.
     settings = {k: v for k, v in environ.items()
-                if (k.startswith("JAX_") or k.startswith("XLA_")) and k != "JAX_PLATFORMS"}
+                if (k.startswith("JAX_") or k.startswith("XLA_")) and k != "JAX_PLATFORMS"
+                and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     return {"python": sys.version.split()[0], "versions": versions, "gpu_plugin": plugin.installed_version(),
             "settings": settings}
 
