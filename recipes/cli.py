@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-plans", action="store_true",
                    help="compile every candidate, also those with more in host memory than a plan that fits "
                         "with the same activations (by default skipped: they cannot be faster)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile everything again instead of reading earlier compiles from the cache "
+                        "(~/.cache/spillway/plan; SPILLWAY_PLAN_CACHE=0 does the same)")
     p.set_defaults(fn=_cmd_plan)
     return parser
 

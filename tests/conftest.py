@@ -15,6 +15,10 @@ figures). JAX_COMPILATION_CACHE_DIR set beforehand is used and kept instead.
 tests/ci_gate.py decides whether a machine without the toolchain skips them or
 fails them. Under CI any skip at all is turned into a failure with its reason.
 
+The planner's compile cache (recipes/plan/compile_cache.py) is off for the session
+(SPILLWAY_PLAN_CACHE=0): tests count their compiles, and must not read or fill
+the user's ~/.cache/spillway; the cache's own tests turn it on in a tmp folder.
+
 `needs_torch` marks the tests whose reference is torch + transformers (those
 that take the `transformers` fixture, and modules marked so): they run only in
 the Python 3.11 environment, and CI selects them there by this marker.
@@ -34,6 +38,7 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_COMPILE_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", _COMPILE_CACHE_FROM_S)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("SPILLWAY_PLAN_CACHE", "0")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
