@@ -145,6 +145,7 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
     from spillway.recipes.train.metrics import peak_flops_per_device
     from spillway.recipes.registry import get_recipe
     from spillway.models.flops import model_flops_per_token
+    from spillway.recipes.train.batch import Batch
     from spillway.recipes.train.step import setup
 
     case = case or CASES[name]
@@ -159,20 +160,16 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
     opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
     tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, (batch_size, seq_len + 1),
                                                 dtype=np.int32)
-    batch = jax.device_put(tokens, s.batch_sharding)
-    pending = (s.nothing_pending(s.params),) if s.defers_update else ()
-    compiled = s.train_step.lower(s.params, opt_state, *pending, batch).compile()
+    batch = Batch(tokens=jax.device_put(tokens, s.batch_sharding))
+    pending = s.nothing_pending(s.params)   # None unless the step defers its update: one signature either way
+    compiled = s.train_step.lower(s.params, opt_state, pending, batch).compile()
     m = compiled.memory_analysis()
     compile_s = time.perf_counter() - t0
     params = s.params
     times = []
     for i in range(warmup + timed):
         start = time.perf_counter()
-        if s.defers_update:
-            params, opt_state, pending, metrics = compiled(params, opt_state, *pending, batch)
-            pending = (pending,)
-        else:
-            params, opt_state, metrics = compiled(params, opt_state, batch)
+        params, opt_state, pending, metrics = compiled(params, opt_state, pending, batch)
         jax.block_until_ready((params, metrics))
         if i >= warmup:
             times.append(time.perf_counter() - start)

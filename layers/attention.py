@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from spillway.layers import names
+from spillway.layers import lora, names
 from spillway.layers.attention_reference import causal_mask, masked_attention
 from spillway.layers.errors import ConfigError, require_positive_finite
 from spillway.layers.execution import ATTENTION_IMPLS
@@ -71,6 +71,8 @@ def check_head_layout(d_model: int, num_heads: int, num_kv_heads: int, head_dim:
 
 
 class Attention(nnx.Module):
+    LORA_IN_NDIM = {"wo": 2}   # wo [heads, head_dim, d]: its input is two axes (layers/lora.py)
+
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
                  rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
                  sliding_window: int | None = None, impl: str = "xla", qkv_bias: bool = False,
@@ -115,8 +117,11 @@ class Attention(nnx.Module):
         self.q_norm = make_qk_norm() if qk_norm else None
         self.k_norm = make_qk_norm() if qk_norm else None
 
-    def _project(self, x_btd, w, b):
+    def _project(self, x_btd, w, b, name):
         y = jnp.einsum("btd,dnh->btnh", x_btd, w[...].astype(self.dtype))
+        delta = lora.adapter_delta(self, name, x_btd, 1, self.dtype)   # None without a LoRA adapter
+        if delta is not None:
+            y = y + delta.reshape(y.shape)
         return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, cache: dict | None = None,
@@ -126,9 +131,9 @@ class Attention(nnx.Module):
         base and scale) replace the static window and base when given; `segment_ids_bt` (training only):
         packed examples, each seeing only itself (layers/segment_mask.py)."""
         x_btd = x_btd.astype(self.dtype)
-        q_btnh = self._project(x_btd, self.wq, self.bq)
-        k_btkh = self._project(x_btd, self.wk, self.bk)
-        v_btkh = self._project(x_btd, self.wv, self.bv)
+        q_btnh = self._project(x_btd, self.wq, self.bq, "wq")
+        k_btkh = self._project(x_btd, self.wk, self.bk, "wk")
+        v_btkh = self._project(x_btd, self.wv, self.bv, "wv")
         if self.q_norm is not None:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         if self.rope:
@@ -157,6 +162,9 @@ class Attention(nnx.Module):
             context_btnh = self._attend(q_btnh, k_btkh, v_btkh, None, None, layer_values)
         context_btnh = checkpoint_name(constrain(context_btnh, _Q_AXES), names.ATTN_CONTEXT)
         out_btd = jnp.einsum("btnh,nhd->btd", context_btnh, self.wo[...].astype(self.dtype))
+        delta = lora.adapter_delta(self, "wo", context_btnh, 2, self.dtype)
+        if delta is not None:
+            out_btd = out_btd + delta
         if self.bo is not None:
             out_btd = out_btd + self.bo[...].astype(self.dtype)
         return checkpoint_name(constrain(out_btd, RESIDUAL_AXES), names.ATTN_OUT), cache

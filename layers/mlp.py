@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from spillway.layers import names
+from spillway.layers import lora, names
 from spillway.layers.names import RESIDUAL_AXES
 from spillway.layers.params import normal, param
 from spillway.layers.sharding import constrain
@@ -51,20 +51,23 @@ class MLP(nnx.Module):
         self.b_gate = bias_param(hidden, names.MLP) if bias and kind in GATED else None
         self.b_down = bias_param(d_model, names.NORM) if bias else None
 
-    def _linear(self, x, w, b):
+    def _linear(self, x, w, b, name):
         y = x @ w[...].astype(self.dtype)
+        delta = lora.adapter_delta(self, name, x, 1, self.dtype)   # None without a LoRA adapter
+        if delta is not None:
+            y = y + delta
         return y if b is None else y + b[...].astype(self.dtype)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x_btd = x_btd.astype(self.dtype)
         act = ACTIVATIONS[self.kind]
-        up_btf = checkpoint_name(constrain(self._linear(x_btd, self.w_up, self.b_up), _HIDDEN_AXES),
-                                 names.MLP_HIDDEN)
+        up_btf = self._linear(x_btd, self.w_up, self.b_up, "w_up")
+        up_btf = checkpoint_name(constrain(up_btf, _HIDDEN_AXES), names.MLP_HIDDEN)
         if self.kind in GATED:
-            gate_btf = checkpoint_name(constrain(self._linear(x_btd, self.w_gate, self.b_gate), _HIDDEN_AXES),
-                                       names.MLP_HIDDEN)
+            gate_btf = self._linear(x_btd, self.w_gate, self.b_gate, "w_gate")
+            gate_btf = checkpoint_name(constrain(gate_btf, _HIDDEN_AXES), names.MLP_HIDDEN)
             hidden_btf = act(gate_btf) * up_btf
         else:
             hidden_btf = act(up_btf)
-        out_btd = constrain(self._linear(hidden_btf, self.w_down, self.b_down), RESIDUAL_AXES)
+        out_btd = constrain(self._linear(hidden_btf, self.w_down, self.b_down, "w_down"), RESIDUAL_AXES)
         return checkpoint_name(out_btd, names.MLP_OUT)

@@ -51,7 +51,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from flax import nnx
 
-from spillway.layers import aux_outputs, host_weights, layer_hook, names
+from spillway.layers import aux_outputs, host_weights, layer_hook, lora, names
 from spillway.layers.block import BlockConfig, BlockContext, TransformerBlock
 from spillway.layers.errors import ConfigError
 from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds, values_of
@@ -109,13 +109,15 @@ def _class_path(cls: type) -> str:
 def _build_block(block_cls: type, cfg: BlockConfig, rngs: nnx.Rngs):
     """block_cls(cfg, rngs=rngs); a user's block whose constructor does not take that is named as such."""
     try:
-        return block_cls(cfg, rngs=rngs)
+        block = block_cls(cfg, rngs=rngs)
     except TypeError as error:
         if block_cls.__module__.split(".")[0] == "spillway":
             raise
         raise ConfigError(f"block {_class_path(block_cls)}: building it as {block_cls.__name__}(cfg, rngs=rngs) "
                           f"failed ({error}); a block's __init__ takes (cfg, *, rngs) and passes both to "
                           f"TransformerBlock.__init__") from None
+    lora.attach(block, rngs)   # the LoRA adapters a recipe asks for (layers/lora.py); none outside one
+    return block
 
 
 class BlockStack(nnx.Module):

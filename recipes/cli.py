@@ -5,6 +5,7 @@
     spillway train path/to/recipe.json | my_recipes:my_recipe [--set ...]   (recipes/user_recipes.py)
     spillway generate runs/tiny --prompt "def " [--tokens 100 --temperature 0.8 --top-p 0.95]
     spillway generate runs/tiny_sft --chat "Write a function that adds a and b."
+    spillway export runs/sft out/ [--adapter]   (a Hugging Face folder; --adapter: a PEFT LoRA adapter)
     spillway plan llama3_8b [--gpu h200] [--devices N] [--hbm-budget GIB] [--png PATH] [--json]
 
 `--gpu` and `--devices` default to the GPUs the recipe was planned for
@@ -89,6 +90,12 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from spillway.recipes.export import export_run
+    export_run(args.checkpoint, args.out_dir, adapter=args.adapter)
+    return 0
+
+
 def _cmd_plan(args) -> int:
     from spillway.recipes.plan.commands import plan_command
     if args.gpu is None or args.devices is None:
@@ -143,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_cmd_generate)
 
+    p = sub.add_parser("export", help="write a run as a Hugging Face folder (LoRA merged), or its PEFT adapter",
+                       parents=[common])
+    p.add_argument("checkpoint", help="a run directory (latest step) or a checkpoint step directory")
+    p.add_argument("out_dir", help="the folder to write (empty, or holding an earlier export)")
+    p.add_argument("--adapter", action="store_true",
+                   help="write the LoRA adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors)")
+    p.set_defaults(fn=_cmd_export)
+
     p = sub.add_parser("plan", help="HBM, host memory and transfer cost of a recipe on a GPU, without the GPU",
                        parents=[common])
     p.add_argument("recipe")
@@ -171,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-plans", action="store_true",
                    help="compile every candidate, also those with more in host memory than a plan that fits "
                         "with the same activations (by default skipped: they cannot be faster)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile everything again instead of reading earlier compiles from the cache "
+                        "(~/.cache/spillway/plan; SPILLWAY_PLAN_CACHE=0 does the same)")
     p.set_defaults(fn=_cmd_plan)
     return parser
 

@@ -25,6 +25,7 @@ from spillway.layers.execution import Execution
 from spillway.layers.memory import MEMORIES, PARAM_PLACEMENTS, Memory
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
+from spillway.layers.residency import check_split_fits, is_split, memory_of, parse_split
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import family_of_config, get_family
 from spillway.recipes.blocks import resolve_block_class
@@ -94,7 +95,9 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     activations: str = "recompute_all"    # RematPlan spec: preset or "preset:K,preset" (layers/offload.py)
-    optimizer_state: str = Memory.DEVICE.value  # "device" | "host": where the optimizer state lives
+    # "device" | "host" | a split "host:N" / "host:F" (the last N block layers, or that fraction of them, on
+    # host and the rest in HBM; layers/residency.py): where the optimizer state lives.
+    optimizer_state: str = Memory.DEVICE.value
     # "device" | "host" | "experts": where the stacked block weights (and so their gradients) live;
     # "host" streams them through HBM a layer at a time (layers/host_weights.py); "experts" streams
     # only an MoE block's routed experts so, keeping attention, norms, router and shared experts in HBM.
@@ -111,19 +114,17 @@ class OffloadConfig:
     target_devices: int = 1               # how many of them, on one host
 
     def __post_init__(self):
-        if self.optimizer_state not in MEMORIES:
-            raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES}, got {self.optimizer_state!r}")
+        if is_split(self.optimizer_state):
+            parse_split(self.optimizer_state, "offload.optimizer_state")
+        elif self.optimizer_state not in MEMORIES:
+            raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES} or a split host:N / host:F, "
+                              f"got {self.optimizer_state!r}")
         if self.params not in PARAM_PLACEMENTS:
             raise ConfigError(f"offload.params must be one of {PARAM_PLACEMENTS}, got {self.params!r}")
-        if self.params != Memory.DEVICE and self.optimizer_state != Memory.HOST:
-            # Host weights with device state would bring the whole gradient and weights
-            # into HBM for the update: the saving gone. Only host state is supported.
-            raise ConfigError(f"offload.params={self.params} needs offload.optimizer_state=host (the update of "
-                              "host weights reads host gradients; with the state on device it would need them "
-                              "all in HBM)")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
         if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
+            # a split state too: its resident layers would need an update of their own in the forward pass
             raise ConfigError("offload.update=next_forward streams a host-resident optimizer state under the "
                               "next forward pass: it needs offload.optimizer_state=host and offload.params=device "
                               f"(got optimizer_state={self.optimizer_state}, params={self.params})")
@@ -167,6 +168,36 @@ class AuxLossConfig:
     @property
     def any_set(self) -> bool:
         return bool(self.load_balancing or self.router_z)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA fine-tuning (layers/lora.py, recipes/train/lora_state.py): rank 0 is off (every weight trains).
+
+    With a rank, adapters go on the projections `targets` names (Hugging Face module names: q_proj,
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; recipes/lora_targets.py), the base weights
+    are frozen (no gradients, no optimizer state; placeable in host memory with offload.params=host)
+    and checkpoints hold the adapters, the base being checkpoint.init_from. Defaults are PEFT's
+    LoraConfig (alpha 8, dropout 0, q_proj and v_proj for Llama-shaped models).
+    """
+
+    rank: int = 0
+    alpha: float = 8.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+    def __post_init__(self):
+        require_non_negative("lora", rank=self.rank)
+        if not (isinstance(self.alpha, (int, float)) and 0 < self.alpha < float("inf")):
+            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.rank and not self.targets:
+            raise ConfigError("lora.targets is empty: name the projections to adapt (e.g. q_proj,v_proj)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +272,7 @@ class Recipe:
     checkpoint: CheckpointConfig = CheckpointConfig()
     train: TrainConfig = TrainConfig()
     aux_loss: AuxLossConfig = AuxLossConfig()     # coefficients of the blocks' auxiliary losses (MoE routers)
+    lora: LoraConfig = LoraConfig()       # rank > 0: LoRA adapters on a frozen base (checkpoint.init_from)
     description: str = ""                 # what the recipe is (`spillway recipes` lists it)
     sources: str = ""                     # where its numbers come from, and which are our choice
 
@@ -248,7 +280,7 @@ class Recipe:
         family_of_config(self.model)   # a ConfigError unless the model is a registered family's config
         sections = {"execution": Execution, "data": DataConfig, "optimizer": OptimizerConfig,
                     "offload": OffloadConfig, "mesh": MeshConfig, "checkpoint": CheckpointConfig,
-                    "train": TrainConfig, "aux_loss": AuxLossConfig}
+                    "train": TrainConfig, "aux_loss": AuxLossConfig, "lora": LoraConfig}
         for name, cls in sections.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
@@ -277,15 +309,43 @@ class Recipe:
             if self.optimizer.update_on_host:
                 raise ConfigError("offload.update=next_forward streams the update through HBM; "
                                   "optimizer.update_on_host=true runs it on the host CPU instead: set one of them")
-        if self.optimizer.update_on_host and self.offload.optimizer_state != Memory.HOST:
+        if self.optimizer.update_on_host and memory_of(self.offload.optimizer_state) != Memory.HOST:
             # the host CPU updates state that lives in host memory; with the state in HBM there is nothing for
             # it to update, and a setting that silently does nothing is worse than none
             raise ConfigError("optimizer.update_on_host=true runs the update of host optimizer state on the host "
                               "CPU, but offload.optimizer_state=device keeps the state in HBM, where the GPU "
                               "updates it: set offload.optimizer_state=host, or optimizer.update_on_host=false")
+        if self.offload.params != Memory.DEVICE and self.offload.optimizer_state != Memory.HOST \
+                and not self.lora.enabled:
+            # Host weights with device state would bring the whole gradient and weights into HBM for the
+            # update: the saving gone. Only host state is supported (frozen LoRA base weights need neither).
+            raise ConfigError(f"offload.params={self.offload.params} needs offload.optimizer_state=host (the "
+                              "update of host weights reads host gradients; with the state on device it would "
+                              "need them all in HBM)")
+        if self.lora.enabled:
+            self._check_lora()
+        check_split_fits(self.offload.optimizer_state, "offload.optimizer_state", self.model.num_layers,
+                         len(self.decoder_spec().stack_runs()))
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
+
+    def _check_lora(self) -> None:
+        """LoRA needs a base to adapt and adapts only stacked block weights the update streams none of."""
+        self.lora_spec()   # a target that names no projection of the model: ConfigError naming those it has
+        if not self.checkpoint.init_from:
+            raise ConfigError("lora.rank is set but checkpoint.init_from is not: LoRA adapts a trained base model; "
+                              "name it (a spillway run, or hf:DIR)")
+        if self.offload.update == NEXT_FORWARD:
+            raise ConfigError("offload.update=next_forward defers the update of streamed host state; LoRA's "
+                              "adapters have no host state to stream: use offload.update=after_backward")
+
+    def lora_spec(self):
+        """The LoRA adapters' layers/lora.py LoraSpec, or None without LoRA (lora.rank 0)."""
+        if not self.lora.enabled:
+            return None
+        from spillway.recipes.lora_targets import lora_spec
+        return lora_spec(self.lora, self.model, self.execution.param_dtype)
 
     @property
     def family(self) -> str:
@@ -308,9 +368,12 @@ class Recipe:
         return get_family(self.family).block_cls if self.block is None else resolve_block_class(self.block)
 
     def build_model(self, rngs):
-        """The model with the recipe's activation plan (call under nnx.eval_shape for shapes only)."""
-        return family_of_config(self.model).build(self.model, self.execution, rngs=rngs,
-                                             remat=self.offload.activations, block_cls=self.block_class())
+        """The model with the recipe's activation plan and LoRA adapters (call under nnx.eval_shape for
+        shapes only)."""
+        from spillway.layers.lora import adapters_while_building
+        with adapters_while_building(self.lora_spec()):
+            return family_of_config(self.model).build(self.model, self.execution, rngs=rngs,
+                                                      remat=self.offload.activations, block_cls=self.block_class())
 
     def step_summary(self) -> str:
         """What the fields make of a step and a run, worked out here rather than restated in prose:

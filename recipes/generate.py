@@ -44,14 +44,15 @@ def _recipe_of(step_dir) -> Recipe:
 def _restore_readable(path: Path, step_dir, target_of, warn):
     """(step folder, recipe, params) of the newest readable step `path` names (module docstring)."""
     from spillway.recipes.train.checkpoint import (CheckpointError, CorruptCheckpointError, finalised_step_dirs,
-                                                   resolve_step_dir, restore_params_only)
+                                                   resolve_step_dir)
 
     explicit = Path(path).absolute() == Path(step_dir)
     retries = 0
     while True:
         try:
             recipe = _recipe_of(step_dir)
-            params, _ = restore_params_only(step_dir, target_of(recipe))
+            from spillway.recipes.train.lora_state import restore_run_params   # a LoRA run: base + adapters
+            params = restore_run_params(step_dir, recipe, target_of(recipe))
             return step_dir, recipe, params
         except CheckpointError as error:
             if not Path(step_dir).exists():   # deleted under us: a live run's retention, not damage

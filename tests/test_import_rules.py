@@ -26,10 +26,12 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("spillway.recipes.optim", ("spillway.layers",)),
     ("spillway.recipes.targets", ("spillway.layers.errors",)),
     ("spillway.recipes.config", ("spillway.layers", "spillway.models", "spillway.data", "spillway.recipes.optim",
-                                 "spillway.recipes.targets", "spillway.recipes.blocks")),
+                                 "spillway.recipes.targets", "spillway.recipes.blocks",
+                                 "spillway.recipes.lora_targets")),
     ("spillway.recipes.train", ("spillway.layers", "spillway.models", "spillway.data", "spillway.recipes.optim",
                                 "spillway.recipes.targets", "spillway.recipes.config",
                                 "spillway.recipes.registry", "spillway.recipes.blocks",
+                                "spillway.recipes.lora_targets",
                                 "spillway.recipes.sampling", "spillway.recipes.train")),
     ("spillway.recipes", ("spillway.layers", "spillway.models", "spillway.data", "spillway.recipes")),
 ]

@@ -37,8 +37,9 @@ def adamw_piece(cfg: OptimizerConfig, layout: LeafLayout, scalars: StepScalars,
                  grad, param, state):
     """One piece (a leaf, or one layer of a stacked leaf) of clip + AdamW + apply.
 
-    state is (mu, nu) or (mu, nu, master), fp32. Returns (new param in param's
-    dtype, new state). The operations and their order follow optax 0.2.8
+    state is (mu, nu) or (mu, nu, master); master is fp32, the moments are fp32 or
+    cfg.moment_dtype (read as optax reads a `mu_dtype` moment, and stored rounded to it,
+    mu and nu alike). Returns (new param in param's dtype, new state). The operations and their order follow optax 0.2.8
     (clip_by_global_norm, scale_by_adam, add_decayed_weights,
     scale_by_learning_rate, apply_updates) so the numbers match.
     """
@@ -59,6 +60,8 @@ def adamw_piece(cfg: OptimizerConfig, layout: LeafLayout, scalars: StepScalars,
     # scale_by_learning_rate: step size -lr(count), cast to the update's dtype
     update = jnp.array(-1 * scalars.learning_rate, dtype=update.dtype) * update
     new_weights = (weights + update).astype(jnp.float32)  # optax.apply_updates
+    stored = jnp.dtype(cfg.moment_dtype)   # optax's tree_cast(mu, mu_dtype) after the update; nu too
+    mu, nu = mu.astype(stored), nu.astype(stored)
     new_state = (mu, nu, new_weights) if layout.master else (mu, nu)
     if scalars.apply is None:
         return new_weights.astype(param.dtype), new_state

@@ -9,6 +9,10 @@ import dataclasses
 
 from spillway.layers.errors import ConfigError, require_non_negative, require_positive
 
+# What optimizer.moment_dtype may name. float16 is left out: the second moment (squared gradients) underflows
+# its range; 8-bit moments would need a per-block scale (docs/DESIGN.md section 6).
+MOMENT_DTYPES = ("float32", "bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -35,6 +39,11 @@ class OptimizerConfig:
     # streamed through HBM: no state in HBM at all, but host-speed maths and a
     # host temp the size of the state (benchmarks/optimizer_state_toy.py).
     update_on_host: bool = False
+    # The dtype the AdamW moments (mu, nu) are stored in: "float32", or "bfloat16" to halve their bytes
+    # (host memory, link time, HBM). The update reads them into float32 and stores its result rounded
+    # (optax's mu_dtype, applied to nu too); master weights stay float32. BENCHMARKS.md measures what it
+    # costs in validation loss.
+    moment_dtype: str = "float32"
 
     def __post_init__(self):
         require_positive("optimizer", learning_rate=self.learning_rate, clip_norm=self.clip_norm)
@@ -44,6 +53,9 @@ class OptimizerConfig:
         require_non_negative("optimizer", warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.moment_dtype not in MOMENT_DTYPES:
+            raise ConfigError(f"optimizer.moment_dtype must be one of {MOMENT_DTYPES} (the dtypes the AdamW "
+                              f"update reads and writes), got {self.moment_dtype!r}")
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")

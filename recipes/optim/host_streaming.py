@@ -189,16 +189,18 @@ def join_halves(halves: LayerHalves) -> jax.Array:
     return jax_compat.on_host(_join, out_memory_spaces=jax.memory.Space.Host)(halves.first, halves.second)
 
 
-def new_host_state_halves(param: jax.Array, with_master: bool) -> tuple[LayerHalves, ...]:
+def new_host_state_halves(param: jax.Array, with_master: bool,
+                          moment_dtype: str = "float32") -> tuple[LayerHalves, ...]:
     """`new_host_state` of a stacked parameter, each array as LayerHalves (created on the host)."""
-    fresh = functools.partial(_fresh_state_halves, with_master=with_master)
+    fresh = functools.partial(_fresh_state_halves, with_master=with_master, moment_dtype=moment_dtype)
     first, second = jax_compat.on_host(fresh, out_memory_spaces=jax.memory.Space.Host)(to_host(param))
     return tuple(LayerHalves(a, b) for a, b in zip(first, second))
 
 
-def _fresh_state_halves(param, with_master: bool):
+def _fresh_state_halves(param, with_master: bool, moment_dtype: str):
     n = first_half_layers(param.shape[0])
-    return _fresh_state(param[:n], with_master), _fresh_state(param[n:], with_master)
+    return (fresh_state(param[:n], with_master, moment_dtype),
+            fresh_state(param[n:], with_master, moment_dtype))
 
 
 def stream_layer_halves(
@@ -389,12 +391,13 @@ def squared_norm(grad: jax.Array) -> jax.Array:
     return to_device(jax_compat.on_host(reduce, out_memory_spaces=jax.memory.Space.Host)(grad))
 
 
-def _fresh_state(param, with_master: bool):
-    zeros = jnp.zeros(param.shape, jnp.float32)
+def fresh_state(param, with_master: bool, moment_dtype: str = "float32"):
+    """Zero moments in `moment_dtype` (OptimizerConfig.moment_dtype) and, with_master, an fp32 copy of `param`."""
+    zeros = jnp.zeros(param.shape, moment_dtype)
     return (zeros, zeros) + ((param.astype(jnp.float32),) if with_master else ())
 
 
-def new_host_state(param: jax.Array, with_master: bool) -> tuple[jax.Array, ...]:
+def new_host_state(param: jax.Array, with_master: bool, moment_dtype: str = "float32") -> tuple[jax.Array, ...]:
     """Zero moments (and an fp32 copy of `param`) created by the host CPU, straight in host memory.
 
     Zeros made on the device and then moved would need the whole leaf in HBM
@@ -404,7 +407,7 @@ def new_host_state(param: jax.Array, with_master: bool) -> tuple[jax.Array, ...]
     parameter crosses the link, once, for the master copy.
     """
     # Without a master copy the parameter is not read and XLA drops its transfer.
-    fresh = functools.partial(_fresh_state, with_master=with_master)
+    fresh = functools.partial(fresh_state, with_master=with_master, moment_dtype=moment_dtype)
     state = jax_compat.on_host(fresh, out_memory_spaces=jax.memory.Space.Host)(to_host(param))
     return tuple(state)
 

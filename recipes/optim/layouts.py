@@ -20,6 +20,7 @@ from flax import nnx
 from spillway.layers import names
 from spillway.layers.errors import ConfigError
 from spillway.layers.memory import MEMORIES, Memory
+from spillway.layers.residency import is_split, parse_split
 from spillway.layers.sharding import DEFAULT_RULES
 from spillway.recipes.optim.config import OptimizerConfig
 
@@ -34,10 +35,23 @@ class LeafLayout:
     # Non-stacked host leaves: the axis to stream the update along in pieces
     # of rows (one the parameter's sharding does not split); None: one piece.
     stream_axis: int | None = None
+    # Stacked leaves with a split state (offload.optimizer_state=host:N, layers/residency.py): how many of
+    # the last layers' state lives in host memory (0 < host_layers < layers; state_memory is then "host").
+    # None: the whole leaf's state is in state_memory.
+    host_layers: int | None = None
 
     def __post_init__(self):
         if self.state_memory not in MEMORIES:
             raise ValueError(f"LeafLayout.state_memory must be one of {MEMORIES}, got {self.state_memory!r}")
+        if self.host_layers is not None and not (self.stacked and self.state_memory == Memory.HOST
+                                                 and self.host_layers > 0):
+            raise ValueError("LeafLayout.host_layers needs a stacked leaf with host state and at least one host "
+                             f"layer, got {self}")
+
+    @property
+    def split(self) -> bool:
+        """Whether the state is split: the first layers' in HBM, the last `host_layers`' in host memory."""
+        return self.host_layers is not None
 
 
 
@@ -88,8 +102,10 @@ def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = Memory.DEV
     ([heads, head_dim] q/k/v biases) from a matrix. master: cfg.master_weights
     and the parameter is not float32.
     """
-    if state_memory not in MEMORIES:
-        raise ConfigError(f"state_memory must be one of {MEMORIES}, got {state_memory!r}")
+    if is_split(state_memory):
+        parse_split(state_memory, "offload.optimizer_state")
+    elif state_memory not in MEMORIES:
+        raise ConfigError(f"state_memory must be one of {MEMORIES} or a split host:N / host:F, got {state_memory!r}")
 
     def one(path, leaf):
         metadata = leaf.get_metadata() if _is_variable(leaf) else {}
@@ -99,6 +115,7 @@ def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = Memory.DEV
         stacked = bool(axes) and axes[0] == names.LAYERS
         memory = (memory_fn(jax.tree_util.keystr(path), leaf) if memory_fn else None) \
             or metadata.get("optimizer_memory") or state_memory
+        memory, host_layers = _resolve_split(memory, value.shape, stacked, jax.tree_util.keystr(path))
         if decay_fn is not None:
             decay = decay_fn(axes, tuple(value.shape), stacked)
         elif metadata.get("weight_decay") is not None:
@@ -107,9 +124,34 @@ def make_layouts(params, cfg: OptimizerConfig, *, state_memory: str = Memory.DEV
             decay = rank_decay(axes, tuple(value.shape), stacked)
         return LeafLayout(stacked=stacked, state_memory=memory, decay=bool(decay),
                           master=keeps_master_copy(cfg, value.dtype),
-                          stream_axis=None if stacked else _stream_axis(axes, tuple(value.shape)))
+                          stream_axis=None if stacked else _stream_axis(axes, tuple(value.shape)),
+                          host_layers=host_layers)
 
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
+    layouts = jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
+    if is_split(state_memory) and not any(x.stacked for x in jax.tree.leaves(
+            layouts, is_leaf=lambda x: isinstance(x, LeafLayout))):
+        raise ConfigError(f"offload.optimizer_state={state_memory}: a split places block layers, and this model "
+                          "has no stacked block weights (a leading 'layers' axis): use 'device' or 'host'")
+    return layouts
+
+
+def _resolve_split(memory: str, shape, stacked: bool, path: str) -> tuple[str, int | None]:
+    """(state_memory, host_layers) of one leaf under a placement that may be a split (layers/residency.py).
+
+    A split puts the last N layers of a stacked leaf on host; a non-stacked leaf (embedding, final norm,
+    head) keeps its state in HBM, which a split is for. All or none of a leaf's layers: no split left."""
+    if not is_split(memory):
+        return memory, None
+    if not stacked:
+        return Memory.DEVICE, None
+    layers = shape[0]
+    count = parse_split(memory, "offload.optimizer_state").host_layers(layers)
+    if count > layers:
+        raise ConfigError(f"offload.optimizer_state={memory}: {path} has {layers} layers; a split may put 0 to "
+                          f"{layers} of them on host")
+    if count == 0:
+        return Memory.DEVICE, None
+    return Memory.HOST, (count if count < layers else None)
 
 
 def normalized_paths(tree, is_leaf=None) -> list[str]:

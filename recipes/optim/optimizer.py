@@ -29,6 +29,7 @@ from spillway.recipes.optim.config import OptimizerConfig
 from spillway.recipes.optim.host_memory import host_memory_available, host_sharding
 from spillway.recipes.optim.layouts import LeafLayout, normalized_paths
 from spillway.recipes.optim.schedule import make_schedule
+from spillway.recipes.optim.split_state import ResidentSplit, join_split, saved_struct, split_saved
 
 
 @jax.tree_util.register_dataclass
@@ -101,8 +102,9 @@ class Optimizer:
         return self._streamed_by_layer(layout) and not self.update_in_forward and self.halve_stacked_state
 
     def updated_in_forward(self) -> set[int]:
-        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller."""
-        return {k for k, layout in enumerate(self._layouts) if self._streamed_by_layer(layout)}
+        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller
+        (a split leaf's never: `begin` updates both of its parts)."""
+        return {k for k, layout in enumerate(self._layouts) if self._streamed_by_layer(layout) and not layout.split}
 
     # -- tree plumbing
 
@@ -127,7 +129,7 @@ class Optimizer:
     # -- public API
 
     def init(self, params) -> OptState:
-        """Zero moments (fp32) and fp32 master copies; host leaves placed in pinned_host memory.
+        """Zero moments (fp32, or cfg.moment_dtype) and fp32 master copies; host leaves placed in pinned_host memory.
 
         Called on concrete arrays, it compiles itself with out_shardings =
         state_shardings(the params' shardings), so every leaf lands in its
@@ -144,13 +146,19 @@ class Optimizer:
         mu, nu, master = [], [], []
         for path, layout, p in zip(self._layout_paths, self._layouts, leaves):
             self._check_leaf(path, layout, p.shape, p.dtype)
-            if self._halved(layout):
-                state = streaming.new_host_state_halves(p, layout.master)
+            moments = self.cfg.moment_dtype
+            if layout.split:
+                resident = p.shape[0] - layout.host_layers
+                on_device = streaming.fresh_state(p[:resident], layout.master, moments)
+                new_host = streaming.new_host_state_halves if self._halved(layout) else streaming.new_host_state
+                state = tuple(ResidentSplit(d, h) for d, h in zip(
+                    on_device, new_host(p[resident:], layout.master, moments)))
+            elif self._halved(layout):
+                state = streaming.new_host_state_halves(p, layout.master, moments)
             elif layout.state_memory == Memory.HOST:
-                state = streaming.new_host_state(p, layout.master)
+                state = streaming.new_host_state(p, layout.master, moments)
             else:
-                zeros = jnp.zeros(p.shape, jnp.float32)
-                state = (zeros, zeros) + ((p.astype(jnp.float32),) if layout.master else ())
+                state = streaming.fresh_state(p, layout.master, moments)
             mu.append(state[0])
             nu.append(state[1])
             master.append(state[2] if layout.master else None)
@@ -167,10 +175,13 @@ class Optimizer:
         leaves, treedef = self._flatten_like_layouts(param_shardings, "param_shardings")
         if not all(isinstance(s, (NamedSharding, SingleDeviceSharding)) for s in leaves):
             raise TypeError("param_shardings must be a tree of NamedSharding (or SingleDeviceSharding)")
-        state_leaves = [host_sharding(s) if layout.state_memory == Memory.HOST else s
-                        for s, layout in zip(leaves, self._layouts)]
-        state_leaves = [streaming.LayerHalves(s, s) if self._halved(layout) else s
-                        for s, layout in zip(state_leaves, self._layouts)]
+        def leaf_sharding(s, layout: LeafLayout):
+            host = host_sharding(s)
+            host_part = streaming.LayerHalves(host, host) if self._halved(layout) else host
+            if layout.split:
+                return ResidentSplit(s, host_part)
+            return host_part if layout.state_memory == Memory.HOST else s
+        state_leaves = [leaf_sharding(s, layout) for s, layout in zip(leaves, self._layouts)]
         master = [s if layout.master else None for s, layout in zip(state_leaves, self._layouts)]
         first = leaves[0]
         count = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) \
@@ -192,16 +203,25 @@ class Optimizer:
 
     # -- checkpoints: one whole array per state leaf, whatever the placement
 
-    def _map_halved(self, fn, opt_state: OptState) -> OptState:
-        """OptState with `fn` applied to the mu / nu / master entries of halved leaves."""
+    def _map_halved(self, fn, opt_state: OptState, split_fn=None) -> OptState:
+        """OptState with `fn` applied to the mu / nu / master entries of halved leaves, and `split_fn`
+        (fn when None) to those of split leaves (`fn(entry, layout)` for both)."""
+        split_fn = split_fn or fn
+
         def per_tree(tree):
             leaves, treedef = jax.tree.flatten(
-                tree, is_leaf=lambda x: x is None or isinstance(x, streaming.LayerHalves))
+                tree, is_leaf=lambda x: x is None or isinstance(x, (streaming.LayerHalves, ResidentSplit)))
             if len(leaves) != len(self._layouts):
                 raise ValueError(f"optimizer state has {len(leaves)} entries per tree, the layouts "
                                  f"{len(self._layouts)}: not this optimizer's state")
-            return treedef.unflatten([fn(x) if self._halved(layout) and x is not None else x
-                                      for x, layout in zip(leaves, self._layouts)])
+
+            def one(x, layout):
+                if x is None:
+                    return x
+                if layout.split:
+                    return split_fn(x, layout)
+                return fn(x, layout) if self._halved(layout) else x
+            return treedef.unflatten([one(x, layout) for x, layout in zip(leaves, self._layouts)])
         return OptState(count=opt_state.count, mu=per_tree(opt_state.mu), nu=per_tree(opt_state.nu),
                         master=per_tree(opt_state.master))
 
@@ -210,35 +230,50 @@ class Optimizer:
 
         The same structure and shapes whatever the placement or streaming, so a
         checkpoint from a run with state on device restores into one with state
-        on host and back. Joining costs a host copy of the halved state.
+        on host and back. Joining costs a host copy of the halved state; a split leaf
+        (offload.optimizer_state=host:N) is joined into one host array, its device part copied out.
         """
-        return self._map_halved(streaming.join_halves, opt_state)
+        return self._map_halved(lambda halves, _: streaming.join_halves(halves), opt_state,
+                                lambda split, _: join_split(split))
 
     def from_saved_form(self, saved: OptState, *, consume: bool = False) -> OptState:
         """Inverse of `saved_form`: restored host arrays of stacked leaves split into LayerHalves.
 
         consume=True deletes each restored array once its halves exist, so a restore holds one leaf
         twice at most, never the whole state (`saved` is unusable afterwards)."""
+        def cut(x, layout):
+            if layout.split:
+                return split_saved(x, layout.host_layers, self._halved(layout))
+            return streaming.split_halves(x)
         if not consume:
-            return self._map_halved(streaming.split_halves, saved)
+            return self._map_halved(cut, saved)
 
-        def split_then_free(x):
-            halves = jax.block_until_ready(streaming.split_halves(x))
+        def cut_then_free(x, layout):
+            parts = jax.block_until_ready(cut(x, layout))
             x.delete()
-            return halves
-        return self._map_halved(split_then_free, saved)
+            return parts
+        return self._map_halved(cut_then_free, saved)
 
     def saved_abstract_state(self, params, param_shardings=None) -> OptState:
         """`abstract_state` in saved form: what to hand orbax as the restore target."""
         abstract = self.abstract_state(params, param_shardings)
         return self._map_halved(
-            lambda h: jax.ShapeDtypeStruct((h.num_layers, *h.first.shape[1:]), h.first.dtype,
-                                           sharding=h.first.sharding), abstract)
+            lambda h, _: jax.ShapeDtypeStruct((h.num_layers, *h.first.shape[1:]), h.first.dtype,
+                                              sharding=h.first.sharding), abstract,
+            lambda split, _: saved_struct(split))
 
     def halved_part(self, opt_state) -> list:
-        """The state's LayerHalves entries (what `saved_form` joins into a copy), as a flat list."""
+        """The state's entries that `saved_form` joins into a copy, as a flat list: LayerHalves, and both
+        parts of a split leaf (on ShapeDtypeStructs, the device part as the host bytes its copy takes)."""
         found = []
-        self._map_halved(lambda halves: found.append(halves) or halves, opt_state)
+
+        def split_parts(split, _):
+            device = split.device
+            if isinstance(device, jax.ShapeDtypeStruct) and device.sharding is not None:
+                device = jax.ShapeDtypeStruct(device.shape, device.dtype, sharding=host_sharding(device.sharding))
+            found.extend([device, split.host])
+            return split
+        self._map_halved(lambda halves, _: found.append(halves) or halves, opt_state, split_parts)
         return found
 
     def host_bytes(self, opt_state_or_abstract) -> int:
@@ -291,8 +326,11 @@ class Optimizer:
         new_params = list(param_leaves)
         new_states: list[tuple] = [None] * len(param_leaves)
         host_stacked = []
+        split_leaves = [k for k, layout in enumerate(self._layouts) if layout.split]
         previous_one_piece = None  # non-stacked host leaves visit HBM in turn, never two at once
         for k, layout in enumerate(self._layouts):
+            if layout.split:
+                continue   # both parts below, in this step whatever stacked_host_later says
             if layout.state_memory == Memory.DEVICE:
                 new_params[k], new_states[k] = piece_fn(k)(grad_leaves[k], param_leaves[k], state_of(k))
                 new_params[k] = new_params[k].astype(param_leaves[k].dtype)
@@ -308,20 +346,54 @@ class Optimizer:
                     prefetch=self.stream_prefetch)
                 previous_one_piece = new_states[k]
 
+        if split_leaves:
+            split_results = self._update_split(split_leaves, piece_fn, state_of, grad_leaves, param_leaves)
+            for k, (param, state) in split_results.items():
+                new_params[k], new_states[k] = param, state
         begun = BegunUpdate(self, treedef, new_params, new_states, scalars,
                             {k: piece_fn(k) for k in host_stacked}, {k: state_of(k) for k in host_stacked})
         if stacked_host_later:
             return begun
-        shapes = [p.shape for p in param_leaves]
+        return begun.finish(self._stream_stacked(host_stacked, piece_fn, grad_leaves, param_leaves,
+                                                 [state_of(k) if k in host_stacked else None
+                                                  for k in range(len(param_leaves))]))
+
+    def _stream_stacked(self, indices, piece_fn, grads, params, states) -> dict[int, tuple]:
+        """{k: (new param, new host state)} for the stacked leaves `indices` whose state is all in host memory,
+        streamed a layer at a time (one loop per layer count)."""
         streamed = {}
-        for group in streaming.group_by_layer_count(host_stacked, shapes).values():
+        for group in streaming.group_by_layer_count(indices, [getattr(p, "shape", None) for p in params]).values():
             stream = streaming.stream_layer_halves if self._halved(self._layouts[group[0]]) else functools.partial(
                 streaming.stream_update, axis=0, piece=1)
             group_params, group_states = stream(
-                [piece_fn(k) for k in group], [grad_leaves[k] for k in group],
-                [param_leaves[k] for k in group], [state_of(k) for k in group], prefetch=self.stream_prefetch)
+                [piece_fn(k) for k in group], [grads[k] for k in group],
+                [params[k] for k in group], [states[k] for k in group], prefetch=self.stream_prefetch)
             streamed.update({k: (p, st) for k, p, st in zip(group, group_params, group_states)})
-        return begun.finish(streamed)
+        return streamed
+
+    def _update_split(self, indices, piece_fn, state_of, grads, params) -> dict[int, tuple]:
+        """{k: (new param, new state of ResidentSplits)} for split leaves: the first layers updated whole on the
+        device, the last ones streamed from host memory (or updated by the host CPU), in this step."""
+        resident = {k: params[k].shape[0] - self._layouts[k].host_layers for k in indices}
+        on_device = {k: piece_fn(k)(grads[k][:resident[k]], params[k][:resident[k]],
+                                    tuple(x.device for x in state_of(k))) for k in indices}
+        host_grads = {k: grads[k][resident[k]:] for k in indices}
+        host_params = {k: params[k][resident[k]:] for k in indices}
+        host_states = {k: tuple(x.host for x in state_of(k)) for k in indices}
+        if self.cfg.update_on_host:
+            from_host = {k: streaming.update_on_host(piece_fn(k), host_grads[k], host_params[k], host_states[k])
+                         for k in indices}
+        else:
+            n = len(params)
+            from_host = self._stream_stacked(indices, piece_fn, [host_grads.get(k) for k in range(n)],
+                                             [host_params.get(k) for k in range(n)],
+                                             [host_states.get(k) for k in range(n)])
+        results = {}
+        for k in indices:
+            (device_param, device_state), (host_param, host_state) = on_device[k], from_host[k]
+            param = jnp.concatenate([device_param.astype(params[k].dtype), host_param.astype(params[k].dtype)])
+            results[k] = param, tuple(ResidentSplit(d, h) for d, h in zip(device_state, host_state))
+        return results
 
 
 @dataclasses.dataclass

@@ -3,11 +3,12 @@
 A candidate is the offload section a recipe would train with (activation
 plan, where the optimizer state and the block weights live, when the update
 runs) and `update_on_host`, the one optimizer setting the planner varies:
-host state updated by the host CPU instead of streamed through HBM. The table
-calls that placement "host_compute" (`Candidate.placement`); it is a word of
-the table, never a setting. `applied_to` gives the recipe the candidate
-stands for. Which candidates a recipe gets: `candidates` (docs/DESIGN.md
-section 9).
+host state updated by the host CPU instead of streamed through HBM. What the
+user sees names recipe fields and their values only (`settings`, `label`,
+`set_arguments`: the `--set` line that trains the plan); `state_word`, which
+calls that placement "host_compute", is a key for code and tests, never
+printed. `applied_to` gives the recipe the candidate stands for. Which
+candidates a recipe gets: `candidates` (docs/DESIGN.md section 9).
 
 A model with mixture-of-experts layers (Mixtral, Qwen3-MoE) gets the MoE
 presets (layers/offload.py MOE_PRESETS) and the dense presets that name only
@@ -26,8 +27,12 @@ from spillway.layers.memory import EXPERTS, MEMORIES, Memory
 from spillway.layers.offload import MOE_PRESETS, PRESETS, RematPlan
 from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, OffloadConfig, Recipe
 
-# How the table names host state updated by the host CPU (OptimizerConfig.update_on_host).
+# The key (`Candidate.state_word`) of host state updated by the host CPU (OptimizerConfig.update_on_host);
+# never printed: the table names the recipe fields.
 HOST_COMPUTE = "host_compute"
+# The recipe fields a candidate sets, in the order `--set` lines and labels name them.
+SETTING_FIELDS = ("offload.activations", "offload.optimizer_state", "offload.params", "offload.update",
+                  "optimizer.update_on_host")
 # The host CPU's update is tried with the activation plans that need the least HBM, where it can matter;
 # priced at the host's update rate (recipes/plan/host_update.py).
 HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
@@ -68,22 +73,40 @@ class Candidate:
 
     @property
     def state_word(self) -> str:
-        """The optimizer state's placement as the table names it: device, host, or host_compute."""
+        """A key for code and tests (never printed): device, host, or host_compute (updated by the host CPU)."""
         return HOST_COMPUTE if self.update_on_host else self.optimizer_state
+
+    def settings(self) -> dict[str, str]:
+        """The recipe fields this plan sets and their values as `--set` writes them (SETTING_FIELDS)."""
+        return {"offload.activations": self.activations, "offload.optimizer_state": self.optimizer_state,
+                "offload.params": self.params, "offload.update": self.update,
+                "optimizer.update_on_host": "true" if self.update_on_host else "false"}
+
+    def set_arguments(self, recipe: Recipe) -> list[str]:
+        """`FIELD=VALUE` for each field where this plan differs from `recipe`: the `--set` arguments that make
+        `recipe` train this plan ([] when it already does)."""
+        own = Candidate.of_recipe(recipe).settings()
+        if recipe.optimizer.update_on_host and not self.update_on_host:
+            own["optimizer.update_on_host"] = "true"   # set in the recipe, though of_recipe reads it as off
+        return [f"{field}={value}" for field, value in self.settings().items() if own[field] != value]
 
     @property
     def label(self) -> str:
-        return f"{self.activations} / opt state {self.state_word}" + (
-            f" / params {self.params}" if self.params != Memory.DEVICE else "") + (
-            " / update in next forward" if self.update == NEXT_FORWARD else "")
+        """The plan in recipe words: its activations, then `field=value` for the optimizer state and for each
+        other field not at its default ("offload_dots / optimizer_state=host / update_on_host=true")."""
+        words = [self.activations, f"optimizer_state={self.optimizer_state}"]
+        if self.update_on_host:
+            words.append("update_on_host=true")
+        if self.params != Memory.DEVICE:
+            words.append(f"params={self.params}")
+        if self.update == NEXT_FORWARD:
+            words.append(f"update={self.update}")
+        return " / ".join(words)
 
     @property
-    def placement(self) -> str:
-        """The optimizer state's placement, with "+params" when the block weights live on host too,
-        "+experts" when only the routed experts' do, and "_in_fwd" when its update runs in the next
-        forward pass."""
-        weights = {Memory.HOST: "+params", EXPERTS: "+experts"}.get(self.params, "")
-        return self.state_word + weights + ("_in_fwd" if self.update == NEXT_FORWARD else "")
+    def placement_label(self) -> str:
+        """`label` without the activations: where the state and weights live, who updates, when."""
+        return self.label.split(" / ", 1)[1]
 
     @property
     def offloads_activations(self) -> bool:
@@ -162,12 +185,14 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     """Every activation plan with the state on device and on host; the host CPU's update for the plans
     with the least HBM; with one batch per step the update in the next forward pass (single-policy
     plans); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
-    the abstract model: a tenth of a second); for large models the block weights on host too."""
+    the abstract model: a tenth of a second); for large models the block weights on host too (for a LoRA
+    recipe also with the adapters' state on device, and no deferred update)."""
     single, host_compute = preset_plans(recipe)
     found = [Candidate.of(plan, state) for state in MEMORIES
              for plan in activation_plans(recipe.model.num_layers, single)]
     found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in host_compute]
-    if recipe.train.grad_accum == 1:   # the update in the next forward pass takes one batch per step
+    lora = recipe.lora.enabled   # LoRA: no host state to defer; a frozen base on host needs no host state
+    if recipe.train.grad_accum == 1 and not lora:   # the update in the next forward pass: one batch per step
         found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in single]
     # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
     # the same state placements and plans as the whole stack: the experts are most of such a model's
@@ -177,6 +202,8 @@ def candidates(recipe: Recipe) -> list[Candidate]:
         [Memory.HOST] if recipe.num_params() >= HOST_PARAMS_MIN_PARAMS else [])
     found += [Candidate.of(plan, Memory.HOST, params, update_on_host=on_host_cpu)
               for params in weight_placements for on_host_cpu in (False, True) for plan in host_compute]
+    if lora:   # the frozen base streamed from host, the adapters' small state in HBM (recipes/train/lora_state.py)
+        found += [Candidate.of(plan, Memory.DEVICE, params) for params in weight_placements for plan in host_compute]
     return found
 
 

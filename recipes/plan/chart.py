@@ -25,8 +25,8 @@ def draw_plan(plan, path: str | Path) -> Path:
     rows = [row for row in plan.rows if row.report is not None]
     if not rows:
         raise ValueError("--png: no plan compiled, nothing to draw (see the table's warnings)")
-    labels = [f"{'* ' if row.pick else ''}{row.candidate.activations}\nstate {row.candidate.placement}"
-              for row in rows]
+    labels = [f"{'* ' if row.pick else ''}{row.candidate.activations}\n"
+              + row.candidate.placement_label.replace(" / ", "\n") for row in rows]
     temp = [row.report["temp_bytes"] / GiB for row in rows]
     held = [(row.report["hbm_bytes"] - row.report["temp_bytes"]) / GiB for row in rows]
     host = [row.report["host_bytes"] / GiB for row in rows]

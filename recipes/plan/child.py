@@ -46,9 +46,11 @@ import jax
 
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.config import Recipe
+from spillway.recipes.plan import compile_cache
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.compile import CompileReport, gpu_topology
-from spillway.recipes.plan.subprocess_runner import serve_compile_process
+from spillway.recipes.plan.subprocess_runner import report_progress, serve_compile_process
+from spillway.recipes.targets import get_target
 from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 
 
@@ -62,27 +64,74 @@ def _with_value(recipe, axis: str, value: int):
     return dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, global_batch=value))
 
 
-def compile_step(recipe, mesh, compiler_options: dict | None = None):
+def compile_step(recipe, mesh, compiler_options: dict | None = None, cache: ProgramCache | None = None,
+                 setup=None):
     """(CompileReport, build seconds) of `recipe`'s train step on `mesh` (compile-only GPUs).
 
     `compiler_options` are XLA debug options for this compile only (the
     planner's fast code generation, see recipes/plan/toolchain.py); None compiles as
-    for a run.
+    for a run. `cache`: the compile cache's programs (recipes/plan/compile_cache.py): a lowered program
+    compiled before with the same options and toolchain is not compiled again (`cache.last_hit` says
+    whether it was). `setup`: the abstract setup, when the caller built it already.
     """
     started = time.perf_counter()
-    s = abstract_setup(recipe, mesh, platform="cuda")
+    s = abstract_setup(recipe, mesh, platform="cuda") if setup is None else setup
     arguments = abstract_step_arguments(s)
     built = time.perf_counter()
     # The parameters carry concrete shardings on the compile-only mesh, so the
     # call names its devices and needs no mesh context (spillway.recipes.plan.compile).
     lowered = s.train_step.lower(*arguments)
     lowered_at = time.perf_counter()
+    key = None
+    if cache is not None:
+        key = cache.key(lowered, compiler_options)
+        figures = cache.get(key)
+        cache.last_hit = figures is not None
+        if figures is not None:
+            return CompileReport.from_dict({**figures, "lower_seconds": lowered_at - built}), built - started
     compiled = compile_lowered(lowered, compiler_options)
     compiled_at = time.perf_counter()
     report = CompileReport.from_compiled(
         compiled, lower_seconds=lowered_at - built, compile_seconds=compiled_at - lowered_at,
         device_kind=mesh.devices.flat[0].device_kind, num_devices=mesh.size)
+    if cache is not None:
+        cache.put(key, report.to_dict())
     return report, built - started
+
+
+class ProgramCache:
+    """The compile cache's programs/ entries for one compile process (recipes/plan/compile_cache.py)."""
+
+    def __init__(self, directory: str, target_config: str, devices: int, fingerprint: dict):
+        self.cache = compile_cache.CompileCache(directory)
+        self.target_config, self.devices, self.fingerprint = target_config, devices, fingerprint
+        self.last_key: str | None = None   # the key and the outcome of the latest compile_step
+        self.last_hit = False
+
+    def key(self, lowered, compiler_options: dict | None) -> str:
+        program = compile_cache.program_text(lowered.as_text(debug_info=True))
+        self.last_key = compile_cache.program_key(program, self.target_config, self.devices, compiler_options,
+                                                  self.fingerprint)
+        return self.last_key
+
+    def get(self, key: str) -> dict | None:
+        return self.cache.get("programs", key, required=compile_cache.REPORT_FIELDS)
+
+    def put(self, key: str, report: dict) -> None:
+        self.cache.put("programs", key, compile_cache.report_figures(report))
+
+
+def candidate_bounds(setup) -> dict:
+    """What a candidate needs whatever XLA makes of it, from its abstract setup alone (no lowering): its
+    step's device-resident arguments per GPU (weights and optimizer state in HBM: the HBM figure is at least
+    these) and the host phases of a run with the step's own host bytes left at 0 (the host's peak is at least
+    theirs; recipes/plan/host_peak.py). The planner refuses a candidate these already rule out."""
+    from spillway.recipes.train.host_memory import _bytes_by_kind, phases_of
+
+    opt_state = setup.optimizer.abstract_state(setup.params, setup.param_shardings)
+    device_bytes = _bytes_by_kind((setup.params, opt_state), per_device=True).get("device", 0)
+    phases = phases_of(setup, step_host=0, footprint=0, gpu=True, per_device=True).to_dict()
+    return {"device_argument_bytes": device_bytes, "host_phases": phases}
 
 
 def compile_lowered(lowered, compiler_options: dict | None):
@@ -115,17 +164,27 @@ NO_GEMM_CONFIG = "No supported config found for HLO"
 _AUTOTUNE_LEVEL_1 = False   # set by compile_lowered: this jaxlib needs level 1 for some GEMMs
 
 
-def _attempt(recipe, mesh, compiler_options: dict | None) -> dict:
-    """One compile as a JSON-ready dict: the report, or the error it raised."""
+def _attempt(recipe, mesh, compiler_options: dict | None, cache: ProgramCache | None = None,
+             bounds_only: bool = False) -> dict:
+    """One candidate as a JSON-ready dict: its bounds (`candidate_bounds`) and, unless `bounds_only`, the
+    report of its compile (or the error it raised); "cached" when the compile cache had it, and "program" its
+    key there."""
     started = time.perf_counter()
     try:
-        report, built = compile_step(recipe, mesh, compiler_options)
+        setup = abstract_setup(recipe, mesh, platform="cuda")
+        bounds = candidate_bounds(setup)
+        if bounds_only:
+            return {"bounds": bounds, "seconds": time.perf_counter() - started}
+        report, built = compile_step(recipe, mesh, compiler_options, cache, setup=setup)
+        cached = cache is not None and cache.last_hit
     except Exception as error:   # one failing candidate must not hide the others
         return {"error": f"{type(error).__name__}: {error}"[:3000],
                 "seconds": time.perf_counter() - started}
-    from spillway.recipes.plan.host_peak import phases_of_candidate
     # The run's other phases beside the step's (save, restore, state creation: recipes/plan/host_peak.py).
-    return {"report": {**report.to_dict(), "host_phases": phases_of_candidate(recipe, mesh, report.host_bytes)},
+    from spillway.recipes.plan import host_peak
+    return {"report": {**report.to_dict(), "host_phases": host_peak.with_step_host(bounds["host_phases"],
+                                                                                report.host_bytes)},
+            "bounds": bounds, "cached": cached, "program": None if cache is None else cache.last_key,
             "build_seconds": built, "seconds": time.perf_counter() - started}
 
 
@@ -287,7 +346,13 @@ def main(argv: list[str]) -> dict[str, Any]:
     ready = time.perf_counter()
 
     plans = [_with_plan(recipe, candidate) for candidate in request["candidates"]]
-    results = [_attempt(planned, mesh, options) for planned in plans]
+    cached = request.get("cache")
+    cache = None if not cached else ProgramCache(cached["directory"], get_target(request["target"]).target_config_text,
+                                                 request["devices"], cached["fingerprint"])
+    results = []
+    for index, planned in enumerate(plans):
+        results.append(_attempt(planned, mesh, options, cache, bounds_only=request.get("bounds_only", False)))
+        report_progress({"index": index, "result": results[-1]})   # the planner's line per finished compile
 
     # The same candidates compiled exactly as for a run: the figures must not move.
     full_codegen = {str(i): _attempt(plans[i], mesh, None) for i in request.get("verify_full_codegen", [])}
@@ -305,6 +370,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                                        search["limits"], step=search["step"], cap=search["cap"],
                                        max_compiles=search["max_compiles_per_plan"]))
     return {
+        "cache_warnings": [] if cache is None else cache.cache.warnings,
         "jax_version": jax.__version__,
         "device_kind": mesh.devices.flat[0].device_kind,
         "mesh": dict(mesh.shape),

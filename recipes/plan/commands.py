@@ -12,7 +12,7 @@ from spillway.recipes.config import Recipe
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.chart import draw_plan
 from spillway.recipes.plan.planner import plan
-from spillway.recipes.plan.preflight import check_output_path
+from spillway.recipes.plan.preflight import check_image_path
 from spillway.recipes.plan.render import render
 from spillway.recipes.plan.result import GiB, choose
 from spillway.recipes.registry import get_recipe
@@ -28,12 +28,13 @@ def plan_command(args) -> int:
     """
     recipe = load_recipe(args.recipe, args.set)   # a registered name, a recipe.json, or module:function
     if getattr(args, "png", None):
-        check_output_path(args.png, "--png")   # before minutes of compiles, not after
+        check_image_path(args.png, "--png")   # its folder and its format, before minutes of compiles
     budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
                   hbm_budget_gib=budget, host_update_rate=getattr(args, "host_update_rate", None),
                   host_cores_per_gpu=getattr(args, "host_cores", None), search=args.search, workers=args.workers,
-                  prune=not getattr(args, "all_plans", False))
+                  prune=not getattr(args, "all_plans", False), cache=not getattr(args, "no_cache", False))
+    result.recipe_ref, result.user_sets = args.recipe, list(args.set)   # for the command that trains the pick
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -29,6 +29,12 @@ def phases_of_candidate(recipe, mesh, step_host_bytes: int) -> dict:
     return phases_of(s, step_host=step_host_bytes, footprint=0, gpu=True, per_device=True).to_dict()
 
 
+def with_step_host(phases: dict, step_host: int) -> dict:
+    """Host phases (HostPhases.to_dict) with the step's own host bytes set: a candidate's bounds
+    (recipes/plan/child.candidate_bounds, the step at 0) completed by its compile."""
+    return dataclasses.replace(HostPhases.from_dict(phases), step_host=step_host).to_dict()
+
+
 def host_phases(report: dict, devices: int, footprint: int = ASSUMED_GPU_FOOTPRINT_BYTES) -> HostPhases | None:
     """The host's phases for a compiled candidate (its report carries "host_phases"); None for reports
     written before the phases existed."""

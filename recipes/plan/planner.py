@@ -21,19 +21,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 from spillway.layers.mesh import batch_ways
 from spillway.layers.offload import RematPlan
 from spillway.recipes.blocks import import_root
 from spillway.recipes.config import Recipe
-from spillway.recipes.plan import compute_model, host_update, pruning
+from spillway.recipes.plan import compile_cache, compute_model, host_update, pruning, split_search
 from spillway.recipes.plan.candidates import Candidate, candidates, planned_recipe
 from spillway.recipes.plan.cost_model import params_per_gpu, plan_row
 from spillway.recipes.plan.mesh_rules import check_sharding, resolve_mesh
 from spillway.recipes.plan.preflight import check_user_block
 from spillway.recipes.plan.result import Plan, PlanRow
 from spillway.recipes.plan.toolchain import check_toolchain, compiler_options
-from spillway.recipes.plan.workers import default_workers, merge_answers, run_children
+from spillway.recipes.plan.progress import CompileProgress, write_to_stderr
+from spillway.recipes.plan.scheduler import CandidateCompiles
 from spillway.recipes.targets import DEFAULT_GPU, HBM_HEADROOM, get_target
 
 GiB = 2**30
@@ -61,11 +63,61 @@ def _search_request(recipe: Recipe, axis: str, mesh: dict, hbm_limit: float, hos
             "limits": {"hbm_bytes": hbm_limit, "host_bytes_per_device": host_ram / devices}}
 
 
+def _open_cache(use: bool, request: dict, todo: list[Candidate], compiled_recipe: Recipe, target, devices: int,
+                options: dict | None, recipe: Recipe):
+    """(the compile cache, each candidate's request key), or (None, None) when not used; the compile processes'
+    request learns where the cache is and the toolchain it was keyed with."""
+    if not use or not compile_cache.enabled():
+        return None, None
+    fingerprint = compile_cache.toolchain_fingerprint()
+    block_module = (recipe.block.split(":", 1)[0],) if recipe.block else ()
+    source = compile_cache.source_digest(block_module)
+    store = compile_cache.CompileCache(compile_cache.cache_dir())
+    request["cache"] = {"directory": str(store.directory), "fingerprint": fingerprint}
+    keys = [compile_cache.request_key(candidate.applied_to(compiled_recipe).to_dict(), target.target_config_text,
+                                      devices, options, fingerprint, source) for candidate in todo]
+    return store, keys
+
+
+def _report_on(result: Plan, answer: dict, compiles: CandidateCompiles, todo: list[Candidate],
+               search_request: dict | None, options: dict | None, started: float) -> None:
+    """What the plan says besides its rows (in place): warnings about them, the full-codegen check, the
+    search, the timing."""
+    rows, warnings = result.rows, result.warnings
+    for row in rows:
+        if row.dropped_offload:
+            warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
+                            f"none in host memory (XLA dropped the offload)")
+        if row.error:
+            warnings.append(f"{row.candidate.label}: compile failed: {row.error.splitlines()[0][:300]}")
+    for index, full in answer["full_codegen"].items():
+        fast = answer["results"][int(index)]
+        figures = ("hbm_bytes", "host_bytes", "temp_bytes", "host_temp_bytes", "host_buffer_count",
+                   "device_to_host_bytes", "host_to_device_bytes")
+        result.full_codegen_check.append({
+            **todo[int(index)].to_dict(),
+            "fast": {k: fast["report"][k] for k in figures} if "report" in fast else fast.get("error"),
+            "full": {k: full["report"][k] for k in figures} if "report" in full else full.get("error"),
+            "fast_compile_s": fast.get("seconds"), "full_compile_s": full.get("seconds")})
+    if search_request is not None:
+        result.search = {**{k: v for k, v in search_request.items() if k != "limits"},
+                         "results": [{**c.to_dict(), **found} for c, found in zip(todo, answer["searches"])]}
+    result.timing = {
+        "total_s": time.perf_counter() - started, "child_s": answer["seconds"],
+        "child_startup_s": answer["startup_seconds"],
+        "compiles": sum(not row_result.get("cached") for row_result in compiles.results.values())
+        + len(answer["full_codegen"]) + sum(found["compiles"] for found in (answer["searches"] or [])),
+        "cached": sum(bool(row_result.get("cached")) for row_result in compiles.results.values()),
+        "jax_version": answer["jax_version"], "fast_codegen": options is not None,
+        "workers": compiles.used_workers}
+
+
 def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: float = HBM_HEADROOM,
          host_ram_gb: float | None = None, hbm_budget_gib: float | None = None,
          host_update_rate: float | None = None, host_cores_per_gpu: float | None = None, search: str | None = None,
          plans: list[Candidate] | None = None, verify_full_codegen: int = 0,
-         workers: int | None = None, prune: bool = True) -> Plan:
+         workers: int | None = None, prune: bool = True, cache: bool = True,
+         progress_write: Callable[[str], None] | None = write_to_stderr) -> Plan:
     """Compile the recipe's train step for every candidate on `devices` x `gpu`; rows and the pick.
 
     host_ram_gb: RAM of the host for pinned memory, in GB (10^9 bytes); default
@@ -81,7 +133,9 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     before every block weight) and skip a candidate when
     the same activation plan with less in host memory already fits, as it
     cannot be faster (recipes/plan/pruning.py; the skipped ones are listed in
-    Plan.skipped); not with `plans` or `search`. ValueError for bad inputs
+    Plan.skipped), and one its bounds rule out (recipes/plan/scheduler.py); not with `plans` or `search`.
+    cache: answer earlier compiles from recipes/plan/compile_cache.py. progress_write: where the line per
+    finished compile goes (default stderr; None: nowhere). ValueError for bad inputs
     (unknown GPU, mesh not matching, toolchain missing), saying what to do.
     """
     started = time.perf_counter()
@@ -123,65 +177,51 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     staged = prune and plans is None and search_request is None
     host_update_floor_s = params_per_gpu(compiled_recipe, mesh) / (per_core * cores)
     stages = pruning.stages(todo) if staged else [list(range(len(todo)))]
+    # The cache answers plain compiles; a search or a full-codegen check compiles everything it names.
+    store, keys = _open_cache(cache and search_request is None and not verify_full_codegen, request, todo,
+                              compiled_recipe, target, devices, options, recipe)
+    progress = CompileProgress(len(todo), hbm_limit, devices, host_ram, write=progress_write)
+    compiles = CandidateCompiles(todo, request, progress, cache=store, request_keys=keys, workers=workers)
+
+    def judged(rows: list[PlanRow], mesh_answer: dict | None) -> Plan:
+        return Plan(compiled_recipe, target, devices, mesh_answer or mesh, headroom, host_ram, rows, warnings, None,
+                    {}, hbm_budget_bytes=hbm_budget, host_update=host_pricing).judge()
+
     rows_by_index: dict[int, PlanRow] = {}
-    skipped: list[dict] = []
-    answers, compiled_groups, used_workers = [], [], 0
 
-    def judged(rows: list[PlanRow], mesh_answer: dict) -> Plan:
-        return Plan(compiled_recipe, target, devices, mesh_answer, headroom, host_ram, rows, warnings, None, {},
-                    hbm_budget_bytes=hbm_budget, host_update=host_pricing).judge()
+    def rows_of(results: dict[int, dict]) -> dict[int, PlanRow]:
+        for index in sorted(results):
+            if index not in rows_by_index:
+                rows_by_index[index] = plan_row(todo[index], results[index], compiled_recipe, target, mesh,
+                                                per_core * cores, run_attention_impl=recipe.execution.attention_impl)
+        judged([rows_by_index[i] for i in sorted(rows_by_index)], None)   # sets fits for the next stage
+        return rows_by_index
 
-    for stage in stages:
-        run = []
-        for index in stage:
-            faster = pruning.faster_plan_that_fits(todo[index], todo, rows_by_index, skipped, host_update_floor_s)
-            if faster is None:
-                run.append(index)
-            else:
-                skipped.append({**todo[index].to_dict(), "label": todo[index].label, "because": faster})
-        if not run:
-            continue
-        stage_workers = default_workers(len(run)) if workers is None else min(workers, len(run))
-        used_workers = max(used_workers, stage_workers)
-        verify = list(range(min(verify_full_codegen, len(run)))) if not answers else []
-        answer = run_children({**request, "candidates": [todo[i].to_dict() for i in run],
-                                "verify_full_codegen": verify}, stage_workers)
-        answers.append(answer)
-        compiled_groups.append(run)
-        for index, found in zip(run, answer["results"]):
-            rows_by_index[index] = plan_row(todo[index], found, compiled_recipe, target, mesh, per_core * cores,
-                                            run_attention_impl=recipe.execution.attention_impl)
-        judged([rows_by_index[i] for i in sorted(rows_by_index)], answer["mesh"])   # sets fits for the next stage
+    answer = compiles.run(stages, refuse_before_compile=staged,
+                          limits={"hbm_bytes": hbm_limit, "devices": devices, "host_ram": host_ram},
+                          judged_rows=rows_of, host_update_floor_s=host_update_floor_s,
+                          verify_full_codegen=verify_full_codegen)
+    rows_of(compiles.results)
+    skipped = compiles.skipped
+    warnings += compiles.warnings
+
+    def compile_more(more: list[Candidate]) -> list[PlanRow]:
+        """Compile candidates after the stages (the split search); their rows, judged with the others."""
+        indices = compiles.more(more)
+        rows_of(compiles.results)
+        return [rows_by_index[i] for i in indices]
+
+    split = None
+    split_base = split_search.base_plan([rows_by_index[i] for i in sorted(rows_by_index)]) if staged else None
+    if split_base is not None:   # the fastest device-state plan does not fit: keep some layers' state in HBM
+        split = split_search.search(split_base, compiled_recipe.model.num_layers, compile_more)
+        answer = compiles.merged_answer(answer)
     order = sorted(rows_by_index)
     rows = [rows_by_index[i] for i in order]
-    answer = merge_answers(answers, compiled_groups, len(todo), combine_seconds=sum)   # stages run in turn
     result = judged(rows, answer["mesh"])
     result.skipped = skipped
+    result.split = split
     result.compute_basis = compute_model.efficiency(recipe.execution.attention_impl).describe(
         recipe.execution.attention_impl)
-    for row in rows:
-        if row.dropped_offload:
-            warnings.append(f"{row.candidate.label}: the plan offloads activations but the compiled step keeps "
-                            f"none in host memory (XLA dropped the offload)")
-        if row.error:
-            warnings.append(f"{row.candidate.label}: compile failed: {row.error.splitlines()[0][:300]}")
-    for index, full in answer["full_codegen"].items():
-        fast = answer["results"][int(index)]
-        keys = ("hbm_bytes", "host_bytes", "temp_bytes", "host_temp_bytes", "host_buffer_count",
-                "device_to_host_bytes", "host_to_device_bytes")
-        result.full_codegen_check.append({
-            **todo[int(index)].to_dict(),
-            "fast": {k: fast["report"][k] for k in keys} if "report" in fast else fast.get("error"),
-            "full": {k: full["report"][k] for k in keys} if "report" in full else full.get("error"),
-            "fast_compile_s": fast.get("seconds"), "full_compile_s": full.get("seconds")})
-    if search_request is not None:
-        result.search = {**{k: v for k, v in search_request.items() if k != "limits"},
-                         "results": [{**c.to_dict(), **found} for c, found in zip(todo, answer["searches"])]}
-    result.timing = {
-        "total_s": time.perf_counter() - started, "child_s": answer["seconds"],
-        "child_startup_s": answer["startup_seconds"],
-        "compiles": len(rows) + len(answer["full_codegen"]) + sum(
-            found["compiles"] for found in (answer["searches"] or [])),
-        "jax_version": answer["jax_version"], "fast_codegen": options is not None,
-        "workers": used_workers}
+    _report_on(result, answer, compiles, todo, search_request, options, started)
     return result

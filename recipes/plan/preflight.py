@@ -1,7 +1,7 @@
 """What `spillway plan` checks before anything is compiled: the files it will write (a minute of compiles,
-then a path that cannot be written, would lose the table), and a recipe's own block class (built once here,
-abstractly, so a constructor or a forward() that cannot work is one line naming the class, not an error in
-every compile process)."""
+then a path that cannot be written or an image format matplotlib cannot write, would lose the table), and a
+recipe's own block class (built once here, abstractly, so a constructor or a forward() that cannot work is
+one line naming the class, not an error in every compile process)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,22 @@ def check_output_path(path: str | os.PathLike, flag: str) -> Path:
         raise ConfigError(f"{flag} {path}: cannot write there ({error.strerror or error}; checked before "
                           f"compiling)") from None
     return path
+
+
+def check_image_path(path: str | os.PathLike, flag: str) -> Path:
+    """`path` can be written (`check_output_path`) and its suffix names an image format matplotlib writes
+    (recipes/plan/chart.py draws with the Agg canvas); else ConfigError listing the formats. A name without
+    a suffix is refused too: matplotlib would write another file (`plan` becomes `plan.png`)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    path = Path(path)
+    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
+    suffix = path.suffix.removeprefix(".").lower()
+    if suffix not in formats:
+        what = f"'{suffix}' is not an image format matplotlib writes" if suffix else "the name has no image suffix"
+        raise ConfigError(f"{flag} {path}: {what}; give one of {', '.join('.' + f for f in formats)} "
+                          f"(checked before compiling)")
+    return check_output_path(path, flag)
 
 
 def check_user_block(recipe) -> None:

@@ -2,15 +2,32 @@
 
 A candidate with more in host memory than one that already fits, the
 activation plan the same, cannot be faster (same compute, no less link
-traffic in any phase), so it is skipped and listed as such; `--all-plans`
-compiles everything.
+traffic in any phase), so it is skipped and listed as such. A candidate
+whose bounds (recipes/plan/child.candidate_bounds: the weights and optimizer
+state it keeps in HBM, the host memory of the run's phases besides the step)
+already exceed a limit cannot fit, so it is not compiled either
+(`refusal_before_compile`). `--all-plans` compiles everything.
 """
 
 from __future__ import annotations
 
 from spillway.layers.memory import EXPERTS, Memory
+from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
-from spillway.recipes.plan.result import PlanRow
+from spillway.recipes.plan.result import GiB, PlanRow
+
+
+def refusal_before_compile(bounds: dict, hbm_limit: float, devices: int, host_ram: float) -> str | None:
+    """Why a candidate cannot fit whatever its compile gives ("cannot fit: ..."), or None.
+
+    The HBM figure (argument + output - alias + temp) is at least the device-resident arguments; the host's
+    peak over a run's phases is at least the peak of its phases with the step's own host bytes at 0 (the
+    step phase only grows with them, the others do not depend on them: recipes/train/host_memory.py)."""
+    if bounds["device_argument_bytes"] > hbm_limit:
+        return (f"cannot fit: its weights and optimizer state in HBM alone are "
+                f"{bounds['device_argument_bytes'] / GiB:.1f} GiB > {hbm_limit / GiB:.1f} GiB")
+    host = host_peak.describe_refusal({"host_phases": bounds["host_phases"], "host_bytes": 0}, devices, host_ram)
+    return None if host is None else f"cannot fit: {host}, whatever the step holds"
 
 
 def _less_in_host_memory(candidate: Candidate) -> list[Candidate]:
@@ -82,7 +99,8 @@ def faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dic
         return next((rows[index] for index, other in enumerate(todo)
                      if other == wanted and index in rows and rows[index].fits), None)
 
-    skipped_for = {entry["label"]: entry["because"] for entry in skipped}
+    # Skipped for a plan that fits (a plan skipped because it cannot fit proves nothing about the others).
+    skipped_for = {entry["label"]: entry["because"] for entry in skipped if not entry.get("cannot_fit")}
     for ancestor in ancestors:
         if ancestor.label in skipped_for:
             return skipped_for[ancestor.label]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spillway.recipes.plan import host_peak
+from spillway.recipes.plan import host_peak, split_search
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
 
@@ -35,6 +35,14 @@ def _phases(row: PlanRow) -> str:
     return "/".join(f"{seconds * 1e3:.0f}" for seconds in (row.forward_s, row.backward_s, row.update_s))
 
 
+def _settings_cells(candidate: Candidate) -> str:
+    """The plan's recipe values under the table's plan, state, params, upd_on_host and update columns."""
+    settings = candidate.settings()
+    return (f"{settings['offload.activations']:36s} {settings['offload.optimizer_state']:6s} "
+            f"{settings['offload.params']:7s} {settings['optimizer.update_on_host']:11s} "
+            f"{settings['offload.update']:14s}")
+
+
 def render(p: Plan) -> str:
     s = p.summary()
     t = p.target
@@ -55,10 +63,11 @@ def render(p: Plan) -> str:
     if p.host_update is not None and any(row.candidate.update_on_host for row in p.rows):
         h = p.host_update
         lines.append(f"  host CPU   update {h['params_per_s_per_core'] / 1e6:.0f} M params/s per core x "
-                     f"{h['cores_per_gpu']:g} cores per GPU for host_compute plans ({h['source']})")
+                     f"{h['cores_per_gpu']:g} cores per GPU for the plans with optimizer.update_on_host=true "
+                     f"({h['source']})")
     lines += [f"  warning    {w}" for w in p.warnings]
-    header = (f"  {'plan':36s} {'opt':12s} {'attn':5s} {'HBM GiB':>8s} {'host GiB':>8s} {'peak GiB':>17s} "
-              f"{'xfer GB':>8s} "
+    header = (f"  {'plan':36s} {'state':6s} {'params':7s} {'upd_on_host':11s} {'update':14s} {'attn':5s} "
+              f"{'HBM GiB':>8s} {'host GiB':>8s} {'peak GiB':>17s} {'xfer GB':>8s} "
               f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
     lines += ["", header, "  " + "-" * (len(header) - 2)]
     for row in p.rows:
@@ -66,7 +75,7 @@ def render(p: Plan) -> str:
         moved = None if not r else (r["device_to_host_bytes"] + r["host_to_device_bytes"]) / GB
         fits = "yes" if row.fits else f"no ({row.why_not})"
         lines.append(
-            f"{'*' if row.pick else ' '} {row.candidate.activations:36s} {row.candidate.placement:12s} "
+            f"{'*' if row.pick else ' '} {_settings_cells(row.candidate)} "
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
             f"{_host_peak_cell(r, p.devices):>17s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "
@@ -78,20 +87,28 @@ def render(p: Plan) -> str:
         lines.append("  no plan fits: " + nothing_fits_numbers(p))
     else:
         lines.append(f"  * pick: {picked.candidate.label} (fastest estimated step among the plans that fit)")
+        lines.append(f"  train it:  {p.train_command()}" + (
+            "   (the recipe's own offload settings)" if not p.pick_set_arguments() else ""))
+    if p.split is not None:
+        lines += split_search.describe(p.split)
     if p.skipped:
         by_plan: dict[str, list[str]] = {}
         for entry in p.skipped:
-            by_plan.setdefault(entry["activations"], []).append(Candidate.from_dict(entry).placement)
+            by_plan.setdefault(entry["activations"], []).append(Candidate.from_dict(entry).placement_label)
         lines.append(f"  not compiled ({len(p.skipped)}), as the same activations with less in host memory (or, "
                      f"for a host-CPU update, streamed) fit and are at least as fast (--all-plans compiles them "
                      f"too): "
                      + "; ".join(f"{plan_spec} with {', '.join(placements)}"
                                  for plan_spec, placements in by_plan.items()))
     lines.append("  " + ASSUMPTIONS)
-    lines.append("  xfer GB: both directions together; HBM/host GiB per GPU (2^30 bytes).")
+    lines.append("  columns: plan = offload.activations, state = offload.optimizer_state, params = offload.params, "
+                 "upd_on_host = optimizer.update_on_host, update = offload.update; xfer GB: both directions "
+                 "together; HBM/host GiB per GPU (2^30 bytes).")
     if p.search is not None:
         lines += ["", *render_search(p)]
-    lines.append(f"  {p.timing['compiles']} compiles in {p.timing['total_s']:.1f} s "
+    cached = p.timing.get("cached", 0)
+    lines.append(f"  {p.timing['compiles']} compiles" + (f", {cached} from the compile cache" if cached else "")
+                 + f" in {p.timing['total_s']:.1f} s "
                  f"({p.timing['workers']} compile process(es), start-up {p.timing['child_startup_s']:.1f} s)")
     return "\n".join(lines)
 
@@ -102,7 +119,7 @@ def render_search(p: Plan) -> list[str]:
     unit = "tokens" if axis == "seq_len" else "sequences"
     lines = [f"  search: largest {axis} that fits, per plan (multiples of {search['step']} {unit}, "
              f"cap {search['cap']})"]
-    header = f"  {'plan':36s} {'opt':12s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
+    header = f"  {'plan':36s} {'settings':44s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
     lines += [header, "  " + "-" * (len(header) - 2)]
     best_baseline = max((r["best"] or 0 for r in search["results"]
                          if Candidate.from_dict(r).no_offload), default=0)
@@ -118,7 +135,7 @@ def render_search(p: Plan) -> list[str]:
             notes.append("no offload")
         elif best_baseline and r["best"]:
             notes.append(f"{r['best'] / best_baseline:.1f}x the best without offload")
-        lines.append(f"  {r['activations']:36s} {Candidate.from_dict(r).state_word:12s} "
+        lines.append(f"  {r['activations']:36s} {Candidate.from_dict(r).placement_label:44s} "
                      f"{'none' if r['best'] is None else r['best']:>10} {r['compiles']:8d} {r['seconds']:8.1f}  "
                      + "; ".join(notes))
     return lines

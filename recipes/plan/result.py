@@ -11,6 +11,7 @@ host memory; the pick is the fastest estimated step among the rows that fit.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 from spillway.recipes.config import Recipe
 from spillway.recipes.plan import host_peak
@@ -18,6 +19,32 @@ from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.targets import GpuTarget
 
 GiB = 2**30
+
+
+def dropped_offload(candidate: Candidate, report: dict | None) -> bool:
+    """An offloading plan whose compiled step keeps no activation in host memory: XLA ignored it.
+
+    Offloaded activations live in host memory from the forward to the
+    backward pass: host *temp* buffers (S(5) in the HLO). Host-resident
+    optimizer state is a host *argument*, so it cannot mask a dropped offload.
+    """
+    return (report is not None and candidate.offloads_activations
+            and (report["host_buffer_count"] == 0 or report["host_temp_bytes"] == 0))
+
+
+def refusals(candidate: Candidate, report: dict, hbm_limit: float, devices: int, host_ram: float) -> list[str]:
+    """Why a compiled candidate does not fit ([] when it does): HBM over the limit, the host's peak over its
+    RAM (the peak over the run's phases, recipes/plan/host_peak.py, not the step's arguments), a dropped
+    offload."""
+    reasons = []
+    if report["hbm_bytes"] > hbm_limit:
+        reasons.append(f"HBM {report['hbm_bytes'] / GiB:.1f} > {hbm_limit / GiB:.1f} GiB")
+    host_refusal = host_peak.describe_refusal(report, devices, host_ram)
+    if host_refusal:
+        reasons.append(host_refusal)
+    if dropped_offload(candidate, report):
+        reasons.append("offload dropped: no activation in host memory in the compiled step")
+    return reasons
 
 
 @dataclasses.dataclass
@@ -48,18 +75,15 @@ class PlanRow:
 
     @property
     def dropped_offload(self) -> bool:
-        """An offloading plan whose compiled step keeps no activation in host memory: XLA ignored it.
+        """An offloading plan whose compiled step keeps no activation in host memory: XLA ignored it."""
+        return dropped_offload(self.candidate, self.report)
 
-        Offloaded activations live in host memory from the forward to the
-        backward pass: host *temp* buffers (S(5) in the HLO). Host-resident
-        optimizer state is a host *argument*, so it cannot mask a dropped offload.
-        """
-        return (self.report is not None and self.candidate.offloads_activations
-                and (self.report["host_buffer_count"] == 0 or self.report["host_temp_bytes"] == 0))
-
-    def to_dict(self, devices: int = 1) -> dict:
+    def to_dict(self, devices: int = 1, recipe: Recipe | None = None) -> dict:
+        """JSON-ready; with `recipe` (the planned one) also "set": the --set arguments that train this row."""
         r = self.report or {}
         return {
+            "label": self.candidate.label,
+            "set": None if recipe is None else self.candidate.set_arguments(recipe),
             "plan": self.candidate.activations, "optimizer_state": self.candidate.optimizer_state,
             "params": self.candidate.params, "update": self.candidate.update,
             "update_on_host": self.candidate.update_on_host,
@@ -96,6 +120,31 @@ class Plan:
     # Candidates not compiled because a plan with less in host memory fits (planner.plan(prune=True)):
     # the candidate's fields, its "label" and "because" (the label of the plan that fits).
     skipped: list[dict] = dataclasses.field(default_factory=list)
+    # The per-layer split of the optimizer state the planner searched (recipes/plan/split_search.py), or None.
+    split: object | None = None
+    # How the user named the recipe and the --set overrides it was planned with (spillway plan's arguments),
+    # for the command that trains the pick; None: the recipe's registered name.
+    recipe_ref: str | None = None
+    user_sets: list[str] = dataclasses.field(default_factory=list)
+
+    def pick_set_arguments(self) -> list[str]:
+        """The `--set` arguments that make the planned recipe train the pick ([] when it already does, or
+        when nothing fits)."""
+        picked = self.picked
+        return [] if picked is None else picked.candidate.set_arguments(self.recipe)
+
+    def train_command(self) -> str | None:
+        """`spillway train RECIPE --set ...` that trains the pick: the user's own --set overrides (those
+        of a field the pick sets left out) then the pick's; None when nothing fits."""
+        if self.picked is None:
+            return None
+        picked = self.pick_set_arguments()
+        fields = {argument.split("=", 1)[0] for argument in picked}
+        kept = [argument for argument in self.user_sets if argument.split("=", 1)[0].strip() not in fields]
+        words = ["spillway", "train", self.recipe_ref or self.recipe.name]
+        for argument in [*kept, *picked]:
+            words += ["--set", argument]
+        return shlex.join(words)
 
     @property
     def hbm_limit_bytes(self) -> float:
@@ -114,15 +163,7 @@ class Plan:
             if row.report is None:
                 row.fits, row.why_not = False, "compile failed"
                 continue
-            reasons = []
-            if row.report["hbm_bytes"] > self.hbm_limit_bytes:
-                reasons.append(f"HBM {row.report['hbm_bytes'] / GiB:.1f} > {self.hbm_limit_bytes / GiB:.1f} GiB")
-            # The peak over the run's phases (recipes/plan/host_peak.py), not the step's arguments.
-            host_refusal = host_peak.describe_refusal(row.report, self.devices, self.host_ram_bytes)
-            if host_refusal:
-                reasons.append(host_refusal)
-            if row.dropped_offload:
-                reasons.append("offload dropped: no activation in host memory in the compiled step")
+            reasons = refusals(row.candidate, row.report, self.hbm_limit_bytes, self.devices, self.host_ram_bytes)
             row.fits, row.why_not = not reasons, "; ".join(reasons)
         fitting = [row for row in self.rows if row.fits]
         if fitting:
@@ -159,9 +200,12 @@ class Plan:
     def to_dict(self) -> dict:
         picked = self.picked
         return {"summary": self.summary(), "warnings": self.warnings,
-                "plans": [row.to_dict(self.devices) for row in self.rows],
-                "pick": None if picked is None else picked.candidate.to_dict(),
+                "plans": [row.to_dict(self.devices, self.recipe) for row in self.rows],
+                "pick": None if picked is None else {**picked.candidate.to_dict(), "label": picked.candidate.label,
+                                                     "set": self.pick_set_arguments(),
+                                                     "train_command": self.train_command()},
                 "search": self.search, "timing": self.timing, "skipped": self.skipped,
+                "split": None if self.split is None else self.split.to_dict(),
                 "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
 
 

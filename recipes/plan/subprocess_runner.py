@@ -161,12 +161,75 @@ def compile_processes_bounded():
             signal.signal(signal.SIGTERM, previous)
 
 
+def _exchange(process: subprocess.Popen, input_text: str | None, timeout_s: float | None,
+              on_progress: Callable[[Any], None] | None) -> tuple[str, str, bool]:
+    """(stdout, stderr without the progress lines, whether it was killed for the timeout) of `process`, fed
+    `input_text`. Its stderr is read as it comes: each `report_progress` line goes to `on_progress` at once
+    (from a reader thread), the rest is kept for the error message."""
+    kept: list[str] = []
+
+    def read_stderr():
+        for line in process.stderr:
+            if line.startswith(PROGRESS_PREFIX) and on_progress is not None:
+                try:
+                    on_progress(json.loads(line[len(PROGRESS_PREFIX):]))
+                    continue
+                except ValueError:
+                    pass   # a line cut short (the child died while writing it): keep it as text
+            if not line.startswith(PROGRESS_PREFIX):
+                kept.append(line)
+
+    def feed_stdin():
+        if process.stdin is None:
+            return
+        with contextlib.suppress(OSError):   # a child that died before reading: its exit says why
+            if input_text is not None:
+                process.stdin.write(input_text)
+            process.stdin.close()
+
+    killed = threading.Event()
+
+    def kill_for_timeout():
+        killed.set()
+        process.kill()
+
+    helpers = [threading.Thread(target=read_stderr, daemon=True), threading.Thread(target=feed_stdin, daemon=True)]
+    for helper in helpers:
+        helper.start()
+    timer = threading.Timer(timeout_s, kill_for_timeout) if timeout_s is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        stdout = process.stdout.read()
+        process.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    for helper in helpers:
+        helper.join()
+    return stdout, "".join(kept), killed.is_set()
+
+
+# A compile process's line on stderr that carries a JSON value for the parent's `on_progress` (one per finished
+# compile in recipes/plan/child.py), so the parent can say what finished while the rest still compiles.
+PROGRESS_PREFIX = "spillway-compile-progress: "
+
+
+def report_progress(value: Any) -> None:
+    """In a compile process: send `value` (JSON-ready) to the parent's `on_progress` now, as one line."""
+    sys.stderr.write(PROGRESS_PREFIX + json.dumps(value) + "\n")
+    sys.stderr.flush()
+
+
 def run_in_compile_process(module: str, args: Sequence[str] = (), *,
                            timeout_s: float | None = 900,
-                           env: Mapping[str, str] | None = None, input_text: str | None = None) -> Any:
+                           env: Mapping[str, str] | None = None, input_text: str | None = None,
+                           on_progress: Callable[[Any], None] | None = None) -> Any:
     """Run ``python -m module *args`` as a compile process; return the JSON it prints.
 
-    `input_text` goes to its stdin. Raises CompileToolchainMissing before starting when the plugin or CUDA
+    `input_text` goes to its stdin; `on_progress` gets each value the child sends with `report_progress`,
+    while it runs. Raises CompileToolchainMissing before starting when the plugin or CUDA
     toolkit is missing, and CompileProcessError when the child fails, times out or prints something other
     than one JSON document. The child dies with this process (module docstring).
     """
@@ -183,13 +246,7 @@ def run_in_compile_process(module: str, args: Sequence[str] = (), *,
     with _live_guard:
         _live.add(process)
     try:
-        stdout, stderr = process.communicate(input_text, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, stderr = process.communicate()
-        raise CompileProcessError(
-            f"compile process `python {' '.join(command[1:])}` did not finish in {timeout_s} s; "
-            f"last stderr lines:\n{_useful_stderr_tail(stderr)}", stderr) from None
+        stdout, stderr, timed_out = _exchange(process, input_text, timeout_s, on_progress)
     except BaseException:
         process.kill()   # this thread was interrupted: the child must not outlive the wait for it
         process.wait()
@@ -197,6 +254,10 @@ def run_in_compile_process(module: str, args: Sequence[str] = (), *,
     finally:
         with _live_guard:
             _live.discard(process)
+    if timed_out:
+        raise CompileProcessError(
+            f"compile process `python {' '.join(command[1:])}` did not finish in {timeout_s} s; "
+            f"last stderr lines:\n{_useful_stderr_tail(stderr)}", stderr)
     completed = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if completed.returncode != 0:
         raise CompileProcessError(

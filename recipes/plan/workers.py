@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from spillway.recipes.plan.subprocess_runner import compile_processes_bounded, run_in_compile_process
 
 
-def run_child(request: dict) -> dict:
+def run_child(request: dict, on_progress: Callable[[int, dict], None] | None = None) -> dict:
+    """One compile process over the request's candidates; `on_progress(index, result)` as each finishes."""
     started = time.perf_counter()
     # the request on stdin: no file to leave behind, however the planner stops
-    answer = run_in_compile_process("spillway.recipes.plan.child", ["-"], timeout_s=3600,
-                                    input_text=json.dumps(request))
+    answer = run_in_compile_process(
+        "spillway.recipes.plan.child", ["-"], timeout_s=3600, input_text=json.dumps(request),
+        on_progress=None if on_progress is None else lambda value: on_progress(value["index"], value["result"]))
     if "error" in answer:
         raise ValueError(answer["error"])
     # Python, JAX and the plugin starting, before the child's main() ran.
@@ -39,8 +42,10 @@ def default_workers(num_candidates: int) -> int:
     return max(1, min(4, os.cpu_count() or 1, num_candidates))
 
 
-def run_children(request: dict, workers: int) -> dict:
+def run_children(request: dict, workers: int, on_progress: Callable[[int, dict], None] | None = None) -> dict:
     """`run_child` over `workers` processes, candidates dealt round-robin; one merged answer.
+    `on_progress(index, result)`, index into the request's candidates, as each compile finishes (from the
+    threads that read the processes' output).
 
     Round-robin spreads both optimizer-state placements (which compile at
     different speeds) over the processes. Each candidate's search runs in
@@ -50,15 +55,23 @@ def run_children(request: dict, workers: int) -> dict:
     workers = max(1, min(workers, count))
     if workers == 1:
         with compile_processes_bounded():
-            return run_child(request)
+            return run_child(request, on_progress)
     groups = [list(range(w, count, workers)) for w in range(workers)]
     verify = set(request.get("verify_full_codegen", []))
     requests = [{**request, "candidates": [request["candidates"][i] for i in group],
                  "verify_full_codegen": [j for j, i in enumerate(group) if i in verify]} for group in groups]
     # threads only wait on the child processes, killed first if this process stops (subprocess_runner.py)
     with ThreadPoolExecutor(workers) as pool, compile_processes_bounded():
-        answers = list(pool.map(run_child, requests))
+        answers = list(pool.map(lambda job: run_child(job[0], _in_request(on_progress, job[1])),
+                                zip(requests, groups)))
     return merge_answers(answers, groups, count, combine_seconds=max)   # the processes ran side by side
+
+
+def _in_request(on_progress: Callable[[int, dict], None] | None, group: list[int]):
+    """`on_progress` for one process's share (`group`: the request's indices it was dealt)."""
+    if on_progress is None:
+        return None
+    return lambda index, result: on_progress(group[index], result)
 
 
 def merge_answers(answers: list[dict], groups: list[list[int]], count: int, combine_seconds) -> dict:
@@ -68,6 +81,7 @@ def merge_answers(answers: list[dict], groups: list[list[int]], count: int, comb
     merged = {**answers[0], "results": [None] * count, "full_codegen": {},
               "searches": None if answers[0]["searches"] is None else [None] * count,
               "seconds": combine_seconds(a["seconds"] for a in answers),
+              "cache_warnings": [w for a in answers for w in a.get("cache_warnings", [])],
               "startup_seconds": combine_seconds(a["startup_seconds"] for a in answers)}
     for group, answer in zip(groups, answers):
         for j, i in enumerate(group):

@@ -42,6 +42,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 
 from spillway.layers.errors import SpillwayError
 from spillway.layers.memory import PINNED_HOST, Memory
@@ -236,14 +237,22 @@ def phases_of_recipe(recipe) -> HostPhases:
     values = [getattr(leaf, "value", leaf) for leaf in jax.tree.leaves(abstract)]
     memories = jax.tree.leaves(param_memories(abstract, recipe.offload.params))   # per leaf, same order
     deferred = recipe.offload.update == NEXT_FORWARD
-    state = halved = weights = pending = device_saved = 0
+    moment_bytes = jnp.dtype(recipe.optimizer.moment_dtype).itemsize
+    state = halved = weights = pending = device_saved = split_device = 0
     for layout, value, memory in zip(layouts, values, memories, strict=True):
         size = int(value.size)
         param_bytes = size * value.dtype.itemsize
-        state_bytes = size * (8 + 4 * layout.master)
+        state_bytes = size * (2 * moment_bytes + 4 * layout.master)   # mu, nu, the fp32 master
         streamed = layout.stacked and layout.state_memory == Memory.HOST and not recipe.optimizer.update_on_host
         host_weight = memory == Memory.HOST
-        if layout.state_memory == Memory.HOST:
+        if layout.split:
+            # offload.optimizer_state=host:N: the last layers' state on host; a save joins the whole
+            # leaf into one host array (Optimizer.saved_form), the device part copied out.
+            host_share = state_bytes * layout.host_layers // value.shape[0]
+            state += host_share
+            halved += state_bytes
+            split_device += state_bytes - host_share
+        elif layout.state_memory == Memory.HOST:
             state += state_bytes
             halved += state_bytes if streamed and not deferred else 0
             pending += param_bytes if streamed and deferred else 0
@@ -256,7 +265,8 @@ def phases_of_recipe(recipe) -> HostPhases:
     else:
         step_host = state + weights + (weights if recipe.train.grad_accum == 1 else 2 * weights)
     return HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,
-                      step_host=step_host, saved_device=device_saved, saved_host=state + weights)
+                      step_host=step_host, saved_device=device_saved,
+                      saved_host=state + weights + split_device)
 
 
 def check_run(s, *, host_ram_bytes: int | None = None, machine_ram_bytes: int | None = None,

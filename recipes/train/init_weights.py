@@ -112,6 +112,9 @@ def check_hf_tensors(recipe: Recipe) -> None:
         return
 
     _, abstract_state = abstract_model(recipe)
+    if recipe.lora.enabled:   # the checkpoint is the base: a LoRA run's adapters are not in it
+        from spillway.recipes.train.lora_step import split
+        abstract_state = split(abstract_state)[1]
     try:
         check_checkpoint_tensors(directory, get_family(recipe.family), recipe.model, abstract_state)
     except HFCheckpointError as error:

@@ -1,14 +1,17 @@
 """The train loop, as its phases: checks, data, state built or restored, the steps, the finish.
 
     checks        train(): every setting a user can get wrong, once, before anything is written
-                  (the run's inputs, the attention kernel on this backend, aux_loss coefficients)
+                  (the run's inputs, the attention kernel on this backend, aux_loss coefficients);
+                  a LoRA run's base pinned to the step folder init_from names (lora_state.py)
     run directory the run lock (run_lock.py), checkpoints writable there (checkpoint.py)
-    before data   which step to resume from and may this recipe resume it (resume.py), the corpus
-                  the run trained on (corpus_record.py), a fine-tune's tokenizer (finetune.py)
+    before data   which step to resume from and may this recipe resume it (resume.py; a LoRA run
+                  only on its own base), the corpus the run trained on (corpus_record.py), a
+                  fine-tune's tokenizer (finetune.py)
     data          tokenizer and packed rows (data_pipeline.py); the batches (batch.BatchFeed)
-    setup         mesh, host memory checks (host_memory.py), the model in its shards and the jitted
-                  step (step.py), the programs the loop runs (run_state.StepPrograms)
-    state         built, a fine-tune's weights, or restored (run_state.initial_state)
+    setup         mesh, host memory checks (host_memory.py; a split host:N state too), the model in its
+                  shards and the jitted step (step.py), the programs the loop runs (run_state.StepPrograms)
+    state         built, a fine-tune's weights, or restored (run_state.initial_state; a LoRA run's
+                  base read from init_from at every start, its checkpoints the adapters)
     steps         one step, then the parts that decide themselves whether they run
                   (loop_parts.py: loss check, progress, validation, stopping, saving, profile)
     finish        plots, the model, a text sample
@@ -32,6 +35,7 @@ import jax
 from flax import nnx
 
 from spillway.layers.memory import Memory
+from spillway.layers.residency import memory_of
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.config import DataConfig, Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
@@ -114,6 +118,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
 def _checks(recipe: Recipe, echo, host_ram_gb: float | None):
     """(recipe, is this process 0, its `say`): every check that needs no run directory, once each,
     before anything is written or any data prepared."""
+    from spillway.recipes.train import lora_state
     from spillway.recipes.train.finetune import check_not_its_own_source
     from spillway.recipes.train.init_weights import check_hf_tensors, resolve_init_from
     from spillway.recipes.train.preflight import check_run_inputs
@@ -131,6 +136,7 @@ def _checks(recipe: Recipe, echo, host_ram_gb: float | None):
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
     check_hf_tensors(recipe)  # ... and hold its tensors, named and shaped as the model's: before data is prepared
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
+    recipe = lora_state.pin_base(recipe)  # a LoRA run's base: the step folder init_from names now
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
     check_fine_tuning_inputs(recipe)  # chat/instruct on a text corpus, document masks cuDNN cannot apply
     check_attention_backend(recipe.execution.attention_impl, jax.default_backend())
@@ -169,6 +175,7 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
     # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from spillway.data import tokenizer_file_in
+    from spillway.recipes.train import lora_state
     from spillway.recipes.train.corpus_record import check_corpus
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
@@ -179,6 +186,9 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
         recipe = with_source_tokenizer(recipe, run_dir, resuming=recipe.train.resume and bool(checkpointer.all_steps()),
                                        say=say)
     candidates = steps_to_try(checkpointer, recipe)  # a recipe that cannot resume fails here, before data
+    if candidates:   # a LoRA run's adapters resume only on their own base
+        lora_state.check_same_base(recipe, checkpointer.read_recipe_json(candidates[0]),
+                                   checkpointer.step_dir(candidates[0]))
     check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py).
     own_tokenizer = tokenizer_file_in(run_dir) if candidates and not recipe.data.tokenizer else None
@@ -211,7 +221,7 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
 def _build_setup(recipe: Recipe, host_ram_gb: float | None, say) -> TrainSetup:
     """The mesh, the host memory checks (before anything is allocated), the model in its shards and the step."""
     mesh = make_mesh(recipe.mesh)
-    if recipe.offload.optimizer_state == Memory.HOST:
+    if memory_of(recipe.offload.optimizer_state) == Memory.HOST:   # a split (host:N) too
         abstract = abstract_setup(recipe, mesh, platform=jax.default_backend())
         # Pinned memory the host cannot give fails here, not mid-init.
         pinned = pinned_bytes_of_setup(abstract)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from spillway.models.flops import model_flops_per_token
-from spillway.recipes.train import aux_terms
+from spillway.recipes.train import aux_terms, lora_state
 from spillway.recipes.train.metrics import NonFiniteLossError, check_finite, device_memory_in_use, peak_flops_per_device
 from spillway.recipes.train.preemption import signal_name
 from spillway.recipes.train.run_state import RunState
@@ -207,9 +207,10 @@ class Saving:
                                      f"stopping; {resume_hint(self._checkpointer)}")
         meta = {"step": state.step, "seed": self._recipe.train.seed,
                 "tokens_seen": state.step * self._tokens_per_step}
-        # force: decided here (`due`), not by the checkpointer's own period
-        self._checkpointer.save(state.step, params=state.params, opt_state=self._optimizer.saved_form(state.opt_state),
-                                loader_state=loader_state, meta=meta, recipe_json=self._recipe.to_json(), force=True)
+        # force: decided here (`due`), not by the checkpointer's own period; a LoRA run saves its adapters
+        self._checkpointer.save(state.step, params=lora_state.checkpointed(self._recipe, state.params),
+                                opt_state=self._optimizer.saved_form(state.opt_state), loader_state=loader_state,
+                                meta=meta, recipe_json=self._recipe.to_json(), force=True)
 
 
 class Profile:

@@ -80,18 +80,24 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
                   run_dir, main: bool, say) -> RunState:
     """The state the run starts from: restored from the first of `candidates` that is intact and whose
     weights are not diverged (the feed is put back to that step's position), or built: the setup's
-    weights, or the weights a fine-tune starts from (checkpoint.init_from)."""
+    weights, or the weights a fine-tune starts from (checkpoint.init_from). A LoRA run reads its frozen
+    base from checkpoint.init_from at every start, a resume too: its checkpoints hold only the adapters
+    (recipes/train/lora_state.py)."""
+    from spillway.recipes.train import lora_state
     from spillway.recipes.train.init_weights import load_init_weights
     from spillway.recipes.train.resume import record_history, restore_for_resume
 
     recipe = s.recipe
     params = s.params
+    if recipe.lora.enabled:
+        # Checkpoints hold only the adapters: the frozen base is read from init_from at every start.
+        params = lora_state.load_base(recipe, params, s.param_shardings, say)
+    elif not candidates and recipe.checkpoint.init_from:
+        # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
+        params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
     if not candidates:
-        if recipe.checkpoint.init_from:
-            # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
-            params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
-            if main:
-                record_history(run_dir, "fine-tune", step=0, init_from=str(recipe.checkpoint.init_from))
+        if main and recipe.checkpoint.init_from:
+            record_history(run_dir, "fine-tune", step=0, init_from=str(recipe.checkpoint.init_from))
         elif main:
             record_history(run_dir, "start", step=0)
         opt_state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params)
@@ -100,7 +106,8 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
     def weights_problem(restored: dict) -> str | None:
         # the weights against the batch the resumed run trains on first; the feed is put back after
         feed.restore(restored["loader_state"])
-        problem = programs.check_weights(restored["params"], feed.peek()).problem()
+        whole = lora_state.with_restored(recipe, params, restored["params"])
+        problem = programs.check_weights(whole, feed.peek()).problem()
         feed.restore(restored["loader_state"])
         return problem
 
@@ -108,10 +115,11 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
     # in (pinned host) memory while the restore writes the first (benchmarks/host_memory_phases.py).
     resumed = restore_for_resume(
         checkpointer, recipe, candidates,
-        abstract_params=abstract_with_shardings(params, s.param_shardings),
+        abstract_params=lora_state.checkpointed(recipe, abstract_with_shardings(params, s.param_shardings)),
         abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings),
         weights_problem=weights_problem, say=say)
     step = int(resumed.meta["step"])
+    params = lora_state.with_restored(recipe, params, resumed.params)   # a LoRA run: the base loaded above
     # Checkpoints hold the state in saved form (one array per leaf); the streamed host leaves go back to
     # their two buffers.
     opt_state = s.optimizer.from_saved_form(resumed.opt_state, consume=True)
@@ -120,4 +128,4 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
     say(f"resumed from {checkpointer.step_dir(resumed.step)} at step {step}{changes}")
     if main:
         record_history(run_dir, "resume", step=step, changed=resumed.changed, set_aside=resumed.set_aside)
-    return RunState(step, resumed.params, opt_state, s.nothing_pending(resumed.params), programs)
+    return RunState(step, params, opt_state, s.nothing_pending(params), programs)

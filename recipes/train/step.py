@@ -28,7 +28,7 @@ from spillway.recipes.optim import update_in_forward
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
-from spillway.recipes.train import aux_terms, xla_settings
+from spillway.recipes.train import aux_terms, lora_step, xla_settings
 from spillway.recipes.train import batch as batch_lib
 from spillway.recipes.train.batch import Batch, micro_batches
 from spillway.recipes.train.sft_batch import with_step_denominator
@@ -304,7 +304,9 @@ def pinned_bytes_of_setup(s: TrainSetup) -> PinnedHostBytes:
         # (recipes/optim/update_in_forward.py): two of each while it runs.
         pending = tree_nbytes_by_memory_kind(_abstract_pending(s)).get(placement.PINNED_HOST, 0)
         return PinnedHostBytes(2 * state, weights, 2 * pending)
-    if recipe.train.grad_accum == 1:
+    if recipe.lora.enabled:
+        gradients = 0   # the frozen base has none; the adapters' live in HBM
+    elif recipe.train.grad_accum == 1:
         gradients = weights
     else:
         as_f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), s.params)
@@ -373,13 +375,16 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
     halve_stacked_state; benchmarks/host_memory_phases.py)."""
     # A micro-batch the batch axes do not divide is replicated: it runs (the planner refuses it).
     check_batch_split(dict(mesh.shape), recipe.train.global_batch, recipe.train.grad_accum, micro_batches_too=False)
-    layouts = make_layouts(params if layout_source is None else layout_source, recipe.optimizer,
-                           state_memory=recipe.offload.optimizer_state)
+    # A LoRA run's optimizer holds state for the adapters only (recipes/train/lora_step.py).
+    layouts = make_layouts(lora_step.trained_part(recipe, params if layout_source is None else layout_source),
+                           recipe.optimizer, state_memory=recipe.offload.optimizer_state)
     deferred = recipe.offload.update == NEXT_FORWARD
     # The same XLA settings wherever this step compiles: a GPU run, and the planner's deviceless compile.
     xla_options = xla_settings.step_compiler_options(platform)
     optimizer = Optimizer(recipe.optimizer, layouts, total_steps=recipe.schedule_steps, update_in_forward=deferred,
                           halve_stacked_state=platform != "cpu")
+    if recipe.lora.enabled:
+        optimizer = lora_step.AdapterOptimizer(optimizer)
     opt_sh = optimizer.state_shardings(param_sh)
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
@@ -401,13 +406,18 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
                         compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
+    if recipe.lora.enabled:   # the gradient of the adapters only; the base passes through
+        step_fn = lora_step.make_train_step(make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss),
+                                            optimizer, recipe.train.grad_accum, recipe.train.seed)
+    else:
+        step_fn = make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh,
+                                  recipe.aux_loss)
     # The params and the optimizer state are donated on every platform, CPU included: the step writes
     # the new ones over the old, so it never holds two copies of the state. (Donating host state used
     # to abort on CPU, where XLA aliased a donated pinned_host buffer to a device output; JAX 0.10.2
     # pairs a donated buffer only with an output of its own memory kind: docs/DESIGN.md section 4,
     # tests/recipes/train/test_host_memory.py runs the donated step with host state on CPU.)
-    step = jax.jit(make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh,
-                                   recipe.aux_loss),
+    step = jax.jit(step_fn,
                    in_shardings=(param_sh, opt_sh, None, batch_sh),
                    out_shardings=(param_sh, opt_sh, None, scalar_sh),
                    donate_argnums=STEP_DONATES, compiler_options=xla_options)

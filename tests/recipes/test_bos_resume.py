@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from new_user_fixtures import BOS, micro, write_hf_tokenizer
+from micro_recipe import micro
+from user_files import BOS, write_hf_tokenizer
 from spillway.recipes.train.loop import train
 
 

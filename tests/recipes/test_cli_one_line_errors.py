@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from new_user_fixtures import MICRO, write_hf_tokenizer
+from micro_recipe import MICRO
+from user_files import write_hf_tokenizer
 from spillway.recipes import cli
 from spillway.recipes.registry import get_recipe
 

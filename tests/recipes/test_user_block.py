@@ -15,16 +15,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from micro_recipe import MICRO as MICRO_SETTINGS
+from micro_recipe import SOURCE
 from spillway.recipes import cli
 from spillway.recipes.blocks import import_root, resolve_block_class
 from spillway.recipes.registry import get_recipe
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MODULE = "readme_blocks"
-MICRO = ["data.source=builtin:stdlib:400000", "data.seq_len=32", "data.num_proc=1", "model.vocab_size=512",
-         "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.mlp_hidden=64", "model.max_seq_len=64", "train.global_batch=8", "train.log_every=1",
-         "train.eval_every=0", "train.sample_tokens=0", "optimizer.warmup_steps=1", "optimizer.learning_rate=1e-2"]
+MICRO = [f"data.source={SOURCE}", *MICRO_SETTINGS]
 
 
 def readme_block_code() -> str:

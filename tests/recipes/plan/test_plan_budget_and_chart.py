@@ -49,7 +49,7 @@ def test_budget_picks_the_fastest_plan_under_it():
 
 
 def test_budget_that_nothing_fits_names_the_smallest_plan():
-    with pytest.raises(ValueError, match=r"smallest HBM is 12\.00 GiB \(recompute_all / opt state host.*"
+    with pytest.raises(ValueError, match=r"smallest HBM is 12\.00 GiB \(recompute_all / optimizer_state=host.*"
                                          r"budget 8\.00 GiB"):
         plan_result.choose(fake_plan(8))
     assert fake_plan().rejudged(hbm_budget_bytes=8 * GiB).picked is None
@@ -104,3 +104,50 @@ def test_png_of_a_plan_where_nothing_compiled_says_so(tmp_path):
     empty = types.SimpleNamespace(**{**plan.__dict__, "rows": []})
     with pytest.raises(ValueError, match="no plan compiled"):
         draw_plan(empty, tmp_path / "x.png")
+
+
+def host_cpu_plan():
+    """A plan whose pick is the host CPU's update with the weights on host, on `tiny` (save_all, all on device)."""
+    rows = [fake_row("save_dots", "device", 90.0, 100.0),    # over the budget below
+            fake_row("offload_dots", "host", 20.0, 150.0, host_gib=50.0)]
+    pick = Candidate.of("recompute_all", "host", "host", update_on_host=True)
+    rows.append(plan_result.PlanRow(pick, "flash", {**rows[1].report, "hbm_bytes": 10 * GiB}, None, {},
+                                    compute_s=0.0, compile_s=0.0))
+    rows[2].forward_s, rows[2].backward_s, rows[2].update_s = 0.1, 0.0, 0.0
+    return plan_result.Plan(get_recipe("tiny"), get_target("h200"), 1, {"data": 1}, 0.9, 512 * GiB, rows, [],
+                            None, {"jax_version": "test", "compiles": 3, "total_s": 1.0, "workers": 1,
+                                   "child_startup_s": 0.0}, hbm_budget_bytes=50 * GiB).judge()
+
+
+def test_the_table_and_json_say_how_to_train_the_pick_in_recipe_fields(monkeypatch, capsys):
+    import json
+    import shlex
+
+    monkeypatch.setattr(commands, "plan", lambda *args, **kwargs: host_cpu_plan())
+    assert cli.main(["plan", "tiny", "--set", "data.seq_len=64", "--set", "offload.params=device"]) == 0
+    out = capsys.readouterr().out
+    wanted = ("spillway train tiny --set data.seq_len=64 --set offload.activations=recompute_all "
+              "--set offload.optimizer_state=host --set offload.params=host --set optimizer.update_on_host=true")
+    assert f"train it:  {wanted}" in out   # the user's own offload.params=device gives way to the pick's
+    assert "host_compute" not in out and "+params" not in out
+    assert "* recompute_all                        host   host    true        after_backward" in out
+    assert "* pick: recompute_all / optimizer_state=host / update_on_host=true / params=host" in out
+
+    assert cli.main(["plan", "tiny", "--set", "data.seq_len=64", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["pick"]["set"] == ["offload.activations=recompute_all", "offload.optimizer_state=host",
+                                       "offload.params=host", "optimizer.update_on_host=true"]
+    assert shlex.split(document["pick"]["train_command"])[:3] == ["spillway", "train", "tiny"]
+    assert "host_compute" not in json.dumps(document)
+    assert [row["set"] for row in document["plans"]] == [
+        ["offload.activations=save_dots"], ["offload.activations=offload_dots", "offload.optimizer_state=host"],
+        document["pick"]["set"]]
+
+
+def test_a_pick_the_recipe_already_trains_needs_no_set_and_a_stale_cpu_update_is_turned_off():
+    plan = fake_plan()   # picks save_all with the state on device
+    plan.recipe = get_recipe("tiny", ["offload.activations=save_all"])
+    assert plan.pick_set_arguments() == [] and plan.train_command() == "spillway train tiny"
+    offload = get_recipe("llama3_8b_offload")   # host state updated by the host CPU
+    assert Candidate.of("save_all", "device").set_arguments(offload) == [
+        "offload.activations=save_all", "offload.optimizer_state=device", "optimizer.update_on_host=false"]

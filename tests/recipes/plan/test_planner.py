@@ -31,7 +31,7 @@ from spillway.models import flops
 from spillway.recipes import cli
 from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD
 from spillway.recipes.plan import candidates as plan_candidates
-from spillway.recipes.plan import commands, compute_model, cost_model, mesh_rules, planner, plugin, pruning, workers
+from spillway.recipes.plan import commands, compute_model, cost_model, mesh_rules, planner, plugin, pruning, scheduler, workers
 from spillway.recipes.plan import render as plan_render
 from spillway.recipes.plan import result as plan_result
 from spillway.recipes.plan.candidates import Candidate
@@ -122,7 +122,9 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     # are 8 activation plans, each with the state on device and on host (16); the host CPU's update for
     # recompute_all and offload_dots (18); the update in the next forward pass for the 6 presets (24).
     assert len(plans) == len(set(plans)) == 24
-    assert [c.placement for c in plans] == ["device"] * 8 + ["host"] * 8 + ["host_compute"] * 2 + ["host_in_fwd"] * 6
+    assert [c.placement_label for c in plans] == (
+        ["optimizer_state=device"] * 8 + ["optimizer_state=host"] * 8
+        + ["optimizer_state=host / update_on_host=true"] * 2 + ["optimizer_state=host / update=next_forward"] * 6)
     assert [c.activations for c in plans[:8]] == [
         "save_all", "recompute_all", "offload_inputs", "save_dots", "offload_dots", "save_qkv_offload_mlp",
         "offload_dots:2,recompute_all", "save_dots:2,recompute_all"]
@@ -148,7 +150,7 @@ def test_host_params_candidates_only_for_large_models_and_only_with_host_state()
         applied = c.applied_to(large)
         assert applied.offload.params == "host" and applied.offload.optimizer_state == "host"
         assert Candidate.from_dict(c.to_dict()) == c
-        assert c.placement.endswith("+params") and "params host" in c.label
+        assert c.label.endswith("/ params=host") and "host_compute" not in c.label
 
 
 def run_cli(argv, capsys):
@@ -357,8 +359,12 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
     assert code == 0
     lines = out.splitlines()
     for row in small_plan.rows:
-        assert any(line[2:].split()[:2] == [row.candidate.activations, row.candidate.state_word]
+        settings = row.candidate.settings()
+        table_order = ("offload.activations", "offload.optimizer_state", "offload.params",
+                       "optimizer.update_on_host", "offload.update")   # the table's plan/state/params/upd_on_host/update
+        assert any(line[2:].split()[:5] == [settings[field] for field in table_order]
                    for line in lines), row.candidate.label
+    assert "host_compute" not in out
     assert sum(line.startswith("* ") for line in lines) == 1
     assert "H200" in out and "tokens/step" in out and "attention flash" in out
     assert "the overlapped bytes are not counted twice" in out
@@ -368,7 +374,8 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
     assert code == 0
     assert [(p["plan"], p["optimizer_state"]) for p in document["plans"]] == [
         (row.candidate.activations, row.candidate.optimizer_state) for row in small_plan.rows]
-    assert document["pick"] == small_plan.picked.candidate.to_dict()
+    assert Candidate.from_dict(document["pick"]) == small_plan.picked.candidate
+    assert document["pick"]["train_command"].startswith("spillway train tiny")
     assert document["summary"]["params"] == small_plan.recipe.model.num_params()
     assert document["summary"]["tokens_per_step"] == 4 * 512
     for key in ("hbm_bytes", "host_bytes", "transfer_s", "compute_s", "step_s", "fits"):
@@ -425,7 +432,7 @@ def test_a_mesh_that_cannot_split_the_model_is_refused_before_any_compile(monkey
     """3 GPUs for a 4096-wide model: the weights would be replicated while compute counted as split."""
     def no_compiles(*args, **kwargs):
         raise AssertionError("nothing may be compiled for a mesh that cannot split the model")
-    monkeypatch.setattr(planner, "run_children", no_compiles)
+    monkeypatch.setattr(scheduler, "run_children", no_compiles)
     eight_b = get_recipe("llama3_8b", ["train.global_batch=3", "train.grad_accum=1"])
     with pytest.raises(ValueError, match=r"mesh.fsdp=3 does not divide embed \(4096\)\. \d+ weights \([\d.]+ GiB\) "
                                          r"would be replicated"):
@@ -453,7 +460,7 @@ def test_candidates_split_over_compile_processes_come_back_in_order(monkeypatch)
     """`_run_children` deals candidates round-robin and merges answers as one process would give them."""
     seen = []
 
-    def fake_child(request):
+    def fake_child(request, on_progress=None):
         seen.append([c["activations"] for c in request["candidates"]])
         names = [c["activations"] for c in request["candidates"]]
         return {"jax_version": "x", "device_kind": "k", "mesh": {}, "setup_seconds": 0.0, "seconds": len(names),
@@ -673,6 +680,9 @@ def test_pruned_plan_compiles_less_and_picks_the_same(small_plan):
     full = {row.candidate: row for row in small_plan.rows}
     for entry in pruned.skipped:   # what was skipped is really no faster than what it was skipped for
         skipped = full.get(Candidate.from_dict(entry))
+        if entry.get("cannot_fit"):   # its bounds ruled it out before compiling: the exhaustive row agrees
+            assert skipped is None or not skipped.fits
+            continue
         if skipped is None:
             continue   # not compiled in small_plan either (IN_FORWARD_PLANS)
         because = next(row for row in small_plan.rows if row.candidate.label == entry["because"])

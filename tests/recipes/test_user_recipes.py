@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from new_user_fixtures import MICRO
+from micro_recipe import MICRO
 from spillway.layers.errors import ConfigError
 from spillway.recipes import cli
 from spillway.recipes.registry import get_recipe

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from new_user_fixtures import micro
+from micro_recipe import micro
 from spillway.layers.errors import ConfigError
 from spillway.recipes import cli
 from spillway.recipes.generate import generate_from_checkpoint

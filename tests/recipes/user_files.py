@@ -1,8 +1,7 @@
-"""Helpers shared by the tests/recipes/test_new_user_*.py files: the micro recipe, a local corpus, a tokenizer.json.
+"""Files a user brings to a run, made for a test: the micro recipe's corpus as a local folder, a tokenizer.json.
 
-The micro recipe is tests/recipes/test_run_safety.py's (two tiny layers,
-32-token rows, a few steps: seconds per run on one CPU core), reading a local
-text folder so that a test can edit its corpus.
+`copy_stdlib_corpus` makes the micro recipe's (tests/micro_recipe.py) built-in
+corpus a local text folder that a test can edit.
 """
 
 from __future__ import annotations
@@ -10,21 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spillway.recipes.registry import get_recipe
-
-MICRO = ["data.seq_len=32", "data.num_proc=1",
-         "model.vocab_size=512", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-         "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=64",
-         "train.global_batch=8", "train.log_every=1", "train.eval_every=0", "train.sample_tokens=0",
-         "optimizer.warmup_steps=2", "optimizer.learning_rate=1e-2"]
 
 EOS = "<|endoftext|>"
 BOS = "<|begin|>"
-
-
-def micro(cache_dir: Path, run_dir: Path, *extra: str, source: str = "builtin:stdlib:400000"):
-    return get_recipe("tiny", [*MICRO, f"data.source={source}", f"data.cache_dir={cache_dir}",
-                               f"checkpoint.dir={run_dir}", *extra])
 
 
 def copy_stdlib_corpus(folder: Path, max_bytes: int = 400_000) -> Path:

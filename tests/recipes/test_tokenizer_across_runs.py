@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from new_user_fixtures import BOS, EOS, copy_stdlib_corpus, micro, write_hf_tokenizer
+from micro_recipe import micro
+from user_files import BOS, EOS, copy_stdlib_corpus, write_hf_tokenizer
 from spillway.data import load_tokenizer
 from spillway.recipes.generate import generate_from_checkpoint
 from spillway.recipes.train.checkpoint import RunCheckpointer

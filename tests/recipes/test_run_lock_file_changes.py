@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from new_user_fixtures import micro
+from micro_recipe import micro
 from spillway.recipes.train import run_lock
 from spillway.recipes.train.loop import train
 from spillway.recipes.train.metrics import read_metrics

@@ -101,3 +101,57 @@ def test_an_unwritable_png_path_fails_before_compiling(tmp_path, capsys, monkeyp
     assert cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png",
                      str(tmp_path / "nowhere" / "plan.png")]) == cli.EXIT_USER_ERROR
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, says", [("plan.txt", "'txt' is not an image format matplotlib writes"),
+                                        ("plan", "the name has no image suffix")])
+def test_a_png_path_in_a_format_matplotlib_cannot_write_fails_before_compiling(name, says, tmp_path, capsys,
+                                                                                monkeypatch):
+    from spillway.recipes.plan import commands
+
+    def no_compiles(*args, **kwargs):
+        raise AssertionError("compiled before checking the --png format")
+    monkeypatch.setattr(commands, "plan", no_compiles)
+    status = cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png", str(tmp_path / name)])
+    assert status == cli.EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert f"--png {tmp_path / name}: {says}; give one of " in err and ".png" in err and ".pdf" in err
+    assert not (tmp_path / name).exists()
+
+
+PROGRESS_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from spillway.recipes.plan.subprocess_runner import report_progress, serve_compile_process
+
+    def main(argv):
+        request = json.load(sys.stdin)
+        results = []
+        for index, _ in enumerate(request["candidates"]):
+            results.append({"error": f"stand-in {index}", "seconds": 0.0})
+            print("an XLA warning on stderr", file=sys.stderr, flush=True)
+            report_progress({"index": index, "result": results[-1]})
+            time.sleep(3)
+        return {"results": results, "full_codegen": {}, "searches": None, "seconds": 3.0, "setup_seconds": 0.0}
+
+    serve_compile_process(main)
+""")
+
+
+def test_each_finished_compile_reaches_the_planner_while_the_process_still_runs(tmp_path, monkeypatch):
+    from spillway.recipes.plan import plugin, workers
+
+    (tmp_path / "progress_child.py").write_text(PROGRESS_CHILD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(plugin, "missing_reason", lambda: None)   # the stand-in needs no toolchain
+    real = workers.run_in_compile_process
+    monkeypatch.setattr(workers, "run_in_compile_process",
+                        lambda module, args, **kw: real("progress_child", [], **kw))
+    heard = []
+    answer = workers.run_children({"candidates": [{}, {}]}, workers=1,
+                                  on_progress=lambda index, result: heard.append((index, result, time.monotonic())))
+    finished = time.monotonic()
+    assert [(index, result["error"]) for index, result, _ in heard] == [(0, "stand-in 0"), (1, "stand-in 1")]
+    assert finished - heard[0][2] > 4   # the first line came while the second "compile" still ran
+    assert [r["error"] for r in answer["results"]] == ["stand-in 0", "stand-in 1"]

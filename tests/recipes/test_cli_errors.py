@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from new_user_fixtures import MICRO
+from micro_recipe import MICRO
 from spillway.recipes import cli
 
 BLOCKS = {
@@ -57,11 +57,11 @@ def sets(*values):
 
 @pytest.mark.parametrize("module", list(BLOCKS))
 def test_a_broken_user_block_is_named_in_train_and_in_plan(module, user_blocks, tmp_path, capsys, monkeypatch):
-    from spillway.recipes.plan import planner
+    from spillway.recipes.plan import scheduler
 
     def no_compiles(*args, **kwargs):
         raise AssertionError("compile processes started for a block that cannot be built")
-    monkeypatch.setattr(planner, "run_children", no_compiles)
+    monkeypatch.setattr(scheduler, "run_children", no_compiles)
     block = f"block={module}:Block"
     status = cli.main(["train", "tiny", *sets(*MICRO, "data.source=builtin:stdlib:400000", "train.steps=1",
                                               f"data.cache_dir={tmp_path / 'cache'}",

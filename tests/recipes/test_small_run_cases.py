@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from new_user_fixtures import micro
+from micro_recipe import micro
 from spillway.recipes import cli
 from spillway.recipes.registry import get_recipe, recipe_names
 from spillway.recipes.train.loop import train

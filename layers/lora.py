@@ -1,0 +1,179 @@
+"""LoRA adapters on a block's projections: frozen base weight W, trainable low-rank A and B beside it.
+
+    y = x @ W  +  (alpha / r) * (dropout(x) @ A^T) @ B^T        A: [r, in] random, B: [out, r] zero
+
+as PEFT writes it (Hu et al. 2021): A is drawn as PEFT's default
+(kaiming-uniform with a = sqrt(5), i.e. uniform(-1/sqrt(in), 1/sqrt(in))), B
+is zero, so a fresh adapter changes nothing. `in` and `out` are the weight's
+input and output axes flattened (an attention weight [d, heads, head_dim] is
+in = d, out = heads * head_dim), the layout of a Hugging Face `nn.Linear`
+[out, in], so an adapter is PEFT's `lora_A.weight` / `lora_B.weight` as is.
+
+How adapters get into a model. `adapters_while_building(spec)` puts a
+`LoraSpec` in force while a model is built; the block stack builds each block
+and then calls `attach` (layers/stack.py), which gives the block's modules a
+`LoraAdapter` per targeted weight, as the attribute `lora_<weight name>` of the
+module holding the weight (attn.lora_wq beside attn.wq). Blocks are built
+stacked (nnx.vmap, or a scan for host weights), so the adapters are stacked
+[L, r, in] and [L, out, r] like every block weight, scanned with them, and
+rematerialised and sharded by the same rules. A module that computes a
+projection asks `adapter_delta(module, name, x, ...)` for the adapter's term
+(None where the weight has no adapter: the program is unchanged).
+
+The adapters are `nnx.LoRAParam`s (a subclass of nnx.Param: the optimizer,
+sharding and checkpoints see them as parameters) with `param_memory="device"`:
+with the frozen base weights in host memory (offload.params=host), the
+adapters stay in HBM. What is trainable is decided by the train step
+(recipes/train/lora_state.py), not here.
+
+Dropout on the adapter's input needs a key: the train step puts one in force
+(`dropout_key`) while it traces the loss; without one (validation, generation,
+export) the adapter runs without dropout. Inside the block scan every layer
+sees the same key, so the layers draw the same mask pattern for inputs of the
+same shape (a known simplification: docs/DESIGN.md section 13); the
+projections of one layer draw their own masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import zlib
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spillway.layers.errors import ConfigError, require_positive
+
+ADAPTER_PREFIX = "lora_"
+
+_BUILDING: contextvars.ContextVar[LoraSpec | None] = contextvars.ContextVar("spillway_lora_spec", default=None)
+_DROPOUT_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("spillway_lora_key", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Which block weights get adapters, and their rank, scale and dropout.
+
+    `targets`: (module attribute, weight attribute) pairs inside a block, e.g.
+    ("attn", "wq"); the recipe turns Hugging Face module names into them
+    (recipes/lora_targets.py), so this layer needs no family's names.
+    """
+
+    rank: int
+    alpha: float
+    targets: frozenset[tuple[str, str]]
+    dropout: float = 0.0
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        require_positive("lora", rank=self.rank, alpha=self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise ConfigError("lora: no target weights")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraAdapter(nnx.Module):
+    """A [r, in] and B [out, r] of one weight; `delta(x_in)` is (alpha / r) * x_in @ A^T @ B^T."""
+
+    def __init__(self, in_features: int, out_features: int, spec: LoraSpec, *, in_axis: str | None,
+                 out_axis: str | None, rngs: nnx.Rngs):
+        bound = 1.0 / math.sqrt(in_features)
+        dtype = jnp.dtype(spec.param_dtype)
+        a = jax.random.uniform(rngs.params(), (spec.rank, in_features), dtype, -bound, bound)
+        # param_memory: the adapters stay in HBM when the frozen base weights live in host memory.
+        self.a = nnx.LoRAParam(a, logical_axes=(None, in_axis), param_memory="device")
+        self.b = nnx.LoRAParam(jnp.zeros((out_features, spec.rank), dtype), logical_axes=(out_axis, None),
+                               param_memory="device")
+        self.scale = spec.scale
+        self.dropout = spec.dropout
+
+    def delta(self, x_bti: jax.Array, dtype, salt: int = 0) -> jax.Array:
+        """The adapter's term for inputs [..., in] (flattened): [..., out], in `dtype`. `salt` tells the
+        projections of one input apart (q, k and v draw their own dropout masks, as PEFT's do)."""
+        key = _DROPOUT_KEY.get()
+        if self.dropout > 0 and key is not None:
+            key = jax.random.fold_in(key, salt)
+            keep = jax.random.bernoulli(key, 1.0 - self.dropout, x_bti.shape)
+            x_bti = jnp.where(keep, x_bti / (1.0 - self.dropout), 0).astype(x_bti.dtype)
+        low = x_bti @ self.a[...].astype(dtype).T
+        return (low @ self.b[...].astype(dtype).T) * jnp.asarray(self.scale, dtype)
+
+
+@contextlib.contextmanager
+def adapters_while_building(spec: LoraSpec | None) -> Iterator[None]:
+    """Blocks built inside get the adapters `spec` names (None: none)."""
+    token = _BUILDING.set(spec)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+@contextlib.contextmanager
+def dropout_key(key: jax.Array | None) -> Iterator[None]:
+    """Adapters traced inside apply their dropout with `key` (the train step's)."""
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
+
+
+def attach(block: nnx.Module, rngs: nnx.Rngs) -> None:
+    """Give `block` the adapters of the LoraSpec in force (nothing outside `adapters_while_building`).
+
+    A target the block lacks is a ConfigError naming what the block has: the
+    recipe checks targets against the family's table first, so this catches a
+    user's block that builds its sublayers differently.
+    """
+    spec = _BUILDING.get()
+    if spec is None:
+        return
+    for module_name, weight_name in sorted(spec.targets):
+        module = getattr(block, module_name, None)
+        weight = getattr(module, weight_name, None) if module is not None else None
+        if not isinstance(weight, nnx.Param):
+            raise ConfigError(f"lora: block {type(block).__name__} has no weight {module_name}.{weight_name} to "
+                              f"adapt")
+        in_features, out_features, in_axis, out_axis = _in_out(module, weight_name, weight)
+        setattr(module, ADAPTER_PREFIX + weight_name,
+                LoraAdapter(in_features, out_features, spec, in_axis=in_axis, out_axis=out_axis, rngs=rngs))
+
+
+def _in_out(module, weight_name: str, weight: nnx.Param) -> tuple[int, int, str | None, str | None]:
+    """(in, out, in axis name, out axis name): the weight's leading `in_ndim` axes are its input."""
+    shape = weight.get_value().shape
+    axes = tuple(weight.get_metadata().get("logical_axes") or (None,) * len(shape))
+    split = in_ndim(module, weight_name)
+    return math.prod(shape[:split]), math.prod(shape[split:]), axes[0], axes[split]
+
+
+def in_ndim(module, weight_name: str) -> int:
+    """How many leading axes of a weight are its input: the module's class says (`LORA_IN_NDIM`), else 1."""
+    return getattr(type(module), "LORA_IN_NDIM", {}).get(weight_name, 1)
+
+
+def adapter_delta(module, weight_name: str, x: jax.Array, in_axes: int, dtype) -> jax.Array | None:
+    """The LoRA term of `module.<weight_name>` for input `x` whose last `in_axes` axes are the weight's input,
+    shaped [..., out] flattened (the caller reshapes), or None where the weight has no adapter."""
+    adapter = getattr(module, ADAPTER_PREFIX + weight_name, None)
+    if adapter is None:
+        return None
+    lead = x.shape[:x.ndim - in_axes]
+    return adapter.delta(x.reshape(lead + (-1,)), dtype, salt=zlib.crc32(weight_name.encode()))
+
+
+def adapter_names(module) -> list[str]:
+    """The weights of `module` that have an adapter."""
+    return sorted(name[len(ADAPTER_PREFIX):] for name in vars(module) if name.startswith(ADAPTER_PREFIX)
+                  and isinstance(getattr(module, name), LoraAdapter))

@@ -1,0 +1,184 @@
+"""`spillway export RUN_OR_STEP OUT_DIR [--adapter]`: a trained run back into a Hugging Face folder.
+
+    spillway export runs/sft out/          config.json, model.safetensors, the run's tokenizer files:
+                                           transformers loads it (LoRA adapters merged into the weights)
+    spillway export runs/sft out/ --adapter   adapter_config.json + adapter_model.safetensors, the
+                                           adapters alone, which `peft` loads onto the base model
+
+The merged weights are W + (alpha / r) * B @ A per adapted projection, computed
+in float32 and cast to the weight's dtype; models/hf.py `to_hf` writes them
+under the family's Hugging Face names. The adapter folder is PEFT's LoRA
+layout: `base_model.model.<module path>.lora_A.weight` [r, in] and `lora_B.weight`
+[out, r] per layer, an adapter_config.json naming r, lora_alpha, lora_dropout,
+target_modules and base_model_name_or_path (the run's `checkpoint.init_from`:
+an `hf:` folder as a path; a spillway run's step folder, which a user exports
+first with `spillway export`).
+
+The tokenizer files the run holds (tokenizer.json or tokenizer.model,
+tokenizer_config.json with its chat template, special_tokens_map.json) are
+copied beside the weights. Refused before anything is read or written, one line
+each: an output folder holding another checkpoint (as `to_hf` refuses it), and
+`--adapter` on a run without LoRA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from spillway.layers.errors import ConfigError
+from spillway.layers.lora import ADAPTER_PREFIX
+from spillway.layers.mesh import MeshConfig
+from spillway.layers.sharding import make_mesh, state_shardings
+from spillway.models.hf import STACK_PATH, HFCheckpointError, listed
+from spillway.recipes.config import LoraConfig, Recipe
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGED_WEIGHTS = "model.safetensors"
+PEFT_PREFIX = "base_model.model."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+
+def _check_out_dir(out_dir: Path, own: str) -> None:
+    """The same refusal as models/hf.py to_hf: a folder holding another checkpoint (safetensors files
+    other than the one this export writes, or a safetensors index)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise HFCheckpointError(f"{out_dir} exists and is not a folder")
+    others = sorted(p for p in out_dir.glob("*.safetensors") if p.name != own)
+    others += sorted(out_dir.glob("*.safetensors.index.json"))
+    if others:
+        raise HFCheckpointError(f"{out_dir} already holds another checkpoint ({listed(others)}): export into "
+                                f"an empty folder, or delete those files first")
+
+
+def _saved_recipe(step_dir) -> Recipe:
+    from spillway.recipes.train.checkpoint import read_recipe_json
+    return Recipe.from_dict(json.loads(read_recipe_json(step_dir)))
+
+
+def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> Path:
+    """Write the Hugging Face (or, with `adapter`, PEFT) folder of the run or step `path` into `out_dir`."""
+    from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
+    from spillway.recipes.train.lora_state import restore_run_params
+    from spillway.recipes.train.step import abstract_model, abstract_with_shardings
+
+    step_dir = resolve_step_dir(path)
+    recipe = _saved_recipe(step_dir)
+    if adapter and not recipe.lora.enabled:
+        raise ConfigError(f"--adapter: the run at {path} has no LoRA adapters (lora.rank is 0, every weight "
+                          f"trained): export it without --adapter")
+    out = Path(out_dir)
+    _check_out_dir(out, ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS)
+    mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
+    graphdef, abstract_state = abstract_model(recipe)
+    params = restore_run_params(step_dir, recipe, abstract_with_shardings(
+        abstract_state, state_shardings(abstract_state, mesh)))
+    out.mkdir(parents=True, exist_ok=True)
+    if adapter:
+        write_peft_adapter(recipe, params, out)
+    else:
+        write_merged(recipe, params, out)
+    run_dir = run_dir_of(step_dir)
+    copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
+    say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
+        + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run"))
+    return out
+
+
+def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (run_dir / name).is_file():
+            shutil.copyfile(run_dir / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def _adapters(params) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+    """{path of the adapted weight: (A [L, r, in], B [L, out, r]) as float32 NumPy}."""
+    flat = dict(nnx.to_flat_state(params))
+    found = {}
+    for path, var in flat.items():
+        if isinstance(var, nnx.LoRAParam) and path[-1] == "a":
+            weight = path[:-2] + (path[-2][len(ADAPTER_PREFIX):],)
+            b = flat[path[:-1] + ("b",)]
+            found[weight] = (np.asarray(jax.device_get(var.get_value()), np.float32),
+                             np.asarray(jax.device_get(b.get_value()), np.float32))
+    return found
+
+
+def merged_state(recipe: Recipe, params):
+    """(graphdef, state) of the recipe's model without adapters, each adapted weight W + (alpha / r) B A."""
+    from spillway.recipes.train.lora_step import split
+    from spillway.recipes.train.step import abstract_model
+
+    plain = dataclasses.replace(recipe, lora=LoraConfig())
+    graphdef, _ = abstract_model(plain)
+    if not recipe.lora.enabled:
+        return graphdef, params
+    scale = recipe.lora.alpha / recipe.lora.rank
+    adapters = _adapters(params)
+    base = dict(nnx.to_flat_state(split(params)[1]))
+    for path, (a, b) in adapters.items():
+        w = base[path]
+        value = np.asarray(jax.device_get(w.get_value()), np.float32)
+        delta = np.einsum("lri,lor->lio", a, b) * scale            # [L, in, out]: A^T B^T per layer
+        base[path] = w.replace(jnp.asarray(value + delta.reshape(value.shape), w.get_value().dtype))
+    return graphdef, nnx.from_flat_state(list(base.items()))
+
+
+def write_merged(recipe: Recipe, params, out: Path) -> None:
+    from spillway.models.hf import to_hf
+    graphdef, state = merged_state(recipe, params)
+    to_hf(nnx.merge(graphdef, state), out)
+
+
+def _hf_names(recipe: Recipe) -> dict[tuple, str]:
+    """{block weight path (module, weight): Hugging Face tensor name with {i}}."""
+    from spillway.models.registry import get_family
+    table = get_family(recipe.family).hf
+    return {w.path: w.hf_name for w in table.weights(recipe.model) if w.per_layer and not w.per_expert}
+
+
+def write_peft_adapter(recipe: Recipe, params, out: Path) -> None:
+    """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter."""
+    from safetensors.numpy import save_file
+
+    from spillway.recipes.lora_targets import hf_modules
+
+    names = _hf_names(recipe)
+    tensors = {}
+    for path, (a, b) in _adapters(params).items():
+        if path[:len(STACK_PATH)] != STACK_PATH:
+            raise ConfigError(f"--adapter: the adapter of {'.'.join(path)} is in a model with several runs of "
+                              f"layers, which the PEFT export does not map yet; export merged instead")
+        module = names[path[len(STACK_PATH):]].removesuffix(".weight")
+        for layer in range(a.shape[0]):
+            prefix = PEFT_PREFIX + module.format(i=layer)
+            tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(a[layer])
+            tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b[layer])
+    spec = recipe.lora_spec()
+    init_from = recipe.checkpoint.init_from or ""
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": recipe.lora.rank, "lora_alpha": recipe.lora.alpha,
+        "lora_dropout": recipe.lora.dropout, "target_modules": sorted({m.rsplit(".", 1)[-1] for m in
+                                                                       hf_modules(recipe.model, spec.targets)}),
+        "base_model_name_or_path": init_from.removeprefix("hf:"), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "layers_to_transform": None,
+    }
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    partial = out / (ADAPTER_WEIGHTS + ".partial")   # never a half-written adapter file
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    partial.replace(out / ADAPTER_WEIGHTS)

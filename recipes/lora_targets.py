@@ -1,0 +1,68 @@
+"""`lora.targets`: Hugging Face module names (q_proj, ..., down_proj) turned into the block weights they are.
+
+A family's Hugging Face table (models/) already says which spillway weight
+each checkpoint tensor is: `model.layers.{i}.self_attn.q_proj.weight` is the
+block's ("attn", "wq"). The projections LoRA can adapt are the table's
+per-layer `nn.Linear` weights (stored [out, in], so an adapter is PEFT's
+lora_A / lora_B as is); their module names are the part of the tensor name
+between the layer index and `.weight` (`self_attn.q_proj`). A target matches a
+projection as PEFT's `target_modules` does: the whole name, or its last part
+(`q_proj`). A target that matches nothing is a ConfigError naming the
+projections the model has.
+"""
+
+from __future__ import annotations
+
+from spillway.layers.errors import ConfigError
+from spillway.layers.lora import LoraSpec
+from spillway.models.registry import family_of_config
+
+_LAYER_INDEX = "{i}."
+_WEIGHT_SUFFIX = ".weight"
+# The routed experts (an MoE layer's stacked gate/up/down): named, but not adapted in this version.
+EXPERTS = "experts"
+
+
+def projections(model_config) -> dict[str, tuple[str, str]]:
+    """{Hugging Face module name inside a layer ("self_attn.q_proj"): (module, weight) in the block}."""
+    family = family_of_config(model_config)
+    if family.hf is None:
+        return {}
+    found = {}
+    for w in family.hf.weights(model_config):
+        if not w.per_layer or w.per_expert or w.part is not None or not w.layout.transpose:
+            continue   # embeddings, norms, biases, fused or per-expert tensors, Conv1D layouts
+        if len(w.path) != 2 or not w.hf_name.endswith(_WEIGHT_SUFFIX) or _LAYER_INDEX not in w.hf_name:
+            continue
+        module = w.hf_name.split(_LAYER_INDEX, 1)[1][:-len(_WEIGHT_SUFFIX)]
+        found[module] = (w.path[0], w.path[1])
+    return found
+
+
+def _matches(target: str, module: str) -> bool:
+    return module == target or module.endswith("." + target)
+
+
+def lora_spec(lora, model_config, param_dtype: str) -> LoraSpec:
+    """The LoraSpec of a recipe's `lora` section (rank > 0) for its model; ConfigError for a target that
+    names no projection of the model."""
+    available = projections(model_config)
+    short = sorted({name.rsplit(".", 1)[-1] for name in available})
+    family = family_of_config(model_config).name
+    targets: set[tuple[str, str]] = set()
+    for target in lora.targets:
+        if target == EXPERTS:
+            raise ConfigError(f"lora.targets: {EXPERTS!r} (the routed experts) is not supported yet; the "
+                              f"{family} model's projections are {short}")
+        hits = [path for module, path in available.items() if _matches(target, module)]
+        if not hits:
+            raise ConfigError(f"lora.targets: {target!r} names no projection of the {family} model; it has "
+                              f"{short or 'none LoRA can adapt (no nn.Linear weights in its Hugging Face table)'}")
+        targets.update(hits)
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=frozenset(targets), dropout=lora.dropout,
+                    param_dtype=param_dtype)
+
+
+def hf_modules(model_config, targets: frozenset[tuple[str, str]]) -> list[str]:
+    """The Hugging Face module names (inside a layer) of the adapted block weights, sorted."""
+    return sorted(module for module, path in projections(model_config).items() if path in targets)

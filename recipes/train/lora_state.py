@@ -1,0 +1,115 @@
+"""A LoRA run's state: the adapters train, the base weights are frozen, checkpoints hold the adapters.
+
+The model carries its adapters as `nnx.LoRAParam`s beside the base weights
+(layers/lora.py); the parameter tree the loop and the step pass around is the
+whole model, so the step's signature, shardings and donation are those of any
+run. What differs:
+
+* the train step (recipes/train/lora_step.py `make_train_step`) splits the tree into adapters and base,
+  differentiates the loss with respect to the adapters only (the base enters
+  as a non-differentiated input: no weight gradient is computed for it, host
+  resident or not), updates the adapters and returns the base unchanged;
+* the optimizer (lora_step.py `AdapterOptimizer`) holds state for the adapters only: it
+  takes whole trees where the loop and the planner hand them over and passes
+  the adapter part to an `Optimizer` built over it;
+* checkpoints (`checkpointed`, `with_restored`) hold the adapters; the base is
+  the run's `checkpoint.init_from`, which the recipe saved beside every step
+  names, pinned to one step folder when the run starts (`pin_base`), so a
+  source run that trains on cannot change the base under the adapters;
+* reading a run back (`restore_run_params`: generate, export) loads the base
+  from that pointer and the adapters from the step.
+
+LoRA dropout draws its mask from the run's seed and the optimizer's step
+count (and the micro-batch), so a resumed run draws what the uninterrupted
+run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from spillway.recipes.config import Recipe
+from spillway.recipes.train.lora_step import adapters_of, join, split
+
+
+# --- checkpoints: the adapters, and the base they adapt ------------------------------------------
+
+
+def checkpointed(recipe: Recipe, params):
+    """What a checkpoint holds of the parameters: a LoRA run's adapters, any other run's whole tree."""
+    return adapters_of(params) if recipe.lora.enabled else params
+
+
+def with_restored(recipe: Recipe, params, restored):
+    """The whole tree after a restore of `checkpointed` parameters: `params`' base with the restored
+    adapters for a LoRA run; the restored tree itself for any other."""
+    if not recipe.lora.enabled:
+        return restored
+    return join(restored, split(params)[1])
+
+
+def pin_base(recipe: Recipe) -> Recipe:
+    """A LoRA run's init_from resolved to the step folder it names (a run directory's newest step now),
+    so the pointer every checkpoint saves keeps naming the same weights. `hf:` folders are kept."""
+    init_from = recipe.checkpoint.init_from
+    if not recipe.lora.enabled or not init_from or init_from.startswith("hf:"):
+        return recipe
+    from spillway.recipes.train.checkpoint import resolve_step_dir
+    step_dir = str(resolve_step_dir(init_from))
+    return dataclasses.replace(recipe, checkpoint=dataclasses.replace(recipe.checkpoint, init_from=step_dir))
+
+
+def load_base(recipe: Recipe, params, param_shardings, say=print):
+    """`params` with the base weights of `checkpoint.init_from` (the adapters as they are): a LoRA run
+    reads its base this way at every start, a resume too, since checkpoints hold only the adapters."""
+    from spillway.recipes.train.init_weights import load_init_weights
+
+    adapters, base = split(params)
+    _, base_shardings = split(param_shardings)
+    abstract_base = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), base, base_shardings)
+    loaded = load_init_weights(recipe, abstract_base, say)
+    return join(adapters, loaded)
+
+
+def restore_run_params(step_dir, recipe: Recipe, abstract_params):
+    """The whole parameter tree of a saved step, into `abstract_params`' shardings: for a LoRA run the
+    base from its pointer and the adapters from the step (generate, export)."""
+    from spillway.recipes.train.checkpoint import restore_params_only
+
+    if not recipe.lora.enabled:
+        return restore_params_only(step_dir, abstract_params)[0]
+    abstract_adapters, abstract_base = split(abstract_params)
+    adapters = restore_params_only(step_dir, abstract_adapters)[0]
+    base = _load_base_weights(recipe, abstract_base)
+    return join(adapters, base)
+
+
+def _load_base_weights(recipe: Recipe, abstract_base):
+    from spillway.recipes.train.init_weights import load_init_weights
+
+    init_from = recipe.checkpoint.init_from
+    if init_from and not init_from.startswith("hf:") and not Path(init_from).expanduser().exists():
+        from spillway.recipes.train.checkpoint import CheckpointError
+        raise CheckpointError(f"the LoRA run's base checkpoint.init_from={init_from} does not exist any more: "
+                              f"its adapters need it (put it back, or point the saved recipe at a copy)")
+    return load_init_weights(recipe, abstract_base, say=lambda *_: None)
+
+
+def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
+    """A LoRA run resumes on the base its adapters were trained on: the saved step's checkpoint.init_from
+    must be the one this run resolves now (a ConfigError naming both otherwise: adapters on another base
+    are another model, and `checkpoint.*` may otherwise change on a resume)."""
+    import json
+
+    from spillway.layers.errors import ConfigError
+
+    if not recipe.lora.enabled:
+        return
+    saved = (json.loads(saved_recipe_json).get("checkpoint") or {}).get("init_from")
+    if saved != recipe.checkpoint.init_from:
+        raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
+                          f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "
+                          f"into a new checkpoint.dir)")

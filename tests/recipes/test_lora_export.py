@@ -1,0 +1,160 @@
+"""LoRA end to end: a transformers checkpoint as the base, `spillway train` with lora.rank, a resume, and
+`spillway export` (merged, and --adapter) read back by transformers and by peft.
+
+References: transformers' logits of the merged export equal our model's (base +
+adapters) on the same tokens; peft's logits of the base checkpoint with the
+adapter folder loaded equal them too; a run stopped and resumed ends with the
+adapters of the run that was not stopped.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.needs_torch
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from spillway.recipes import cli  # noqa: E402
+
+SOURCE = "builtin:stdlib:200000"
+MODEL = ["model.vocab_size=512", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=64"]
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    """A random tiny LlamaForCausalLM saved by transformers, with a byte-level BPE tokenizer beside it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from spillway.data import load_documents
+
+    directory = tmp_path_factory.mktemp("hf-base")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    cache = tmp_path_factory.mktemp("cache")
+    tokenizer.train_from_iterator((r["text"] for r in load_documents(SOURCE, cache_dir=cache / "datasets")), trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(directory)
+    return directory, cache
+
+
+def train_args(hf_dir, cache, run_dir, *extra):
+    sets = [f"checkpoint.init_from=hf:{hf_dir}", f"data.source={SOURCE}", f"data.cache_dir={cache}",
+            "data.seq_len=32", *MODEL, "execution.dtype=float32", "train.global_batch=8", "train.steps=4",
+            "train.log_every=1", "train.eval_every=0", "train.sample_tokens=0", "optimizer.warmup_steps=1",
+            "optimizer.learning_rate=3e-2", f"checkpoint.dir={run_dir}", "lora.rank=4", "lora.alpha=16",
+            "lora.dropout=0.1", "lora.targets=q_proj,v_proj,o_proj,down_proj", *extra]
+    return ["train", "tiny", *[a for s in sets for a in ("--set", s)]]
+
+
+def our_logits(run_dir, tokens):
+    import jax
+    from flax import nnx
+
+    from spillway.layers.mesh import MeshConfig
+    from spillway.layers.sharding import make_mesh, state_shardings
+    from spillway.recipes.export import _saved_recipe
+    from spillway.recipes.train.checkpoint import resolve_step_dir
+    from spillway.recipes.train.lora_state import restore_run_params
+    from spillway.recipes.train.step import abstract_model, abstract_with_shardings
+
+    step_dir = resolve_step_dir(run_dir)
+    recipe = _saved_recipe(step_dir)
+    graphdef, abstract = abstract_model(recipe)
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+    params = restore_run_params(step_dir, recipe, abstract_with_shardings(abstract, state_shardings(abstract, mesh)))
+    return np.asarray(nnx.merge(graphdef, params)(tokens)), params
+
+
+def adapter_leaves(params):
+    from flax import nnx
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params) if isinstance(v, nnx.LoRAParam)}
+
+
+@pytest.mark.slow   # three short CLI runs: a few minutes on 2 busy cores
+def test_lora_trains_resumes_exactly_and_exports_to_transformers_and_peft(hf_base, tmp_path, capsys):
+    hf_dir, cache = hf_base
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert cli.main(train_args(hf_dir, cache, straight)) == 0, capsys.readouterr().err
+    assert cli.main(train_args(hf_dir, cache, stopped) + ["--stop-after", "2"]) == 0, capsys.readouterr().err
+    assert cli.main(train_args(hf_dir, cache, stopped)) == 0, capsys.readouterr().err
+    losses = [json.loads(line)["loss"] for line in open(straight / "metrics.jsonl") if '"loss"' in line]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+    # The checkpoint holds the adapters only, and the resumed run ends where the straight one does.
+    saved = json.loads(open(sorted((straight / "checkpoints").glob("[0-9]*"))[-1] / "params" / "_METADATA").read())
+    assert saved["tree_metadata"] and all("lora_" in key for key in saved["tree_metadata"]), list(saved["tree_metadata"])
+    tokens = np.random.default_rng(0).integers(0, 512, (2, 24))
+    logits, params = our_logits(straight, tokens)
+    resumed_logits, resumed = our_logits(stopped, tokens)
+    for path, value in adapter_leaves(params).items():
+        np.testing.assert_array_equal(adapter_leaves(resumed)[path], value, err_msg=str(path))
+    np.testing.assert_array_equal(resumed_logits, logits)
+
+    # generate reads a LoRA run back the same way: base from its pointer, adapters from the step.
+    capsys.readouterr()
+    assert cli.main(["generate", str(straight), "--prompt", "def", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
+    # Merged: transformers loads the folder and computes our logits.
+    merged = tmp_path / "merged"
+    assert cli.main(["export", str(straight), str(merged)]) == 0, capsys.readouterr().err
+    assert (merged / "tokenizer.json").is_file()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf_model(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(theirs, logits, atol=2e-4, rtol=1e-4)
+
+    # Adapter: peft loads it onto the base checkpoint and computes our logits.
+    adapter = tmp_path / "adapter"
+    assert cli.main(["export", str(straight), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 16.0, "LORA")
+    assert sorted(config["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        peft_logits = with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
+    # ... and the adapters matter: the base alone (a fresh copy; peft adapted `base` in place) computes others.
+    plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert not np.allclose(peft_logits, plain(input_ids=torch.as_tensor(tokens)).logits.numpy(), atol=1e-3)
+
+
+def test_export_refuses_a_folder_with_another_checkpoint_and_adapter_without_lora(tmp_path, capsys):
+    """Before anything is read: the same refusals as to_hf; --adapter on a run without LoRA."""
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    run = tmp_path / "run" / "checkpoints" / "3"
+    (run / "recipe").mkdir(parents=True)
+    (run / "params").mkdir()
+    from spillway.recipes.registry import get_recipe
+    (run / "recipe" / "recipe.json").write_text(get_recipe("tiny").to_json())
+    import orbax.checkpoint as ocp
+    ocp.step.is_checkpoint_finalized  # noqa: B018 — resolve_step_dir asks orbax whether the step is finalised
+    (run / "_CHECKPOINT_METADATA").write_text("{}")
+    assert cli.main(["export", str(run), str(occupied), "--adapter"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--adapter" in err and "no LoRA adapters" in err and len(err.splitlines()) == 1, err
+    # A LoRA run into a folder holding another checkpoint: refused before its (absent) weights are read.
+    lora = get_recipe("tiny", ["lora.rank=4", "checkpoint.init_from=/nowhere"])
+    (run / "recipe" / "recipe.json").write_text(lora.to_json())
+    for extra in ([], ["--adapter"]):
+        assert cli.main(["export", str(run), str(occupied), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "already holds another checkpoint (model-00001-of-00002.safetensors)" in err, err
+        assert len(err.splitlines()) == 1
+    assert sorted(p.name for p in occupied.iterdir()) == ["model-00001-of-00002.safetensors"]
