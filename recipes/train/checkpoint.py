@@ -71,6 +71,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from spillway.recipes.train.checkpoint_io import (PieceWiseCheckpointHandler, PieceWiseRestore, PieceWiseSave,
+                                                 as_pieces, joined)
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.host_memory import RESTORE_CONCURRENT_GB   # what a restore reads at once
 
@@ -156,7 +158,7 @@ class _TextRestore(ocp.args.CheckpointArgs):
 
 def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
     handlers: dict[str, ocp.CheckpointHandler] = {
-        name: ocp.StandardCheckpointHandler(restore_concurrent_gb=RESTORE_CONCURRENT_GB) for name in _ARRAY_ITEMS}
+        name: PieceWiseCheckpointHandler(restore_concurrent_gb=RESTORE_CONCURRENT_GB) for name in _ARRAY_ITEMS}
     handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
     handlers[RECIPE] = _TextFileHandler(RECIPE_FILENAME)
     return handlers
@@ -305,7 +307,7 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
                                          f"checkpoint is corrupt: {_cause(e)}") from e
         _check_compatible(step_dir / name, saved_metadata, tree)
 
-    restore_args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract_trees.items()}
+    restore_args = {name: PieceWiseRestore(tree) for name, tree in abstract_trees.items()}
     restore_args.update(extra_items)
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{n: handlers[n] for n in wanted}))
     try:
@@ -364,7 +366,8 @@ class RunCheckpointer:
     use `restore_params_only` and `read_recipe_json`, which never write.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int, every_steps: int, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, keep: int, every_steps: int, async_save: bool = True,
+                 save_in_pieces: bool = False):
         if keep < 1:
             raise CheckpointError(f"{directory}: keep must be >= 1, got {keep}")
         if every_steps < 1:
@@ -377,6 +380,7 @@ class RunCheckpointer:
         quiet_orbax_error_logs()   # a failed save is raised as one line; orbax's tracebacks would bury it
         self.keep = keep
         self.every_steps = every_steps
+        self.save_in_pieces = save_in_pieces
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
@@ -472,9 +476,12 @@ class RunCheckpointer:
                 f"{self.directory}: refusing to save step {step}: step {latest} is newer, and resuming "
                 f"picks the newest step, so step {step} would be skipped (or deleted by keep={self.keep}). "
                 f"Delete the newer steps or save into another directory.")
+        # in pieces: every array written a chunk at a time before save returns (checkpoint_io.py); else
+        # orbax's path: whole arrays staged in host memory, written in the background
+        as_saved = as_pieces if self.save_in_pieces else joined
         args = ocp.args.Composite(**{
-            PARAMS: ocp.args.StandardSave(params),
-            OPT_STATE: ocp.args.StandardSave(opt_state),
+            PARAMS: PieceWiseSave(as_saved(params)),
+            OPT_STATE: PieceWiseSave(as_saved(opt_state)),
             LOADER_STATE: ocp.args.JsonSave(loader_state),
             META: ocp.args.JsonSave(meta),
             RECIPE: _TextSave(recipe_json),
