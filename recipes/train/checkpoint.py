@@ -355,6 +355,11 @@ class RunCheckpointer:
     save period used by `should_save` / `save`. `async_save`: write in a
     background thread (errors surface at `raise_if_save_failed`, which the train
     loop calls every step, or at the next `save`, `wait` or `close`).
+    `save_in_pieces` (settable later: the train loop sets it from the run's host
+    memory, host_memory.check_run): `save` writes every array itself, one zarr
+    chunk at a time, before it returns (checkpoint_io.py); the host holds a few
+    pieces beside the state instead of orbax's copy of everything saved. The
+    format is the same either way.
 
     Opening checks that the directory can be written (a probe file), so a
     read-only or full filesystem fails here, before any training.
@@ -380,22 +385,43 @@ class RunCheckpointer:
         quiet_orbax_error_logs()   # a failed save is raised as one line; orbax's tracebacks would bury it
         self.keep = keep
         self.every_steps = every_steps
-        self.save_in_pieces = save_in_pieces
+        self._async_save = async_save
+        self._save_in_pieces = save_in_pieces
+        self._manager = self._open_manager()
+        self._step_in_flight: int | None = None
+        self._closed = False
+
+    def _open_manager(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            enable_async_checkpointing=async_save,
+            max_to_keep=self.keep,
+            # in pieces, the arrays are written in the caller's thread: orbax's background commit (its
+            # directories made in another thread meanwhile) raced those writes, so that save is orbax's sync one
+            enable_async_checkpointing=self._async_save and not self._save_in_pieces,
             step_name_format=_STEP_NAMES,
             # a save killed mid-way leaves <step>.orbax-checkpoint-tmp behind: reclaim the space
             cleanup_tmp_directories=True,
             create=True,
         )
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
+            return ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
         except Exception as e:
             raise CheckpointError(f"{self.directory}: cannot open the checkpoint directory: "
                                   f"{_cause(e)}") from e
-        self._step_in_flight: int | None = None
-        self._closed = False
+
+    @property
+    def save_in_pieces(self) -> bool:
+        return self._save_in_pieces
+
+    @save_in_pieces.setter
+    def save_in_pieces(self, in_pieces: bool) -> None:
+        """Switches the save mode (the train loop, once it knows the run's host memory); waits for a save
+        in flight."""
+        if in_pieces == self._save_in_pieces:
+            return
+        self.wait()
+        self._manager.close()
+        self._save_in_pieces = in_pieces
+        self._manager = self._open_manager()
 
     # -- queries
 
@@ -454,8 +480,12 @@ class RunCheckpointer:
     def save(self, step: int, *, params, opt_state, loader_state: dict, meta: dict, recipe_json: str,
              force: bool = False) -> None:
         """Starts saving `step` if it is due (`should_save`) or `force`; returns once the arrays are
-        copied off the accelerator (async) or written (sync). A step already saved is not saved again
-        (a SIGTERM right after the periodic save of the same step costs nothing)."""
+        copied off the accelerator (async), or written (sync, or in pieces). A step already saved is not
+        saved again (a SIGTERM right after the periodic save of the same step costs nothing).
+
+        `opt_state` may hold LayerHalves (host state kept as two buffers): the step holds each as the one
+        array `Optimizer.saved_form` would make, written from the halves in pieces (or joined first for
+        orbax's whole save)."""
         self._check_open()
         if not (force or self.should_save(step)):
             return
@@ -491,7 +521,11 @@ class RunCheckpointer:
             # save the first step it sees, whatever its number
             self._manager.save(step, args=args, force=True)
         except Exception as e:
-            raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
+            if not self.save_in_pieces:
+                raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
+            # the pieces are written here, so a full disk or a failed write surfaces now: name the intact step
+            self._manager.reload()
+            raise self._failed_save_error(step, e, what="the save in pieces") from e
         self._step_in_flight = step
 
     def raise_if_save_failed(self) -> None:
@@ -506,7 +540,7 @@ class RunCheckpointer:
             return
         self.wait()
 
-    def _failed_save_error(self, step: int | None, e: BaseException) -> CheckpointError:
+    def _failed_save_error(self, step: int | None, e: BaseException, what: str = "the async save") -> CheckpointError:
         where = self.step_dir(step) if step is not None else self.directory
         previous = self.latest_step()  # orbax has dropped the failed step by now
         if previous == step:
@@ -517,9 +551,9 @@ class RunCheckpointer:
         full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
         if full:
             resume = f"a rerun resumes from step {previous}" if previous is not None else "a rerun starts over"
-            return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): No space "
+            return CheckpointError(f"{where}: {what} failed and was not finalised ({intact}): No space "
                                    f"left on device in {self.directory}; {left}; free space there and {resume}")
-        return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}; "
+        return CheckpointError(f"{where}: {what} failed and was not finalised ({intact}): {_cause(e)}; "
                                f"{left}")
 
     def wait(self) -> None:
