@@ -14,6 +14,9 @@ Orbax does the hard parts and this file leans on them:
 
 * async saves: `save()` returns once the arrays are copied off the accelerator;
   tensorstore writes them in a background thread while training goes on.
+  That copies everything saved into host memory; where the host cannot hold
+  it, `save_in_pieces` writes each array from where it lies, a chunk at a
+  time, in the same format (recipes/train/checkpoint_io.py).
 * atomic finalisation: a step is written into `<step>.orbax-checkpoint-tmp`
   and renamed to `<step>` when every item is committed. Orbax's step discovery
   only lists finalised names, so a process killed mid-save (SIGKILL, OOM, node
