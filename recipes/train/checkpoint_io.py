@@ -26,10 +26,10 @@ smallest piece that does, on orbax's own type-handler interface:
   handler used for RowPieces leaves (plain arrays keep orbax's default
   path, the async one with whole staging).
 
-A piece is taken from the shard where it lies: on CPU a NumPy view of the
-buffer (no copy), elsewhere a slice made in the shard's own memory (the host
-CPU slices a pinned-host shard, the device a device shard) and copied into
-NumPy: one piece, never the shard. The writes run in the caller's thread,
+A piece is taken from the shard where it lies: a slice made in the shard's
+own memory (the host CPU slices a pinned-host shard, the device a device
+shard; on CPU a plain compiled slice) and copied into NumPy: one piece, never
+the shard (NumPy's view of a whole jax CPU array is a copy of it). The writes run in the caller's thread,
 before `save` returns (the step after a save donates the state, so nothing may
 read it later), while tensorstore writes the previous pieces.
 """
@@ -156,10 +156,10 @@ def _piece(shard: jax.Array, index: tuple[slice, ...]) -> np.ndarray:
     """Rows/columns `index` of a single-device array, in NumPy, copying the piece only."""
     if shard.ndim == 0:
         return np.asarray(shard)
-    if shard.devices().pop().platform == "cpu":
-        return np.asarray(shard)[index]   # a view of the buffer: every memory kind is this RAM
     sizes = tuple(s.stop - s.start for s in index)
-    on_host = shard.sharding.memory_kind not in (None, "device")
+    # np.asarray of a jax CPU array copies the whole buffer (jax 0.10.2): slice first, on CPU too, where every
+    # memory kind is this RAM and a plain jit slices any of them
+    on_host = shard.sharding.memory_kind not in (None, "device") and shard.devices().pop().platform != "cpu"
     starts = np.array([s.start for s in index], np.int32)
     return np.asarray(_slicer(sizes, on_host)(shard, starts))
 
