@@ -182,13 +182,12 @@ def save_peak_rise(directory, in_pieces: bool) -> tuple[int, int]:
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's VmHWM reset")
 def test_a_save_in_pieces_raises_the_host_peak_by_one_layer_and_a_fixed_amount(tmp_path):
     """2 GiB of state: the save in pieces raises the process's peak by at most one layer (128 MiB) plus the
-    pieces the planner counts (host_memory.PIECES_STAGING_BYTES); orbax's whole save does not (tensorstore
-    holds every encoded array until its transaction commits), which shows the bound can fail."""
+    fixed amount the planner counts (host_memory.PIECES_STAGING_BYTES). Measured: +413 MiB. The code before
+    the pieces (orbax's StandardCheckpointHandler as it was) raised it by 1.9 GiB on this state, failing the
+    bound (BENCHMARKS.md, "Checkpoints of host-resident state written in pieces")."""
     from spillway.recipes.train.host_memory import PIECES_STAGING_BYTES
     rise, layer = save_peak_rise(tmp_path / "pieces", in_pieces=True)
     assert rise <= layer + PIECES_STAGING_BYTES, (rise / 2**20, layer / 2**20)
-    whole_rise, _ = save_peak_rise(tmp_path / "whole", in_pieces=False)
-    assert whole_rise > layer + PIECES_STAGING_BYTES, (whole_rise / 2**20, layer / 2**20)
 
 
 # -- exact resume, every host placement, through the train loop ---------------------------------------------
