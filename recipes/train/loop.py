@@ -169,6 +169,17 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         lora_state.check_same_base(recipe, checkpointer.read_recipe_json(candidates[0]),
                                    checkpointer.step_dir(candidates[0]))
     check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
+    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
+    if memory_of(recipe.offload.optimizer_state) == Memory.HOST:   # a split (host:N) too
+        # Before anything is allocated: pinned memory the host cannot give fails here, not mid-init.
+        pinned = pinned_host_bytes(recipe, mesh)
+        check_host_memory(pinned.total, breakdown=pinned.describe())
+    # Before data is prepared: the peak over the run's phases (state creation, step, checkpoint save,
+    # restore), the pinned limit, and the save that fits: orbax's whole async one, or in pieces.
+    phases = host_memory.check_run(abstract_setup(recipe, mesh, platform=jax.default_backend()),
+                                   host_ram_bytes=None if host_ram_gb is None else int(host_ram_gb * 1e9), say=say,
+                                   async_save=recipe.checkpoint.async_save)
+    checkpointer.save_in_pieces = phases.save_in_pieces
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py).
     own_tokenizer = tokenizer_file_in(run_dir) if candidates and not recipe.data.tokenizer else None
     # ... and with or without a BOS before each document, as it started (tokenization_record.py).
@@ -187,14 +198,6 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
 
-    mesh = make_mesh(recipe.mesh.data, recipe.mesh.fsdp, recipe.mesh.tensor)
-    if memory_of(recipe.offload.optimizer_state) == Memory.HOST:   # a split (host:N) too
-        # Before anything is allocated: pinned memory the host cannot give fails here, not mid-init.
-        pinned = pinned_host_bytes(recipe, mesh)
-        check_host_memory(pinned.total, breakdown=pinned.describe())
-        # The peak over the run's phases (state creation, step, checkpoint save, restore) and the pinned limit.
-        host_memory.check_run(abstract_setup(recipe, mesh, platform=jax.default_backend()),
-                              host_ram_bytes=None if host_ram_gb is None else int(host_ram_gb * 1e9), say=say)
     s = setup(recipe, mesh)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
@@ -293,8 +296,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, *, main: bool, say
         if problem is not None:
             raise NonFiniteLossError(f"the weights after step {at_step} are diverged ({problem}): not saved, "
                                      f"stopping; {resume_hint()}")
+        # the state as it lies (LayerHalves too): the checkpointer writes it in saved form (checkpoint_io.py)
         checkpointer.save(at_step, params=lora_state.checkpointed(recipe, params),   # a LoRA run: its adapters
-                          opt_state=s.optimizer.saved_form(opt_state), loader_state=loader_state,
+                          opt_state=opt_state, loader_state=loader_state,
                           meta={"step": at_step, "seed": cfg.seed, "tokens_seen": at_step * tokens_per_step},
                           recipe_json=recipe.to_json(), force=True)
 
