@@ -16,7 +16,9 @@ headline: host against device optimizer state at the same global batch with 8 mi
 the update in the next forward pass against after the backward pass (1B, 3B), and the 8B step with
 cuDNN attention (its MFU). With the time left, the call ends with one MoE layer shaped like
 Qwen3-30B-A3B's timed per dispatch beside a dense MLP of the same active FLOPs
-(benchmarks/moe_layer_speed.py; --no-moe-layer skips it).
+(benchmarks/moe_layer_speed.py; --no-moe-layer skips it), then one checkpoint save (in pieces) and restore of
+Llama 3.2 1B's host-resident state, their VmHWM beside the prediction (benchmarks/checkpoint_host_peak.py;
+--no-checkpoint skips it).
 
 Each case runs in its own child process, so each peak is that case's alone
 (`memory_stats()["peak_bytes_in_use"]` cannot be reset). A case that runs out of
@@ -339,6 +341,9 @@ def main() -> int:
     ap.add_argument("--fits", help=argparse.SUPPRESS)
     ap.add_argument("--no-moe-layer", dest="moe_layer", action="store_false",
                     help="skip the MoE layer timing per dispatch at the end (benchmarks/moe_layer_speed.py)")
+    ap.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
+                    help="skip the host peak of a checkpoint save and restore of host state at the end "
+                         "(benchmarks/checkpoint_host_peak.py)")
     args = ap.parse_args()
     predictions = json.loads(PREDICTIONS.read_text()) if PREDICTIONS.exists() else {}
     if args.render:
@@ -388,6 +393,11 @@ def main() -> int:
         print(moe_layer_speed(timeout_s=min(left, MOE_LAYER_TIMEOUT_S)))
     elif args.moe_layer:
         print("MoE layer speed: skipped (time budget)")
+    left = args.budget_s - (time.perf_counter() - start)
+    if args.checkpoint and left >= 60:
+        print(checkpoint_host_peak(timeout_s=min(left, CHECKPOINT_TIMEOUT_S)))
+    elif args.checkpoint:
+        print("checkpoint host peak: skipped (time budget)")
     print(f"total {time.perf_counter() - start:.0f}s; {os.uname().nodename}")
     return 0
 
@@ -406,6 +416,24 @@ def moe_layer_speed(timeout_s: float) -> str:
         return f"MoE layer speed: timeout after {timeout_s:.0f}s"
     if out.returncode != 0:
         return f"MoE layer speed: failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+    return out.stdout.rstrip()
+
+
+CHECKPOINT_TIMEOUT_S = 240
+
+
+def checkpoint_host_peak(timeout_s: float) -> str:
+    """benchmarks/checkpoint_host_peak.py in its own process (its VmHWM is that case's alone): its line, or
+    why there is none."""
+    cmd = [sys.executable, "-m", "benchmarks.checkpoint_host_peak", "--mode", "pieces"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                             cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        return f"checkpoint host peak: timeout after {timeout_s:.0f}s"
+    if out.returncode != 0:
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode
+        return f"checkpoint host peak: failed: {last}"
     return out.stdout.rstrip()
 
 

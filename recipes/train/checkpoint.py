@@ -14,6 +14,9 @@ Orbax does the hard parts and this file leans on them:
 
 * async saves: `save()` returns once the arrays are copied off the accelerator;
   tensorstore writes them in a background thread while training goes on.
+  That copies everything saved into host memory; where the host cannot hold
+  it, `save_in_pieces` writes each array from where it lies, a chunk at a
+  time, in the same format (recipes/train/checkpoint_io.py).
 * atomic finalisation: a step is written into `<step>.orbax-checkpoint-tmp`
   and renamed to `<step>` when every item is committed. Orbax's step discovery
   only lists finalised names, so a process killed mid-save (SIGKILL, OOM, node
@@ -71,6 +74,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from spillway.recipes.train.checkpoint_io import (PieceWiseCheckpointHandler, PieceWiseRestore, PieceWiseSave,
+                                                 as_pieces, joined)
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.host_memory import RESTORE_CONCURRENT_GB   # what a restore reads at once
 
@@ -156,7 +161,7 @@ class _TextRestore(ocp.args.CheckpointArgs):
 
 def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
     handlers: dict[str, ocp.CheckpointHandler] = {
-        name: ocp.StandardCheckpointHandler(restore_concurrent_gb=RESTORE_CONCURRENT_GB) for name in _ARRAY_ITEMS}
+        name: PieceWiseCheckpointHandler(restore_concurrent_gb=RESTORE_CONCURRENT_GB) for name in _ARRAY_ITEMS}
     handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
     handlers[RECIPE] = _TextFileHandler(RECIPE_FILENAME)
     return handlers
@@ -305,7 +310,7 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
                                          f"checkpoint is corrupt: {_cause(e)}") from e
         _check_compatible(step_dir / name, saved_metadata, tree)
 
-    restore_args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract_trees.items()}
+    restore_args = {name: PieceWiseRestore(tree) for name, tree in abstract_trees.items()}
     restore_args.update(extra_items)
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{n: handlers[n] for n in wanted}))
     try:
@@ -353,6 +358,11 @@ class RunCheckpointer:
     save period used by `should_save` / `save`. `async_save`: write in a
     background thread (errors surface at `raise_if_save_failed`, which the train
     loop calls every step, or at the next `save`, `wait` or `close`).
+    `save_in_pieces` (settable later: the train loop sets it from the run's host
+    memory, host_memory.check_run): `save` writes every array itself, one zarr
+    chunk at a time, before it returns (checkpoint_io.py); the host holds a few
+    pieces beside the state instead of orbax's copy of everything saved. The
+    format is the same either way.
 
     Opening checks that the directory can be written (a probe file), so a
     read-only or full filesystem fails here, before any training.
@@ -364,7 +374,8 @@ class RunCheckpointer:
     use `restore_params_only` and `read_recipe_json`, which never write.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int, every_steps: int, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, keep: int, every_steps: int, async_save: bool = True,
+                 save_in_pieces: bool = False):
         if keep < 1:
             raise CheckpointError(f"{directory}: keep must be >= 1, got {keep}")
         if every_steps < 1:
@@ -377,21 +388,43 @@ class RunCheckpointer:
         quiet_orbax_error_logs()   # a failed save is raised as one line; orbax's tracebacks would bury it
         self.keep = keep
         self.every_steps = every_steps
+        self._async_save = async_save
+        self._save_in_pieces = save_in_pieces
+        self._manager = self._open_manager()
+        self._step_in_flight: int | None = None
+        self._closed = False
+
+    def _open_manager(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            enable_async_checkpointing=async_save,
+            max_to_keep=self.keep,
+            # in pieces, the arrays are written in the caller's thread: orbax's background commit (its
+            # directories made in another thread meanwhile) raced those writes, so that save is orbax's sync one
+            enable_async_checkpointing=self._async_save and not self._save_in_pieces,
             step_name_format=_STEP_NAMES,
             # a save killed mid-way leaves <step>.orbax-checkpoint-tmp behind: reclaim the space
             cleanup_tmp_directories=True,
             create=True,
         )
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
+            return ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
         except Exception as e:
             raise CheckpointError(f"{self.directory}: cannot open the checkpoint directory: "
                                   f"{_cause(e)}") from e
-        self._step_in_flight: int | None = None
-        self._closed = False
+
+    @property
+    def save_in_pieces(self) -> bool:
+        return self._save_in_pieces
+
+    @save_in_pieces.setter
+    def save_in_pieces(self, in_pieces: bool) -> None:
+        """Switches the save mode (the train loop, once it knows the run's host memory); waits for a save
+        in flight."""
+        if in_pieces == self._save_in_pieces:
+            return
+        self.wait()
+        self._manager.close()
+        self._save_in_pieces = in_pieces
+        self._manager = self._open_manager()
 
     # -- queries
 
@@ -450,8 +483,12 @@ class RunCheckpointer:
     def save(self, step: int, *, params, opt_state, loader_state: dict, meta: dict, recipe_json: str,
              force: bool = False) -> None:
         """Starts saving `step` if it is due (`should_save`) or `force`; returns once the arrays are
-        copied off the accelerator (async) or written (sync). A step already saved is not saved again
-        (a SIGTERM right after the periodic save of the same step costs nothing)."""
+        copied off the accelerator (async), or written (sync, or in pieces). A step already saved is not
+        saved again (a SIGTERM right after the periodic save of the same step costs nothing).
+
+        `opt_state` may hold LayerHalves (host state kept as two buffers): the step holds each as the one
+        array `Optimizer.saved_form` would make, written from the halves in pieces (or joined first for
+        orbax's whole save)."""
         self._check_open()
         if not (force or self.should_save(step)):
             return
@@ -472,9 +509,12 @@ class RunCheckpointer:
                 f"{self.directory}: refusing to save step {step}: step {latest} is newer, and resuming "
                 f"picks the newest step, so step {step} would be skipped (or deleted by keep={self.keep}). "
                 f"Delete the newer steps or save into another directory.")
+        # in pieces: every array written a chunk at a time before save returns (checkpoint_io.py); else
+        # orbax's path: whole arrays staged in host memory, written in the background
+        as_saved = as_pieces if self.save_in_pieces else joined
         args = ocp.args.Composite(**{
-            PARAMS: ocp.args.StandardSave(params),
-            OPT_STATE: ocp.args.StandardSave(opt_state),
+            PARAMS: PieceWiseSave(as_saved(params)),
+            OPT_STATE: PieceWiseSave(as_saved(opt_state)),
             LOADER_STATE: ocp.args.JsonSave(loader_state),
             META: ocp.args.JsonSave(meta),
             RECIPE: _TextSave(recipe_json),
@@ -484,7 +524,11 @@ class RunCheckpointer:
             # save the first step it sees, whatever its number
             self._manager.save(step, args=args, force=True)
         except Exception as e:
-            raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
+            if not self.save_in_pieces:
+                raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
+            # the pieces are written here, so a full disk or a failed write surfaces now: name the intact step
+            self._manager.reload()
+            raise self._failed_save_error(step, e, what="the save in pieces") from e
         self._step_in_flight = step
 
     def raise_if_save_failed(self) -> None:
@@ -499,7 +543,7 @@ class RunCheckpointer:
             return
         self.wait()
 
-    def _failed_save_error(self, step: int | None, e: BaseException) -> CheckpointError:
+    def _failed_save_error(self, step: int | None, e: BaseException, what: str = "the async save") -> CheckpointError:
         where = self.step_dir(step) if step is not None else self.directory
         previous = self.latest_step()  # orbax has dropped the failed step by now
         if previous == step:
@@ -510,9 +554,9 @@ class RunCheckpointer:
         full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
         if full:
             resume = f"a rerun resumes from step {previous}" if previous is not None else "a rerun starts over"
-            return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): No space "
+            return CheckpointError(f"{where}: {what} failed and was not finalised ({intact}): No space "
                                    f"left on device in {self.directory}; {left}; free space there and {resume}")
-        return CheckpointError(f"{where}: the async save failed and was not finalised ({intact}): {_cause(e)}; "
+        return CheckpointError(f"{where}: {what} failed and was not finalised ({intact}): {_cause(e)}; "
                                f"{left}")
 
     def wait(self) -> None:

@@ -12,13 +12,20 @@ libraries, XLA's compiler), per process:
                     bytes                (host alias = host arguments); with the update in the
                                          next forward pass 2 (S + Gp): the scan's stacked
                                          outputs are new buffers (update_in_forward.py)
-    save            W + S + Gp + H       the halved state joined into the saved form (H), and
-                    + staging            orbax's copies: on a GPU, orbax 0.12.8 stages every
-                                         device array in pinned host memory and then copies
-                                         every array into NumPy before writing
+    save, in pieces W + S + Gp + P       every array written from where it lies, one zarr chunk of
+                                         at most SAVE_PIECE_BYTES at a time (checkpoint_io.py): P =
+                                         PIECES_STAGING_BYTES, the pieces in flight and tensorstore's
+                                         encoded copies of them; no join of the halves (the run picks
+                                         this when the whole save below does not fit)
+    save, whole     W + S + Gp + H       orbax's own path (async, overlapping the next steps): the
+                    + staging            halved state joined (H), and orbax's copies: on a GPU, orbax
+                                         0.12.8 stages every device array in pinned host memory and
+                                         then copies every array into NumPy before writing
                                          (serialization/replica_slices.transfer_arrays_to_host),
-                                         2 x the device bytes saved + the host bytes saved; on
-                                         CPU NumPy reads the buffers in place
+                                         2 x the device bytes saved + the host bytes saved; on CPU
+                                         NumPy reads the buffers in place, but tensorstore's atomic
+                                         OCDBT transaction holds every encoded array until it commits
+                                         (measured: 1.9 GB for 2 GB saved), the bytes saved
     restore         2W + S + Gp +        the restored arrays land in their target memory kind;
                     min(saved, R)        orbax reads through NumPy, at most R bytes at once
                                          (checkpoint.RESTORE_CONCURRENT_GB); the state is not
@@ -57,6 +64,15 @@ ASSUMED_GPU_FOOTPRINT_BYTES = 6 * GiB
 RESTORE_CONCURRENT_GB = 8
 RESTORE_STAGING_BYTES = RESTORE_CONCURRENT_GB * 10**9
 PHASES = ("start-up", "state creation", "step", "checkpoint save", "restore")
+# A save in pieces (recipes/train/checkpoint_io.py): one zarr chunk, the most one piece holds, and the pieces
+# tensorstore writes at once.
+SAVE_PIECE_BYTES = 32 * 2**20
+SAVE_PIECES_IN_FLIGHT = 2
+# What a save in pieces holds beside the state, a fixed amount: the pieces in flight and tensorstore's encoded
+# copies of them, the piece being taken out (on a GPU its slice in pinned memory and its NumPy copy), the
+# slice's compile, allocator slack. Measured on CPU, 2 GiB of state in 32 MiB pieces, 2 in flight: the peak
+# rose by 413 MiB (tests/recipes/train/test_checkpoint_pieces.py bounds it by one layer + this).
+PIECES_STAGING_BYTES = 512 * 2**20
 
 
 class HostPeakError(SpillwayError, MemoryError):
@@ -76,10 +92,19 @@ class HostPhases:
     saved_device: int     # bytes a checkpoint saves from device memory (parameters, device state)
     saved_host: int       # bytes a checkpoint saves from host memory
     gpu: bool = True      # orbax stages device arrays through pinned host memory (a GPU's)
+    save_in_pieces: bool = True   # the save writes a chunk at a time (else orbax's whole, async save)
 
     @property
     def save_staging(self) -> int:
-        return 2 * self.saved_device + self.saved_host if self.gpu else 0
+        """Host bytes the save holds beside the live state (module docstring)."""
+        if self.save_in_pieces:
+            return PIECES_STAGING_BYTES
+        whole = 2 * self.saved_device + self.saved_host if self.gpu else self.saved_device + self.saved_host
+        return self.halved + whole
+
+    def whole_save_fits(self, host_ram_bytes: int) -> bool:
+        """Whether orbax's whole (async) save fits `host_ram_bytes`: what a run uses when it does."""
+        return dataclasses.replace(self, save_in_pieces=False).by_phase()["checkpoint save"] <= host_ram_bytes
 
     def by_phase(self) -> dict[str, int]:
         live = self.weights + self.state + self.pending
@@ -88,7 +113,7 @@ class HostPhases:
             "start-up": self.footprint,
             "state creation": self.footprint + live,
             "step": self.footprint + self.step_host,
-            "checkpoint save": self.footprint + live + self.halved + self.save_staging,
+            "checkpoint save": self.footprint + live + self.save_staging,
             "restore": self.footprint + live + self.weights + min(saved, RESTORE_STAGING_BYTES),
         }
 
@@ -96,7 +121,8 @@ class HostPhases:
         """The pinned part of each phase: what XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB must allow."""
         live = self.weights + self.state + self.pending
         return {"start-up": 0, "state creation": live, "step": self.step_host,
-                "checkpoint save": live + self.halved + (self.saved_device if self.gpu else 0),
+                "checkpoint save": live + (0 if self.save_in_pieces else
+                                           self.halved + (self.saved_device if self.gpu else 0)),
                 "restore": live + self.weights}
 
     def peak(self) -> tuple[str, int]:
@@ -109,8 +135,8 @@ class HostPhases:
     def scaled(self, factor: int) -> HostPhases:
         """The same for `factor` processes' worth (the planner's per-GPU figures x GPUs on the host);
         the footprint once."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name) * factor
-                                            for f in dataclasses.fields(self) if f.name not in ("footprint", "gpu")})
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)
+                                            if f.name not in ("footprint", "gpu", "save_in_pieces")})
 
     def describe(self, phase: str) -> str:
         gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
@@ -119,8 +145,10 @@ class HostPhases:
                                    f"{gib(self.weights)}, pending gradients {gib(self.pending)}",
                  "step": f"process {gib(self.footprint)}, the step's host buffers {gib(self.step_host)}",
                  "checkpoint save": f"process {gib(self.footprint)}, state {gib(self.state)}, weights "
-                                    f"{gib(self.weights)}, pending gradients {gib(self.pending)}, the state's "
-                                    f"halves joined {gib(self.halved)}, orbax's host copies {gib(self.save_staging)}",
+                                    f"{gib(self.weights)}, pending gradients {gib(self.pending)}, "
+                                    + (f"the pieces being written {gib(self.save_staging)}" if self.save_in_pieces
+                                       else f"the state's halves joined and orbax's host copies "
+                                            f"{gib(self.save_staging)} (a whole save)"),
                  "restore": f"process {gib(self.footprint)}, state {gib(self.state)}, weights 2 x "
                             f"{gib(self.weights)}, orbax's read buffers "
                             f"{gib(min(self.saved_device + self.saved_host, RESTORE_STAGING_BYTES))}"}
@@ -148,7 +176,7 @@ def _bytes_by_kind(tree, per_device: bool = False) -> dict[str, int]:
 
 
 def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, gpu: bool = True,
-              per_device: bool = False) -> HostPhases:
+              per_device: bool = False, save_in_pieces: bool = True) -> HostPhases:
     """HostPhases of a TrainSetup (step.setup or step.abstract_setup); nothing is allocated.
 
     `step_host`: the step's own host bytes (a compiled step's memory analysis); default: what
@@ -171,7 +199,8 @@ def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, 
         footprint = ASSUMED_GPU_FOOTPRINT_BYTES if gpu else _resident_bytes()
     return HostPhases(footprint=footprint, state=state, halved=halved, weights=weights, pending=pending,
                       step_host=step_host, saved_device=saved.get(Memory.DEVICE, 0),
-                      saved_host=sum(n for kind, n in saved.items() if kind != Memory.DEVICE), gpu=gpu)
+                      saved_host=sum(n for kind, n in saved.items() if kind != Memory.DEVICE), gpu=gpu,
+                      save_in_pieces=save_in_pieces)
 
 
 def _resident_bytes() -> int:
@@ -218,7 +247,9 @@ def pinned_need_of_recipe(recipe) -> int:
 
     An upper bound for a run over several processes (each holds its shard).
     """
-    return phases_of_recipe(recipe).pinned_peak()
+    phases = phases_of_recipe(recipe)
+    # the run picks the save mode later (check_run): allow the whole save's pinned staging too
+    return max(phases.pinned_peak(), dataclasses.replace(phases, save_in_pieces=False).pinned_peak())
 
 
 def phases_of_recipe(recipe) -> HostPhases:
@@ -270,11 +301,12 @@ def phases_of_recipe(recipe) -> HostPhases:
 
 
 def check_run(s, *, host_ram_bytes: int | None = None, machine_ram_bytes: int | None = None,
-              environ=None, say=print) -> HostPhases:
+              environ=None, say=print, async_save: bool = True) -> HostPhases:
     """Before a run allocates anything: its host peak against the RAM, its pinned peak against
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB when the user set that. `s` is the run's abstract setup on this
     process's mesh. `host_ram_bytes`: the RAM to plan for (spillway train --host-ram-gb); default the
-    machine's. Returns the phases."""
+    machine's. Returns the phases, with the save mode the run uses (`save_in_pieces`): orbax's whole,
+    async save when `async_save` and it fits the RAM, else the save in pieces."""
     import os
 
     from spillway.recipes.optim.host_memory import host_ram_bytes as machine_ram
@@ -290,6 +322,8 @@ def check_run(s, *, host_ram_bytes: int | None = None, machine_ram_bytes: int | 
             f"and a run that needs more than the machine has is killed by the kernel")
     phases = phases_of(s, gpu=gpu)
     ram = host_ram_bytes if host_ram_bytes is not None else machine
+    if async_save and ram and phases.whole_save_fits(ram):
+        phases = dataclasses.replace(phases, save_in_pieces=False)
     if ram:
         check_host_peak(phases, ram)
     if gpu:

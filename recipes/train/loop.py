@@ -7,9 +7,11 @@
     before data   which step to resume from and may this recipe resume it (resume.py; a LoRA run
                   only on its own base), the corpus the run trained on (corpus_record.py), a
                   fine-tune's tokenizer (finetune.py)
+    host checks   before data: the mesh, the run's host memory per phase (host_memory.py; a split
+                  host:N state too) and the save that fits (orbax's whole async one, or in pieces)
     data          tokenizer and packed rows (data_pipeline.py); the batches (batch.BatchFeed)
-    setup         mesh, host memory checks (host_memory.py; a split host:N state too), the model in its
-                  shards and the jitted step (step.py), the programs the loop runs (run_state.StepPrograms)
+    setup         the model in its shards and the jitted step (step.py), the programs the loop runs
+                  (run_state.StepPrograms)
     state         built, a fine-tune's weights, or restored (run_state.initial_state; a LoRA run's
                   base read from init_from at every start, its checkpoints the adapters)
     steps         one step, then the parts that decide themselves whether they run
@@ -151,8 +153,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     from spillway.recipes.train.sft_batch import batch_from_rows
 
     recipe, candidates, own_tokenizer, kept_bos = _before_data(recipe, run_dir, checkpointer, say)
+    mesh = _host_checks(recipe, checkpointer, host_ram_gb, say)
     tokenizer, data = _prepare_data(recipe, own_tokenizer, kept_bos, say)
-    s = _build_setup(recipe, host_ram_gb, say)
+    s = _build_setup(recipe, mesh, say)
     # Loss masks, example ids and positions of fine-tuning rows (or of text with data.document_mask).
     as_batch = functools.partial(batch_from_rows, document_mask=recipe.data.uses_document_mask,
                                  eos_id=tokenizer.eos_id)
@@ -218,17 +221,24 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     return tokenizer, data
 
 
-def _build_setup(recipe: Recipe, host_ram_gb: float | None, say) -> TrainSetup:
-    """The mesh, the host memory checks (before anything is allocated), the model in its shards and the step."""
+def _host_checks(recipe: Recipe, checkpointer, host_ram_gb: float | None, say):
+    """The mesh, after the host memory checks, before data is prepared and anything is allocated: pinned
+    memory the host cannot give (host state, a split host:N too), the peak over the run's phases (state
+    creation, step, checkpoint save, restore) against the RAM, and the save that fits: orbax's whole async
+    one, or in pieces (the checkpointer is set to it)."""
     mesh = make_mesh(recipe.mesh)
-    if memory_of(recipe.offload.optimizer_state) == Memory.HOST:   # a split (host:N) too
-        abstract = abstract_setup(recipe, mesh, platform=jax.default_backend())
-        # Pinned memory the host cannot give fails here, not mid-init.
+    abstract = abstract_setup(recipe, mesh, platform=jax.default_backend())
+    if memory_of(recipe.offload.optimizer_state) == Memory.HOST:
         pinned = pinned_bytes_of_setup(abstract)
         check_host_memory(pinned.total, breakdown=pinned.describe())
-        # The peak over the run's phases (state creation, step, checkpoint save, restore) and the pinned limit.
-        host_memory.check_run(abstract, host_ram_bytes=None if host_ram_gb is None else int(host_ram_gb * 1e9),
-                              say=say)
+    phases = host_memory.check_run(abstract, host_ram_bytes=None if host_ram_gb is None else int(host_ram_gb * 1e9),
+                                   say=say, async_save=recipe.checkpoint.async_save)
+    checkpointer.save_in_pieces = phases.save_in_pieces
+    return mesh
+
+
+def _build_setup(recipe: Recipe, mesh, say) -> TrainSetup:
+    """The model in its shards and the step, on `mesh` (checked by `_host_checks`)."""
     s = setup(recipe, mesh)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
@@ -248,7 +258,7 @@ def _run_steps(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, fe
         f"{progress_log.peak_source} ({progress_log.peak_flops / 1e9:.0f} GFLOP/s per device)")
     losses, profile = LossWatch(checkpointer), Profile(recipe, run_dir, main=main, say=say)
     validation = Validation(recipe, feed, logger, write)
-    saving = Saving(recipe, s.optimizer, checkpointer, feed, lock, say, progress_log.tokens_per_step)
+    saving = Saving(recipe, checkpointer, feed, lock, say, progress_log.tokens_per_step)
     with StopSignals(echo=write) as signals, _closing(bar, logger):
         stopping = Stopping(GroupStop(signals, s.mesh), stop_after=stop_after, first_step=state.step,
                             last_step=cfg.steps)

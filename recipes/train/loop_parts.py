@@ -185,9 +185,9 @@ class Saving:
     (divergence.py), drawn here and kept for the next step; the loader state saved is the one before it,
     so a resumed run draws that batch again."""
 
-    def __init__(self, recipe, optimizer, checkpointer, feed, lock, say, tokens_per_step: int):
+    def __init__(self, recipe, checkpointer, feed, lock, say, tokens_per_step: int):
         self._recipe, self._checkpointer, self._feed, self._lock = recipe, checkpointer, feed, lock
-        self._optimizer, self._say, self._tokens_per_step = optimizer, say, tokens_per_step
+        self._say, self._tokens_per_step = say, tokens_per_step
 
     def due(self, step: int, *, stopping: bool) -> bool:
         return step % self._recipe.checkpoint.every_steps == 0 or step == self._recipe.train.steps or stopping
@@ -207,9 +207,10 @@ class Saving:
                                      f"stopping; {resume_hint(self._checkpointer)}")
         meta = {"step": state.step, "seed": self._recipe.train.seed,
                 "tokens_seen": state.step * self._tokens_per_step}
-        # force: decided here (`due`), not by the checkpointer's own period; a LoRA run saves its adapters
+        # force: decided here (`due`), not by the checkpointer's own period; a LoRA run saves its adapters.
+        # The state as it lies (LayerHalves too): the checkpointer writes it in saved form (checkpoint_io.py).
         self._checkpointer.save(state.step, params=lora_state.checkpointed(self._recipe, state.params),
-                                opt_state=self._optimizer.saved_form(state.opt_state), loader_state=loader_state,
+                                opt_state=state.opt_state, loader_state=loader_state,
                                 meta=meta, recipe_json=self._recipe.to_json(), force=True)
 
 

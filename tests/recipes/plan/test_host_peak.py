@@ -12,7 +12,8 @@ from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import Plan, PlanRow
 from spillway.recipes.targets import get_target
 from spillway.recipes.registry import get_recipe
-from spillway.recipes.train.host_memory import ASSUMED_GPU_FOOTPRINT_BYTES, HostPhases
+from spillway.recipes.train.host_memory import (ASSUMED_GPU_FOOTPRINT_BYTES, PIECES_STAGING_BYTES,
+                                               RESTORE_STAGING_BYTES, HostPhases)
 
 GiB = 2**30
 
@@ -41,27 +42,42 @@ def plan_of(rows, host_ram_gib, devices=1):
 
 
 def test_a_plan_whose_save_does_not_fit_the_hosts_ram_is_refused_naming_the_phase():
-    rows = [row_with_phases("recompute_all", "host", 100.0, eight_b_like(), host_gib=90.0),
-            row_with_phases("save_dots", "device", 150.0, eight_b_like(state=0, halved=0, step_host=0, saved_host=0,
-                                                                      saved_device=105 * GiB))]
-    plan = plan_of(rows, 128)
+    """orbax's whole save (the halves joined, everything copied) does not fit 128 GiB; the save in pieces does,
+    and then the restore is the phase that limits."""
+    whole = [row_with_phases("recompute_all", "host", 100.0, eight_b_like(save_in_pieces=False), host_gib=90.0),
+             row_with_phases("save_dots", "device", 150.0, eight_b_like(state=0, halved=0, step_host=0, saved_host=0,
+                                                                       saved_device=105 * GiB, save_in_pieces=False))]
+    plan = plan_of(whole, 128)
     host_row, device_row = plan.rows
     # 90 state + 78 halves joined + orbax: 2 x 15 + 90, + the process's assumed footprint
     expected = (90 + 78 + 30 + 90) * GiB + ASSUMED_GPU_FOOTPRINT_BYTES
     assert host_row.why_not == f"host {expected / GiB:.1f} GiB at checkpoint save > 128.0 GiB"
     assert not host_row.fits and device_row.fits is False     # the device plan's save stages 2 x 105 GiB
-    roomy = plan_of(rows, 400)
-    assert all(row.fits for row in roomy.rows) and roomy.picked.candidate.activations == "recompute_all"
     assert PlanRow.to_dict(host_row, 1)["host_peak"] == {"phase": "checkpoint save", "bytes": expected}
+
+    in_pieces = [row_with_phases("recompute_all", "host", 100.0, eight_b_like(), host_gib=90.0),
+                 row_with_phases("save_dots", "device", 150.0, eight_b_like(state=0, halved=0, step_host=0,
+                                                                           saved_host=0, saved_device=105 * GiB))]
+    plan = plan_of(in_pieces, 128)
+    assert all(row.fits for row in plan.rows) and plan.picked.candidate.activations == "recompute_all"
+    restore = 90 * GiB + RESTORE_STAGING_BYTES + ASSUMED_GPU_FOOTPRINT_BYTES
+    assert PlanRow.to_dict(plan.rows[0], 1)["host_peak"] == {"phase": "restore", "bytes": restore}
+    save = HostPhases.from_dict(in_pieces[0].report["host_phases"]).by_phase()["checkpoint save"]
+    assert save == 90 * GiB + PIECES_STAGING_BYTES      # the state and the pieces in flight
+    tight = plan_of(in_pieces, 100)
+    assert tight.rows[0].why_not == f"host {restore / GiB:.1f} GiB at restore > 100.0 GiB"
 
 
 def test_the_peak_of_a_host_counts_every_gpus_share_and_the_process_once():
     phases = eight_b_like(state=10 * GiB, halved=8 * GiB, step_host=10 * GiB, saved_device=2 * GiB,
-                          saved_host=10 * GiB)
+                          saved_host=10 * GiB, save_in_pieces=False)
     report = {"host_bytes": 10 * GiB, "host_phases": phases.to_dict()}
     phase, peak = host_peak.host_peak(report, devices=8)
     assert phase == "checkpoint save"
     assert peak == 8 * (10 + 8 + 4 + 10) * GiB + ASSUMED_GPU_FOOTPRINT_BYTES
+    # in pieces: one process writes every GPU's share, a piece at a time: the pieces counted once
+    pieces = host_peak.host_phases({"host_phases": dataclasses.replace(phases, save_in_pieces=True).to_dict()}, 8)
+    assert pieces.by_phase()["checkpoint save"] == 80 * GiB + PIECES_STAGING_BYTES + ASSUMED_GPU_FOOTPRINT_BYTES
 
 
 def test_reports_without_phases_fall_back_to_the_steps_host_bytes():

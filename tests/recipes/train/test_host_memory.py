@@ -141,17 +141,23 @@ def phases(**overrides):
 
 
 def test_phases_add_up_as_the_model_says():
-    p = phases()
-    by_phase = p.by_phase()
+    whole = phases(save_in_pieces=False)
+    by_phase = whole.by_phase()
     assert by_phase["state creation"] == 94 * GiB
     assert by_phase["step"] == 94 * GiB
     # live 90 + halves joined 80 + orbax: 2 x 15 (device arrays staged pinned, then NumPy) + 90 (NumPy)
     assert by_phase["checkpoint save"] == (4 + 90 + 80 + 30 + 90) * GiB
     assert by_phase["restore"] == 94 * GiB + host_memory.RESTORE_STAGING_BYTES
-    assert p.peak() == ("checkpoint save", 294 * GiB)
-    assert p.pinned_by_phase()["checkpoint save"] == (90 + 80 + 15) * GiB
-    on_cpu = phases(gpu=False)
-    assert on_cpu.by_phase()["checkpoint save"] == (4 + 90 + 80) * GiB
+    assert whole.peak() == ("checkpoint save", 294 * GiB)
+    assert whole.pinned_by_phase()["checkpoint save"] == (90 + 80 + 15) * GiB
+    # on CPU: tensorstore's transaction holds the encoded arrays (the bytes saved), after the join
+    assert phases(gpu=False, save_in_pieces=False).by_phase()["checkpoint save"] == (4 + 90 + 80 + 105) * GiB
+    # in pieces: the live state and the pieces in flight, no join, no copy of what is saved
+    in_pieces = phases()
+    assert in_pieces.by_phase()["checkpoint save"] == 94 * GiB + host_memory.PIECES_STAGING_BYTES
+    assert in_pieces.peak() == ("restore", 94 * GiB + host_memory.RESTORE_STAGING_BYTES)
+    assert in_pieces.pinned_by_phase()["checkpoint save"] == 90 * GiB
+    assert not whole.whole_save_fits(290 * GiB) and whole.whole_save_fits(294 * GiB)
 
 
 def test_scaling_to_the_gpus_of_a_host_counts_the_process_once():
@@ -161,10 +167,12 @@ def test_scaling_to_the_gpus_of_a_host_counts_the_process_once():
 
 def test_a_peak_above_the_hosts_ram_names_its_phase():
     with pytest.raises(host_memory.HostPeakError, match=r"peak at 294.0 GiB during the checkpoint save \(process "
-                       r"4.0 GiB, state 90.0 GiB.*halves joined 80.0 GiB, orbax's host copies 120.0 GiB\), but "
-                       r"this host has 128.0 GiB"):
-        host_memory.check_host_peak(phases(), 128 * GiB)
-    host_memory.check_host_peak(phases(), 300 * GiB)
+                       r"4.0 GiB, state 90.0 GiB.*halves joined and orbax's host copies 200.0 GiB \(a whole "
+                       r"save\)\), but this host has 128.0 GiB"):
+        host_memory.check_host_peak(phases(save_in_pieces=False), 128 * GiB)
+    host_memory.check_host_peak(phases(save_in_pieces=False), 300 * GiB)
+    with pytest.raises(host_memory.HostPeakError, match=r"during the restore"):
+        host_memory.check_host_peak(phases(), 90 * GiB)
 
 
 def test_phases_of_a_setup_count_state_halves_and_pending_gradients():

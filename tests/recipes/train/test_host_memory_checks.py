@@ -67,9 +67,11 @@ def test_host_ram_gb_above_the_machines_warns_naming_both():
 
 
 def test_a_peak_above_the_ram_stops_the_run_before_anything_is_allocated(tmp_path, monkeypatch):
-    from spillway.recipes.train import loop
+    from spillway.recipes.train import data_pipeline, loop
 
     monkeypatch.setattr(loop, "setup", lambda *args, **kwargs: pytest.fail("setup() ran: the weights were made"))
+    # and before any data is prepared (tokenizing a corpus can take hours)
+    monkeypatch.setattr(data_pipeline, "prepare", lambda *args, **kwargs: pytest.fail("the data was prepared"))
     recipe = small_recipe("offload.optimizer_state=host", "model.vocab_size=512", "data.source=builtin:stdlib:200000",
                           f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1", "train.steps=2",
                           "train.eval_every=0", "train.global_batch=8",

@@ -66,10 +66,16 @@ def test_twenty_steps_with_a_split_state_equal_the_state_on_device_bit_for_bit(s
     assert split_parts(opt_state) == ({"device"}, {"pinned_host"}, {host_layers})
 
 
-@pytest.mark.parametrize("settings", [("host:2",), pytest.param(("device", "host"), marks=pytest.mark.slow)])
-def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, settings):
+@pytest.mark.parametrize("settings,in_pieces", [
+    (("host:2",), True),
+    pytest.param(("host:2",), False, marks=pytest.mark.slow),
+    pytest.param(("device", "host"), True, marks=pytest.mark.slow),
+])
+def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, settings, in_pieces):
     """Saved under host:1, restored under host:2 (or device, or all on host): two more steps equal two more
-    steps of the run that never stopped (the saved form is one whole array per state leaf whatever the split)."""
+    steps of the run that never stopped (the saved form is one whole array per state leaf whatever the split).
+    The state is handed to the save as it lies, as the train loop does: written in pieces (the split's device
+    rows, then its host rows, no join) or joined for orbax's whole save."""
     from spillway.recipes.train.checkpoint import RunCheckpointer
 
     base = ("train.grad_accum=1",)
@@ -79,7 +85,8 @@ def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, settings):
     for t in tokens[:2]:
         params, opt_state, _, _ = s.train_step(params, opt_state, None, Batch(jax.device_put(t, s.batch_sharding)))
     with RunCheckpointer(tmp_path / "run", keep=2, every_steps=1, async_save=False) as ckpt:
-        ckpt.save(2, params=params, opt_state=s.optimizer.saved_form(opt_state), loader_state={}, meta={"step": 2},
+        ckpt.save_in_pieces = in_pieces
+        ckpt.save(2, params=params, opt_state=opt_state, loader_state={}, meta={"step": 2},
                   recipe_json="{}", force=True)
         resumed = {}
         for setting in settings:

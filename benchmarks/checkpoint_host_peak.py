@@ -1,0 +1,110 @@
+"""The host peak (VmHWM) of a checkpoint save and a restore of host-resident state, beside the prediction.
+
+The GPU suite's checkpoint case (benchmarks/gpu_suite.py runs it at the end with the time left): a train
+setup with its optimizer state in pinned host memory, its state created, then one save (the mode the run
+would pick, recipes/train/host_memory.check_run, or --mode) and one restore as a resume does, each
+measured as the rise of the process's resident high-water mark over what it held before (VmHWM reset
+through /proc/self/clear_refs), beside host_memory's prediction of that phase above the live state.
+
+    python -m benchmarks.checkpoint_host_peak                                    # the GPU case: Llama 3.2 1B (llama3_1b)
+    python -m benchmarks.checkpoint_host_peak --recipe tiny --set model.d_model=64 --mode pieces   # CPU-sized
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+
+GiB = 2**30
+
+
+def _high_water() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")   # VmHWM := VmRSS now
+        return True
+    except OSError:
+        return False
+
+
+def measure(recipe_name: str, overrides: list[str], mode: str = "auto") -> dict:
+    """{"save_rise_bytes", "restore_rise_bytes", predicted ..., "mode", seconds}: one save and one restore."""
+    import jax
+
+    from spillway.layers.sharding import make_mesh
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train import host_memory
+    from spillway.recipes.train import step as step_lib
+    from spillway.recipes.train.checkpoint import RunCheckpointer
+    from spillway.recipes.train.xla_settings import GPU_PLATFORMS
+
+    recipe = get_recipe(recipe_name, ["offload.optimizer_state=host", *overrides])
+    mesh = make_mesh(recipe.mesh)
+    s = step_lib.setup(recipe, mesh)
+    params, opt_state = s.params, jax.block_until_ready(s.optimizer.init(s.params))
+    gpu = jax.default_backend() in GPU_PLATFORMS
+    phases = host_memory.phases_of(s, gpu=gpu)
+    # auto: what the train loop picks (host_memory.check_run): orbax's whole save where it fits the RAM
+    in_pieces = mode == "pieces" or (mode == "auto" and not phases.whole_save_fits(host_memory_ram()))
+    phases = dataclasses.replace(phases, save_in_pieces=in_pieces)
+    by_phase, live = phases.by_phase(), phases.weights + phases.state + phases.pending
+    with tempfile.TemporaryDirectory() as directory:
+        ckpt = RunCheckpointer(directory, keep=1, every_steps=1, async_save=True, save_in_pieces=in_pieces)
+        resettable = _reset_high_water()
+        before, t0 = _high_water(), time.perf_counter()
+        ckpt.save(1, params=params, opt_state=opt_state, loader_state={}, meta={"step": 1}, recipe_json="{}",
+                  force=True)
+        ckpt.wait()
+        save_rise, save_s = _high_water() - before, time.perf_counter() - t0
+        del opt_state   # a resume holds no state before the restore
+        _reset_high_water()
+        before, t0 = _high_water(), time.perf_counter()
+        restored = host_memory.restore_state(ckpt, s, params)
+        jax.block_until_ready(restored)
+        restore_rise, restore_s = _high_water() - before, time.perf_counter() - t0
+        ckpt.close()
+    return {"recipe": recipe_name, "overrides": overrides, "backend": jax.default_backend(),
+            "mode": "pieces" if in_pieces else "whole", "state_bytes": phases.state, "vmhwm_reset": resettable,
+            "save_rise_bytes": save_rise, "save_predicted_rise_bytes": by_phase["checkpoint save"] - phases.footprint
+            - live, "save_s": round(save_s, 2),
+            "restore_rise_bytes": restore_rise,
+            "restore_predicted_bytes": by_phase["restore"] - phases.footprint, "restore_s": round(restore_s, 2)}
+
+
+def host_memory_ram() -> int:
+    from spillway.recipes.optim.host_memory import host_ram_bytes
+    return host_ram_bytes()
+
+
+def render(row: dict) -> str:
+    gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+    return (f"checkpoint of host state ({row['recipe']}, {row['backend']}, save {row['mode']}, state "
+            f"{gib(row['state_bytes'])}): save VmHWM +{gib(row['save_rise_bytes'])} (predicted "
+            f"+{gib(row['save_predicted_rise_bytes'])} above the live state, {row['save_s']} s); restore VmHWM "
+            f"+{gib(row['restore_rise_bytes'])} (predicted {gib(row['restore_predicted_bytes'])} with the restored "
+            f"state, {row['restore_s']} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="llama3_1b")
+    ap.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    ap.add_argument("--mode", choices=("auto", "pieces", "whole"), default="auto")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    row = measure(args.recipe, args.set, args.mode)
+    print(json.dumps(row) if args.json else render(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

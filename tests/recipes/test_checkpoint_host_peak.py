@@ -1,0 +1,18 @@
+"""benchmarks/checkpoint_host_peak.py (the GPU suite's checkpoint case) runs before a GPU is lent: CPU-sized."""
+
+import pytest
+
+from benchmarks import checkpoint_host_peak
+
+TINY = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+        "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=32", "data.seq_len=16"]
+
+
+@pytest.mark.slow   # state creation and a restore compiled: 80 s on 2 loaded cores
+def test_the_checkpoint_case_measures_a_save_in_pieces_and_a_restore_beside_the_prediction():
+    row = checkpoint_host_peak.measure("tiny", TINY, mode="pieces")
+    assert row["mode"] == "pieces" and row["state_bytes"] > 0
+    assert row["save_rise_bytes"] >= 0 and row["restore_rise_bytes"] >= 0
+    assert row["save_predicted_rise_bytes"] > 0 and row["restore_predicted_bytes"] >= row["state_bytes"]
+    line = checkpoint_host_peak.render(row)
+    assert "save VmHWM +" in line and "restore VmHWM +" in line and "\n" not in line
