@@ -29,7 +29,7 @@ def test_the_cli_refuses_it_in_one_line_with_exit_2_before_anything_is_written(t
 
 def test_a_host_update_recipe_moved_to_device_state_is_refused_and_host_state_is_accepted():
     with pytest.raises(ConfigError, match="keeps the state in HBM"):
-        get_recipe("llama3_8b_offload", ["offload.optimizer_state=device"])
-    assert get_recipe("llama3_8b_offload").optimizer.update_on_host   # host state: the setting means something
+        get_recipe("llama3_8b_offload", ["optimizer.update_on_host=true", "offload.optimizer_state=device"])
+    assert get_recipe("llama3_8b_offload", ["optimizer.update_on_host=true"]).optimizer.update_on_host   # host state
     assert not get_recipe("llama3_8b_offload", ["offload.optimizer_state=device",
                                                 "optimizer.update_on_host=false"]).optimizer.update_on_host

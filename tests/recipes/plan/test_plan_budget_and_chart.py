@@ -148,6 +148,6 @@ def test_a_pick_the_recipe_already_trains_needs_no_set_and_a_stale_cpu_update_is
     plan = fake_plan()   # picks save_all with the state on device
     plan.recipe = get_recipe("tiny", ["offload.activations=save_all"])
     assert plan.pick_set_arguments() == [] and plan.train_command() == "spillway train tiny"
-    offload = get_recipe("llama3_8b_offload")   # host state updated by the host CPU
+    offload = get_recipe("llama3_8b_offload", ["optimizer.update_on_host=true"])   # updated by the host CPU
     assert Candidate.of("save_all", "device").set_arguments(offload) == [
         "offload.activations=save_all", "offload.optimizer_state=device", "optimizer.update_on_host=false"]

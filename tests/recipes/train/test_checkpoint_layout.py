@@ -67,9 +67,14 @@ def test_the_step_folder_holds_what_the_code_before_wrote(layout_of, case):
     assert after["arrays"] == before["arrays"]
     assert after["meta"] == before["meta"]
     # The fields added since, each with a default that an older recipe.json loads with: `sources` (issue 18)
-    # and the MoE auxiliary-loss coefficients (issue 21, 0 = off).
+    # and the MoE auxiliary-loss coefficients (issue 21, 0 = off); the fine-tuning data fields (issue 28:
+    # format text, no chat template, packing, no document mask, every token a target), LoRA (rank 0 = off),
+    # the BOS (None: as the tokenizer does) and the moments' dtype (float32), issues 28-30.
     assert set(after["recipe_fields"]) - set(before["recipe_fields"]) == {
-        "sources", "aux_loss.load_balancing", "aux_loss.router_z"}
+        "sources", "aux_loss.load_balancing", "aux_loss.router_z",
+        "data.format", "data.chat_template", "data.train_on_prompt", "data.document_mask", "data.packing",
+        "data.overlong", "data.add_bos", "lora.rank", "lora.alpha", "lora.dropout", "lora.targets",
+        "optimizer.moment_dtype"}
     assert set(before["recipe_fields"]) <= set(after["recipe_fields"])
 
 
