@@ -34,6 +34,11 @@ def split_parts(opt_state):
             {x.host.shape[0] for x in splits})
 
 
+def assert_trees_close(actual, expected):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 def assert_trees_equal(actual, expected):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
@@ -72,10 +77,12 @@ def test_twenty_steps_with_a_split_state_equal_the_state_on_device_bit_for_bit(s
     pytest.param(("device", "host"), True, marks=pytest.mark.slow),
 ])
 def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, settings, in_pieces):
-    """Saved under host:1, restored under host:2 (or device, or all on host): two more steps equal two more
-    steps of the run that never stopped (the saved form is one whole array per state leaf whatever the split).
-    The state is handed to the save as it lies, as the train loop does: written in pieces (the split's device
-    rows, then its host rows, no join) or joined for orbax's whole save."""
+    """Saved under host:1, restored under host:2 (or device, or all on host): the restored state is the saved
+    one bit for bit (the saved form is one whole array per state leaf whatever the split), and two more steps
+    equal two more steps of the run that never stopped, to float32 rounding: another split is another program,
+    whose fusions may round differently (jax 0.12 does, by one ulp; 0.10 does not), as the 20-step comparison
+    of host:2 above allows. The state is handed to the save as it lies, as the train loop does: written in
+    pieces (the split's device rows, then its host rows, no join) or joined for orbax's whole save."""
     from spillway.recipes.train.checkpoint import RunCheckpointer
 
     base = ("train.grad_accum=1",)
@@ -97,14 +104,18 @@ def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, settings, in
             resumed[setting] = (other, restored["params"], other.optimizer.from_saved_form(restored["opt_state"]))
     if "host:2" in resumed:
         assert split_parts(resumed["host:2"][2])[1:] == ({"pinned_host"}, {2})
+    saved = jax.tree.map(np.asarray, s.optimizer.saved_form(opt_state))
+    for setting, (other, p, st) in resumed.items():   # the checkpoint itself: exact
+        assert_trees_equal(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, params))
+        assert_trees_equal(jax.tree.map(np.asarray, other.optimizer.saved_form(st)), saved)
     for t in tokens[2:]:
         params, opt_state, _, _ = s.train_step(params, opt_state, None, Batch(jax.device_put(t, s.batch_sharding)))
         for setting, (other, p, st) in resumed.items():
             placed = Batch(jax.device_put(t, other.batch_sharding))
             resumed[setting] = (other, *other.train_step(p, st, None, placed)[:2])
-    for setting, (_, p, st) in resumed.items():
-        assert_trees_equal(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, params))
-        assert_trees_equal(jax.tree.map(np.asarray, resumed[setting][0].optimizer.saved_form(st)),
+    for setting, (other, p, st) in resumed.items():
+        assert_trees_close(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, params))
+        assert_trees_close(jax.tree.map(np.asarray, other.optimizer.saved_form(st)),
                            jax.tree.map(np.asarray, s.optimizer.saved_form(opt_state)))
 
 
