@@ -30,25 +30,26 @@ from spillway.layers.errors import DataError
 _BUILDERS_LOGGER = "datasets.packaged_modules"
 
 
-def _line_problem(raw: bytes) -> str | None:
-    """What is wrong with one .jsonl line (bytes, without its newline), or None."""
+def parse_jsonl_line(raw: bytes, expected: str = "an object with a text field") -> tuple[dict | None, str | None]:
+    """One .jsonl line (bytes, without its newline): (its object, None); (None, None) for a blank line; or
+    (None, what is wrong with it). `expected` names what a line must hold, for the message."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        return f"not UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
+        return None, f"not UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
     if not line.strip():
-        return None
+        return None, None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        return f"not valid JSON ({error.msg}, column {error.colno})"
+        return None, f"not valid JSON ({error.msg}, column {error.colno})"
     if not isinstance(record, dict):
-        return f"a JSON {type(record).__name__}, not an object with a text field"
+        return None, f"a JSON {type(record).__name__}, not {expected}"
     try:
         json.dumps(record, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        return "a string holds a lone UTF-16 surrogate escape (such as \\ud800), which is no character"
-    return None
+        return None, "a string holds a lone UTF-16 surrogate escape (such as \\ud800), which is no character"
+    return record, None
 
 
 def first_json_error(path: Path) -> str | None:
@@ -56,7 +57,7 @@ def first_json_error(path: Path) -> str | None:
     if path.suffix.lower() == ".jsonl":
         with open(path, "rb") as f:
             for number, raw in enumerate(f, start=1):
-                problem = _line_problem(raw.rstrip(b"\r\n"))
+                _, problem = parse_jsonl_line(raw.rstrip(b"\r\n"))
                 if problem is not None:
                     return f"line {number}: {problem}"
         return None

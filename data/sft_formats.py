@@ -15,13 +15,13 @@ number). Nothing is held beyond the record being converted.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from spillway.layers.errors import DataError
 
+from .corpus_errors import parse_jsonl_line
 from .sources import TEXT_SUFFIXES, parse_hub_spec, parse_local_spec
 
 FORMATS = ("text", "chat", "instruct")
@@ -91,19 +91,15 @@ def messages_of(record: Record, data_format: str) -> list[dict]:
 
 
 def _jsonl_records(path: Path) -> Iterator[Record]:
-    with open(path, encoding="utf-8", errors="replace") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                fields = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"corpus file {str(path)!r}, line {number}: not valid JSON ({error.msg}, "
-                                f"column {error.colno})") from None
-            if not isinstance(fields, dict):
-                raise DataError(f"corpus file {str(path)!r}, line {number}: a JSON {type(fields).__name__}, "
-                                f"not an object")
-            yield Record(fields, f"{path}, line {number}")
+    # read as bytes and judged as the text corpus's lines are (corpus_errors.py): a byte that is not UTF-8
+    # is named with its line, never replaced inside a conversation
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, start=1):
+            fields, problem = parse_jsonl_line(raw.rstrip(b"\r\n"), expected="an object")
+            if problem is not None:
+                raise DataError(f"corpus file {str(path)!r}, line {number}: {problem}")
+            if fields is not None:
+                yield Record(fields, f"{path}, line {number}")
 
 
 def check_not_text_corpus(source: str, data_format: str) -> None:
