@@ -405,18 +405,24 @@ def main() -> int:
 MOE_LAYER_TIMEOUT_S = 180
 
 
-def moe_layer_speed(timeout_s: float) -> str:
-    """benchmarks/moe_layer_speed.py in its own process (a dispatch's out-of-memory stays in it): its table,
-    or why there is none."""
-    cmd = [sys.executable, str(Path(__file__).with_name("moe_layer_speed.py"))]
+def _in_own_process(what: str, cmd: list[str], timeout_s: float) -> str:
+    """`cmd` run from the repository root in its own process: its output, or one line on why there is none."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                              cwd=Path(__file__).resolve().parents[1])
     except subprocess.TimeoutExpired:
-        return f"MoE layer speed: timeout after {timeout_s:.0f}s"
+        return f"{what}: timeout after {timeout_s:.0f}s"
     if out.returncode != 0:
-        return f"MoE layer speed: failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode
+        return f"{what}: failed: {last}"
     return out.stdout.rstrip()
+
+
+def moe_layer_speed(timeout_s: float) -> str:
+    """benchmarks/moe_layer_speed.py in its own process (a dispatch's out-of-memory stays in it): its table,
+    or why there is none."""
+    return _in_own_process("MoE layer speed", [sys.executable, str(Path(__file__).with_name("moe_layer_speed.py"))],
+                           timeout_s)
 
 
 CHECKPOINT_TIMEOUT_S = 240
@@ -425,16 +431,8 @@ CHECKPOINT_TIMEOUT_S = 240
 def checkpoint_host_peak(timeout_s: float) -> str:
     """benchmarks/checkpoint_host_peak.py in its own process (its VmHWM is that case's alone): its line, or
     why there is none."""
-    cmd = [sys.executable, "-m", "benchmarks.checkpoint_host_peak", "--mode", "pieces"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                             cwd=Path(__file__).resolve().parents[1])
-    except subprocess.TimeoutExpired:
-        return f"checkpoint host peak: timeout after {timeout_s:.0f}s"
-    if out.returncode != 0:
-        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode
-        return f"checkpoint host peak: failed: {last}"
-    return out.stdout.rstrip()
+    return _in_own_process("checkpoint host peak",
+                           [sys.executable, "-m", "benchmarks.checkpoint_host_peak", "--mode", "pieces"], timeout_s)
 
 
 if __name__ == "__main__":
