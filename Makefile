@@ -19,6 +19,12 @@ CONSTRAINTS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spillway-installed
 ARGS ?=
+# The suite runs in one pytest-xdist worker per core, at most 4 (each worker is a JAX process with 8 fake
+# devices and up to ~4 GB resident): compiling, most of the suite's time, uses one core per program.
+# `worksteal` hands a worker's queue half over to an idle one, so one long file does not leave a core idle.
+# TEST_WORKERS=0 runs everything in one process, as before.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 # Interpreters for the other environments: pyenv's, else the first on PATH.
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 PYTHON313 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3.13)
@@ -40,16 +46,16 @@ train: $(STAMP)
 	$(VENV)/bin/spillway train tiny $(ARGS)
 
 test: $(STAMP) gpu-plugin
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PYTEST) -q -m "not slow" $(ARGS)
 
 # SLOW_MARKS narrows the slow tests: CI runs only `slow and needs_torch` in .venv
 # (the rest of them run in .venv-jax011, see .ci/run).
 SLOW_MARKS ?= slow
 test-slow: $(STAMP) gpu-plugin
-	$(PY) -m pytest -q -m "$(SLOW_MARKS)" $(ARGS)
+	$(PYTEST) -q -m "$(SLOW_MARKS)" $(ARGS)
 
 test-all: $(STAMP) gpu-plugin
-	$(PY) -m pytest -q $(ARGS)
+	$(PYTEST) -q $(ARGS)
 
 # The whole suite (slow tests included) in each of the other tested environments.
 SUITE ?= test-all

@@ -19,6 +19,9 @@ The planner's compile cache (recipes/plan/compile_cache.py) is off for the sessi
 (SPILLWAY_PLAN_CACHE=0): tests count their compiles, and must not read or fill
 the user's ~/.cache/spillway; the cache's own tests turn it on in a tmp folder.
 
+SPILLWAY_TEST_COMPILE_LOG=<prefix> logs each test's wall time beside its JAX tracing, lowering and
+XLA compiling (tests/compile_time_log.py), to find where the suite's time goes.
+
 `needs_torch` marks the tests whose reference is torch + transformers (those
 that take the `transformers` fixture, and modules marked so): they run only in
 the Python 3.11 environment, and CI selects them there by this marker.
@@ -45,11 +48,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import pytest  # noqa: E402
 
 import ci_gate  # noqa: E402
+import compile_time_log  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_toolchain: compiles for a GPU without one (CUDA toolkit + plugin)")
     config.addinivalue_line("markers", "needs_torch: its reference is torch + transformers (the `parity` extra)")
+    compile_time_log.install(config)
 
 
 def pytest_unconfigure(config):
