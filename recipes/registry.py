@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from spillway.layers.execution import Execution
-from spillway.models.llama import llama_config
+from spillway.models.registry import preset_config
 from spillway.recipes.config import (CheckpointConfig, DataConfig, MeshConfig, OffloadConfig, OptimizerConfig, Recipe,
                                      TrainConfig, apply_overrides)
 
@@ -48,7 +48,7 @@ def tiny() -> Recipe:
     return Recipe(
         name="tiny",
         description="4-layer Llama on the embedded stdlib corpus; the CPU main job",
-        model=llama_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6, num_kv_heads=2,
+        model=preset_config("llama", "tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6, num_kv_heads=2,
                            mlp_hidden=512, max_seq_len=128),
         execution=Execution(dtype="float32"),
         data=DataConfig(seq_len=128),
@@ -134,7 +134,7 @@ def _pretraining_recipe(name: str, *, model, description: str, sources: str, cor
 def llama3_1b() -> Recipe:
     """Llama 3.2 1B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "llama3_1b", model=llama_config("llama3_2_1b", max_seq_len=8192),
+        "llama3_1b", model=preset_config("llama", "llama3_2_1b", max_seq_len=8192),
         description="Llama 3.2 1B from scratch on FineWeb-Edu with the Llama 3 tokenizer, for 9T tokens",
         sources=(
             "9T tokens is the Llama 3.2 model card's 'up to 9 trillion' (Meta also distilled from larger Llama 3 models, which this recipe does not); sequence 8192 is Llama 3's "
@@ -150,7 +150,7 @@ def llama3_1b() -> Recipe:
 def llama3_8b() -> Recipe:
     """Llama 3.1 8B from scratch on FineWeb-Edu with its own tokenizer; one node of 8 H200s."""
     return _pretraining_recipe(
-        "llama3_8b", model=llama_config("llama3_1_8b", max_seq_len=8192),
+        "llama3_8b", model=preset_config("llama", "llama3_1_8b", max_seq_len=8192),
         description="Llama 3.1 8B from scratch on FineWeb-Edu with the Llama 3 tokenizer, for 15T tokens",
         sources=(
             "15T tokens and sequence 8192 are the Llama 3 model card's ('15T+' tokens, 8k context); Meta has not published the 8B's optimizer settings, so "
@@ -183,15 +183,13 @@ def llama3_8b_offload() -> Recipe:
 
 
 # --- GPT-2 -----------------------------------------------------------------------
-# Imported here rather than at the top so each family's recipes stay one appended section.
-from spillway.models.gpt2 import gpt2_config  # noqa: E402
 
 
 @register("gpt2_tiny")
 def gpt2_tiny() -> Recipe:
     """CPU-sized GPT-2: the `tiny` recipe's data, optimizer and schedule with a 4-layer GPT-2."""
     return dataclasses.replace(
-        tiny(), name="gpt2_tiny", model=gpt2_config("tiny"),
+        tiny(), name="gpt2_tiny", model=preset_config("gpt2", "tiny"),
         description="4-layer GPT-2 on the embedded stdlib corpus")
 
 
@@ -199,7 +197,7 @@ def gpt2_tiny() -> Recipe:
 def gpt2_124m() -> Recipe:
     """GPT-2 124M on FineWeb-Edu's 10B-token sample: Karpathy's build-nanogpt baseline; one H200."""
     return _pretraining_recipe(
-        "gpt2_124m", model=gpt2_config("gpt2_124m"),
+        "gpt2_124m", model=preset_config("gpt2", "gpt2_124m"),
         description="GPT-2 124M from scratch on FineWeb-Edu sample-10BT with the GPT-2 tokenizer, one pass (10B tokens)",
         sources=(
             "Karpathy's build-nanogpt train_gpt2.py (GPT-2 124M reproduced on this corpus): AdamW 0.9/0.95, eps 1e-8, "
@@ -223,14 +221,13 @@ def _cpu_recipe(name: str, model, description: str) -> Recipe:
 
 
 # --- Mistral ---------------------------------------------------------------------
-from spillway.models.mistral import mistral_config  # noqa: E402
 
 
 @register("mistral_tiny")
 def mistral_tiny() -> Recipe:
     """CPU-sized Mistral: a 64-position sliding window inside 128-token sequences, so the window matters."""
     return _cpu_recipe("mistral_tiny",
-                       mistral_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                       preset_config("mistral", "tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                       num_kv_heads=2, mlp_hidden=512, sliding_window=64, max_seq_len=128),
                        "4-layer Mistral, sliding window 64 over 128 tokens, on the stdlib corpus")
 
@@ -243,7 +240,7 @@ MISTRAL_SOURCE = ("Mistral AI has not published the data, budget or optimizer se
 def mistral_7b() -> Recipe:
     """Mistral 7B v0.3 (no sliding window) from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
     return _pretraining_recipe(
-        "mistral_7b", model=mistral_config("mistral_7b_v0_3", max_seq_len=8192),
+        "mistral_7b", model=preset_config("mistral", "mistral_7b_v0_3", max_seq_len=8192),
         description="Mistral 7B v0.3 from scratch on FineWeb-Edu with its own tokenizer, for 2T tokens",
         sources=MISTRAL_SOURCE,
         corpus=FINEWEB_EDU, tokenizer_origin="mistralai/Mistral-7B-v0.3",
@@ -257,7 +254,7 @@ def mistral_7b() -> Recipe:
 def mistral_7b_v0_1() -> Recipe:
     """Mistral 7B v0.1: sequence 8192 through its 4096-position sliding window; 8 H200s."""
     return _pretraining_recipe(
-        "mistral_7b_v0_1", model=mistral_config("mistral_7b_v0_1", max_seq_len=8192),
+        "mistral_7b_v0_1", model=preset_config("mistral", "mistral_7b_v0_1", max_seq_len=8192),
         description=("Mistral 7B v0.1 (sequences longer than its sliding window) from scratch on FineWeb-Edu with "
                      "its own tokenizer, for 2T tokens"),
         sources=MISTRAL_SOURCE,
@@ -269,14 +266,13 @@ def mistral_7b_v0_1() -> Recipe:
 
 
 # --- Qwen ------------------------------------------------------------------------
-from spillway.models.qwen import qwen2_config, qwen3_config  # noqa: E402
 
 
 @register("qwen2_tiny")
 def qwen2_tiny() -> Recipe:
     """CPU-sized Qwen2.5-shaped model: q/k/v biases, tied head."""
     return _cpu_recipe("qwen2_tiny",
-                       qwen2_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                       preset_config("qwen2", "tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                     num_kv_heads=2, mlp_hidden=512, max_seq_len=128),
                        "4-layer Qwen2.5-shaped model (q/k/v biases) on the stdlib corpus")
 
@@ -285,7 +281,7 @@ def qwen2_tiny() -> Recipe:
 def qwen3_tiny() -> Recipe:
     """CPU-sized Qwen3-shaped model: q/k norms, head_dim wider than d_model // num_heads, tied head."""
     return _cpu_recipe("qwen3_tiny",
-                       qwen3_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                       preset_config("qwen3", "tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                     num_kv_heads=2, head_dim=48, mlp_hidden=512, max_seq_len=128),
                        "4-layer Qwen3-shaped model (q/k norms) on the stdlib corpus")
 
@@ -300,7 +296,7 @@ QWEN_OPTIMIZER_SOURCE = ("the Qwen reports give no per-model learning rate or ba
 def qwen2_5_1_5b() -> Recipe:
     """Qwen2.5 1.5B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "qwen2_5_1_5b", model=qwen2_config("qwen2_5_1_5b", max_seq_len=4096),
+        "qwen2_5_1_5b", model=preset_config("qwen2", "qwen2_5_1_5b", max_seq_len=4096),
         description="Qwen2.5 1.5B from scratch on FineWeb-Edu with the Qwen2.5 tokenizer, for 18T tokens",
         sources=(
             "18T tokens is Qwen2.5's pretraining budget (its "
@@ -316,7 +312,7 @@ def qwen2_5_1_5b() -> Recipe:
 def qwen3_0_6b() -> Recipe:
     """Qwen3 0.6B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _pretraining_recipe(
-        "qwen3_0_6b", model=qwen3_config("qwen3_0_6b", max_seq_len=4096),
+        "qwen3_0_6b", model=preset_config("qwen3", "qwen3_0_6b", max_seq_len=4096),
         description="Qwen3 0.6B from scratch on FineWeb-Edu with the Qwen3 tokenizer, for 36T tokens",
         sources=(
             "36T tokens is Qwen3's pretraining budget (its technical "
@@ -332,7 +328,7 @@ def qwen3_0_6b() -> Recipe:
 def qwen3_8b() -> Recipe:
     """Qwen3 8B from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
     return _pretraining_recipe(
-        "qwen3_8b", model=qwen3_config("qwen3_8b", max_seq_len=4096),
+        "qwen3_8b", model=preset_config("qwen3", "qwen3_8b", max_seq_len=4096),
         description="Qwen3 8B from scratch on FineWeb-Edu with the Qwen3 tokenizer, for 36T tokens",
         sources=(
             "36T tokens is Qwen3's pretraining budget (its "
@@ -346,13 +342,12 @@ def qwen3_8b() -> Recipe:
 
 
 # --- Gemma -----------------------------------------------------------------------
-from spillway.models.gemma import gemma2_config, gemma3_config  # noqa: E402
 
 
 @register("gemma2_tiny")
 def gemma2_tiny() -> Recipe:
     """CPU-sized Gemma 2: alternating 32-token sliding-window and global layers over 128 tokens, soft-caps."""
-    return _cpu_recipe("gemma2_tiny", gemma2_config("tiny"),
+    return _cpu_recipe("gemma2_tiny", preset_config("gemma2", "tiny"),
                        "4-layer Gemma 2 (local/global layers, window 32 over 128 tokens, soft-capped attention "
                        "and logits) on the stdlib corpus")
 
@@ -360,7 +355,7 @@ def gemma2_tiny() -> Recipe:
 @register("gemma3_tiny")
 def gemma3_tiny() -> Recipe:
     """CPU-sized Gemma 3: 8 layers of five local and one global (one period and two more), two RoPE bases."""
-    return _cpu_recipe("gemma3_tiny", gemma3_config("tiny"),
+    return _cpu_recipe("gemma3_tiny", preset_config("gemma3", "tiny"),
                        "8-layer Gemma 3 (five local layers and one global, window 32 over 128 tokens, RoPE bases "
                        "10,000 and 1,000,000) on the stdlib corpus")
 
@@ -382,7 +377,7 @@ def _gemma_recipe(name: str, **kwargs) -> Recipe:
 def gemma2_2b() -> Recipe:
     """Gemma 2 2B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _gemma_recipe(
-        "gemma2_2b", model=gemma2_config("gemma2_2b"),
+        "gemma2_2b", model=preset_config("gemma2", "gemma2_2b"),
         description="Gemma 2 2B from scratch on FineWeb-Edu with the Gemma tokenizer, for 2T tokens",
         sources=(
             "2T tokens is the Gemma 2 model card's budget for 2B, and 8192 its context length (Gemma Team 2024, 'Gemma 2: Improving Open Language Models at a "
@@ -405,7 +400,7 @@ GEMMA3_SEQUENCE = ("sequence 32768 is Gemma 3's pretraining length (Gemma Team 2
 def gemma3_1b() -> Recipe:
     """Gemma 3 1B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return _gemma_recipe(
-        "gemma3_1b", model=gemma3_config("gemma3_1b"),
+        "gemma3_1b", model=preset_config("gemma3", "gemma3_1b"),
         description="Gemma 3 1B from scratch on FineWeb-Edu with the Gemma 3 tokenizer, for 2T tokens",
         sources=(
             "2T tokens is the Gemma 3 model "
@@ -421,7 +416,7 @@ def gemma3_1b() -> Recipe:
 def gemma3_12b() -> Recipe:
     """Gemma 3 12B (text tower) from scratch on FineWeb-Edu with its own tokenizer; 8 H200s."""
     return _gemma_recipe(
-        "gemma3_12b", model=gemma3_config("gemma3_12b", max_seq_len=32768),
+        "gemma3_12b", model=preset_config("gemma3", "gemma3_12b", max_seq_len=32768),
         description="Gemma 3 12B's text tower from scratch on FineWeb-Edu with the Gemma 3 tokenizer, for 12T tokens",
         sources=(
             f"12T tokens is the Gemma 3 model card's budget for 12B; {GEMMA3_SEQUENCE}; {GEMMA_OPTIMIZER_SOURCE}; "
@@ -437,8 +432,6 @@ def gemma3_12b() -> Recipe:
 
 
 # --- Mixture of experts: Mixtral and Qwen3-MoE ------------------------------------
-from spillway.models.mixtral import mixtral_config  # noqa: E402
-from spillway.models.qwen3_moe import qwen3_moe_config  # noqa: E402
 from spillway.recipes.config import AuxLossConfig  # noqa: E402
 
 # The load-balancing coefficient each family was published with (config.json router_aux_loss_coef); no z-loss
@@ -454,7 +447,7 @@ def mixtral_tiny() -> Recipe:
     8 experts: the default mesh splits them over fsdp (the test suite's 8 fake CPU devices), which must divide
     the expert count."""
     return dataclasses.replace(_cpu_recipe("mixtral_tiny",
-                       mixtral_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                       preset_config("mixtral", "tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                       num_kv_heads=2, mlp_hidden=128, num_experts=8, sliding_window=64,
                                       max_seq_len=128),
                        "4-layer Mixtral (top-2 of 8 experts a layer, dropless) on the stdlib corpus"),
@@ -465,7 +458,7 @@ def mixtral_tiny() -> Recipe:
 def qwen3_moe_tiny() -> Recipe:
     """CPU-sized Qwen3-MoE: top-2 of 8 experts, layer 1 a dense MLP among sparse ones (three runs of layers)."""
     return dataclasses.replace(_cpu_recipe("qwen3_moe_tiny",
-                       qwen3_moe_config("tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
+                       preset_config("qwen3_moe", "tiny", vocab_size=2048, d_model=192, num_layers=4, num_heads=6,
                                         num_kv_heads=2, head_dim=48, mlp_hidden=512, num_experts=8, top_k=2,
                                         moe_hidden=128, mlp_only_layers=(1,), max_seq_len=128),
                        "4-layer Qwen3-MoE (top-2 of 8 experts, layer 1 dense) on the stdlib corpus"),
@@ -486,7 +479,7 @@ def mixtral_8x7b() -> Recipe:
     """Mixtral 8x7B from scratch on FineWeb-Edu with its own tokenizer; one node of 8 H100s."""
     return dataclasses.replace(_pretraining_recipe(
         "mixtral_8x7b",
-        model=mixtral_config("mixtral_8x7b", max_seq_len=4096, moe_dispatch="capacity", moe_capacity_factor=1.25),
+        model=preset_config("mixtral", "mixtral_8x7b", max_seq_len=4096, moe_dispatch="capacity", moe_capacity_factor=1.25),
         description=("Mixtral 8x7B from scratch on FineWeb-Edu with the Mixtral tokenizer, for 2T tokens; the "
                      "capacity dispatch (factor 1.25): with the 8 experts split over the 8 GPUs (fsdp), it "
                      "exchanges tokens (all-to-all) instead of gathering every expert's weights each layer "
@@ -508,7 +501,7 @@ def qwen3_30b_a3b() -> Recipe:
     """Qwen3-30B-A3B from scratch on FineWeb-Edu with its own tokenizer; one H200."""
     return dataclasses.replace(_pretraining_recipe(
         "qwen3_30b_a3b",
-        model=qwen3_moe_config("qwen3_30b_a3b", max_seq_len=4096, moe_grouped_matmul="blocked", moe_block_rows=128),
+        model=preset_config("qwen3_moe", "qwen3_30b_a3b", max_seq_len=4096, moe_grouped_matmul="blocked", moe_block_rows=128),
         description=("Qwen3-30B-A3B from scratch on FineWeb-Edu with the Qwen3 tokenizer, for 36T tokens; dropless "
                      "by blocks of 128 rows: on one GPU there is no token exchange, it drops no token and executes "
                      "the FLOPs of capacity 1.25 (BENCHMARKS.md), and ragged_dot lowers densely on jax 0.10.2. "
