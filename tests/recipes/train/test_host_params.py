@@ -84,6 +84,20 @@ def test_pinned_host_bytes_count_state_weights_and_gradients_before_anything_exi
     assert pinned.total == pinned.optimizer_state + pinned.weights + pinned.gradients
 
 
+@pytest.mark.parametrize("extra", [
+    ("offload.params=host", "train.grad_accum=2", "execution.param_dtype=bfloat16"),   # float32 sums of bf16
+    ("offload.params=host", "train.grad_accum=1"),
+    ("offload.update=next_forward", "train.grad_accum=1")])
+def test_the_shapes_only_step_bytes_are_what_the_setup_counts(extra):
+    """recipes/train/host_memory.phases_of_recipe (before any backend starts: the loop's pinned limit) counts the
+    step's pinned bytes by the setup's rule, from the arrays' shapes alone."""
+    from spillway.recipes.train import host_memory
+
+    recipe = small_recipe("offload.optimizer_state=host", *extra)
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+    assert host_memory.phases_of_recipe(recipe).step_host == step_lib.pinned_host_bytes(recipe, mesh).total > 0
+
+
 def test_block_gradients_come_back_in_host_memory():
     """In the traced step the stacked gradients are host arrays (the transpose of the per-layer device_put)."""
     recipe = small_recipe("offload.params=host", "offload.optimizer_state=host", "train.grad_accum=1")
