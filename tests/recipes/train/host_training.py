@@ -1,6 +1,6 @@
 """What the host-placement tests (test_host_params.py, test_host_experts.py) share: their small recipe, its
 batches, and the 20-step comparison of a run with weights in host memory against one with everything on device
-(this folder is on sys.path under pytest).
+(imported as tests.recipes.train.host_training, as the suite's files import each other).
 
 The oracle is the same recipe trained on device: CPU lowers memory-kind moves to no-ops, so the host run must
 compute the same numbers, up to float32 rounding in another order where the host CPU or the backward pass sums
@@ -46,6 +46,15 @@ def train(s, params, opt_state, tokens):
     return params, opt_state, norms
 
 
+def train_steps(recipe, mesh):
+    """STEPS train steps of setup(recipe) on `mesh`: (final params as NumPy, grad norms, the TrainSetup, the
+    final params and optimizer state as they lie)."""
+    s = step_lib.setup(recipe, mesh)
+    params, opt_state, norms = train(s, s.params, s.optimizer.init(s.params), batches(recipe))
+    # Host and device arrays cannot meet in one op (docs/DESIGN.md section 4): compare as NumPy.
+    return jax.tree.map(np.asarray, params), norms, s, params, opt_state
+
+
 def assert_same_params(on_host, on_device, rtol=1e-5, atol=1e-6):
     # Host and device arrays cannot meet in one op (docs/DESIGN.md section 4): compare as NumPy.
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(on_host)[0], jax.tree.leaves(on_device), strict=True):
@@ -57,11 +66,8 @@ def twenty_steps_equal(device_recipe, host_recipe, mesh, *, norms_rtol: float, p
     """Trains both recipes STEPS steps from their own (equal) initial weights on `mesh`; asserts that clipping
     was active, that the grad norms agree to `norms_rtol` and the final parameters to (rtol, atol)
     `params_tol`. Returns the host run's (params, opt_state) for the caller's placement checks."""
-    runs = []
-    for recipe in (device_recipe, host_recipe):
-        s = step_lib.setup(recipe, mesh)
-        runs.append(train(s, s.params, s.optimizer.init(s.params), batches(recipe)))
-    (device_params, _, device_norms), (host_params, host_opt_state, host_norms) = runs
+    device_params, device_norms, *_ = train_steps(device_recipe, mesh)
+    _, host_norms, _, host_params, host_opt_state = train_steps(host_recipe, mesh)
     assert min(device_norms) > 0.5, "clipping must be active for the test to cover it"
     np.testing.assert_allclose(host_norms, device_norms, rtol=norms_rtol)
     assert_same_params(host_params, device_params, *params_tol)

@@ -28,7 +28,7 @@ from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
 
-from host_training import batches, small_recipe, train, twenty_steps_equal
+from tests.recipes.train.host_training import batches, small_recipe, train, twenty_steps_equal
 
 EXPERTS_ON_HOST = ("offload.params=experts", "offload.optimizer_state=host")
 ALL_ON_HOST = ("offload.params=host", "offload.optimizer_state=host")

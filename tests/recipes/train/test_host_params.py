@@ -18,7 +18,7 @@ from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
 
-from host_training import batches, small_recipe, twenty_steps_equal
+from tests.recipes.train.host_training import batches, small_recipe, twenty_steps_equal
 
 
 
