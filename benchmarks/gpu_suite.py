@@ -240,6 +240,15 @@ def predict(names: list[str]) -> None:
     print(f"wrote {PREDICTIONS}")
 
 
+def host_fit(phases: dict[str, int], host_ram_bytes: int = HOST_RAM_BYTES,
+             judged: tuple[str, ...] = ("state creation", "step")) -> tuple[str, int, str]:
+    """(the phase of the host peak among `judged`, its bytes, why it does not fit the RAM or ""): the one host
+    check of the GPU machine's cases (fit_case) and of benchmarks/recipe_picks.py's."""
+    phase, peak = max(((p, phases[p]) for p in judged), key=lambda item: item[1])
+    why = f"host {peak / 2**30:.1f} GiB at {phase} > {host_ram_bytes / 2**30:.1f} GiB" if peak > host_ram_bytes else ""
+    return phase, peak, why
+
+
 def fit_case(name: str, prediction: dict, host_ram_bytes: int = HOST_RAM_BYTES, case: Case | None = None) -> dict:
     """Whether a case fits the GPU machine, deviceless: the planner's predicted HBM against its limit (0.9 x
     the H200's), and the host peak of the phases the suite runs (state creation and the step: it saves no
@@ -257,14 +266,14 @@ def fit_case(name: str, prediction: dict, host_ram_bytes: int = HOST_RAM_BYTES, 
     recipe = get_recipe(case.recipe, case_overrides(case))
     s = abstract_setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]), platform="cuda")
     phases = phases_of(s, step_host=prediction.get("host_bytes"), gpu=True, per_device=True).by_phase()
-    phase, host_peak = max(((p, phases[p]) for p in ("state creation", "step")), key=lambda item: item[1])
+    phase, host_peak, host_reason = host_fit(phases, host_ram_bytes)
     hbm_limit = 0.9 * get_target(GPU_TARGET).hbm_bytes
     reasons = []
     hbm = prediction.get("hbm_bytes")
     if hbm is not None and hbm > hbm_limit:
         reasons.append(f"HBM {hbm / 2**30:.1f} > {hbm_limit / 2**30:.1f} GiB")
-    if host_peak > host_ram_bytes:
-        reasons.append(f"host {host_peak / 2**30:.1f} GiB at {phase} > {host_ram_bytes / 2**30:.1f} GiB")
+    if host_reason:
+        reasons.append(host_reason)
     return {"case": name, "fits": not reasons, "why_not": "; ".join(reasons), "hbm_bytes": hbm,
             "host_peak_bytes": host_peak, "host_phase": phase, "predicted_step_s": prediction.get("step_s"),
             "tokens_per_step": case.global_batch * case.seq_len,

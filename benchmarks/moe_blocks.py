@@ -5,8 +5,9 @@ into one whose MLP is an MoE layer (layers/moe.py): attention, norms and the
 pre-norm forward are the family's, the experts are the class's. Until the MoE
 families (Mixtral, Qwen3-MoE) give recipes their own, the host-resident expert
 weight tests (tests/recipes/train/test_host_experts.py,
-tests/recipes/plan/test_host_experts_aot.py) and benchmarks/host_experts.py
-build their models this way.
+tests/recipes/plan/test_host_experts_aot.py), the auxiliary-loss and MoE
+training tests (tests/recipes/train/test_aux_losses.py, test_moe_training.py)
+and benchmarks/host_experts.py build their models this way.
 
 Unlike `layers.moe_block.moe_block(cfg)`, the MoE layer takes d_model, the
 activation kind and the execution (dtypes, init scale) from the block's own
@@ -35,22 +36,22 @@ class ExpertBlock(TransformerBlock):
 
 
 # CPU-sized, odd: top-2 of 5 experts (a count no power-of-two bug hides behind), expert hidden 24.
-_TINY = dict(num_experts=5, top_k=2, expert_hidden=24)
+TINY_EXPERTS = dict(num_experts=5, top_k=2, expert_hidden=24)
 
 
 class TinyMoEBlock(ExpertBlock):
     """Dropless by `jax.lax.ragged_dot`."""
-    moe_options = _TINY
+    moe_options = TINY_EXPERTS
 
 
 class TinyMoEBlockedBlock(ExpertBlock):
     """Dropless by the blocked grouped matmul (blocks of 4 rows, so a tiny batch has several)."""
-    moe_options = {**_TINY, "grouped_matmul": "blocked", "grouped_matmul_block": 4}
+    moe_options = {**TINY_EXPERTS, "grouped_matmul": "blocked", "grouped_matmul_block": 4}
 
 
 class TinyMoECapacityBlock(ExpertBlock):
     """Capacity dispatch at factor 1: some copies are dropped, the same ones wherever the weights live."""
-    moe_options = {**_TINY, "dispatch": "capacity", "capacity_factor": 1.0}
+    moe_options = {**TINY_EXPERTS, "dispatch": "capacity", "capacity_factor": 1.0}
 
 
 # Top-2 of 4 experts: an expert count a mesh of fsdp 2 or 4 divides (the expert-sharded path).

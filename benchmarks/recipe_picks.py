@@ -46,18 +46,19 @@ def cases() -> dict[str, tuple[str, list[str]]]:
 def does_not_fit_the_gpu_machine(name: str) -> str | None:
     """Why a case cannot run on the GPU machine (one H200, 128 GiB of host RAM), judged from shapes before any
     process takes the GPU, or None: the host memory its state creation holds (recipes/train/host_memory.py,
-    with the process's assumed footprint). qwen3_30b_a3b's state alone is 341 GiB; a case started anyway
-    would die of host memory without a word, as the 8B host-state cases once did."""
-    from benchmarks.gpu_suite import HOST_RAM_BYTES
+    with the process's assumed footprint), by benchmarks/gpu_suite.py's host check. qwen3_30b_a3b's state
+    alone is 341 GiB; a case started anyway would die of host memory without a word, as the 8B host-state
+    cases once did."""
+    import dataclasses
+
+    from benchmarks.gpu_suite import host_fit
     from spillway.recipes.registry import get_recipe
     from spillway.recipes.train.host_memory import ASSUMED_GPU_FOOTPRINT_BYTES, phases_of_recipe
 
     recipe_name, overrides = cases()[name]
-    need = ASSUMED_GPU_FOOTPRINT_BYTES + phases_of_recipe(get_recipe(recipe_name, overrides)).by_phase()[
-        "state creation"]
-    if need <= HOST_RAM_BYTES:
-        return None
-    return f"host {need / 2**30:.1f} GiB at state creation > {HOST_RAM_BYTES / 2**30:.1f} GiB"
+    phases = dataclasses.replace(phases_of_recipe(get_recipe(recipe_name, overrides)),
+                                 footprint=ASSUMED_GPU_FOOTPRINT_BYTES)
+    return host_fit(phases.by_phase(), judged=("state creation",))[2] or None
 
 
 def predict() -> None:

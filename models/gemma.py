@@ -39,7 +39,7 @@ from spillway.layers.errors import ConfigError, require_positive
 from spillway.layers.execution import Execution
 from spillway.layers.layer_pattern import LayerSettings
 from spillway.models import hf
-from spillway.models.decoder import DecoderLM, DecoderSpec
+from spillway.models.decoder import DecoderSpec
 from spillway.models.registry import Family, register_family
 
 LOCAL, GLOBAL = "L", "G"
@@ -182,14 +182,6 @@ GEMMA3_PRESETS: dict[str, Gemma3Config] = {
 }
 
 
-class Gemma2(DecoderLM):
-    """A Gemma 2: `Gemma2(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
-class Gemma3(DecoderLM):
-    """A Gemma 3 text model: `Gemma3(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
 # --- Hugging Face: registered here, mapped in models/gemma_hf.py ------------------------------------
 from spillway.models import gemma_hf  # noqa: E402
 
@@ -208,9 +200,9 @@ GEMMA2 = register_family(Family(
     config_cls=Gemma2Config,
     presets=GEMMA2_PRESETS,
     description="Gemma 2: alternating sliding-window and global layers, soft-capped attention and logits",
-    hf=hf.HFTable(model_types=("gemma2",), config_from_hf=gemma2_config_from_hf,
-                  config_to_hf=gemma_hf.gemma2_config_to_hf, weights=gemma_hf.weights),
-    model_cls=Gemma2,
+    hf=hf.HFTable(model_types=("gemma2",), architecture="Gemma2ForCausalLM",
+                  config_from_hf=gemma2_config_from_hf, fields_to_hf=gemma_hf.gemma2_fields_to_hf,
+                  weights=gemma_hf.weights),
 ))
 
 GEMMA3 = register_family(Family(
@@ -218,16 +210,8 @@ GEMMA3 = register_family(Family(
     config_cls=Gemma3Config,
     presets=GEMMA3_PRESETS,
     description="Gemma 3 (text): five local layers and one global, two RoPE bases, q/k norms",
-    hf=hf.HFTable(model_types=("gemma3_text", "gemma3"), config_from_hf=gemma3_config_from_hf,
-                  config_to_hf=gemma_hf.gemma3_config_to_hf, weights=gemma_hf.weights,
+    hf=hf.HFTable(model_types=("gemma3_text", "gemma3"), architecture="Gemma3ForCausalLM",
+                  config_from_hf=gemma3_config_from_hf, fields_to_hf=gemma_hf.gemma3_fields_to_hf,
+                  weights=gemma_hf.weights,
                   tower_prefixes=gemma_hf.GEMMA3_TEXT_TOWER),
-    model_cls=Gemma3,
 ))
-
-
-def gemma2_config(name: str, **overrides) -> Gemma2Config:
-    return GEMMA2.config(name, **overrides)
-
-
-def gemma3_config(name: str, **overrides) -> Gemma3Config:
-    return GEMMA3.config(name, **overrides)

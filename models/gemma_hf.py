@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from spillway.models import hf
+from spillway.models import hf, hf_rows
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _KIND = {SLIDING: "L", FULL: "G"}
@@ -159,45 +159,32 @@ def _fields_to_hf(cfg) -> dict[str, Any]:
     }
 
 
-def gemma2_config_to_hf(cfg) -> dict[str, Any]:
+def gemma2_fields_to_hf(cfg) -> dict[str, Any]:
     if cfg.rope_local_theta != cfg.rope_theta or cfg.rope_global_scale != 1.0:
         raise hf.HFCheckpointError("a Gemma 2 with two RoPE bases or a RoPE scaling has no Hugging Face gemma2 "
                                    "config (transformers' Gemma 2 has one base for every layer)")
-    return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **_fields_to_hf(cfg),
-            "rope_theta": cfg.rope_theta}
+    return {**_fields_to_hf(cfg), "rope_theta": cfg.rope_theta}
 
 
-def gemma3_config_to_hf(cfg) -> dict[str, Any]:
+def gemma3_fields_to_hf(cfg) -> dict[str, Any]:
     full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_global_scale != 1.0:
         full = {"rope_type": "linear", "factor": cfg.rope_global_scale, "rope_theta": cfg.rope_theta}
-    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_fields_to_hf(cfg),
+    return {**_fields_to_hf(cfg),
             "rope_parameters": {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}}
 
 
 def weights(cfg) -> list[hf.HFWeight]:
     """Every tensor of a Gemma 2 / Gemma 3 text checkpoint (Gemma 3: with the q/k norms)."""
-    W, p = hf.HFWeight, "model.layers.{i}."
-    table = [
-        W("model.embed_tokens.weight", ("embed", "table"), hf.COPY),
-        W(p + "self_attn.q_proj.weight", ("attn", "wq"), hf.IN_HEADS),
-        W(p + "self_attn.k_proj.weight", ("attn", "wk"), hf.IN_HEADS),
-        W(p + "self_attn.v_proj.weight", ("attn", "wv"), hf.IN_HEADS),
-        W(p + "self_attn.o_proj.weight", ("attn", "wo"), hf.OUT_HEADS),
-    ]
+    W, p = hf.HFWeight, hf_rows.LAYER
+    table = hf_rows.embedding() + hf_rows.attention_projections()
     if cfg.QK_NORM:   # Gemma 3's per-head q/k norms, where transformers lists them
-        table += [W(p + f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "scale"), hf.VECTOR) for x in "qk"]
-    table += [
-        W(p + "mlp.gate_proj.weight", ("mlp", "w_gate"), hf.LINEAR),
-        W(p + "mlp.up_proj.weight", ("mlp", "w_up"), hf.LINEAR),
-        W(p + "mlp.down_proj.weight", ("mlp", "w_down"), hf.LINEAR),
+        table += hf_rows.qk_norms()
+    table += hf_rows.gated_mlp() + [
         W(p + "input_layernorm.weight", ("attn_norm", "scale"), hf.VECTOR),
         # A post-norm in Gemma (on the attention output), not the pre-MLP norm of Llama's table.
         W(p + "post_attention_layernorm.weight", ("post_attn_norm", "scale"), hf.VECTOR),
         W(p + "pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), hf.VECTOR),
         W(p + "post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), hf.VECTOR),
     ]
-    table.append(W("model.norm.weight", ("final_norm", "scale"), hf.VECTOR))
-    if not cfg.tie_embeddings:
-        table.append(W("lm_head.weight", ("head", "w"), hf.LINEAR))
-    return table
+    return table + hf_rows.final(cfg.tie_embeddings)

@@ -27,7 +27,7 @@ from typing import Any
 from spillway.layers.block import BlockConfig
 from spillway.layers.execution import Execution
 from spillway.models import hf
-from spillway.models.decoder import DecoderLM, DecoderSpec
+from spillway.models.decoder import DecoderSpec
 from spillway.models.registry import Family, register_family
 
 # transformers' names for GPT-2's tanh approximation of GELU; plain "gelu" there is the exact (erf) one.
@@ -81,10 +81,6 @@ PRESETS: dict[str, GPT2Config] = {
 }
 
 
-class GPT2(DecoderLM):
-    """A GPT-2: `GPT2(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
 # --- Hugging Face ----------------------------------------------------------------
 
 # config.json switches of transformers' GPT-2 that change the model, with the value spillway implements.
@@ -120,9 +116,9 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> GPT2Config:
         max_seq_len=int(hf_config.get("n_positions", 1024)))
 
 
-def config_to_hf(cfg: GPT2Config) -> dict[str, Any]:
+def fields_to_hf(cfg: GPT2Config) -> dict[str, Any]:
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "vocab_size": cfg.vocab_size,
         "n_embd": cfg.d_model, "n_layer": cfg.num_layers, "n_head": cfg.num_heads, "n_inner": cfg.mlp_hidden,
         "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
         **_FIXED,
@@ -169,14 +165,10 @@ FAMILY = register_family(Family(
     config_cls=GPT2Config,
     presets=PRESETS,
     description="GPT-2 124M / 355M / 774M / 1.5B: LayerNorm, learned positions, GELU MLP, biases, tied head",
-    hf=hf.HFTable(model_types=("gpt2",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                  weights=gpt2_weights, embed_name="transformer.wte.weight", head_name="lm_head.weight",
+    hf=hf.HFTable(model_types=("gpt2",), architecture="GPT2LMHeadModel",
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=gpt2_weights,
+                  embed_name="transformer.wte.weight", head_name="lm_head.weight",
                   # Causal-mask buffers older transformers versions saved with every layer.
                   ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
                   base_prefix="transformer."),
-    model_cls=GPT2,
 ))
-
-
-def gpt2_config(name: str, **overrides) -> GPT2Config:
-    return FAMILY.config(name, **overrides)

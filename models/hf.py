@@ -114,9 +114,10 @@ class HFWeight:
 class HFTable:
     """A family's Hugging Face mapping (defined in the family's own file)."""
 
-    model_types: tuple[str, ...]
+    model_types: tuple[str, ...]                         # config.json model_types read; export writes the first
+    architecture: str                                    # config.json "architectures" that export writes
     config_from_hf: Callable[[Mapping[str, Any]], Any]    # config.json dict -> family config (or an error)
-    config_to_hf: Callable[[Any], dict]                  # family config -> config.json dict
+    fields_to_hf: Callable[[Any], dict]                  # family config -> config.json's other keys
     weights: Callable[[Any], list[HFWeight]]             # family config -> every tensor
     embed_name: str = "model.embed_tokens.weight"
     head_name: str = "lm_head.weight"
@@ -133,6 +134,10 @@ class HFTable:
     # checkpoint tensor a slice of one there (transformers 5's fused experts). Read when the checkpoint holds
     # any of those names; never written.
     views: Callable[[Any], dict[str, tuple[str, tuple]]] | None = None
+
+    def config_to_hf(self, config) -> dict:
+        """config.json of `config`: its architecture and model_type, named here once, then the family's keys."""
+        return {"architectures": [self.architecture], "model_type": self.model_types[0], **self.fields_to_hf(config)}
 
 
 # --- config --------------------------------------------------------------------

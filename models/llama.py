@@ -20,7 +20,6 @@ from typing import Any
 
 from spillway.layers.rope import RopeScaling
 from spillway.models import hf, llama_shaped
-from spillway.models.decoder import DecoderLM
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -58,18 +57,14 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-class Llama(DecoderLM):
-    """A Llama: `Llama(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
 # --- Hugging Face ----------------------------------------------------------------
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
     return LlamaConfig(**llama_shaped.fields_from_hf(hf_config, "Llama"))
 
 
-def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_shaped.fields_to_hf(cfg),
+def fields_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    return {**llama_shaped.fields_to_hf(cfg),
             "attention_bias": False, "mlp_bias": False}
 
 
@@ -78,11 +73,6 @@ FAMILY = register_family(Family(
     config_cls=LlamaConfig,
     presets=PRESETS,
     description="Llama 2 / 3 / 3.1 / 3.2: RMSNorm, SwiGLU, RoPE (3.1 scaling), GQA",
-    hf=hf.HFTable(model_types=("llama",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                  weights=llama_shaped.weights),
-    model_cls=Llama,
+    hf=hf.HFTable(model_types=("llama",), architecture="LlamaForCausalLM",
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=llama_shaped.weights),
 ))
-
-
-def llama_config(name: str, **overrides) -> LlamaConfig:
-    return FAMILY.config(name, **overrides)

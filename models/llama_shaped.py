@@ -33,7 +33,7 @@ from spillway.layers.block import BlockConfig
 from spillway.layers.errors import require_positive
 from spillway.layers.execution import Execution
 from spillway.layers.rope import RopeScaling
-from spillway.models import hf
+from spillway.models import hf, hf_rows
 from spillway.models.decoder import DecoderSpec
 
 
@@ -155,16 +155,8 @@ def fields_to_hf(cfg: LlamaShapedConfig) -> dict[str, Any]:
 def weights(cfg: LlamaShapedConfig) -> list[hf.HFWeight]:
     """Every tensor of a Llama-shaped checkpoint, with the q/k/v biases or q/k norms the config's block has."""
     block = cfg.block_config()
-    W, p = hf.HFWeight, "model.layers.{i}."
-    table = [
-        W("model.embed_tokens.weight", ("embed", "table"), hf.COPY),
-        W(p + "self_attn.q_proj.weight", ("attn", "wq"), hf.IN_HEADS),
-        W(p + "self_attn.k_proj.weight", ("attn", "wk"), hf.IN_HEADS),
-        W(p + "self_attn.v_proj.weight", ("attn", "wv"), hf.IN_HEADS),
-        W(p + "self_attn.o_proj.weight", ("attn", "wo"), hf.OUT_HEADS),
-        W(p + "mlp.gate_proj.weight", ("mlp", "w_gate"), hf.LINEAR),
-        W(p + "mlp.up_proj.weight", ("mlp", "w_up"), hf.LINEAR),
-        W(p + "mlp.down_proj.weight", ("mlp", "w_down"), hf.LINEAR),
+    W, p = hf.HFWeight, hf_rows.LAYER
+    table = hf_rows.embedding() + hf_rows.attention_projections() + hf_rows.gated_mlp() + [
         W(p + "input_layernorm.weight", ("attn_norm", "scale"), hf.VECTOR),
         # In Llama-shaped checkpoints this is the MLP's pre-norm (Gemma 2 uses the name for a post-norm).
         W(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), hf.VECTOR),
@@ -172,8 +164,5 @@ def weights(cfg: LlamaShapedConfig) -> list[hf.HFWeight]:
     if block.qkv_bias:
         table += [W(p + f"self_attn.{x}_proj.bias", ("attn", f"b{x}"), hf.VECTOR) for x in "qkv"]
     if block.qk_norm:
-        table += [W(p + f"self_attn.{x}_norm.weight", ("attn", f"{x}_norm", "scale"), hf.VECTOR) for x in "qk"]
-    table.append(W("model.norm.weight", ("final_norm", "scale"), hf.VECTOR))
-    if not cfg.tie_embeddings:
-        table.append(W("lm_head.weight", ("head", "w"), hf.LINEAR))
-    return table
+        table += hf_rows.qk_norms()
+    return table + hf_rows.final(cfg.tie_embeddings)

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from spillway.models import hf, llama_shaped
-from spillway.models.decoder import DecoderLM
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -51,10 +50,6 @@ PRESETS: dict[str, MistralConfig] = {
 }
 
 
-class Mistral(DecoderLM):
-    """A Mistral: `Mistral(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
 # --- Hugging Face ----------------------------------------------------------------
 
 # transformers' MistralConfig defaults, for keys a config.json omits (they differ from Llama's).
@@ -71,8 +66,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> MistralConfig:
                          sliding_window=None if window is None else int(window))
 
 
-def config_to_hf(cfg: MistralConfig) -> dict[str, Any]:
-    return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **llama_shaped.fields_to_hf(cfg),
+def fields_to_hf(cfg: MistralConfig) -> dict[str, Any]:
+    return {**llama_shaped.fields_to_hf(cfg),
             "sliding_window": cfg.sliding_window}
 
 
@@ -81,11 +76,6 @@ FAMILY = register_family(Family(
     config_cls=MistralConfig,
     presets=PRESETS,
     description="Mistral 7B v0.1 / v0.3: Llama-shaped, GQA, sliding-window attention (v0.1)",
-    hf=hf.HFTable(model_types=("mistral",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                  weights=llama_shaped.weights),
-    model_cls=Mistral,
+    hf=hf.HFTable(model_types=("mistral",), architecture="MistralForCausalLM",
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=llama_shaped.weights),
 ))
-
-
-def mistral_config(name: str, **overrides) -> MistralConfig:
-    return FAMILY.config(name, **overrides)

@@ -31,27 +31,22 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from spillway.models import hf, llama_shaped, moe_shaped
-from spillway.models.decoder import DecoderLM
+from spillway.models import hf, hf_rows, llama_shaped, moe_shaped
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
 
 @dataclasses.dataclass(frozen=True)
-class MixtralConfig(LlamaShapedConfig):
+class MixtralConfig(moe_shaped.MoERunFields, LlamaShapedConfig):
     """Mistral with an MoE layer of `num_experts` experts of hidden `mlp_hidden`, `top_k` a token, in every layer.
 
-    The moe_* fields are how the layer runs (models/moe_shaped.py), not what it is."""
+    The moe_* fields (models/moe_shaped.py MoERunFields) are how the layer runs, not what it is."""
 
     num_experts: int = 8
     top_k: int = 2
     sliding_window: int | None = None    # keys each query sees (itself included); None: all earlier keys
     rope_theta: float = 1e6
     max_seq_len: int = 32768
-    moe_dispatch: str = "dropless"
-    moe_grouped_matmul: str = "ragged_dot"
-    moe_capacity_factor: float = 1.25
-    moe_block_rows: int = 128
 
     POSITIVE_FIELDS = LlamaShapedConfig.POSITIVE_FIELDS + ("sliding_window", "num_experts", "top_k")
     BLOCK_FIELDS = LlamaShapedConfig.BLOCK_FIELDS + ("sliding_window",)
@@ -77,10 +72,6 @@ PRESETS: dict[str, MixtralConfig] = {
 }
 
 
-class Mixtral(DecoderLM):
-    """A Mixtral: `Mixtral(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
 # --- Hugging Face ----------------------------------------------------------------
 
 # transformers' MixtralConfig defaults, for keys a config.json omits.
@@ -102,15 +93,15 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> MixtralConfig:
                          sliding_window=None if window is None else int(window))
 
 
-def config_to_hf(cfg: MixtralConfig) -> dict[str, Any]:
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **llama_shaped.fields_to_hf(cfg),
+def fields_to_hf(cfg: MixtralConfig) -> dict[str, Any]:
+    return {**llama_shaped.fields_to_hf(cfg),
             "sliding_window": cfg.sliding_window, "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.top_k, "router_jitter_noise": 0.0}
 
 
 def weights(cfg: MixtralConfig) -> list[hf.HFWeight]:
     """Mistral's tensors with the MLP replaced by the router and the per-expert w1 / w3 / w2."""
-    dense_mlp = ("mlp", "w_gate"), ("mlp", "w_up"), ("mlp", "w_down")
+    dense_mlp = {w.path for w in hf_rows.gated_mlp()}
     table = [w for w in llama_shaped.weights(cfg) if w.path not in dense_mlp]
     return table + moe_shaped.expert_weights(_PREFIX, **_EXPERT_NAMES)
 
@@ -126,11 +117,6 @@ FAMILY = register_family(Family(
     config_cls=MixtralConfig,
     presets=PRESETS,
     description="Mixtral 8x7B / 8x22B: Mistral with a top-2 of 8 mixture-of-experts MLP in every layer",
-    hf=hf.HFTable(model_types=("mixtral",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                  weights=weights, views=fused_views),
-    model_cls=Mixtral,
+    hf=hf.HFTable(model_types=("mixtral",), architecture="MixtralForCausalLM",
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=weights, views=fused_views),
 ))
-
-
-def mixtral_config(name: str, **overrides) -> MixtralConfig:
-    return FAMILY.config(name, **overrides)

@@ -27,16 +27,28 @@ per-expert names (slices, so nothing is copied whole).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from spillway.layers.moe import MoEConfig
 from spillway.models import hf
 
-MOE_FIELDS = ("moe_dispatch", "moe_grouped_matmul", "moe_capacity_factor", "moe_block_rows")
+@dataclasses.dataclass(frozen=True)
+class MoERunFields:
+    """The four fields on how an MoE family's layer runs (the module docstring), declared once.
+
+    A family config lists it before its config base (`class MixtralConfig(MoERunFields, LlamaShapedConfig)`),
+    so that these defaulted fields follow the base's required ones."""
+
+    moe_dispatch: str = "dropless"
+    moe_grouped_matmul: str = "ragged_dot"
+    moe_capacity_factor: float = 1.25
+    moe_block_rows: int = 128
+
 
 
 def moe_layer(cfg, expert_hidden: int, renormalize: bool) -> MoEConfig:
-    """The MoE layer of a family config with `num_experts`, `top_k` and the MOE_FIELDS (see the module docstring).
+    """The MoE layer of a family config with `num_experts`, `top_k` and the MoERunFields.
 
     Its execution is the block's (layers/block.py BlockConfig aligns it)."""
     return MoEConfig(d_model=cfg.d_model, num_experts=cfg.num_experts, top_k=cfg.top_k, expert_hidden=expert_hidden,

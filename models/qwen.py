@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from spillway.models import hf, llama_shaped
-from spillway.models.decoder import DecoderLM
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -91,14 +90,6 @@ QWEN3_PRESETS: dict[str, Qwen3Config] = {
 }
 
 
-class Qwen2(DecoderLM):
-    """A Qwen2 / Qwen2.5: `Qwen2(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
-class Qwen3(DecoderLM):
-    """A dense Qwen3: `Qwen3(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
 # --- Hugging Face ----------------------------------------------------------------
 
 # transformers' Qwen2Config / Qwen3Config defaults, for keys a config.json omits.
@@ -145,8 +136,8 @@ def qwen2_config_from_hf(hf_config: Mapping[str, Any]) -> Qwen2Config:
                                               projection_biases="q/k/v biases and no o_proj bias"))
 
 
-def qwen2_config_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_qwen_fields_to_hf(cfg)}
+def qwen2_fields_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
+    return {**_qwen_fields_to_hf(cfg)}
 
 
 def qwen3_config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3Config:
@@ -156,8 +147,8 @@ def qwen3_config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3Config:
     return Qwen3Config(**fields)
 
 
-def qwen3_config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_qwen_fields_to_hf(cfg),
+def qwen3_fields_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
+    return {**_qwen_fields_to_hf(cfg),
             "attention_bias": False}
 
 
@@ -166,9 +157,9 @@ QWEN2 = register_family(Family(
     config_cls=Qwen2Config,
     presets=QWEN2_PRESETS,
     description="Qwen2 / Qwen2.5: Llama-shaped with q/k/v biases, GQA, RoPE theta 1e6",
-    hf=hf.HFTable(model_types=("qwen2",), config_from_hf=qwen2_config_from_hf, config_to_hf=qwen2_config_to_hf,
+    hf=hf.HFTable(model_types=("qwen2",), architecture="Qwen2ForCausalLM",
+                  config_from_hf=qwen2_config_from_hf, fields_to_hf=qwen2_fields_to_hf,
                   weights=llama_shaped.weights),
-    model_cls=Qwen2,
 ))
 
 QWEN3 = register_family(Family(
@@ -176,15 +167,7 @@ QWEN3 = register_family(Family(
     config_cls=Qwen3Config,
     presets=QWEN3_PRESETS,
     description="Qwen3 dense: Llama-shaped with per-head q/k RMSNorm, head_dim 128, GQA",
-    hf=hf.HFTable(model_types=("qwen3",), config_from_hf=qwen3_config_from_hf, config_to_hf=qwen3_config_to_hf,
+    hf=hf.HFTable(model_types=("qwen3",), architecture="Qwen3ForCausalLM",
+                  config_from_hf=qwen3_config_from_hf, fields_to_hf=qwen3_fields_to_hf,
                   weights=llama_shaped.weights),
-    model_cls=Qwen3,
 ))
-
-
-def qwen2_config(name: str, **overrides) -> Qwen2Config:
-    return QWEN2.config(name, **overrides)
-
-
-def qwen3_config(name: str, **overrides) -> Qwen3Config:
-    return QWEN3.config(name, **overrides)

@@ -41,18 +41,18 @@ from typing import Any
 from spillway.layers.errors import ConfigError, require_positive
 from spillway.layers.execution import Execution
 from spillway.layers.layer_pattern import StackRun
-from spillway.models import hf, llama_shaped, moe_shaped
-from spillway.models.decoder import DecoderLM, DecoderSpec
+from spillway.models import hf, hf_rows, llama_shaped, moe_shaped
+from spillway.models.decoder import DecoderSpec
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(LlamaShapedConfig):
+class Qwen3MoeConfig(moe_shaped.MoERunFields, LlamaShapedConfig):
     """Qwen3 with MoE layers: `num_experts` experts of hidden `moe_hidden`, `top_k` a token, in the sparse layers
     (`decoder_sparse_step`, `mlp_only_layers`: the module docstring); dense layers have `mlp_hidden`.
 
-    The moe_* fields are how the layer runs (models/moe_shaped.py), not what it is."""
+    The moe_* fields (models/moe_shaped.py MoERunFields) are how the layer runs, not what it is."""
 
     head_dim: int = 128
     rope_theta: float = 1e6
@@ -64,10 +64,6 @@ class Qwen3MoeConfig(LlamaShapedConfig):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    moe_dispatch: str = "dropless"
-    moe_grouped_matmul: str = "ragged_dot"
-    moe_capacity_factor: float = 1.25
-    moe_block_rows: int = 128
 
     POSITIVE_FIELDS = LlamaShapedConfig.POSITIVE_FIELDS + ("num_experts", "top_k", "moe_hidden",
                                                           "decoder_sparse_step")
@@ -123,10 +119,6 @@ PRESETS: dict[str, Qwen3MoeConfig] = {
 }
 
 
-class Qwen3Moe(DecoderLM):
-    """A Qwen3-MoE: `Qwen3Moe(config, execution, rngs=..., remat=..., block_cls=...)` (see DecoderLM)."""
-
-
 # --- Hugging Face ----------------------------------------------------------------
 
 # transformers' Qwen3MoeConfig defaults, for keys a config.json omits.
@@ -158,8 +150,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3MoeConfig:
                           mlp_only_layers=tuple(sorted(set(mlp_only))))
 
 
-def config_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **llama_shaped.fields_to_hf(cfg),
+def fields_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
+    return {**llama_shaped.fields_to_hf(cfg),
             "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
             "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
             "moe_intermediate_size": cfg.moe_hidden, "norm_topk_prob": cfg.norm_topk_prob,
@@ -172,7 +164,7 @@ def weights(cfg: Qwen3MoeConfig) -> list[hf.HFWeight]:
     sparse = cfg.sparse_layers()
     sparse_layers = frozenset(i for i, is_sparse in enumerate(sparse) if is_sparse)
     dense_layers = frozenset(range(cfg.num_layers)) - sparse_layers
-    dense_mlp = ("mlp", "w_gate"), ("mlp", "w_up"), ("mlp", "w_down")
+    dense_mlp = {w.path for w in hf_rows.gated_mlp()}
     table = [dataclasses.replace(w, layers=dense_layers) if w.path in dense_mlp else w
              for w in llama_shaped.weights(cfg) if dense_layers or w.path not in dense_mlp]
     if sparse_layers:
@@ -191,11 +183,6 @@ FAMILY = register_family(Family(
     config_cls=Qwen3MoeConfig,
     presets=PRESETS,
     description="Qwen3-MoE 30B-A3B / 235B-A22B: Qwen3 with top-8 of 128 experts (dense layers where configured)",
-    hf=hf.HFTable(model_types=("qwen3_moe",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                  weights=weights, views=fused_views),
-    model_cls=Qwen3Moe,
+    hf=hf.HFTable(model_types=("qwen3_moe",), architecture="Qwen3MoeForCausalLM",
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=weights, views=fused_views),
 ))
-
-
-def qwen3_moe_config(name: str, **overrides) -> Qwen3MoeConfig:
-    return FAMILY.config(name, **overrides)

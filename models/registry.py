@@ -1,16 +1,18 @@
 """The family spec: what generic code (train loop, planner, FLOP model, generate, HF engine) may ask of a family.
 
-A family is one file in models/ that registers a `Family`: its frozen config
-class (architecture only; dtypes and kernels are the recipe's `Execution`),
-presets at published sizes, its model class and its Hugging Face table. A
-family config answers:
+A family is one file in models/ that registers a `Family` (its frozen config
+class, architecture only, dtypes and kernels being the recipe's `Execution`;
+presets at published sizes; its Hugging Face table), plus its row in
+`FAMILY_MODULES` below. A family config answers:
 
     config.vocab_size, config.num_layers, config.max_seq_len
     config.decoder_spec(execution) -> DecoderSpec    shapes, per-layer values and runs,
                                                      parameter count, KV-cache layout
 
 and the `Family` names the rest: its block class (`block_cls`, which a
-recipe's `block` replaces), its model class and its Hugging Face table.
+recipe's `block` replaces), its model class (the generic `DecoderLM` unless a
+family needs its own) and its Hugging Face table. `preset_config(family,
+preset, **overrides)` is a preset with fields replaced, for every family.
 Everything else follows from the spec: `Family.build` makes the model
 (abstractly too, under nnx.eval_shape), models/flops.py counts training
 FLOPs layer by layer from the spec's per-layer configs (plain or gated MLP,
@@ -79,40 +81,51 @@ class Family:
 
 FAMILIES: dict[str, Family] = {}
 
-# Imported on first lookup, so that `models.registry` itself stays import-light and a
-# family module can import this one.
-_FAMILY_MODULES = ("spillway.models.llama", "spillway.models.gpt2", "spillway.models.mistral",
-                   "spillway.models.qwen", "spillway.models.gemma", "spillway.models.mixtral",
-                   "spillway.models.qwen3_moe")
+# The registry's rows: each family's name and the module that registers it. A new family is its file in
+# models/ and its row here. Imported on first lookup, so that `models.registry` itself stays import-light
+# and a family module can import this one.
+FAMILY_MODULES: dict[str, str] = {
+    "llama": "spillway.models.llama",
+    "gpt2": "spillway.models.gpt2",
+    "mistral": "spillway.models.mistral",
+    "qwen2": "spillway.models.qwen",
+    "qwen3": "spillway.models.qwen",
+    "gemma2": "spillway.models.gemma",
+    "gemma3": "spillway.models.gemma",
+    "mixtral": "spillway.models.mixtral",
+    "qwen3_moe": "spillway.models.qwen3_moe",
+}
 
 
 def register_family(family: Family) -> Family:
     if family.name in FAMILIES and FAMILIES[family.name] is not family:
         raise ValueError(f"model family {family.name!r} registered twice")
+    if family.name not in FAMILY_MODULES:
+        raise ValueError(f"model family {family.name!r} has no row in models/registry.py FAMILY_MODULES")
     FAMILIES[family.name] = family
     return family
 
 
 def _load_all() -> None:
-    for module in _FAMILY_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name != module:  # a real import error inside the family module
-                raise
+    for module in dict.fromkeys(FAMILY_MODULES.values()):
+        importlib.import_module(module)
 
 
 def family_names() -> list[str]:
-    _load_all()
-    return sorted(FAMILIES)
+    _load_all()   # callers read FAMILIES[name] next
+    return sorted(FAMILY_MODULES)
 
 
 def get_family(name: str) -> Family:
-    _load_all()
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown model family {name!r}; known families: {sorted(FAMILIES)}") from None
+    if name not in FAMILY_MODULES:
+        raise ConfigError(f"unknown model family {name!r}; known families: {family_names()}")
+    importlib.import_module(FAMILY_MODULES[name])
+    return FAMILIES[name]
+
+
+def preset_config(family: str, preset: str, **overrides):
+    """A family's preset config with fields replaced: `preset_config("llama", "tiny", num_layers=2)`."""
+    return get_family(family).config(preset, **overrides)
 
 
 def family_of_config(config) -> Family:

@@ -257,7 +257,7 @@ def phases_of_recipe(recipe) -> HostPhases:
     from spillway.recipes.config import NEXT_FORWARD
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
     from spillway.recipes.optim.param_placement import param_memories
-    from spillway.recipes.train.step import abstract_model
+    from spillway.recipes.train.step import abstract_model, pinned_step_bytes
 
     # The parameters' shapes do not depend on the attention kernel, and building a cuDNN one asks for the
     # backend (which would start it before the limit is set).
@@ -269,7 +269,7 @@ def phases_of_recipe(recipe) -> HostPhases:
     memories = jax.tree.leaves(param_memories(abstract, recipe.offload.params))   # per leaf, same order
     deferred = recipe.offload.update == NEXT_FORWARD
     moment_bytes = jnp.dtype(recipe.optimizer.moment_dtype).itemsize
-    state = halved = weights = pending = device_saved = split_device = 0
+    state = halved = weights = weights_f32 = pending = device_saved = split_device = 0
     for layout, value, memory in zip(layouts, values, memories, strict=True):
         size = int(value.size)
         param_bytes = size * value.dtype.itemsize
@@ -290,11 +290,10 @@ def phases_of_recipe(recipe) -> HostPhases:
         else:
             device_saved += state_bytes
         weights += param_bytes if host_weight else 0
+        weights_f32 += 4 * size if host_weight else 0
         device_saved += 0 if host_weight else param_bytes
-    if deferred:
-        step_host = 2 * (state + pending)
-    else:
-        step_host = state + weights + (weights if recipe.train.grad_accum == 1 else 2 * weights)
+    step_host = pinned_step_bytes(recipe, state=state, weights=weights, weights_f32=weights_f32,
+                                  pending=pending).total
     return HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,
                       step_host=step_host, saved_device=device_saved,
                       saved_host=state + weights + split_device)

@@ -296,21 +296,30 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
 
 def pinned_bytes_of_setup(s: TrainSetup) -> PinnedHostBytes:
     """`pinned_host_bytes` of a setup already built (abstract or concrete)."""
-    recipe = s.recipe
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
-    if s.defers_update:
+    as_f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), s.params)
+    pending = tree_nbytes_by_memory_kind(_abstract_pending(s)).get(placement.PINNED_HOST, 0)   # None: 0
+    return pinned_step_bytes(s.recipe, state=state, weights=weights,
+                             weights_f32=tree_nbytes_by_memory_kind(as_f32).get(placement.PINNED_HOST, 0),
+                             pending=pending)
+
+
+def pinned_step_bytes(recipe: Recipe, *, state: int, weights: int, weights_f32: int, pending: int) -> PinnedHostBytes:
+    """What the step pins, from the host bytes of the optimizer state, of the block weights (and the same
+    weights in float32) and of the deferred update's pending gradients: the one rule, which
+    `pinned_bytes_of_setup` feeds from a setup and recipes/train/host_memory.py `phases_of_recipe` from
+    shapes alone."""
+    if recipe.offload.update == NEXT_FORWARD:
         # The step writes the new state beside the old and the new pending gradients beside the old ones
         # (recipes/optim/update_in_forward.py): two of each while it runs.
-        pending = tree_nbytes_by_memory_kind(_abstract_pending(s)).get(placement.PINNED_HOST, 0)
         return PinnedHostBytes(2 * state, weights, 2 * pending)
     if recipe.lora.enabled:
         gradients = 0   # the frozen base has none; the adapters' live in HBM
     elif recipe.train.grad_accum == 1:
         gradients = weights
     else:
-        as_f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), s.params)
-        gradients = 2 * tree_nbytes_by_memory_kind(as_f32).get(placement.PINNED_HOST, 0)
+        gradients = 2 * weights_f32   # the float32 running sum, read and written anew each micro-batch
     return PinnedHostBytes(state, weights, gradients)
 
 

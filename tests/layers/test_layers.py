@@ -11,6 +11,8 @@ from spillway.layers.embed import Embedding, LMHead
 from spillway.layers.mlp import MLP
 from spillway.layers.norm import RMSNorm
 from spillway.layers.rope import RopeScaling, apply_rope, inverse_frequencies
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 
 
 def test_rmsnorm_normalises_in_float32():
@@ -107,8 +109,7 @@ def test_tied_and_separate_heads():
 
 
 def test_every_parameter_has_logical_axes():
-    from spillway.models.llama import Llama, llama_config
-    model = nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: DecoderLM(preset_config("llama", "tiny_odd"), rngs=nnx.Rngs(0)))
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):
             axes = var.get_metadata().get("logical_axes")

@@ -18,13 +18,14 @@ from no_remat_reference import NoRematReference
 from spillway.layers import names
 from spillway.layers.offload import PRESETS, OffloadPolicy, Placement, RematPlan, preset
 from spillway.layers.stack import host_offloaded_names
-from spillway.models.llama import Llama, llama_config
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 
 
 @pytest.fixture(scope="module")
 def no_remat():
-    tokens_bt = np.random.default_rng(1).integers(0, llama_config("tiny_odd").vocab_size, (2, 19))
-    return NoRematReference(Llama, llama_config("tiny_odd"), tokens_bt)
+    tokens_bt = np.random.default_rng(1).integers(0, preset_config("llama", "tiny_odd").vocab_size, (2, 19))
+    return NoRematReference(DecoderLM, preset_config("llama", "tiny_odd"), tokens_bt)
 
 
 CUSTOM = OffloadPolicy.of({names.QKV: "host", names.MLP_HIDDEN: "device", names.BLOCK_INPUT: "host"})
@@ -38,8 +39,8 @@ def test_every_policy_gives_the_no_remat_loss_and_gradients(remat, no_remat):
 
 
 def offloaded_in_jaxpr(remat) -> dict[str, int]:
-    cfg = llama_config("tiny_odd")
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat=remat)))
+    cfg = preset_config("llama", "tiny_odd")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0), remat=remat)))
     tokens = jnp.zeros((2, 9), jnp.int32)
 
     def loss(state):
@@ -87,13 +88,13 @@ def test_bad_placement_is_named():
 
 def test_policy_naming_untagged_activation_fails_at_build():
     with pytest.raises(ValueError, match=r"names \['router_logits'\].*never tags"):
-        nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0),
+        nnx.eval_shape(lambda: DecoderLM(preset_config("llama", "tiny_odd"), rngs=nnx.Rngs(0),
                                      remat=OffloadPolicy.of({"router_logits": "host"})))
 
 
 def test_segment_boundary_beyond_layers():
     with pytest.raises(ValueError, match="boundary 5 is beyond the stack's 3 layers"):
-        nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0), remat="offload_dots:5,recompute_all"))
+        nnx.eval_shape(lambda: DecoderLM(preset_config("llama", "tiny_odd"), rngs=nnx.Rngs(0), remat="offload_dots:5,recompute_all"))
 
 
 def test_segments_resolve_in_order():

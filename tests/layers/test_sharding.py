@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import activation_sharding, batch_sharding, constrain, create_sharded, logical_to_spec, make_mesh
-from spillway.models.llama import Llama, llama_config
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 
 
 def test_eight_fake_devices():
@@ -33,9 +34,9 @@ def test_undividable_dims_are_replicated():
 
 @pytest.fixture(scope="module")
 def sharded_model():
-    cfg = llama_config("tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130)
+    cfg = preset_config("llama", "tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130)
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    return create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat="offload_dots"), mesh), mesh
+    return create_sharded(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0), remat="offload_dots"), mesh), mesh
 
 
 def test_parameters_are_sharded_as_the_rules_say(sharded_model):
@@ -144,8 +145,8 @@ def test_forward_and_backward_with_activation_constraints_match_single_device(sh
 def test_undivided_dims_lists_what_would_be_replicated():
     """What `state_shardings` silently replicates, named with its size, the mesh axes and the bytes."""
     from spillway.layers.sharding import undivided_dims
-    cfg = llama_config("tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130)
-    state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    cfg = preset_config("llama", "tiny_odd", d_model=64, num_heads=4, num_kv_heads=2, mlp_hidden=96, vocab_size=130)
+    state = nnx.state(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     assert undivided_dims(state, {"data": 1, "fsdp": 2, "tensor": 2}) == []
     found = {(d.path, d.logical_axis): d for d in undivided_dims(state, {"data": 1, "fsdp": 1, "tensor": 3})}
     assert set(found) == {("layers.blocks.attn.wq", "heads"), ("layers.blocks.attn.wo", "heads"),

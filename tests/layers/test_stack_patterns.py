@@ -31,6 +31,8 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.execution import Execution
 from spillway.layers.layer_pattern import LayerSettings, StackRun
 from spillway.layers.stack import BlockStack, host_offloaded_names
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 
 F32 = Execution(dtype="float32")
 CFG = BlockConfig(d_model=24, num_heads=4, num_kv_heads=2, head_dim=6, mlp_hidden=40, execution=F32)
@@ -215,10 +217,9 @@ def test_an_offload_inside_the_scan_with_layer_values_still_goes_to_host():
 # --- compile time does not grow with depth ----------------------------------------------------
 
 def _compile_seconds(num_layers: int) -> float:
-    from spillway.models.gemma import Gemma3, gemma3_config
 
-    cfg = gemma3_config("tiny_odd", num_layers=num_layers)
-    model = nnx.eval_shape(lambda: Gemma3(cfg, F32, rngs=nnx.Rngs(0), remat="recompute_all"))
+    cfg = preset_config("gemma3", "tiny_odd", num_layers=num_layers)
+    model = nnx.eval_shape(lambda: DecoderLM(cfg, F32, rngs=nnx.Rngs(0), remat="recompute_all"))
     graphdef, state = nnx.split(model)   # shapes only: nothing to initialise
     tokens = jnp.zeros((1, 16), jnp.int32)
 

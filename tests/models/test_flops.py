@@ -33,8 +33,9 @@ from flax import nnx
 from spillway.layers import names
 from spillway.layers.execution import Execution
 from spillway.layers.offload import PRESETS, OffloadPolicy
-from spillway.models.llama import Llama, llama_config
 from spillway.models import flops
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 from spillway.recipes.train.step import make_loss_fn
 from spillway.recipes.train.batch import Batch
 
@@ -49,8 +50,8 @@ def execution(impl: str) -> Execution:
 @functools.cache
 def xla_step_flops(impl: str, remat: str) -> float:
     """XLA's FLOPs for value_and_grad of the loss of a two-layer Llama: one layer's worth (module docstring)."""
-    cfg = llama_config("tiny", num_layers=2, **SIZES)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, execution(impl), rngs=nnx.Rngs(0),
+    cfg = preset_config("llama", "tiny", num_layers=2, **SIZES)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, execution(impl), rngs=nnx.Rngs(0),
                                                                remat=remat)))
     tokens = Batch(tokens=jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32))
     compiled = jax.jit(jax.value_and_grad(make_loss_fn(graphdef))).lower(params, tokens).compile()
@@ -58,7 +59,7 @@ def xla_step_flops(impl: str, remat: str) -> float:
 
 
 def counted(impl: str, remat: str) -> flops.StepFlops:
-    spec = llama_config("tiny", num_layers=1, **SIZES).decoder_spec(execution(impl))
+    spec = preset_config("llama", "tiny", num_layers=1, **SIZES).decoder_spec(execution(impl))
     return flops.train_step_flops(spec, BATCH, SEQ, remat=remat)
 
 
@@ -76,7 +77,7 @@ def test_forward_backward_and_full_recompute_match_xla(impl):
     no_remat = counted(impl, "save_all")
     assert no_remat.recompute == 0
     if impl == "flash":   # the kernel's backward re-runs the scores: one product more than 2x forward
-        spec = llama_config("tiny", num_layers=1, **SIZES).decoder_spec(execution(impl))
+        spec = preset_config("llama", "tiny", num_layers=1, **SIZES).decoder_spec(execution(impl))
         layer = flops.layer_flops(spec, BATCH, SEQ, attention="flash")
         assert no_remat.backward == pytest.approx(2 * no_remat.forward + layer.attn_scores)
         assert layer.attn_scores == 2.0 * BATCH * SEQ * SEQ * 4 * 64   # one block: all t^2 pairs, 4 heads of 64
@@ -113,7 +114,7 @@ def test_flash_pairs_are_the_blocks_the_kernel_visits(seq_len, block, window):
 
 
 def test_recompute_follows_what_the_policy_keeps():
-    spec = llama_config("llama3_1_8b").decoder_spec(Execution(attention_impl="flash"))
+    spec = preset_config("llama", "llama3_1_8b").decoder_spec(Execution(attention_impl="flash"))
     layer = flops.layer_flops(spec, 1, 8192, attention="flash")
     per_layer = {name: flops.recompute_per_layer(PRESETS[name], layer, "flash") for name in PRESETS}
     assert per_layer["save_all"] == 0

@@ -24,10 +24,10 @@ from flax import nnx
 from llama_shaped_checks import forward, hf_logits, numpy_state_dict, transformers_param_count
 from spillway.layers.errors import ConfigError
 from spillway.layers.execution import Execution
-from spillway.models.decoder import count_params
-from spillway.models.gemma import GEMMA2, GEMMA3, Gemma2, Gemma3, gemma2_config, gemma3_config
+from spillway.models.decoder import DecoderLM, count_params
+from spillway.models.gemma import GEMMA2, GEMMA3
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
-from spillway.models.registry import family_names, get_family
+from spillway.models.registry import family_names, get_family, preset_config
 
 # Published parameter counts: Gemma 2 (Keras Hub presets, model cards); Gemma 3 text towers as Google's
 # JAX/Keras releases count them (Keras Hub gemma3 presets: 262,144 embedding rows; the Hugging Face text
@@ -64,10 +64,9 @@ TINY_HF = {
 }
 HF_CONFIG_CLASS = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
 EXPECTED = {
-    "gemma2": gemma2_config("tiny_odd", attn_softcap=5.0, final_softcap=3.0),
-    "gemma3_text": gemma3_config("tiny_odd", num_layers=5, layer_pattern="LLG", rope_global_scale=8.0),
+    "gemma2": preset_config("gemma2", "tiny_odd", attn_softcap=5.0, final_softcap=3.0),
+    "gemma3_text": preset_config("gemma3", "tiny_odd", num_layers=5, layer_pattern="LLG", rope_global_scale=8.0),
 }
-MODEL_CLASS = {"gemma2": Gemma2, "gemma3_text": Gemma3}
 
 
 def model_family(model_type: str) -> str:
@@ -122,8 +121,7 @@ def test_preset_parameter_counts_match_published(preset):
 
 @pytest.mark.parametrize("preset", ["gemma2_2b", "gemma3_1b"])
 def test_built_model_has_the_counted_parameters(preset):
-    model_cls = Gemma2 if preset.startswith("gemma2") else Gemma3
-    assert count_params(lambda: model_cls(_preset(preset), rngs=nnx.Rngs(0))) == _preset(preset).num_params()
+    assert count_params(lambda: DecoderLM(_preset(preset), rngs=nnx.Rngs(0))) == _preset(preset).num_params()
 
 
 def test_transformers_counts_the_same_parameters(transformers):
@@ -215,12 +213,12 @@ def test_a_multimodal_checkpoint_without_a_text_config_says_only_the_text_tower_
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: gemma3_config("tiny", num_layers=4), "layer_pattern 'LLLLLG' has 6 layers, more than the model's 4"),
-    (lambda: gemma2_config("tiny", layer_pattern="LXG"), "layer_pattern must be a non-empty string"),
-    (lambda: gemma2_config("tiny", layer_pattern=""), "layer_pattern must be a non-empty string"),
-    (lambda: gemma2_config("tiny", final_softcap=0.0), "Gemma2Config.final_softcap must be positive"),
-    (lambda: gemma2_config("tiny", attn_softcap=-1.0), "Gemma2Config.attn_softcap must be positive"),
-    (lambda: gemma2_config("tiny", sliding_window=512), "its window (512) is larger than max_seq_len (128)"),
+    (lambda: preset_config("gemma3", "tiny", num_layers=4), "layer_pattern 'LLLLLG' has 6 layers, more than the model's 4"),
+    (lambda: preset_config("gemma2", "tiny", layer_pattern="LXG"), "layer_pattern must be a non-empty string"),
+    (lambda: preset_config("gemma2", "tiny", layer_pattern=""), "layer_pattern must be a non-empty string"),
+    (lambda: preset_config("gemma2", "tiny", final_softcap=0.0), "Gemma2Config.final_softcap must be positive"),
+    (lambda: preset_config("gemma2", "tiny", attn_softcap=-1.0), "Gemma2Config.attn_softcap must be positive"),
+    (lambda: preset_config("gemma2", "tiny", sliding_window=512), "its window (512) is larger than max_seq_len (128)"),
     (lambda: GEMMA2.presets["tiny"].decoder_spec(Execution(attention_impl="cudnn")), "no logit soft-capping"),
     (lambda: GEMMA3.presets["tiny"].decoder_spec(Execution(attention_impl="cudnn")),
      "attention_impl='cudnn' takes one static window"),
@@ -233,16 +231,15 @@ def test_bad_gemma_configs_are_one_line_config_errors(make, message):
 
 
 def test_a_window_beyond_the_sequence_is_fine_where_every_layer_is_global():
-    cfg = gemma2_config("tiny", layer_pattern="G", sliding_window=512)   # the window is never used
+    cfg = preset_config("gemma2", "tiny", layer_pattern="G", sliding_window=512)   # the window is never used
     assert cfg.decoder_spec().layer_settings[0].sliding_window is None
 
 
 # --- the model's own behaviour (no torch) -----------------------------------------------
 
 def _tiny(family: str, **overrides):
-    cfg = (gemma2_config if family == "gemma2" else gemma3_config)("tiny_odd", **overrides)
-    model_cls = Gemma2 if family == "gemma2" else Gemma3
-    return model_cls(cfg, Execution(dtype="float32"), rngs=nnx.Rngs(0), remat="save_all")
+    cfg = preset_config(family, "tiny_odd", **overrides)
+    return DecoderLM(cfg, Execution(dtype="float32"), rngs=nnx.Rngs(0), remat="save_all")
 
 
 def test_the_final_soft_cap_bounds_the_logits_and_the_chunked_loss_applies_it():
@@ -285,7 +282,7 @@ def test_cached_decoding_gives_the_full_forward_logits(family):
 
 
 def test_embeddings_are_scaled_in_the_compute_dtype():
-    model = Gemma2(gemma2_config("tiny_odd"), Execution(dtype="bfloat16"), rngs=nnx.Rngs(0))
+    model = DecoderLM(preset_config("gemma2", "tiny_odd"), Execution(dtype="bfloat16"), rngs=nnx.Rngs(0))
     tokens = jnp.asarray(TOKENS[:1, :4])
     x = model.embed_tokens(tokens, jnp.arange(4)[None])
     normalizer = jnp.asarray(60 ** 0.5, jnp.bfloat16)   # transformers: the normalizer cast to the hidden dtype
@@ -299,7 +296,7 @@ def test_embeddings_are_scaled_in_the_compute_dtype():
 def test_logits_match_transformers(reference):
     name, directory, _, expected = reference
     model = from_hf(directory, remat="save_all", **FLOAT32)   # config.json as this transformers writes it
-    assert model.config == EXPECTED[name] and isinstance(model, MODEL_CLASS[name])
+    assert model.config == EXPECTED[name] and isinstance(model, DecoderLM)
     assert model.layers.layer_settings is not None           # the layers differ: values are scanned
     np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), expected, rtol=PARITY_RTOL, atol=PARITY_ATOL)
 
@@ -392,7 +389,7 @@ def _check_plans(model_cls, cfg, plans):
 def test_a_segmented_offload_plan_matches_no_remat_across_the_layer_pattern():
     """Segment boundaries inside the pattern (after layers 1 and 2 of "LLLLLG"): the values are sliced with
     the weights."""
-    _check_plans(Gemma3, gemma3_config("tiny_odd"), ["offload_dots:1,save_dots:1,recompute_all"])
+    _check_plans(DecoderLM, preset_config("gemma3", "tiny_odd"), ["offload_dots:1,save_dots:1,recompute_all"])
 
 
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
@@ -400,5 +397,5 @@ def test_a_segmented_offload_plan_matches_no_remat_across_the_layer_pattern():
 def test_every_offload_plan_gives_the_no_remat_loss_and_gradients(family):
     from no_remat_reference import PLANS
 
-    cfg = gemma2_config("tiny_odd") if family == "gemma2" else gemma3_config("tiny_odd")
-    _check_plans(Gemma2 if family == "gemma2" else Gemma3, cfg, PLANS)
+    cfg = preset_config("gemma2", "tiny_odd") if family == "gemma2" else preset_config("gemma3", "tiny_odd")
+    _check_plans(DecoderLM, cfg, PLANS)

@@ -25,9 +25,10 @@ from flax import nnx
 from no_remat_reference import PLANS, NoRematReference
 from spillway.layers import names
 from spillway.layers.sharding import create_sharded
-from spillway.models.decoder import count_params
-from spillway.models.gpt2 import GPT2, PRESETS, config_from_hf, config_to_hf, gpt2_config
+from spillway.models.decoder import DecoderLM, count_params
+from spillway.models.gpt2 import FAMILY, PRESETS, config_from_hf
 from spillway.models.hf import HFCheckpointError, export_hf_state_dict, family_config_from_hf, from_hf, to_hf
+from spillway.models.registry import preset_config
 from spillway.recipes.sampling import generate
 
 # Parameter counts of transformers' GPT2LMHeadModel at the published sizes, the tied head counted once
@@ -97,12 +98,12 @@ def random_state_dict(seed=0) -> dict[str, np.ndarray]:
 def test_preset_parameter_counts_match_published(preset):
     cfg = PRESETS[preset]
     assert cfg.num_params() == PUBLISHED[preset]
-    assert count_params(lambda: GPT2(cfg, rngs=nnx.Rngs(0))) == PUBLISHED[preset]  # the built (abstract) model
+    assert count_params(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))) == PUBLISHED[preset]  # the built (abstract) model
 
 
 def test_forward_shapes_odd_sizes():
-    cfg = gpt2_config("tiny_odd")
-    model = create_sharded(lambda: GPT2(cfg, rngs=nnx.Rngs(0)))
+    cfg = preset_config("gpt2", "tiny_odd")
+    model = create_sharded(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
     assert model.positions.table.shape == (POSITIONS, HIDDEN) and model.head is None
     assert model.layers.blocks.mlp.w_up.shape == (LAYERS, HIDDEN, INNER)
     logits = model(jnp.zeros((3, 7), jnp.int32))
@@ -118,12 +119,12 @@ def test_forward_shapes_odd_sizes():
 ])
 def test_config_errors_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
-        gpt2_config("tiny_odd", **{field: value})
+        preset_config("gpt2", "tiny_odd", **{field: value})
 
 
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match="unknown gpt2 preset 'gpt3'"):
-        gpt2_config("gpt3")
+        preset_config("gpt2", "gpt3")
 
 
 # --- config mapping (no torch) -----------------------------------------------------------
@@ -139,16 +140,16 @@ GPT2_124M_HF = {  # the published config.json of openai-community/gpt2
 
 
 def test_published_config_maps_to_the_preset():
-    assert family_config_from_hf(GPT2_124M_HF)[1] == gpt2_config("gpt2_124m")
+    assert family_config_from_hf(GPT2_124M_HF)[1] == preset_config("gpt2", "gpt2_124m")
     xl = dict(GPT2_124M_HF, n_embd=1600, n_head=25, n_layer=48, n_inner=4 * 1600)  # explicit 4 * d is the default
-    assert config_from_hf(xl) == gpt2_config("gpt2_1_5b")
+    assert config_from_hf(xl) == preset_config("gpt2", "gpt2_1_5b")
 
 
 def test_config_round_trips():
     cfg = config_from_hf(hf_config())
-    assert cfg == gpt2_config("tiny_odd")
-    assert config_from_hf(config_to_hf(cfg)) == cfg
-    assert config_to_hf(gpt2_config("gpt2_355m"))["n_inner"] is None   # transformers reads None as 4 * n_embd
+    assert cfg == preset_config("gpt2", "tiny_odd")
+    assert config_from_hf(FAMILY.hf.config_to_hf(cfg)) == cfg
+    assert FAMILY.hf.config_to_hf(preset_config("gpt2", "gpt2_355m"))["n_inner"] is None   # transformers reads None as 4 * n_embd
 
 
 @pytest.mark.parametrize("change, message", [
@@ -168,7 +169,7 @@ def test_unsupported_configs_fail_by_name(change, message):
 
 
 def test_pytorch_tanh_gelu_is_the_same_model():
-    assert config_from_hf(hf_config(activation_function="gelu_pytorch_tanh")) == gpt2_config("tiny_odd")
+    assert config_from_hf(hf_config(activation_function="gelu_pytorch_tanh")) == preset_config("gpt2", "tiny_odd")
 
 
 # --- checkpoint checks and round trip (no torch) ----------------------------------------
@@ -238,11 +239,11 @@ def test_checkpoint_errors_name_the_tensors():
 
 @pytest.fixture(scope="module")
 def no_remat():
-    return NoRematReference(GPT2, gpt2_config("tiny_odd"), np.random.default_rng(2).integers(0, VOCAB, (2, 19)))
+    return NoRematReference(DecoderLM, preset_config("gpt2", "tiny_odd"), np.random.default_rng(2).integers(0, VOCAB, (2, 19)))
 
 
 def test_the_block_tags_every_name_so_every_preset_applies():
-    model = nnx.eval_shape(lambda: GPT2(gpt2_config("tiny_odd"), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: DecoderLM(preset_config("gpt2", "tiny_odd"), rngs=nnx.Rngs(0)))
     assert model.layers.block_names == frozenset(names.ACTIVATION_NAMES)
 
 
@@ -318,7 +319,7 @@ def test_logits_match_transformers_from_save_pretrained(hf, tmp_path):
     reference = hf_model(hf)
     reference.save_pretrained(tmp_path)
     model = from_hf(tmp_path, remat="save_all", **FLOAT32)
-    assert model.config == gpt2_config("tiny_odd")
+    assert model.config == preset_config("gpt2", "tiny_odd")
     expected = hf_logits(hf, reference)
     np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), expected, rtol=PARITY_RTOL, atol=PARITY_ATOL)
     # The comparison can see the learned positions: without them the logits are far off.

@@ -18,15 +18,16 @@ import pytest
 from flax import nnx
 
 from spillway.layers.execution import Execution
+from spillway.models.decoder import DecoderLM
 from spillway.models.hf import HFCheckpointError, export_hf_state_dict, from_hf, to_hf
-from spillway.models.llama import Llama, llama_config
+from spillway.models.registry import preset_config
 
 SMALL = dict(vocab_size=128, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64, max_seq_len=32)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return Llama(llama_config("tiny", **SMALL), Execution(), rngs=nnx.Rngs(0))
+    return DecoderLM(preset_config("llama", "tiny", **SMALL), Execution(), rngs=nnx.Rngs(0))
 
 
 def write_sharded(directory, tensors: dict[str, np.ndarray]) -> list[str]:
@@ -59,7 +60,7 @@ def test_an_export_into_a_folder_holding_a_sharded_checkpoint_is_refused_naming_
     assert not (tmp_path / "model.safetensors").exists()   # nothing written beside it
     # an export over an export replaces it: one checkpoint, the new weights
     fresh = tmp_path / "fresh"
-    to_hf(Llama(llama_config("tiny", **SMALL), Execution(), rngs=nnx.Rngs(1)), fresh)
+    to_hf(DecoderLM(preset_config("llama", "tiny", **SMALL), Execution(), rngs=nnx.Rngs(1)), fresh)
     to_hf(model, fresh)
     assert sorted(p.name for p in fresh.iterdir()) == ["config.json", "model.safetensors"]
     np.testing.assert_array_equal(embedding(from_hf(fresh)), embedding(model))

@@ -26,8 +26,8 @@ from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
 from spillway.models.llama import config_from_hf as llama_config_from_hf
-from spillway.models.llama import config_to_hf as hf_config_from_llama
-from spillway.models.llama import llama_config
+from spillway.models.llama import FAMILY as LLAMA
+from spillway.models.registry import preset_config
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 131, 60, 3, 6, 2, 10, 92
 SEQ = 40
@@ -101,7 +101,7 @@ LLAMA31_8B_HF = {  # the published config.json of Llama 3.1 8B, transformers 4 s
 
 
 def test_published_llama31_config_maps_to_the_preset():
-    assert llama_config_from_hf(LLAMA31_8B_HF) == llama_config("llama3_1_8b")
+    assert llama_config_from_hf(LLAMA31_8B_HF) == preset_config("llama", "llama3_1_8b")
 
 
 def test_transformers5_and_legacy_rope_spellings_agree():
@@ -109,7 +109,7 @@ def test_transformers5_and_legacy_rope_spellings_agree():
     v5["rope_parameters"] = dict(LLAMA31_8B_HF["rope_scaling"], rope_theta=500000.0)
     legacy = dict(LLAMA31_8B_HF, rope_scaling={k if k != "rope_type" else "type": v
                                                for k, v in LLAMA31_8B_HF["rope_scaling"].items()})
-    assert llama_config_from_hf(v5) == llama_config_from_hf(legacy) == llama_config("llama3_1_8b")
+    assert llama_config_from_hf(v5) == llama_config_from_hf(legacy) == preset_config("llama", "llama3_1_8b")
     default_rope = dict(v5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     cfg = llama_config_from_hf(default_rope)
     assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
@@ -118,7 +118,7 @@ def test_transformers5_and_legacy_rope_spellings_agree():
 def test_config_round_trips_and_defaults():
     cfg = llama_config_from_hf(hf_config(rope_scaling=LLAMA3_ROPE, tie=True))
     assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16) and cfg.tie_embeddings
-    assert llama_config_from_hf(hf_config_from_llama(cfg)) == cfg
+    assert llama_config_from_hf(LLAMA.hf.config_to_hf(cfg)) == cfg
     sparse = {k: LLAMA31_8B_HF[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                             "num_attention_heads", "intermediate_size")}
     cfg = llama_config_from_hf(sparse)  # transformers' LlamaConfig defaults fill the rest

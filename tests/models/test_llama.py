@@ -11,8 +11,8 @@ from spillway.layers.block import TransformerBlock
 from spillway.layers.norm import RMSNorm
 from spillway.layers.sharding import create_sharded
 from spillway.models.llama import PRESETS as LLAMA_PRESETS
-from spillway.models.decoder import count_params
-from spillway.models.llama import Llama, llama_config
+from spillway.models.decoder import DecoderLM, count_params
+from spillway.models.registry import preset_config
 
 # Published parameter counts (model cards / safetensors metadata).
 PUBLISHED = {
@@ -30,12 +30,12 @@ def test_preset_parameter_counts_match_published(preset):
     cfg = LLAMA_PRESETS[preset]
     assert cfg.num_params() == PUBLISHED[preset]
     if preset != "llama3_1_70b":  # the built (abstract) model agrees with the formula
-        assert count_params(lambda: Llama(cfg, rngs=nnx.Rngs(0))) == PUBLISHED[preset]
+        assert count_params(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))) == PUBLISHED[preset]
 
 
 def test_forward_shapes_odd_sizes():
-    cfg = llama_config("tiny_odd")
-    model = create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    cfg = preset_config("llama", "tiny_odd")
+    model = create_sharded(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
     logits = model(jnp.zeros((3, 7), jnp.int32))
     assert logits.shape == (3, 7, cfg.vocab_size)
     assert np.isfinite(np.asarray(logits)).all()
@@ -48,7 +48,7 @@ def test_forward_shapes_odd_sizes():
 ])
 def test_config_errors_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
-        llama_config("tiny_odd", **{field: value})
+        preset_config("llama", "tiny_odd", **{field: value})
 
 
 @pytest.mark.parametrize("plan,message", [
@@ -57,12 +57,12 @@ def test_config_errors_name_the_field(field, value, message):
 ])
 def test_bad_activation_plans_are_errors(plan, message):
     with pytest.raises(ValueError, match=message):
-        nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), rngs=nnx.Rngs(0), remat=plan))
+        nnx.eval_shape(lambda: DecoderLM(preset_config("llama", "tiny_odd"), rngs=nnx.Rngs(0), remat=plan))
 
 
 def test_unknown_model_preset():
     with pytest.raises(ValueError, match="unknown llama preset 'llama5'"):
-        llama_config("llama5")
+        preset_config("llama", "llama5")
 
 
 class ParallelBlock(TransformerBlock):
@@ -86,8 +86,8 @@ class PostNormBlock(TransformerBlock):
 @pytest.mark.parametrize("block_cls", [ParallelBlock, PostNormBlock])
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_subclassed_blocks_give_the_no_remat_gradients_under_offload_policies(block_cls):
-    cfg = llama_config("tiny_odd", num_layers=2)
-    base = create_sharded(lambda: Llama(cfg, block_cls=block_cls, rngs=nnx.Rngs(0), remat="save_all"))
+    cfg = preset_config("llama", "tiny_odd", num_layers=2)
+    base = create_sharded(lambda: DecoderLM(cfg, block_cls=block_cls, rngs=nnx.Rngs(0), remat="save_all"))
     assert base.layers.block_names == frozenset(names.ACTIVATION_NAMES)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
 
@@ -96,7 +96,7 @@ def test_subclassed_blocks_give_the_no_remat_gradients_under_offload_policies(bl
 
     ref = jax.jit(nnx.grad(loss_fn))(base)
     for policy in ("offload_dots", "save_qkv_offload_mlp", "offload_inputs:1,recompute_all"):
-        model = nnx.eval_shape(lambda: Llama(cfg, block_cls=block_cls, rngs=nnx.Rngs(0), remat=policy))
+        model = nnx.eval_shape(lambda: DecoderLM(cfg, block_cls=block_cls, rngs=nnx.Rngs(0), remat=policy))
         nnx.update(model, nnx.state(base))
         grads = jax.jit(nnx.grad(loss_fn))(model)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
@@ -112,9 +112,9 @@ def test_subclassed_blocks_copy_their_tagged_activations_to_host(block_cls, read
     from spillway.layers.stack import host_offloaded_names
 
     def offloaded(cls):
-        cfg = llama_config("tiny_odd", num_layers=2)
+        cfg = preset_config("llama", "tiny_odd", num_layers=2)
         graphdef, state = nnx.split(nnx.eval_shape(
-            lambda: Llama(cfg, block_cls=cls, rngs=nnx.Rngs(0), remat="offload_dots")))
+            lambda: DecoderLM(cfg, block_cls=cls, rngs=nnx.Rngs(0), remat="offload_dots")))
         tokens = jnp.zeros((2, 9), jnp.int32)
 
         def loss(state):
@@ -131,11 +131,11 @@ def test_block_that_skips_a_name_rejects_policies_for_it():
             attn_btd, cache = self.attention(self.attn_norm(x_btd), ctx, cache)
             return x_btd + attn_btd, cache
 
-    cfg = llama_config("tiny_odd", num_layers=2)
+    cfg = preset_config("llama", "tiny_odd", num_layers=2)
     with pytest.raises(ValueError, match=r"\['mlp_hidden', 'mlp_out'\].*NoMlpBlock never tags"):
-        nnx.eval_shape(lambda: Llama(cfg, block_cls=NoMlpBlock, rngs=nnx.Rngs(0), remat="offload_dots"))
+        nnx.eval_shape(lambda: DecoderLM(cfg, block_cls=NoMlpBlock, rngs=nnx.Rngs(0), remat="offload_dots"))
 
 
 def test_block_cls_must_subclass_transformer_block():
     with pytest.raises(TypeError, match="must subclass TransformerBlock"):
-        nnx.eval_shape(lambda: Llama(llama_config("tiny_odd"), block_cls=RMSNorm, rngs=nnx.Rngs(0)))
+        nnx.eval_shape(lambda: DecoderLM(preset_config("llama", "tiny_odd"), block_cls=RMSNorm, rngs=nnx.Rngs(0)))

@@ -18,10 +18,11 @@ from flax import nnx
 
 from llama_shaped_checks import forward, hf_logits, numpy_state_dict, perturbed_hf_model, transformers_param_count
 from no_remat_reference import assert_every_plan_matches_no_remat
-from spillway.models.decoder import count_params
+from spillway.models.decoder import DecoderLM, count_params
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
 from spillway.layers.execution import Execution
-from spillway.models.mistral import PRESETS, Mistral, config_to_hf, mistral_config
+from spillway.models.mistral import FAMILY, PRESETS
+from spillway.models.registry import preset_config
 
 # Published parameter counts (model cards / safetensors metadata).
 PUBLISHED = {"mistral_7b_v0_1": 7_241_732_096, "mistral_7b_v0_3": 7_248_023_552}
@@ -59,12 +60,12 @@ def reference(transformers, tmp_path_factory):
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_preset_parameter_counts_match_published(preset):
     assert PRESETS[preset].num_params() == PUBLISHED[preset]
-    assert count_params(lambda: Mistral(PRESETS[preset], rngs=nnx.Rngs(0))) == PUBLISHED[preset]
+    assert count_params(lambda: DecoderLM(PRESETS[preset], rngs=nnx.Rngs(0))) == PUBLISHED[preset]
 
 
 def test_transformers_counts_the_same_parameters(transformers):
     for preset, published in PUBLISHED.items():
-        assert transformers_param_count(transformers, config_to_hf(PRESETS[preset])) == published, preset
+        assert transformers_param_count(transformers, FAMILY.hf.config_to_hf(PRESETS[preset])) == published, preset
 
 
 @pytest.mark.parametrize("hf_config, preset", [(MISTRAL_7B_V01_HF, "mistral_7b_v0_1"),
@@ -72,7 +73,7 @@ def test_transformers_counts_the_same_parameters(transformers):
 def test_published_configs_map_to_the_presets(hf_config, preset):
     family, cfg = family_config_from_hf(hf_config)
     assert family.name == "mistral" and cfg == PRESETS[preset]
-    assert family.hf.config_from_hf(config_to_hf(cfg)) == cfg
+    assert family.hf.config_from_hf(family.hf.config_to_hf(cfg)) == cfg
 
 
 def test_sliding_window_null_is_none_and_absent_is_transformers_default():
@@ -100,7 +101,7 @@ def test_unsupported_configs_fail_by_name(change, message):
 
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match="unknown mistral preset 'mistral_8x7b'"):
-        mistral_config("mistral_8x7b")
+        preset_config("mistral", "mistral_8x7b")
 
 
 # --- parity with transformers -------------------------------------------------------
@@ -108,7 +109,7 @@ def test_unknown_preset_is_named():
 def test_logits_match_transformers_through_the_window(reference):
     directory, _, expected = reference
     model = from_hf(directory, remat="save_all", **FLOAT32)  # config.json as this transformers writes it
-    assert model.config == PRESETS["tiny_odd"] and isinstance(model, Mistral)
+    assert model.config == PRESETS["tiny_odd"] and isinstance(model, DecoderLM)
     np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), expected, rtol=PARITY_RTOL, atol=PARITY_ATOL)
     # The comparison must be able to see the window: without it the logits are far off.
     unwindowed = from_hf(directory, remat="save_all", sliding_window=None, **FLOAT32)
@@ -153,13 +154,13 @@ def test_missing_and_misshapen_tensors_are_named(reference):
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_every_offload_plan_gives_the_no_remat_loss_and_gradients():
     tokens = np.random.default_rng(2).integers(0, 131, (2, 17))  # 16 positions, past the window of 7
-    assert_every_plan_matches_no_remat(Mistral, mistral_config("tiny_odd"), tokens)
+    assert_every_plan_matches_no_remat(DecoderLM, preset_config("mistral", "tiny_odd"), tokens)
 
 
 def test_cached_decode_past_the_window_matches_full_recompute():
     """Prefill 5 tokens, then decode one at a time to position 11: the cache's mask must apply the window."""
-    cfg = mistral_config("tiny_odd")
-    model = Mistral(cfg, rngs=nnx.Rngs(3), remat="save_all")
+    cfg = preset_config("mistral", "tiny_odd")
+    model = DecoderLM(cfg, rngs=nnx.Rngs(3), remat="save_all")
     decode = jax.jit(lambda model, tokens, cache, index: model(tokens, cache=cache, cache_index=index))
     prompt_len, total = 5, 12
     sequence = jnp.asarray(TOKENS[:, :total], jnp.int32)

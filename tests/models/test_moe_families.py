@@ -24,10 +24,11 @@ from safetensors.numpy import load_file
 
 from llama_shaped_checks import forward, hf_logits, numpy_state_dict, perturbed_hf_model
 from spillway.layers.errors import ConfigError
+from spillway.models.decoder import DecoderLM
 from spillway.models.hf import HFCheckpointError, export_hf_state_dict, from_hf, to_hf
-from spillway.models.mixtral import Mixtral, config_from_hf as mixtral_from_hf, mixtral_config
-from spillway.models.registry import family_of_config
-from spillway.models.qwen3_moe import Qwen3Moe, config_from_hf as qwen3_moe_from_hf, qwen3_moe_config
+from spillway.models.mixtral import config_from_hf as mixtral_from_hf
+from spillway.models.registry import family_of_config, preset_config
+from spillway.models.qwen3_moe import config_from_hf as qwen3_moe_from_hf
 
 # Exact counts (module docstrings of models/mixtral.py and models/qwen3_moe.py). The published figures, rounded:
 # Mixtral 8x7B "46.7B parameters, 12.9B active" and 8x22B "141B, 39B active" (Mistral AI's announcements);
@@ -69,7 +70,7 @@ PUBLISHED_HF = {"mixtral_8x7b": MIXTRAL_8X7B_HF, "mixtral_8x22b": MIXTRAL_8X22B_
 
 
 def _preset(name):
-    return mixtral_config(name) if name.startswith("mixtral") else qwen3_moe_config(name)
+    return preset_config("mixtral", name) if name.startswith("mixtral") else preset_config("qwen3_moe", name)
 
 
 def _from_hf(hf_config):
@@ -90,7 +91,7 @@ def test_total_and_active_parameters(preset):
 
 def test_active_parameters_by_hand():
     """Mixtral 8x7B: of each layer's 8 experts (3 x 4096 x 14336 each) a token uses 2; the router is 4096 x 8."""
-    cfg = mixtral_config("mixtral_8x7b")
+    cfg = preset_config("mixtral", "mixtral_8x7b")
     expert = 3 * 4096 * 14336
     router = 4096 * 8
     spec = cfg.decoder_spec()
@@ -105,15 +106,15 @@ def test_published_configs_map_to_the_presets(preset):
 
 
 def test_config_round_trips():
-    for cfg in (mixtral_config("tiny_odd"), qwen3_moe_config("tiny_odd"),
-                qwen3_moe_config("tiny", decoder_sparse_step=2, norm_topk_prob=False)):
+    for cfg in (preset_config("mixtral", "tiny_odd"), preset_config("qwen3_moe", "tiny_odd"),
+                preset_config("qwen3_moe", "tiny", decoder_sparse_step=2, norm_topk_prob=False)):
         table = family_of_config(cfg).hf
         assert table.config_from_hf(table.config_to_hf(cfg)) == cfg
 
 
 def test_transformers5_spells_the_qwen3_moe_expert_count_num_local_experts():
     v5 = {k: v for k, v in QWEN3_30B_A3B_HF.items() if k != "num_experts"} | {"num_local_experts": 128}
-    assert qwen3_moe_from_hf(v5) == qwen3_moe_config("qwen3_30b_a3b")
+    assert qwen3_moe_from_hf(v5) == preset_config("qwen3_moe", "qwen3_30b_a3b")
 
 
 def test_dense_and_sparse_layers_are_runs():
@@ -121,25 +122,25 @@ def test_dense_and_sparse_layers_are_runs():
     def kinds(cfg):
         return [(run.num_layers, run.block.moe is not None) for run in cfg.decoder_spec().stack_runs()]
 
-    assert kinds(qwen3_moe_config("qwen3_30b_a3b")) == [(48, True)]
-    assert kinds(qwen3_moe_config("tiny_odd")) == [(1, True), (1, False), (1, True)]
-    assert kinds(qwen3_moe_config("tiny", decoder_sparse_step=2)) == [(1, False), (1, True)] * 2
-    assert kinds(qwen3_moe_config("tiny", num_layers=6, mlp_only_layers=(0, 1))) == [(2, False), (4, True)]
-    assert kinds(mixtral_config("tiny")) == [(4, True)]
+    assert kinds(preset_config("qwen3_moe", "qwen3_30b_a3b")) == [(48, True)]
+    assert kinds(preset_config("qwen3_moe", "tiny_odd")) == [(1, True), (1, False), (1, True)]
+    assert kinds(preset_config("qwen3_moe", "tiny", decoder_sparse_step=2)) == [(1, False), (1, True)] * 2
+    assert kinds(preset_config("qwen3_moe", "tiny", num_layers=6, mlp_only_layers=(0, 1))) == [(2, False), (4, True)]
+    assert kinds(preset_config("mixtral", "tiny")) == [(4, True)]
     # The dense layers count a dense MLP, the sparse ones the experts.
-    spec = qwen3_moe_config("tiny_odd").decoder_spec()
+    spec = preset_config("qwen3_moe", "tiny_odd").decoder_spec()
     dense, sparse = spec.layer_params(1), spec.layer_params(0)
     assert dense - sparse == 3 * 60 * 92 - (5 * 3 * 60 * 22 + 60 * 5)
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: qwen3_moe_config("tiny", mlp_only_layers=(1, 4)),
+    (lambda: preset_config("qwen3_moe", "tiny", mlp_only_layers=(1, 4)),
      r"Qwen3MoeConfig.mlp_only_layers names layer\(s\) \[4\], outside the model's 4 layers"),
-    (lambda: qwen3_moe_config("tiny", top_k=9), r"moe.top_k \(9\) is more than moe.num_experts \(8\)"),
-    (lambda: mixtral_config("tiny", num_experts=0), "num_experts"),
-    (lambda: mixtral_config("tiny", moe_dispatch="sorted"), "moe.dispatch must be one of"),
-    (lambda: qwen3_moe_config("tiny", moe_capacity_factor=0.0), "capacity_factor"),
-    (lambda: qwen3_moe_config("tiny", decoder_sparse_step=0), "decoder_sparse_step"),
+    (lambda: preset_config("qwen3_moe", "tiny", top_k=9), r"moe.top_k \(9\) is more than moe.num_experts \(8\)"),
+    (lambda: preset_config("mixtral", "tiny", num_experts=0), "num_experts"),
+    (lambda: preset_config("mixtral", "tiny", moe_dispatch="sorted"), "moe.dispatch must be one of"),
+    (lambda: preset_config("qwen3_moe", "tiny", moe_capacity_factor=0.0), "capacity_factor"),
+    (lambda: preset_config("qwen3_moe", "tiny", decoder_sparse_step=0), "decoder_sparse_step"),
 ])
 def test_bad_configs_fail_in_one_line(make, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -201,10 +202,9 @@ TINY_HF = {
     "qwen3_moe_step2": ("Qwen3MoeConfig", dict(_QWEN_TINY, num_hidden_layers=4, decoder_sparse_step=2,
                                                norm_topk_prob=False)),
 }
-TINY_PRESET = {"mixtral": mixtral_config("tiny_odd"), "qwen3_moe_mlp_only": qwen3_moe_config("tiny_odd"),
-               "qwen3_moe_step2": qwen3_moe_config("tiny_odd", num_layers=4, mlp_only_layers=(),
+TINY_PRESET = {"mixtral": preset_config("mixtral", "tiny_odd"), "qwen3_moe_mlp_only": preset_config("qwen3_moe", "tiny_odd"),
+               "qwen3_moe_step2": preset_config("qwen3_moe", "tiny_odd", num_layers=4, mlp_only_layers=(),
                                                    decoder_sparse_step=2, norm_topk_prob=False)}
-MODEL_CLASS = {"mixtral": Mixtral, "qwen3_moe_mlp_only": Qwen3Moe, "qwen3_moe_step2": Qwen3Moe}
 # Measured: max |difference| 4.7e-6, 5.1e-6 and 2.9e-6 on logits up to 3.8, 4.9 and 3.8 (float32).
 PARITY_RTOL = PARITY_ATOL = 1e-5
 FLOAT32 = dict(dtype="float32", param_dtype="float32")
@@ -235,7 +235,7 @@ def test_the_saved_checkpoint_holds_one_tensor_per_expert(reference):
 def test_logits_match_transformers_from_the_saved_directory(reference):
     name, directory, _, expected = reference
     model = from_hf(directory, remat="save_all", **FLOAT32)
-    assert model.config == TINY_PRESET[name] and isinstance(model, MODEL_CLASS[name])
+    assert model.config == TINY_PRESET[name] and isinstance(model, DecoderLM)
     np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), expected, rtol=PARITY_RTOL, atol=PARITY_ATOL)
 
 
@@ -326,7 +326,7 @@ def test_an_hf_config_with_a_dense_layer_past_the_depth_is_refused():
 
 def test_capacity_and_dropless_presets_differ_only_in_how_they_run():
     """The dispatch fields change no parameter: a recipe may switch them on a checkpoint."""
-    base = qwen3_moe_config("qwen3_30b_a3b")
+    base = preset_config("qwen3_moe", "qwen3_30b_a3b")
     capacity = dataclasses.replace(base, moe_dispatch="capacity", moe_capacity_factor=1.0)
     assert capacity.decoder_spec().num_params() == base.decoder_spec().num_params()
     assert capacity.decoder_spec().block.moe.dispatch == "capacity"

@@ -19,8 +19,8 @@ from spillway.layers.execution import Execution
 from spillway.layers.offload import MOE_PRESETS
 from spillway.layers.offload import PRESETS as DENSE_PRESETS
 from spillway.models import flops
-from spillway.models.mixtral import Mixtral, mixtral_config
-from spillway.models.qwen3_moe import qwen3_moe_config
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 from spillway.recipes.train.step import make_loss_fn
 from spillway.recipes.train.batch import Batch
 
@@ -40,7 +40,7 @@ def test_mixtral_8x7b_flops_per_token_by_hand():
     head = 2 * 4096 * 32000                    # 262,144,000
     forward = 32 * (qkv + out + attention + router + experts) + head
     assert forward == 26_571_177_984
-    spec = mixtral_config("mixtral_8x7b").decoder_spec()
+    spec = preset_config("mixtral", "mixtral_8x7b").decoder_spec()
     assert flops.model_flops_per_token(spec, 4096) == 3 * forward == 79_713_533_952
     # All 8 experts would be 4x the expert FLOPs: what counting every expert (a dense model of 46.7B) gives.
     dense_like = 32 * (qkv + out + attention + router + 4 * experts) + head
@@ -48,7 +48,7 @@ def test_mixtral_8x7b_flops_per_token_by_hand():
 
 
 def test_executed_counts_the_capacity_slots_and_the_recompute_follows_the_expert_tags():
-    cfg = qwen3_moe_config("tiny", moe_dispatch="capacity", moe_capacity_factor=2.0)
+    cfg = preset_config("qwen3_moe", "tiny", moe_dispatch="capacity", moe_capacity_factor=2.0)
     spec = cfg.decoder_spec()
     active = flops.layer_flops(spec, 2, 64)
     executed = flops.layer_flops(spec, 2, 64, moe_counted="executed")
@@ -72,15 +72,15 @@ TINY = dict(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads
 
 @functools.cache
 def xla_step_flops(remat: str) -> float:
-    cfg = mixtral_config("tiny", **TINY)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Mixtral(cfg, Execution(), rngs=nnx.Rngs(0), remat=remat)))
+    cfg = preset_config("mixtral", "tiny", **TINY)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, Execution(), rngs=nnx.Rngs(0), remat=remat)))
     tokens = Batch(tokens=jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32))
     compiled = jax.jit(jax.value_and_grad(make_loss_fn(graphdef))).lower(params, tokens).compile()
     return compiled.cost_analysis()["flops"]
 
 
 def test_step_flops_match_xla_on_the_capacity_dispatch():
-    spec = mixtral_config("tiny", **dict(TINY, num_layers=1)).decoder_spec()
+    spec = preset_config("mixtral", "tiny", **dict(TINY, num_layers=1)).decoder_spec()
     counted = {remat: flops.train_step_flops(spec, BATCH, SEQ, remat=remat, moe_counted="executed")
                for remat in ("save_all", "recompute_all")}
     theirs = {remat: xla_step_flops(remat) for remat in counted}

@@ -4,7 +4,7 @@ Hugging Face round trip, offload presets.
 Parity: tiny random `transformers` models with odd sizes (hidden 60, 6 heads
 over 2 KV heads, intermediate 92, 3 layers, vocabulary 131; Qwen3 with
 head_dim 14, not 60 // 6), every parameter perturbed including the q/k/v
-biases (Qwen2) and the q/k norms (Qwen3), saved with `save_pretrained`, give
+biases (DecoderLM) and the q/k norms (DecoderLM), saved with `save_pretrained`, give
 the same float32 logits as the spillway model `from_hf` reads from that
 directory; what spillway exports loads back into transformers bit for bit.
 """
@@ -17,16 +17,17 @@ from flax import nnx
 
 from llama_shaped_checks import forward, hf_logits, numpy_state_dict, perturbed_hf_model, transformers_param_count
 from no_remat_reference import assert_every_plan_matches_no_remat
-from spillway.models.decoder import count_params
+from spillway.models.decoder import DecoderLM, count_params
 from spillway.models.hf import export_hf_state_dict, family_config_from_hf, from_hf, to_hf
-from spillway.models.qwen import QWEN2, QWEN3, Qwen2, Qwen3, qwen2_config, qwen3_config
+from spillway.models.qwen import QWEN2, QWEN3
+from spillway.models.registry import preset_config
 
 # Published parameter counts (model cards / safetensors metadata).
 PUBLISHED = {
     "qwen2_5_0_5b": 494_032_768, "qwen2_5_1_5b": 1_543_714_304, "qwen2_5_7b": 7_615_616_512,
     "qwen3_0_6b": 596_049_920, "qwen3_1_7b": 1_720_574_976, "qwen3_4b": 4_022_468_096, "qwen3_8b": 8_190_735_360,
 }
-FAMILY_OF = {"qwen2": (QWEN2, Qwen2), "qwen3": (QWEN3, Qwen3)}
+FAMILY_OF = {"qwen2": (QWEN2, DecoderLM), "qwen3": (QWEN3, DecoderLM)}
 
 # Published config.json files (transformers 4 spelling), the keys that describe the model.
 QWEN2_5_0_5B_HF = {
@@ -59,12 +60,12 @@ TINY_HF = {
                   num_key_value_heads=2, head_dim=14, intermediate_size=92, rope_theta=1e6, rms_norm_eps=1e-6,
                   max_position_embeddings=64, use_sliding_window=False, tie_word_embeddings=False),
 }
-TINY_PRESET = {"qwen2": qwen2_config("tiny_odd", tie_embeddings=True), "qwen3": qwen3_config("tiny_odd")}
+TINY_PRESET = {"qwen2": preset_config("qwen2", "tiny_odd", tie_embeddings=True), "qwen3": preset_config("qwen3", "tiny_odd")}
 HF_CONFIG_CLASS = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 # The parameters that make each family differ from Llama; the parity must be able to see them.
 DISTINCT_PARAMS = {"qwen2": ("_proj.bias", 0.0), "qwen3": ("_norm.weight", 1.0)}   # (name suffix, init value)
 TOKENS = np.random.default_rng(1).integers(0, 131, (2, SEQ))
-# Measured: max |difference| 3.0e-6 (Qwen2) and 3.7e-6 (Qwen3) on logits up to 3.7 (float32).
+# Measured: max |difference| 3.0e-6 (DecoderLM) and 3.7e-6 (DecoderLM) on logits up to 3.7 (float32).
 PARITY_RTOL = PARITY_ATOL = 1e-5
 FLOAT32 = dict(dtype="float32", param_dtype="float32")
 
@@ -92,8 +93,7 @@ def test_preset_parameter_counts_match_published(preset):
 
 @pytest.mark.parametrize("preset", ["qwen2_5_0_5b", "qwen3_0_6b"])
 def test_built_model_has_the_counted_parameters(preset):
-    model_cls = Qwen2 if preset.startswith("qwen2") else Qwen3
-    assert count_params(lambda: model_cls(_preset(preset), rngs=nnx.Rngs(0))) == PUBLISHED[preset]
+    assert count_params(lambda: DecoderLM(_preset(preset), rngs=nnx.Rngs(0))) == PUBLISHED[preset]
 
 
 def test_transformers_counts_the_same_parameters(transformers):
@@ -156,9 +156,9 @@ def test_a_per_layer_window_pattern_is_refused_by_name():
 
 def test_unknown_presets_are_named():
     with pytest.raises(ValueError, match="unknown qwen3 preset 'qwen3_32b'"):
-        qwen3_config("qwen3_32b")
+        preset_config("qwen3", "qwen3_32b")
     with pytest.raises(ValueError, match="Qwen2Config has no field"):
-        qwen2_config("tiny", qk_norm=True)
+        preset_config("qwen2", "tiny", qk_norm=True)
 
 
 # --- parity with transformers -------------------------------------------------------
@@ -171,7 +171,7 @@ def test_logits_match_transformers(reference):
 
 
 def test_the_family_specific_parameters_matter(reference):
-    """Set the q/k/v biases (Qwen2) or the q/k norms (Qwen3) to their init values: the logits move far."""
+    """Set the q/k/v biases (DecoderLM) or the q/k norms (DecoderLM) to their init values: the logits move far."""
     name, _, hf_model, expected = reference
     suffix, init = DISTINCT_PARAMS[name]
     state = numpy_state_dict(hf_model)

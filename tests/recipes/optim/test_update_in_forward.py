@@ -18,7 +18,7 @@ from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
 from spillway.recipes.train.loop import train
-from tests.recipes.train.test_host_params import batches, small_recipe
+from tests.recipes.train.host_training import batches, small_recipe
 from tests.recipes.train.test_train import data_cache, losses, micro  # noqa: F401 (data_cache: a fixture)
 
 ON_HOST = ("offload.optimizer_state=host", "train.grad_accum=1")

@@ -6,7 +6,7 @@ load_balancing_loss_func; the mean of logsumexp^2), a float32 cross-entropy
 from optax, and a plain optax AdamW step; for the train-step variants (chunked
 loss, remat and offload, host optimizer state, the deferred update, host
 weights) the plain step's parameters. The MoE block is Llama's with an MoE MLP
-(tests/recipes/train/moe_test_blocks.py, named by the recipe's `block`).
+(benchmarks/moe_blocks.py's top-2 of 5 experts, named by the recipe's `block`).
 """
 
 import re
@@ -30,12 +30,14 @@ from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
 from spillway.recipes.train.step import make_loss_fn
 
-import moe_test_blocks
+from benchmarks.moe_blocks import TINY_EXPERTS, block_path
 
-E = moe_test_blocks.NUM_EXPERTS
+E = TINY_EXPERTS["num_experts"]
+DROPLESS = block_path("tiny", "dropless")
+EMITS = "aux_test_blocks:EmitsResidualScale"
 LB, Z = 0.02, 0.001
 STEPS = 3
-BASE = ["model.vocab_size=64", f"model.d_model={moe_test_blocks.D_MODEL}", "model.num_layers=2", "model.num_heads=4",
+BASE = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
         "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=32", "data.seq_len=16",
         "train.global_batch=8", "train.steps=20", "optimizer.warmup_steps=1", "optimizer.learning_rate=1e-2",
         "optimizer.weight_decay=0"]
@@ -45,8 +47,8 @@ def one_device():
     return make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
 
 
-def recipe(block: str | None = "Dropless", *extra):
-    return get_recipe("tiny", BASE + ([f"block=moe_test_blocks:{block}"] if block else []) + list(extra))
+def recipe(block: str | None = DROPLESS, *extra):
+    return get_recipe("tiny", BASE + ([f"block={block}"] if block else []) + list(extra))
 
 
 def with_aux(*extra):
@@ -117,7 +119,7 @@ def max_difference(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def aux_run():
-    return run_steps(recipe("Dropless", *with_aux()))
+    return run_steps(recipe(DROPLESS, *with_aux()))
 
 
 def test_objective_with_aux_equals_hand_computation_and_plain_optax(aux_run):
@@ -142,7 +144,7 @@ def test_objective_with_aux_equals_hand_computation_and_plain_optax(aux_run):
 def test_micro_batches_average_their_own_objectives():
     """grad_accum=2: each micro-batch's load-balancing loss is its own (aux_terms.py), the step's objective
     their mean; the cross-entropy, the z-loss and the loads are the whole batch's."""
-    history, metrics, s = run_steps(recipe("Dropless", *with_aux("train.grad_accum=2")))
+    history, metrics, s = run_steps(recipe(DROPLESS, *with_aux("train.grad_accum=2")))
     objective = jax.jit(jax.value_and_grad(reference_objective(s.graphdef), has_aux=True))
 
     def mean_grads(p, tokens_bt):   # micro-batch m is rows m, m + 2, ... (recipes/train/step.py)
@@ -177,7 +179,7 @@ VARIANTS = [
 @pytest.mark.parametrize("settings", VARIANTS)
 def test_every_step_variant_gives_the_same_parameters(aux_run, settings):
     (*_, expected), expected_metrics, _ = aux_run
-    (*_, params), metrics, _ = run_steps(recipe("Dropless", *with_aux(*settings)))
+    (*_, params), metrics, _ = run_steps(recipe(DROPLESS, *with_aux(*settings)))
     assert_trees_close(params, expected, rtol=2e-5, atol=2e-6)
     for name, value in expected_metrics[aux_terms.AUX_METRICS].items():
         np.testing.assert_allclose(metrics[aux_terms.AUX_METRICS][name], value, rtol=1e-5, err_msg=name)
@@ -185,8 +187,8 @@ def test_every_step_variant_gives_the_same_parameters(aux_run, settings):
 
 @pytest.mark.slow   # two steps compiled, about 40 s of CPU here
 def test_host_weights_with_micro_batches_give_the_same_parameters():
-    (*_, on_device), metrics_device, _ = run_steps(recipe("Dropless", *with_aux("train.grad_accum=2")))
-    (*_, on_host), metrics_host, _ = run_steps(recipe("Dropless", *with_aux(
+    (*_, on_device), metrics_device, _ = run_steps(recipe(DROPLESS, *with_aux("train.grad_accum=2")))
+    (*_, on_host), metrics_host, _ = run_steps(recipe(DROPLESS, *with_aux(
         "train.grad_accum=2", "offload.optimizer_state=host", "offload.params=host")))
     assert_trees_close(on_host, on_device, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(metrics_host["aux"]["moe/lb_loss"], metrics_device["aux"]["moe/lb_loss"], rtol=1e-6)
@@ -227,9 +229,9 @@ def test_a_model_that_emits_nothing_compiles_the_step_it_compiled_before(grad_ac
 
 
 def test_any_emitted_value_reaches_the_metrics():
-    """A block emitting a value no loss knows (moe_test_blocks.EmitsResidualScale): its mean over the layers
+    """A block emitting a value no loss knows (aux_test_blocks.EmitsResidualScale): its mean over the layers
     is in the step's metrics and in the logged row."""
-    history, metrics, s = run_steps(recipe("EmitsResidualScale"), n=1)
+    history, metrics, s = run_steps(recipe(EMITS), n=1)
     with aux_outputs.collecting() as collected:
         nnx.merge(s.graphdef, history[0])(batches(1)[0][:, :-1])
     per_layer = np.asarray(collected.values["resid_scale"])
@@ -240,7 +242,7 @@ def test_any_emitted_value_reaches_the_metrics():
 
 
 @pytest.mark.parametrize("block, says", [(None, "its blocks emit nothing"),
-                                         ("EmitsResidualScale", "it emits only ['resid_scale']")])
+                                         (EMITS, "it emits only ['resid_scale']")])
 def test_a_coefficient_on_a_model_without_router_statistics_is_an_error(block, says, tmp_path):
     """Raised once, before data is prepared or the run directory taken, by the train loop and the planner
     (both call check_aux_loss on the recipe alone); the MoE block with the same coefficient passes."""
@@ -255,13 +257,13 @@ def test_a_coefficient_on_a_model_without_router_statistics_is_an_error(block, s
     assert said == [] and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match=message):
         step_lib.check_aux_loss(bad)
-    step_lib.check_aux_loss(recipe("Dropless", "aux_loss.router_z=0.001"))
+    step_lib.check_aux_loss(recipe(DROPLESS, "aux_loss.router_z=0.001"))
 
 
 @pytest.mark.parametrize("value", ["-0.01", "NaN", "inf"])
 def test_a_bad_coefficient_is_one_line(value):
     with pytest.raises(ConfigError, match=r"aux_loss.load_balancing must be a finite number >= 0") as error:
-        recipe("Dropless", f"aux_loss.load_balancing={value}")
+        recipe(DROPLESS, f"aux_loss.load_balancing={value}")
     assert "\n" not in str(error.value)
 
 

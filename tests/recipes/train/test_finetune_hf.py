@@ -210,7 +210,8 @@ def test_another_family_is_named(hf_checkpoint, data_cache, tmp_path, monkeypatc
     class OtherConfig:
         max_seq_len: int = 64
 
-    table = HFTable(model_types=("other_lm",), config_from_hf=lambda c: OtherConfig(), config_to_hf=dict,
+    table = HFTable(model_types=("other_lm",), architecture="OtherForCausalLM", config_from_hf=lambda c: OtherConfig(),
+                    fields_to_hf=dict,
                     weights=lambda c: [])
     monkeypatch.setitem(registry.FAMILIES, "other", registry.Family(
         name="other", config_cls=OtherConfig, presets={}, description="a test family", hf=table))

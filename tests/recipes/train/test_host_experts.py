@@ -17,7 +17,6 @@ and run by default.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -29,38 +28,19 @@ from spillway.layers.sharding import make_mesh
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
 
-STEPS = 20
+from tests.recipes.train.host_training import batches, small_recipe, train, twenty_steps_equal
+
 EXPERTS_ON_HOST = ("offload.params=experts", "offload.optimizer_state=host")
 ALL_ON_HOST = ("offload.params=host", "offload.optimizer_state=host")
 
 
 def moe_recipe(*extra, dispatch: str = "dropless", block: str | None = None):
-    from spillway.recipes.registry import get_recipe
-    return get_recipe("tiny", [
-        "model.vocab_size=128", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=32", "data.seq_len=16",
-        "train.global_batch=8", "train.grad_accum=2", f"train.steps={STEPS}", "optimizer.warmup_steps=2",
-        "optimizer.learning_rate=1e-2", "optimizer.clip_norm=0.5",
-        f"block={block or block_path('tiny', dispatch)}", *extra])
+    """host_training's small recipe with an MoE block (top-2 of 5 experts unless `block` says otherwise)."""
+    return small_recipe(f"block={block or block_path('tiny', dispatch)}", *extra)
 
 
 def one_device():
     return make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
-
-
-def batches(recipe, count: int = STEPS):
-    shape = (recipe.train.global_batch, recipe.data.seq_len + 1)
-    return [jax.random.randint(k, shape, 0, recipe.model.vocab_size, jnp.int32)
-            for k in jax.random.split(jax.random.key(7), count)]
-
-
-def train(s, params, opt_state, tokens):
-    norms = []
-    for t in tokens:
-        batch = Batch(tokens=jax.device_put(t, s.batch_sharding))
-        params, opt_state, _, stats = s.train_step(params, opt_state, None, batch)
-        norms.append(float(stats["grad_norm"]))
-    return params, opt_state, norms
 
 
 def kinds_by_role(params) -> dict[str, set[str]]:
@@ -71,13 +51,6 @@ def kinds_by_role(params) -> dict[str, set[str]]:
             if "blocks" in jax.tree_util.keystr(path) else "outside"
         found[role].add(var.get_value().sharding.memory_kind)
     return found
-
-
-def assert_same_params(on_host, on_device, rtol=1e-5, atol=1e-6):
-    # Host and device arrays cannot meet in one op (docs/DESIGN.md section 4): compare as NumPy.
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(on_host)[0], jax.tree.leaves(on_device), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.fixture(scope="module")
@@ -168,21 +141,13 @@ def test_twenty_steps_with_expert_weights_on_host_equal_everything_on_device(cas
     sharded = mesh_name != "1x1x1"
     mesh = make_mesh(MeshConfig(2, 2, 2)) if sharded else one_device()
     block = block_path("tiny_even" if sharded else "tiny", dispatch)
-    results = {}
-    for name, extra in (("device", ()), ("host", placement)):
-        recipe = moe_recipe(*extra, block=block)
-        s = step_lib.setup(recipe, mesh)
-        params, _, norms = train(s, s.params, s.optimizer.init(s.params), batches(recipe))
-        results[name] = (params, norms)
-    (device_params, device_norms), (host_params, host_norms) = results["device"], results["host"]
-    assert min(device_norms) > 0.5, "clipping must be active for the test to cover it"
     # The host weights' gradients are summed inside the backward pass (of the loss divided by the micro-batch
     # count) and the rest on device: float32 rounding in another order, which 20 AdamW steps carry into the
     # norms (measured: at most 1.8e-5 relative, in the last steps; the parameters stay within the bounds below).
-    np.testing.assert_allclose(host_norms, device_norms, rtol=5e-5)
     # Under a mesh the host CPU sums a sharded gradient's squares in another order than the device's reduce
     # (tests/recipes/train/test_host_params.py measures the same on the dense model).
-    assert_same_params(host_params, device_params, *((1e-4, 1e-5) if sharded else (1e-5, 1e-6)))
+    host_params, _ = twenty_steps_equal(moe_recipe(block=block), moe_recipe(*placement, block=block), mesh,
+                                        norms_rtol=5e-5, params_tol=(1e-4, 1e-5) if sharded else (1e-5, 1e-6))
     kinds = kinds_by_role(host_params)
     assert kinds["experts"] == {"pinned_host"} and kinds["outside"] == {"device"}
     assert kinds["other_blocks"] == ({"device"} if placement == EXPERTS_ON_HOST else {"pinned_host"})

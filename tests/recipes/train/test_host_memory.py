@@ -1,5 +1,6 @@
 """Host memory per phase (recipes/train/host_memory.py): the donated step on CPU, restore into pinned host
-memory, checkpoints from before the change, and the phase model's arithmetic.
+memory, checkpoints from before the change, the phase model's arithmetic, and its inputs against the bytes
+of the arrays a run builds.
 
 CPU memory kinds are the same RAM, so what a GPU would keep in pinned memory is shown by deviceless
 compiles (tests/recipes/train/test_host_memory_aot.py); these tests check values, memory kinds and the
@@ -189,3 +190,28 @@ def test_phases_of_a_setup_count_state_halves_and_pending_gradients():
     q = host_memory.phases_of(deferred, footprint=0)
     assert q.halved == 0 and q.pending > 0
     assert q.step_host == 2 * q.state + 2 * q.pending
+
+
+def _bytes_by_memory_kind(tree) -> dict[str, int]:
+    """Bytes of the arrays themselves, per memory kind (what this process holds: every addressable shard)."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        kind = leaf.sharding.memory_kind
+        out[kind] = out.get(kind, 0) + sum(shard.data.nbytes for shard in leaf.addressable_shards)
+    return out
+
+
+def test_the_phase_inputs_are_the_bytes_of_the_arrays_a_run_builds():
+    """phases_of counts from shapes and shardings; the independent figure is the arrays setup, init and the
+    saved form make (on CPU: no halves), measured."""
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+    s = step_lib.setup(small_recipe("offload.optimizer_state=host", "offload.params=host"), mesh)
+    opt_state = s.optimizer.init(s.params)
+    p = host_memory.phases_of(s, footprint=0, gpu=False)
+    held = _bytes_by_memory_kind((s.params, opt_state))
+    assert p.state == _bytes_by_memory_kind(opt_state)["pinned_host"] > 0
+    assert p.weights == _bytes_by_memory_kind(s.params)["pinned_host"] > 0
+    assert p.by_phase()["state creation"] == held["pinned_host"]          # footprint 0: the live host arrays
+    saved = _bytes_by_memory_kind((s.params, s.optimizer.saved_form(opt_state)))
+    assert p.saved_device == saved.get("device", 0) > 0
+    assert p.saved_host == sum(n for kind, n in saved.items() if kind != "device")

@@ -9,48 +9,17 @@ H200 to show the HBM saving.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh
-from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
 
-STEPS = 20
-LAYERS = 3
+from tests.recipes.train.host_training import batches, small_recipe, twenty_steps_equal
 
-
-def small_recipe(*extra):
-    return get_recipe("tiny", [
-        "model.vocab_size=128", "model.d_model=32", f"model.num_layers={LAYERS}", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=32", "data.seq_len=16",
-        "train.global_batch=8", "train.grad_accum=2", f"train.steps={STEPS}", "optimizer.warmup_steps=2",
-        "optimizer.learning_rate=1e-2", "optimizer.clip_norm=0.5", *extra])
-
-
-def batches(recipe):
-    key = jax.random.key(7)
-    shape = (recipe.train.global_batch, recipe.data.seq_len + 1)
-    return [jax.random.randint(k, shape, 0, recipe.model.vocab_size, jnp.int32)
-            for k in jax.random.split(key, STEPS)]
-
-
-def train_steps(recipe, mesh):
-    """STEPS train steps of setup(recipe) on `mesh`; (final params as NumPy, grad norms, the TrainSetup)."""
-    s = step_lib.setup(recipe, mesh)
-    params = s.params
-    opt_state = s.optimizer.init(params)
-    norms = []
-    for tokens in batches(recipe):
-        batch = Batch(tokens=jax.device_put(tokens, s.batch_sharding))
-        params, opt_state, _, stats = s.train_step(params, opt_state, None, batch)
-        norms.append(float(stats["grad_norm"]))
-    # Host and device arrays cannot meet in one op (docs/DESIGN.md section 4): compare as NumPy.
-    return jax.tree.map(np.asarray, params), norms, s, params, opt_state
 
 
 def stacked_kinds(params):
@@ -72,18 +41,13 @@ UPDATES = {"streamed": "optimizer.update_on_host=false", "host_cpu": "optimizer.
     for mesh in MESHES for update in UPDATES])
 def test_twenty_steps_with_host_params_equal_everything_on_device(mesh_name, update):
     mesh = MESHES[mesh_name]()
-    on_device, device_norms, _, _, _ = train_steps(small_recipe(), mesh)
-    on_host, host_norms, s, params, opt_state = train_steps(
-        small_recipe("offload.params=host", "offload.optimizer_state=host", UPDATES[update]), mesh)
-    assert min(device_norms) > 0.5, "clipping must be active for the test to cover it"
-    np.testing.assert_allclose(host_norms, device_norms, rtol=1e-5)
     # One device: the same sums in the same order, equal to float32 rounding. Under FSDP the
     # host CPU sums a sharded gradient's squares in another order than the device's
     # reduce + all-reduce; AdamW turns those ~1e-7 differences into ~1e-6 on the few weights
     # whose gradients are near zero (measured: 2 of 4096 embedding entries, 7e-5 relative).
-    rtol, atol = (1e-5, 1e-6) if mesh_name == "one_device" else (1e-4, 1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(on_host)[0], jax.tree.leaves(on_device)):
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+    params, opt_state = twenty_steps_equal(
+        small_recipe(), small_recipe("offload.params=host", "offload.optimizer_state=host", UPDATES[update]), mesh,
+        norms_rtol=1e-5, params_tol=(1e-5, 1e-6) if mesh_name == "one_device" else (1e-4, 1e-5))
     # The block weights stayed in host memory across 20 steps; embedding, norm and head on device.
     assert stacked_kinds(params) == ({"pinned_host"}, {"device"})
     assert all(leaf.sharding.memory_kind == "pinned_host" for leaf in jax.tree.leaves(opt_state.mu))
@@ -118,6 +82,20 @@ def test_pinned_host_bytes_count_state_weights_and_gradients_before_anything_exi
     s = step_lib.setup(recipe, mesh)
     assert pinned.optimizer_state == s.optimizer.host_bytes(s.optimizer.init(s.params)) > 0
     assert pinned.total == pinned.optimizer_state + pinned.weights + pinned.gradients
+
+
+@pytest.mark.parametrize("extra", [
+    ("offload.params=host", "train.grad_accum=2", "execution.param_dtype=bfloat16"),   # float32 sums of bf16
+    ("offload.params=host", "train.grad_accum=1"),
+    ("offload.update=next_forward", "train.grad_accum=1")])
+def test_the_shapes_only_step_bytes_are_what_the_setup_counts(extra):
+    """recipes/train/host_memory.phases_of_recipe (before any backend starts: the loop's pinned limit) counts the
+    step's pinned bytes by the setup's rule, from the arrays' shapes alone."""
+    from spillway.recipes.train import host_memory
+
+    recipe = small_recipe("offload.optimizer_state=host", *extra)
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+    assert host_memory.phases_of_recipe(recipe).step_host == step_lib.pinned_host_bytes(recipe, mesh).total > 0
 
 
 def test_block_gradients_come_back_in_host_memory():

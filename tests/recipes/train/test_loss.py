@@ -8,15 +8,16 @@ from flax import nnx
 
 from spillway.layers.execution import Execution
 from spillway.layers.sharding import create_sharded
-from spillway.models.llama import Llama, llama_config
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 from spillway.recipes.train.loss import chunked_cross_entropy
 from spillway.recipes.train.step import make_loss_fn
 from spillway.recipes.train.batch import Batch
 
 
 def test_chunked_loss_matches_whole_sequence():
-    cfg = llama_config("tiny_odd")
-    graphdef, params = nnx.split(create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat="recompute_all")))
+    cfg = preset_config("llama", "tiny_odd")
+    graphdef, params = nnx.split(create_sharded(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0), remat="recompute_all")))
     tokens = Batch(tokens=jax.random.randint(jax.random.key(0), (2, 25), 0, cfg.vocab_size))
     whole_loss, whole_grads = jax.jit(jax.value_and_grad(make_loss_fn(graphdef)))(params, tokens)
     chunk_loss, chunk_grads = jax.jit(jax.value_and_grad(make_loss_fn(graphdef, loss_chunk=8)))(params, tokens)
@@ -25,8 +26,8 @@ def test_chunked_loss_matches_whole_sequence():
 
 
 def test_chunk_must_divide_the_sequence():
-    cfg = llama_config("tiny_odd")
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    cfg = preset_config("llama", "tiny_odd")
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))
     tokens = Batch(tokens=jax.ShapeDtypeStruct((2, 25), jnp.int32))
     with pytest.raises(ValueError, match=r"loss_chunk \(7\) must divide the sequence length \(24\)"):
         jax.eval_shape(make_loss_fn(graphdef, loss_chunk=7), params, tokens)
@@ -49,9 +50,9 @@ def test_chunked_head_gradient_is_accumulated_in_float32(tie):
     HLO upcasts both operands), so it accumulates 128 cancelling terms in
     low precision. A GPU accumulates bf16 matmuls in float32 either way.
     """
-    cfg = llama_config("tiny_odd", tie_embeddings=tie)
+    cfg = preset_config("llama", "tiny_odd", tie_embeddings=tie)
     bf16 = Execution(dtype="bfloat16", param_dtype="bfloat16")
-    model = create_sharded(lambda: Llama(cfg, bf16, rngs=nnx.Rngs(0), remat="recompute_all"))
+    model = create_sharded(lambda: DecoderLM(cfg, bf16, rngs=nnx.Rngs(0), remat="recompute_all"))
     tokens = np.asarray(jax.random.randint(jax.random.key(0), (2, 129), 0, cfg.vocab_size))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)

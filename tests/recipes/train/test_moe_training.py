@@ -1,7 +1,7 @@
 """A tiny MoE trains on CPU: loss falls, the load-balancing loss keeps the experts' load balanced, and the run
 directory holds what a person watching it needs (metrics.jsonl fields, expert_load.png).
 
-The MoE is Llama's block with a top-2-of-5 MoE MLP (tests/recipes/train/moe_test_blocks.py), named by the
+The MoE is Llama's block with a top-2-of-5 MoE MLP (benchmarks/moe_blocks.py's tiny blocks), named by the
 recipe's `block`; no model family is added.
 
 The bound. The load-balancing loss (Hugging Face's, aux_terms.py) pools the statistics of all layers, so
@@ -31,9 +31,9 @@ from spillway.recipes.train.loop import train
 from spillway.recipes.train.metrics import RunLogger, read_metrics
 from spillway.recipes.train.batch import Batch
 
-import moe_test_blocks
+from benchmarks.moe_blocks import TINY_EXPERTS, block_path
 
-E, K = moe_test_blocks.NUM_EXPERTS, moe_test_blocks.TOP_K
+E, K = TINY_EXPERTS["num_experts"], TINY_EXPERTS["top_k"]
 BALANCED_BOUND = 1.75
 VOCAB = 64
 
@@ -43,8 +43,8 @@ def test_a_tiny_moe_trains_and_logs_its_experts(tmp_path):
     run_dir = tmp_path / "run"
     recipe = get_recipe("tiny", [
         "data.source=builtin:stdlib:100000", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
-        "data.num_proc=1", "model.vocab_size=512", f"model.d_model={moe_test_blocks.D_MODEL}", "model.num_layers=2",
-        "model.num_heads=4", "model.num_kv_heads=2", "model.max_seq_len=64", "block=moe_test_blocks:Capacity",
+        "data.num_proc=1", "model.vocab_size=512", "model.d_model=32", "model.num_layers=2",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.max_seq_len=64", f"block={block_path('tiny', 'capacity')}",
         "aux_loss.load_balancing=0.02", "aux_loss.router_z=0.001", "train.global_batch=8", "train.steps=12",
         "train.log_every=1", "train.eval_every=0", "train.sample_tokens=0", "optimizer.warmup_steps=2",
         "optimizer.learning_rate=1e-2", f"checkpoint.dir={run_dir}", "checkpoint.every_steps=100",
@@ -78,10 +78,10 @@ def zipf_batches(n):
 def layer_mean_load_max(coefficient: float, steps: int = 40) -> tuple[float, float, float]:
     """(the last 10 steps' mean of max_e (share averaged over layers) x E, the first and last step's loss)."""
     recipe = get_recipe("tiny", [
-        f"model.vocab_size={VOCAB}", f"model.d_model={moe_test_blocks.D_MODEL}", "model.num_layers=2",
+        f"model.vocab_size={VOCAB}", "model.d_model=32", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.max_seq_len=32", "data.seq_len=16",
         "train.global_batch=8", f"train.steps={steps}", "optimizer.warmup_steps=2", "optimizer.learning_rate=1e-2",
-        "block=moe_test_blocks:Dropless", f"aux_loss.load_balancing={coefficient}"])
+        f"block={block_path('tiny', 'dropless')}", f"aux_loss.load_balancing={coefficient}"])
     s = step_lib.setup(recipe, make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]))
     params, opt_state = s.params, s.optimizer.init(s.params)
     worst, losses = [], []

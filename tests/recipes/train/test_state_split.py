@@ -19,7 +19,7 @@ from spillway.recipes.optim.split_state import ResidentSplit
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
-from tests.recipes.train.test_host_params import LAYERS, batches, small_recipe, train_steps
+from tests.recipes.train.host_training import LAYERS, batches, small_recipe, train_steps
 
 
 def one_device():

@@ -14,7 +14,7 @@ from spillway.layers.sharding import make_mesh
 from spillway.recipes.optim.update_in_forward import PendingUpdate
 from spillway.recipes.train import batch as batch_lib
 from spillway.recipes.train import step as step_lib
-from tests.recipes.train.test_host_params import small_recipe
+from tests.recipes.train.host_training import small_recipe
 
 AFTER_BACKWARD = ("train.grad_accum=1",)
 IN_FORWARD = ("offload.optimizer_state=host", "train.grad_accum=1", "offload.update=next_forward")
