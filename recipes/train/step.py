@@ -288,8 +288,8 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     temporaries are the planner's to report (spillway plan's host column).
     With grad_accum > 1 the float32 running sum is read and a new one written
     in each micro-batch: two of them. With the update in the next forward pass
-    the state and the pending gradients are read and new ones written: two of
-    each.
+    the new state and pending gradients are written over the old ones (donated):
+    one of each.
     """
     return pinned_bytes_of_setup(abstract_setup(recipe, mesh, platform=jax.default_backend()))
 
@@ -300,10 +300,10 @@ def pinned_bytes_of_setup(s: TrainSetup) -> PinnedHostBytes:
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
     if s.defers_update:
-        # The step writes the new state beside the old and the new pending gradients beside the old ones
-        # (recipes/optim/update_in_forward.py): two of each while it runs.
+        # The step writes the new state and pending gradients over the old ones (both donated;
+        # recipes/optim/update_in_forward.py): one of each while it runs.
         pending = tree_nbytes_by_memory_kind(_abstract_pending(s)).get(placement.PINNED_HOST, 0)
-        return PinnedHostBytes(2 * state, weights, 2 * pending)
+        return PinnedHostBytes(state, weights, pending)
     if recipe.lora.enabled:
         gradients = 0   # the frozen base has none; the adapters' live in HBM
     elif recipe.train.grad_accum == 1:
@@ -391,12 +391,13 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
     if deferred:
         pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
         objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
-        # Only the params are donated. The step writes the new state into new host arrays (the scan's
-        # output): a donated state would make XLA copy them into the old ones afterwards, host to host
-        # over the link. The pending gradients neither: the stacked weights are not read (their masters
-        # are), so JAX drops those inputs and would pair the donated gradient buffers, same shapes, with
-        # the new weights, which XLA then copies to host memory.
-        donated = (0,) if not placement.any_host_sharding(param_sh) else ()
+        # Everything is donated: the forward pass writes each layer's new state over its old row in the
+        # carried host buffers (update_in_forward._UpdateBeforeEachLayer), and XLA writes the new pending
+        # gradients (the backward scan's host output) over the old ones, read by then (deviceless H200:
+        # host alias = host arguments, host temp 0; benchmarks/host_memory_aot.py). JAX 0.10.2 pairs a
+        # donated buffer only with an output of its own memory kind, so the pending gradients' host
+        # buffers go to the new pending gradients, not to the new weights of the same shapes.
+        donated = (0, 1, 2) if not placement.any_host_sharding(param_sh) else (1, 2)
         step = jax.jit(update_in_forward.make_train_step(objective, optimizer),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
