@@ -20,10 +20,11 @@ checkpoint, validation or the end of training; a flushed `PendingUpdate` has
 apply=False, and a step with nothing to apply leaves every value as it is
 (adamw.adamw_piece selects). The stacked state is one host array per leaf
 here (no LayerHalves), carried through the scan and written a row at a time in
-place: layer t+1's rows are read, then layer t's new rows go over its old ones
-(an optimization_barrier orders the two), and the step donates the state and
-the pending gradients, so neither is ever in host memory twice (deviceless
-H200: host alias = host arguments, host temp 0; docs/DESIGN.md section 6).
+place: iteration t writes layer t-1's new rows over its old ones, then reads
+layer t+1's from the buffers written, and the step donates the state, so the
+state is never in host memory twice (deviceless H200: its host bytes alias,
+host temp 0; docs/DESIGN.md section 6). The pending gradients are not donated
+(recipes/train/step.py says why): old and new are held together.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ libraries, XLA's compiler), per process:
                                          memory (deviceless H200: host temp 0)
     step            the step's own host  donated, the new state is written over the old one
                     bytes                (host alias = host arguments); with the update in the
-                                         next forward pass too, S + Gp: each layer's new state
+                                         next forward pass S + 2 Gp: each layer's new state
                                          goes over its old row in place, the new pending
-                                         gradients over the old (update_in_forward.py)
+                                         gradients beside the old (update_in_forward.py)
     save, in pieces W + S + Gp + P       every array written from where it lies, one zarr chunk of
                                          at most SAVE_PIECE_BYTES at a time (checkpoint_io.py): P =
                                          PIECES_STAGING_BYTES, the pieces in flight and tensorstore's
@@ -293,7 +293,7 @@ def phases_of_recipe(recipe) -> HostPhases:
         weights += param_bytes if host_weight else 0
         device_saved += 0 if host_weight else param_bytes
     if deferred:
-        step_host = state + pending   # donated and written in place (update_in_forward.py)
+        step_host = state + 2 * pending   # the state written in place, new gradients beside the old
     else:
         step_host = state + weights + (weights if recipe.train.grad_accum == 1 else 2 * weights)
     return HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,

@@ -288,8 +288,8 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     temporaries are the planner's to report (spillway plan's host column).
     With grad_accum > 1 the float32 running sum is read and a new one written
     in each micro-batch: two of them. With the update in the next forward pass
-    the new state and pending gradients are written over the old ones (donated):
-    one of each.
+    the new state is written over the old one (donated), and the new pending
+    gradients beside the old ones: one state, two of the gradients.
     """
     return pinned_bytes_of_setup(abstract_setup(recipe, mesh, platform=jax.default_backend()))
 
@@ -300,10 +300,10 @@ def pinned_bytes_of_setup(s: TrainSetup) -> PinnedHostBytes:
     state = s.optimizer.host_bytes(s.optimizer.abstract_state(s.params, s.param_shardings))
     weights = tree_nbytes_by_memory_kind(s.params).get(placement.PINNED_HOST, 0)
     if s.defers_update:
-        # The step writes the new state and pending gradients over the old ones (both donated;
-        # recipes/optim/update_in_forward.py): one of each while it runs.
+        # The step writes the new state over the old (donated; recipes/optim/update_in_forward.py) and
+        # the new pending gradients beside the old ones (not donated: make_setup says why).
         pending = tree_nbytes_by_memory_kind(_abstract_pending(s)).get(placement.PINNED_HOST, 0)
-        return PinnedHostBytes(state, weights, pending)
+        return PinnedHostBytes(state, weights, 2 * pending)
     if recipe.lora.enabled:
         gradients = 0   # the frozen base has none; the adapters' live in HBM
     elif recipe.train.grad_accum == 1:
@@ -391,13 +391,14 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
     if deferred:
         pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
         objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
-        # Everything is donated: the forward pass writes each layer's new state over its old row in the
-        # carried host buffers (update_in_forward._UpdateBeforeEachLayer), and XLA writes the new pending
-        # gradients (the backward scan's host output) over the old ones, read by then (deviceless H200:
-        # host alias = host arguments, host temp 0; benchmarks/host_memory_aot.py). JAX 0.10.2 pairs a
-        # donated buffer only with an output of its own memory kind, so the pending gradients' host
-        # buffers go to the new pending gradients, not to the new weights of the same shapes.
-        donated = (0, 1, 2) if not placement.any_host_sharding(param_sh) else (1, 2)
+        # The params and the optimizer state are donated: the forward pass writes each layer's new state
+        # over its old row in the carried host buffers (update_in_forward._UpdateBeforeEachLayer;
+        # deviceless H200: the state's host bytes alias, host temp 0). The pending gradients are not:
+        # with a float32 master the stacked weights are not read, so JAX drops those inputs and pairs
+        # the donated gradient buffers, same shapes, with the new weights, which XLA then keeps in host
+        # memory and copies there (Llama 3.2 1B: the bf16 block weights twice in the step's host outputs
+        # and 1.8 GiB of host-to-host copies; docs/DESIGN.md section 6).
+        donated = (0, 1) if not placement.any_host_sharding(param_sh) else (1,)
         step = jax.jit(update_in_forward.make_train_step(objective, optimizer),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
