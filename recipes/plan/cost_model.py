@@ -22,7 +22,10 @@ in flight) and the FLOPs counted from the model's shapes (models/flops.py), a
                  bytes that phase's compiled schedule moves with both in flight
                  (never more than its smaller direction: `link_seconds`). A
                  plan whose update runs in the next forward pass is read
-                 straight from what each pass moves (`phases_by_pass`).
+                 straight from what each pass moves (`phases_by_pass`),
+                 each pass's copies hiding under its compute only as far
+                 as the compiled schedule runs them beside a matmul
+                 (`beside_compute`, hlo.host_copies_beside_compute).
 
 The weight terms are zero unless the block weights live in host memory;
 `ParamTraffic` says how they are counted and how they compare with the
