@@ -16,8 +16,8 @@ and temporaries of each program separately. Programs, per configuration:
   flush     offload.update=next_forward only: the pending update applied
   join      Optimizer.saved_form (checkpoint save): the halved state joined
   split     Optimizer.from_saved_form (restore): back into halves
-  step, state donated   (next_forward) the deferred step with the state donated
-            too: can it write the new state over the old?
+  step, pending donated   (next_forward) the deferred step with the pending
+            gradients donated too: can they be written over the old ones?
 
 Runs in a compile process (recipes/plan/subprocess_runner.py); prints one JSON
 document with --json.
@@ -70,7 +70,7 @@ def compile_config(config: str, extra: list[str], target: str) -> dict:
             "step": _report(s.train_step, *arguments)}
     if s.defers_update:
         rows["flush"] = _report(s.flush, *arguments[:3])
-        # Can the deferred update write the new state over the old? The same step with the state donated too.
+        # Can the new pending gradients be written over the old? The same step with them donated too.
         from spillway.recipes.optim import update_in_forward
         from spillway.recipes.train.step import make_objective
         objective = make_objective(s.graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
@@ -78,8 +78,8 @@ def compile_config(config: str, extra: list[str], target: str) -> dict:
                           in_shardings=(s.param_shardings, s.opt_state_shardings, s.pending_shardings,
                                         s.batch_sharding),
                           out_shardings=(s.param_shardings, s.opt_state_shardings, s.pending_shardings, None),
-                          donate_argnums=(0, 1))
-        rows["step, state donated"] = _report(donated, *arguments)
+                          donate_argnums=(0, 1, 2))
+        rows["step, pending donated"] = _report(donated, *arguments)
     saved = jax.eval_shape(s.optimizer.saved_form, opt_state)
     saved_sh = jax.tree.map(lambda leaf: leaf.sharding, s.optimizer.saved_abstract_state(s.params,
                                                                                          s.param_shardings))

@@ -21,6 +21,9 @@ Two ways to bring the state in:
     sliced      the state rows are the scan's inputs (xs), as weights are
     prefetched  layer t+1's state is fetched in iteration t and carried into
                 the next iteration (double buffering, as the streamed update does)
+    in_place    prefetched, with the state itself in the carry (donated): iteration
+                t writes layer t-1's new rows over the old ones, then reads layer
+                t+1's from the buffers written (recipes/optim/update_in_forward.py)
 
 Per variant: HBM and host bytes of the compiled step (buffer assignment),
 link bytes of the forward pass, bytes moved with both link directions in
@@ -44,7 +47,7 @@ from spillway.recipes.plan.subprocess_runner import prepare_compile_process  # n
 from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
-VARIANTS = ("sliced", "prefetched")
+VARIANTS = ("sliced", "prefetched", "in_place")
 
 
 def build_step(variant: str, num_layers: int):
@@ -82,7 +85,30 @@ def build_step(variant: str, num_layers: int):
             x = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)(x, used)
             return x, (new_weight, *(jax.device_put(a, host) for a in (new_mu, new_nu, new_master)))
 
+        def in_place_scan(weights):
+            def body(carry, rows):
+                x, state, current, previous = carry
+                weight_row, grad_row, t = rows
+                state = tuple(jax.lax.dynamic_update_index_in_dim(s, jax.device_put(p, host), jnp.maximum(t - 1, 0), 0)
+                              for s, p in zip(state, previous))
+                upcoming = tuple(jax.device_put(jax.lax.dynamic_index_in_dim(a, jnp.minimum(t + 1, num_layers - 1),
+                                                                             keepdims=False), device) for a in state)
+                new_rows = adamw(grad_row, *current)
+                new_weight = jax.lax.stop_gradient(new_rows[2].astype(weight_row.dtype))
+                used = straight_through(weight_row, new_weight)
+                x = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)(x, used)
+                return (x, state, upcoming, new_rows), new_weight
+            first = fetch(0)
+            (x, state, _, last), new_weights = jax.lax.scan(body, (x0, (mu, nu, master), first, first),
+                                                            (weights, grads, jnp.arange(num_layers)))
+            state = tuple(jax.lax.dynamic_update_index_in_dim(s, jax.device_put(p, host), num_layers - 1, 0)
+                          for s, p in zip(state, last))
+            return x, (new_weights, *state)
+
         def loss(weights):
+            if variant == "in_place":
+                x, outs = in_place_scan(weights)
+                return jnp.sum(x.astype(jnp.float32)), outs
             if variant == "sliced":
                 def body(x, rows):
                     weight_row, grad_row, *state_rows = rows
@@ -105,7 +131,8 @@ def build_step(variant: str, num_layers: int):
     # Weights and gradients are donated (the grads' buffer becomes the next
     # gradients'); the state is not: donated, XLA copies the scan's host
     # output into the donated buffer after the loop, over the link again.
-    return jax.jit(step, donate_argnums=(0, 1))
+    # In place, the carried state is donated too.
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 4) if variant == "in_place" else (0, 1))
 
 
 def copies_across_matmuls(hlo_text: str) -> dict[str, tuple[int, int]]:

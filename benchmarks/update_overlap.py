@@ -13,9 +13,17 @@ schedule does with the host link:
     link overlap   (H->D + D->H - overlapped) / link
     update         the planner's update phase: 2 x state / link, less the
                    overlapped bytes (at most the state)
+    beside compute per autodiff pass, the async copy bytes whose window in the
+                   schedule holds a matmul (hlo.host_copies_beside_compute):
+                   what can hide under that pass's compute
+    host temp / alias  the compiled step's host temporaries and the host bytes
+                   written over donated arguments (in place: alias = arguments)
+
+--update next_forward compiles the update run in the next forward pass
+(offload.update), --set train.grad_accum=8 the accumulating step.
 
 Run:  .venv/bin/python benchmarks/update_overlap.py [--recipe llama3_8b] [--gpu h200]
-      [--plan recompute_all] [--set key=value ...] [--json]
+      [--plan recompute_all] [--update after_backward|next_forward] [--set key=value ...] [--json]
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ def measure(argv: list[str]) -> dict:
     parser.add_argument("--recipe", default="llama3_8b")
     parser.add_argument("--gpu", default=DEFAULT_GPU)
     parser.add_argument("--plan", default="recompute_all")
+    parser.add_argument("--update", default="after_backward")
+    parser.add_argument("--hlo-out", help="write the compiled step's HLO text here")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -54,7 +64,8 @@ def measure(argv: list[str]) -> dict:
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 
     recipe = get_recipe(args.recipe, args.set)
-    recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state="host"))
+    recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state="host",
+                                                                       update=args.update))
     recipe, _ = planned_recipe(recipe)
     target = get_target(args.gpu)
     topology = gpu_topology(target, 1)
@@ -65,19 +76,26 @@ def measure(argv: list[str]) -> dict:
         compiler_options=compiler_options())
     seconds = time.perf_counter() - started
     text = compiled.as_text()
+    if args.hlo_out:
+        with open(args.hlo_out, "w") as out:
+            out.write(text)
     stats = compiled.memory_analysis()
     traffic = hlo.host_traffic(text)
     copies = hlo.overlapping_host_copies(text)
+    beside = hlo.host_copies_beside_compute(text)
     link = target.host_link_bytes_per_s
     state = min(stats.host_argument_size_in_bytes, traffic.device_to_host_bytes, traffic.host_to_device_bytes)
     moved = traffic.device_to_host_bytes + traffic.host_to_device_bytes
     return {
-        "recipe": recipe.name, "plan": args.plan, "target": target.display_name,
+        "recipe": recipe.name, "plan": args.plan, "update": args.update, "target": target.display_name,
         "host_link": target.host_link, "link_bytes_per_s": link, "compile_s": seconds,
         "hbm_bytes": (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                       + stats.temp_size_in_bytes),
         "host_state_bytes": stats.host_argument_size_in_bytes,
         "host_temp_bytes": stats.host_temp_size_in_bytes,
+        "host_alias_bytes": stats.host_alias_size_in_bytes,
+        "async_copy_bytes_by_pass": beside.moved_by_pass, "beside_compute_by_pass": beside.beside_compute_by_pass,
+        "transfer_bytes_by_pass": hlo.traffic_by_pass(text), "overlapped_bytes_by_pass": copies.overlapped_by_pass,
         "host_to_device_bytes": traffic.host_to_device_bytes,
         "device_to_host_bytes": traffic.device_to_host_bytes,
         "overlapped_bytes": copies.overlapped_bytes, "overlapping_pairs": copies.overlapping_pairs,
@@ -88,11 +106,14 @@ def measure(argv: list[str]) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"{r['recipe']}, activations {r['plan']}, optimizer state on host; {r['target']} "
+    print(f"{r['recipe']}, activations {r['plan']}, optimizer state on host, update {r['update']}; {r['target']} "
           f"(deviceless compile, {r['compile_s']:.0f} s); {r['host_link']} "
           f"{r['link_bytes_per_s'] / 1e9:.0f} GB/s per direction")
     print(f"  HBM {r['hbm_bytes'] / GiB:.2f} GiB, host state {r['host_state_bytes'] / GiB:.2f} GiB, "
-          f"host temp {r['host_temp_bytes'] / GiB:.2f} GiB")
+          f"host temp {r['host_temp_bytes'] / GiB:.2f} GiB, host alias {r['host_alias_bytes'] / GiB:.2f} GiB")
+    print("  async copies beside a matmul, per pass: " + ", ".join(
+        f"{kind} {r['beside_compute_by_pass'][kind] / GiB:.2f} of {moved / GiB:.2f} GiB"
+        for kind, moved in r["async_copy_bytes_by_pass"].items()))
     print(f"  H->D {r['host_to_device_bytes'] / GiB:.2f} GiB, D->H {r['device_to_host_bytes'] / GiB:.2f} GiB, "
           f"overlapped {r['overlapped_bytes'] / GiB:.2f} GiB ({r['overlapping_pairs']} overlapping window pairs)")
     print(f"  link time: serial {r['link_serial_s'] * 1e3:.0f} ms, as scheduled {r['link_overlap_s'] * 1e3:.0f} ms; "

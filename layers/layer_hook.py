@@ -7,17 +7,20 @@ scan, outside the layer's rematerialised body:
     carry = hook.start()                      before the first layer
     carry, layer_state, outputs = hook.before_layer(carry, t, layer_state)
                                               layer t then runs with the returned layer_state
-    hook.collect(stacked outputs)             once the scan is done (outputs stacked over the layers)
+    hook.collect(stacked outputs, carry)      once the scan is done (outputs stacked over the layers,
+                                              the carry after the last layer)
 
 The carry lets the hook fetch what layer t+1 needs while layer t computes
-(double buffering); the outputs come out of the scan stacked, which is how a
-value made inside the loop can leave it. Being outside the rematerialised
+(double buffering), and lets it update a buffer in place row by row (the
+final carry comes back to it); the outputs come out of the scan stacked, a
+new buffer of every output. Being outside the rematerialised
 body, the hook's work is done once, in the forward pass, and never repeated
 in the backward pass.
 
 The train step's deferred optimizer update uses it
 (recipes/optim/update_in_forward.py): layer t's update runs just before
-layer t, its state's copies moving while the previous layer computes.
+layer t, its state's copies moving while the previous layer computes, the new
+state written over the old in the carried buffers.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ class LayerHook(Protocol):
     def before_layer(self, carry: Any, layer_index: Any, layer_state: Any) -> tuple[Any, Any, Any]:
         """(carry for the next layer, the layer state the layer runs with, this layer's outputs)."""
 
-    def collect(self, outputs: Any) -> None:
-        """Every layer's outputs, stacked along a leading layer axis."""
+    def collect(self, outputs: Any, carry: Any) -> None:
+        """Every layer's outputs, stacked along a leading layer axis, and the carry after the last layer."""
 
 
 _HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar("spillway_layer_hook", default=None)

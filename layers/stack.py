@@ -278,9 +278,9 @@ class BlockStack(nnx.Module):
             x_btd, (_, aux) = body(x_btd, (layer_state, None, layer_values))
             return (x_btd, hook_carry), (outputs, aux)
 
-        (x_btd, _), (outputs, aux) = jax.lax.scan(hooked, (x_btd, hook.start()),
-                                                  (state, values, jnp.arange(num_layers)))
-        hook.collect(outputs)
+        (x_btd, hook_carry), (outputs, aux) = jax.lax.scan(hooked, (x_btd, hook.start()),
+                                                           (state, values, jnp.arange(num_layers)))
+        hook.collect(outputs, hook_carry)
         aux_outputs.emit_all(aux)
         return x_btd
 

@@ -19,8 +19,12 @@ Same maths, in the same order, as the update at the end of step t. `flush`
 checkpoint, validation or the end of training; a flushed `PendingUpdate` has
 apply=False, and a step with nothing to apply leaves every value as it is
 (adamw.adamw_piece selects). The stacked state is one host array per leaf
-here (no LayerHalves): the scan reads layer t+1 from it while the new layer t
-goes to a new host array (the scan's output).
+here (no LayerHalves), carried through the scan and written a row at a time in
+place: iteration t writes layer t-1's new rows over its old ones, then reads
+layer t+1's from the buffers written, and the step donates the state, so the
+state is never in host memory twice (deviceless H200: its host bytes alias,
+host temp 0; docs/DESIGN.md section 6). The pending gradients are not donated
+(recipes/train/step.py says why): old and new are held together.
 """
 
 from __future__ import annotations
@@ -85,7 +89,10 @@ _into_layer.defvjp(_into_layer_fwd, _into_layer_bwd)
 
 
 class _UpdateBeforeEachLayer:
-    """The LayerHook: layer t's update from its prefetched gradient and state, layer t+1's fetched meanwhile."""
+    """The LayerHook: layer t's update from its prefetched gradient and state, layer t+1's fetched meanwhile.
+
+    Its carry: (the state's host buffers, written a row at a time in place; the next layer's gradient and
+    state rows on device). What it collects: per leaf (the new stacked weight, the new state buffers)."""
 
     def __init__(self, begun, host_grads: dict, norm_probe):
         self.begun = begun
@@ -98,38 +105,54 @@ class _UpdateBeforeEachLayer:
                              f"have {sorted(lengths)} layers")
         self.num_layers = lengths.pop() if lengths else 0
 
-    def _fetch(self, layer_index):
+    def _fetch(self, buffers, layer_index):
         def row(x):
             return streaming.to_device(lax.dynamic_index_in_dim(x, layer_index, keepdims=False))
-        return {k: (row(self.host_grads[k]), tuple(row(s) for s in state))
-                for k, state in self.begun.host_state.items()}
+        return {k: (row(self.host_grads[k]), tuple(row(s) for s in state)) for k, state in buffers.items()}
 
     def start(self):
-        return self._fetch(0)
+        """(the host state buffers, written a row at a time in place; layer 0's gradient and state rows on
+        device; the rows to write before the next fetch: layer 0's own, unchanged, the first time)."""
+        buffers = dict(self.begun.host_state)
+        current = self._fetch(buffers, 0)
+        return buffers, current, {k: rows for k, (_, rows) in current.items()}
 
     def before_layer(self, carry, layer_index, layer_state):
-        # Issued first and independent of this layer's work: the copy that moves while it computes.
-        upcoming = self._fetch(jnp.minimum(layer_index + 1, self.num_layers - 1))
-        outputs = {}
+        buffers, current, previous = carry
+        # The previous layer's new rows go over its old ones first (in place: the step donates the
+        # state), and the next layer's are read from the buffers written: the read follows the write it
+        # depends on, so XLA needs neither a copy nor an order of its own between them, and both copies
+        # are free to run beside this layer's update and compute, which need neither.
+        buffers = {k: tuple(lax.dynamic_update_index_in_dim(s, streaming.to_host(previous[k][i]),
+                                                            jnp.maximum(layer_index - 1, 0), 0)
+                            for i, s in enumerate(state))
+                   for k, state in buffers.items()}
+        upcoming = self._fetch(buffers, jnp.minimum(layer_index + 1, self.num_layers - 1))
+        new_weights, new_rows = {}, {}
 
         def update(leaf):
             if not _is_updated(leaf):
                 return leaf
-            grad_row, state_rows = carry[leaf.key]
+            grad_row, state_rows = current[leaf.key]
             new_weight, new_state = self.begun.layer_update[leaf.key](grad_row, leaf.weight, state_rows)
             new_weight = lax.stop_gradient(new_weight.astype(leaf.weight.dtype))
-            old_state = self.begun.host_state[leaf.key]
-            outputs[leaf.key] = (new_weight, tuple(streaming.to_host(lax.stop_gradient(d).astype(s.dtype))
-                                                   for d, s in zip(new_state, old_state)))
+            new_weights[leaf.key] = new_weight
+            new_rows[leaf.key] = tuple(lax.stop_gradient(d).astype(s.dtype)
+                                       for d, s in zip(new_state, buffers[leaf.key]))
             return _into_layer(new_weight, leaf.grad_sink, self.norm_probe)
 
         layer_state = jax.tree.map(update, layer_state, is_leaf=_is_updated)
-        return upcoming, layer_state, outputs
+        return (buffers, upcoming, new_rows), layer_state, new_weights
 
-    def collect(self, outputs):
+    def collect(self, outputs, carry):
         if self.outputs is not None:
             raise ValueError("offload.update=next_forward needs one stack of layers; a second one ran")
-        self.outputs = outputs
+        buffers, _, last = carry
+        last_layer = self.num_layers - 1
+        self.outputs = {k: (outputs[k], tuple(lax.dynamic_update_index_in_dim(s, streaming.to_host(last[k][i]),
+                                                                              last_layer, 0)
+                                              for i, s in enumerate(buffers[k])))
+                        for k in outputs}
 
 
 def make_train_step(objective, optimizer):

@@ -220,6 +220,10 @@ class CompileReport:
     overlapped_bytes_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
     # Bytes each way per autodiff pass (hlo.traffic_by_pass); empty in older reports.
     transfer_bytes_by_pass: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # Async host copy bytes (both directions) per autodiff pass, and those the schedule runs beside a
+    # matmul (hlo.host_copies_beside_compute); empty in older reports.
+    async_copy_bytes_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
+    copies_beside_compute_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
     hlo_text: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def host_transfer_seconds(self, link_bytes_per_s: float) -> float:
@@ -246,6 +250,7 @@ class CompileReport:
         hlo_text = compiled.as_text()
         traffic = hlo.host_traffic(hlo_text)
         overlap = hlo.overlapping_host_copies(hlo_text)
+        beside = hlo.host_copies_beside_compute(hlo_text)
         return cls(
             hbm_bytes=(stats.argument_size_in_bytes + stats.output_size_in_bytes
                        - stats.alias_size_in_bytes + stats.temp_size_in_bytes),
@@ -274,6 +279,8 @@ class CompileReport:
             overlapped_transfer_bytes=overlap.overlapped_bytes,
             overlapped_bytes_by_pass=overlap.overlapped_by_pass,
             transfer_bytes_by_pass=hlo.traffic_by_pass(hlo_text),
+            async_copy_bytes_by_pass=beside.moved_by_pass,
+            copies_beside_compute_by_pass=beside.beside_compute_by_pass,
             hlo_text=hlo_text if keep_hlo_text else None,
         )
 

@@ -22,7 +22,10 @@ in flight) and the FLOPs counted from the model's shapes (models/flops.py), a
                  bytes that phase's compiled schedule moves with both in flight
                  (never more than its smaller direction: `link_seconds`). A
                  plan whose update runs in the next forward pass is read
-                 straight from what each pass moves (`phases_by_pass`).
+                 straight from what each pass moves (`phases_by_pass`),
+                 each pass's copies hiding under its compute only as far
+                 as the compiled schedule runs them beside a matmul
+                 (`beside_compute`, hlo.host_copies_beside_compute).
 
 The weight terms are zero unless the block weights live in host memory;
 `ParamTraffic` says how they are counted and how they compare with the
@@ -267,9 +270,11 @@ def link_seconds(out: int, back: int, overlapped: int, link: float) -> float:
 def phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
     """The three phases from what the compiled step moves in each autodiff pass (CompileReport
     transfer_bytes_by_pass), for a plan whose update runs in the next forward pass: the stacked state
-    crosses in the forward pass, beside its compute; what the update moves before it (the leaves outside
-    the stack) is the update phase. Within a pass the two directions add, less the bytes the schedule
-    moves with both in flight. A report without the split counts every byte in the update phase."""
+    crosses in the forward pass; what the update moves before it (the leaves outside the stack) is the
+    update phase. Within a pass the two directions add, less the bytes the schedule moves with both in
+    flight; of that link time, the share the schedule runs beside a matmul (`hidden_fraction`) hides
+    under the pass's compute and the rest adds to it (`beside_compute`). A report without the split counts
+    every byte in the update phase."""
     report = row.report
     moved = report.get("transfer_bytes_by_pass") or {
         "other": {"device_to_host_bytes": report["device_to_host_bytes"],
@@ -280,9 +285,26 @@ def phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
         return link_seconds(moved.get(kind, {}).get("device_to_host_bytes", 0),
                              moved.get(kind, {}).get("host_to_device_bytes", 0), overlapped.get(kind, 0), link)
 
-    row.forward_s = max(counted.forward / rate, link_s("forward"))
-    row.backward_s = max((counted.backward + counted.recompute) / rate, link_s("backward"))
+    row.forward_s = beside_compute(counted.forward / rate, link_s("forward"), hidden_fraction(report, "forward"))
+    row.backward_s = beside_compute((counted.backward + counted.recompute) / rate, link_s("backward"),
+                                    hidden_fraction(report, "backward"))
     row.update_s = link_s("other")
+
+
+def hidden_fraction(report: dict, kind: str) -> float:
+    """The share of pass `kind`'s async host copy bytes the compiled schedule runs beside a matmul
+    (hlo.host_copies_beside_compute, CompileReport copies_beside_compute_by_pass). A report written before
+    the schedule was read has none: all of it, as the model assumed then."""
+    moved = report.get("async_copy_bytes_by_pass")
+    if not moved:
+        return 1.0
+    return report.get("copies_beside_compute_by_pass", {}).get(kind, 0) / moved[kind] if moved.get(kind) else 0.0
+
+
+def beside_compute(compute_s: float, link_s: float, hidden: float) -> float:
+    """A pass's time: its compute, with the `hidden` share of its link time running beside it (the longer
+    of the two sets the pace) and the rest waiting on its own."""
+    return max(compute_s, hidden * link_s) + (1 - hidden) * link_s
 
 
 def params_per_gpu(recipe: Recipe, mesh: dict[str, int]) -> float:

@@ -504,3 +504,86 @@ def largest_device_arrays(hlo_text: str, count: int = 5) -> list[DeviceArray]:
     if entry is not None:
         visit(entry, 0)
     return sorted(found, key=lambda a: -a.nbytes)[:count]
+
+
+_FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
+_COMPUTE_TARGETS = ("cublas", "cudnn", "triton")   # custom-call targets that run matmuls or attention
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiesBesideCompute:
+    """Async host<->device copies (both directions, bytes per run of the program) per `autodiff_pass`: all of
+    them, and those whose start..done window in the schedule holds compute (`host_copies_beside_compute`)."""
+
+    moved_by_pass: dict[str, int]
+    beside_compute_by_pass: dict[str, int]
+
+    def hidden_fraction(self, kind: str) -> float:
+        """The share of pass `kind`'s async copy bytes scheduled beside compute (0 when it moves none)."""
+        moved = self.moved_by_pass.get(kind, 0)
+        return self.beside_compute_by_pass.get(kind, 0) / moved if moved else 0.0
+
+
+def host_copies_beside_compute(hlo_text: str) -> CopiesBesideCompute:
+    """Which async host copies the compiled schedule runs while the GPU computes.
+
+    In scheduled HLO an async copy is in flight from its ``*-start`` to its
+    ``*-done``; the GPU computes beside it when an instruction that multiplies
+    matrices runs between the two in the same computation: a fusion whose
+    fused computation holds a ``dot`` or ``convolution``, a cuBLAS, cuDNN or
+    Triton custom call, or a loop or call whose body holds one (the blockwise
+    attention's loop). A copy with nothing of that kind inside its window waits
+    on its own or beside elementwise work only (the optimizer's maths) and
+    hides under nothing worth counting. Loop bodies are weighted by their trip
+    counts, as in `host_traffic`.
+    """
+    computations, entry = parse_computations(hlo_text)
+    moved = {FORWARD: 0, BACKWARD: 0, OTHER: 0}
+    beside = {FORWARD: 0, BACKWARD: 0, OTHER: 0}
+    if entry is None:
+        return CopiesBesideCompute(moved, beside)
+    computes: dict[str, bool] = {}
+
+    def holds_compute(computation: str, depth: int = 0) -> bool:
+        if computation not in computes:
+            computes[computation] = False   # a cycle or a deep nest counts as none
+            if depth <= 64:
+                computes[computation] = any(is_compute(i, depth + 1) for i in computations.get(computation, ()))
+        return computes[computation]
+
+    def is_compute(instruction: Instruction, depth: int = 0) -> bool:
+        if instruction.opcode in ("dot", "convolution"):
+            return True
+        if instruction.opcode == "custom-call":
+            return any(target in instruction.attributes for target in _COMPUTE_TARGETS)
+        if instruction.opcode in ("fusion", "fusion-start"):
+            fused = _FUSED.search(instruction.attributes)
+            return "gemm" in instruction.name or bool(fused and holds_compute(fused.group(1), depth))
+        if instruction.opcode in _CALLED:
+            return any(holds_compute(called, depth) for called in _called_computations(instruction))
+        return False
+
+    def visit(computation: str, multiplier: int, depth: int) -> None:
+        if depth > 64 or computation not in computations:
+            return
+        instructions = computations[computation]
+        shapes = {instruction.name: instruction.shape for instruction in instructions}
+        started: dict[str, tuple[int, int, str]] = {}
+        compute_at = [k for k, instruction in enumerate(instructions) if is_compute(instruction)]
+        for index, instruction in enumerate(instructions):
+            if instruction.opcode in _CALLED:
+                trip = _TRIP_COUNT.search(instruction.attributes) if instruction.opcode == "while" else None
+                for called in _called_computations(instruction):
+                    visit(called, multiplier * (int(trip.group(1)) if trip else 1), depth + 1)
+            elif instruction.opcode.endswith("-start") and instruction.opcode not in _NOT_TRANSFERS:
+                to_host, to_device = _transfer_bytes(instruction, shapes)
+                if to_host or to_device:
+                    started[instruction.name] = (index, to_host + to_device, autodiff_pass(_op_name(instruction)))
+            elif instruction.opcode.endswith("-done") and instruction.operands and instruction.operands[0] in started:
+                begin, nbytes, kind = started.pop(instruction.operands[0])
+                moved[kind] += nbytes * multiplier
+                if any(begin < k < index for k in compute_at):
+                    beside[kind] += nbytes * multiplier
+
+    visit(entry, 1, 0)
+    return CopiesBesideCompute(moved, beside)

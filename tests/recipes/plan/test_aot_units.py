@@ -150,6 +150,20 @@ def test_copies_that_take_turns_are_not_credited():
     assert overlap.device_to_host_bytes == 3 * 64 * 4
 
 
+def test_copies_in_flight_across_a_matmul_are_beside_compute():
+    """host_copies_beside_compute: with a cuBLAS call scheduled between the fetch's and the write-back's
+    starts and their dones, those two copies run beside compute, the lone fetch does not; without it none."""
+    row_bytes = 64 * 4
+    body = _TWO_DIRECTION_BODY.replace("{sequential}", "")
+    plain = hlo.host_copies_beside_compute(body)
+    assert plain.moved_by_pass["other"] == 3 * 3 * row_bytes and plain.beside_compute_by_pass["other"] == 0
+    with_matmul = body.replace("  %fetch-done", '  %mm = f32[1,64]{1,0} custom-call(%row), '
+                                                'custom_call_target="__cublas$gemm"\n  %fetch-done')
+    beside = hlo.host_copies_beside_compute(with_matmul)
+    assert beside.beside_compute_by_pass["other"] == 3 * 2 * row_bytes
+    assert beside.hidden_fraction("other") == pytest.approx(2 / 3) and beside.hidden_fraction("forward") == 0
+
+
 # A host computation (compute_on: custom-call-start to HostExecute) reading two host
 # arrays and writing its result to device memory, as jaxlib 0.10.2 compiles the
 # micro-batch gradient sums of host-resident weights; then copies named by

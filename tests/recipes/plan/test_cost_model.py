@@ -85,6 +85,28 @@ def test_the_update_in_the_next_forward_is_read_pass_by_pass():
     assert row.transfer_s == pytest.approx(7.0)
 
 
+def test_the_update_in_the_next_forward_hides_only_what_the_schedule_runs_beside_a_matmul():
+    """The forward pass's 5 s of link time (as above) beside 10 s of forward compute: with every copy
+    scheduled beside a matmul it hides (10 s); with half of the bytes beside one, the other half waits on
+    its own: max(10, 2.5) + 2.5 = 12.5 s. A report from before the schedule was read hides it all."""
+    recipe = small_recipe()
+    forward_flops = cost_model.flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch,
+                                                           recipe.data.seq_len, remat="recompute_all").forward
+    fraction = compute_model.efficiency(recipe.execution.attention_impl).fraction
+    target = dataclasses.replace(SLOW_LINK, peak_bf16_flops=forward_flops / 10 / fraction)
+    report = {"device_to_host_bytes": 3 * GB, "host_to_device_bytes": 4 * GB, "host_argument_bytes": 4 * GB,
+              "overlapped_transfer_bytes": 2 * GB, "overlapped_bytes_by_pass": {"forward": 2 * GB},
+              "transfer_bytes_by_pass": {"forward": {"device_to_host_bytes": 3 * GB, "host_to_device_bytes": 4 * GB}}}
+    candidate = Candidate.of("recompute_all", "host", "device", NEXT_FORWARD)
+    forward_s = {}
+    for beside in (7, 3.5, None):
+        scheduled = {} if beside is None else {"async_copy_bytes_by_pass": {"forward": 7 * GB},
+                                               "copies_beside_compute_by_pass": {"forward": beside * GB}}
+        row = cost_model.plan_row(candidate, {"report": {**report, **scheduled}}, recipe, target, ONE_GPU)
+        forward_s[beside] = row.forward_s
+    assert forward_s == pytest.approx({7: 10.0, 3.5: 12.5, None: 10.0})
+
+
 def test_compute_hides_a_shorter_transfer():
     """At a peak rate that makes the forward pass take 10 s (at the efficiency the planner prices the recipe's
     attention kernel at, recipes/plan/compute_model.py), 1 GB of activations (1 s) hides under it: the

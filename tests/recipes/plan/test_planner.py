@@ -98,12 +98,13 @@ def test_the_update_in_the_next_forward_is_priced_in_the_forward_pass(small_plan
         assert forward["device_to_host_bytes"] >= state and backward["device_to_host_bytes"] >= pending
         assert overlapped["forward"] > 0, row.candidate.label
         # Both directions busy at once: the forward phase takes at least the larger direction's time, and
-        # at most the longer of its compute (at the measured efficiency) and both directions added.
+        # at most its compute (at the measured efficiency) and both directions added (what the schedule
+        # runs beside a matmul hides under the compute: cost_model.beside_compute).
         forward_compute = row.flops["forward"] / compute_model.effective_flops_per_s(
             small_plan.target.peak_bf16_flops, "flash")
         assert row.forward_s >= forward["host_to_device_bytes"] / link * (1 - 1e-9), row.candidate.label
-        assert row.forward_s <= max(forward_compute, (forward["host_to_device_bytes"]
-                                                      + forward["device_to_host_bytes"]) / link) * (1 + 1e-9)
+        assert row.forward_s <= (forward_compute + (forward["host_to_device_bytes"]
+                                                    + forward["device_to_host_bytes"]) / link) * (1 + 1e-9)
         streamed = after[row.candidate.activations, "host"]
         assert row.update_s < streamed.update_s / 2, row.candidate.label
         assert row.compute_s == pytest.approx(streamed.compute_s)
