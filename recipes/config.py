@@ -208,6 +208,8 @@ class CheckpointConfig:
     async_save: bool = True
     init_from: str | None = None          # fine-tune: weights (only) of a run dir or step dir, or hf:DIR
                                           # (a Hugging Face checkpoint; recipes/train/init_weights.py)
+    init_from_origin: str | None = None   # the Hub repository an hf: init_from is a local copy of: named, with the
+                                          # command that fetches it, when the folder is missing (nothing else)
 
     def __post_init__(self):
         require_positive("checkpoint", every_steps=self.every_steps, keep=self.keep)
