@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spillway.layers import names
 from spillway.layers.errors import ConfigError, require_positive
 
 ADAPTER_PREFIX = "lora_"
@@ -145,9 +146,17 @@ def attach(block: nnx.Module, rngs: nnx.Rngs) -> None:
         if not isinstance(weight, nnx.Param):
             raise ConfigError(f"lora: block {type(block).__name__} has no weight {module_name}.{weight_name} to "
                               f"adapt")
+        if _holds_routed_experts(weight):
+            continue   # an MoE layer's mlp.w_gate beside a dense layer's: routed experts take no adapter here
         in_features, out_features, in_axis, out_axis = _in_out(module, weight_name, weight)
         setattr(module, ADAPTER_PREFIX + weight_name,
                 LoraAdapter(in_features, out_features, spec, in_axis=in_axis, out_axis=out_axis, rngs=rngs))
+
+
+def _holds_routed_experts(weight: nnx.Param) -> bool:
+    """Whether the weight is a routed experts' stack ([E, ...], first logical axis "expert")."""
+    axes = tuple(weight.get_metadata().get("logical_axes") or ())
+    return axes[:1] == (names.EXPERT,)
 
 
 def _in_out(module, weight_name: str, weight: nnx.Param) -> tuple[int, int, str | None, str | None]:

@@ -8,7 +8,10 @@ lora_A / lora_B as is); their module names are the part of the tensor name
 between the layer index and `.weight` (`self_attn.q_proj`). A target matches a
 projection as PEFT's `target_modules` does: the whole name, or its last part
 (`q_proj`). A target that matches nothing is a ConfigError naming the
-projections the model has.
+projections the model has. A target naming a routed expert's projection
+(Mixtral's `w1`, Qwen3-MoE's `experts.{j}.gate_proj`, or `experts`) is
+refused in one line naming it: LoRA on routed experts is not in this version
+(adapters [L, E, r, in] through the three dispatches, docs/DESIGN.md section 13).
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ def projections(model_config) -> dict[str, tuple[str, str]]:
     return found
 
 
+def expert_projections(model_config) -> list[str]:
+    """The Hugging Face module names of the routed experts' projections ("block_sparse_moe.experts.{j}.w1")."""
+    family = family_of_config(model_config)
+    if family.hf is None:
+        return []
+    return sorted({w.hf_name.split(_LAYER_INDEX, 1)[1][:-len(_WEIGHT_SUFFIX)] for w in family.hf.weights(model_config)
+                   if w.per_layer and w.per_expert and w.hf_name.endswith(_WEIGHT_SUFFIX)})
+
+
 def _matches(target: str, module: str) -> bool:
     return module == target or module.endswith("." + target)
 
@@ -50,10 +62,14 @@ def lora_spec(lora, model_config, param_dtype: str) -> LoraSpec:
     short = sorted({name.rsplit(".", 1)[-1] for name in available})
     family = family_of_config(model_config).name
     targets: set[tuple[str, str]] = set()
+    experts = expert_projections(model_config)
     for target in lora.targets:
-        if target == EXPERTS:
-            raise ConfigError(f"lora.targets: {EXPERTS!r} (the routed experts) is not supported yet; the "
-                              f"{family} model's projections are {short}")
+        routed = [module for module in experts if target == EXPERTS or _matches(target, module)]
+        if routed:
+            raise ConfigError(f"lora.targets: {target!r} names the routed experts' {', '.join(routed)}: LoRA on "
+                              f"routed experts is not supported in this version; adapt the {family} model's "
+                              f"{short or 'attention'} instead (a full name such as mlp.gate_proj keeps to "
+                              f"the dense layers)")
         hits = [path for module, path in available.items() if _matches(target, module)]
         if not hits:
             raise ConfigError(f"lora.targets: {target!r} names no projection of the {family} model; it has "

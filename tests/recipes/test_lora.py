@@ -38,6 +38,35 @@ def test_targets_that_name_no_projection_are_one_line_naming_the_ones_there():
         get_recipe("tiny", SMALL + ["lora.rank=4"])
 
 
+MOE_SMALL = [o for o in SMALL if not o.startswith("model.mlp_hidden")]
+
+
+@pytest.mark.parametrize("recipe, target, named", [
+    ("mixtral_tiny", "w1", "block_sparse_moe.experts.{j}.w1"),
+    ("qwen3_moe_tiny", "gate_proj", "mlp.experts.{j}.gate_proj"),
+    ("qwen3_moe_tiny", "experts", "mlp.experts.{j}.down_proj, mlp.experts.{j}.gate_proj"),
+])
+def test_targets_naming_the_routed_experts_are_refused_in_one_line_naming_them(recipe, target, named):
+    with pytest.raises(ConfigError, match=rf"lora.targets: '{target}' names the routed experts' "
+                                          rf"{named.replace('{', '[{]').replace('}', '[}]')}.*LoRA on routed "
+                                          r"experts is not supported in this version"):
+        get_recipe(recipe, MOE_SMALL + ["lora.rank=4", "checkpoint.init_from=/nowhere", f"lora.targets={target}"])
+
+
+def test_a_dense_mlp_target_in_an_moe_model_adapts_the_dense_layers_only():
+    """Qwen3-MoE's dense layer 1 and its MoE layers share the attribute path mlp.w_gate: only the dense one
+    (the run without experts) gets an adapter."""
+    from spillway.recipes.train.step import abstract_model
+
+    recipe = get_recipe("qwen3_moe_tiny", MOE_SMALL + ["lora.rank=4", "checkpoint.init_from=/nowhere",
+                                                       "lora.targets=mlp.gate_proj"])
+    _, state = abstract_model(recipe)
+    adapted = sorted("/".join(str(k) for k in path) for path, var in nnx.to_flat_state(state)
+                     if isinstance(var, nnx.LoRAParam))
+    assert adapted and all("lora_w_gate" in path for path in adapted)
+    assert len({path.split("/lora_w_gate")[0] for path in adapted}) == 1, adapted   # one run: the dense layer
+
+
 def _with_random_b(params, seed=1):
     flat = list(nnx.to_flat_state(params))
     keys = iter(jax.random.split(jax.random.key(seed), len(flat)))
