@@ -578,6 +578,9 @@ def llama3_8b_sft_l4() -> Recipe:
         corpus="hf:tatsu-lab/alpaca", global_batch=2, grad_accum=1, steps=1000,
         optimizer=OptimizerConfig(learning_rate=2e-5, warmup_steps=0, min_lr_ratio=1.0, b1=0.9, b2=0.999,
                                   eps=1e-8, weight_decay=0.01, clip_norm=None, master_weights=True),
+        # The planner's pick on one L4 with 256 GB of host RAM (BENCHMARKS.md): the block weights and the state
+        # in host memory, the matmul outputs offloaded (9.53 GiB of HBM, 132.3 GiB of host at its peak; 16.85 s
+        # a step estimated, 243 tokens/s). With the block weights in HBM the leanest plan needs 23.8 GiB.
         offload=OffloadConfig(activations="offload_dots", optimizer_state="host", params="host", target_gpu="l4"))
 
 
@@ -601,5 +604,8 @@ def llama3_8b_lora_16gb() -> Recipe:
                                   eps=1e-8, weight_decay=0.01, clip_norm=None, master_weights=True),
         lora=LoraConfig(rank=16, alpha=32.0, dropout=0.0,
                         targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        # The planner's pick on one RTX 4080 (BENCHMARKS.md): the frozen base streamed from host memory, the
+        # adapters and their state in HBM (5.18 GiB; 39.5 GiB of host at the restore). With the base in HBM
+        # nothing fits: its weights alone are 15.0 GiB of the 13.9 the plan may use.
         offload=OffloadConfig(activations="offload_dots", optimizer_state="device", params="host",
                               target_gpu="rtx4080"))
