@@ -363,6 +363,7 @@ class Recipe:
         return family_of_config(self.model).spec(self.model, self.execution)
 
     def num_params(self) -> int:
+        """The model's parameters (a LoRA recipe's adapters, trained beside them, are not counted)."""
         return self.decoder_spec().num_params()
 
     def block_class(self) -> type:
