@@ -14,7 +14,7 @@ local copy. Checked:
 * `data.source`, or each source of `data.mixture`: a local path must exist
   and hold corpus files; a Hub dataset must be reachable
   (data/hub_reach.py: one metadata request, none when HF_HUB_OFFLINE is set).
-* `checkpoint.init_from=hf:DIR`: the folder must hold config.json (its tensors are checked later,
+* `checkpoint.init_from=hf:DIR`: the folder must exist (what it holds is checked later,
   recipes/train/init_weights.py). With `checkpoint.init_from_origin` the line says how to fetch it.
 """
 
@@ -86,16 +86,17 @@ def _tokenizer_problem(path_text: str, origin: str | None) -> str | None:
 
 
 def _base_model_problem(recipe: Recipe) -> str | None:
-    """The phrase for an `hf:` checkpoint.init_from whose folder holds no config.json; None otherwise."""
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+    """The phrase for an `hf:` checkpoint.init_from whose folder does not exist; None otherwise (a folder that is
+    there but wrong is init_weights.py's to name, file by file)."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir   # here: it imports jax and the models
 
     init_from, origin = recipe.checkpoint.init_from, recipe.checkpoint.init_from_origin
     folder = hf_checkpoint_dir(init_from)
-    if folder is None or (folder / "config.json").is_file():
+    if folder is None or folder.exists():
         return None
     fetch = (f" (it is {origin}: fetch it with `hf download {origin} --exclude 'original/*' --local-dir {folder}`)"
              if origin else "")
-    return (f"checkpoint.init_from {init_from!r} holds no config.json{fetch}; or point at a local copy with "
+    return (f"checkpoint.init_from {init_from!r} does not exist{fetch}; or point at a local copy with "
             f"--set checkpoint.init_from=hf:DIR (a Hugging Face model folder: config.json and *.safetensors)")
 
 

@@ -75,7 +75,7 @@ def test_offline_an_sft_recipe_names_its_tokenizer_corpus_and_base_model_in_one_
     (line,) = capsys.readouterr().err.splitlines()
     assert f"recipe {name}: 3 inputs are missing: (1) data.tokenizer 'tokenizers/{TOKENIZER}' does not exist" in line
     assert f"(2) data.source '{PUBLISHED[name]['corpus']}' is the Hugging Face Hub dataset" in line
-    assert (f"(3) checkpoint.init_from 'hf:models/{TOKENIZER}' holds no config.json (it is {TOKENIZER}: fetch "
+    assert (f"(3) checkpoint.init_from 'hf:models/{TOKENIZER}' does not exist (it is {TOKENIZER}: fetch "
             f"it with `hf download {TOKENIZER} --exclude 'original/*' --local-dir models/{TOKENIZER}`)") in line
     assert "--set checkpoint.init_from=hf:DIR" in line
     assert not (tmp_path / "runs").exists()
