@@ -16,11 +16,18 @@ to its first `seq_len + 1` tokens (`overlong="truncate"`) or left out
 Whole examples are held out for validation by a seeded hash of their index
 (data/holdout.py).
 
-Out of core: the examples are tokenized as a stream into flat files on
-disk (only their lengths are held), then laid out into rows memory-mapped.
-The folder is named by a key of everything the rows depend on and written
-under a temporary name, so a killed preparation leaves nothing half-made
-(and starts over); a finished one is only loaded.
+Out of core and resumable: the examples are tokenized as a stream into flat
+files on disk (only their lengths are held), then laid out into rows
+memory-mapped. The folder is named by a key of everything the rows depend on;
+a finished one is only loaded. It is written as `.<name>.partial` beside it,
+under a lock (two jobs take turns), and renamed into place once whole. Every
+`PROGRESS_EVERY` examples the flat files are flushed to disk, their lengths
+saved, and then `progress.json` rewritten (by rename) with how many records
+were read and how many bytes each file holds: a preparation killed at any
+point resumes from its last progress, cutting the files back to those bytes
+and skipping the records already read, and makes the rows an uninterrupted
+one makes. A record that stops it (a DataError) removes the partial folder:
+the source must change, and with it the key.
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from spillway.layers.errors import DataError
 
-from .cache import atomic_directory, stable_key
+from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock, stable_key
 from .chat_template import ChatTemplate
 from .holdout import document_scores
 from .packing import PackedData, _readable
@@ -47,6 +55,9 @@ TOKENS, TARGETS, SEGMENTS = 0, 1, 2
 PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
 _SFT_PACKING_VERSION = 1
+PROGRESS = "progress.json"
+# Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
+PROGRESS_EVERY = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,24 +78,41 @@ class SftOptions:
 
 @dataclasses.dataclass
 class _SplitWriter:
-    """One split's examples as flat files of tokens and flags, and their lengths."""
+    """One split's examples as flat files of tokens and flags, and their lengths; reopened where the last
+    progress left it (`lengths`: the examples it then held; the files are cut back to their tokens)."""
 
     folder: Path
     name: str
     lengths: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
-        self.tokens = open(self.folder / f"{self.name}.tokens", "wb")
-        self.flags = open(self.folder / f"{self.name}.flags", "wb")
+        tokens = int(sum(self.lengths))
+        self.tokens = _reopened(self.folder / f"{self.name}.tokens", 4 * tokens)
+        self.flags = _reopened(self.folder / f"{self.name}.flags", tokens)
 
     def add(self, ids: np.ndarray, flags: np.ndarray) -> None:
         self.tokens.write(np.asarray(ids, np.int32).tobytes())
         self.flags.write(np.asarray(flags, np.uint8).tobytes())
         self.lengths.append(len(ids))
 
+    def save_progress(self) -> None:
+        """The flat files on disk, then the lengths (as many as the files hold, or more: a resume cuts them)."""
+        for file in (self.tokens, self.flags):
+            file.flush()
+            os.fsync(file.fileno())
+        atomic_write_array(self.folder / f"{self.name}.lengths.npy", np.asarray(self.lengths, np.int64))
+
     def close(self) -> None:
         self.tokens.close()
         self.flags.close()
+
+
+def _reopened(path: Path, size: int):
+    """`path` opened for appending after its first `size` bytes (what the last progress saved)."""
+    file = open(path, "ab")
+    file.truncate(size)
+    file.seek(size)
+    return file
 
 
 def row_layout(lengths: list[int], row_len: int, packing: str) -> list[list[int]]:
@@ -121,60 +149,135 @@ def _write_rows(writer: _SplitWriter, path: Path, row_len: int, packing: str) ->
 
 
 def _tokenized_examples(source: str, tokenizer: Tokenizer, template: ChatTemplate, options: SftOptions,
-                        cache_dir: Path):
-    """(index, ids, flags, where) of every record, as a stream."""
+                        cache_dir: Path, skip: int = 0):
+    """(index, ids, flags, where) of every record from the `skip`-th on, as a stream (earlier ones are read,
+    not tokenized)."""
     specials = special_token_texts(tokenizer)
     for index, record in enumerate(iter_records(source, cache_dir=cache_dir)):
+        if index < skip:
+            continue
         ids, flags = conversation_tokens(template, tokenizer, messages_of(record, options.data_format), specials,
                                          record.where, options.train_on_prompt)
         yield index, ids, flags, record.where
 
 
+@dataclasses.dataclass
+class _Progress:
+    """What `progress.json` holds: records read, and the counts of the examples written so far."""
+
+    key: str
+    records: int = 0
+    overlong: int = 0
+    num_tokens: int = 0
+    target_tokens: int = 0
+    examples: dict = dataclasses.field(default_factory=lambda: {"train": 0, "val": 0})
+
+    @classmethod
+    def resumed(cls, folder: Path, key: str) -> _Progress:
+        """The folder's saved progress for `key`, or a fresh start (no file, another key, unreadable)."""
+        try:
+            saved = json.loads((folder / PROGRESS).read_text())
+            return cls(**saved) if saved.get("key") == key else cls(key)
+        except (OSError, ValueError, TypeError):
+            return cls(key)
+
+    def files_hold_their_examples(self, folder: Path) -> bool:
+        for name, count in self.examples.items():
+            if not count:
+                continue
+            try:
+                tokens = int(np.load(folder / f"{name}.lengths.npy")[:count].sum())
+                if (folder / f"{name}.tokens").stat().st_size < 4 * tokens or \
+                        (folder / f"{name}.flags").stat().st_size < tokens:
+                    return False
+            except (OSError, ValueError):
+                return False
+        return True
+
+    def lengths(self, folder: Path, name: str) -> list:
+        """The split's example lengths as far as this progress counts them."""
+        if not self.examples[name]:
+            return []
+        return np.load(folder / f"{name}.lengths.npy")[: self.examples[name]].tolist()
+
+    def save(self, folder: Path, splits: dict) -> None:
+        for writer in splits.values():
+            writer.save_progress()
+        self.examples = {name: len(writer.lengths) for name, writer in splits.items()}
+        atomic_write_bytes(folder / PROGRESS, json.dumps(dataclasses.asdict(self)).encode())
+
+
 def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, options: SftOptions, *,
                      cache_dir: str | os.PathLike) -> PackedData:
-    """Tokenize, pack and cache a chat/instruct source (module docstring); a second call only loads."""
-    row_len = options.seq_len + 1
+    """Tokenize, pack and cache a chat/instruct source (module docstring); a second call only loads, a call
+    after a killed one resumes it."""
     key = stable_key("sft", _SFT_PACKING_VERSION, source_fingerprint(source), tokenizer.fingerprint,
                      template.source, sorted(template.special_tokens.items()), options.key_parts())
     final = Path(cache_dir) / "sft" / f"{_readable(source)}-{options.seq_len}-{key[:16]}"
-    if (final / "meta.json").is_file():
-        return PackedData.load(final, from_cache=True)
-    overlong = examples = target_tokens = 0
-    num_tokens = 0
-    with atomic_directory(final) as partial:
-        splits = {"train": _SplitWriter(partial, "train"), "val": _SplitWriter(partial, "val")}
-        try:
-            for index, ids, flags, _ in _tokenized_examples(source, tokenizer, template, options,
-                                                            Path(cache_dir) / "datasets"):
-                examples += 1
-                if len(ids) > row_len:
-                    overlong += 1
-                    if options.overlong == "drop":
-                        continue
-                    ids, flags = ids[:row_len], flags[:row_len]
-                score = document_scores(index, 1, options.seed)[0]
-                held_out = options.val_fraction > 0 and score < options.val_fraction
-                splits["val" if held_out else "train"].add(ids, flags)
-                num_tokens += len(ids)
-                target_tokens += int(flags[1:].sum())
-        finally:
-            for writer in splits.values():
-                writer.close()
-        if not splits["train"].lengths or (options.val_fraction > 0 and not splits["val"].lengths):
-            wanted = "a training and a validation example" if options.val_fraction > 0 else "a training example"
-            raise DataError(f"data.source {source!r}: {examples} examples ({overlong} longer than a row of "
-                            f"{row_len} tokens{', dropped' if options.overlong == 'drop' else ''}) do not give "
-                            f"{wanted}; use more records" + (" or data.val_fraction=0" if options.val_fraction else ""))
-        counts = {name: _write_rows(writer, partial / f"{name}.npy", row_len, options.packing)
-                  for name, writer in splits.items()}
-        for name in splits:
-            for suffix in ("tokens", "flags"):
-                (partial / f"{name}.{suffix}").unlink()
-        meta = {"seq_len": options.seq_len, "vocab_size": tokenizer.vocab_size, "num_tokens": num_tokens,
-                "num_documents": examples, "train_rows": counts["train"], "val_rows": counts["val"],
-                "train_examples": len(splits["train"].lengths), "val_examples": len(splits["val"].lengths),
-                "overlong_examples": overlong, "overlong_policy": options.overlong, "target_tokens": target_tokens,
-                "source": source, "tokenizer": tokenizer.fingerprint, "chat_template": template.origin,
-                "options": dataclasses.asdict(options), "key": key}
-        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
-    return PackedData.load(final, from_cache=False)
+    partial = final.with_name(f".{final.name}.partial")
+    with exclusive_lock(final.with_name(f".{final.name}.lock")):
+        if not (final / "meta.json").is_file():
+            partial.mkdir(parents=True, exist_ok=True)
+            try:
+                _prepare_into(partial, source, tokenizer, template, options, key, Path(cache_dir) / "datasets")
+            except DataError:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+            os.rename(partial, final)
+            return PackedData.load(final, from_cache=False)
+    return PackedData.load(final, from_cache=True)
+
+
+def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: ChatTemplate, options: SftOptions,
+                  key: str, datasets_dir: Path) -> None:
+    """The rows and meta.json of `source` in `partial`, from its saved progress on."""
+    row_len = options.seq_len + 1
+    progress = _Progress.resumed(partial, key)
+    if not progress.files_hold_their_examples(partial):
+        progress = _Progress(key)   # files shorter than their progress says (a copy, a disk): start over
+    splits = {name: _SplitWriter(partial, name, progress.lengths(partial, name)) for name in ("train", "val")}
+    try:
+        for index, ids, flags, _ in _tokenized_examples(source, tokenizer, template, options, datasets_dir,
+                                                        skip=progress.records):
+            progress.records = index + 1
+            if len(ids) > row_len:
+                progress.overlong += 1
+                if options.overlong == "drop":
+                    continue
+                ids, flags = ids[:row_len], flags[:row_len]
+            score = document_scores(index, 1, options.seed)[0]
+            held_out = options.val_fraction > 0 and score < options.val_fraction
+            splits["val" if held_out else "train"].add(ids, flags)
+            progress.num_tokens += len(ids)
+            progress.target_tokens += int(flags[1:].sum())
+            if progress.records % PROGRESS_EVERY == 0:
+                progress.save(partial, splits)
+        _check_examples(source, splits, progress.records, progress.overlong, row_len, options)
+        progress.save(partial, splits)   # every example counted: a kill while the rows are laid out resumes here
+    finally:
+        for writer in splits.values():
+            writer.close()
+    counts = {name: _write_rows(writer, partial / f"{name}.npy", row_len, options.packing)
+              for name, writer in splits.items()}
+    (partial / PROGRESS).unlink()    # before the flat files go: a kill from here on starts over, whole
+    for name in splits:
+        for suffix in ("tokens", "flags", "lengths.npy"):
+            (partial / f"{name}.{suffix}").unlink(missing_ok=True)
+    meta = {"seq_len": options.seq_len, "vocab_size": tokenizer.vocab_size, "num_tokens": progress.num_tokens,
+            "num_documents": progress.records, "train_rows": counts["train"], "val_rows": counts["val"],
+            "train_examples": len(splits["train"].lengths), "val_examples": len(splits["val"].lengths),
+            "overlong_examples": progress.overlong, "overlong_policy": options.overlong,
+            "target_tokens": progress.target_tokens, "source": source, "tokenizer": tokenizer.fingerprint,
+            "chat_template": template.origin, "options": dataclasses.asdict(options), "key": key}
+    (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _check_examples(source: str, splits: dict, examples: int, overlong: int, row_len: int,
+                    options: SftOptions) -> None:
+    """DataError when the examples give no training row (or no validation row when one is asked for)."""
+    if splits["train"].lengths and (options.val_fraction == 0 or splits["val"].lengths):
+        return
+    wanted = "a training and a validation example" if options.val_fraction > 0 else "a training example"
+    raise DataError(f"data.source {source!r}: {examples} examples ({overlong} longer than a row of "
+                    f"{row_len} tokens{', dropped' if options.overlong == 'drop' else ''}) do not give "
+                    f"{wanted}; use more records" + (" or data.val_fraction=0" if options.val_fraction else ""))

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from spillway.layers import aux_outputs, moe_dispatch, names
+from spillway.layers import aux_outputs, lora, moe_dispatch, names
 from spillway.layers.errors import ConfigError, require_positive
 from spillway.layers.execution import Execution
 from spillway.layers.grouped_matmul import blocked_grouped_matmul
@@ -116,9 +116,14 @@ class MoE(nnx.Module):
                               if cfg.shared_expert_gate else None)
 
     def expert_weights(self) -> moe_dispatch.ExpertWeights:
+        """The layer's expert weights in the compute dtype, each with its LoRA adapters merged in (if any:
+        layers/lora.py ExpertLoraAdapter), so every dispatch runs them unchanged."""
         dtype = self.cfg.execution.compute_dtype
-        return moe_dispatch.ExpertWeights(self.w_up[...].astype(dtype), self.w_down[...].astype(dtype),
-                                          None if self.w_gate is None else self.w_gate[...].astype(dtype))
+
+        def weight(name):
+            w = getattr(self, name)
+            return None if w is None else lora.merged_expert_weight(self, name, w[...].astype(dtype))
+        return moe_dispatch.ExpertWeights(weight("w_up"), weight("w_down"), weight("w_gate"))
 
     def _grouped_matmul(self):
         if self.cfg.grouped_matmul == "ragged_dot":

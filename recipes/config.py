@@ -175,7 +175,8 @@ class LoraConfig:
     """LoRA fine-tuning (layers/lora.py, recipes/train/lora_state.py): rank 0 is off (every weight trains).
 
     With a rank, adapters go on the projections `targets` names (Hugging Face module names: q_proj,
-    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; recipes/lora_targets.py), the base weights
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; an MoE model's routed experts too, one adapter
+    per expert: Mixtral's w1/w2/w3, or `experts`; recipes/lora_targets.py), the base weights
     are frozen (no gradients, no optimizer state; placeable in host memory with offload.params=host)
     and checkpoints hold the adapters, the base being checkpoint.init_from. Defaults are PEFT's
     LoraConfig (alpha 8, dropout 0, q_proj and v_proj for Llama-shaped models).
@@ -208,6 +209,8 @@ class CheckpointConfig:
     async_save: bool = True
     init_from: str | None = None          # fine-tune: weights (only) of a run dir or step dir, or hf:DIR
                                           # (a Hugging Face checkpoint; recipes/train/init_weights.py)
+    init_from_origin: str | None = None   # the Hub repository an hf: init_from is a local copy of: named, with the
+                                          # command that fetches it, when the folder is missing (nothing else)
 
     def __post_init__(self):
         require_positive("checkpoint", every_steps=self.every_steps, keep=self.keep)
@@ -332,7 +335,11 @@ class Recipe:
 
     def _check_lora(self) -> None:
         """LoRA needs a base to adapt and adapts only stacked block weights the update streams none of."""
-        self.lora_spec()   # a target that names no projection of the model: ConfigError naming those it has
+        spec = self.lora_spec()   # a target that names no projection of the model: ConfigError naming those it has
+        if spec.expert_targets and self.offload.params != Memory.DEVICE.value:
+            raise ConfigError(f"lora.targets adapts the routed experts, whose adapters are merged into the expert "
+                              f"weights each pass; with offload.params={self.offload.params} (weights streamed from "
+                              f"host memory) that is not supported in this version: use offload.params=device")
         if not self.checkpoint.init_from:
             raise ConfigError("lora.rank is set but checkpoint.init_from is not: LoRA adapts a trained base model; "
                               "name it (a spillway run, or hf:DIR)")
@@ -361,6 +368,7 @@ class Recipe:
         return family_of_config(self.model).spec(self.model, self.execution)
 
     def num_params(self) -> int:
+        """The model's parameters (a LoRA recipe's adapters, trained beside them, are not counted)."""
         return self.decoder_spec().num_params()
 
     def block_class(self) -> type:

@@ -133,7 +133,8 @@ def merged_state(recipe: Recipe, params):
     for path, (a, b) in adapters.items():
         w = base[path]
         value = np.asarray(jax.device_get(w.get_value()), np.float32)
-        delta = np.einsum("lri,lor->lio", a, b) * scale            # [L, in, out]: A^T B^T per layer
+        # [L, in, out]: A^T B^T per layer; [L, E, in, out] per layer and expert for routed experts
+        delta = np.einsum("...ri,...or->...io", a, b) * scale
         base[path] = w.replace(jnp.asarray(value + delta.reshape(value.shape), w.get_value().dtype))
     return graphdef, nnx.from_flat_state(list(base.items()))
 
@@ -160,6 +161,10 @@ def write_peft_adapter(recipe: Recipe, params, out: Path) -> None:
     names = _hf_names(recipe)
     tensors = {}
     for path, (a, b) in _adapters(params).items():
+        if a.ndim == 4:
+            raise ConfigError(f"--adapter: the run adapts the routed experts ({'.'.join(path)}), which the PEFT "
+                              f"export does not map in this version (transformers lays MoE experts out "
+                              f"differently across versions); export merged instead")
         if path[:len(STACK_PATH)] != STACK_PATH:
             raise ConfigError(f"--adapter: the adapter of {'.'.join(path)} is in a model with several runs of "
                               f"layers, which the PEFT export does not map yet; export merged instead")

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 
 from spillway.layers.execution import Execution
 from spillway.models.registry import preset_config
-from spillway.recipes.config import (AuxLossConfig, CheckpointConfig, DataConfig, MeshConfig, OffloadConfig,
-                                     OptimizerConfig, Recipe, TrainConfig, apply_overrides)
+from spillway.recipes.config import (AuxLossConfig, CheckpointConfig, DataConfig, LoraConfig, MeshConfig,
+                                     OffloadConfig, OptimizerConfig, Recipe, TrainConfig, apply_overrides)
 
 _RECIPES: dict[str, Callable[[], Recipe]] = {}
 
@@ -394,3 +394,81 @@ def llama3_8b_offload() -> Recipe:
         sources="as llama3_8b; the single H100 is our choice, to show what offload makes possible",
         train=dataclasses.replace(base.train, grad_accum=512),
         offload=_on("h100", activations="save_qkv_offload_mlp", optimizer_state="host"))
+
+
+# --- Fine-tuning Llama 3.1 8B on instructions: full on one L4, LoRA on one 16 GB GPU ----------------------------
+# torchtune's single-device configs for the 8B (recipes/configs/llama3_1/8B_full_single_device.yaml and
+# 8B_lora_single_device.yaml): the Instruct model and its tokenizer (whose chat template renders each example),
+# an Alpaca set, 2 sequences a micro-batch, no gradient clipping. torchtune's README measures the pair packed
+# at 2048 tokens on one RTX 4090 (full with 8-bit paged AdamW: 18.9 GiB; LoRA 16.2 GiB); here the full
+# fine-tune keeps float32 AdamW state, in host memory. Packed examples attend only to their own example
+# (data.document_mask, on for instruct data), which cuDNN's attention cannot do here (layers/segment_mask.py):
+# both run the blockwise JAX kernel, the one the planner compiles.
+SFT_EXECUTION = dataclasses.replace(GPU_EXECUTION, attention_impl="flash")
+MODELS_DIR = "models"                                   # checkpoint.init_from = hf:MODELS_DIR/<Hub repository>
+LLAMA31_8B_INSTRUCT = "meta-llama/Llama-3.1-8B-Instruct"
+TORCHTUNE_SOURCE = "torchtune's llama3_1/8B_{kind}_single_device.yaml (pytorch/torchtune, recipes/configs)"
+
+
+def _llama3_8b_sft_recipe(name: str, *, description: str, sources: str, corpus: str, global_batch: int,
+                          grad_accum: int, steps: int, optimizer: OptimizerConfig, offload: OffloadConfig,
+                          lora=None) -> Recipe:
+    """Llama 3.1 8B Instruct fine-tuned on an Alpaca set (instruct records), answers only, packed at 2048."""
+    return Recipe(
+        name=name, description=description, sources=sources,
+        model=preset_config("llama", "llama3_1_8b", max_seq_len=2048), execution=SFT_EXECUTION,
+        data=DataConfig(source=corpus, format="instruct", tokenizer=f"{TOKENIZERS_DIR}/{LLAMA31_8B_INSTRUCT}",
+                        tokenizer_origin=LLAMA31_8B_INSTRUCT, seq_len=2048, val_fraction=0.02, num_proc=8),
+        optimizer=optimizer, offload=offload, lora=lora or LoraConfig(),
+        checkpoint=CheckpointConfig(every_steps=500, keep=2, init_from=f"hf:{MODELS_DIR}/{LLAMA31_8B_INSTRUCT}",
+                                    init_from_origin=LLAMA31_8B_INSTRUCT),
+        train=TrainConfig(steps=steps, global_batch=global_batch, grad_accum=grad_accum, log_every=10,
+                          eval_every=250, eval_batches=8, loss_chunk=1024, sample_prompt="", sample_tokens=0),
+    )
+
+
+@register("llama3_8b_sft_l4")
+def llama3_8b_sft_l4() -> Recipe:
+    """Llama 3.1 8B Instruct, every weight trained on Alpaca with float32 AdamW state; one 24 GB L4."""
+    return _llama3_8b_sft_recipe(
+        "llama3_8b_sft_l4",
+        description=("Llama 3.1 8B Instruct fully fine-tuned on Alpaca (the loss on the answers) with float32 "
+                     "AdamW state in host memory, on one 24 GB L4; plan it with --host-ram-gb 256 (one L4 "
+                     "with 256 GiB of RAM, AWS g6.16xlarge): the state alone is 89.7 GiB"),
+        sources=(f"{TORCHTUNE_SOURCE.format(kind='full')}: tatsu-lab/alpaca, batch 2, gradient accumulation 1, "
+                 "lr 2e-5 held constant (no scheduler), no clipping; its PagedAdamW8bit's defaults (betas "
+                 "0.9/0.999, eps 1e-8, weight decay 0.01) with float32 moments instead of 8-bit; packing at "
+                 "2048 tokens (torchtune's README memory figures; the config leaves packing off), validation "
+                 "on 2% of the records and the 1000 steps (4.1M tokens) are our choice"),
+        corpus="hf:tatsu-lab/alpaca", global_batch=2, grad_accum=1, steps=1000,
+        optimizer=OptimizerConfig(learning_rate=2e-5, warmup_steps=0, min_lr_ratio=1.0, b1=0.9, b2=0.999,
+                                  eps=1e-8, weight_decay=0.01, clip_norm=None, master_weights=True),
+        # The planner's pick on one L4 with 256 GB of host RAM (BENCHMARKS.md, "Fine-tuning Llama 3.1 8B"): the
+        # block weights and the state in host memory, the matmul outputs offloaded; with the block weights in
+        # HBM no plan fits the L4.
+        offload=OffloadConfig(activations="offload_dots", optimizer_state="host", params="host", target_gpu="l4"))
+
+
+@register("llama3_8b_lora_16gb")
+def llama3_8b_lora_16gb() -> Recipe:
+    """Llama 3.1 8B Instruct with rank-16 LoRA adapters on attention and MLP, on Alpaca; one 16 GB RTX 4080."""
+    return _llama3_8b_sft_recipe(
+        "llama3_8b_lora_16gb",
+        description=("Llama 3.1 8B Instruct with rank-16 LoRA adapters (q, v, o and the MLP projections) "
+                     "fine-tuned on Alpaca-cleaned (the loss on the answers) on one 16 GB RTX 4080: the "
+                     "frozen bfloat16 base (15 GiB) streams from host memory a layer at a time"),
+        sources=(f"{TORCHTUNE_SOURCE.format(kind='lora')}: yahma/alpaca-cleaned, adapters on q_proj, v_proj, "
+                 "output_proj and the MLP, dropout 0, batch 2, gradient accumulation 8, AdamW lr 3e-4 "
+                 "(betas 0.9/0.999, eps 1e-8, weight decay 0.01), cosine to 0 after 100 warmup steps, no "
+                 "clipping; rank 16 (torchtune's is 8) with alpha 32 (its 'alpha = 2 x rank'); packing at 2048 "
+                 "tokens, validation on 2% of the records and the 400 steps (13.1M tokens) are our choice"),
+        corpus="hf:yahma/alpaca-cleaned", global_batch=16, grad_accum=8, steps=400,
+        optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=100, min_lr_ratio=0.0, b1=0.9, b2=0.999,
+                                  eps=1e-8, weight_decay=0.01, clip_norm=None, master_weights=True),
+        lora=LoraConfig(rank=16, alpha=32.0, dropout=0.0,
+                        targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        # The planner's pick on one RTX 4080 (BENCHMARKS.md, "Fine-tuning Llama 3.1 8B"): the frozen base
+        # streamed from host memory, the adapters and their state in HBM; with the base in HBM nothing fits
+        # (its bfloat16 weights alone are more than the HBM the plan may use).
+        offload=OffloadConfig(activations="offload_dots", optimizer_state="device", params="host",
+                              target_gpu="rtx4080"))

@@ -22,15 +22,18 @@ XLA has no GH200 spec; ours is the H100 SXM one with the GH200's memory (see its
 notes). FLOP/s and bandwidths are NVIDIA datasheet figures, dense (no 2:4
 sparsity): H100 SXM and H200 989 TFLOP/s bf16 (1979 is the sparse figure),
 GH200 989, A100 312, B200 2.25 PFLOP/s (HGX B200: 18 PFLOP/s dense bf16 per 8
-GPUs), L4 121 (242 sparse), L40S 362 (733 sparse). L4 and L40S (Ada, sm_89,
-GDDR6 memory that the fields still call HBM) have no XLA spec: their
+GPUs), L4 121 (242 sparse), L40S 362 (733 sparse), GeForce RTX 4080 97.5
+(bf16 with float32 accumulation, 194.9 sparse: NVIDIA's "Ada GPU Architecture"
+whitepaper, appendix A; GeForce parts run float32-accumulating tensor math at
+half their float16-accumulating rate). L4, L40S and RTX 4080 (Ada, sm_89,
+GDDR6/GDDR6X memory that the fields still call HBM) have no XLA spec: their
 descriptions are written from the datasheets and say so in their notes. ``hbm_bytes`` is the memory CUDA reports as the device total (what
 XLA's specs record), a little under the marketing figure.
 
 Host links, stated assumptions, per direction, for transfer-time estimates:
 PCIe Gen5 x16 is 64 GB/s raw, about 55 GB/s in pinned-memory copies (H100, H200,
 B200 HGX hosts); PCIe Gen4 x16 about 25 GB/s (A100 HGX, L4, L40S); GH200's NVLink-C2C
-is 900 GB/s bidirectional, 450 GB/s per direction. On HGX boards two GPUs often
+is 900 GB/s bidirectional, 450 GB/s per direction; the RTX 4080 is a PCIe Gen4 x16 card. On HGX boards two GPUs often
 share one PCIe switch uplink to the CPU; when both offload at once each gets
 about half.
 
@@ -232,6 +235,22 @@ TARGETS: dict[str, GpuTarget] = {
         facts=dataclasses.replace(_ADA_SM, core_count=58, l2_cache_bytes=48 * MiB, clock_rate_ghz=2.04,
                                   memory_clock_khz=6251000),
         notes=_ADA_NOTES),
+    # A 16 GB GPU for LoRA on an 8B (recipes/registry.py llama3_8b_lora_16gb). The Ada whitepaper's
+    # appendix A: AD103, 76 SMs, boost 2505 MHz, 64 MB L2, 16 GB GDDR6X at 22.4 Gbps on 256 bits (716.8 GB/s).
+    "rtx4080": GpuTarget(
+        name="rtx4080", display_name="RTX 4080 16GB", device_name="NVIDIA GeForce RTX 4080",
+        compute_capability=(8, 9),
+        # 16 GiB on the card less the 551 MiB CUDA reports below nvidia-smi on an H100 80GB (assumed the same,
+        # as for the GH200): 15833 MiB. Not measured on a 4080.
+        hbm_bytes=(16384 - 551) * MiB, hbm_bandwidth=716.8e9,
+        host_link="PCIe Gen4 x16", host_link_bytes_per_s=_PCIE_GEN4_X16,
+        peak_bf16_flops=97.5e12,  # whitepaper: bf16 tensor with fp32 accumulate, dense (194.9 with 2:4 sparsity)
+        default_host_ram_bytes=64 * GB,   # a workstation's 64 GB: our assumption, no cloud shape to read
+        facts=dataclasses.replace(_ADA_SM, core_count=76, l2_cache_bytes=64 * MiB, clock_rate_ghz=2.505,
+                                  memory_clock_khz=11200000),
+        notes=_ADA_NOTES.replace("hbm_bytes is the memory nvidia-smi reports (CUDA's total is a little lower, "
+                                 "so HBM limits here are slightly generous)",
+                                 "hbm_bytes is the card's 16 GiB less CUDA's reserve as measured on an H100")),
     "l40s": GpuTarget(
         name="l40s", display_name="L40S 48GB", device_name="NVIDIA L40S",
         compute_capability=(8, 9), hbm_bytes=46068 * MiB, hbm_bandwidth=864e9,
@@ -258,17 +277,26 @@ ALIASES: Mapping[str, str] = {
     "a100-80gb": "a100", "a100-sxm": "a100",
     "b200-180gb": "b200",
     "l4-24gb": "l4", "l40s-48gb": "l40s",
+    "rtx-4080": "rtx4080", "4080": "rtx4080",
 }
 
 
 def target_for_device_kind(device_kind: str) -> GpuTarget | None:
     """The target whose GPU family a runtime `device.device_kind` names ("NVIDIA H200" -> h200), or None.
 
-    Families are matched by the first word of the display name, longest first,
-    so "GH200" is not taken for "H200".
+    Families are the display name's words up to the first holding a digit ("H200", "RTX 4080"), matched
+    longest first, so "GH200" is not taken for "H200" nor "L40S" for "L4".
     """
-    by_family = sorted(TARGETS.values(), key=lambda t: -len(t.display_name.split()[0]))
-    return next((t for t in by_family if t.display_name.split()[0] in device_kind), None)
+    by_family = sorted(TARGETS.values(), key=lambda t: -len(_family(t)))
+    return next((t for t in by_family if _family(t) in device_kind), None)
+
+
+def _family(target: GpuTarget) -> str:
+    """The display name's words up to the first with a digit: "H100 SXM 80GB" -> "H100", "RTX 4080 16GB" ->
+    "RTX 4080" (one word would take every RTX for the first one listed)."""
+    words = target.display_name.split()
+    count = next((i + 1 for i, word in enumerate(words) if any(ch.isdigit() for ch in word)), 1)
+    return " ".join(words[:count])
 
 
 def target_names() -> list[str]:

@@ -123,7 +123,7 @@ def _checks(recipe: Recipe, echo, host_ram_gb: float | None):
     from spillway.recipes.train import lora_state
     from spillway.recipes.train.finetune import check_not_its_own_source
     from spillway.recipes.train.init_weights import check_hf_tensors, resolve_init_from
-    from spillway.recipes.train.preflight import check_run_inputs
+    from spillway.recipes.train.preflight import check_base_model_first, check_run_inputs
     from spillway.recipes.train.sft_preflight import check_fine_tuning_inputs
     from spillway.recipes.train.step import check_attention_backend, check_aux_loss
 
@@ -135,6 +135,7 @@ def _checks(recipe: Recipe, echo, host_ram_gb: float | None):
     distributed.maybe_initialize()
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
+    check_base_model_first(recipe)  # an hf: base that is not there: one line with every other missing input
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
     check_hf_tensors(recipe)  # ... and hold its tensors, named and shaped as the model's: before data is prepared
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import jax
-import numpy as np
 
 from spillway.models.flops import model_flops_per_token
 from spillway.recipes.train import aux_terms, lora_state
@@ -143,9 +142,16 @@ class Validation:
         from spillway.data import eval_batches
         batches = eval_batches(val_rows, global_batch_size=self._cfg.global_batch,
                                process_index=jax.process_index(), process_count=jax.process_count())
-        losses = [state.programs.eval_loss(state.params, self._feed.placed(local))
-                  for _, local in zip(range(self._cfg.eval_batches), batches)]
-        return float(np.mean([float(x) for x in losses])) if losses else float("nan")
+        sums = [state.programs.eval_loss(state.params, self._feed.placed(local))
+                for _, local in zip(range(self._cfg.eval_batches), batches)]
+        return token_mean([(float(total), float(count)) for total, count in sums])
+
+
+def token_mean(sums: list[tuple[float, float]]) -> float:
+    """The mean over every target token of (summed loss, target count) pairs: batches weigh by their targets
+    (a batch with none weighs nothing); NaN when no batch has a target."""
+    count = sum(count for _, count in sums)
+    return sum(total for total, _ in sums) / count if count > 0 else float("nan")
 
 
 class Stopping:

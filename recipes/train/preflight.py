@@ -14,6 +14,8 @@ local copy. Checked:
 * `data.source`, or each source of `data.mixture`: a local path must exist
   and hold corpus files; a Hub dataset must be reachable
   (data/hub_reach.py: one metadata request, none when HF_HUB_OFFLINE is set).
+* `checkpoint.init_from=hf:DIR`: the folder must exist (what it holds is checked later,
+  recipes/train/init_weights.py). With `checkpoint.init_from_origin` the line says how to fetch it.
 """
 
 from __future__ import annotations
@@ -37,13 +39,20 @@ class MissingInputError(DataError):
 
 def check_run_inputs(recipe: Recipe) -> None:
     """MissingInputError naming every input of the recipe that is missing (one line); nothing when all are there."""
-    problems = missing_inputs(recipe.data)
+    problems = missing_inputs(recipe.data) + [problem for problem in [_base_model_problem(recipe)] if problem]
     if not problems:
         return
     if len(problems) == 1:
         raise MissingInputError(f"recipe {recipe.name}: {problems[0]}")
     numbered = "; ".join(f"({number}) {problem}" for number, problem in enumerate(problems, start=1))
     raise MissingInputError(f"recipe {recipe.name}: {len(problems)} inputs are missing: {numbered}")
+
+
+def check_base_model_first(recipe: Recipe) -> None:
+    """`check_run_inputs` now when an `hf:` checkpoint.init_from is missing: reading the base comes before the
+    other inputs are checked (it may bring the tokenizer), so without it the line names everything missing."""
+    if _base_model_problem(recipe):
+        check_run_inputs(recipe)
 
 
 def missing_inputs(data: DataConfig) -> list[str]:
@@ -74,6 +83,21 @@ def _tokenizer_problem(path_text: str, origin: str | None) -> str | None:
         fetch = (f" (it is {origin}'s tokenizer: fetch it with `hf download {origin} --include '*.json' "
                  f"tokenizer.model --local-dir {folder}`)")
     return f"{what}{fetch}; or point at a local copy with --set data.tokenizer=PATH ({LOCAL_TOKENIZER})"
+
+
+def _base_model_problem(recipe: Recipe) -> str | None:
+    """The phrase for an `hf:` checkpoint.init_from whose folder does not exist; None otherwise (a folder that is
+    there but wrong is init_weights.py's to name, file by file)."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir   # here: it imports jax and the models
+
+    init_from, origin = recipe.checkpoint.init_from, recipe.checkpoint.init_from_origin
+    folder = hf_checkpoint_dir(init_from)
+    if folder is None or folder.exists():
+        return None
+    fetch = (f" (it is {origin}: fetch it with `hf download {origin} --exclude 'original/*' --local-dir {folder}`)"
+             if origin else "")
+    return (f"checkpoint.init_from {init_from!r} does not exist{fetch}; or point at a local copy with "
+            f"--set checkpoint.init_from=hf:DIR (a Hugging Face model folder: config.json and *.safetensors)")
 
 
 def _source_problem(field: str, source: str, fix: str) -> str | None:

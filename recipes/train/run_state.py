@@ -36,7 +36,7 @@ class StepPrograms:
 
     train_step: Callable     # (params, opt_state, pending, Batch) -> (params, opt_state, pending, metrics)
     flush: Callable          # (params, opt_state, pending) -> the same, with nothing left pending
-    eval_loss: Callable      # (params, Batch) -> the mean loss (a scalar array)
+    eval_loss: Callable      # (params, Batch) -> (summed loss of its target tokens, their count), scalar arrays
     check_weights: Callable  # (params, next Batch, step metrics or None) -> divergence.WeightsReport
 
 

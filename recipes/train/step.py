@@ -183,7 +183,24 @@ def _accumulate_in_backward(objective, params, micro: Batch):
 
 
 def make_eval_step(graphdef, mesh=None):
-    return make_loss_fn(graphdef, mesh=mesh)
+    """(params, Batch) -> (the summed loss of its target tokens, their count), float32 scalars.
+
+    Validation divides the sums over its batches by the counts over them
+    (loop_parts.Validation), so the validation loss is the mean over the set's
+    target tokens, not a mean of batch means: fine-tuning batches hold
+    different numbers of answer tokens. A text batch counts every token.
+    """
+    loss_fn = make_loss_fn(graphdef, mesh=mesh)
+
+    def eval_sums(params, batch: Batch):
+        mask = batch.loss_mask
+        if mask is None:
+            mask = jnp.ones((batch.tokens.shape[0], batch.tokens.shape[1] - 1), jnp.float32)
+        rows = batch.tokens.shape[0]
+        # A denominator of 1 makes the masked mean its numerator: the sum of the target tokens' losses.
+        summed = loss_fn(params, batch._replace(loss_mask=mask, loss_denominator=jnp.ones((rows,), jnp.float32)))
+        return summed, jnp.sum(mask)
+    return eval_sums
 
 
 def _nothing_to_flush(params, opt_state, pending):

@@ -38,6 +38,140 @@ def test_targets_that_name_no_projection_are_one_line_naming_the_ones_there():
         get_recipe("tiny", SMALL + ["lora.rank=4"])
 
 
+MOE_SMALL = [o for o in SMALL if not o.startswith("model.mlp_hidden")]
+MOE_LORA = ["lora.rank=4", "lora.alpha=8", "checkpoint.init_from=/nowhere"]
+
+
+@pytest.mark.parametrize("recipe, target, dense, experts", [
+    ("mixtral_tiny", "w1", set(), {("mlp", "w_gate")}),
+    ("qwen3_moe_tiny", "gate_proj", {("mlp", "w_gate")}, {("mlp", "w_gate")}),   # its dense layer 1, and experts
+    ("qwen3_moe_tiny", "mlp.gate_proj", {("mlp", "w_gate")}, set()),             # the full name: dense only
+    ("qwen3_moe_tiny", "experts", set(), {("mlp", "w_gate"), ("mlp", "w_up"), ("mlp", "w_down")}),
+])
+def test_targets_name_the_routed_experts_as_peft_names_them(recipe, target, dense, experts):
+    spec = get_recipe(recipe, MOE_SMALL + MOE_LORA + [f"lora.targets={target}"]).lora_spec()
+    assert (set(spec.targets), set(spec.expert_targets)) == (dense, experts)
+
+
+def test_expert_adapters_refuse_dropout_and_streamed_weights_in_one_line():
+    with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with the routed experts adapted: .* set lora.dropout=0"):
+        get_recipe("mixtral_tiny", MOE_SMALL + MOE_LORA + ["lora.targets=w1", "lora.dropout=0.1"])
+    with pytest.raises(ConfigError, match=r"with offload.params=experts .* not supported in this version"):
+        get_recipe("mixtral_tiny", MOE_SMALL + MOE_LORA + ["lora.targets=w1", "offload.params=experts",
+                                                           "offload.optimizer_state=host"])
+
+
+def _merged_by_hand(params, scale):
+    """The base weights with W + scale * A^T B^T for every adapter (per layer, and per expert), in NumPy."""
+    flat = dict(nnx.to_flat_state(params))
+    merged = {}
+    for path, var in flat.items():
+        if isinstance(var, nnx.LoRAParam):
+            continue
+        value = np.asarray(var.get_value(), np.float64)
+        adapter = path[:-1] + ("lora_" + path[-1],)
+        if adapter + ("a",) in flat:
+            a = np.asarray(flat[adapter + ("a",)].get_value(), np.float64)
+            b = np.asarray(flat[adapter + ("b",)].get_value(), np.float64)
+            value = value + scale * np.einsum("...ri,...or->...io", a, b).reshape(value.shape)
+        merged[path] = var.replace(jnp.asarray(value, var.get_value().dtype))
+    return nnx.from_flat_state(list(merged.items()))
+
+
+DISPATCHES = {"dropless": ["model.moe_dispatch=dropless"],
+              "blocked": ["model.moe_dispatch=dropless", "model.moe_grouped_matmul=blocked", "model.moe_block_rows=8"],
+              "capacity": ["model.moe_dispatch=capacity", "model.moe_capacity_factor=4.0"]}   # E / k: none dropped
+
+
+def _expert_lora_logits_match_the_merged_weights(dispatch):
+    from spillway.recipes.export import merged_state
+
+    recipe = get_recipe("mixtral_tiny", MOE_SMALL + MOE_LORA + DISPATCHES[dispatch] +
+                        ["execution.dtype=float32", "lora.targets=q_proj,w1,w2,w3"])
+    plain = dataclasses.replace(recipe, lora=type(recipe.lora)())
+    graphdef, params = nnx.split(recipe.build_model(nnx.Rngs(0)))
+    plain_graphdef = nnx.split(nnx.eval_shape(lambda: plain.build_model(nnx.Rngs(0))))[0]
+    params = _with_random_b(params)
+    assert any(var.get_value().ndim == 4 for path, var in nnx.to_flat_state(params)
+               if isinstance(var, nnx.LoRAParam))           # [L, E, r, in]: one adapter per expert
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 128)
+    logits = lambda g, p: np.asarray(jax.jit(lambda p: nnx.merge(g, p)(tokens))(p))  # noqa: E731
+    with_adapters = logits(graphdef, params)
+    by_hand = logits(plain_graphdef, _merged_by_hand(params, recipe.lora.alpha / recipe.lora.rank))
+    np.testing.assert_allclose(with_adapters, by_hand, atol=2e-5, rtol=1e-5)
+    assert not np.allclose(with_adapters, logits(graphdef, _with_random_b(params, seed=2)), atol=1e-3)
+    export_graphdef, exported = merged_state(recipe, params)   # `spillway export`'s merge gives the same model
+    np.testing.assert_allclose(logits(export_graphdef, exported), by_hand, atol=2e-5, rtol=1e-5)
+
+
+def test_an_expert_adapter_is_each_experts_peft_adapter():
+    """Token by token: x W_e + (alpha / r) (x A_e^T) B_e^T for the expert e it is routed to, as PEFT computes
+    an adapted nn.Linear, equals x times the merged weight the dispatches take."""
+    from spillway.layers.lora import ExpertLoraAdapter, LoraSpec
+
+    spec = LoraSpec(rank=2, alpha=6.0, targets=frozenset(), expert_targets=frozenset({("mlp", "w_up")}))
+    adapter = ExpertLoraAdapter(3, 5, 4, spec, in_axis=None, out_axis=None, rngs=nnx.Rngs(0))
+    keys = jax.random.split(jax.random.key(1), 3)
+    adapter.b.set_value(jax.random.normal(keys[0], (3, 4, 2)))
+    w_eio = jax.random.normal(keys[1], (3, 5, 4))
+    x_nd, expert_n = jax.random.normal(keys[2], (6, 5)), np.array([0, 2, 1, 2, 0, 1])
+    merged = np.asarray(adapter.merged(w_eio))
+    a, b = np.asarray(adapter.a.get_value()), np.asarray(adapter.b.get_value())
+    for x, e in zip(np.asarray(x_nd), expert_n):
+        peft = x @ np.asarray(w_eio[e]) + 3.0 * (x @ a[e].T) @ b[e].T
+        np.testing.assert_allclose(x @ merged[e], peft, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow   # builds a Mixtral eagerly, three compiles a dispatch: a minute or more on 2 busy cores
+@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
+def test_expert_adapters_compute_the_merged_weights_in_every_dispatch(dispatch):
+    _expert_lora_logits_match_the_merged_weights(dispatch)
+
+
+@pytest.mark.slow   # a Mixtral train step sharded over 4 devices and two loss compiles: a minute on 2 busy cores
+def test_a_lora_step_on_experts_split_over_devices_trains_their_adapters_only():
+    """The experts split over fsdp (dropless gathers them per device): the adapted model's loss is the merged
+    model's, and a step changes the adapters only."""
+    from spillway.layers.mesh import MeshConfig
+    from spillway.layers.sharding import make_mesh
+    from spillway.recipes.train.batch import Batch
+    from spillway.recipes.train.step import make_loss_fn, setup
+
+    recipe = get_recipe("mixtral_tiny", MOE_SMALL + MOE_LORA + ["execution.dtype=float32", "lora.targets=w1,w2,w3"])
+    mesh = make_mesh(MeshConfig(1, 4, 1), devices=jax.devices()[:4])
+    s = setup(recipe, mesh)
+    params = _with_random_b(s.params)
+    tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, 128)
+    loss = float(jax.jit(make_loss_fn(s.graphdef, mesh=mesh))(params, Batch(tokens)))
+    plain = dataclasses.replace(recipe, lora=type(recipe.lora)())
+    plain_graphdef = nnx.split(nnx.eval_shape(lambda: plain.build_model(nnx.Rngs(0))))[0]
+    merged = _merged_by_hand(jax.device_get(params), recipe.lora.alpha / recipe.lora.rank)
+    assert loss == pytest.approx(float(jax.jit(make_loss_fn(plain_graphdef, mesh=mesh))(merged, Batch(tokens))),
+                                 rel=1e-5)
+    opt_state = jax.jit(s.optimizer.init)(params)
+    before = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+    new_params, opt_state, _, _ = s.train_step(params, opt_state, None, Batch(tokens))   # step 0: lr 0
+    new_params, _, _, metrics = s.train_step(new_params, opt_state, None, Batch(tokens))
+    after = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(new_params)}
+    changed = {p for p in before if not np.array_equal(before[p], after[p])}
+    assert changed and all(any(str(k).startswith("lora_") for k in p) for p in changed), changed
+    assert {p[-2] for p in changed} == {"lora_w_gate", "lora_w_up", "lora_w_down"} and np.isfinite(metrics["loss"])
+
+
+def test_a_dense_mlp_target_in_an_moe_model_adapts_the_dense_layers_only():
+    """Qwen3-MoE's dense layer 1 and its MoE layers share the attribute path mlp.w_gate: only the dense one
+    (the run without experts) gets an adapter."""
+    from spillway.recipes.train.step import abstract_model
+
+    recipe = get_recipe("qwen3_moe_tiny", MOE_SMALL + ["lora.rank=4", "checkpoint.init_from=/nowhere",
+                                                       "lora.targets=mlp.gate_proj"])
+    _, state = abstract_model(recipe)
+    adapted = sorted("/".join(str(k) for k in path) for path, var in nnx.to_flat_state(state)
+                     if isinstance(var, nnx.LoRAParam))
+    assert adapted and all("lora_w_gate" in path for path in adapted)
+    assert len({path.split("/lora_w_gate")[0] for path in adapted}) == 1, adapted   # one run: the dense layer
+
+
 def _with_random_b(params, seed=1):
     flat = list(nnx.to_flat_state(params))
     keys = iter(jax.random.split(jax.random.key(seed), len(flat)))

@@ -47,7 +47,9 @@ def stub_programs(s) -> StepPrograms:
     scalar = NamedSharding(s.mesh, PartitionSpec())
     step = jax.jit(train_step, in_shardings=(s.param_shardings, s.opt_state_shardings, None, s.batch_sharding),
                    out_shardings=(s.param_shardings, s.opt_state_shardings, None, scalar), donate_argnums=(0, 1))
-    eval_loss = jax.jit(lambda params, batch: _stub_loss(params, batch, vocab)[0])
+    # The validation program's (summed loss, count), a text batch counting every target token.
+    eval_loss = jax.jit(lambda params, batch: (_stub_loss(params, batch, vocab)[0] * batch.tokens[:, 1:].size,
+                                               jnp.float32(batch.tokens[:, 1:].size)))
 
     @jax.jit
     def check(params, batch):
