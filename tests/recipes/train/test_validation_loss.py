@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from spillway.layers.sharding import create_sharded
-from spillway.models.llama import Llama, llama_config
+from spillway.models.decoder import DecoderLM
+from spillway.models.registry import preset_config
 from spillway.recipes.train.batch import Batch
 from spillway.recipes.train.loop_parts import token_mean
 from spillway.recipes.train.step import make_eval_step
@@ -30,8 +31,8 @@ def _masked_batches(vocab):
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny Llama and its validation program, compiled once for the module's 2-row batches."""
-    cfg = llama_config("tiny_odd")
-    model = create_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(0), remat="recompute_all"))
+    cfg = preset_config("llama", "tiny_odd")
+    model = create_sharded(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0), remat="recompute_all"))
     graphdef, params = nnx.split(model)
     return cfg, model, params, jax.jit(make_eval_step(graphdef))
 
