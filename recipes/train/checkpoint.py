@@ -75,7 +75,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from spillway.recipes.train.checkpoint_io import (PieceWiseCheckpointHandler, PieceWiseRestore, PieceWiseSave,
-                                                 as_pieces, joined)
+                                                 as_pieces, chunked, from_pieces, joined,
+                                                 restore_target)
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.host_memory import RESTORE_CONCURRENT_GB   # what a restore reads at once
 
@@ -250,7 +251,9 @@ def _flat_by_path(tree) -> dict[str, Any]:
 
 
 def _as_restore_target(tree, what: str):
-    """ShapeDtypeStructs with shardings; live arrays are accepted and described by their sharding."""
+    """ShapeDtypeStructs with shardings; live arrays are accepted and described by their sharding. A
+    LayerHalves or ResidentSplit (of either) becomes a RowPieces of its parts: the saved leaf is read
+    straight into them (checkpoint_read.py)."""
 
     def one(path, leaf):
         if isinstance(leaf, jax.Array):
@@ -262,7 +265,7 @@ def _as_restore_target(tree, what: str):
             f"jax.ShapeDtypeStruct with a sharding (or a jax.Array) for every leaf, so that arrays "
             f"land on the mesh and memory kind you want")
 
-    return jax.tree_util.tree_map_with_path(one, tree)
+    return restore_target(tree, one)
 
 
 def _describe_differences(saved: Mapping[str, Any], target: Mapping[str, Any]) -> list[str]:
@@ -512,9 +515,11 @@ class RunCheckpointer:
         # in pieces: every array written a chunk at a time before save returns (checkpoint_io.py); else
         # orbax's path: whole arrays staged in host memory, written in the background
         as_saved = as_pieces if self.save_in_pieces else joined
+        # the whole save's chunks at most a piece too, so that a restore reads it a piece at a time
+        save_args = (lambda tree: None) if self.save_in_pieces else chunked
         args = ocp.args.Composite(**{
-            PARAMS: PieceWiseSave(as_saved(params)),
-            OPT_STATE: PieceWiseSave(as_saved(opt_state)),
+            PARAMS: PieceWiseSave(as_saved(params), save_args=save_args(params)),
+            OPT_STATE: PieceWiseSave(as_saved(opt_state), save_args=save_args(opt_state)),
             LOADER_STATE: ocp.args.JsonSave(loader_state),
             META: ocp.args.JsonSave(meta),
             RECIPE: _TextSave(recipe_json),
@@ -573,9 +578,13 @@ class RunCheckpointer:
     def restore(self, step: int | None = None, *, abstract_params, abstract_opt_state) -> dict:
         """Restores `step` (default: the latest) into the shardings of the abstract targets.
 
+        Every array is read a piece at a time straight into its target (checkpoint_read.py). A target may
+        hold LayerHalves or ResidentSplits (e.g. `Optimizer.abstract_state`): the saved leaf is read into
+        their parts, and they come back in that form.
         Returns {"params", "opt_state", "loader_state", "meta", "recipe_json"}.
         """
         self._check_open()
+        params_form, opt_state_form = abstract_params, abstract_opt_state
         abstract_params = _as_restore_target(abstract_params, "abstract_params")
         abstract_opt_state = _as_restore_target(abstract_opt_state, "abstract_opt_state")
         self.wait()  # a step in flight is not readable until finalised
@@ -593,8 +602,8 @@ class RunCheckpointer:
             {LOADER_STATE: ocp.args.JsonRestore(), META: ocp.args.JsonRestore(), RECIPE: _TextRestore()},
         )
         return {
-            "params": items[PARAMS],
-            "opt_state": items[OPT_STATE],
+            "params": from_pieces(params_form, items[PARAMS]),
+            "opt_state": from_pieces(opt_state_form, items[OPT_STATE]),
             "loader_state": items[LOADER_STATE],
             "meta": items[META],
             "recipe_json": items[RECIPE],

@@ -133,6 +133,45 @@ def as_pieces(tree):
     return jax.tree.map(wrap, tree, is_leaf=_is_saved_leaf)
 
 
+def chunked(tree):
+    """orbax SaveArgs for a whole save of `tree` (joined): zarr chunks of at most PIECE_BYTES, as a save in
+    pieces writes, so that either restores a piece at a time (orbax alone chooses chunks up to 2 GiB)."""
+    return jax.tree.map(lambda _: types.SaveArgs(chunk_byte_size=PIECE_BYTES), joined_structure(tree))
+
+
+def joined_structure(tree):
+    """`tree` with each LayerHalves / ResidentSplit / RowPieces as one leaf (the saved tree's structure)."""
+    return jax.tree.map(lambda x: 0, tree, is_leaf=_is_saved_leaf)
+
+
+def restore_target(tree, struct):
+    """A restore target with every LayerHalves or ResidentSplit (of ShapeDtypeStructs or arrays) as a RowPieces
+    of its parts, each leaf or part made a ShapeDtypeStruct by `struct`: the saved array is read straight
+    into those parts (checkpoint_read.py)."""
+    def one(path, x):
+        parts = _row_parts(x)
+        if parts is not None:
+            return RowPieces(tuple(struct(path, p) for p in parts))
+        return struct(path, x)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_saved_leaf)
+
+
+def from_pieces(template, restored):
+    """`restored` (restored into `restore_target(template)`) in the form of `template`: each RowPieces of
+    parts regrouped as the LayerHalves or ResidentSplit the template holds there (nothing copied)."""
+    from spillway.recipes.optim.host_streaming import LayerHalves
+    from spillway.recipes.optim.split_state import ResidentSplit
+
+    def regroup(form, value):
+        if isinstance(form, LayerHalves):
+            return LayerHalves(*value.parts)
+        if isinstance(form, ResidentSplit):
+            device, *host = value.parts
+            return ResidentSplit(device, LayerHalves(*host) if isinstance(form.host, LayerHalves) else host[0])
+        return value
+    return jax.tree.map(regroup, template, restored, is_leaf=_is_saved_leaf)
+
+
 def joined(tree):
     """`tree` with every LayerHalves or RowPieces leaf as one array (a copy, by the host CPU): orbax's default
     path takes jax.Arrays only. For an optimizer state, what `Optimizer.saved_form` returns."""
@@ -286,6 +325,18 @@ class PieceWiseArrayHandler(jax_array_handlers.ArrayHandler):
                 shardings=[v.sharding for v in values], infos=infos, primary_host=self._primary_host)
 
 
+    async def deserialize(self, infos: Sequence[types.ParamInfo], args: Sequence[types.RestoreArgs] | None = None):
+        """Leaves restored into their targets a piece at a time (checkpoint_read.py); leaves whose args are
+        orbax's own (not PiecesRestoreArgs) the way orbax reads them."""
+        from spillway.recipes.train import checkpoint_read
+        if not args or not all(isinstance(a, checkpoint_read.PiecesRestoreArgs) for a in args):
+            return await super().deserialize(infos, args)
+        types.check_input_arguments(infos, args)
+        for info in infos:
+            await info.await_path_creation()
+        return await checkpoint_read.read_leaves(infos, args, self._metadata_key, RowPieces)
+
+
 class _RegistryWithRowPieces(types.TypeHandlerRegistry):
     """orbax's global type-handler registry, with RowPieces leaves sent to PieceWiseArrayHandler. Lookups by
     typestr (a restore: "jax.Array") still find orbax's own handlers."""
@@ -316,6 +367,22 @@ class PieceWiseCheckpointHandler(ocp.StandardCheckpointHandler):
         self._impl = ocp.PyTreeCheckpointHandler(
             save_concurrent_gb=save_concurrent_gb, restore_concurrent_gb=restore_concurrent_gb,
             type_handler_registry=_RegistryWithRowPieces(type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY))
+
+
+    def restore(self, directory, item=None, args=None):
+        """orbax's restore of the tree, every leaf read in pieces into its target (checkpoint_read.py). A
+        target leaf is a ShapeDtypeStruct with a sharding, or a RowPieces of them (the leaf's rows restored
+        into those parts, e.g. LayerHalves' halves: the RowPieces comes back with the parts' arrays)."""
+        from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
+
+        from spillway.recipes.train import checkpoint_read
+        target = (args.item if args is not None else item)
+        is_target = lambda x: isinstance(x, (RowPieces, jax.ShapeDtypeStruct))   # noqa: E731
+        saved = jax.tree.map(lambda t: checkpoint_read.saved_struct_of(t, RowPieces), target, is_leaf=is_target)
+        restore_args = jax.tree.map(lambda t: checkpoint_read.restore_args_of(t, RowPieces), target,
+                                    is_leaf=is_target)
+        return self._impl.restore(directory, args=pytree_checkpoint_handler.PyTreeRestoreArgs(
+            item=saved, restore_args=restore_args))
 
 
 # orbax finds an item's handler from its args' registered handler type: these are StandardSave and

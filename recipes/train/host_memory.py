@@ -227,12 +227,12 @@ def check_host_peak(phases: HostPhases, host_ram_bytes: int, *, where: str = "th
 
 
 def restore_state(checkpointer, s, params, step: int | None = None):
-    """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/loop.py): no state made
-    first, the halves split a leaf at a time."""
+    """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/run_state.py): no state
+    made first, each saved leaf read a piece at a time straight into its parts (the halves)."""
     from spillway.recipes.train.step import abstract_with_shardings
     restored = checkpointer.restore(step, abstract_params=abstract_with_shardings(params, s.param_shardings),
-                                    abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings))
-    return restored["params"], s.optimizer.from_saved_form(restored["opt_state"], consume=True)
+                                    abstract_opt_state=s.optimizer.abstract_state(params, s.param_shardings))
+    return restored["params"], restored["opt_state"]
 
 
 def leaves_memory_kinds(tree) -> set[str]:
