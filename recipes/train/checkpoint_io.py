@@ -144,34 +144,6 @@ def joined_structure(tree):
     return jax.tree.map(lambda x: 0, tree, is_leaf=_is_saved_leaf)
 
 
-def restore_target(tree, struct):
-    """A restore target with every LayerHalves or ResidentSplit (of ShapeDtypeStructs or arrays) as a RowPieces
-    of its parts, each leaf or part made a ShapeDtypeStruct by `struct`: the saved array is read straight
-    into those parts (checkpoint_read.py)."""
-    def one(path, x):
-        parts = _row_parts(x)
-        if parts is not None:
-            return RowPieces(tuple(struct(path, p) for p in parts))
-        return struct(path, x)
-    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_saved_leaf)
-
-
-def from_pieces(template, restored):
-    """`restored` (restored into `restore_target(template)`) in the form of `template`: each RowPieces of
-    parts regrouped as the LayerHalves or ResidentSplit the template holds there (nothing copied)."""
-    from spillway.recipes.optim.host_streaming import LayerHalves
-    from spillway.recipes.optim.split_state import ResidentSplit
-
-    def regroup(form, value):
-        if isinstance(form, LayerHalves):
-            return LayerHalves(*value.parts)
-        if isinstance(form, ResidentSplit):
-            device, *host = value.parts
-            return ResidentSplit(device, LayerHalves(*host) if isinstance(form.host, LayerHalves) else host[0])
-        return value
-    return jax.tree.map(regroup, template, restored, is_leaf=_is_saved_leaf)
-
-
 def joined(tree):
     """`tree` with every LayerHalves or RowPieces leaf as one array (a copy, by the host CPU): orbax's default
     path takes jax.Arrays only. For an optimizer state, what `Optimizer.saved_form` returns."""

@@ -50,6 +50,7 @@ from jax import lax
 from orbax.checkpoint._src.serialization import jax_array_handlers, jax_array_restore_args, types
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
+from spillway.recipes.train.checkpoint_io import RowPieces, _is_saved_leaf, _row_parts
 from spillway.recipes.train.host_memory import SAVE_PIECE_BYTES as PIECE_BYTES
 from spillway.recipes.train.host_memory import SAVE_PIECES_IN_FLIGHT as PIECES_IN_FLIGHT
 
@@ -75,6 +76,34 @@ def saved_struct_of(target, row_pieces_type) -> jax.ShapeDtypeStruct:
     if isinstance(target, row_pieces_type):
         return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=target.parts[0].sharding)
     return target
+
+
+def restore_target(tree, struct):
+    """A restore target with every LayerHalves or ResidentSplit (of ShapeDtypeStructs or arrays) as a RowPieces
+    of its parts, each leaf or part made a ShapeDtypeStruct by `struct`: the saved array is read straight
+    into those parts (checkpoint_read.py)."""
+    def one(path, x):
+        parts = _row_parts(x)
+        if parts is not None:
+            return RowPieces(tuple(struct(path, p) for p in parts))
+        return struct(path, x)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_saved_leaf)
+
+
+def from_pieces(template, restored):
+    """`restored` (restored into `restore_target(template)`) in the form of `template`: each RowPieces of
+    parts regrouped as the LayerHalves or ResidentSplit the template holds there (nothing copied)."""
+    from spillway.recipes.optim.host_streaming import LayerHalves
+    from spillway.recipes.optim.split_state import ResidentSplit
+
+    def regroup(form, value):
+        if isinstance(form, LayerHalves):
+            return LayerHalves(*value.parts)
+        if isinstance(form, ResidentSplit):
+            device, *host = value.parts
+            return ResidentSplit(device, LayerHalves(*host) if isinstance(form.host, LayerHalves) else host[0])
+        return value
+    return jax.tree.map(regroup, template, restored, is_leaf=_is_saved_leaf)
 
 
 # -- writing one piece into a shard where it lies ----------------------------------------------------------
