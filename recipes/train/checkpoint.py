@@ -83,7 +83,7 @@ from spillway.recipes.train.checkpoint_items import (CHECKPOINTS_DIRNAME, LOADER
                                                      CheckpointMismatchError, CorruptCheckpointError,
                                                      _cause, _item_handlers, _TextFileHandler, _TextRestore,
                                                      _TextSave)
-from spillway.recipes.train.checkpoint_read import from_pieces
+from spillway.recipes.train.row_pieces import from_pieces
 from spillway.recipes.train.checkpoint_restore import (_as_restore_target, _restore_step_dir,
                                                        read_recipe_json, restore_params_only)
 

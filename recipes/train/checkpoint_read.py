@@ -50,9 +50,9 @@ from jax import lax
 from orbax.checkpoint._src.serialization import jax_array_handlers, jax_array_restore_args, types
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from spillway.recipes.train.checkpoint_io import RowPieces, _is_saved_leaf, _row_parts
 from spillway.recipes.train.host_memory import SAVE_PIECE_BYTES as PIECE_BYTES
 from spillway.recipes.train.host_memory import SAVE_PIECES_IN_FLIGHT as PIECES_IN_FLIGHT
+from spillway.recipes.train.row_pieces import RowPieces
 
 
 @dataclasses.dataclass
@@ -63,47 +63,19 @@ class PiecesRestoreArgs(jax_array_restore_args.ArrayRestoreArgs):
     parts: tuple = ()
 
 
-def restore_args_of(target, row_pieces_type) -> PiecesRestoreArgs:
+def restore_args_of(target) -> PiecesRestoreArgs:
     """The restore args of one target leaf: a ShapeDtypeStruct with a sharding, or a RowPieces of them.
     `restore_type` sends the leaf to the piece-wise handler (orbax looks handlers up by it)."""
-    parts = tuple(target.parts) if isinstance(target, row_pieces_type) else (target,)
-    return PiecesRestoreArgs(restore_type=row_pieces_type, sharding=parts[0].sharding, global_shape=target.shape,
+    parts = tuple(target.parts) if isinstance(target, RowPieces) else (target,)
+    return PiecesRestoreArgs(restore_type=RowPieces, sharding=parts[0].sharding, global_shape=target.shape,
                              dtype=target.dtype, parts=parts)
 
 
-def saved_struct_of(target, row_pieces_type) -> jax.ShapeDtypeStruct:
+def saved_struct_of(target) -> jax.ShapeDtypeStruct:
     """The saved array a target leaf reads (for orbax's tree of the item): the parts' rows as one array."""
-    if isinstance(target, row_pieces_type):
+    if isinstance(target, RowPieces):
         return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=target.parts[0].sharding)
     return target
-
-
-def restore_target(tree, struct):
-    """A restore target with every LayerHalves or ResidentSplit (of ShapeDtypeStructs or arrays) as a RowPieces
-    of its parts, each leaf or part made a ShapeDtypeStruct by `struct`: the saved array is read straight
-    into those parts (checkpoint_read.py)."""
-    def one(path, x):
-        parts = _row_parts(x)
-        if parts is not None:
-            return RowPieces(tuple(struct(path, p) for p in parts))
-        return struct(path, x)
-    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_saved_leaf)
-
-
-def from_pieces(template, restored):
-    """`restored` (restored into `restore_target(template)`) in the form of `template`: each RowPieces of
-    parts regrouped as the LayerHalves or ResidentSplit the template holds there (nothing copied)."""
-    from spillway.recipes.optim.host_streaming import LayerHalves
-    from spillway.recipes.optim.split_state import ResidentSplit
-
-    def regroup(form, value):
-        if isinstance(form, LayerHalves):
-            return LayerHalves(*value.parts)
-        if isinstance(form, ResidentSplit):
-            device, *host = value.parts
-            return ResidentSplit(device, LayerHalves(*host) if isinstance(form.host, LayerHalves) else host[0])
-        return value
-    return jax.tree.map(regroup, template, restored, is_leaf=_is_saved_leaf)
 
 
 # -- writing one piece into a shard where it lies ----------------------------------------------------------
@@ -221,9 +193,9 @@ async def _read_part(stored: ts.TensorStore, part: jax.ShapeDtypeStruct, row_off
 
 
 async def read_leaves(infos: Sequence[types.ParamInfo], args: Sequence[PiecesRestoreArgs],
-                      metadata_key: str | None, row_pieces_type) -> list:
+                      metadata_key: str | None) -> list:
     """The leaves of `infos`, one after the other, each part read into its target: an array for a plain
-    leaf, a `row_pieces_type` of the parts' arrays for a leaf restored into several."""
+    leaf, a RowPieces of the parts' arrays for a leaf restored into several."""
     use_ocdbt = jax_array_handlers._validate_ocdbt_settings(infos)   # orbax's check (private in 0.12.8)
     leaves = []
     for info, arg in zip(infos, args):
@@ -235,5 +207,5 @@ async def read_leaves(infos: Sequence[types.ParamInfo], args: Sequence[PiecesRes
         for part in arg.parts:
             parts.append(await _read_part(stored, part, row))
             row += part.shape[0] if part.shape else 0
-        leaves.append(row_pieces_type(tuple(parts)) if len(arg.parts) > 1 else parts[0])
+        leaves.append(RowPieces(tuple(parts)) if len(arg.parts) > 1 else parts[0])
     return leaves

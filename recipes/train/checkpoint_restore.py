@@ -14,7 +14,7 @@ from etils import epath
 
 from spillway.recipes.train.checkpoint_dirs import _STEP_NAMES, _absolute, _finalised_steps, resolve_step_dir
 from spillway.recipes.train.checkpoint_io import PieceWiseRestore
-from spillway.recipes.train.checkpoint_read import restore_target
+from spillway.recipes.train.row_pieces import restore_target
 from spillway.recipes.train.checkpoint_items import (META, PARAMS, RECIPE, RECIPE_FILENAME, CheckpointError,
                                                      CheckpointMismatchError, CorruptCheckpointError, _cause,
                                                      _item_handlers)
