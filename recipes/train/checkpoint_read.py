@@ -118,6 +118,8 @@ def piece_shape(shard_shape: Sequence[int], chunk: Sequence[int], itemsize: int,
     """The shape of the pieces a shard is read in: the stored chunk (never less: a compressed chunk is
     decoded whole), grown along the last axes first while a piece holds at most `limit` bytes."""
     limit = PIECE_BYTES if limit is None else limit
+    if 0 in shard_shape:   # an empty shard (a part with no rows): nothing to read
+        return tuple(shard_shape)
     shape = [min(c, n) for c, n in zip(chunk, shard_shape)]
     for axis in reversed(range(len(shape))):
         others = math.prod(shape) // shape[axis] * itemsize

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spillway.layers.memory import PINNED_HOST
 from spillway.recipes.optim.host_streaming import LayerHalves
+from spillway.recipes.optim.split_state import ResidentSplit
 from spillway.recipes.train import checkpoint_io, checkpoint_read
 from spillway.recipes.train.checkpoint import RunCheckpointer
 
@@ -85,7 +86,6 @@ def test_a_step_saved_on_one_mesh_restores_exactly_on_another(tmp_path, monkeypa
          {"mu": saved})
     other = Mesh(devices.reshape(2, 4), ("data", "tensor"))
     for sharding in (NamedSharding(other, PartitionSpec("data", None, "tensor")),
-                     NamedSharding(other, PartitionSpec(None, "tensor", None)),
                      jax.sharding.SingleDeviceSharding(devices[5])):
         w_sharding = NamedSharding(other, PartitionSpec("tensor")) if isinstance(sharding, NamedSharding) \
             else sharding
@@ -113,11 +113,26 @@ def test_device_state_restores_into_host_halves_and_host_halves_onto_the_device(
     np.testing.assert_array_equal(onto_device, stacked)
 
 
+def test_a_split_target_gets_its_device_rows_on_the_device_and_its_host_rows_in_host_halves(tmp_path,
+                                                                                            small_pieces):
+    """offload.optimizer_state=host:N: the first rows into device memory, the last into two host halves."""
+    stacked, params = stacked_state()
+    host = stacked.sharding.with_memory_kind(PINNED_HOST)
+    save(tmp_path, params, {"mu": stacked})
+    target = ResidentSplit(sds(stacked[:2]), LayerHalves(sds(stacked[2:4], host), sds(stacked[4:], host)))
+    split = restore(tmp_path, jax.tree.map(sds, params), {"mu": target})["opt_state"]["mu"]
+    assert isinstance(split, ResidentSplit) and isinstance(split.host, LayerHalves)
+    assert split.device.sharding.memory_kind == stacked.sharding.memory_kind
+    assert {split.host.first.sharding.memory_kind, split.host.second.sharding.memory_kind} == {PINNED_HOST}
+    np.testing.assert_array_equal(np.concatenate([split.device, split.host.first, split.host.second]), stacked)
+
+
 def test_piece_shape_grows_the_stored_chunk_to_the_limit_and_never_cuts_one():
     assert checkpoint_read.piece_shape((16, 64, 64), (1, 64, 64), 4, limit=64 * 64 * 4 * 4) == (4, 64, 64)
     assert checkpoint_read.piece_shape((16, 64, 64), (1, 64, 64), 4, limit=100) == (1, 64, 64)   # a whole chunk
     assert checkpoint_read.piece_shape((16, 64, 64), (16, 64, 64), 4, limit=100) == (16, 64, 64)
     assert checkpoint_read.piece_shape((), (), 4, limit=100) == ()
+    assert checkpoint_read.piece_shape((0, 64), (1, 64), 4, limit=100) == (0, 64)   # a part with no rows
 
 
 # -- the host peak of a restore and of a save: measured in a fresh process -----------------------------------
