@@ -23,12 +23,16 @@ Orbax does the hard parts and this file leans on them:
   loss) leaves the previous step as the latest; the stale tmp folder is deleted
   the next time a `RunCheckpointer` opens the directory.
 * keep-last-K garbage collection (`max_to_keep`).
-* restoring straight into target shardings: every array is read into the
-  NamedSharding (mesh, spec, memory kind) of the abstract target, so a run saved
-  on one mesh restores onto another, and optimizer state saved from
-  `pinned_host` memory comes back there when the target says so.
+* restoring into target shardings: every array is read into the sharding
+  (mesh, spec, memory kind) of the abstract target, so a run saved on one
+  mesh restores onto another, and state saved from `pinned_host` memory comes
+  back there (or onto the device) as the target says. Orbax reads a whole
+  shard into NumPy first; here each array is read a piece at a time straight
+  into its target, LayerHalves' halves included (recipes/train/checkpoint_read.py).
 
-What this file adds is the run's policy and the failure reporting:
+What this file adds is the run's policy and the failure reporting (its parts: checkpoint_items.py the item
+names, errors and handlers; checkpoint_dirs.py run and step folders; checkpoint_restore.py reading a step
+folder, checked against the target):
 
 * which steps to save (`step % every_steps == 0`, or forced), never re-saving a
   step, never saving a step older than the newest one (resume would skip it);
@@ -62,266 +66,34 @@ synchronises them); JSON items and the recipe are written by process 0 only.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
-import socket
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from spillway.recipes.train.checkpoint_io import (PieceWiseCheckpointHandler, PieceWiseRestore, PieceWiseSave,
-                                                 as_pieces, joined)
-from spillway.recipes.train.errors import RunError
-from spillway.recipes.train.host_memory import RESTORE_CONCURRENT_GB   # what a restore reads at once
+from spillway.recipes.train.checkpoint_dirs import (_STEP_NAMES, _absolute, _check_writable, _sync_processes,
+                                                    checkpoint_dir_of, finalised_step_dirs, resolve_step_dir,
+                                                    run_dir_of)
+from spillway.recipes.train.checkpoint_io import PieceWiseSave, as_pieces, chunked, joined
+from spillway.recipes.train.checkpoint_items import (CHECKPOINTS_DIRNAME, LOADER_STATE, META, OPT_STATE,
+                                                     PARAMS, RECIPE, RECIPE_FILENAME, CheckpointError,
+                                                     CheckpointMismatchError, CorruptCheckpointError,
+                                                     _cause, _item_handlers, _TextFileHandler, _TextRestore,
+                                                     _TextSave)
+from spillway.recipes.train.row_pieces import from_pieces
+from spillway.recipes.train.checkpoint_restore import (_as_restore_target, _restore_step_dir,
+                                                       read_recipe_json, restore_params_only)
 
-PARAMS = "params"
-OPT_STATE = "opt_state"
-LOADER_STATE = "loader_state"
-META = "meta"
-RECIPE = "recipe"
-RECIPE_FILENAME = "recipe.json"
-CHECKPOINTS_DIRNAME = "checkpoints"  # <run>/checkpoints holds the step folders of a training run
-
-_ARRAY_ITEMS = (PARAMS, OPT_STATE)
-_JSON_ITEMS = (LOADER_STATE, META)
-_MAX_LISTED_DIFFERENCES = 20  # a wholly different model would otherwise print every key
-_MAX_CAUSE_CHARS = 400
-
-
-class CheckpointError(RunError):
-    """A checkpoint could not be saved or restored; the message names the path and the reason."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A step folder is damaged (truncated or missing files, unreadable metadata): other steps may be intact."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint's parameter tree differs from the model's: a configuration problem, not damage."""
-
-
-def _cause(e: BaseException) -> str:
-    """The exception in one readable line: tensorstore errors embed a full JSON spec, kept in the
-    chained traceback (`raise ... from e`) but not in our message."""
-    text = " ".join(str(e).split())
-    if len(text) > _MAX_CAUSE_CHARS:
-        text = text[:_MAX_CAUSE_CHARS] + " ..."
-    return f"{type(e).__name__}: {text}"
-
-
-# -- the recipe as a plain file -------------------------------------------------------------
-#
-# orbax's JsonCheckpointHandler re-serialises whatever it is given; the recipe arrives
-# already serialised (the recipe module chose its formatting), so it is stored verbatim
-# and read back byte for byte.
-
-
-def _write_text(path: epath.Path, text: str) -> None:
-    path.write_text(text)
-
-
-class _TextFileHandler(ocp.AsyncCheckpointHandler):
-    """Stores one string as `<item dir>/<filename>`; written by process 0 in the background commit."""
-
-    def __init__(self, filename: str):
-        self._filename = filename
-
-    async def async_save(self, directory: epath.Path, args: _TextSave):
-        async def write():
-            if jax.process_index() == 0:
-                _write_text(directory / self._filename, args.text)
-
-        # the item directory may still be being created; this future waits for orbax's signal
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="recipe_text_save")]
-
-    def save(self, directory: epath.Path, args: _TextSave):
-        if jax.process_index() == 0:
-            _write_text(directory / self._filename, args.text)
-
-    def restore(self, directory: epath.Path, args: _TextRestore | None = None) -> str:
-        return (directory / self._filename).read_text()
-
-
-@ocp.args.register_with_handler(_TextFileHandler, for_save=True)
-@dataclasses.dataclass
-class _TextSave(ocp.args.CheckpointArgs):
-    text: str
-
-
-@ocp.args.register_with_handler(_TextFileHandler, for_restore=True)
-@dataclasses.dataclass
-class _TextRestore(ocp.args.CheckpointArgs):
-    pass
-
-
-def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
-    handlers: dict[str, ocp.CheckpointHandler] = {
-        name: PieceWiseCheckpointHandler(restore_concurrent_gb=RESTORE_CONCURRENT_GB) for name in _ARRAY_ITEMS}
-    handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
-    handlers[RECIPE] = _TextFileHandler(RECIPE_FILENAME)
-    return handlers
-
-
-# -- run directory and step folders ---------------------------------------------------------
-
-_STEP_NAMES = ocp.step.standard_name_format()  # "<step>", no prefix: what `ls` shows is the step
-
-
-def _absolute(path: str | os.PathLike) -> epath.Path:
-    # orbax's background writer rejects relative paths, and only says so from its thread
-    return epath.Path(os.path.abspath(os.fspath(path)))
-
-
-def _finalised_steps(run_dir: epath.Path) -> list[int]:
-    """Steps whose save completed; `<step>.orbax-checkpoint-tmp` folders are not listed."""
-    return sorted(m.step for m in _STEP_NAMES.find_all(run_dir))
-
-
-def _is_step_dir(path: epath.Path) -> bool:
-    # a checkpoint directory holds numbered folders; a step folder holds the items
-    return any((path / name).is_dir() for name in (PARAMS, OPT_STATE, META))
-
-
-def checkpoint_dir_of(path: str | os.PathLike) -> epath.Path:
-    """The folder holding the step folders, given it or the run directory above it (`<run>/checkpoints`)."""
-    path = _absolute(path)
-    if not _is_step_dir(path) and (path / CHECKPOINTS_DIRNAME).is_dir():
-        return path / CHECKPOINTS_DIRNAME
-    return path
-
-
-def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
-    """A step folder, given a step folder, a checkpoint directory or a run directory (newest step)."""
-    path = _absolute(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory (expected a run directory, its checkpoints "
-                              f"directory or a step folder)")
-    if ocp.step.is_path_temporary(path):
-        raise CheckpointError(f"{path}: an unfinished save (orbax tmp folder), not a checkpoint; "
-                              f"use a finalised step folder or the run directory")
-    if _is_step_dir(path):
-        if not ocp.step.is_checkpoint_finalized(path):
-            raise CheckpointError(f"{path}: this step's save never finished")
-        return path
-    directory = checkpoint_dir_of(path)
-    steps = _finalised_steps(directory)
-    if not steps:
-        raise CheckpointError(f"{path}: no checkpoint found (no finalised step folder in "
-                              f"{'this directory' if directory == path else directory})")
-    return directory / _STEP_NAMES.build_name(steps[-1])
-
-
-def finalised_step_dirs(directory: str | os.PathLike) -> list[epath.Path]:
-    """The finalised step folders of a checkpoints directory, oldest first."""
-    directory = _absolute(directory)
-    return [directory / _STEP_NAMES.build_name(step) for step in _finalised_steps(directory)]
-
-
-def run_dir_of(step_dir: epath.Path) -> epath.Path | None:
-    """The training run a step folder belongs to (`<run>/checkpoints/<step>`), or None if it is not in one."""
-    if step_dir.parent.name == CHECKPOINTS_DIRNAME:
-        return step_dir.parent.parent
-    return None
-
-
-# -- comparing a checkpoint's tree with the restore target -----------------------------------
-
-
-def _key_str(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _flat_by_path(tree) -> dict[str, Any]:
-    """{'layers/0/kernel': leaf}. Orbax's metadata stores every node as a dict with string keys,
-    the live tree has dataclass attributes, list indices and nnx.State keys: joining the keys as
-    strings makes the two comparable."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {"/".join(_key_str(k) for k in path): leaf for path, leaf in leaves}
-
-
-def _as_restore_target(tree, what: str):
-    """ShapeDtypeStructs with shardings; live arrays are accepted and described by their sharding."""
-
-    def one(path, leaf):
-        if isinstance(leaf, jax.Array):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
-            return leaf
-        raise CheckpointError(
-            f"{what}: leaf {'/'.join(_key_str(k) for k in path)!r} is {leaf!r}; restoring needs a "
-            f"jax.ShapeDtypeStruct with a sharding (or a jax.Array) for every leaf, so that arrays "
-            f"land on the mesh and memory kind you want")
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def _describe_differences(saved: Mapping[str, Any], target: Mapping[str, Any]) -> list[str]:
-    lines = []
-    for key in sorted(saved.keys() & target.keys()):
-        saved_shape, target_shape = tuple(saved[key].shape), tuple(target[key].shape)
-        if saved_shape != target_shape:
-            lines.append(f"shape differs at {key!r}: checkpoint {saved_shape}, target {target_shape}")
-    for key in sorted(target.keys() - saved.keys()):
-        lines.append(f"missing from the checkpoint: {key!r} (target shape {tuple(target[key].shape)})")
-    for key in sorted(saved.keys() - target.keys()):
-        lines.append(f"only in the checkpoint: {key!r} (checkpoint shape {tuple(saved[key].shape)})")
-    return lines
-
-
-def _check_compatible(item_dir: epath.Path, saved_metadata, abstract_tree) -> None:
-    saved_tree = getattr(saved_metadata, "tree", saved_metadata)  # TreeMetadata wraps the tree
-    differences = _describe_differences(_flat_by_path(saved_tree), _flat_by_path(abstract_tree))
-    if differences:
-        shown = differences[:_MAX_LISTED_DIFFERENCES]
-        if len(differences) > len(shown):
-            shown.append(f"... and {len(differences) - len(shown)} more")
-        raise CheckpointMismatchError(f"{item_dir}: checkpoint does not match the restore target "
-                                      f"({len(differences)} difference(s)): " + "; ".join(shown))
-
-
-# -- reading one step folder ------------------------------------------------------------------
-
-
-def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
-                      extra_items: Mapping[str, ocp.args.CheckpointArgs]) -> dict[str, Any]:
-    """Restores the array items in `abstract_trees` (after checking them against the saved
-    metadata) and the `extra_items` (JSON, text) from one finalised step folder."""
-    handlers = _item_handlers()
-    wanted = list(abstract_trees) + list(extra_items)
-    for name in wanted:
-        if not (step_dir / name).is_dir():
-            raise CorruptCheckpointError(f"{step_dir}: item {name!r} is missing from this checkpoint "
-                                         f"(corrupt, or not written by spillway.recipes.train.checkpoint)")
-    for name, tree in abstract_trees.items():
-        try:
-            saved_metadata = handlers[name].metadata(step_dir / name)
-        except Exception as e:  # unreadable or garbage _METADATA
-            raise CorruptCheckpointError(f"{step_dir / name}: cannot read the checkpoint's metadata, the "
-                                         f"checkpoint is corrupt: {_cause(e)}") from e
-        _check_compatible(step_dir / name, saved_metadata, tree)
-
-    restore_args = {name: PieceWiseRestore(tree) for name, tree in abstract_trees.items()}
-    restore_args.update(extra_items)
-    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{n: handlers[n] for n in wanted}))
-    try:
-        restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**restore_args))
-    except Exception as e:  # missing or truncated array files, garbage JSON, ...
-        # shapes and keys were checked above, so what is left is almost always damage on disk
-        raise CorruptCheckpointError(f"{step_dir}: restoring failed, the checkpoint is corrupt or unreadable "
-                                     f"(or a target sharding cannot hold its array): {_cause(e)}") from e
-    finally:
-        checkpointer.close()
-    return {name: restored[name] for name in wanted}
+# The module the rest of the project imports checkpoints from: its parts live in checkpoint_items (names,
+# errors, handlers), checkpoint_dirs (run and step folders), checkpoint_restore (reading a step folder),
+# checkpoint_io and checkpoint_read (arrays written and read in pieces).
+__all__ = ["CHECKPOINTS_DIRNAME", "LOADER_STATE", "META", "OPT_STATE", "PARAMS", "RECIPE", "RECIPE_FILENAME",
+           "CheckpointError", "CheckpointMismatchError", "CorruptCheckpointError", "RunCheckpointer",
+           "checkpoint_dir_of", "finalised_step_dirs", "read_recipe_json", "resolve_step_dir",
+           "restore_params_only", "run_dir_of"]
 
 
 def _json_text(value, what: str) -> str:
@@ -329,23 +101,6 @@ def _json_text(value, what: str) -> str:
         return json.dumps(value)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what} must be JSON-serialisable (it is saved as JSON): {e}") from e
-
-
-def _check_writable(directory: epath.Path) -> None:
-    """Creates `directory` and writes a probe file there: an unwritable place fails now, in one line."""
-    probe = directory / f".spillway-write-test-{socket.gethostname()}-{os.getpid()}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"spillway checks that checkpoints can be written here\n")
-        probe.unlink()
-    except Exception as e:  # OSError locally; other types from remote filesystems
-        raise CheckpointError(f"{directory}: cannot write checkpoints here: {_cause(e)}") from e
-
-
-def _sync_processes(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
 
 
 # -- the run's checkpointer ---------------------------------------------------------------------
@@ -512,9 +267,11 @@ class RunCheckpointer:
         # in pieces: every array written a chunk at a time before save returns (checkpoint_io.py); else
         # orbax's path: whole arrays staged in host memory, written in the background
         as_saved = as_pieces if self.save_in_pieces else joined
+        # the whole save's chunks at most a piece too, so that a restore reads it a piece at a time
+        save_args = (lambda tree: None) if self.save_in_pieces else chunked
         args = ocp.args.Composite(**{
-            PARAMS: PieceWiseSave(as_saved(params)),
-            OPT_STATE: PieceWiseSave(as_saved(opt_state)),
+            PARAMS: PieceWiseSave(as_saved(params), save_args=save_args(params)),
+            OPT_STATE: PieceWiseSave(as_saved(opt_state), save_args=save_args(opt_state)),
             LOADER_STATE: ocp.args.JsonSave(loader_state),
             META: ocp.args.JsonSave(meta),
             RECIPE: _TextSave(recipe_json),
@@ -573,9 +330,13 @@ class RunCheckpointer:
     def restore(self, step: int | None = None, *, abstract_params, abstract_opt_state) -> dict:
         """Restores `step` (default: the latest) into the shardings of the abstract targets.
 
+        Every array is read a piece at a time straight into its target (checkpoint_read.py). A target may
+        hold LayerHalves or ResidentSplits (e.g. `Optimizer.abstract_state`): the saved leaf is read into
+        their parts, and they come back in that form.
         Returns {"params", "opt_state", "loader_state", "meta", "recipe_json"}.
         """
         self._check_open()
+        params_form, opt_state_form = abstract_params, abstract_opt_state
         abstract_params = _as_restore_target(abstract_params, "abstract_params")
         abstract_opt_state = _as_restore_target(abstract_opt_state, "abstract_opt_state")
         self.wait()  # a step in flight is not readable until finalised
@@ -593,8 +354,8 @@ class RunCheckpointer:
             {LOADER_STATE: ocp.args.JsonRestore(), META: ocp.args.JsonRestore(), RECIPE: _TextRestore()},
         )
         return {
-            "params": items[PARAMS],
-            "opt_state": items[OPT_STATE],
+            "params": from_pieces(params_form, items[PARAMS]),
+            "opt_state": from_pieces(opt_state_form, items[OPT_STATE]),
             "loader_state": items[LOADER_STATE],
             "meta": items[META],
             "recipe_json": items[RECIPE],
@@ -621,45 +382,3 @@ class RunCheckpointer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-# -- fine-tuning entry points -----------------------------------------------------------------------
-
-
-def _with_older_steps_hint(error: CorruptCheckpointError, given: epath.Path, step_dir: epath.Path):
-    """A corrupt newest step, reached through a run or checkpoint directory: name the older steps to use."""
-    if given == step_dir:
-        return error
-    older = [s for s in _finalised_steps(step_dir.parent) if s < int(step_dir.name)]
-    if not older:
-        return CorruptCheckpointError(f"{error} (no older step to fall back to)")
-    return CorruptCheckpointError(f"{error} (older steps {older}: pass one of their folders, e.g. "
-                                  f"{step_dir.parent / _STEP_NAMES.build_name(older[-1])})")
-
-
-def restore_params_only(path: str | os.PathLike, abstract_params) -> tuple[Any, dict]:
-    """Loads the parameters (and the meta dict) of a checkpoint, for a fine-tune.
-
-    `path` is a run directory, its checkpoints directory (the newest step is used) or one step
-    folder. The optimizer state is not read. Arrays land in the shardings of `abstract_params`,
-    on any mesh.
-    """
-    step_dir = resolve_step_dir(path)
-    try:
-        items = _restore_step_dir(step_dir, {PARAMS: _as_restore_target(abstract_params, "abstract_params")},
-                                  {META: ocp.args.JsonRestore()})
-    except CorruptCheckpointError as e:
-        raise _with_older_steps_hint(e, _absolute(path), step_dir) from e
-    return items[PARAMS], items[META]
-
-
-def read_recipe_json(path: str | os.PathLike) -> str:
-    """The recipe saved beside a step, verbatim. `path`: a step folder, a checkpoints directory or a run
-    directory (newest step)."""
-    step_dir = resolve_step_dir(path)
-    recipe_file = step_dir / RECIPE / RECIPE_FILENAME
-    try:
-        return recipe_file.read_text()
-    except OSError as e:
-        error = CorruptCheckpointError(f"{recipe_file}: cannot read the saved recipe: {_cause(e)}")
-        raise _with_older_steps_hint(error, _absolute(path), step_dir) from e

@@ -9,7 +9,7 @@ returns, when the train step has already donated (overwritten) them. Neither
 bounds a save of state that lives in host memory, so this module adds the
 smallest piece that does, on orbax's own type-handler interface:
 
-* `RowPieces`: a saved leaf of shape (L, ...) held as one array or as
+* `RowPieces` (row_pieces.py): a saved leaf of shape (L, ...) held as one array or as
   consecutive row blocks (LayerHalves' two halves), never joined.
 * `PieceWiseArrayHandler`: an orbax ArrayHandler whose `serialize` writes a
   RowPieces leaf with the tensorstore spec orbax itself builds
@@ -19,12 +19,14 @@ smallest piece that does, on orbax's own type-handler interface:
   shape is chosen (orbax's `choose_chunk_shape`) at most `PIECE_BYTES`, with
   the layer axis split first for stacked leaves, so every piece is whole
   chunks and tensorstore never reads back what it wrote. Its typestr is
-  orbax's "jax.Array": a step restores with orbax's own ArrayHandler, like a
+  orbax's "jax.Array": a step opens with orbax's own ArrayHandler, like a
   step written by orbax's default path (and like steps written before this
-  module existed).
+  module existed). Its `deserialize` reads leaves in pieces straight into
+  their targets (checkpoint_read.py) when their args say so.
 * `PieceWiseCheckpointHandler`: orbax's StandardCheckpointHandler with that
   handler used for RowPieces leaves (plain arrays keep orbax's default
-  path, the async one with whole staging).
+  path, the async one with whole staging), and a `restore` that reads every
+  leaf in pieces.
 
 A piece is taken from the shard where it lies: a slice made in the shard's
 own memory (the host CPU slices a pinned-host shard, the device a device
@@ -39,7 +41,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -54,103 +55,21 @@ from orbax.checkpoint._src.serialization import type_handler_registry, types
 
 # One zarr chunk, and so one piece in host memory, at most PIECE_BYTES; PIECES_IN_FLIGHT writes at once. What
 # that holds is the planner's too (host_memory.PIECES_STAGING_BYTES), hence the constants live there.
+from spillway.recipes.train.checkpoint_read import PiecesRestoreArgs, read_leaves, restore_args_of, saved_struct_of
 from spillway.recipes.train.host_memory import SAVE_PIECE_BYTES as PIECE_BYTES  # noqa: E402
 from spillway.recipes.train.host_memory import SAVE_PIECES_IN_FLIGHT as PIECES_IN_FLIGHT  # noqa: E402
+from spillway.recipes.train.row_pieces import RowPieces, as_pieces, is_saved_leaf, joined  # noqa: F401
 
 
-@dataclasses.dataclass(frozen=True)
-class RowPieces:
-    """One saved leaf, shape (rows, ...), held as `parts`: arrays whose rows follow each other (no copy made).
-
-    A pytree leaf (not a node), so orbax sees one array of `shape` and hands it to PieceWiseArrayHandler."""
-
-    parts: tuple[jax.Array, ...]
-
-    def __post_init__(self):
-        first = self.parts[0]
-        for part in self.parts[1:]:
-            if part.shape[1:] != first.shape[1:] or part.dtype != first.dtype:
-                raise ValueError(f"RowPieces: parts {[p.shape for p in self.parts]} do not stack along rows")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        first = self.parts[0]
-        if first.ndim == 0:
-            return ()
-        return (sum(p.shape[0] for p in self.parts), *first.shape[1:])
-
-    @property
-    def dtype(self):
-        return self.parts[0].dtype
-
-    @property
-    def sharding(self):
-        return self.parts[0].sharding   # the parts share one sharding (LayerHalves' halves do)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    def delete(self) -> None:
-        for part in self.parts:
-            part.delete()
+def chunked(tree):
+    """orbax SaveArgs for a whole save of `tree` (joined): zarr chunks of at most PIECE_BYTES, as a save in
+    pieces writes, so that either restores a piece at a time (orbax alone chooses chunks up to 2 GiB)."""
+    return jax.tree.map(lambda _: types.SaveArgs(chunk_byte_size=PIECE_BYTES), joined_structure(tree))
 
 
-def _is_saved_leaf(x) -> bool:
-    from spillway.recipes.optim.host_streaming import LayerHalves
-    from spillway.recipes.optim.split_state import ResidentSplit
-    return isinstance(x, (RowPieces, LayerHalves, ResidentSplit))
-
-
-def _row_parts(x) -> tuple | None:
-    """The arrays whose rows make up one saved leaf, in row order, or None for a plain leaf: a LayerHalves'
-    two halves; a ResidentSplit's (offload.optimizer_state=host:N) device rows, then its host rows."""
-    from spillway.recipes.optim.host_streaming import LayerHalves
-    from spillway.recipes.optim.split_state import ResidentSplit
-    if isinstance(x, LayerHalves):
-        return (x.first, x.second)
-    if isinstance(x, ResidentSplit):
-        return (x.device, *(_row_parts(x.host) or (x.host,)))
-    return getattr(x, "parts", None)
-
-
-def as_pieces(tree):
-    """`tree` with every jax.Array leaf wrapped as a one-part RowPieces and every LayerHalves (a host state
-    leaf kept as two buffers) as a two-part one: the tree `Optimizer.saved_form` would make, nothing copied."""
-    def wrap(x):
-        parts = _row_parts(x)
-        if parts is not None:
-            return RowPieces(tuple(parts))
-        return RowPieces((x,)) if isinstance(x, jax.Array) else x
-    return jax.tree.map(wrap, tree, is_leaf=_is_saved_leaf)
-
-
-def joined(tree):
-    """`tree` with every LayerHalves or RowPieces leaf as one array (a copy, by the host CPU): orbax's default
-    path takes jax.Arrays only. For an optimizer state, what `Optimizer.saved_form` returns."""
-    from spillway.recipes.optim.host_streaming import LayerHalves, join_halves
-    from spillway.recipes.optim.split_state import ResidentSplit, join_split
-
-    def join(x):
-        if isinstance(x, ResidentSplit):
-            return join_split(x)   # the device rows copied out, then one host array
-        parts = _row_parts(x)
-        if parts is None:
-            return x
-        if len(parts) == 1:
-            return parts[0]
-        if len(parts) == 2:
-            return join_halves(LayerHalves(*parts))
-        raise ValueError(f"RowPieces of {len(parts)} parts: only one or two are joined")
-    return jax.tree.map(join, tree, is_leaf=_is_saved_leaf)
+def joined_structure(tree):
+    """`tree` with each LayerHalves / ResidentSplit / RowPieces as one leaf (the saved tree's structure)."""
+    return jax.tree.map(lambda x: 0, tree, is_leaf=is_saved_leaf)
 
 
 # -- taking one piece out of a shard -------------------------------------------------------------------
@@ -286,6 +205,17 @@ class PieceWiseArrayHandler(jax_array_handlers.ArrayHandler):
                 shardings=[v.sharding for v in values], infos=infos, primary_host=self._primary_host)
 
 
+    async def deserialize(self, infos: Sequence[types.ParamInfo], args: Sequence[types.RestoreArgs] | None = None):
+        """Leaves restored into their targets a piece at a time (checkpoint_read.py); leaves whose args are
+        orbax's own (not PiecesRestoreArgs) the way orbax reads them."""
+        if not args or not all(isinstance(a, PiecesRestoreArgs) for a in args):
+            return await super().deserialize(infos, args)
+        types.check_input_arguments(infos, args)
+        for info in infos:
+            await info.await_path_creation()
+        return await read_leaves(infos, args, self._metadata_key)
+
+
 class _RegistryWithRowPieces(types.TypeHandlerRegistry):
     """orbax's global type-handler registry, with RowPieces leaves sent to PieceWiseArrayHandler. Lookups by
     typestr (a restore: "jax.Array") still find orbax's own handlers."""
@@ -316,6 +246,20 @@ class PieceWiseCheckpointHandler(ocp.StandardCheckpointHandler):
         self._impl = ocp.PyTreeCheckpointHandler(
             save_concurrent_gb=save_concurrent_gb, restore_concurrent_gb=restore_concurrent_gb,
             type_handler_registry=_RegistryWithRowPieces(type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY))
+
+
+    def restore(self, directory, item=None, args=None):
+        """orbax's restore of the tree, every leaf read in pieces into its target (checkpoint_read.py). A
+        target leaf is a ShapeDtypeStruct with a sharding, or a RowPieces of them (the leaf's rows restored
+        into those parts, e.g. LayerHalves' halves: the RowPieces comes back with the parts' arrays)."""
+        from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
+        target = (args.item if args is not None else item)
+        is_target = lambda x: isinstance(x, (RowPieces, jax.ShapeDtypeStruct))   # noqa: E731
+        saved = jax.tree.map(lambda t: saved_struct_of(t), target, is_leaf=is_target)
+        restore_args = jax.tree.map(lambda t: restore_args_of(t), target,
+                                    is_leaf=is_target)
+        return self._impl.restore(directory, args=pytree_checkpoint_handler.PyTreeRestoreArgs(
+            item=saved, restore_args=restore_args))
 
 
 # orbax finds an item's handler from its args' registered handler type: these are StandardSave and

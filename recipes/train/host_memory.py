@@ -27,11 +27,13 @@ libraries, XLA's compiler), per process:
                                          NumPy reads the buffers in place, but tensorstore's atomic
                                          OCDBT transaction holds every encoded array until it commits
                                          (measured: 1.9 GB for 2 GB saved), the bytes saved
-    restore         2W + S + Gp +        the restored arrays land in their target memory kind;
-                    min(saved, R)        orbax reads through NumPy, at most R bytes at once
-                                         (checkpoint.RESTORE_CONCURRENT_GB); the state is not
-                                         initialised first (loop.py), and the halves are split a
-                                         leaf at a time (Optimizer.from_saved_form(consume=True))
+    restore         2W + S + Gp + P      every array read a piece at a time straight into its target
+                                         placement and parts (the halves; checkpoint_read.py): P =
+                                         PIECES_STAGING_BYTES, the pieces in flight, as for the save;
+                                         the state is not initialised first (run_state.py), the
+                                         model's own weights are (2W). A step whose stored chunks are
+                                         larger (orbax's whole save before chunks of a piece: up to
+                                         2 GiB) reads a chunk at a time
 
 with S the optimizer state in host memory, H its part kept as LayerHalves,
 W the block weights in host memory, Gp the pending gradients
@@ -60,10 +62,9 @@ GiB = 2**30
 # cuBLAS, XLA's GPU compiler compiling the step. Assumed, not measured (on CPU: 0.2 GB at start-up,
 # 1.3 GB after compiling the 66M model's step, benchmarks/host_memory_phases.py).
 ASSUMED_GPU_FOOTPRINT_BYTES = 6 * GiB
-# Orbax reads a restore through NumPy buffers, at most this many GB at once (its default: 96), set by
-# recipes/train/checkpoint.py: the host memory a restore holds beside the restored arrays.
+# Orbax's own array reads (a leaf not read in pieces) hold at most this many GB at once (its default: 96),
+# set by recipes/train/checkpoint.py.
 RESTORE_CONCURRENT_GB = 8
-RESTORE_STAGING_BYTES = RESTORE_CONCURRENT_GB * 10**9
 PHASES = ("start-up", "state creation", "step", "checkpoint save", "restore")
 # A save in pieces (recipes/train/checkpoint_io.py): one zarr chunk, the most one piece holds, and the pieces
 # tensorstore writes at once.
@@ -74,6 +75,10 @@ SAVE_PIECES_IN_FLIGHT = 2
 # slice's compile, allocator slack. Measured on CPU, 2 GiB of state in 32 MiB pieces, 2 in flight: the peak
 # rose by 413 MiB (tests/recipes/train/test_checkpoint_pieces.py bounds it by one layer + this).
 PIECES_STAGING_BYTES = 512 * 2**20
+# What a restore holds beside the restored arrays: pieces read straight into their targets
+# (recipes/train/checkpoint_read.py), the same pieces in flight as a save's. Measured on CPU, 256 MiB of state
+# in 8 MiB pieces: +115 to 180 MiB beside the state (tests/recipes/train/test_checkpoint_restore.py).
+RESTORE_STAGING_BYTES = PIECES_STAGING_BYTES
 
 
 class HostPeakError(SpillwayError, MemoryError):
@@ -115,7 +120,7 @@ class HostPhases:
             "state creation": self.footprint + live,
             "step": self.footprint + self.step_host,
             "checkpoint save": self.footprint + live + self.save_staging,
-            "restore": self.footprint + live + self.weights + min(saved, RESTORE_STAGING_BYTES),
+            "restore": self.footprint + live + self.weights + min(saved, RESTORE_STAGING_BYTES),  # pieces
         }
 
     def pinned_by_phase(self) -> dict[str, int]:
@@ -151,7 +156,7 @@ class HostPhases:
                                        else f"the state's halves joined and orbax's host copies "
                                             f"{gib(self.save_staging)} (a whole save)"),
                  "restore": f"process {gib(self.footprint)}, state {gib(self.state)}, weights 2 x "
-                            f"{gib(self.weights)}, orbax's read buffers "
+                            f"{gib(self.weights)}, the pieces being read "
                             f"{gib(min(self.saved_device + self.saved_host, RESTORE_STAGING_BYTES))}"}
         return parts[phase]
 
@@ -227,12 +232,12 @@ def check_host_peak(phases: HostPhases, host_ram_bytes: int, *, where: str = "th
 
 
 def restore_state(checkpointer, s, params, step: int | None = None):
-    """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/loop.py): no state made
-    first, the halves split a leaf at a time."""
+    """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/run_state.py): no state
+    made first, each saved leaf read a piece at a time straight into its parts (the halves)."""
     from spillway.recipes.train.step import abstract_with_shardings
     restored = checkpointer.restore(step, abstract_params=abstract_with_shardings(params, s.param_shardings),
-                                    abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings))
-    return restored["params"], s.optimizer.from_saved_form(restored["opt_state"], consume=True)
+                                    abstract_opt_state=s.optimizer.abstract_state(params, s.param_shardings))
+    return restored["params"], restored["opt_state"]
 
 
 def leaves_memory_kinds(tree) -> set[str]:

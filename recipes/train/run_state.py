@@ -116,13 +116,12 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
     resumed = restore_for_resume(
         checkpointer, recipe, candidates,
         abstract_params=lora_state.checkpointed(recipe, abstract_with_shardings(params, s.param_shardings)),
-        abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings),
+        # the state's own form (LayerHalves, ResidentSplit): each saved leaf is read straight into its parts
+        abstract_opt_state=s.optimizer.abstract_state(params, s.param_shardings),
         weights_problem=weights_problem, say=say)
     step = int(resumed.meta["step"])
     params = lora_state.with_restored(recipe, params, resumed.params)   # a LoRA run: the base loaded above
-    # Checkpoints hold the state in saved form (one array per leaf); the streamed host leaves go back to
-    # their two buffers.
-    opt_state = s.optimizer.from_saved_form(resumed.opt_state, consume=True)
+    opt_state = resumed.opt_state
     feed.restore(resumed.loader_state)
     changes = "".join(f"; {field}: {before} -> {after}" for field, (before, after) in resumed.changed.items())
     say(f"resumed from {checkpointer.step_dir(resumed.step)} at step {step}{changes}")

@@ -129,11 +129,11 @@ def test_out_of_memory_with_the_users_settings_names_them_and_the_bytes(tmp_path
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_unfinished_folder(tmp_path, capfd, monkeypatch):
     import errno
 
-    from spillway.recipes.train import checkpoint as ckpt_lib
+    from spillway.recipes.train import checkpoint_items
 
     def disk_full(path, text):   # the recipe file, written in orbax's background commit like the arrays
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr(ckpt_lib, "_write_text", disk_full)
+    monkeypatch.setattr(checkpoint_items, "_write_text", disk_full)
     run_dir = tmp_path / "run"
     status = cli.main(["train", "tiny", *sets(*MICRO, "data.source=builtin:stdlib:400000", "train.steps=3",
                                               "checkpoint.every_steps=2", f"data.cache_dir={tmp_path / 'cache'}",

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spillway.recipes.train import checkpoint as ckpt_lib
+from spillway.recipes.train import checkpoint_items
 from spillway.recipes.train.checkpoint import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                                                RunCheckpointer, read_recipe_json, resolve_step_dir,
                                                restore_params_only)
@@ -352,7 +352,7 @@ def test_async_save_failure_surfaces_at_wait(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     # the recipe file is written in orbax's background commit, like the arrays
-    monkeypatch.setattr(ckpt_lib, "_write_text", disk_full)
+    monkeypatch.setattr(checkpoint_items, "_write_text", disk_full)
     save_step(ckpt, 2, params, opt_state)  # returns: the failure happens in the background
     with pytest.raises(CheckpointError, match=r"/2: the async save failed .*\(step 1 is intact\).*No space left"):
         ckpt.wait()
@@ -388,7 +388,7 @@ def test_a_failed_async_save_is_reported_by_polling_without_waiting(tmp_path, mo
     def disk_full(path, text):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt_lib, "_write_text", disk_full)
+    monkeypatch.setattr(checkpoint_items, "_write_text", disk_full)
     save_step(ckpt, 2, params, opt_state)
     deadline = time.monotonic() + 60
     with pytest.raises(CheckpointError, match=r"/2: the async save failed .*\(step 1 is intact\).*No space left"):

@@ -21,7 +21,7 @@ import shutil
 import pytest
 
 from spillway.recipes import cli
-from spillway.recipes.train import checkpoint as ckpt_lib
+from spillway.recipes.train import checkpoint_items
 from spillway.recipes.train.checkpoint import CheckpointError
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.loop import train
@@ -94,7 +94,7 @@ def test_a_failed_async_save_stops_the_run_at_that_save(data_cache, tmp_path, mo
     def disk_full(path, text):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt_lib, "_write_text", disk_full)  # written in orbax's background commit
+    monkeypatch.setattr(checkpoint_items, "_write_text", disk_full)  # written in orbax's background commit
     run_dir = tmp_path / "run"
     with pytest.raises(CheckpointError) as excinfo:
         stub_train(micro(data_cache, run_dir, "train.steps=400", "checkpoint.every_steps=200"))

@@ -1,0 +1,94 @@
+"""Run directories and step folders: where a run's checkpoints are, which steps are finalised, and the checks
+that a directory can be written (recipes/train/checkpoint.py says how a step folder is laid out)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from spillway.recipes.train.checkpoint_items import (CHECKPOINTS_DIRNAME, META, OPT_STATE, PARAMS, CheckpointError,
+                                                     _cause)
+
+# -- run directory and step folders ---------------------------------------------------------
+
+_STEP_NAMES = ocp.step.standard_name_format()  # "<step>", no prefix: what `ls` shows is the step
+
+
+def _absolute(path: str | os.PathLike) -> epath.Path:
+    # orbax's background writer rejects relative paths, and only says so from its thread
+    return epath.Path(os.path.abspath(os.fspath(path)))
+
+
+def _finalised_steps(run_dir: epath.Path) -> list[int]:
+    """Steps whose save completed; `<step>.orbax-checkpoint-tmp` folders are not listed."""
+    return sorted(m.step for m in _STEP_NAMES.find_all(run_dir))
+
+
+def _is_step_dir(path: epath.Path) -> bool:
+    # a checkpoint directory holds numbered folders; a step folder holds the items
+    return any((path / name).is_dir() for name in (PARAMS, OPT_STATE, META))
+
+
+def checkpoint_dir_of(path: str | os.PathLike) -> epath.Path:
+    """The folder holding the step folders, given it or the run directory above it (`<run>/checkpoints`)."""
+    path = _absolute(path)
+    if not _is_step_dir(path) and (path / CHECKPOINTS_DIRNAME).is_dir():
+        return path / CHECKPOINTS_DIRNAME
+    return path
+
+
+def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
+    """A step folder, given a step folder, a checkpoint directory or a run directory (newest step)."""
+    path = _absolute(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected a run directory, its checkpoints "
+                              f"directory or a step folder)")
+    if ocp.step.is_path_temporary(path):
+        raise CheckpointError(f"{path}: an unfinished save (orbax tmp folder), not a checkpoint; "
+                              f"use a finalised step folder or the run directory")
+    if _is_step_dir(path):
+        if not ocp.step.is_checkpoint_finalized(path):
+            raise CheckpointError(f"{path}: this step's save never finished")
+        return path
+    directory = checkpoint_dir_of(path)
+    steps = _finalised_steps(directory)
+    if not steps:
+        raise CheckpointError(f"{path}: no checkpoint found (no finalised step folder in "
+                              f"{'this directory' if directory == path else directory})")
+    return directory / _STEP_NAMES.build_name(steps[-1])
+
+
+def finalised_step_dirs(directory: str | os.PathLike) -> list[epath.Path]:
+    """The finalised step folders of a checkpoints directory, oldest first."""
+    directory = _absolute(directory)
+    return [directory / _STEP_NAMES.build_name(step) for step in _finalised_steps(directory)]
+
+
+def run_dir_of(step_dir: epath.Path) -> epath.Path | None:
+    """The training run a step folder belongs to (`<run>/checkpoints/<step>`), or None if it is not in one."""
+    if step_dir.parent.name == CHECKPOINTS_DIRNAME:
+        return step_dir.parent.parent
+    return None
+
+
+def _check_writable(directory: epath.Path) -> None:
+    """Creates `directory` and writes a probe file there: an unwritable place fails now, in one line."""
+    probe = directory / f".spillway-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"spillway checks that checkpoints can be written here\n")
+        probe.unlink()
+    except Exception as e:  # OSError locally; other types from remote filesystems
+        raise CheckpointError(f"{directory}: cannot write checkpoints here: {_cause(e)}") from e
+
+
+def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
