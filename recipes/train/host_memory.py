@@ -228,10 +228,13 @@ def check_host_peak(phases: HostPhases, host_ram_bytes: int, *, where: str = "th
 def restore_state(checkpointer, s, params, step: int | None = None):
     """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/loop.py): no state made
     first, the halves split a leaf at a time."""
+    from spillway.recipes.optim import param_placement as placement
     from spillway.recipes.train.step import abstract_with_shardings
-    restored = checkpointer.restore(step, abstract_params=abstract_with_shardings(params, s.param_shardings),
+    placed = abstract_with_shardings(params, s.param_shardings)
+    restored = checkpointer.restore(step, abstract_params=placement.saved_params(placed),
                                     abstract_opt_state=s.optimizer.saved_abstract_state(params, s.param_shardings))
-    return restored["params"], s.optimizer.from_saved_form(restored["opt_state"], consume=True)
+    return (placement.params_from_saved(restored["params"], placed),   # split weights cut again
+            s.optimizer.from_saved_form(restored["opt_state"], consume=True))
 
 
 def leaves_memory_kinds(tree) -> set[str]:
