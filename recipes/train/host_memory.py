@@ -257,6 +257,7 @@ def pinned_need_of_recipe(recipe) -> int:
 
 def phases_of_recipe(recipe) -> HostPhases:
     """The HostPhases (footprint 0) of one process holding the whole model, from shapes alone (no backend)."""
+    from spillway.layers.residency import host_layers, is_param_split
     from spillway.recipes.config import NEXT_FORWARD
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
     from spillway.recipes.optim.param_placement import param_memories
@@ -292,8 +293,12 @@ def phases_of_recipe(recipe) -> HostPhases:
             pending += param_bytes if streamed and deferred else 0
         else:
             device_saved += state_bytes
-        weights += param_bytes if host_weight else 0
-        device_saved += 0 if host_weight else param_bytes
+        # offload.params=host:N: the last N layers' weights on host; a save joins the leaf into one host array
+        host_weight_bytes = param_bytes * host_layers(recipe.offload.params, value.shape[0]) // value.shape[0] \
+            if host_weight and is_param_split(recipe.offload.params) else param_bytes if host_weight else 0
+        weights += host_weight_bytes
+        device_saved += param_bytes - host_weight_bytes
+        split_device += param_bytes - host_weight_bytes if host_weight else 0
     if deferred:
         step_host = 2 * (state + pending)
     else:

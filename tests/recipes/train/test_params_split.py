@@ -96,10 +96,26 @@ def test_a_split_of_the_weights_the_run_cannot_take_is_one_config_error(settings
         small_recipe(*settings)
 
 
+def test_split_weights_join_for_a_checkpoint_and_cut_again_under_another_split_bit_for_bit():
+    """The cheap case of the resume below (one setup, nothing trained): what a checkpoint holds of host:1
+    weights, cut as a host:2 run keeps them, is the same weights, each part in its memory."""
+    s = step_lib.setup(small_recipe(*split_settings(1)), one_device())
+    saved = placement.saved_params(s.params)
+    assert not placement.any_split(saved) and weight_parts(s.params) == ({"device"}, {"pinned_host"}, {1})
+    other = small_recipe(*split_settings(2))
+    _, abstract = step_lib.abstract_model(other)
+    shardings = placement.placed_shardings(abstract, jax.tree.map(lambda p: p.sharding, saved), other.offload.params)
+    cut = placement.params_from_saved(saved, placement.placed_structs(abstract, shardings, other.offload.params))
+    assert weight_parts(cut) == ({"device"}, {"pinned_host"}, {2})
+    assert_trees_equal(jax.tree.map(np.asarray, placement.saved_params(cut)), jax.tree.map(np.asarray, saved))
+
+
+# Two setups and four steps: 60-120 s on the loaded 2-core machine, so `make test-slow`.
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [
     (split_settings(2),),
-    pytest.param((("offload.params=device", "offload.optimizer_state=device"),
-                  ("offload.params=host", "offload.optimizer_state=host")), marks=pytest.mark.slow),
+    ((("offload.params=device", "offload.optimizer_state=device"),
+                  ("offload.params=host", "offload.optimizer_state=host"))),
 ])
 def test_a_checkpoint_resumes_exactly_under_another_split_of_the_weights(tmp_path, settings):
     """Saved with the weights split host:1, restored under host:2 (or all on device, or all on host): the
