@@ -67,7 +67,10 @@ def test_twenty_steps_with_split_weights_equal_everything_on_device(count, extra
     leaf is its two parts' sums of squares added, one ulp from the whole leaf's from the second step
     (measured, jax 0.10.2 CPU), and AdamW carries that on. With all the weights on host (the same sums in
     the same order) tests/recipes/train/test_host_params.py is bit for bit."""
-    on_device, device_norms, _, _, _ = train_steps(small_recipe(*extra), one_device())
+    # The host CPU's update needs host state: its reference is the state all on host (equal to the state on
+    # device: tests/recipes/train/test_host_params.py).
+    reference = ("offload.optimizer_state=host",) if "optimizer.update_on_host=true" in extra else ()
+    on_device, device_norms, _, _, _ = train_steps(small_recipe(*reference, *extra), one_device())
     on_split, split_norms, _, params, opt_state = train_steps(small_recipe(*split_settings(count, *extra)),
                                                              one_device())
     assert min(device_norms) > 0.5, "clipping must be active for the test to cover it"
@@ -154,3 +157,19 @@ def test_a_checkpoint_resumes_exactly_under_another_split_of_the_weights(tmp_pat
                            jax.tree.map(np.asarray, placement.saved_params(params)))
         assert_trees_close(jax.tree.map(np.asarray, other.optimizer.saved_form(st)),
                            jax.tree.map(np.asarray, s.optimizer.saved_form(opt_state)))
+
+
+@pytest.mark.slow   # two MoE compiles: `make test-slow`
+def test_an_experts_split_streams_only_the_last_layers_experts_with_the_gradients_on_device():
+    """offload.params=experts:1: the routed experts of the last layer on host (a ResidentSplit), every other
+    block weight whole in HBM; one batch's gradients equal everything on device bit for bit."""
+    from tests.recipes.train.test_host_experts import moe_recipe
+    on_device, device_norm, _ = gradients_and_norm(moe_recipe("train.grad_accum=1"))
+    on_split, split_norm, grads = gradients_and_norm(moe_recipe(
+        "train.grad_accum=1", "offload.params=experts:1", "offload.optimizer_state=host:1"))
+    assert_trees_equal(on_split, on_device)
+    np.testing.assert_allclose(split_norm, device_norm, rtol=1e-6)
+    assert weight_parts(grads) == ({"device"}, {"pinned_host"}, {1})
+    split_paths = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(
+        grads, is_leaf=lambda x: isinstance(x, ResidentSplit))[0] if isinstance(x, ResidentSplit)]
+    assert split_paths and all("expert" in path or "w_" in path for path in split_paths)
