@@ -173,3 +173,18 @@ def test_an_experts_split_streams_only_the_last_layers_experts_with_the_gradient
     split_paths = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(
         grads, is_leaf=lambda x: isinstance(x, ResidentSplit))[0] if isinstance(x, ResidentSplit)]
     assert split_paths and all("expert" in path or "w_" in path for path in split_paths)
+
+
+def test_the_byte_models_count_only_a_split_weights_host_rows():
+    """The planner's cost model (its weights on the link) and the host-memory model (the loop's RAM check and
+    the plan's host peak) count the host layers' share of a split weight: host:1 of 3 is a third of host."""
+    from spillway.recipes.plan.cost_model import parameter_shards
+    from spillway.recipes.train.host_memory import phases_of_recipe
+    one_gpu = {"data": 1, "fsdp": 1, "tensor": 1}
+    host_bytes = {}
+    for setting, state in (("host", "host"), ("host:1", "host:1"), ("device", "host:1")):
+        recipe = small_recipe(f"offload.params={setting}", f"offload.optimizer_state={state}")
+        host_bytes[setting] = (sum(leaf.nbytes for leaf in parameter_shards(recipe, one_gpu, setting) if leaf.on_host),
+                               phases_of_recipe(recipe).weights)
+    assert host_bytes["host"][0] == host_bytes["host"][1] > 0 and host_bytes["device"] == (0, 0)
+    assert 3 * host_bytes["host:1"][0] == host_bytes["host"][0] and 3 * host_bytes["host:1"][1] == host_bytes["host"][1]
