@@ -25,7 +25,7 @@ from spillway.layers.execution import Execution
 from spillway.layers.memory import MEMORIES, PARAM_PLACEMENTS, Memory
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
-from spillway.layers.residency import (PARAM_SPELLING, check_split_fits, host_layers, is_param_split, is_split,
+from spillway.layers.residency import (check_split_fits, host_layers, is_param_split, is_split,
                                       memory_of, parse_split)
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import family_of_config, get_family
@@ -123,7 +123,8 @@ class OffloadConfig:
         if is_param_split(self.params):
             parse_split(self.params, "offload.params")
         elif self.params not in PARAM_PLACEMENTS:
-            raise ConfigError(f"offload.params must be {PARAM_SPELLING}, got {self.params!r}")
+            raise ConfigError(f"offload.params must be one of {PARAM_PLACEMENTS} or a split host:N / host:F / "
+                              f"experts:N / experts:F, got {self.params!r}")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
         if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
