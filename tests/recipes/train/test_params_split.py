@@ -188,3 +188,21 @@ def test_the_byte_models_count_only_a_split_weights_host_rows():
                                phases_of_recipe(recipe).weights)
     assert host_bytes["host"][0] == host_bytes["host"][1] > 0 and host_bytes["device"] == (0, 0)
     assert 3 * host_bytes["host:1"][0] == host_bytes["host"][0] and 3 * host_bytes["host:1"][1] == host_bytes["host"][1]
+
+
+@pytest.mark.slow   # three micro runs of the real loop: `make test-slow`
+def test_the_train_loop_saves_split_weights_and_resumes_them_on_device(tmp_path):
+    """The loop end to end (its save, validation and resume): 4 steps with the weights and state split
+    host:1, resumed with everything on device for the last 2, against 6 steps on device throughout."""
+    from spillway.recipes.train.loop import train
+    from tests.recipes.train.test_train import losses, micro
+
+    cache = tmp_path / "cache"
+    straight = train(micro(cache, tmp_path / "straight"), progress=False)
+    first = train(micro(cache, tmp_path / "moved", "offload.params=host:1", "offload.optimizer_state=host:1"),
+                  progress=False, stop_after=4)
+    second = train(micro(cache, tmp_path / "moved"), progress=False)
+    assert second.final_step == 6
+    expected, got = losses(straight), {**losses(first), **losses(second)}
+    assert sorted(got) == sorted(expected)
+    np.testing.assert_allclose([got[k] for k in sorted(got)], [expected[k] for k in sorted(expected)], rtol=1e-5)
