@@ -11,6 +11,8 @@ of the model, once per placement:
                     into HBM a layer per scan iteration, gradients back to host,
                     optimizer state on host, the update streamed through HBM
     host_params_host_update   the same, the update run by the host CPU
+    split_params    the last half of the layers' weights and state in pinned host memory, the first
+                    half in HBM (offload.params=host:0.5, offload.optimizer_state=host:0.5)
     device_params_update_in_forward   weights in HBM, optimizer state on host, each layer's
                     update run in the next step's forward pass just before the layer
                     (offload.update=next_forward; grad_accum 1 only), the pending
@@ -56,6 +58,8 @@ PLACEMENTS = {
     "host_params_host_update": ["offload.params=host", "optimizer.update_on_host=true"],
     "device_params_update_in_forward": ["offload.params=device", "optimizer.update_on_host=false",
                                         "offload.update=next_forward"],
+    # The last half of the layers' weights and state on host, the first half in HBM (offload.params=host:N).
+    "split_params": ["offload.params=host:0.5", "offload.optimizer_state=host:0.5", "optimizer.update_on_host=false"],
     "host_experts": ["offload.params=experts", "optimizer.update_on_host=false"],
     "host_experts_host_update": ["offload.params=experts", "optimizer.update_on_host=true"],
 }
@@ -129,6 +133,7 @@ def measure(argv: list[str]) -> dict:
 
     from spillway.layers.sharding import init_program
     from spillway.recipes.plan import compile as aot
+    from spillway.recipes.optim.param_placement import whole_shardings
     from spillway.recipes.plan import hlo
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments, model_maker
 
@@ -147,7 +152,8 @@ def measure(argv: list[str]) -> dict:
             layer_bytes, largest_layer_leaf = layer_weight_bytes(recipe)
             expert_bytes, largest_expert_leaf = layer_weight_bytes(recipe, experts_only=True)
             # Start-up: the program that creates the weights, in their memories.
-            _, init = init_program(model_maker(recipe, 0, s.param_shardings), mesh, shardings=s.param_shardings)
+            whole = whole_shardings(s.param_shardings)   # split weights are made whole on host, then cut
+            _, init = init_program(model_maker(recipe, 0, whole), mesh, shardings=whole)
             init_report = aot.CompileReport.from_compiled(init.lower().compile(), keep_hlo_text=True)
             state_init = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings).lower(s.params)
             state_init_report = aot.CompileReport.from_compiled(state_init.compile())

@@ -35,6 +35,10 @@ with them there (`initialised_in_host_memory`): the stack then creates its
 layers with a scan instead of a vmap and sends each layer's weights to host
 memory as it is made, so HBM never holds the stacked weights, not even once.
 
+A split (`offload.params=host:N`): a stacked weight's value is a `ResidentSplit`, its first layers in HBM
+and its last N in host memory, two arrays. The stack cuts its scans at that layer (`split_boundary`,
+`layer_rows`), so the resident layers run as device weights do and only the host layers are streamed.
+
 The device copy must never be a remat residual, or the backward pass would
 keep every layer's weights in HBM after all. It is tagged `DEVICE_WEIGHTS`
 and `never_save_device_weights` wraps any checkpoint policy so that this name
@@ -62,6 +66,45 @@ DEVICE_WEIGHTS = "layer_weights_on_device"
 # While a model is built: the offload.params setting its stacked weights are created under, or None.
 _INITIAL_SETTING: contextvars.ContextVar[str | None] = contextvars.ContextVar("spillway_initial_params",
                                                                                default=None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResidentSplit:
+    """One stacked array as two along the layer axis: `device` (the first layers, in HBM) and `host` (the
+    last ones, in pinned host memory: an array, or a pytree of them such as LayerHalves or an
+    AccumulatingWeight). A pytree node, so it travels through jit, shardings and donation like any leaf.
+    Used for split weights here and for split optimizer state (recipes/optim/split_state.py)."""
+    device: object
+    host: object
+
+
+def is_resident_split(x) -> bool:
+    return isinstance(x, ResidentSplit)
+
+
+def split_boundary(state) -> int | None:
+    """The layer at which `state`'s split leaves (stacked weights) go from HBM to host memory, or None."""
+    bounds = {jax.tree.leaves(x.device)[0].shape[0]
+              for x in jax.tree.leaves(state, is_leaf=is_resident_split) if is_resident_split(x)}
+    if len(bounds) > 1:
+        raise ValueError(f"the split weights of one stack are cut at different layers: {sorted(bounds)}")
+    return bounds.pop() if bounds else None
+
+
+def layer_rows(state, start: int, stop: int):
+    """Layers [start, stop) of a stacked state; a split leaf's from the part that holds them all (the
+    stack's pieces never straddle its boundary)."""
+    def one(x):
+        if not is_resident_split(x):
+            return jax.tree.map(lambda a: a[start:stop], x)
+        resident = jax.tree.leaves(x.device)[0].shape[0]
+        if stop <= resident:
+            return jax.tree.map(lambda a: a[start:stop], x.device)
+        if start < resident:
+            raise ValueError(f"layers [{start}, {stop}) straddle a split weight's boundary at layer {resident}")
+        return jax.tree.map(lambda a: a[start - resident:stop - resident], x.host)
+    return jax.tree.map(one, state, is_leaf=lambda x: is_resident_split(x) or _is_pair(x))
 
 
 def in_host_memory(x) -> bool:

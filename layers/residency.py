@@ -12,6 +12,11 @@ it needs a model whose blocks are one stack (every published recipe's); the reci
 against model.num_layers. The last layers go to host because item 3 of issue 29 (the weights across
 the forward/backward turn) wants the first layers' weights resident.
 
+`offload.params` takes the same split for the block weights (`host:N`: the last N layers' stacked weights in
+host memory, streamed through HBM a layer at a time, the first L - N in HBM for good), and `experts:N` for an
+MoE model's routed experts only; the optimizer state must then be split at the same layer (the update of a
+layer's weights runs where its state is).
+
 Pure Python (no JAX): recipes/config.py validates the spelling before anything is built.
 """
 
@@ -20,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 
 from spillway.layers.errors import ConfigError
-from spillway.layers.memory import Memory
+from spillway.layers.memory import EXPERTS, Memory
 
 SPLIT_PREFIX = f"{Memory.HOST}:"
+EXPERTS_SPLIT_PREFIX = f"{EXPERTS}:"
 SPELLING = "'device', 'host', 'host:N' (the last N block layers on host, N a whole number) or 'host:F' (a fraction 0 < F < 1)"
+PARAM_SPELLING = ("'device', 'host', 'experts', 'host:N' / 'experts:N' (the last N block layers' weights, or "
+                  "only their routed experts, on host) or 'host:F' / 'experts:F' (a fraction 0 < F < 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +55,22 @@ def is_split(setting: str) -> bool:
     return isinstance(setting, str) and setting.startswith(SPLIT_PREFIX)
 
 
+def is_param_split(setting: str) -> bool:
+    """Whether an offload.params setting is a split: `host:...` or `experts:...`."""
+    return is_split(setting) or (isinstance(setting, str) and setting.startswith(EXPERTS_SPLIT_PREFIX))
+
+
+def whole_placement(setting: str) -> str:
+    """The placement a split applies to its host layers ("host" or "experts"); any other setting as it is."""
+    return setting.split(":", 1)[0] if is_param_split(setting) else setting
+
+
 def parse_split(setting: str, name: str) -> LayerSplit:
-    """The LayerSplit of a `host:...` setting; ConfigError naming `name` (e.g. offload.optimizer_state) otherwise."""
-    text = setting[len(SPLIT_PREFIX):].strip()
-    problem = f"{name}={setting!r}: a split must be {SPELLING}"
+    """The LayerSplit of a `host:...` (or `experts:...`) setting; ConfigError naming `name` (e.g.
+    offload.optimizer_state) otherwise."""
+    text = setting.split(":", 1)[1].strip()
+    spelling = PARAM_SPELLING if setting.startswith(EXPERTS_SPLIT_PREFIX) or name == "offload.params" else SPELLING
+    problem = f"{name}={setting!r}: a split must be {spelling}"
     try:
         value = float(text)
     except ValueError:
@@ -67,9 +87,9 @@ def parse_split(setting: str, name: str) -> LayerSplit:
 
 def host_layers(setting: str, num_layers: int) -> int:
     """How many of a stack of `num_layers` layers a placement setting puts in host memory (the last ones)."""
-    if setting == Memory.HOST:
+    if setting in (Memory.HOST, EXPERTS):
         return num_layers
-    if is_split(setting):
+    if is_param_split(setting):
         return parse_split(setting, "the split").host_layers(num_layers)
     return 0
 
@@ -82,7 +102,7 @@ def memory_of(setting: str) -> str:
 def check_split_fits(setting: str, name: str, num_layers: int, stacks: int) -> None:
     """ConfigError when a split names more layers than the model's block stack has, or the model's blocks
     are not one stack (`stacks` runs of layers)."""
-    if not is_split(setting):
+    if not is_param_split(setting):
         return
     split = parse_split(setting, name)
     if stacks != 1:

@@ -178,8 +178,9 @@ class BlockStack(nnx.Module):
         """The stacked blocks of each run, first layers first."""
         return [self.blocks] if hasattr(self, "blocks") else list(self.runs)
 
-    def pieces(self) -> list[tuple[int, int, int, OffloadPolicy]]:
-        """[(run, first layer, stop, policy)]: each run cut at the remat plan's segment boundaries.
+    def pieces(self, split_at: int | None = None) -> list[tuple[int, int, int, OffloadPolicy]]:
+        """[(run, first layer, stop, policy)]: each run cut at the remat plan's segment boundaries, and at
+        `split_at`, the layer where split weights go from HBM to host memory (layers/host_weights.py).
 
         Every boundary is honoured: the per-layer values are sliced with the
         weights, so a segment may start at any layer, inside a run or at its edge.
@@ -188,8 +189,8 @@ class BlockStack(nnx.Module):
         for run, (run_start, run_stop) in enumerate(self.run_bounds):
             for seg_start, seg_stop, policy in self.segments:
                 start, stop = max(run_start, seg_start), min(run_stop, seg_stop)
-                if start < stop:
-                    out.append((run, start, stop, policy))
+                cuts = [start] + ([split_at] if split_at is not None and start < split_at < stop else []) + [stop]
+                out.extend((run, lo, hi, policy) for lo, hi in zip(cuts, cuts[1:]) if lo < hi)
         return out
 
     @staticmethod
@@ -250,13 +251,15 @@ class BlockStack(nnx.Module):
             return self._scan_with_hook(graphdef, state, self._values(0, self.num_layers), x_btd, ctx,
                                         self.segments[0][2], hook), None
         new_caches, aux_per_piece = [], []
-        for run, start, stop, policy in self.pieces():
+        # Split weights (offload.params=host:N): one stack, cut where its weights go to host memory.
+        split_at = host_weights.split_boundary(split[0][1]) if len(split) == 1 else None
+        for run, start, stop, policy in self.pieces(split_at):
             graphdef, state = split[run]
             offset = self.run_bounds[run][0]
-            take = lambda a, lo=start - offset, hi=stop - offset: a[lo:hi]  # noqa: E731 — layers of the run
             seg_cache = None if cache is None else jax.tree.map(lambda a: a[start:stop], cache)
-            x_btd, (seg_cache, seg_aux) = self._scan(graphdef, jax.tree.map(take, state), self._values(start, stop),
-                                                     x_btd, ctx, seg_cache, policy)
+            x_btd, (seg_cache, seg_aux) = self._scan(graphdef, host_weights.layer_rows(state, start - offset,
+                                                                                       stop - offset),
+                                                     self._values(start, stop), x_btd, ctx, seg_cache, policy)
             new_caches.append(seg_cache)
             aux_per_piece.append(seg_aux)
         # What the layers emitted (layers/aux_outputs.py), stacked over the layers, to the model's collector.

@@ -25,7 +25,8 @@ from spillway.layers.execution import Execution
 from spillway.layers.memory import MEMORIES, PARAM_PLACEMENTS, Memory
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
-from spillway.layers.residency import check_split_fits, is_split, memory_of, parse_split
+from spillway.layers.residency import (check_split_fits, host_layers, is_param_split, is_split,
+                                      memory_of, parse_split)
 from spillway.layers.rope import RopeScaling
 from spillway.models.registry import family_of_config, get_family
 from spillway.recipes.blocks import resolve_block_class
@@ -119,8 +120,11 @@ class OffloadConfig:
         elif self.optimizer_state not in MEMORIES:
             raise ConfigError(f"offload.optimizer_state must be one of {MEMORIES} or a split host:N / host:F, "
                               f"got {self.optimizer_state!r}")
-        if self.params not in PARAM_PLACEMENTS:
-            raise ConfigError(f"offload.params must be one of {PARAM_PLACEMENTS}, got {self.params!r}")
+        if is_param_split(self.params):
+            parse_split(self.params, "offload.params")
+        elif self.params not in PARAM_PLACEMENTS:
+            raise ConfigError(f"offload.params must be one of {PARAM_PLACEMENTS} or a split host:N / host:F / "
+                              f"experts:N / experts:F, got {self.params!r}")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
         if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
@@ -318,8 +322,9 @@ class Recipe:
             raise ConfigError("optimizer.update_on_host=true runs the update of host optimizer state on the host "
                               "CPU, but offload.optimizer_state=device keeps the state in HBM, where the GPU "
                               "updates it: set offload.optimizer_state=host, or optimizer.update_on_host=false")
+        self._check_params_split()
         if self.offload.params != Memory.DEVICE and self.offload.optimizer_state != Memory.HOST \
-                and not self.lora.enabled:
+                and not is_param_split(self.offload.params) and not self.lora.enabled:
             # Host weights with device state would bring the whole gradient and weights into HBM for the
             # update: the saving gone. Only host state is supported (frozen LoRA base weights need neither).
             raise ConfigError(f"offload.params={self.offload.params} needs offload.optimizer_state=host (the "
@@ -329,9 +334,29 @@ class Recipe:
             self._check_lora()
         check_split_fits(self.offload.optimizer_state, "offload.optimizer_state", self.model.num_layers,
                          len(self.decoder_spec().stack_runs()))
+        check_split_fits(self.offload.params, "offload.params", self.model.num_layers,
+                         len(self.decoder_spec().stack_runs()))
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
+
+    def _check_params_split(self) -> None:
+        """A split of the weights (offload.params=host:N | experts:N) needs the state split at the same layer:
+        a layer's weights are updated where its state is (host weights by the stream, HBM weights on device)."""
+        params, state = self.offload.params, self.offload.optimizer_state
+        if not is_param_split(params):
+            return
+        if self.lora.enabled:
+            raise ConfigError(f"offload.params={params}: a split of the weights is not written for LoRA runs "
+                              "(their frozen base goes whole to host: offload.params=host)")
+        layers = self.model.num_layers
+        if params.split(":", 1)[1].strip().lstrip("-").isdigit() and int(params.split(":", 1)[1]) > layers:
+            return   # check_split_fits names it
+        if host_layers(params, layers) != host_layers(state, layers):
+            raise ConfigError(f"offload.params={params} puts the last {host_layers(params, layers)} of "
+                              f"{layers} block layers' weights on host; the optimizer state must be split at the "
+                              f"same layer (offload.optimizer_state=host:{host_layers(params, layers)}), got "
+                              f"offload.optimizer_state={state}")
 
     def _check_lora(self) -> None:
         """LoRA needs a base to adapt and adapts only stacked block weights the update streams none of."""

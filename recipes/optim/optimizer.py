@@ -109,8 +109,9 @@ class Optimizer:
     # -- tree plumbing
 
     def _flatten_like_layouts(self, tree, what: str):
-        leaves, treedef = jax.tree.flatten(tree)
-        if len(leaves) != len(self._layouts) or normalized_paths(tree) != self._layout_paths:
+        # A split weight (offload.params=host:N) is one leaf: a ResidentSplit of its device and host rows.
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_split)
+        if len(leaves) != len(self._layouts) or normalized_paths(tree, _is_split) != self._layout_paths:
             raise ValueError(
                 f"{what} do not match the layout tree: {len(leaves)} leaves {normalized_paths(tree)[:4]}... "
                 f"against {len(self._layouts)} layouts {self._layout_paths[:4]}...")
@@ -145,14 +146,14 @@ class Optimizer:
         leaves, treedef = self._flatten_like_layouts(params, "params")
         mu, nu, master = [], [], []
         for path, layout, p in zip(self._layout_paths, self._layouts, leaves):
-            self._check_leaf(path, layout, p.shape, p.dtype)
+            self._check_leaf(path, layout, whole_shape(p), leaf_dtype(p))
             moments = self.cfg.moment_dtype
             if layout.split:
-                resident = p.shape[0] - layout.host_layers
-                on_device = streaming.fresh_state(p[:resident], layout.master, moments)
+                device_rows, host_rows = layer_parts(p, layout.host_layers)
+                on_device = streaming.fresh_state(device_rows, layout.master, moments)
                 new_host = streaming.new_host_state_halves if self._halved(layout) else streaming.new_host_state
                 state = tuple(ResidentSplit(d, h) for d, h in zip(
-                    on_device, new_host(p[resident:], layout.master, moments)))
+                    on_device, new_host(host_rows, layout.master, moments)))
             elif self._halved(layout):
                 state = streaming.new_host_state_halves(p, layout.master, moments)
             elif layout.state_memory == Memory.HOST:
@@ -173,6 +174,7 @@ class Optimizer:
         memory kinds survive where compile-only devices would drop them.
         """
         leaves, treedef = self._flatten_like_layouts(param_shardings, "param_shardings")
+        leaves = [s.device if _is_split(s) else s for s in leaves]   # a split weight's state: its device part's
         if not all(isinstance(s, (NamedSharding, SingleDeviceSharding)) for s in leaves):
             raise TypeError("param_shardings must be a tree of NamedSharding (or SingleDeviceSharding)")
         def leaf_sharding(s, layout: LeafLayout):
@@ -303,14 +305,14 @@ class Optimizer:
         master = treedef.flatten_up_to(opt_state.master)
 
         for path, layout, p in zip(self._layout_paths, self._layouts, param_leaves):
-            if layout.state_memory == Memory.DEVICE and streaming.in_host_memory(p):
+            if layout.state_memory == Memory.DEVICE and not _is_split(p) and streaming.in_host_memory(p):
                 raise ValueError(f"parameter {path} lives in host memory but its optimizer state on device: "
                                  f"host parameters need host state (offload.optimizer_state=host)")
         # Clipping needs the norm over all gradients before any piece is
         # updated. Same sums, in the same order, as optax.tree.norm over the
         # same tree (host-resident gradients summed by the host CPU).
         if grad_norm is None:
-            grad_norm = jnp.sqrt(functools.reduce(operator.add, [streaming.squared_norm(g) for g in grad_leaves], 0))
+            grad_norm = jnp.sqrt(functools.reduce(operator.add, [split_squared_norm(g) for g in grad_leaves], 0))
         count_inc = optax.safe_increment(opt_state.count)
         if apply is not None:
             count_inc = jnp.where(apply, count_inc, opt_state.count)
@@ -374,11 +376,12 @@ class Optimizer:
     def _update_split(self, indices, piece_fn, state_of, grads, params) -> dict[int, tuple]:
         """{k: (new param, new state of ResidentSplits)} for split leaves: the first layers updated whole on the
         device, the last ones streamed from host memory (or updated by the host CPU), in this step."""
-        resident = {k: params[k].shape[0] - self._layouts[k].host_layers for k in indices}
-        on_device = {k: piece_fn(k)(grads[k][:resident[k]], params[k][:resident[k]],
-                                    tuple(x.device for x in state_of(k))) for k in indices}
-        host_grads = {k: grads[k][resident[k]:] for k in indices}
-        host_params = {k: params[k][resident[k]:] for k in indices}
+        grad_parts = {k: layer_parts(grads[k], self._layouts[k].host_layers) for k in indices}
+        param_parts = {k: layer_parts(params[k], self._layouts[k].host_layers) for k in indices}
+        on_device = {k: piece_fn(k)(grad_parts[k][0], param_parts[k][0], tuple(x.device for x in state_of(k)))
+                     for k in indices}
+        host_grads = {k: grad_parts[k][1] for k in indices}
+        host_params = {k: param_parts[k][1] for k in indices}
         host_states = {k: tuple(x.host for x in state_of(k)) for k in indices}
         if self.cfg.update_on_host:
             from_host = {k: streaming.update_on_host(piece_fn(k), host_grads[k], host_params[k], host_states[k])
@@ -391,9 +394,44 @@ class Optimizer:
         results = {}
         for k in indices:
             (device_param, device_state), (host_param, host_state) = on_device[k], from_host[k]
-            param = jnp.concatenate([device_param.astype(params[k].dtype), host_param.astype(params[k].dtype)])
+            dtype = leaf_dtype(params[k])
+            if _is_split(params[k]):   # split weights stay split: each part where it lives
+                param = ResidentSplit(device_param.astype(dtype), host_param.astype(dtype))
+            else:
+                param = jnp.concatenate([device_param.astype(dtype), host_param.astype(dtype)])
             results[k] = param, tuple(ResidentSplit(d, h) for d, h in zip(device_state, host_state))
         return results
+
+
+def _is_split(x) -> bool:
+    return isinstance(x, ResidentSplit)
+
+
+def whole_shape(x) -> tuple[int, ...]:
+    """The shape of a leaf, a split weight's as the whole leaf (its parts joined along the layer axis)."""
+    if not _is_split(x):
+        return tuple(x.shape)
+    return (x.device.shape[0] + x.host.shape[0], *x.device.shape[1:])
+
+
+def leaf_dtype(x):
+    return x.device.dtype if _is_split(x) else x.dtype
+
+
+def layer_parts(x, host_layers: int):
+    """(first layers, last `host_layers`) of a stacked leaf: a split weight's two parts as they lie, or a
+    whole array's two slices."""
+    if _is_split(x):
+        return x.device, x.host
+    resident = x.shape[0] - host_layers
+    return x[:resident], x[resident:]
+
+
+def split_squared_norm(grad) -> jax.Array:
+    """The squared norm of a gradient; a split weight's as the sum of its parts' (each reduced where it lives)."""
+    if _is_split(grad):
+        return streaming.squared_norm(grad.device) + streaming.squared_norm(grad.host)
+    return streaming.squared_norm(grad)
 
 
 @dataclasses.dataclass

@@ -13,24 +13,16 @@ cuts it again). docs/DESIGN.md section 6 tells the whole of it.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from spillway.layers import jax_compat
+from spillway.layers import host_weights, jax_compat
 from spillway.recipes.optim import host_streaming as streaming
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ResidentSplit:
-    """One stacked leaf's state array as two: `device` (the first layers, in HBM) and `host` (the last ones,
-    in pinned host memory: an array or LayerHalves). A pytree node, so it travels through jit, shardings
-    and donation like any state leaf."""
-    device: Any
-    host: Any
+# One stacked leaf's state array as two: `device` (the first layers, in HBM) and `host` (the last ones, in
+# pinned host memory: an array or LayerHalves). Defined beside the split weights it also serves.
+ResidentSplit = host_weights.ResidentSplit
 
 
 def host_layers_of(host_part) -> int:

@@ -47,6 +47,7 @@ from spillway.layers.sharding import logical_to_spec, variable_axes
 from spillway.models import flops as flop_count
 from spillway.recipes.config import NEXT_FORWARD, Recipe
 from spillway.recipes.optim.layouts import keeps_master_copy
+from spillway.layers.residency import host_layers, is_param_split
 from spillway.recipes.optim.param_placement import param_memories
 from spillway.recipes.plan import compute_model
 from spillway.recipes.plan.candidates import Candidate
@@ -161,8 +162,17 @@ def parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list[
         ways = math.prod(math.prod(mesh[a] for a in ((axes,) if isinstance(axes, str) else axes))
                          for axes in spec if axes is not None)
         elements = int(np.prod(value.shape)) // ways
-        leaves.append(_Leaf(tuple(value.shape), elements, elements * jnp.dtype(value.dtype).itemsize,
-                            on_host=memory == Memory.HOST, master=keeps_master_copy(recipe.optimizer, value.dtype)))
+        itemsize, master = jnp.dtype(value.dtype).itemsize, keeps_master_copy(recipe.optimizer, value.dtype)
+        split = memory == Memory.HOST and is_param_split(params)
+        on_host = host_layers(params, value.shape[0]) if split else 0
+        if not 0 < on_host < (value.shape[0] if split else 1):
+            leaves.append(_Leaf(tuple(value.shape), elements, elements * itemsize,
+                                on_host=memory == Memory.HOST and (on_host > 0 or not split), master=master))
+            continue
+        # A split weight (offload.params=host:N) is two leaves here: its device rows and its host rows.
+        for rows, host in ((value.shape[0] - on_host, False), (on_host, True)):
+            part = elements * rows // value.shape[0]
+            leaves.append(_Leaf((rows, *value.shape[1:]), part, part * itemsize, on_host=host, master=master))
     return leaves
 
 

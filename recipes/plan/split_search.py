@@ -13,6 +13,10 @@ XLA's buffer assignment makes it a step function, not a line, in the layer count
 misstate it; the host bytes were linear (0.68 GiB a layer). `SplitSearch.linear` says whether the compiled
 HBM points lie on one line (within 2% of their range), and the plan prints it.
 
+The block weights too (offload.params=host:N, the state split at the same layer): when even every layer's
+state on host leaves the device-state plan's activations over the limit, the same search runs again with
+N layers' weights and state on host (`SplitSearch.weights`), from host:L (every block weight streamed) down.
+
 HBM is taken as non-increasing in the host-layer count and the step as non-decreasing (fewer bytes on the
 link): the fewest host layers that fit is the fastest split. docs/DESIGN.md section 9.
 """
@@ -38,6 +42,8 @@ class SplitSearch:
     num_layers: int
     rows: dict[int, PlanRow]
     best: int | None
+    weights: bool = False   # the split is of the weights and the state (offload.params=host:N too)
+    state_only: "SplitSearch | None" = None   # the state-only search that found no fit, when weights is True
 
     @property
     def linear(self) -> bool:
@@ -51,13 +57,16 @@ class SplitSearch:
 
     def to_dict(self) -> dict:
         return {"activations": self.activations, "num_layers": self.num_layers, "best_host_layers": self.best,
+                "weights_split": self.weights,
                 "hbm_linear_in_layers": self.linear,
                 "compiled": {str(k): {"hbm_bytes": (row.report or {}).get("hbm_bytes"), "step_s": row.step_s,
                                       "fits": row.fits} for k, row in sorted(self.rows.items())}}
 
 
-def split_candidate(activations: str, host_layers: int) -> Candidate:
-    return Candidate.of(activations, f"{Memory.HOST}:{host_layers}", Memory.DEVICE, AFTER_BACKWARD)
+def split_candidate(activations: str, host_layers: int, weights: bool = False) -> Candidate:
+    """The state of the last `host_layers` block layers on host (and, with `weights`, their weights too)."""
+    split = f"{Memory.HOST}:{host_layers}"
+    return Candidate.of(activations, split, split if weights else Memory.DEVICE, AFTER_BACKWARD)
 
 
 def base_plan(rows: list[PlanRow]) -> PlanRow | None:
@@ -73,13 +82,23 @@ def base_plan(rows: list[PlanRow]) -> PlanRow | None:
 def search(base: PlanRow, num_layers: int, compile_rows: Callable[[list[Candidate]], list[PlanRow]]
            ) -> SplitSearch:
     """Compile splits of the device-state plan `base` (host:0, which does not fit) and find the fewest host
-    layers that fit (`compile_rows` compiles candidates and returns their judged rows, `fits` set)."""
+    layers that fit (`compile_rows` compiles candidates and returns their judged rows, `fits` set): of the
+    state alone, else of the weights and the state."""
+    found = _bisect(base, num_layers, compile_rows, weights=False)
+    if found.best is not None or num_layers < 2:
+        return found
+    with_weights = _bisect(base, num_layers, compile_rows, weights=True)
+    with_weights.state_only = found
+    return with_weights
+
+
+def _bisect(base: PlanRow, num_layers: int, compile_rows, *, weights: bool) -> SplitSearch:
     activations = base.candidate.activations
-    found = SplitSearch(activations, num_layers, {0: base}, None)
+    found = SplitSearch(activations, num_layers, {0: base}, None, weights=weights)
 
     def fits(k: int) -> bool:
         if k not in found.rows:
-            found.rows[k] = compile_rows([split_candidate(activations, k)])[0]
+            found.rows[k] = compile_rows([split_candidate(activations, k, weights)])[0]
         return found.rows[k].fits
 
     if num_layers < 2 or not fits(num_layers):
@@ -100,10 +119,13 @@ def describe(found: SplitSearch) -> list[str]:
     """The plan's lines about the split."""
     gib = 2**30
     if found.best is None:
-        return [f"  split ({found.activations}): no count of host layers fits, {found.num_layers} included"]
+        return [f"  split ({found.activations}): no count of host layers fits, {found.num_layers} included"
+                + (" (of the state, nor of the weights and the state)" if found.weights else "")]
     best = found.rows[found.best]
-    lines = [f"  split ({found.activations}): opt state host:{found.best}, the last {found.best} of "
-             f"{found.num_layers} block layers' state in host memory, the rest in HBM "
+    what = "weights and opt state" if found.weights else "opt state"
+    lines = [f"  split ({found.activations}): {what} host:{found.best}, the last {found.best} of "
+             f"{found.num_layers} block layers' {'weights and ' if found.weights else ''}state in host memory, "
+             f"the rest in HBM "
              f"({best.report['hbm_bytes'] / gib:.2f} GiB HBM, step {best.step_s * 1e3:.0f} ms)"]
     for k, words in ((found.best - 1, "one layer more in HBM"), (found.best + 1, "one layer more on host")):
         row = found.rows.get(k)
@@ -112,6 +134,9 @@ def describe(found: SplitSearch) -> list[str]:
         lines.append(f"    {words} (host:{k}): HBM {(row.report['hbm_bytes'] - best.report['hbm_bytes']) / gib:+.2f} "
                      f"GiB, step {(row.step_s - best.step_s) * 1e3:+.0f} ms" + ("" if row.fits else ", does not fit"))
     compiled = ", ".join(str(k) for k in sorted(found.rows))   # 0: the device-state plan
+    if found.state_only is not None:
+        lines.append(f"    the state alone on host does not fit (host:{found.num_layers} of the state compiled): "
+                     f"the weights are split too")
     lines.append(f"    compiled at host:{{{compiled}}}; nothing interpolated: the compiled HBM is "
                  + ("linear in the layer count" if found.linear else "not linear in the layer count (a step function of "
                     "XLA's buffer assignment)"))

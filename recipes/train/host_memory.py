@@ -233,11 +233,14 @@ def check_host_peak(phases: HostPhases, host_ram_bytes: int, *, where: str = "th
 
 def restore_state(checkpointer, s, params, step: int | None = None):
     """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/run_state.py): no state
-    made first, each saved leaf read a piece at a time straight into its parts (the halves)."""
+    made first, each saved leaf read a piece at a time straight into its parts (the halves); split weights
+    (offload.params=host:N) are saved whole and cut again."""
+    from spillway.recipes.optim import param_placement as placement
     from spillway.recipes.train.step import abstract_with_shardings
-    restored = checkpointer.restore(step, abstract_params=abstract_with_shardings(params, s.param_shardings),
+    placed = abstract_with_shardings(params, s.param_shardings)
+    restored = checkpointer.restore(step, abstract_params=placement.saved_params(placed),
                                     abstract_opt_state=s.optimizer.abstract_state(params, s.param_shardings))
-    return restored["params"], restored["opt_state"]
+    return placement.params_from_saved(restored["params"], placed), restored["opt_state"]
 
 
 def leaves_memory_kinds(tree) -> set[str]:
@@ -260,6 +263,7 @@ def pinned_need_of_recipe(recipe) -> int:
 
 def phases_of_recipe(recipe) -> HostPhases:
     """The HostPhases (footprint 0) of one process holding the whole model, from shapes alone (no backend)."""
+    from spillway.layers.residency import host_layers, is_param_split
     from spillway.recipes.config import NEXT_FORWARD
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
     from spillway.recipes.optim.param_placement import param_memories
@@ -295,9 +299,14 @@ def phases_of_recipe(recipe) -> HostPhases:
             pending += param_bytes if streamed and deferred else 0
         else:
             device_saved += state_bytes
-        weights += param_bytes if host_weight else 0
-        weights_f32 += 4 * size if host_weight else 0
-        device_saved += 0 if host_weight else param_bytes
+        # offload.params=host:N: the last N layers' weights on host; a save joins the leaf into one host array
+        host_fraction = (host_layers(recipe.offload.params, value.shape[0]) / value.shape[0]
+                         if host_weight and is_param_split(recipe.offload.params) else float(host_weight))
+        host_weight_bytes = int(param_bytes * host_fraction)
+        weights += host_weight_bytes
+        weights_f32 += int(4 * size * host_fraction)
+        device_saved += param_bytes - host_weight_bytes
+        split_device += param_bytes - host_weight_bytes if host_weight else 0
     step_host = pinned_step_bytes(recipe, state=state, weights=weights, weights_f32=weights_f32,
                                   pending=pending).total
     return HostPhases(footprint=0, state=state, halved=halved, weights=weights, pending=pending,

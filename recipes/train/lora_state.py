@@ -32,6 +32,7 @@ from pathlib import Path
 import jax
 
 from spillway.recipes.config import Recipe
+from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.train.lora_step import adapters_of, join, split
 
 
@@ -39,15 +40,16 @@ from spillway.recipes.train.lora_step import adapters_of, join, split
 
 
 def checkpointed(recipe: Recipe, params):
-    """What a checkpoint holds of the parameters: a LoRA run's adapters, any other run's whole tree."""
-    return adapters_of(params) if recipe.lora.enabled else params
+    """What a checkpoint holds of the parameters: a LoRA run's adapters, any other run's whole tree (split
+    weights, offload.params=host:N, joined: recipes/optim/param_placement.saved_params)."""
+    return adapters_of(params) if recipe.lora.enabled else placement.saved_params(params)
 
 
 def with_restored(recipe: Recipe, params, restored):
     """The whole tree after a restore of `checkpointed` parameters: `params`' base with the restored
     adapters for a LoRA run; the restored tree itself for any other."""
     if not recipe.lora.enabled:
-        return restored
+        return placement.params_from_saved(restored, params)   # split weights cut again, as `params` are
     return join(restored, split(params)[1])
 
 

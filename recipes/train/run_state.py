@@ -94,7 +94,9 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
         params = lora_state.load_base(recipe, params, s.param_shardings, say)
     elif not candidates and recipe.checkpoint.init_from:
         # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
-        params = load_init_weights(recipe, abstract_with_shardings(params, s.param_shardings), say)
+        placed = abstract_with_shardings(params, s.param_shardings)   # split weights: loaded whole, then cut
+        params = lora_state.with_restored(recipe, placed, load_init_weights(recipe, lora_state.checkpointed(
+            recipe, placed), say))
     if not candidates:
         if main and recipe.checkpoint.init_from:
             record_history(run_dir, "fine-tune", step=0, init_from=str(recipe.checkpoint.init_from))

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spillway.layers import aux_outputs, host_weights, names
 from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import check_batch_split
+from spillway.layers.residency import whole_placement
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import NEXT_FORWARD, AuxLossConfig, Recipe
@@ -245,9 +246,17 @@ class TrainSetup:
 
 
 def build_model(recipe: Recipe, mesh, seed: int, shardings=None):
-    """(graphdef, params) of the recipe's model, every parameter created in its shard and memory."""
-    graphdef, program = init_program(model_maker(recipe, seed, shardings), mesh, shardings=shardings)
-    return graphdef, program()
+    """(graphdef, params) of the recipe's model, every parameter created in its shard and memory.
+
+    Split weights (offload.params=host:N) are created whole in host memory, a layer at a time, then cut
+    by the host CPU: their first layers copied into HBM (placement.params_from_saved)."""
+    whole = None if shardings is None else placement.whole_shardings(shardings)
+    graphdef, program = init_program(model_maker(recipe, seed, whole), mesh, shardings=whole)
+    params = program()
+    if shardings is not None and placement.any_split(shardings):
+        params = placement.params_from_saved(params, placement.placed_structs(
+            abstract_model(recipe)[1], shardings, recipe.offload.params))
+    return graphdef, params
 
 
 def model_maker(recipe: Recipe, seed: int, shardings=None):
@@ -261,7 +270,7 @@ def model_maker(recipe: Recipe, seed: int, shardings=None):
         return make
 
     def make_in_host_memory():
-        with host_weights.initialised_in_host_memory(recipe.offload.params):
+        with host_weights.initialised_in_host_memory(whole_placement(recipe.offload.params)):
             return make()
     return make_in_host_memory
 
@@ -276,8 +285,9 @@ def setup(recipe: Recipe, mesh=None) -> TrainSetup:
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
     graphdef, params = build_model(recipe, mesh, recipe.train.seed, param_sh)
-    _warn_if_replicated(params, mesh)
-    return _assemble(recipe, mesh, graphdef, params, param_sh, platform=jax.default_backend())
+    _warn_if_replicated(abstract_state if placement.any_split(params) else params, mesh)
+    return _assemble(recipe, mesh, graphdef, params, param_sh, layout_source=abstract_state,
+                     platform=jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,8 +392,8 @@ def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetu
     graphdef, abstract_state = abstract_model(recipe)
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
-    return _assemble(recipe, mesh, graphdef, abstract_with_shardings(abstract_state, param_sh), param_sh,
-                     layout_source=abstract_state, platform=platform)
+    return _assemble(recipe, mesh, graphdef, placement.placed_structs(abstract_state, param_sh, recipe.offload.params),
+                     param_sh, layout_source=abstract_state, platform=platform)
 
 
 def abstract_model(recipe: Recipe):

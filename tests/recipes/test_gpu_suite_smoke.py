@@ -79,3 +79,16 @@ def test_every_case_is_a_recipe_that_builds_with_its_overrides():
         recipe = get_recipe(case.recipe, gpu_suite.case_overrides(case))
         assert (recipe.data.seq_len, recipe.train.global_batch, recipe.train.grad_accum) == (
             case.seq_len, case.global_batch, case.grad_accum), name
+
+
+def test_the_split_cases_run_by_default_and_build_with_their_split():
+    """The per-layer split rows (issue 29) are in the default call, each beside its device and host rows,
+    and their recipes place the state as the case names it (the test above builds every case)."""
+    from spillway.layers.residency import host_layers
+    from spillway.recipes.registry import get_recipe
+    for name in ("1b/recompute_all/split/cudnn/ga8", "3b/recompute_all/split/cudnn/ga8", "8b/recompute_all/split/cudnn"):
+        assert name in gpu_suite.DEFAULT_CASES
+        recipe = get_recipe(gpu_suite.CASES[name].recipe, gpu_suite.case_overrides(gpu_suite.CASES[name]))
+        assert 0 < host_layers(recipe.offload.optimizer_state, recipe.model.num_layers) < recipe.model.num_layers
+    first = gpu_suite.DEFAULT_CASES.index
+    assert first("1b/recompute_all/host/cudnn/ga8") < first("1b/recompute_all/split/cudnn/ga8")

@@ -553,7 +553,8 @@ def test_seq_len_search_finds_the_boundary():
 
 def test_a_plan_with_an_unknown_params_placement_is_refused_by_name():
     # A candidate is the offload section it stands for: the section's own check refuses it.
-    with pytest.raises(ValueError, match=r"offload.params must be one of \('device', 'host', 'experts'\), got 'gpu'"):
+    with pytest.raises(ValueError, match=r"offload.params must be one of \('device', 'host', 'experts'\) or a split "
+                                         r"host:N / host:F / experts:N / experts:F, got 'gpu'"):
         Candidate.of("recompute_all", "host", "gpu")
 
 

@@ -58,6 +58,29 @@ def test_a_step_function_is_said_not_to_be_linear_and_nothing_fitting_is_said_to
     assert none.best is None and "no count of host layers fits" in split_search.describe(none)[0]
 
 
+def test_when_the_state_alone_cannot_make_it_fit_the_weights_are_split_too():
+    """State on host saves 0.5 GiB a layer and never fits 7 GiB; each layer's weights on host too saves 1 GiB
+    more: the fewest layers of both on host that fit is the pick, its neighbours compiled."""
+    compiled = []
+
+    def compile_rows(candidates):
+        rows = []
+        for c in candidates:
+            k = int(c.optimizer_state.split(":")[1])
+            weights = c.params != "device"
+            assert not weights or c.params == c.optimizer_state   # one split for both
+            compiled.append((k, weights))
+            rows.append(row(c, 12.0 - (1.5 if weights else 0.5) * k, 1.0 + 0.1 * k, 7.0))
+        return rows
+
+    found = split_search.search(row(Candidate.of("save_dots"), 12.0, 1.0, 7.0), 6, compile_rows)
+    assert found.weights and found.best == 4 and found.state_only.best is None
+    assert (6, False) in compiled and {(3, True), (4, True), (5, True)} <= set(compiled)
+    text = "\n".join(split_search.describe(found))
+    assert "weights and opt state host:4, the last 4 of 6 block layers' weights and state in host memory" in text
+    assert "the state alone on host does not fit" in text and "one layer more in HBM (host:3)" in text
+
+
 def test_the_base_plan_is_the_fastest_device_state_plan_that_does_not_fit_and_beats_every_fit():
     fast = row(Candidate.of("save_dots"), 90.0, 1.0, 80.0)
     slow = row(Candidate.of("recompute_all"), 85.0, 1.5, 80.0)
