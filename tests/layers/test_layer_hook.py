@@ -19,7 +19,7 @@ class ScaleEachLayer:
     """Counts layers in its carry, scales each layer's weights by `scale`, and outputs each layer's index."""
 
     def __init__(self, scale):
-        self.scale, self.collected = scale, None
+        self.scale, self.collected, self.final_carry = scale, None, None
 
     def start(self):
         return jnp.zeros((), jnp.int32)
@@ -27,8 +27,8 @@ class ScaleEachLayer:
     def before_layer(self, carry, layer_index, layer_state):
         return carry + 1, jax.tree.map(lambda w: w * self.scale, layer_state), {"index": layer_index, "seen": carry}
 
-    def collect(self, outputs):
-        self.collected = outputs
+    def collect(self, outputs, carry):
+        self.collected, self.final_carry = outputs, carry
 
 
 def test_the_hook_is_in_force_only_inside_its_context_even_when_it_raises():
@@ -50,6 +50,7 @@ def test_the_stack_runs_each_layer_with_the_state_the_hook_returns_and_stacks_it
         hooked, _ = stack(x_btd, ctx)
     np.testing.assert_array_equal(hook.collected["index"], np.arange(LAYERS))
     np.testing.assert_array_equal(hook.collected["seen"], np.arange(LAYERS))   # the carry went layer to layer
+    assert int(hook.final_carry) == LAYERS                                       # and comes back after the last
     # The oracle: the same stack with every weight halved beforehand, no hook.
     graphdef, state = nnx.split(stack)
     halved = nnx.merge(graphdef, jax.tree.map(lambda w: w * 0.5, state))

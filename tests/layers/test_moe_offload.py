@@ -60,7 +60,10 @@ def applicable(kind: str) -> list[str]:
 
 # With shared experts every one of the 11 presets applies: the longest case (about a minute on 2 cores);
 # dropless by blocks is the dropless dispatch with another grouped matmul, so it runs with the slow ones.
-@pytest.mark.parametrize("kind", ["capacity", "dropless", pytest.param("dropless_blocked", marks=pytest.mark.slow),
+# dropless in the default suite (about 9 s of a worker's time each); the capacity dispatch's preset copies are
+# checked there by the next test, its gradients with the slow tests.
+@pytest.mark.parametrize("kind", [pytest.param("capacity", marks=pytest.mark.slow), "dropless",
+                                  pytest.param("dropless_blocked", marks=pytest.mark.slow),
                                   pytest.param("dropless_shared", marks=pytest.mark.slow)])
 def test_every_applicable_preset_gives_the_no_remat_loss_and_gradients(kind):
     reference = build(kind, "save_all")

@@ -154,7 +154,7 @@ def test_a_layer_hook_needs_one_run():
         def before_layer(self, carry, index, layer_state):
             return carry, layer_state, ()
 
-        def collect(self, outputs):
+        def collect(self, outputs, carry):
             pass
 
     stack = BlockStack(CFG, 5, remat="recompute_all", rngs=nnx.Rngs(0), runs=(StackRun(CFG, 2), StackRun(WIDE, 3)))

@@ -30,7 +30,10 @@ SLEEPY_CHILD = textwrap.dedent("""
 """)
 
 PARENT = textwrap.dedent("""
-    import sys
+    import signal, sys
+    # As `spillway plan` started from a terminal: a suite started in the background inherits SIGINT ignored
+    # (a shell without job control does that), and Python keeps an ignored SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from spillway.recipes.plan import plugin, workers
     plugin.missing_reason = lambda: None            # the stand-in child needs no toolchain
     real = workers.run_in_compile_process

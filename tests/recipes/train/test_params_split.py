@@ -17,7 +17,7 @@ from spillway.layers.host_weights import ResidentSplit
 from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch
-from tests.recipes.train.test_host_params import LAYERS, batches, small_recipe, train_steps
+from tests.recipes.train.host_training import LAYERS, batches, small_recipe, train_steps
 from tests.recipes.train.test_state_split import assert_trees_close, assert_trees_equal, one_device
 
 
