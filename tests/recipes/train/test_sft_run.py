@@ -46,7 +46,8 @@ def test_instruct_run_trains_on_answers_and_answers_a_chat(tmp_path, tokenizer_d
     assert "280 examples" in out and "0 longer than a row truncated" in out
     saved = json.loads((tmp_path / "run" / "tokenizer_config.json").read_text())
     assert "### Assistant:" in saved["chat_template"]   # generate renders with what the run trained with
-    rows = next((tmp_path / "cache" / "sft").iterdir())
+    # the prepared rows' folder (beside it, the lock its preparation held: data/sft_packing.py)
+    rows = next(p for p in (tmp_path / "cache" / "sft").iterdir() if p.is_dir() and not p.name.startswith("."))
     import numpy as np
     train = np.load(rows / "train.npy")
     assert train.ndim == 3 and 0 < train[:, TARGETS].mean() < 0.6   # answers only: most tokens are prompt
