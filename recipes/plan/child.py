@@ -196,6 +196,106 @@ def _next_power_of_two_above(value: int) -> int:
     return 1 << int(value).bit_length()
 
 
+class _FitSearch:
+    """The compiles of one `search_one`: the points measured so far (value -> figures and whether they fit),
+    the compile budget spent, and the errors met."""
+
+    def __init__(self, measure, limits: dict, *, step: int, max_compiles: int):
+        self.measure, self.limits, self.step, self.max_compiles = measure, limits, step, max_compiles
+        self.points: dict[int, dict] = {}
+        self.compiles = 0
+        self.errors: list[str] = []
+
+    def fits(self, point: dict) -> bool:
+        return (point["hbm_bytes"] <= self.limits["hbm_bytes"]
+                and point["host_bytes"] <= self.limits["host_bytes_per_device"])
+
+    def probe(self, value: int) -> bool | None:
+        """Whether `value` fits; None when out of compiles or the compile failed."""
+        if value in self.points:
+            return self.points[value]["fits"]
+        if self.compiles >= self.max_compiles:
+            return None
+        self.compiles += 1
+        try:
+            point = self.measure(value)
+        except Exception as error:   # report it with the search, do not lose the other plans
+            self.errors.append(f"{value}: {type(error).__name__}: {error}"[:1000])
+            return None
+        self.points[value] = {**point, "fits": self.fits(point)}
+        return self.points[value]["fits"]
+
+    def predicted_limit(self, lo: int, hi: int) -> int | None:
+        """Where HBM, linear through the points at lo and hi, reaches the limit (None: not rising)."""
+        a, b = self.points[lo]["hbm_bytes"], self.points[hi]["hbm_bytes"]
+        if b <= a:
+            return None
+        return lo + _round_down((self.limits["hbm_bytes"] - a) / (b - a) * (hi - lo), self.step)
+
+    def bracket(self, first: int, cap: int) -> tuple[int | None, int | None]:
+        """(lo, hi) with powers of two from `first`: lo fits, hi does not (None: not found)."""
+        ok = self.probe(first)
+        if ok:
+            return self._bracket_up(first, cap)
+        if ok is None:
+            return None, None
+        hi, value = first, _next_power_of_two_above(first) // (4 if first & (first - 1) == 0 else 2)
+        while value >= self.step:
+            ok = self.probe(value)
+            if ok is None:
+                return None, hi
+            if ok:
+                return value, hi
+            hi, value = value, value // 2
+        return None, hi
+
+    def _bracket_up(self, lo: int, cap: int) -> tuple[int, int | None]:
+        while lo < cap:
+            value = _next_power_of_two_above(lo)
+            previous = max((v for v in self.points if v < lo and self.points[v]["fits"]), default=None)
+            if previous is not None:
+                # Two fitting points: skip the powers of two that the trend says fit too.
+                guess = self.predicted_limit(previous, lo)
+                if guess is not None and guess >= value:
+                    value = _next_power_of_two_above(guess)
+            ok = self.probe(min(value, cap))
+            if ok is None:
+                return lo, None
+            if not ok:
+                return lo, min(value, cap)
+            lo = min(value, cap)
+        return lo, None
+
+    def narrow(self, lo: int | None, hi: int | None) -> tuple[int | None, int | None]:
+        """[lo, hi] narrowed to one step: interpolate, check the neighbour, bisect if that did not close it."""
+        mode = "interpolate"
+        while lo is not None and hi is not None and hi - lo > self.step:
+            middle = lo + max(self.step, _round_down((hi - lo) // 2, self.step))
+            if mode == "interpolate":
+                guess = self.predicted_limit(lo, hi)
+                guess = middle if guess is None else min(max(guess, lo + self.step), hi - self.step)
+            elif mode == "neighbour_up":
+                guess = lo + self.step
+            elif mode == "neighbour_down":
+                guess = hi - self.step
+            else:
+                guess = middle
+            ok = self.probe(guess)
+            if ok is None:
+                break
+            if ok:
+                lo = guess
+            else:
+                hi = guess
+            if mode == "interpolate":
+                mode = "neighbour_up" if ok else "neighbour_down"
+            elif mode.startswith("neighbour"):
+                mode = "bisect"
+            else:
+                mode = "interpolate"
+        return lo, hi
+
+
 def search_one(measure, start_value: int, start_point: dict | None, limits: dict, *,
                step: int, cap: int, max_compiles: int) -> dict:
     """Largest value (a multiple of `step`, <= cap) whose compile fits `limits`.
@@ -205,103 +305,12 @@ def search_one(measure, start_value: int, start_point: dict | None, limits: dict
     made for the plan table (None if it failed); it costs nothing here.
     Pure logic over `measure`, so tests can drive it with synthetic curves.
     """
-    points: dict[int, dict] = {}
-
-    def fits(point: dict) -> bool:
-        return (point["hbm_bytes"] <= limits["hbm_bytes"]
-                and point["host_bytes"] <= limits["host_bytes_per_device"])
-
+    search = _FitSearch(measure, limits, step=step, max_compiles=max_compiles)
     if start_point is not None:
-        points[start_value] = {**start_point, "fits": fits(start_point)}
-    compiles, started = 0, time.perf_counter()
-    errors: list[str] = []
-
-    def probe(value: int) -> bool | None:
-        """Whether `value` fits; None when out of compiles or the compile failed."""
-        nonlocal compiles
-        if value in points:
-            return points[value]["fits"]
-        if compiles >= max_compiles:
-            return None
-        compiles += 1
-        try:
-            point = measure(value)
-        except Exception as error:   # report it with the search, do not lose the other plans
-            errors.append(f"{value}: {type(error).__name__}: {error}"[:1000])
-            return None
-        points[value] = {**point, "fits": fits(point)}
-        return points[value]["fits"]
-
-    def predicted_limit(lo: int, hi: int) -> int | None:
-        """Where HBM, linear through the points at lo and hi, reaches the limit (None: not rising)."""
-        a, b = points[lo]["hbm_bytes"], points[hi]["hbm_bytes"]
-        if b <= a:
-            return None
-        return lo + _round_down((limits["hbm_bytes"] - a) / (b - a) * (hi - lo), step)
-
-    # 1. Bracket with powers of two: lo fits, hi does not.
-    first = min(cap, max(step, _round_down(start_value, step)))
-    lo = hi = None
-    ok = probe(first)
-    if ok:
-        lo = first
-        while lo < cap:
-            value = _next_power_of_two_above(lo)
-            previous = max((v for v in points if v < lo and points[v]["fits"]), default=None)
-            if previous is not None:
-                # Two fitting points: skip the powers of two that the trend says fit too.
-                guess = predicted_limit(previous, lo)
-                if guess is not None and guess >= value:
-                    value = _next_power_of_two_above(guess)
-            value = min(value, cap)
-            ok = probe(value)
-            if ok is None:
-                break
-            if ok:
-                lo = value
-            else:
-                hi = value
-                break
-    elif ok is False:
-        hi = first
-        value = _next_power_of_two_above(first) // (4 if first & (first - 1) == 0 else 2)
-        while value >= step:
-            ok = probe(value)
-            if ok is None:
-                break
-            if ok:
-                lo = value
-                break
-            hi = value
-            value //= 2
-
-    # 2. Narrow [lo, hi] to one step: interpolate, check the neighbour, bisect if that did not close it.
-    mode = "interpolate"
-    while lo is not None and hi is not None and hi - lo > step:
-        middle = lo + max(step, _round_down((hi - lo) // 2, step))
-        if mode == "interpolate":
-            guess = predicted_limit(lo, hi)
-            guess = middle if guess is None else min(max(guess, lo + step), hi - step)
-        elif mode == "neighbour_up":
-            guess = lo + step
-        elif mode == "neighbour_down":
-            guess = hi - step
-        else:
-            guess = middle
-        ok = probe(guess)
-        if ok is None:
-            break
-        if ok:
-            lo = guess
-        else:
-            hi = guess
-        if mode == "interpolate":
-            mode = "neighbour_up" if ok else "neighbour_down"
-        elif mode.startswith("neighbour"):
-            mode = "bisect"
-        else:
-            mode = "interpolate"
-
+        search.points[start_value] = {**start_point, "fits": search.fits(start_point)}
+    started = time.perf_counter()
+    lo, hi = search.bracket(min(cap, max(step, _round_down(start_value, step))), cap)
+    lo, hi = search.narrow(lo, hi)
     resolved = (lo is not None and (lo == cap or (hi is not None and hi - lo <= step))) or \
         (lo is None and hi is not None and hi <= step)
     return {
@@ -309,10 +318,10 @@ def search_one(measure, start_value: int, start_point: dict | None, limits: dict
         "first_fail": hi,           # smallest value known not to fit (None: none failed up to the cap)
         "resolved": bool(resolved),
         "at_cap": lo is not None and lo == cap,
-        "compiles": compiles,
+        "compiles": search.compiles,
         "seconds": time.perf_counter() - started,
-        "points": {str(k): v for k, v in sorted(points.items())},
-        "errors": errors,
+        "points": {str(k): v for k, v in sorted(search.points.items())},
+        "errors": search.errors,
     }
 
 
