@@ -112,6 +112,37 @@ def _report_on(result: Plan, answer: dict, compiles: CandidateCompiles, todo: li
         "workers": compiles.used_workers}
 
 
+def _check_limits(headroom: float, host_ram_gb: float | None, hbm_budget_gib: float | None,
+                  workers: int | None) -> None:
+    """ValueError, one line naming the option, for a limit out of its range (before anything compiles)."""
+    if not 0 < headroom <= 1:
+        raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
+    if host_ram_gb is not None and host_ram_gb <= 0:
+        raise ValueError(f"--host-ram-gb must be positive, got {host_ram_gb}")
+    if hbm_budget_gib is not None and hbm_budget_gib <= 0:
+        raise ValueError(f"--hbm-budget must be positive (GiB), got {hbm_budget_gib}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+
+
+def _host_pricing(host_update_rate: float | None, host_cores_per_gpu: float | None) -> dict:
+    """How the host-compute plans are priced: parameters/s per core (measured file or default), cores a GPU."""
+    per_core, rate_source = host_update.host_update_rate(host_update_rate)
+    cores = host_update.DEFAULT_HOST_CORES_PER_GPU if host_cores_per_gpu is None else host_cores_per_gpu
+    if not cores > 0:
+        raise ValueError(f"--host-cores must be positive, got {host_cores_per_gpu}")
+    return {"params_per_s_per_core": per_core, "cores_per_gpu": cores, "source": rate_source}
+
+
+def _compile_request(recipe: Recipe, compiled_recipe: Recipe, target, devices: int, options,
+                     search_request: dict | None) -> dict:
+    """What every compile process is sent. They inherit PYTHONPATH and the working directory, not this
+    process's sys.path: it names where the recipe's own block class was found."""
+    import_paths = [root for root in [import_root(recipe.block) if recipe.block else None] if root]
+    return {"recipe": compiled_recipe.to_dict(), "import_paths": import_paths, "target": target.name,
+            "devices": devices, "compiler_options": options, "search": search_request}
+
+
 def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: float = HBM_HEADROOM,
          host_ram_gb: float | None = None, hbm_budget_gib: float | None = None,
          host_update_rate: float | None = None, host_cores_per_gpu: float | None = None, search: str | None = None,
@@ -143,18 +174,10 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     check_user_block(recipe)   # a block that cannot be built: one line now, not one per compile process
     from spillway.recipes.train.step import check_aux_loss
     check_aux_loss(recipe)     # an aux_loss coefficient that would weight nothing: the same
-    if not 0 < headroom <= 1:
-        raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
-    if host_ram_gb is not None and host_ram_gb <= 0:
-        raise ValueError(f"--host-ram-gb must be positive, got {host_ram_gb}")
-    if hbm_budget_gib is not None and hbm_budget_gib <= 0:
-        raise ValueError(f"--hbm-budget must be positive (GiB), got {hbm_budget_gib}")
+    _check_limits(headroom, host_ram_gb, hbm_budget_gib, workers)
     hbm_budget = None if hbm_budget_gib is None else hbm_budget_gib * GiB
-    per_core, rate_source = host_update.host_update_rate(host_update_rate)
-    cores = host_update.DEFAULT_HOST_CORES_PER_GPU if host_cores_per_gpu is None else host_cores_per_gpu
-    if not cores > 0:
-        raise ValueError(f"--host-cores must be positive, got {host_cores_per_gpu}")
-    host_pricing = {"params_per_s_per_core": per_core, "cores_per_gpu": cores, "source": rate_source}
+    host_pricing = _host_pricing(host_update_rate, host_cores_per_gpu)
+    host_rate = host_pricing["params_per_s_per_core"] * host_pricing["cores_per_gpu"]   # parameters/s a GPU
     mesh = resolve_mesh(recipe, devices)
     compiled_recipe, warnings = planned_recipe(recipe)
     check_sharding(compiled_recipe, mesh)
@@ -167,15 +190,9 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
         RematPlan.parse(candidate.activations).resolve(compiled_recipe.model.num_layers)
     check_toolchain()
     options = compiler_options()
-    if workers is not None and workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    # The compile processes inherit PYTHONPATH and the working directory, not this process's sys.path:
-    # tell them where the recipe's own block class was found.
-    import_paths = [root for root in [import_root(recipe.block) if recipe.block else None] if root]
-    request = {"recipe": compiled_recipe.to_dict(), "import_paths": import_paths, "target": target.name,
-               "devices": devices, "compiler_options": options, "search": search_request}
+    request = _compile_request(recipe, compiled_recipe, target, devices, options, search_request)
     staged = prune and plans is None and search_request is None
-    host_update_floor_s = params_per_gpu(compiled_recipe, mesh) / (per_core * cores)
+    host_update_floor_s = params_per_gpu(compiled_recipe, mesh) / host_rate
     stages = pruning.stages(todo) if staged else [list(range(len(todo)))]
     # The cache answers plain compiles; a search or a full-codegen check compiles everything it names.
     store, keys = _open_cache(cache and search_request is None and not verify_full_codegen, request, todo,
@@ -193,7 +210,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
         for index in sorted(results):
             if index not in rows_by_index:
                 rows_by_index[index] = plan_row(todo[index], results[index], compiled_recipe, target, mesh,
-                                                per_core * cores, run_attention_impl=recipe.execution.attention_impl)
+                                                host_rate, run_attention_impl=recipe.execution.attention_impl)
         judged([rows_by_index[i] for i in sorted(rows_by_index)], None)   # sets fits for the next stage
         return rows_by_index
 
