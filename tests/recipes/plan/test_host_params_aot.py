@@ -148,7 +148,9 @@ def test_the_update_in_the_next_forward_moves_the_state_there_both_ways_at_once(
     # The new state out, and layer 0's once more (the carry writes its unchanged rows back in the first
     # iteration: recipes/optim/update_in_forward.py); the state and the pending gradient in.
     assert forward == {"device_to_host_bytes": state + state // LAYERS, "host_to_device_bytes": state + weights}, forward
-    assert deferred["overlapped_by_pass"]["forward"] == state, deferred["overlapped_by_pass"]
+    # at least the state; XLA versions differ in the few small copies they put beside the same matmuls
+    # (jax 0.11.2: 1.5 MB more of 365 MB), so within 1% of it
+    assert state <= deferred["overlapped_by_pass"]["forward"] <= 1.01 * state, deferred["overlapped_by_pass"]
     assert backward == {"host_to_device_bytes": 0, "device_to_host_bytes": weights}, backward
     # Before: nothing crossed in the forward pass; the state crossed after the backward pass, each way.
     assert after["traffic_by_pass"]["forward"] == {"host_to_device_bytes": 0, "device_to_host_bytes": 0}
