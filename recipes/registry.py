@@ -407,6 +407,8 @@ def llama3_8b_offload() -> Recipe:
 SFT_EXECUTION = dataclasses.replace(GPU_EXECUTION, attention_impl="flash")
 MODELS_DIR = "models"                                   # checkpoint.init_from = hf:MODELS_DIR/<Hub repository>
 LLAMA31_8B_INSTRUCT = "meta-llama/Llama-3.1-8B-Instruct"
+# Both torchtune configs' AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01, no clipping), float32 masters.
+TORCHTUNE_ADAMW = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip_norm=None, master_weights=True)
 TORCHTUNE_SOURCE = "torchtune's llama3_1/8B_{kind}_single_device.yaml (pytorch/torchtune, recipes/configs)"
 
 
@@ -441,8 +443,7 @@ def llama3_8b_sft_l4() -> Recipe:
                  "2048 tokens (torchtune's README memory figures; the config leaves packing off), validation "
                  "on 2% of the records and the 1000 steps (4.1M tokens) are our choice"),
         corpus="hf:tatsu-lab/alpaca", global_batch=2, grad_accum=1, steps=1000,
-        optimizer=OptimizerConfig(learning_rate=2e-5, warmup_steps=0, min_lr_ratio=1.0, b1=0.9, b2=0.999,
-                                  eps=1e-8, weight_decay=0.01, clip_norm=None, master_weights=True),
+        optimizer=OptimizerConfig(learning_rate=2e-5, warmup_steps=0, min_lr_ratio=1.0, **TORCHTUNE_ADAMW),
         # The planner's pick on one L4 with 256 GB of host RAM (BENCHMARKS.md, "Fine-tuning Llama 3.1 8B"): the
         # block weights and the state in host memory, the matmul outputs offloaded; with the block weights in
         # HBM no plan fits the L4.
@@ -463,8 +464,7 @@ def llama3_8b_lora_16gb() -> Recipe:
                  "clipping; rank 16 (torchtune's is 8) with alpha 32 (its 'alpha = 2 x rank'); packing at 2048 "
                  "tokens, validation on 2% of the records and the 400 steps (13.1M tokens) are our choice"),
         corpus="hf:yahma/alpaca-cleaned", global_batch=16, grad_accum=8, steps=400,
-        optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=100, min_lr_ratio=0.0, b1=0.9, b2=0.999,
-                                  eps=1e-8, weight_decay=0.01, clip_norm=None, master_weights=True),
+        optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=100, min_lr_ratio=0.0, **TORCHTUNE_ADAMW),
         lora=LoraConfig(rank=16, alpha=32.0, dropout=0.0,
                         targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
         # The planner's pick on one RTX 4080 (BENCHMARKS.md, "Fine-tuning Llama 3.1 8B"): the frozen base
