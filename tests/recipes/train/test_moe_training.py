@@ -35,23 +35,24 @@ from benchmarks.moe_blocks import TINY_EXPERTS, block_path
 
 E, K = TINY_EXPERTS["num_experts"], TINY_EXPERTS["top_k"]
 BALANCED_BOUND = 1.75
+E2E_STEPS = 40   # the loop test runs long enough for the balance to settle (its first 20 steps swing 1.1-2.5x)
 VOCAB = 64
 
 
-@pytest.mark.slow   # the whole loop (tokenizer, 8 devices, two compiles): about 25 s of CPU here
+@pytest.mark.slow   # the whole loop (tokenizer, 8 devices, two compiles), 40 steps: about 40 s of CPU here
 def test_a_tiny_moe_trains_and_logs_its_experts(tmp_path):
     run_dir = tmp_path / "run"
     recipe = get_recipe("tiny", [
         "data.source=builtin:stdlib:100000", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
         "data.num_proc=1", "model.vocab_size=512", "model.d_model=32", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.max_seq_len=64", f"block={block_path('tiny', 'capacity')}",
-        "aux_loss.load_balancing=0.02", "aux_loss.router_z=0.001", "train.global_batch=8", "train.steps=12",
+        "aux_loss.load_balancing=0.02", "aux_loss.router_z=0.001", "train.global_batch=8", f"train.steps={E2E_STEPS}",
         "train.log_every=1", "train.eval_every=0", "train.sample_tokens=0", "optimizer.warmup_steps=2",
         "optimizer.learning_rate=1e-2", f"checkpoint.dir={run_dir}", "checkpoint.every_steps=100",
         "mesh.data=8", "mesh.fsdp=1"])   # fsdp would split the 5 experts (layers/sharding.py): refused
     train(recipe, progress=False, echo=lambda *_: None)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert len(rows) == 12
+    assert len(rows) == E2E_STEPS
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
     for row in rows:
         assert {"moe/lb_loss", "moe/z_loss", "moe/dropped", "moe/load", "moe/load_max"} <= set(row)
@@ -59,9 +60,12 @@ def test_a_tiny_moe_trains_and_logs_its_experts(tmp_path):
         assert 1.0 <= row["moe/load_max"] <= E / K + 1e-6
         assert 0.0 <= row["moe/dropped"] < 1.0
     assert any(row["moe/dropped"] > 0 for row in rows)      # capacity factor 1.0 drops what routing overfills
-    # How balanced 12 steps of 256 tokens end is the trajectory's, and it moves with the JAX version's rounding
-    # (the last step's max load 1.96x under jax 0.11.2, within 1.75x under 0.10.2): the balance the loss buys is
-    # asserted by test_with_the_load_balancing_loss_a_tiny_moe_trains_balanced, with and without the loss.
+    # Balanced as the loss keeps it, by the same figure the Zipf test bounds (the mean of the last 10 steps): a
+    # single step is noise (12 steps of this run ended 1.49x under jax 0.10.2 and 1.96x under 0.11.2, with
+    # steps above 2.3x on the way); 40 steps end 1.27x / 1.38x / 1.35x (jax 0.10.2 / 0.11.2 / 0.12), the
+    # last 10 steps' worst 1.65x.
+    last_balance = np.mean([max(row["moe/load"]) * E for row in rows[-10:]])
+    assert last_balance <= BALANCED_BOUND, [round(max(row["moe/load"]) * E, 2) for row in rows]
     assert (run_dir / "expert_load.png").stat().st_size > 1000
     assert (run_dir / "loss.png").stat().st_size > 1000
 
