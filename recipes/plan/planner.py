@@ -79,6 +79,33 @@ def _open_cache(use: bool, request: dict, todo: list[Candidate], compiled_recipe
     return store, keys
 
 
+def _split(staged: bool, rows: list[PlanRow], num_layers: int, limits: Plan, compile_more
+           ) -> split_search.SplitSearch | None:
+    """The per-layer split search (recipes/plan/split_search.py), when a split could gain: the fastest
+    device-state plan does not fit (keep some layers' state, then weights, in HBM), or, when that finds
+    nothing, a streamed plan fits HBM but not the host (move some layers into HBM)."""
+    if not staged:
+        return None
+    split = None
+    base = split_search.base_plan(rows)
+    if base is not None:
+        split = split_search.search(base, num_layers, compile_more)
+        if split.best is not None:
+            return split
+    for host_base in split_search.host_bound_bases(rows, limits.hbm_limit_bytes, limits.host_ram_bytes,
+                                                   limits.devices):
+        device_row = next((row for row in rows if row.candidate == Candidate.of(host_base.candidate.activations)),
+                          None)
+        if device_row is None:
+            continue
+        found = split_search.search_toward_hbm(host_base, device_row, num_layers, limits.hbm_limit_bytes,
+                                               compile_more)
+        if found.best is not None:
+            return found
+        split = split or found
+    return split
+
+
 def _report_on(result: Plan, answer: dict, compiles: CandidateCompiles, todo: list[Candidate],
                search_request: dict | None, options: dict | None, started: float) -> None:
     """What the plan says besides its rows (in place): warnings about them, the full-codegen check, the
@@ -228,10 +255,9 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
         rows_of(compiles.results)
         return [rows_by_index[i] for i in indices]
 
-    split = None
-    split_base = split_search.base_plan([rows_by_index[i] for i in sorted(rows_by_index)]) if staged else None
-    if split_base is not None:   # the fastest device-state plan does not fit: keep some layers' state in HBM
-        split = split_search.search(split_base, compiled_recipe.model.num_layers, compile_more)
+    split = _split(staged, [rows_by_index[i] for i in sorted(rows_by_index)], compiled_recipe.model.num_layers,
+                   judged([], None), compile_more)
+    if split is not None:
         answer = compiles.merged_answer(answer)
     order = sorted(rows_by_index)
     rows = [rows_by_index[i] for i in order]

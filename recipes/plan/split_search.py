@@ -17,6 +17,12 @@ The block weights too (offload.params=host:N, the state split at the same layer)
 state on host leaves the device-state plan's activations over the limit, the same search runs again with
 N layers' weights and state on host (`SplitSearch.weights`), from host:L (every block weight streamed) down.
 
+The other way round (`host_bound_bases`, `search_toward_hbm`): when the plan with every block layer's weights
+and state streamed fits HBM but not the host's RAM (Llama 3.1 70B on one H200 with 1.5 TB: 67.5 GiB of HBM,
+1432 GiB of host at 1397), the first layers' weights and state move into HBM's spare room until the host
+holds the rest. The same bisection finds the fewest host layers whose HBM fits; host memory falls with every
+layer moved, so if the host does not hold that count it holds none of the counts HBM does, and no split fits.
+
 HBM is taken as non-increasing in the host-layer count and the step as non-decreasing (fewer bytes on the
 link): the fewest host layers that fit is the fastest split. docs/DESIGN.md section 9.
 """
@@ -28,10 +34,11 @@ from collections.abc import Callable
 
 from spillway.layers.memory import Memory
 from spillway.recipes.config import AFTER_BACKWARD
+from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import PlanRow
 
-MAX_SPLIT_COMPILES = 8
+MAX_SPLIT_COMPILES = 8   # per search: host:L, 7 halvings (an 80-layer stack to one layer), a neighbour
 LINEAR_TOLERANCE = 0.02
 
 
@@ -44,6 +51,7 @@ class SplitSearch:
     best: int | None
     weights: bool = False   # the split is of the weights and the state (offload.params=host:N too)
     state_only: "SplitSearch | None" = None   # the state-only search that found no fit, when weights is True
+    host_bound: bool = False   # searched from a streamed plan that fits HBM but not the host's RAM
 
     @property
     def linear(self) -> bool:
@@ -57,7 +65,7 @@ class SplitSearch:
 
     def to_dict(self) -> dict:
         return {"activations": self.activations, "num_layers": self.num_layers, "best_host_layers": self.best,
-                "weights_split": self.weights,
+                "weights_split": self.weights, "host_bound": self.host_bound,
                 "hbm_linear_in_layers": self.linear,
                 "compiled": {str(k): {"hbm_bytes": (row.report or {}).get("hbm_bytes"), "step_s": row.step_s,
                                       "fits": row.fits} for k, row in sorted(self.rows.items())}}
@@ -92,32 +100,74 @@ def search(base: PlanRow, num_layers: int, compile_rows: Callable[[list[Candidat
     return with_weights
 
 
+def host_bound_bases(rows: list[PlanRow], hbm_limit: float, host_ram: float, devices: int) -> list[PlanRow]:
+    """Streamed plans with every block layer's weights and state on host whose HBM fits but whose host memory
+    does not, faster than every plan that fits, fastest first; only those whose host excess HBM's spare room
+    could take (a layer moved into HBM takes its weights, state and gradient sums there: to first order the host
+    sheds what HBM gains, so a larger excess cannot fit)."""
+    fitting = [row.step_s for row in rows if row.fits and row.step_s is not None]
+    found = []
+    for row in rows:
+        c = row.candidate
+        if (row.fits or not row.report or row.step_s is None or c.update_on_host or c.update != AFTER_BACKWARD
+                or c.optimizer_state != Memory.HOST or c.params != Memory.HOST
+                or row.report["hbm_bytes"] > hbm_limit or (fitting and row.step_s >= min(fitting))):
+            continue
+        excess = host_peak.host_peak(row.report, devices)[1] - host_ram
+        if 0 < excess <= (hbm_limit - row.report["hbm_bytes"]) * devices:
+            found.append(row)
+    return sorted(found, key=lambda row: row.step_s)
+
+
+def search_toward_hbm(base: PlanRow, device_row: PlanRow, num_layers: int, hbm_limit: float,
+                      compile_rows: Callable[[list[Candidate]], list[PlanRow]]) -> SplitSearch:
+    """Move the first layers of `base` (every layer's weights and state on host; HBM fits, the host does not)
+    into HBM: the fewest host layers whose HBM fits, by bisection between `device_row` (the same activations,
+    all on device: HBM over) and host:L; the pick only if the host holds it too (module docstring)."""
+    found = SplitSearch(base.candidate.activations, num_layers, {0: device_row, num_layers: base}, None,
+                        weights=True, host_bound=True)
+    _narrow(found, compile_rows, lambda row: bool(row.report) and row.report["hbm_bytes"] <= hbm_limit)
+    if found.best is not None and not found.rows[found.best].fits:
+        found.best = None                # the least host memory HBM allows is still more than the host has
+    return found
+
+
 def _bisect(base: PlanRow, num_layers: int, compile_rows, *, weights: bool) -> SplitSearch:
-    activations = base.candidate.activations
-    found = SplitSearch(activations, num_layers, {0: base}, None, weights=weights)
+    found = SplitSearch(base.candidate.activations, num_layers, {0: base}, None, weights=weights)
+    _narrow(found, compile_rows, lambda row: row.fits)
+    return found
+
+
+def _narrow(found: SplitSearch, compile_rows, good: Callable[[PlanRow], bool]) -> None:
+    """Bisect between host:0 (known not good) and host:L for the fewest host layers whose row is `good`; set
+    `found.best` (None when host:L is not good) and compile the pick's two neighbours."""
+    num_layers, compiled = found.num_layers, []
 
     def fits(k: int) -> bool:
         if k not in found.rows:
-            found.rows[k] = compile_rows([split_candidate(activations, k, weights)])[0]
-        return found.rows[k].fits
+            found.rows[k] = compile_rows([split_candidate(found.activations, k, found.weights)])[0]
+            compiled.append(k)
+        return good(found.rows[k])
 
     if num_layers < 2 or not fits(num_layers):
-        return found
+        return
     low, high = 0, num_layers            # 0 host layers is the device-state plan, which does not fit
-    while high - low > 1 and len(found.rows) < MAX_SPLIT_COMPILES - 1:
+    while high - low > 1 and len(compiled) < MAX_SPLIT_COMPILES - 1:   # one kept for the neighbour above
         middle = (low + high) // 2
         low, high = (low, middle) if fits(middle) else (middle, high)
     found.best = high
     if high - low == 1:
-        fits(low)                        # one layer fewer on host: compiled, so the plan shows why not
-    if high + 1 <= num_layers:
+        fits(low)                        # one layer fewer on host: compiled already, so the plan shows why not
+    if high + 1 <= num_layers and len(compiled) < MAX_SPLIT_COMPILES:
         fits(high + 1)                   # one layer more on host: what it would cost
-    return found
 
 
 def describe(found: SplitSearch) -> list[str]:
     """The plan's lines about the split."""
     gib = 2**30
+    if found.best is None and found.host_bound:
+        return [f"  split ({found.activations}): every layer's weights and state on host fits HBM but not the host's "
+                f"RAM, and no count of layers moved into HBM makes the host hold the rest"]
     if found.best is None:
         return [f"  split ({found.activations}): no count of host layers fits, {found.num_layers} included"
                 + (" (of the state, nor of the weights and the state)" if found.weights else "")]
@@ -134,6 +184,9 @@ def describe(found: SplitSearch) -> list[str]:
         lines.append(f"    {words} (host:{k}): HBM {(row.report['hbm_bytes'] - best.report['hbm_bytes']) / gib:+.2f} "
                      f"GiB, step {(row.step_s - best.step_s) * 1e3:+.0f} ms" + ("" if row.fits else ", does not fit"))
     compiled = ", ".join(str(k) for k in sorted(found.rows))   # 0: the device-state plan
+    if found.host_bound:
+        lines.append(f"    every layer's weights and state on host fits HBM but not the host's RAM: the first "
+                     f"{found.num_layers - found.best} layers' moved into HBM")
     if found.state_only is not None:
         lines.append(f"    the state alone on host does not fit (host:{found.num_layers} of the state compiled): "
                      f"the weights are split too")

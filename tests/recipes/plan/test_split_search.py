@@ -88,3 +88,57 @@ def test_the_base_plan_is_the_fastest_device_state_plan_that_does_not_fit_and_be
     assert split_search.base_plan([fast, slow, host]) is fast
     fitting_fast = row(Candidate.of("offload_dots"), 70.0, 0.9, 80.0)
     assert split_search.base_plan([fast, slow, host, fitting_fast]) is None
+
+
+HBM_LIMIT, HOST_RAM = 126.9, 1397.0   # one H200 at 0.9, and 1,500 GB of host RAM (GiB)
+
+
+def host_bound_row(k: int | None, layers: int = 80, moved_gib: float = 14.0, shed_gib: float | None = None
+                   ) -> PlanRow:
+    """A made-up 70B-like plan: every layer's weights and state streamed (k = layers: 67.5 GiB of HBM, 1,432 GiB
+    of host), each layer moved into HBM adding `moved_gib` there and taking `shed_gib` (default the same) from
+    the host; k None: all on device."""
+    shed_gib = moved_gib if shed_gib is None else shed_gib
+    if k is None:
+        candidate, hbm, host = Candidate.of("recompute_all"), 1363.0, 6.0
+    else:
+        candidate = (Candidate.of("recompute_all", "host", "host") if k == layers
+                     else split_search.split_candidate("recompute_all", k, weights=True))
+        hbm, host = 67.5 + (layers - k) * moved_gib, 1432.0 - (layers - k) * shed_gib
+    r = PlanRow(candidate, "flash", {"hbm_bytes": hbm * GiB, "host_bytes": host * GiB}, None, {}, compute_s=1.0,
+                compile_s=0.0, forward_s=1.0 + 0.01 * (k or 0), backward_s=0.0, update_s=0.0)
+    r.fits = hbm <= HBM_LIMIT and host <= HOST_RAM
+    return r
+
+
+def test_a_streamed_plan_over_the_host_moves_its_first_layers_into_hbm_until_the_host_holds_the_rest():
+    base, device = host_bound_row(80), host_bound_row(None)
+    assert split_search.host_bound_bases([device, base], HBM_LIMIT * GiB, HOST_RAM * GiB, 1) == [base]
+    compiled = []
+
+    def compile_rows(candidates):
+        compiled.extend(candidates)
+        return [host_bound_row(int(c.optimizer_state.split(":")[1])) for c in candidates]
+
+    found = split_search.search_toward_hbm(base, device, 80, HBM_LIMIT * GiB, compile_rows)
+    # HBM holds 4 layers moved (67.5 + 4 x 14 = 123.5 GiB; 5: 137.5), and the host then holds 1,376 GiB
+    assert found.best == 76 and found.rows[76].fits and not found.rows[75].fits
+    assert all(c.params == c.optimizer_state for c in compiled)    # one split for weights and state
+    assert len(compiled) <= split_search.MAX_SPLIT_COMPILES
+    text = "\n".join(split_search.describe(found))
+    assert "weights and opt state host:76" in text and "the first 4 layers' moved into HBM" in text
+
+
+def test_a_host_excess_larger_than_hbm_can_take_is_not_searched_and_a_host_that_never_fits_is_said():
+    too_far = host_bound_row(80)
+    too_far.report["host_bytes"] = 1500.0 * GiB           # 103 GiB over, 59.4 GiB of HBM to spare
+    assert split_search.host_bound_bases([too_far], HBM_LIMIT * GiB, HOST_RAM * GiB, 1) == []
+    base, device = host_bound_row(80), host_bound_row(None)
+    found = split_search.search_toward_hbm(
+        base, device, 80, HBM_LIMIT * GiB,
+        lambda cs: [host_bound_row(int(c.optimizer_state.split(":")[1]), shed_gib=5.0) for c in cs])
+    # HBM holds 4 layers moved (123.5 GiB) and the host then still needs 1,412 GiB: fewer host layers HBM
+    # cannot hold, more the host cannot
+    assert found.best is None and found.rows[76].report["hbm_bytes"] <= HBM_LIMIT * GiB and not found.rows[76].fits
+    text = "\n".join(split_search.describe(found))
+    assert "no count of layers moved into HBM makes the host hold the rest" in text
