@@ -95,9 +95,7 @@ def _split(staged: bool, rows: list[PlanRow], num_layers: int, limits: Plan, com
     for host_base in split_search.host_bound_bases(rows, limits.hbm_limit_bytes, limits.host_ram_bytes,
                                                    limits.devices):
         device_row = next((row for row in rows if row.candidate == Candidate.of(host_base.candidate.activations)),
-                          None)
-        if device_row is None:
-            continue
+                          None)   # None: refused before compiling (its weights and state alone exceed HBM)
         found = split_search.search_toward_hbm(host_base, device_row, num_layers, limits.hbm_limit_bytes,
                                                compile_more)
         if found.best is not None:

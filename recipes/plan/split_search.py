@@ -119,13 +119,14 @@ def host_bound_bases(rows: list[PlanRow], hbm_limit: float, host_ram: float, dev
     return sorted(found, key=lambda row: row.step_s)
 
 
-def search_toward_hbm(base: PlanRow, device_row: PlanRow, num_layers: int, hbm_limit: float,
+def search_toward_hbm(base: PlanRow, device_row: PlanRow | None, num_layers: int, hbm_limit: float,
                       compile_rows: Callable[[list[Candidate]], list[PlanRow]]) -> SplitSearch:
     """Move the first layers of `base` (every layer's weights and state on host; HBM fits, the host does not)
     into HBM: the fewest host layers whose HBM fits, by bisection between `device_row` (the same activations,
-    all on device: HBM over) and host:L; the pick only if the host holds it too (module docstring)."""
-    found = SplitSearch(base.candidate.activations, num_layers, {0: device_row, num_layers: base}, None,
-                        weights=True, host_bound=True)
+    all on device: HBM over; None when the planner refused it uncompiled, its weights and state alone over) and
+    host:L; the pick only if the host holds it too (module docstring)."""
+    known = {num_layers: base} if device_row is None else {0: device_row, num_layers: base}
+    found = SplitSearch(base.candidate.activations, num_layers, known, None, weights=True, host_bound=True)
     _narrow(found, compile_rows, lambda row: bool(row.report) and row.report["hbm_bytes"] <= hbm_limit)
     if found.best is not None and not found.rows[found.best].fits:
         found.best = None                # the least host memory HBM allows is still more than the host has

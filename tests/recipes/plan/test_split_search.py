@@ -124,7 +124,10 @@ def test_a_streamed_plan_over_the_host_moves_its_first_layers_into_hbm_until_the
     # HBM holds 4 layers moved (67.5 + 4 x 14 = 123.5 GiB; 5: 137.5), and the host then holds 1,376 GiB
     assert found.best == 76 and found.rows[76].fits and not found.rows[75].fits
     assert all(c.params == c.optimizer_state for c in compiled)    # one split for weights and state
+    assert 0 not in [int(c.optimizer_state.split(":")[1]) for c in compiled]
     assert len(compiled) <= split_search.MAX_SPLIT_COMPILES
+    unknown_device = split_search.search_toward_hbm(base, None, 80, HBM_LIMIT * GiB, compile_rows)
+    assert unknown_device.best == 76 and 0 not in unknown_device.rows   # refused uncompiled: known not to fit
     text = "\n".join(split_search.describe(found))
     assert "weights and opt state host:76" in text and "the first 4 layers' moved into HBM" in text
 
