@@ -24,15 +24,31 @@ Two ways to bring the state in:
     in_place    prefetched, with the state itself in the carry (donated): iteration
                 t writes layer t-1's new rows over the old ones, then reads layer
                 t+1's from the buffers written (recipes/optim/update_in_forward.py)
+    parity      in place, the state of even and odd layers in two buffers each
+                (donated): the carry holds (this layer's parity's buffers, the
+                other's) and swaps them every layer, the scan unrolled by two so
+                that each buffer comes back to its own place in the loop's carry;
+                layer t's new rows go into its buffer while layer t+1's are read
+                from the other, so neither copy waits on the other
 
-Per variant: HBM and host bytes of the compiled step (buffer assignment),
-link bytes of the forward pass, bytes moved with both link directions in
-flight together (recipes/plan/hlo.py overlapping_host_copies), and per loop
-iteration of the forward scan how many host copies are in flight across a
-matmul (their start before it, their done after it: hidden under compute).
+and `*_tied`: the same with layer t's update (and its copies' sources) tied to
+the layer's input by an optimization_barrier, so that it runs after layer t-1's
+matmuls instead of being hoisted above them.
+
+Compiled with the train step's XLA settings (recipes/train/xla_settings.py);
+--async-compute-limit 2 compiles with XLA's default limit of async host
+copies in flight, which is what the step had before that setting.
+
+Per variant: HBM and host bytes of the compiled step (buffer assignment; host
+temp and alias), link bytes of the forward pass, bytes moved with both link
+directions in flight together (recipes/plan/hlo.py overlapping_host_copies),
+the forward pass's copy bytes whose window holds a matmul (what the planner
+reads: hlo.host_copies_beside_compute), and per loop body of the forward scan
+how many host copies are in flight across a matmul (their start before it,
+their done after it).
 
 Run:  .venv/bin/python benchmarks/update_in_forward.py [--target h200] [--layers 16] [--d-model 2048]
-      [--tokens 4096]
+      [--tokens 4096] [--variants in_place,parity_tied] [--async-compute-limit 2]
 """
 
 from __future__ import annotations
@@ -47,13 +63,18 @@ from spillway.recipes.plan.subprocess_runner import prepare_compile_process  # n
 from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
-VARIANTS = ("sliced", "prefetched", "in_place")
+VARIANTS = ("sliced", "prefetched", "in_place", "in_place_tied", "parity", "parity_tied")
 
 
-def build_step(variant: str, num_layers: int):
-    """The stand-in train step: (weights, pending grads, mu, nu, master, x) -> (new weights, grads, new state, loss)."""
+def build_step(variant: str, num_layers: int, compiler_options: dict | None = None):
+    """The stand-in train step: (weights, pending grads, mu, nu, master, x) -> (new weights, grads, new state, loss).
+
+    For `parity*` each of mu, nu, master is a pair (even layers, odd layers)."""
     import jax
     import jax.numpy as jnp
+
+    tied = variant.endswith("_tied")
+    variant = variant.removesuffix("_tied")
 
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -89,6 +110,9 @@ def build_step(variant: str, num_layers: int):
             def body(carry, rows):
                 x, state, current, previous = carry
                 weight_row, grad_row, t = rows
+                if tied:   # layer t's update and copies after layer t-1's compute
+                    x, current, previous = jax.lax.optimization_barrier((x, current, previous))
+                    current, previous = jax.lax.stop_gradient((current, previous))
                 state = tuple(jax.lax.dynamic_update_index_in_dim(s, jax.device_put(p, host), jnp.maximum(t - 1, 0), 0)
                               for s, p in zip(state, previous))
                 upcoming = tuple(jax.device_put(jax.lax.dynamic_index_in_dim(a, jnp.minimum(t + 1, num_layers - 1),
@@ -105,7 +129,36 @@ def build_step(variant: str, num_layers: int):
                           for s, p in zip(state, last))
             return x, (new_weights, *state)
 
+        def parity_scan(weights):
+            # Even layers' state in one buffer, odd layers' in another; the carry holds (this layer's
+            # parity's buffers, the other's) and swaps them every layer, unrolled by two so the loop body
+            # hands every buffer back at its own place. Layer t's new rows go into its buffer while layer
+            # t+1's are read from the other: two buffers, so neither copy waits on the other.
+            def body(carry, rows):
+                x, here, there, current = carry
+                weight_row, grad_row, t = rows
+                if tied:   # layer t's update after layer t-1's compute (stop_gradient: the state has no tangent)
+                    x, current = jax.lax.optimization_barrier((x, current))
+                    current = jax.lax.stop_gradient(current)
+                new_rows = adamw(grad_row, *current)
+                here = tuple(jax.lax.dynamic_update_index_in_dim(s, jax.device_put(p, host), t // 2, 0)
+                             for s, p in zip(here, new_rows))
+                upcoming = tuple(jax.device_put(jax.lax.dynamic_index_in_dim(
+                    s, jnp.minimum((t + 1) // 2, s.shape[0] - 1), keepdims=False), device) for s in there)
+                new_weight = jax.lax.stop_gradient(new_rows[2].astype(weight_row.dtype))
+                used = straight_through(weight_row, new_weight)
+                x = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)(x, used)
+                return (x, there, here, upcoming), new_weight
+            even, odd = (mu[0], nu[0], master[0]), (mu[1], nu[1], master[1])
+            first = tuple(jax.device_put(jax.lax.dynamic_index_in_dim(s, 0, keepdims=False), device) for s in even)
+            (x, even, odd, _), new_weights = jax.lax.scan(body, (x0, even, odd, first),
+                                                          (weights, grads, jnp.arange(num_layers)), unroll=2)
+            return x, (new_weights, *zip(even, odd))
+
         def loss(weights):
+            if variant == "parity":
+                x, outs = parity_scan(weights)
+                return jnp.sum(x.astype(jnp.float32)), outs
             if variant == "in_place":
                 x, outs = in_place_scan(weights)
                 return jnp.sum(x.astype(jnp.float32)), outs
@@ -132,23 +185,27 @@ def build_step(variant: str, num_layers: int):
     # gradients'); the state is not: donated, XLA copies the scan's host
     # output into the donated buffer after the loop, over the link again.
     # In place, the carried state is donated too.
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 4) if variant == "in_place" else (0, 1))
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 4) if variant in ("in_place", "parity") else (0, 1),
+                   compiler_options=compiler_options)
 
 
 def copies_across_matmuls(hlo_text: str) -> dict[str, tuple[int, int]]:
     """Per direction ("in": host->device, "out"), (async host copies of the forward scan's body in flight
     across a matmul, its async host copies).
 
-    The forward body is the loop computation with the most host transfers
-    (hlo.host_transfers); a copy spans a matmul when its *-start comes before
-    a gemm and its *-done after it in the scheduled order.
+    The forward body is the loop computation (not the entry) with the most
+    host transfers (hlo.host_transfers); a copy spans a matmul when its
+    *-start comes before a gemm and its *-done after it in the scheduled
+    order. An unrolled body holds two layers.
     """
     import collections
 
     from spillway.recipes.plan import hlo
 
     transfers, _ = hlo.host_transfers(hlo_text)
-    per_computation = collections.Counter(t.computation for t in transfers if t.opcode.endswith("-start"))
+    _, entry = hlo.parse_computations(hlo_text)
+    per_computation = collections.Counter(t.computation for t in transfers
+                                          if t.opcode.endswith("-start") and t.computation != entry)
     if not per_computation:
         return {"in": (0, 0), "out": (0, 0)}
     body = per_computation.most_common(1)[0][0]
@@ -172,23 +229,37 @@ def measure(args) -> dict:
 
     from spillway.recipes.plan import compile as aot
     from spillway.recipes.plan import hlo
+    from spillway.recipes.train import xla_settings
 
+    options = xla_settings.step_compiler_options("cuda")
+    if args.async_compute_limit is not None:
+        options["xla_gpu_experimental_parallel_async_compute_limit"] = args.async_compute_limit
     mesh = aot.compile_only_mesh(args.target, {"data": 1})
     shape = (args.layers, args.d_model, args.d_model)
-    arguments = (aot.abstract_array(shape, jnp.bfloat16, mesh), aot.abstract_array(shape, jnp.bfloat16, mesh),
-                 *(aot.abstract_array(shape, jnp.float32, mesh, memory_kind="pinned_host") for _ in range(3)),
-                 aot.abstract_array((args.tokens, args.d_model), jnp.bfloat16, mesh))
+    half = (args.layers // 2, args.d_model, args.d_model)
+
+    def state_array(variant):
+        if variant.startswith("parity"):   # (even layers, odd layers)
+            return tuple(aot.abstract_array(half, jnp.float32, mesh, memory_kind="pinned_host") for _ in range(2))
+        return aot.abstract_array(shape, jnp.float32, mesh, memory_kind="pinned_host")
+
     rows = {}
-    for variant in VARIANTS:
-        report = aot.compile_report(build_step(variant, args.layers), *arguments, keep_hlo_text=True)
+    for variant in args.variants.split(","):
+        arguments = (aot.abstract_array(shape, jnp.bfloat16, mesh), aot.abstract_array(shape, jnp.bfloat16, mesh),
+                     *(state_array(variant) for _ in range(3)),
+                     aot.abstract_array((args.tokens, args.d_model), jnp.bfloat16, mesh))
+        report = aot.compile_report(build_step(variant, args.layers, options), *arguments, keep_hlo_text=True)
         overlap = hlo.overlapping_host_copies(report.hlo_text)
-        spanning = copies_across_matmuls(report.hlo_text)
+        beside = hlo.host_copies_beside_compute(report.hlo_text)
         rows[variant] = {"hbm": report.hbm_bytes, "host": report.host_bytes, "host_temp": report.host_temp_bytes,
+                         "host_alias": report.host_alias_bytes,
                          "forward": hlo.traffic_by_pass(report.hlo_text)["forward"],
                          "overlapped_forward": overlap.overlapped_by_pass["forward"],
-                         "copies_across_matmuls": spanning}
+                         "beside_matmul_forward": (beside.beside_compute_by_pass["forward"],
+                                                   beside.moved_by_pass["forward"]),
+                         "copies_across_matmuls": copies_across_matmuls(report.hlo_text)}
     state_bytes = 3 * args.layers * args.d_model ** 2 * 4
-    return {"rows": rows, "state_bytes": state_bytes, "jax": jax.__version__}
+    return {"rows": rows, "state_bytes": state_bytes, "jax": jax.__version__, "options": options}
 
 
 def main() -> None:
@@ -197,18 +268,28 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--async-compute-limit", type=int, default=None,
+                        help="xla_gpu_experimental_parallel_async_compute_limit instead of the step's "
+                             "(recipes/train/xla_settings.py); XLA's default is 2")
     args = parser.parse_args()
+    if args.layers % 2:
+        parser.error("--layers must be even (the parity variants split the layers into even and odd)")
     prepare_compile_process()
     result = measure(args)
+    limit = result["options"]["xla_gpu_experimental_parallel_async_compute_limit"]
     print(f"{args.layers} layers of {args.d_model}x{args.d_model}, {args.tokens} tokens, {args.target}, "
-          f"jax {result['jax']}; AdamW state {result['state_bytes'] / MiB:.0f} MiB in host memory")
-    print(f"{'variant':12s} {'HBM MiB':>9s} {'host MiB':>9s} {'host temp':>9s} {'fwd H->D':>9s} {'fwd D->H':>9s} "
-          f"{'both dirs':>9s}  copies in flight across a matmul, per iteration (in; out)")
+          f"jax {result['jax']}, async compute limit {limit}; AdamW state {result['state_bytes'] / MiB:.0f} MiB "
+          f"in host memory")
+    print(f"{'variant':14s} {'HBM MiB':>8s} {'host MiB':>8s} {'temp':>6s} {'alias':>6s} {'fwd H->D':>8s} "
+          f"{'fwd D->H':>8s} {'both':>6s} {'beside matmul':>14s}  copies across a matmul per loop body (in; out)")
     for variant, row in result["rows"].items():
         forward = row["forward"]
-        print(f"{variant:12s} {row['hbm'] / MiB:9.1f} {row['host'] / MiB:9.1f} {row['host_temp'] / MiB:9.1f} "
-              f"{forward['host_to_device_bytes'] / MiB:9.1f} {forward['device_to_host_bytes'] / MiB:9.1f} "
-              f"{row['overlapped_forward'] / MiB:9.1f}  "
+        beside, moved = row["beside_matmul_forward"]
+        print(f"{variant:14s} {row['hbm'] / MiB:8.1f} {row['host'] / MiB:8.1f} {row['host_temp'] / MiB:6.0f} "
+              f"{row['host_alias'] / MiB:6.0f} {forward['host_to_device_bytes'] / MiB:8.1f} "
+              f"{forward['device_to_host_bytes'] / MiB:8.1f} {row['overlapped_forward'] / MiB:6.0f} "
+              f"{beside / MiB:6.0f} of {moved / MiB:5.0f}  "
               + "; ".join(f"{spanning} of {total}" for spanning, total in row["copies_across_matmuls"].values()))
 
 

@@ -23,7 +23,8 @@ schedule does with the host link:
 (offload.update), --set train.grad_accum=8 the accumulating step.
 
 Run:  .venv/bin/python benchmarks/update_overlap.py [--recipe llama3_8b] [--gpu h200]
-      [--plan recompute_all] [--update after_backward|next_forward] [--set key=value ...] [--json]
+      [--plan recompute_all] [--update after_backward|next_forward] [--set key=value ...]
+      [--xla option=value ...] [--json]
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ from spillway.recipes.targets import DEFAULT_GPU
 GiB = 2**30
 
 
+def _xla_option(text: str) -> tuple[str, object]:
+    """"name=value" as a compile option: true/false as booleans, digits as an integer, else the text."""
+    name, _, value = text.partition("=")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value
+
+
 def measure(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="llama3_8b")
@@ -50,6 +59,9 @@ def measure(argv: list[str]) -> dict:
     parser.add_argument("--update", default="after_backward")
     parser.add_argument("--hlo-out", help="write the compiled step's HLO text here")
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
+                        help="an XLA compile option on top of the step's own (xla_settings.py), e.g. "
+                             "xla_gpu_experimental_parallel_async_compute_limit=2 to compile as before")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -72,8 +84,8 @@ def measure(argv: list[str]) -> dict:
     mesh = make_mesh(recipe.mesh, devices=topology.devices)
     started = time.perf_counter()
     s = abstract_setup(recipe, mesh, platform="cuda")
-    compiled = s.train_step.lower(*abstract_step_arguments(s)).compile(
-        compiler_options=compiler_options())
+    options = {**(compiler_options() or {}), **dict(_xla_option(text) for text in args.xla)}
+    compiled = s.train_step.lower(*abstract_step_arguments(s)).compile(compiler_options=options or None)
     seconds = time.perf_counter() - started
     text = compiled.as_text()
     if args.hlo_out:
@@ -87,7 +99,7 @@ def measure(argv: list[str]) -> dict:
     state = min(stats.host_argument_size_in_bytes, traffic.device_to_host_bytes, traffic.host_to_device_bytes)
     moved = traffic.device_to_host_bytes + traffic.host_to_device_bytes
     return {
-        "recipe": recipe.name, "plan": args.plan, "update": args.update, "target": target.display_name,
+        "recipe": recipe.name, "plan": args.plan, "xla": args.xla, "update": args.update, "target": target.display_name,
         "host_link": target.host_link, "link_bytes_per_s": link, "compile_s": seconds,
         "hbm_bytes": (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                       + stats.temp_size_in_bytes),
@@ -107,7 +119,8 @@ def measure(argv: list[str]) -> dict:
 
 def print_table(r: dict) -> None:
     print(f"{r['recipe']}, activations {r['plan']}, optimizer state on host, update {r['update']}; {r['target']} "
-          f"(deviceless compile, {r['compile_s']:.0f} s); {r['host_link']} "
+          f"(deviceless compile, {r['compile_s']:.0f} s{', ' + ' '.join(r['xla']) if r['xla'] else ''}); "
+          f"{r['host_link']} "
           f"{r['link_bytes_per_s'] / 1e9:.0f} GB/s per direction")
     print(f"  HBM {r['hbm_bytes'] / GiB:.2f} GiB, host state {r['host_state_bytes'] / GiB:.2f} GiB, "
           f"host temp {r['host_temp_bytes'] / GiB:.2f} GiB, host alias {r['host_alias_bytes'] / GiB:.2f} GiB")
