@@ -59,7 +59,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from spillway.recipes.plan.subprocess_runner import prepare_compile_process  # noqa: E402
+from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
 from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
@@ -262,7 +262,7 @@ def measure(args) -> dict:
     return {"rows": rows, "state_bytes": state_bytes, "jax": jax.__version__, "options": options}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=DEFAULT_GPU)
     parser.add_argument("--layers", type=int, default=16)
@@ -272,9 +272,17 @@ def main() -> None:
     parser.add_argument("--async-compute-limit", type=int, default=None,
                         help="xla_gpu_experimental_parallel_async_compute_limit instead of the step's "
                              "(recipes/train/xla_settings.py); XLA's default is 2")
-    args = parser.parse_args()
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON (a compile process)")
+    args = parser.parse_args(argv)
     if args.layers % 2:
         parser.error("--layers must be even (the parity variants split the layers into even and odd)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.json:
+        serve_compile_process(lambda argv: measure(parse_args(argv)))
     prepare_compile_process()
     result = measure(args)
     limit = result["options"]["xla_gpu_experimental_parallel_async_compute_limit"]

@@ -10,9 +10,9 @@ libraries, XLA's compiler), per process:
                                          memory (deviceless H200: host temp 0)
     step            the step's own host  donated, the new state is written over the old one
                     bytes                (host alias = host arguments); with the update in the
-                                         next forward pass S + 2 Gp: each layer's new state
+                                         next forward pass S + Gp: each layer's new state
                                          goes over its old row in place, the new pending
-                                         gradients beside the old (update_in_forward.py)
+                                         gradients over the old (both donated; step.py)
     save, in pieces W + S + Gp + P       every array written from where it lies, one zarr chunk of
                                          at most SAVE_PIECE_BYTES at a time (checkpoint_io.py): P =
                                          PIECES_STAGING_BYTES, the pieces in flight and tensorstore's

@@ -315,8 +315,8 @@ def pinned_host_bytes(recipe: Recipe, mesh) -> PinnedHostBytes:
     temporaries are the planner's to report (spillway plan's host column).
     With grad_accum > 1 the float32 running sum is read and a new one written
     in each micro-batch: two of them. With the update in the next forward pass
-    the new state is written over the old one (donated), and the new pending
-    gradients beside the old ones: one state, two of the gradients.
+    the new state is written over the old one and the new pending gradients
+    over the old ones (both donated): one state, one copy of the gradients.
     """
     return pinned_bytes_of_setup(abstract_setup(recipe, mesh, platform=jax.default_backend()))
 
@@ -338,9 +338,9 @@ def pinned_step_bytes(recipe: Recipe, *, state: int, weights: int, weights_f32: 
     `pinned_bytes_of_setup` feeds from a setup and recipes/train/host_memory.py `phases_of_recipe` from
     shapes alone."""
     if recipe.offload.update == NEXT_FORWARD:
-        # The step writes the new state over the old (donated; recipes/optim/update_in_forward.py) and
-        # the new pending gradients beside the old ones (not donated: make_setup says why).
-        return PinnedHostBytes(state, weights, 2 * pending)
+        # The step writes the new state over the old and the new pending gradients over the old ones
+        # (both donated; recipes/optim/update_in_forward.py, make_setup).
+        return PinnedHostBytes(state, weights, pending)
     if recipe.lora.enabled:
         gradients = 0   # the frozen base has none; the adapters' live in HBM
     elif recipe.train.grad_accum == 1:
@@ -427,21 +427,23 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
     if deferred:
         pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
         objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
-        # The params and the optimizer state are donated: the forward pass writes each layer's new state
-        # over its old row in the carried host buffers (update_in_forward._UpdateBeforeEachLayer;
-        # deviceless H200: the state's host bytes alias, host temp 0). The pending gradients are not:
-        # with a float32 master the stacked weights are not read, so JAX drops those inputs and pairs
-        # the donated gradient buffers, same shapes, with the new weights, which XLA then keeps in host
-        # memory and copies there (Llama 3.2 1B: the bf16 block weights twice in the step's host outputs
-        # and 1.8 GiB of host-to-host copies; docs/DESIGN.md section 6).
-        donated = (0, 1) if not placement.any_host_sharding(param_sh) else (1,)
+        # The params, the optimizer state and the pending gradients are donated: the forward pass writes
+        # each layer's new state over its old row in the carried host buffers
+        # (update_in_forward._UpdateBeforeEachLayer), and the new gradients go where the old ones were
+        # (deviceless H200, Llama 3.2 1B: host alias = the host arguments, host temp 0). keep_unused:
+        # with a float32 master the old stacked weights are not read, and JAX, dropping those inputs,
+        # paired the donated gradient buffers (same shapes) with the new weights, which XLA then kept
+        # in host memory and copied there (the bf16 block weights twice among the host outputs and
+        # 1.8 GiB of host-to-host copies; docs/DESIGN.md section 6). Kept, each donated input pairs
+        # with its own output.
+        donated = ((0, 1) if not placement.any_host_sharding(param_sh) else (1,)) + (2,)
         step = jax.jit(update_in_forward.make_train_step(objective, optimizer),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
-                       compiler_options=xla_options)
+                       keep_unused=True, compiler_options=xla_options)
         flush = jax.jit(update_in_forward.make_flush(optimizer), in_shardings=(param_sh, opt_sh, pending_sh),
                         out_shardings=(param_sh, opt_sh, pending_sh), donate_argnums=donated,
-                        compiler_options=xla_options)
+                        keep_unused=True, compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,
                           pending_sh, flush)
     if recipe.lora.enabled:   # the gradient of the adapters only; the base passes through

@@ -96,15 +96,15 @@ def test_the_update_written_in_place_in_the_next_forward_trains_as_the_state_on_
 
 
 def test_the_deferred_step_takes_the_state_over():
-    """Donated: the step's new state is the old one's memory (on a GPU target the compiled step aliases the
-    state's host bytes: tests/recipes/train/test_host_memory_aot.py); the pending gradients stay."""
+    """Donated: the step's new state and new pending gradients are the old ones' memory (on a GPU target the
+    compiled step aliases all its host bytes: tests/recipes/train/test_host_memory_aot.py)."""
     s = step_lib.setup(small_recipe(*ON_HOST, IN_FORWARD), MESHES["one_device"]())
     params, opt_state = s.params, s.optimizer.init(s.params)
     pending = s.nothing_pending(params)
     batch = Batch(tokens=jax.device_put(batches(s.recipe)[0], s.batch_sharding))
     s.train_step(params, opt_state, pending, batch)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves((opt_state.mu, opt_state.nu)))
-    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(pending.grads))
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(pending.grads))
 
 
 def test_a_step_with_nothing_pending_changes_nothing_but_makes_the_gradients():
@@ -125,8 +125,8 @@ def test_a_step_with_nothing_pending_changes_nothing_but_makes_the_gradients():
     assert {kind for path, kind in kinds.items() if "blocks" not in path} == {"device"}, kinds
 
 
-def test_pinned_host_bytes_count_the_state_once_and_the_pending_gradients_twice():
-    """The state is donated and written in place, the new pending gradients go beside the old ones
+def test_pinned_host_bytes_count_the_state_and_the_pending_gradients_once():
+    """The state and the pending gradients are donated and written in place
     (tests/recipes/train/test_host_memory_aot.py reads both from the compiled step)."""
     mesh = MESHES["one_device"]()
     after = step_lib.pinned_host_bytes(small_recipe(*ON_HOST), mesh)
@@ -135,7 +135,7 @@ def test_pinned_host_bytes_count_the_state_once_and_the_pending_gradients_twice(
     stacked = sum(leaf.size * leaf.dtype.itemsize for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
                   if "blocks" in jax.tree_util.keystr(path))
     assert deferred.optimizer_state == after.optimizer_state > 0
-    assert deferred.gradients == 2 * stacked and deferred.weights == after.weights == 0
+    assert deferred.gradients == stacked and deferred.weights == after.weights == 0
 
 
 @pytest.mark.parametrize("settings,message", [
