@@ -84,7 +84,8 @@ def base_plan(rows: list[PlanRow]) -> PlanRow | None:
     device = [row for row in rows if row.report and not row.fits and row.step_s is not None
               and row.candidate == Candidate.of(row.candidate.activations)]
     device = [row for row in device if not fitting or row.step_s < min(fitting)]
-    return min(device, key=lambda row: row.step_s) if device else None
+    # equal steps (save_all and save_dots often tie): the one with less HBM needs fewer layers' state moved
+    return min(device, key=lambda row: (row.step_s, row.report["hbm_bytes"])) if device else None
 
 
 def search(base: PlanRow, num_layers: int, compile_rows: Callable[[list[Candidate]], list[PlanRow]]

@@ -88,6 +88,8 @@ def test_the_base_plan_is_the_fastest_device_state_plan_that_does_not_fit_and_be
     assert split_search.base_plan([fast, slow, host]) is fast
     fitting_fast = row(Candidate.of("offload_dots"), 70.0, 0.9, 80.0)
     assert split_search.base_plan([fast, slow, host, fitting_fast]) is None
+    as_fast_less_hbm = row(Candidate.of("recompute_all"), 85.0, 1.0, 80.0)
+    assert split_search.base_plan([fast, as_fast_less_hbm, host]) is as_fast_less_hbm
 
 
 HBM_LIMIT, HOST_RAM = 126.9, 1397.0   # one H200 at 0.9, and 1,500 GB of host RAM (GiB)
