@@ -1,0 +1,112 @@
+"""A resume and a fine-tune restore into targets (recipes/train/run_state.py, step.setup(initialise=False)): no
+weights initialised first, split weights (offload.params=host:N) read straight into their parts under any
+split or none; in fresh processes, the host peak of a resume holds the weights once (a bound that building the
+weights first, then restoring, fails)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from spillway.recipes.optim import param_placement as placement
+from spillway.recipes.train import lora_state
+from spillway.recipes.train import step as step_lib
+from spillway.recipes.train.checkpoint import RunCheckpointer
+from spillway.recipes.train.run_state import StepPrograms, initial_state, weights_from_elsewhere
+from tests.recipes.train.host_training import small_recipe
+from tests.recipes.train.test_params_split import split_settings, weight_parts
+from tests.recipes.train.test_state_split import assert_trees_equal, one_device
+
+
+class _Feed:
+    """The loop's BatchFeed as initial_state uses it: put back to a loader position, one batch peeked."""
+
+    def restore(self, state):
+        self.position = state
+
+    def peek(self):
+        return None
+
+
+def _sound_weights(params, batch):
+    return types.SimpleNamespace(problem=lambda: None)
+
+
+PROGRAMS = StepPrograms(train_step=None, flush=None, eval_loss=None, check_weights=_sound_weights)
+
+
+def as_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def filled(structs):
+    """Arrays for ShapeDtypeStructs, each a distinct run of numbers, placed in the struct's sharding."""
+    leaves, treedef = jax.tree.flatten(structs)
+    return treedef.unflatten([jax.device_put(np.arange(leaf.size, dtype=leaf.dtype).reshape(leaf.shape) + k,
+                                             leaf.sharding) for k, leaf in enumerate(leaves)])
+
+
+@pytest.fixture(scope="module")
+def split_step(tmp_path_factory):
+    """A step saved as the loop saves it (in pieces), with the weights and the state split host:1; the
+    weights and state it holds, in NumPy (the split weights joined)."""
+    recipe = small_recipe(*split_settings(1))
+    s = step_lib.setup(recipe, one_device(), initialise=False)
+    # numbers of the right shapes in the right places, made without compiling the model's init
+    params, opt_state = filled(s.params), filled(s.optimizer.abstract_state(s.params, s.param_shardings))
+    s = step_lib.TrainSetup(**{**vars(s), "params": params})
+    directory = tmp_path_factory.mktemp("split-step") / "checkpoints"
+    with RunCheckpointer(directory, keep=2, every_steps=1, save_in_pieces=True) as ckpt:
+        ckpt.save(2, params=lora_state.checkpointed(recipe, s.params), opt_state=opt_state,
+                  loader_state={"position": 2}, meta={"step": 2}, recipe_json=json.dumps(recipe.to_dict()),
+                  force=True)
+    return directory, as_numpy(placement.saved_params(params)), as_numpy(s.optimizer.saved_form(opt_state))
+
+
+@pytest.fixture
+def no_weights_built(monkeypatch):
+    """Building (initialising) the model's weights is refused: the run under test must only restore them."""
+    def refused(*args, **kwargs):
+        raise AssertionError("the weights were initialised")
+    monkeypatch.setattr(step_lib, "build_model", refused)
+    monkeypatch.setattr(lora_state, "initial_adapters", refused)
+
+
+@pytest.mark.parametrize("settings,split", [(split_settings(2), 2), ((), None)], ids=["host:2", "device"])
+def test_a_resume_initialises_no_weights_and_reads_each_part_where_it_lives(split_step, no_weights_built,
+                                                                            tmp_path, settings, split):
+    """Saved with the weights split host:1, resumed under host:2 or with everything on device from a setup
+    whose params are ShapeDtypeStructs: the weights and state come back bit for bit, each part in its memory."""
+    directory, saved_params, saved_state = split_step
+    recipe = small_recipe(*settings)
+    assert weights_from_elsewhere(recipe, [2]) and not weights_from_elsewhere(recipe, [])
+    s = step_lib.setup(recipe, one_device(), initialise=False)
+    assert step_lib.is_abstract(s.params)
+    feed = _Feed()
+    with RunCheckpointer(directory, keep=2, every_steps=1) as ckpt:
+        state = initial_state(s, PROGRAMS, feed, ckpt, [2], run_dir=tmp_path, main=False, say=lambda line: None)
+    assert state.step == 2 and feed.position == {"position": 2}
+    assert weight_parts(state.params) == (({"device"}, {"pinned_host"}, {split}) if split else (set(), set(), set()))
+    assert_trees_equal(as_numpy(placement.saved_params(state.params)), saved_params)
+    assert_trees_equal(as_numpy(s.optimizer.saved_form(state.opt_state)), saved_state)
+
+
+def test_a_fine_tune_from_a_step_initialises_no_weights(split_step, no_weights_built, tmp_path):
+    """checkpoint.init_from a step saved with host:1, fine-tuned under host:2: the weights are read into
+    their parts (no initialised weights beside them), the optimizer state made fresh from them."""
+    directory, saved_params, _ = split_step
+    recipe = small_recipe(*split_settings(2), f"checkpoint.init_from={directory / '2'}")
+    assert weights_from_elsewhere(recipe, [])
+    s = step_lib.setup(recipe, one_device(), initialise=False)
+    state = initial_state(s, PROGRAMS, _Feed(), None, [], run_dir=tmp_path, main=False, say=lambda line: None)
+    assert state.step == 0 and weight_parts(state.params) == ({"device"}, {"pinned_host"}, {2})
+    assert_trees_equal(as_numpy(placement.saved_params(state.params)), saved_params)
+    assert int(state.opt_state.count) == 0
