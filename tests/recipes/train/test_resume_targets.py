@@ -177,3 +177,17 @@ def test_a_resume_holds_the_weights_once(tmp_path):
           f"built first +{built_rise / 2**20:.0f} MiB")
     assert rise <= restored + RESTORE_STAGING_BYTES, (rise - restored) / 2**20
     assert built_rise > restored + RESTORE_STAGING_BYTES, (built_rise - restored) / 2**20
+
+
+@pytest.mark.slow   # two compiles of the model's initialisation: 5 s on 2 loaded cores
+def test_a_fresh_lora_runs_adapters_are_the_whole_models_made_alone():
+    """A fresh LoRA run initialises its adapters alone (the base is loaded next, never initialised): the
+    same numbers, bit for bit, as the adapters of the whole model that setup() builds."""
+    from spillway.recipes.train.lora_step import adapters_of
+    from tests.recipes.test_lora import lora_recipe
+    recipe = lora_recipe()
+    whole = adapters_of(step_lib.setup(recipe, one_device()).params)
+    alone = lora_state.initial_adapters(recipe, step_lib.setup(recipe, one_device(), initialise=False).param_shardings)
+    leaves = jax.tree.leaves(whole)
+    assert leaves and any(np.abs(np.asarray(leaf)).sum() > 0 for leaf in leaves)   # A random, B zero
+    assert_trees_equal(as_numpy(alone), as_numpy(whole))
