@@ -26,9 +26,10 @@ Phases, in the order the train loop runs them (recipes/train/loop.py):
   flush      (next_forward) the pending update applied, as before a checkpoint
   save       an async checkpoint save of params and the state's saved form,
              waited for
-and in the restoring process: start-up, model, then
-  restore    what a resume does: the restore target, the restore, and the
-             state back in its streamed form (Optimizer.from_saved_form)
+and in the restoring process: start-up, model (the setup with its targets only,
+step.setup(initialise=False): a resume initialises no weights), then
+  restore    what a resume does: every saved leaf read a piece at a time
+             straight into its target's parts (recipes/train/checkpoint_read.py)
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def _child(config: str, role: str, checkpoint_dir: str, extra: list[str]) -> dic
     recipe = _recipe(config, extra)
     mesh = make_mesh(MeshConfig(1, 1, 1))
     with meter.phase("model"):
-        s = setup(recipe, mesh)
-        params = jax.block_until_ready(s.params)
+        # a resume initialises no weights: it restores into the setup's targets (recipes/train/run_state.py)
+        s = setup(recipe, mesh, initialise=role != "restore")
+        params = s.params if role == "restore" else jax.block_until_ready(s.params)
     checkpointer = RunCheckpointer(checkpoint_dir, keep=2, every_steps=1000, async_save=True)
     if role == "restore":
         with meter.phase("restore"):

@@ -16,7 +16,9 @@ A split (`offload.params=host:N` or `experts:N`, layers/residency.py) keeps thos
 layers on host and the first L - N in HBM: such a leaf's value is a `ResidentSplit` (recipes/optim/split_state.py)
 of a device array (layers [0, L - N)) and a host array (the rest). The block stack cuts its scans at that
 layer (layers/stack.py), so only the host layers are streamed; the optimizer updates each part where its
-state is. Checkpoints hold the joined leaf (`saved_params`), so a run restores under any split.
+state is. Checkpoints hold the whole leaf, one stored array, written from the two parts a piece at a time
+(recipes/train/checkpoint_io.py), so a run restores under any split; `saved_params` is that leaf joined in
+memory (orbax's whole save, comparisons).
 
 With gradient accumulation, host gradients are summed inside the backward
 pass a layer at a time (recipes/train/step.py, layers/host_weights.py), so HBM
@@ -128,8 +130,8 @@ def whole_shardings(shardings):
 def saved_params(params):
     """The params with every split leaf joined into one host array (recipes/optim/split_state.join_split):
     what a checkpoint holds, so that it restores under any split (of ShapeDtypeStructs: `saved_structs`).
-    Unsplit params are returned as they are. Joining is a host copy of the split leaves (not written in
-    pieces as the optimizer state's parts are: recipes/train/checkpoint_io.py)."""
+    Unsplit params are returned as they are. Joining is a host copy of the split leaves: a save in pieces
+    writes the parts without it (recipes/train/checkpoint_io.py); orbax's whole save joins them."""
     from spillway.recipes.optim.split_state import join_split
     if not any_split(params):
         return params
@@ -140,13 +142,16 @@ def saved_params(params):
 
 def params_from_saved(saved, placed):
     """Inverse of `saved_params`: whole (restored) params cut, where `placed` (the run's params, or their
-    ShapeDtypeStructs) has a split leaf, into its device rows and host rows by the host CPU."""
+    ShapeDtypeStructs) has a split leaf, into its device rows and host rows by the host CPU. A leaf of
+    `saved` already split (restored straight into the parts) is kept as it is."""
     from spillway.recipes.optim.split_state import split_saved
     if not any_split(placed):
         return saved
 
     def one(x, p):
-        return split_saved(x, x.shape[0] - p.device.shape[0], halved=False) if _is_split(p) else x
+        if _is_split(x) or not _is_split(p):
+            return x
+        return split_saved(x, x.shape[0] - p.device.shape[0], halved=False)
     return jax.tree.map(one, saved, placed, is_leaf=_is_split)
 
 

@@ -14,7 +14,7 @@ from etils import epath
 
 from spillway.recipes.train.checkpoint_dirs import _STEP_NAMES, _absolute, _finalised_steps, resolve_step_dir
 from spillway.recipes.train.checkpoint_io import PieceWiseRestore
-from spillway.recipes.train.row_pieces import restore_target
+from spillway.recipes.train.row_pieces import from_pieces, restore_target
 from spillway.recipes.train.checkpoint_items import (META, PARAMS, RECIPE, RECIPE_FILENAME, CheckpointError,
                                                      CheckpointMismatchError, CorruptCheckpointError, _cause,
                                                      _item_handlers)
@@ -136,7 +136,8 @@ def restore_params_only(path: str | os.PathLike, abstract_params) -> tuple[Any, 
 
     `path` is a run directory, its checkpoints directory (the newest step is used) or one step
     folder. The optimizer state is not read. Arrays land in the shardings of `abstract_params`,
-    on any mesh.
+    on any mesh, and in its form: a ResidentSplit target (split weights) comes back as one, each part's
+    rows read straight into it.
     """
     step_dir = resolve_step_dir(path)
     try:
@@ -144,7 +145,7 @@ def restore_params_only(path: str | os.PathLike, abstract_params) -> tuple[Any, 
                                   {META: ocp.args.JsonRestore()})
     except CorruptCheckpointError as e:
         raise _with_older_steps_hint(e, _absolute(path), step_dir) from e
-    return items[PARAMS], items[META]
+    return from_pieces(abstract_params, items[PARAMS]), items[META]
 
 
 def read_recipe_json(path: str | os.PathLike) -> str:

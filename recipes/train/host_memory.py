@@ -19,7 +19,8 @@ libraries, XLA's compiler), per process:
                                          encoded copies of them; no join of the halves (the run picks
                                          this when the whole save below does not fit)
     save, whole     W + S + Gp + H       orbax's own path (async, overlapping the next steps): the
-                    + staging            halved state joined (H), and orbax's copies: on a GPU, orbax
+                    + staging            halved and split state and the split weights joined (H), and
+                                         orbax's copies: on a GPU, orbax
                                          0.12.8 stages every device array in pinned host memory and
                                          then copies every array into NumPy before writing
                                          (serialization/replica_slices.transfer_arrays_to_host),
@@ -27,15 +28,18 @@ libraries, XLA's compiler), per process:
                                          NumPy reads the buffers in place, but tensorstore's atomic
                                          OCDBT transaction holds every encoded array until it commits
                                          (measured: 1.9 GB for 2 GB saved), the bytes saved
-    restore         2W + S + Gp + P      every array read a piece at a time straight into its target
-                                         placement and parts (the halves; checkpoint_read.py): P =
-                                         PIECES_STAGING_BYTES, the pieces in flight, as for the save;
-                                         the state is not initialised first (run_state.py), the
-                                         model's own weights are (2W). A step whose stored chunks are
+    restore         W + S + Gp + P       every array read a piece at a time straight into its target
+                                         placement and parts (the halves, a split's device and host
+                                         rows; checkpoint_read.py): P = PIECES_STAGING_BYTES, the pieces
+                                         in flight, as for the save; neither the state nor the weights
+                                         are initialised first (run_state.py, step.setup's
+                                         initialise=False: the targets are ShapeDtypeStructs), so the
+                                         weights are held once. A step whose stored chunks are
                                          larger (orbax's whole save before chunks of a piece: up to
                                          2 GiB) reads a chunk at a time
 
-with S the optimizer state in host memory, H its part kept as LayerHalves,
+with S the optimizer state in host memory, H what the whole save joins into new host arrays (the state kept
+as LayerHalves, a split leaf of the state or of the weights whole: offload.*=host:N),
 W the block weights in host memory, Gp the pending gradients
 (offload.update=next_forward). F is assumed (ASSUMED_GPU_FOOTPRINT_BYTES), not
 measured on a GPU yet: benchmarks/gpu_suite.py records the resident peak.
@@ -91,7 +95,7 @@ class HostPhases:
 
     footprint: int
     state: int            # S: optimizer state in host memory
-    halved: int           # H: the part of S kept as LayerHalves (joined at a save)
+    halved: int           # H: what orbax's whole save joins first (LayerHalves, split state and weights)
     weights: int          # W: block weights in host memory
     pending: int          # Gp: pending gradients in host memory (offload.update=next_forward)
     step_host: int        # what the step holds in host memory (the compiled step's, or the argument count)
@@ -120,7 +124,7 @@ class HostPhases:
             "state creation": self.footprint + live,
             "step": self.footprint + self.step_host,
             "checkpoint save": self.footprint + live + self.save_staging,
-            "restore": self.footprint + live + self.weights + min(saved, RESTORE_STAGING_BYTES),  # pieces
+            "restore": self.footprint + live + min(saved, RESTORE_STAGING_BYTES),  # into targets, in pieces
         }
 
     def pinned_by_phase(self) -> dict[str, int]:
@@ -129,7 +133,7 @@ class HostPhases:
         return {"start-up": 0, "state creation": live, "step": self.step_host,
                 "checkpoint save": live + (0 if self.save_in_pieces else
                                            self.halved + (self.saved_device if self.gpu else 0)),
-                "restore": live + self.weights}
+                "restore": live}
 
     def peak(self) -> tuple[str, int]:
         """(phase, bytes) of the highest phase."""
@@ -153,9 +157,9 @@ class HostPhases:
                  "checkpoint save": f"process {gib(self.footprint)}, state {gib(self.state)}, weights "
                                     f"{gib(self.weights)}, pending gradients {gib(self.pending)}, "
                                     + (f"the pieces being written {gib(self.save_staging)}" if self.save_in_pieces
-                                       else f"the state's halves joined and orbax's host copies "
+                                       else f"the state's halves and split leaves joined and orbax's host copies "
                                             f"{gib(self.save_staging)} (a whole save)"),
-                 "restore": f"process {gib(self.footprint)}, state {gib(self.state)}, weights 2 x "
+                 "restore": f"process {gib(self.footprint)}, state {gib(self.state)}, weights "
                             f"{gib(self.weights)}, the pieces being read "
                             f"{gib(min(self.saved_device + self.saved_host, RESTORE_STAGING_BYTES))}"}
         return parts[phase]
@@ -195,7 +199,8 @@ def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, 
     opt = s.optimizer
     abstract_state = opt.abstract_state(s.params, s.param_shardings)
     state = _bytes_by_kind(abstract_state, per_device).get(PINNED_HOST, 0)
-    halved = _bytes_by_kind(opt.halved_part(abstract_state), per_device).get(PINNED_HOST, 0)
+    halved = (_bytes_by_kind(opt.halved_part(abstract_state), per_device).get(PINNED_HOST, 0)
+              + sum(_bytes_by_kind(_split_leaves(s.params), per_device).values()))   # joined whole at a whole save
     weights = _bytes_by_kind(s.params, per_device).get(PINNED_HOST, 0)
     pending = _bytes_by_kind(train_step._abstract_pending(s), per_device).get(PINNED_HOST, 0)   # None: 0
     if step_host is None:
@@ -207,6 +212,13 @@ def phases_of(s, *, step_host: int | None = None, footprint: int | None = None, 
                       step_host=step_host, saved_device=saved.get(Memory.DEVICE, 0),
                       saved_host=sum(n for kind, n in saved.items() if kind != Memory.DEVICE), gpu=gpu,
                       save_in_pieces=save_in_pieces)
+
+
+def _split_leaves(params) -> list:
+    """The split weights (offload.params=host:N) of a parameter tree, each a ResidentSplit of its two parts."""
+    from spillway.recipes.optim.split_state import ResidentSplit
+    split = lambda x: isinstance(x, ResidentSplit)  # noqa: E731
+    return [x for x in jax.tree.leaves(params, is_leaf=split) if split(x)]
 
 
 def _resident_bytes() -> int:
@@ -232,15 +244,14 @@ def check_host_peak(phases: HostPhases, host_ram_bytes: int, *, where: str = "th
 
 
 def restore_state(checkpointer, s, params, step: int | None = None):
-    """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/run_state.py): no state
-    made first, each saved leaf read a piece at a time straight into its parts (the halves); split weights
-    (offload.params=host:N) are saved whole and cut again."""
-    from spillway.recipes.optim import param_placement as placement
+    """(params, opt_state) of a checkpoint, restored as a resume does (recipes/train/run_state.py): nothing
+    made first (`params` may be ShapeDtypeStructs), each saved leaf read a piece at a time straight into its
+    parts (the state's halves, the split weights' device and host rows, offload.params=host:N)."""
     from spillway.recipes.train.step import abstract_with_shardings
     placed = abstract_with_shardings(params, s.param_shardings)
-    restored = checkpointer.restore(step, abstract_params=placement.saved_params(placed),
+    restored = checkpointer.restore(step, abstract_params=placed,
                                     abstract_opt_state=s.optimizer.abstract_state(params, s.param_shardings))
-    return placement.params_from_saved(restored["params"], placed), restored["opt_state"]
+    return restored["params"], restored["opt_state"]
 
 
 def leaves_memory_kinds(tree) -> set[str]:
@@ -287,8 +298,9 @@ def phases_of_recipe(recipe) -> HostPhases:
         streamed = layout.stacked and layout.state_memory == Memory.HOST and not recipe.optimizer.update_on_host
         host_weight = memory == Memory.HOST
         if layout.split:
-            # offload.optimizer_state=host:N: the last layers' state on host; a save joins the whole
-            # leaf into one host array (Optimizer.saved_form), the device part copied out.
+            # offload.optimizer_state=host:N: the last layers' state on host; orbax's whole save joins the
+            # leaf into one host array first (Optimizer.saved_form), the device part copied out (a save in
+            # pieces writes the parts as they lie).
             host_share = state_bytes * layout.host_layers // value.shape[0]
             state += host_share
             halved += state_bytes
@@ -299,10 +311,12 @@ def phases_of_recipe(recipe) -> HostPhases:
             pending += param_bytes if streamed and deferred else 0
         else:
             device_saved += state_bytes
-        # offload.params=host:N: the last N layers' weights on host; a save joins the leaf into one host array
+        # offload.params=host:N: the last N layers' weights on host; a save in pieces writes both parts as
+        # they lie, orbax's whole save joins the leaf into one host array first
         host_fraction = (host_layers(recipe.offload.params, value.shape[0]) / value.shape[0]
                          if host_weight and is_param_split(recipe.offload.params) else float(host_weight))
         host_weight_bytes = int(param_bytes * host_fraction)
+        halved += param_bytes if 0 < host_fraction < 1 else 0
         weights += host_weight_bytes
         weights_f32 += int(4 * size * host_fraction)
         device_saved += param_bytes - host_weight_bytes

@@ -162,15 +162,20 @@ def load_init_weights(recipe: Recipe, abstract_params, say=print):
     """The parameters `checkpoint.init_from` names, placed in the shardings `abstract_params` carry.
 
     abstract_params: the run's parameter state as ShapeDtypeStructs with shardings
-    (recipes/train/step.py abstract_with_shardings).
+    (recipes/train/step.py abstract_with_shardings), and the form the result comes in: split weights
+    (offload.params=host:N, ResidentSplits) are read straight into their parts from a spillway step, and
+    loaded whole from a Hugging Face checkpoint, then cut.
     """
+    from spillway.recipes.optim import param_placement as placement
     init_from = recipe.checkpoint.init_from
     directory = hf_checkpoint_dir(init_from)
     if directory is None:
         params, meta = restore_params_only(init_from, abstract_params)
         say(f"fine-tuning from {init_from} (weights of step {meta.get('step')}); fresh optimizer state and schedule")
         return params
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_params)
-    params = load_hf_weights(directory, get_family(recipe.family), recipe.model, abstract_params, shardings)
+    whole = placement.saved_structs(abstract_params)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, whole)
+    params = placement.params_from_saved(
+        load_hf_weights(directory, get_family(recipe.family), recipe.model, whole, shardings), abstract_params)
     say(f"fine-tuning from the Hugging Face checkpoint {directory}; fresh optimizer state and schedule")
     return params

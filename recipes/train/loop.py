@@ -48,7 +48,8 @@ from spillway.recipes.train.loop_parts import LossWatch, Profile, Progress, Savi
 from spillway.recipes.train.metrics import RunLogger
 from spillway.recipes.train.preemption import GroupStop, StopSignals
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
-from spillway.recipes.train.run_state import RunState, StepPrograms, initial_state, step_programs
+from spillway.recipes.train.run_state import (RunState, StepPrograms, initial_state, step_programs,
+                                              weights_from_elsewhere)
 from spillway.recipes.train.step import TrainSetup, abstract_setup, pinned_bytes_of_setup, setup
 
 
@@ -156,7 +157,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     recipe, candidates, own_tokenizer, kept_bos = _before_data(recipe, run_dir, checkpointer, say)
     mesh = _host_checks(recipe, checkpointer, host_ram_gb, say)
     tokenizer, data = _prepare_data(recipe, own_tokenizer, kept_bos, say)
-    s = _build_setup(recipe, mesh, say)
+    s = _build_setup(recipe, mesh, say, initialise=not weights_from_elsewhere(recipe, candidates))
     # Loss masks, example ids and positions of fine-tuning rows (or of text with data.document_mask).
     as_batch = functools.partial(batch_from_rows, document_mask=recipe.data.uses_document_mask,
                                  eos_id=tokenizer.eos_id)
@@ -238,9 +239,10 @@ def _host_checks(recipe: Recipe, checkpointer, host_ram_gb: float | None, say):
     return mesh
 
 
-def _build_setup(recipe: Recipe, mesh, say) -> TrainSetup:
-    """The model in its shards and the step, on `mesh` (checked by `_host_checks`)."""
-    s = setup(recipe, mesh)
+def _build_setup(recipe: Recipe, mesh, say, initialise: bool = True) -> TrainSetup:
+    """The model in its shards (or, `initialise=False`, its targets only) and the step, on `mesh` (checked by
+    `_host_checks`)."""
+    s = setup(recipe, mesh, initialise=initialise)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
     return s

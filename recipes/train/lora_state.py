@@ -40,16 +40,19 @@ from spillway.recipes.train.lora_step import adapters_of, join, split
 
 
 def checkpointed(recipe: Recipe, params):
-    """What a checkpoint holds of the parameters: a LoRA run's adapters, any other run's whole tree (split
-    weights, offload.params=host:N, joined: recipes/optim/param_placement.saved_params)."""
-    return adapters_of(params) if recipe.lora.enabled else placement.saved_params(params)
+    """What a checkpoint holds of the parameters: a LoRA run's adapters, any other run's whole tree. Split
+    weights (offload.params=host:N) stay ResidentSplits, never joined: the save writes their two parts into
+    one stored array a piece at a time, and a restore target of that form reads each part's rows straight
+    into it (recipes/train/row_pieces.py), so the step restores under any split, or none."""
+    return adapters_of(params) if recipe.lora.enabled else params
 
 
 def with_restored(recipe: Recipe, params, restored):
     """The whole tree after a restore of `checkpointed` parameters: `params`' base with the restored
-    adapters for a LoRA run; the restored tree itself for any other."""
+    adapters for a LoRA run; the restored tree itself for any other (restored in `params`' form; a whole
+    leaf where `params` holds a split, e.g. from a Hugging Face load, is cut as `params` are)."""
     if not recipe.lora.enabled:
-        return placement.params_from_saved(restored, params)   # split weights cut again, as `params` are
+        return placement.params_from_saved(restored, params)
     return join(restored, split(params)[1])
 
 
@@ -62,6 +65,18 @@ def pin_base(recipe: Recipe) -> Recipe:
     from spillway.recipes.train.checkpoint import resolve_step_dir
     step_dir = str(resolve_step_dir(init_from))
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(recipe.checkpoint, init_from=step_dir))
+
+
+def initial_adapters(recipe: Recipe, param_shardings):
+    """A fresh LoRA run's adapters, initialised as the whole model would initialise them, alone: the program
+    returns only the adapters, so XLA drops the base's initialisation and the base is never made before
+    `load_base` reads it (the weights are not held twice)."""
+    from flax import nnx
+
+    from spillway.recipes.train.step import model_maker
+
+    make = model_maker(recipe, recipe.train.seed, placement.whole_shardings(param_shardings))
+    return jax.jit(lambda: adapters_of(nnx.split(make())[1]), out_shardings=adapters_of(param_shardings))()
 
 
 def load_base(recipe: Recipe, params, param_shardings, say=print):

@@ -27,7 +27,7 @@ import jax
 
 from spillway.recipes.train.batch import Batch, BatchFeed
 from spillway.recipes.train.divergence import make_weights_check
-from spillway.recipes.train.step import TrainSetup, abstract_with_shardings, make_eval_step
+from spillway.recipes.train.step import TrainSetup, abstract_with_shardings, is_abstract, make_eval_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,25 +76,37 @@ class RunState:
             self.settled = True
 
 
+def weights_from_elsewhere(recipe, candidates: list[int]) -> bool:
+    """Whether a run's first weights are all read (a resume, a fine-tune, a LoRA run's base and adapters'
+    own initialisation): its setup then initialises none (step.setup(initialise=False))."""
+    return bool(candidates) or bool(recipe.checkpoint.init_from) or recipe.lora.enabled
+
+
 def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkpointer, candidates: list[int], *,
                   run_dir, main: bool, say) -> RunState:
     """The state the run starts from: restored from the first of `candidates` that is intact and whose
     weights are not diverged (the feed is put back to that step's position), or built: the setup's
-    weights, or the weights a fine-tune starts from (checkpoint.init_from). A LoRA run reads its frozen
-    base from checkpoint.init_from at every start, a resume too: its checkpoints hold only the adapters
-    (recipes/train/lora_state.py)."""
+    weights, or the weights a fine-tune starts from (checkpoint.init_from); `s.params` are only targets
+    (ShapeDtypeStructs) when the run restores or loads its weights (`weights_from_elsewhere`). A LoRA run
+    reads its frozen base from checkpoint.init_from at every start, a resume too: its checkpoints hold only
+    the adapters (recipes/train/lora_state.py)."""
     from spillway.recipes.train import lora_state
     from spillway.recipes.train.init_weights import load_init_weights
     from spillway.recipes.train.resume import record_history, restore_for_resume
 
     recipe = s.recipe
+    # A run whose weights come from elsewhere builds none (loop.py: setup(initialise=False)): its params are
+    # targets, which the load or the restore fills where each lives, never beside initialised weights.
     params = s.params
     if recipe.lora.enabled:
+        if not candidates and is_abstract(params):   # fresh adapters, made alone; the base is loaded next
+            params = lora_state.join(lora_state.initial_adapters(recipe, s.param_shardings),
+                                     lora_state.split(params)[1])
         # Checkpoints hold only the adapters: the frozen base is read from init_from at every start.
         params = lora_state.load_base(recipe, params, s.param_shardings, say)
     elif not candidates and recipe.checkpoint.init_from:
         # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
-        placed = abstract_with_shardings(params, s.param_shardings)   # split weights: loaded whole, then cut
+        placed = abstract_with_shardings(params, s.param_shardings)   # split weights: read into their parts
         params = lora_state.with_restored(recipe, placed, load_init_weights(recipe, lora_state.checkpointed(
             recipe, placed), say))
     if not candidates:
@@ -113,8 +125,9 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
         feed.restore(restored["loader_state"])
         return problem
 
-    # A resumed run's state comes from the checkpoint, never made first: that would be a second whole copy
-    # in (pinned host) memory while the restore writes the first (benchmarks/host_memory_phases.py).
+    # A resumed run's state and weights come from the checkpoint, never made first: that would be a second
+    # whole copy in (pinned host) memory while the restore writes the first (benchmarks/host_memory_phases.py,
+    # tests/recipes/train/test_resume_host_peak.py).
     resumed = restore_for_resume(
         checkpointer, recipe, candidates,
         abstract_params=lora_state.checkpointed(recipe, abstract_with_shardings(params, s.param_shardings)),

@@ -275,17 +275,25 @@ def model_maker(recipe: Recipe, seed: int, shardings=None):
     return make_in_host_memory
 
 
-def setup(recipe: Recipe, mesh=None) -> TrainSetup:
+def setup(recipe: Recipe, mesh=None, *, initialise: bool = True) -> TrainSetup:
     """Build the model in its shards and the jitted train step.
+
+    `initialise=False`: the same setup with `params` as ShapeDtypeStructs carrying their shardings (and
+    split leaves as ResidentSplits of them), nothing allocated: for a run whose weights come from elsewhere
+    (a resume, a fine-tune), which restores straight into those targets instead of initialising weights
+    that the restore would then hold beside the restored ones (recipes/train/run_state.py).
 
     The recipe's checks against the model (`check_attention_backend`, `check_aux_loss`) are its callers':
     the train loop and the planner run them once, before data is prepared (recipes/train/loop.py)."""
     mesh = mesh or make_mesh(recipe.mesh)
-    _, abstract_state = abstract_model(recipe)
+    graphdef, abstract_state = abstract_model(recipe)
     param_sh = placement.placed_shardings(abstract_state, state_shardings(abstract_state, mesh),
                                           recipe.offload.params)
-    graphdef, params = build_model(recipe, mesh, recipe.train.seed, param_sh)
-    _warn_if_replicated(abstract_state if placement.any_split(params) else params, mesh)
+    if initialise:
+        graphdef, params = build_model(recipe, mesh, recipe.train.seed, param_sh)
+    else:
+        params = placement.placed_structs(abstract_state, param_sh, recipe.offload.params)
+    _warn_if_replicated(abstract_state if placement.any_split(params) or not initialise else params, mesh)
     return _assemble(recipe, mesh, graphdef, params, param_sh, layout_source=abstract_state,
                      platform=jax.default_backend())
 
@@ -481,6 +489,11 @@ def _abstract_pending(s: TrainSetup):
     if not s.defers_update:
         return None
     return abstract_with_shardings(jax.eval_shape(update_in_forward.nothing_pending, s.params), s.pending_shardings)
+
+
+def is_abstract(params) -> bool:
+    """Whether `params` are ShapeDtypeStructs (setup(initialise=False), abstract_setup), not arrays."""
+    return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params))
 
 
 def abstract_with_shardings(tree, shardings):

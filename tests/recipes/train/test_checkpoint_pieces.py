@@ -1,5 +1,6 @@
 """Checkpoints written in pieces (recipes/train/checkpoint_io.py): orbax's format, a bounded host peak,
-exact resume for every host placement, steps in orbax's plain format, a kill or a full disk mid-save."""
+exact resume for every host placement, steps in orbax's plain format, a kill or a full disk mid-save; split
+weights (offload.params=host:N) written from their two parts, never joined, and read back under any split."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +18,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from spillway.layers.memory import PINNED_HOST
+from spillway.recipes.optim import split_state
 from spillway.recipes.optim.host_streaming import LayerHalves
+from spillway.recipes.optim.split_state import ResidentSplit
 from spillway.recipes.train import checkpoint as ckpt_lib
-from spillway.recipes.train import checkpoint_io
+from spillway.recipes.train import checkpoint_io, checkpoint_read
+from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.checkpoint import CheckpointError, RunCheckpointer
 from spillway.recipes.train.loop import train
 from tests.recipes.train.test_host_experts import block_path
@@ -110,25 +116,121 @@ def test_a_full_disk_mid_save_is_one_line_naming_the_last_good_step(tmp_path, mo
     ckpt.close()
 
 
+# -- split weights (offload.params=host:N): the parts written as one stored array, never joined -------------
+
+
+def split_weight(rows_on_device: int = 2):
+    """A stacked weight of 6 layers as a split run holds it: the first rows in device memory, the rest in pinned
+    host memory (CPU's memory kinds: the same RAM, the same code paths)."""
+    stacked = jnp.arange(6 * 16 * 24, dtype=jnp.float32).reshape(6, 16, 24)
+    host = stacked.sharding.with_memory_kind(PINNED_HOST)
+    return stacked, ResidentSplit(stacked[:rows_on_device], jax.device_put(stacked[rows_on_device:], host))
+
+
+def split_target(stacked, rows_on_device: int):
+    device = stacked.sharding
+    host = device.with_memory_kind(PINNED_HOST)
+    return ResidentSplit(jax.ShapeDtypeStruct((rows_on_device, *stacked.shape[1:]), stacked.dtype, sharding=device),
+                         jax.ShapeDtypeStruct((6 - rows_on_device, *stacked.shape[1:]), stacked.dtype, sharding=host))
+
+
+@pytest.fixture
+def no_join(monkeypatch):
+    """A save in pieces must never join a split leaf into a new whole array."""
+    def refused(split):
+        raise AssertionError("a split leaf was joined")
+    monkeypatch.setattr(split_state, "join_split", refused)
+
+
+def test_split_weights_are_written_from_their_parts_and_read_back_under_any_split(tmp_path, monkeypatch, no_join):
+    """The save in pieces writes a split weight's device rows and host rows into one stored array, 1 KiB at a
+    time, no join; orbax's own StandardCheckpointer reads it as the whole leaf; RunCheckpointer restores it
+    into another split (each part's rows read into it, in its memory), whole on the device, whole on host."""
+    monkeypatch.setattr(checkpoint_io, "PIECE_BYTES", 1024)
+    monkeypatch.setattr(checkpoint_read, "PIECE_BYTES", 1024)
+    stacked, split = split_weight(rows_on_device=2)
+    taken, take = [], checkpoint_io._piece
+    monkeypatch.setattr(checkpoint_io, "_piece", lambda shard, index: taken.append(take(shard, index)) or taken[-1])
+    count = jnp.int32(1)
+    with RunCheckpointer(tmp_path, keep=2, every_steps=1, save_in_pieces=True) as ckpt:
+        save(ckpt, 1, {"w": split}, {"count": count})
+        assert len(taken) > 6 and all(piece.nbytes <= 1024 for piece in taken)
+        np.testing.assert_array_equal(ocp.StandardCheckpointer().restore(tmp_path / "1" / "params")["w"], stacked)
+        host = stacked.sharding.with_memory_kind(PINNED_HOST)
+        for target in (split_target(stacked, 4), sds(stacked), jax.ShapeDtypeStruct(stacked.shape, stacked.dtype,
+                                                                                      sharding=host)):
+            w = ckpt.restore(1, abstract_params={"w": target}, abstract_opt_state={"count": sds(count)})["params"]["w"]
+            if isinstance(target, ResidentSplit):
+                assert isinstance(w, ResidentSplit) and (w.device.shape[0], w.host.shape[0]) == (4, 2)
+                assert (w.device.sharding.memory_kind, w.host.sharding.memory_kind) == ("device", PINNED_HOST)
+                w = np.concatenate([w.device, w.host])
+            else:
+                assert w.sharding.memory_kind == target.sharding.memory_kind
+            np.testing.assert_array_equal(w, stacked)
+
+
+def test_a_step_with_split_weights_saved_joined_restores_into_the_parts(tmp_path):
+    """The format before: the split weights joined into one array (param_placement.saved_params) and saved by
+    orbax's whole save; it restores into a split target's parts, in either save mode's checkpointer."""
+    from spillway.recipes.optim import param_placement as placement
+    stacked, split = split_weight(rows_on_device=2)
+    count = jnp.int32(1)
+    with RunCheckpointer(tmp_path, keep=2, every_steps=1, save_in_pieces=False) as ckpt:
+        save(ckpt, 1, placement.saved_params({"w": split}), {"count": count})
+    for in_pieces in (True, False):
+        with RunCheckpointer(tmp_path, keep=2, every_steps=1, save_in_pieces=in_pieces) as ckpt:
+            w = ckpt.restore(1, abstract_params={"w": split_target(stacked, 3)},
+                             abstract_opt_state={"count": sds(count)})["params"]["w"]
+        assert isinstance(w, ResidentSplit) and w.host.sharding.memory_kind == PINNED_HOST
+        np.testing.assert_array_equal(np.concatenate([w.device, w.host]), stacked)
+
+
+def test_a_full_disk_mid_save_of_split_weights_is_one_line_naming_the_last_good_step(tmp_path, monkeypatch,
+                                                                                    no_join):
+    _, split = split_weight()
+    ckpt = RunCheckpointer(tmp_path, keep=3, every_steps=1, save_in_pieces=True)
+    save(ckpt, 1, {"w": split}, {"count": jnp.int32(1)})
+    taken, take = [], checkpoint_io._piece
+
+    def full_at_the_host_rows(shard, index):
+        taken.append(index)
+        if shard.sharding.memory_kind == PINNED_HOST:
+            raise OSError(28, "No space left on device")
+        return take(shard, index)
+
+    monkeypatch.setattr(checkpoint_io, "_piece", full_at_the_host_rows)
+    with pytest.raises(CheckpointError, match=r"/2: the save in pieces failed .*\(step 1 is intact\).*No space "
+                                              r"left on device.*a rerun resumes from step 1") as excinfo:
+        save(ckpt, 2, {"w": split}, {"count": jnp.int32(2)})
+    assert "\n" not in str(excinfo.value) and taken   # the device rows were being written when the disk filled
+    assert ckpt.all_steps() == [1] and not list(tmp_path.glob("2*"))
+    ckpt.close()
+
+
 KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys
-    import jax.numpy as jnp
+    import jax, jax.numpy as jnp
     from spillway.recipes.optim.host_streaming import LayerHalves
+    from spillway.recipes.optim.split_state import ResidentSplit
     from spillway.recipes.train import checkpoint_io
     from spillway.recipes.train.checkpoint import RunCheckpointer
     ckpt = RunCheckpointer(sys.argv[1], keep=3, every_steps=1, save_in_pieces=True)
     state = lambda v: {"mu": LayerHalves(jnp.full((3, 64, 64), v), jnp.full((2, 64, 64), v))}
-    ckpt.save(1, params={"w": jnp.ones(4)}, opt_state=state(1.0), loader_state={}, meta={"step": 1},
+    host = jnp.ones(1).sharding.with_memory_kind("pinned_host")
+    # split weights (offload.params=host:3): their two parts written into one stored array
+    params = lambda v: {"w": jnp.ones(4), "split": ResidentSplit(jnp.full((2, 64, 64), v),
+                                                                 jax.device_put(jnp.full((3, 64, 64), v), host))}
+    ckpt.save(1, params=params(1.0), opt_state=state(1.0), loader_state={}, meta={"step": 1},
               recipe_json="{}", force=True)
     ckpt.wait()
     take, taken = checkpoint_io._piece, []
-    def kill_at_the_third(shard, index):
+    def kill_at_the_split_weights_host_rows(shard, index):   # pieces of other leaves may be written by then
         taken.append(index)
-        if len(taken) == 3:
+        if shard.sharding.memory_kind == "pinned_host":
             os.kill(os.getpid(), signal.SIGKILL)
         return take(shard, index)
-    checkpoint_io._piece = kill_at_the_third
-    ckpt.save(2, params={"w": jnp.ones(4)}, opt_state=state(2.0), loader_state={}, meta={"step": 2},
+    checkpoint_io._piece = kill_at_the_split_weights_host_rows
+    ckpt.save(2, params=params(2.0), opt_state=state(2.0), loader_state={}, meta={"step": 2},
               recipe_json="{}", force=True)
 """)
 
@@ -141,9 +243,15 @@ def test_a_save_killed_mid_way_leaves_the_previous_step_and_is_reclaimed(tmp_pat
     with RunCheckpointer(tmp_path, keep=3, every_steps=1, save_in_pieces=True) as ckpt:
         assert ckpt.all_steps() == [1]
         target = jax.ShapeDtypeStruct((5, 64, 64), jnp.float32, sharding=jnp.ones(1).sharding)
-        restored = ckpt.restore(abstract_params={"w": sds(jnp.ones(4))}, abstract_opt_state={"mu": target})
+        host = target.sharding.with_memory_kind(PINNED_HOST)
+        split = ResidentSplit(jax.ShapeDtypeStruct((4, 64, 64), jnp.float32, sharding=target.sharding),
+                              jax.ShapeDtypeStruct((1, 64, 64), jnp.float32, sharding=host))   # another split
+        restored = ckpt.restore(abstract_params={"w": sds(jnp.ones(4)), "split": split},
+                                abstract_opt_state={"mu": target})
     assert not list(tmp_path.glob("2.orbax-checkpoint-tmp*"))   # reclaimed (orbax does it in the background)
     np.testing.assert_array_equal(restored["opt_state"]["mu"], np.ones((5, 64, 64), np.float32))
+    weights = restored["params"]["split"]
+    np.testing.assert_array_equal(np.concatenate([weights.device, weights.host]), np.ones((5, 64, 64), np.float32))
 
 
 # -- the host peak of a save: measured in a fresh process -------------------------------------------------
@@ -199,6 +307,8 @@ PLACEMENTS = {
     "experts": ("offload.params=experts", "offload.optimizer_state=host", f"block={block_path('tiny', 'dropless')}",
                 "mesh.data=8", "mesh.fsdp=1"),
     "next_forward": ("offload.optimizer_state=host", "train.grad_accum=1", "offload.update=next_forward"),
+    # the last of the micro model's 2 layers: its weights and state written from their two parts
+    "split_weights": ("offload.params=host:1", "offload.optimizer_state=host:1"),
 }
 
 
@@ -210,7 +320,11 @@ def resumed_equals_straight(data_cache, tmp_path, settings):  # noqa: F811 (data
     stacked = [c for c in chunk_shapes(tmp_path / "resumed" / "checkpoints" / "4" / "opt_state").values()
                if len(c) >= 3]
     assert stacked and all(c[0] == 1 for c in stacked)   # written in pieces: a layer a chunk
-    second = train(micro(data_cache, tmp_path / "resumed", *settings), progress=False)
+
+    def initialised(*args, **kwargs):
+        raise AssertionError("the resumed run initialised its weights before restoring them")
+    with mock.patch.object(step_lib, "build_model", initialised):   # restored into targets only
+        second = train(micro(data_cache, tmp_path / "resumed", *settings), progress=False)
     assert (first.final_step, second.final_step) == (4, 6)
     assert {**losses(first), **losses(second)} == losses(straight)
     for a, b in zip(jax.tree.leaves(straight.model), jax.tree.leaves(second.model), strict=True):
@@ -223,6 +337,6 @@ def test_a_run_resumed_from_a_save_in_pieces_equals_the_straight_run(data_cache,
 
 
 @pytest.mark.slow   # three runs each: a minute or more on 2 cores
-@pytest.mark.parametrize("placement", ["weights", "experts", "next_forward"])
+@pytest.mark.parametrize("placement", ["weights", "experts", "next_forward", "split_weights"])
 def test_every_host_placement_resumes_exactly_from_a_save_in_pieces(data_cache, tmp_path, placement):  # noqa: F811
     resumed_equals_straight(data_cache, tmp_path, PLACEMENTS[placement])
