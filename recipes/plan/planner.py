@@ -91,7 +91,7 @@ def _split(staged: bool, rows: list[PlanRow], num_layers: int, limits: Plan, com
     if base is not None:
         split = split_search.search(base, num_layers, compile_more)
         if split.best is not None:
-            return split
+            return _faster_state_split(split, rows, num_layers, compile_more)
     for host_base in split_search.host_bound_bases(rows, limits.hbm_limit_bytes, limits.host_ram_bytes,
                                                    limits.devices):
         device_row = next((row for row in rows if row.candidate == Candidate.of(host_base.candidate.activations)),
@@ -101,6 +101,24 @@ def _split(staged: bool, rows: list[PlanRow], num_layers: int, limits: Plan, com
         if found.best is not None:
             return found
         split = split or found
+    return split
+
+
+def _faster_state_split(split: split_search.SplitSearch, rows: list[PlanRow], num_layers: int, compile_more
+                        ) -> split_search.SplitSearch:
+    """`split` (its pick found), or a state-only split of another activation plan whose step beats it: the
+    first search splits the fastest device-state plan only, and its pick may need the weights split too."""
+    def step_of(found):
+        return found.rows[found.best].step_s
+
+    fitting = [row.step_s for row in rows if row.fits and row.step_s is not None]
+    best_step = min(fitting + [step_of(split)])
+    for base in split_search.other_bases(rows, best_step, {split.activations}):
+        if base.step_s >= best_step:   # its compute alone is slower than what a search before found
+            continue
+        found = split_search.search_state(base, num_layers, compile_more)
+        if found.best is not None and step_of(found) < best_step:
+            split, best_step = found, step_of(found)
     return split
 
 

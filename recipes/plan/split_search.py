@@ -88,6 +88,26 @@ def base_plan(rows: list[PlanRow]) -> PlanRow | None:
     return min(device, key=lambda row: (row.step_s, row.report["hbm_bytes"])) if device else None
 
 
+def other_bases(rows: list[PlanRow], faster_than: float, searched: set[str]) -> list[PlanRow]:
+    """Device-state plans of other activations (not in `searched`) that do not fit but are faster than
+    `faster_than` (the best fitting step so far, a split's included), whose state all on host fits HBM: a
+    state split of theirs could beat the pick (8 micro-batches of the 8B: save_all's split of weights and state
+    against save_dots', whose state alone on host fits). Fastest first."""
+    fitting_hosts = {row.candidate.activations for row in rows if row.report and row.candidate ==
+                     Candidate.of(row.candidate.activations, Memory.HOST)
+                     and row.report.get("hbm_bytes") is not None and row.fits}
+    found = [row for row in rows if row.report and not row.fits and row.step_s is not None
+             and row.candidate == Candidate.of(row.candidate.activations) and row.step_s < faster_than
+             and row.candidate.activations in fitting_hosts and row.candidate.activations not in searched]
+    return sorted(found, key=lambda row: (row.step_s, row.report["hbm_bytes"]))
+
+
+def search_state(base: PlanRow, num_layers: int, compile_rows: Callable[[list[Candidate]], list[PlanRow]]
+                 ) -> SplitSearch:
+    """The state-only split of `base` (a device-state plan that does not fit): the fewest host layers that fit."""
+    return _bisect(base, num_layers, compile_rows, weights=False)
+
+
 def search(base: PlanRow, num_layers: int, compile_rows: Callable[[list[Candidate]], list[PlanRow]]
            ) -> SplitSearch:
     """Compile splits of the device-state plan `base` (host:0, which does not fit) and find the fewest host

@@ -147,3 +147,37 @@ def test_a_host_excess_larger_than_hbm_can_take_is_not_searched_and_a_host_that_
     assert found.best is None and found.rows[76].report["hbm_bytes"] <= HBM_LIMIT * GiB and not found.rows[76].fits
     text = "\n".join(split_search.describe(found))
     assert "no count of layers moved into HBM makes the host hold the rest" in text
+
+
+def test_another_activation_plan_whose_state_alone_on_host_fits_is_searched_when_it_could_beat_the_pick():
+    """The 8B at 8 micro-batches, in made-up numbers: save_all's pick needs its weights split (step 9.4),
+    save_dots' device step is 7.6 and its state alone on host fits HBM: its state split is searched and wins."""
+    from spillway.recipes.plan import planner
+
+    limit = 126.9
+    save_all_dev = row(Candidate.of("save_all"), 218.0, 7.5, limit)
+    save_dots_dev = row(Candidate.of("save_dots"), 150.0, 7.6, limit)
+    save_dots_host = row(Candidate.of("save_dots", "host"), 88.5, 9.6, limit)
+    slow_dev = row(Candidate.of("recompute_all"), 130.0, 9.5, limit)          # slower than the pick: not searched
+    slow_host = row(Candidate.of("recompute_all", "host"), 60.0, 11.0, limit)
+    first = split_search.SplitSearch("save_all", 32, {0: save_all_dev}, None, weights=True)
+    first.rows[25] = row(split_search.split_candidate("save_all", 25, True), 125.0, 9.4, limit)
+    first.best = 25
+    compiled = []
+
+    def compile_rows(candidates):
+        out = []
+        for c in candidates:
+            k = int(c.optimizer_state.split(":")[1])
+            compiled.append((c.activations, k))
+            out.append(row(c, 150.0 - 2.6 * k, 7.6 + 2.0 * k / 32, limit))   # 2.6 GiB and 63 ms a host layer
+        return out
+
+    rows = [save_all_dev, save_dots_dev, save_dots_host, slow_dev, slow_host]
+    assert split_search.other_bases(rows, 9.4, {"save_all"}) == [save_dots_dev]
+    found = planner._faster_state_split(first, rows, 32, compile_rows)
+    fewest = next(k for k in range(33) if 150.0 - 2.6 * k <= limit)            # 9 host layers
+    assert found.activations == "save_dots" and not found.weights and found.best == fewest
+    assert {a for a, _ in compiled} == {"save_dots"}
+    never_faster = planner._faster_state_split(first, [save_all_dev, slow_dev, slow_host], 32, compile_rows)
+    assert never_faster is first
