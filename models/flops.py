@@ -36,6 +36,10 @@ blocks). In the backward pass an MoE layer's recompute follows its own tags:
 EXPERT_HIDDEN (gate and up products), EXPERT_OUT (the down product: the combine
 weights' gradient reads it, unlike a dense MLP_OUT) and ROUTER_LOGITS.
 
+A LoRA step (a frozen base, trained adapters) is counted by models/lora_flops.py
+from these per-layer figures: no weight gradient of the base, the adapters'
+own products.
+
 Pure arithmetic on a DecoderSpec (models/decoder.py), the shape description
 every family gives: plain or gated MLP, grouped-query attention, sliding
 windows, counted layer by layer from each layer's own config
@@ -191,7 +195,7 @@ def model_flops_per_token(spec, seq_len: int) -> float:
     return 3.0 * forward_flops(spec, 1, seq_len) / seq_len
 
 
-def _kept(policy: OffloadPolicy, name: str) -> bool:
+def kept(policy: OffloadPolicy, name: str) -> bool:
     """Whether the policy keeps `name` for the backward pass (in HBM or in host memory)."""
     for tagged, placement in policy.placements:
         if tagged == name:
@@ -224,9 +228,9 @@ def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl
     if not policy.remat:
         return 0.0
     flops = 0.0
-    if not _kept(policy, names.QKV):
+    if not kept(policy, names.QKV):
         flops += layer.qkv
-    context_kept = _kept(policy, names.ATTN_CONTEXT)
+    context_kept = kept(policy, names.ATTN_CONTEXT)
     if attention_impl in ("flash", "cudnn"):
         # Flash-style kernels need their own forward's output and logsumexp (one tag).
         if not context_kept:
@@ -235,19 +239,24 @@ def recompute_per_layer(policy: OffloadPolicy, layer: LayerFlops, attention_impl
         flops += layer.attn_scores
         if not context_kept:
             flops += layer.attn_context
-    if not _kept(policy, names.ATTN_OUT):
+    if not kept(policy, names.ATTN_OUT):
         flops += layer.attn_out
     if layer.moe:
         # The shared experts' MLP (tagged MLP_HIDDEN) is counted with the experts, under the expert tags.
-        if not _kept(policy, names.EXPERT_HIDDEN):
+        if not kept(policy, names.EXPERT_HIDDEN):
             flops += layer.mlp_hidden
-        if not _kept(policy, names.EXPERT_OUT):
+        if not kept(policy, names.EXPERT_OUT):
             flops += layer.mlp_out
-        if not _kept(policy, names.ROUTER_LOGITS):
+        if not kept(policy, names.ROUTER_LOGITS):
             flops += layer.router
-    elif not _kept(policy, names.MLP_HIDDEN):
+    elif not kept(policy, names.MLP_HIDDEN):
         flops += layer.mlp_hidden
     return flops
+
+
+def attention_count(impl: str) -> str:
+    """How an attention implementation's pairs are counted (see `train_step_flops`)."""
+    return {"xla": "full", "flash": "flash"}.get(impl, "causal")
 
 
 def train_step_flops(spec, batch: int, seq_len: int, *, remat: str | OffloadPolicy | RematPlan,
@@ -262,8 +271,7 @@ def train_step_flops(spec, batch: int, seq_len: int, *, remat: str | OffloadPoli
     """
     impl = attention_impl or spec.block.execution.attention_impl
     plan = RematPlan.parse(remat)
-    layers = stack_flops(spec, batch, seq_len, attention={"xla": "full", "flash": "flash"}.get(impl, "causal"),
-                         moe_counted=moe_counted)
+    layers = stack_flops(spec, batch, seq_len, attention=attention_count(impl), moe_counted=moe_counted)
     head = head_flops(spec, batch, seq_len)
     forward = sum(layer.total for layer in layers) + head
     backward = 2.0 * forward

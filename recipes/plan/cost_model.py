@@ -45,6 +45,7 @@ from flax import nnx
 from spillway.layers.memory import Memory
 from spillway.layers.sharding import logical_to_spec, variable_axes
 from spillway.models import flops as flop_count
+from spillway.models import lora_flops
 from spillway.recipes.config import NEXT_FORWARD, Recipe
 from spillway.recipes.optim.layouts import keeps_master_copy
 from spillway.layers.residency import host_layers, is_param_split
@@ -142,12 +143,13 @@ class ParamTraffic:
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     """One parameter on one GPU: its shape, its shard's elements and bytes, where it lives, whether it has a
-    master copy."""
+    master copy, whether the step trains it (a LoRA run's frozen base is read, never given a gradient)."""
     shape: tuple[int, ...]
     elements: int
     nbytes: int
     on_host: bool
     master: bool
+    trained: bool = True
 
 
 def parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list[_Leaf]:
@@ -155,8 +157,10 @@ def parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list[
     _, state = abstract_model(recipe)
     variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     memories = jax.tree.leaves(param_memories(state, params))   # "host" | "device", in the same order
+    lora = recipe.lora.enabled   # only the adapters (nnx.LoRAParam) train: recipes/train/lora_step.py
     leaves = []
     for var, memory in zip(variables, memories, strict=True):
+        trained = not lora or isinstance(var, nnx.LoRAParam)
         value = var.get_value()
         spec = logical_to_spec(variable_axes(var), value.shape, mesh)
         ways = math.prod(math.prod(mesh[a] for a in ((axes,) if isinstance(axes, str) else axes))
@@ -167,12 +171,14 @@ def parameter_shards(recipe: Recipe, mesh: dict[str, int], params: str) -> list[
         on_host = host_layers(params, value.shape[0]) if split else 0
         if not 0 < on_host < (value.shape[0] if split else 1):
             leaves.append(_Leaf(tuple(value.shape), elements, elements * itemsize,
-                                on_host=memory == Memory.HOST and (on_host > 0 or not split), master=master))
+                                on_host=memory == Memory.HOST and (on_host > 0 or not split), master=master,
+                                trained=trained))
             continue
         # A split weight (offload.params=host:N) is two leaves here: its device rows and its host rows.
         for rows, host in ((value.shape[0] - on_host, False), (on_host, True)):
             part = elements * rows // value.shape[0]
-            leaves.append(_Leaf((rows, *value.shape[1:]), part, part * itemsize, on_host=host, master=master))
+            leaves.append(_Leaf((rows, *value.shape[1:]), part, part * itemsize, on_host=host, master=master,
+                                trained=trained))
     return leaves
 
 
@@ -187,19 +193,21 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
     def grad_bytes(leaf: _Leaf) -> int:   # micro-batch sums are float32
         return leaf.nbytes if accum == 1 else 4 * leaf.elements
 
+    # A frozen leaf (LoRA's base) is read in both passes and sends no gradient: nothing of it is updated.
     on_host = [leaf for leaf in leaves if leaf.on_host]
-    in_hbm = [leaf for leaf in leaves if not leaf.on_host]
+    trained_on_host = [leaf for leaf in on_host if leaf.trained]
+    in_hbm = [leaf for leaf in leaves if not leaf.on_host and leaf.trained]
     weights = sum(leaf.nbytes for leaf in on_host)
-    summed = accum > 1 and bool(on_host)
-    host_grads = sum(grad_bytes(leaf) for leaf in on_host)
+    summed = accum > 1 and bool(trained_on_host)
+    host_grads = sum(grad_bytes(leaf) for leaf in trained_on_host)
     # The zeroed sums: one buffer per distinct shape (recipes/train/step.py), a GPU's shard of it.
-    zeros = sum(4 * leaf.elements for leaf in {leaf.shape: leaf for leaf in on_host}.values()) if summed else 0
+    zeros = sum(4 * leaf.elements for leaf in {leaf.shape: leaf for leaf in trained_on_host}.values()) if summed else 0
     if host_cpu:
         update_out = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in in_hbm)
         update_in = sum(leaf.nbytes for leaf in in_hbm)
     else:
-        update_in = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in on_host)
-        update_out = weights
+        update_in = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in trained_on_host)
+        update_out = sum(leaf.nbytes for leaf in trained_on_host)
     return ParamTraffic(
         host_weights=weights, weights_in_forward=accum * weights, weights_in_backward=accum * weights,
         gradients_out=accum * host_grads, sums_in=accum * host_grads if summed else 0,
@@ -222,9 +230,7 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     grad_accum > 1 most of the running sums' two directions are.
     """
     impl = recipe.execution.attention_impl
-    # What the GPU multiplies: an MoE layer's capacity slots and padded blocks too (moe_counted="executed").
-    counted = flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len,
-                                          remat=candidate.activations, attention_impl=impl, moe_counted="executed")
+    counted = step_flops(recipe, candidate.activations)
     # Compute at the efficiency measured for the kernel the run uses (cuDNN plans compile as flash).
     rate = compute_model.effective_flops_per_s(compute_ways(mesh) * target.peak_bf16_flops, run_attention_impl or impl)
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
@@ -269,6 +275,17 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     else:
         row.update_s = link_seconds(update_out, update_in, by_pass.get("other", 0), link)
     return row
+
+
+def step_flops(recipe: Recipe, activations) -> flop_count.StepFlops:
+    """What one step multiplies: an MoE layer's capacity slots and padded blocks too (moe_counted="executed");
+    for a LoRA recipe the frozen base's input gradients and the adapters' products (models/lora_flops.py),
+    not a full fine-tune's weight gradients."""
+    args = (recipe.decoder_spec(), recipe.train.global_batch, recipe.data.seq_len)
+    kwargs = dict(remat=activations, attention_impl=recipe.execution.attention_impl, moe_counted="executed")
+    if recipe.lora.enabled:
+        return lora_flops.lora_step_flops(*args, recipe.lora_spec(), **kwargs)
+    return flop_count.train_step_flops(*args, **kwargs)
 
 
 def link_seconds(out: int, back: int, overlapped: int, link: float) -> float:
@@ -318,6 +335,12 @@ def beside_compute(compute_s: float, link_s: float, hidden: float) -> float:
 
 
 def params_per_gpu(recipe: Recipe, mesh: dict[str, int]) -> float:
-    """A GPU's share of the parameters, which the host CPU updates: the parameters are split over
-    fsdp x tensor; data-parallel replicas each update their own copy."""
-    return recipe.num_params() / (mesh["fsdp"] * mesh["tensor"])
+    """A GPU's share of the trained parameters, which the host CPU updates: the parameters are split over
+    fsdp x tensor; data-parallel replicas each update their own copy. A LoRA recipe trains its adapters only."""
+    if recipe.lora.enabled:
+        trained = sum(var.get_value().size for var in jax.tree.leaves(
+            abstract_model(recipe)[1], is_leaf=lambda x: isinstance(x, nnx.Variable))
+            if isinstance(var, nnx.LoRAParam))
+    else:
+        trained = recipe.num_params()
+    return trained / (mesh["fsdp"] * mesh["tensor"])

@@ -212,8 +212,9 @@ class Plan:
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
                "Transfer time: both directions added, at the host link's per-direction rate, less the bytes the "
                "compiled schedule moves while the other direction is busy too. Compute time: "
-               "models/flops.py's count at the fraction of the GPU's peak dense bf16 rate measured for the run's "
-               "attention kernel (recipes/plan/compute_model.py; the summary's compute_basis says which). Step time = "
+               "models/flops.py's count (a LoRA recipe: models/lora_flops.py's, the frozen base's input gradients "
+               "and the adapters' products, no weight gradient of the base) at the fraction of the GPU's peak dense "
+               "bf16 rate measured for the run's attention kernel (recipes/plan/compute_model.py; the summary's compute_basis says which). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "
@@ -223,7 +224,8 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
                "(params host) come in during the forward, again during the backward, with their gradients going "
                "out (with grad_accum > 1, the float32 running sums come in and go out instead, a layer at a "
                "time), once per micro-batch, added to that phase's transfers; the update moves only the state, "
-               "the gradients and the new weights.")
+               "the gradients and the new weights. A LoRA run's frozen base in host memory comes in during both "
+               "passes and sends nothing back: no gradients, no update.")
 
 
 def choose(result: Plan) -> PlanRow:
