@@ -107,6 +107,11 @@ def test_the_readme_chain_pretrain_then_fine_tune(tmp_path, capsys, monkeypatch)
     assert cli.main(["generate", "runs/tiny_sft", "--chat", "Write a function that adds a and b.",
                      "--temperature", "0", "--tokens", "30"]) == 0
     assert capsys.readouterr().out.strip()
+    # ... and back to Hugging Face, its chat template beside the weights (the README's next line).
+    assert cli.main(["export", "runs/tiny_sft", "out/tiny_sft"]) == 0
+    exported = tmp_path / "out" / "tiny_sft"
+    assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
+    assert json.loads((exported / "tokenizer_config.json").read_text())["chat_template"]
 
 
 def test_a_mixture_of_chat_sources_packs_each_whole_and_draws_rows_by_weight(tmp_path, tokenizer_dir):
