@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spillway.recipes.plan import host_peak, split_search
+from spillway.recipes.plan import host_peak, split_search, turn_search
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
 
@@ -91,6 +91,8 @@ def render(p: Plan) -> str:
             "   (the recipe's own offload settings)" if not p.pick_set_arguments() else ""))
     if p.split is not None:
         lines += split_search.describe(p.split)
+    if p.turn is not None:
+        lines += turn_search.describe(p.turn)
     if p.skipped:
         by_plan: dict[str, list[str]] = {}
         for entry in p.skipped:
