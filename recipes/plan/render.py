@@ -38,8 +38,9 @@ def _phases(row: PlanRow) -> str:
 def _settings_cells(candidate: Candidate) -> str:
     """The plan's recipe values under the table's plan, state, params, upd_on_host and update columns."""
     settings = candidate.settings()
+    params = settings["offload.params"] + (f" keep={candidate.params_keep}" if candidate.params_keep else "")
     return (f"{settings['offload.activations']:36s} {settings['offload.optimizer_state']:6s} "
-            f"{settings['offload.params']:7s} {settings['optimizer.update_on_host']:11s} "
+            f"{params:7s} {settings['optimizer.update_on_host']:11s} "
             f"{settings['offload.update']:14s}")
 
 
@@ -103,8 +104,8 @@ def render(p: Plan) -> str:
                      + "; ".join(f"{plan_spec} with {', '.join(placements)}"
                                  for plan_spec, placements in by_plan.items()))
     lines.append("  " + ASSUMPTIONS)
-    lines.append("  columns: plan = offload.activations, state = offload.optimizer_state, params = offload.params, "
-                 "upd_on_host = optimizer.update_on_host, update = offload.update; xfer GB: both directions "
+    lines.append("  columns: plan = offload.activations, state = offload.optimizer_state, params = offload.params "
+                 "(keep=K: offload.params_keep), upd_on_host = optimizer.update_on_host, update = offload.update; xfer GB: both directions "
                  "together; HBM/host GiB per GPU (2^30 bytes).")
     if p.search is not None:
         lines += ["", *render_search(p)]
