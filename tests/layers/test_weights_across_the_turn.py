@@ -82,6 +82,9 @@ def test_kept_layers_give_the_plain_streams_gradients_and_are_fetched_once(host_
     assert {where for where, _ in found} == {"outside", "cond"}
 
 
+# Two more gradient compiles (5 s on 2 loaded cores): `make test-slow`, beside the 20 steps at grad_accum 2
+# (tests/recipes/train/test_params_keep.py); the plain weights' gradients above in `make test`.
+@pytest.mark.slow
 def test_kept_layers_add_the_same_running_sums(host_stack):
     """Micro-batches (host_weights.AccumulatingWeight): the gradient is the new running sum, kept or not."""
     graphdef, state = host_stack
