@@ -13,6 +13,9 @@ of the model, once per placement:
     host_params_host_update   the same, the update run by the host CPU
     split_params    the last half of the layers' weights and state in pinned host memory, the first
                     half in HBM (offload.params=host:0.5, offload.optimizer_state=host:0.5)
+    host_params_keep, split_params_keep   host_params and split_params with the last 2 streamed layers'
+                    weights kept in HBM from the forward pass to the backward pass (offload.params_keep=2):
+                    2 layers' weights fewer into HBM per micro-batch, about 2 layers more HBM
     device_params_update_in_forward   weights in HBM, optimizer state on host, each layer's
                     update run in the next step's forward pass just before the layer
                     (offload.update=next_forward; grad_accum 1 only), the pending
@@ -60,6 +63,10 @@ PLACEMENTS = {
                                         "offload.update=next_forward"],
     # The last half of the layers' weights and state on host, the first half in HBM (offload.params=host:N).
     "split_params": ["offload.params=host:0.5", "offload.optimizer_state=host:0.5", "optimizer.update_on_host=false"],
+    # The weights across the turn: the last 2 streamed layers keep their fetched weights for the backward pass.
+    "host_params_keep": ["offload.params=host", "offload.params_keep=2", "optimizer.update_on_host=false"],
+    "split_params_keep": ["offload.params=host:0.5", "offload.optimizer_state=host:0.5", "offload.params_keep=2",
+                          "optimizer.update_on_host=false"],
     "host_experts": ["offload.params=experts", "optimizer.update_on_host=false"],
     "host_experts_host_update": ["offload.params=experts", "optimizer.update_on_host=true"],
 }
@@ -182,6 +189,9 @@ def main() -> None:
         print(f"{key:26s} HBM {r['hbm_bytes'] / MiB:8.1f} MiB (temp {r['temp_bytes'] / MiB:7.1f})  "
               f"host {r['host_bytes'] / MiB:8.1f} MiB  largest HBM array {big['nbytes'] / MiB:6.1f} MiB "
               f"{big['dims']} ({big['opcode']}); one layer of weights {row['layer_weight_bytes'] / MiB:.1f} MiB")
+        passes = row["traffic_by_pass"]
+        print(f"{'':26s} host->device MiB by pass: " + ", ".join(
+            f"{kind} {moved['host_to_device_bytes'] / MiB:.1f}" for kind, moved in passes.items()))
         init = row["init"]["report"]
         print(f"{'':26s} start-up (creating the weights): HBM {init['hbm_bytes'] / MiB:8.1f} MiB "
               f"(temp {init['temp_bytes'] / MiB:7.1f})  host {init['host_bytes'] / MiB:8.1f} MiB")

@@ -44,6 +44,18 @@ keep every layer's weights in HBM after all. It is tagged `DEVICE_WEIGHTS`
 and `never_save_device_weights` wraps any checkpoint policy so that this name
 is always recomputed (the copy is repeated in the backward pass, which is the
 point: the weights come in again). Blocks do not tag it; the stack does.
+
+The weights across the turn (`offload.params_keep=K`): the backward pass visits the last layers first, right
+after the forward pass used them, so the last K streamed layers' weights are brought into HBM once per
+pass pair instead of twice. Before the streamed scan, their rows come into HBM in one copy
+(`kept_copies`, outside the gradient); in the scan, a layer among them takes its weights from there and
+the others fetch theirs as before (`layer_to_device` with `kept`: a `lax.cond` on the layer index, inside
+a custom VJP whose backward rule sends the gradient to host exactly as the plain copy's transpose does, or
+updates the running sum). So the scan stays one scan over the host rows as they lie: cutting it in two
+would slice the host arrays, and XLA's host offloader turns a slice of host memory that is not copied
+straight to the device into host computation (a whole copy of the weights, and of their gradients, in
+host memory; measured on the deviceless H200 compile, docs/DESIGN.md section 6). The train objective
+puts the count in force while it is traced (`keeping_fetched_weights`).
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import jax
@@ -62,6 +75,9 @@ from spillway.layers.memory import EXPERTS, Memory
 
 # checkpoint_name of a layer's weights copied into HBM inside the scan: never saved.
 DEVICE_WEIGHTS = "layer_weights_on_device"
+
+# While a train objective is traced: how many of the stack's last layers keep their fetched weights (params_keep).
+_KEPT_LAYERS: contextvars.ContextVar[int] = contextvars.ContextVar("spillway_kept_layers", default=0)
 
 # While a model is built: the offload.params setting its stacked weights are created under, or None.
 _INITIAL_SETTING: contextvars.ContextVar[str | None] = contextvars.ContextVar("spillway_initial_params",
@@ -153,15 +169,95 @@ def _is_pair(x) -> bool:
     return isinstance(x, AccumulatingWeight)
 
 
-def layer_to_device(layer_state):
-    """One layer's weight slices: host-resident ones copied into HBM (tagged), the rest untouched."""
-    def one(x):
-        if _is_pair(x):
-            return checkpoint_name(_into_hbm_accumulating(x.weight, x.grad_sum), DEVICE_WEIGHTS)
-        if not in_host_memory(x):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeptRows:
+    """What a scan over streamed layers needs to keep its last layers' weights across the turn
+    (offload.params_keep): per leaf of the scanned state (flattened, a weight/sum pair as one), the whole host
+    rows (`whole`, read outside the gradient) and the HBM copy of the last ones (`kept`), None for device
+    leaves; `first`: the index of the first kept layer in the scan."""
+    whole: list
+    kept: list
+    first: int = dataclasses.field(metadata={"static": True})
+
+
+def kept_rows(stacked_state, count: int) -> KeptRows:
+    """The KeptRows of a scan over `stacked_state` whose last `count` layers keep their weights: those rows of
+    the host weights copied into HBM in one copy, before the scan, outside the gradient."""
+    def whole(x):
+        weight = x.weight if _is_pair(x) else x
+        return jax.lax.stop_gradient(weight) if in_host_memory(weight) else None
+    rows = [whole(x) for x in jax.tree.leaves(stacked_state, is_leaf=_is_pair)]
+    length = jax.tree.leaves(stacked_state)[0].shape[0]
+    kept = [None if w is None else jax.device_put(w[length - count:], jax.memory.Space.Device) for w in rows]
+    return KeptRows(rows, kept, length - count)
+
+
+def _fetched(whole, kept, layer, first):
+    """Layer `layer`'s weights in HBM: the kept copy's row when the layer is kept, else its row of the host
+    array copied in. The row is read inside the branch, so a kept layer's row never leaves host memory."""
+    return jax.lax.cond(layer >= first,
+                        lambda: jax.lax.dynamic_index_in_dim(kept, jnp.maximum(layer - first, 0), keepdims=False),
+                        lambda: jax.device_put(jax.lax.dynamic_index_in_dim(whole, layer, keepdims=False),
+                                               jax.memory.Space.Device))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _into_hbm_or_kept(weight, whole, kept, layer, first):
+    del weight   # the scanned row: only its gradient is made here (below), its value read from `whole`
+    return _fetched(whole, kept, layer, first)
+
+
+def _into_hbm_or_kept_fwd(weight, whole, kept, layer, first):
+    return _fetched(whole, kept, layer, first), None
+
+
+def _into_hbm_or_kept_bwd(first, _, grad):
+    # The plain copy's transpose: the layer's gradient goes to host memory, into the scan's stacked gradient.
+    return jax.device_put(grad, jax.memory.Space.Host), None, None, None
+
+
+_into_hbm_or_kept.defvjp(_into_hbm_or_kept_fwd, _into_hbm_or_kept_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _into_hbm_accumulating_or_kept(weight, grad_sum, whole, kept, layer, first):
+    del weight, grad_sum
+    return _fetched(whole, kept, layer, first)
+
+
+def _into_hbm_accumulating_or_kept_fwd(weight, grad_sum, whole, kept, layer, first):
+    return _fetched(whole, kept, layer, first), grad_sum
+
+
+def _into_hbm_accumulating_or_kept_bwd(first, grad_sum, grad):
+    return (*_into_hbm_accumulating_bwd(grad_sum, grad), None, None, None)
+
+
+_into_hbm_accumulating_or_kept.defvjp(_into_hbm_accumulating_or_kept_fwd, _into_hbm_accumulating_or_kept_bwd)
+
+
+def layer_to_device(layer_state, kept: KeptRows | None = None, layer=None):
+    """One layer's weight slices: host-resident ones copied into HBM (tagged), the rest untouched. With
+    `kept` (`kept_rows` of the scanned state) and `layer` (this layer's index in the scan), a kept layer takes
+    its weights from the HBM copy instead of copying them in (offload.params_keep)."""
+    leaves, tree = jax.tree.flatten(layer_state, is_leaf=_is_pair)
+
+    def one(x, index):
+        whole = None if kept is None else kept.whole[index]
+        if whole is not None and _is_pair(x):
+            fetched = _into_hbm_accumulating_or_kept(x.weight, x.grad_sum, whole, kept.kept[index], layer,
+                                                     kept.first)
+        elif whole is not None:
+            fetched = _into_hbm_or_kept(x, whole, kept.kept[index], layer, kept.first)
+        elif _is_pair(x):
+            fetched = _into_hbm_accumulating(x.weight, x.grad_sum)
+        elif in_host_memory(x):
+            fetched = jax.device_put(x, jax.memory.Space.Device)
+        else:
             return x
-        return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), DEVICE_WEIGHTS)
-    return jax.tree.map(one, layer_state, is_leaf=_is_pair)
+        return checkpoint_name(fetched, DEVICE_WEIGHTS)
+    return jax.tree.unflatten(tree, [one(x, index) for index, x in enumerate(leaves)])
 
 
 def host_zeros_f32_like(stacked: jax.Array) -> jax.Array:
@@ -221,10 +317,52 @@ def send_layer_to_host(layer_module, setting: str) -> None:
             var.set_value(jax.device_put(var.get_value(), jax.memory.Space.Host))
 
 
-def never_save_device_weights(policy):
-    """`policy` (a jax.checkpoint policy), except that DEVICE_WEIGHTS values are always recomputed."""
+def _reads_host_memory(avals) -> bool:
+    """Whether an equation reads an array in host memory (its inputs' avals): the layer's weights as they lie
+    there, before (or as) they are copied into HBM."""
+    return any(getattr(getattr(a, "memory_space", None), "name", None) == "Host" for a in avals)
+
+
+def kept_shapes(kept: KeptRows | None) -> frozenset:
+    """The shapes a kept layer's row is read through: the HBM copy's [K, ...] and its one-row slice [1, ...]
+    (`never_save_device_weights` recomputes what reads them)."""
+    if kept is None:
+        return frozenset()
+    rows = [k for k in kept.kept if k is not None]
+    return frozenset(tuple(k.shape) for k in rows) | frozenset((1, *k.shape[1:]) for k in rows)
+
+
+def never_save_device_weights(policy, kept: frozenset = frozenset()):
+    """`policy` (a jax.checkpoint policy), except that DEVICE_WEIGHTS values are always recomputed, and so is
+    anything read straight from host memory. A policy that saves every primitive's output (save_all) would
+    otherwise save the fetch's own output (a device_put, or the kept layers' conditional), the same array
+    under no name, and keep every streamed layer's weights in HBM until the backward pass (measured: the 8B
+    pick at save_all fetched no weights in its backward pass before this); or save a slice of the host rows
+    inside the conditional's branch, a host-memory residual that XLA's layout assignment then rejects
+    ("Expected instruction to have shape equal to ...", jaxlib 0.10.2, H200 target). And, where layers keep
+    their weights across the turn, anything read from the kept HBM copy (`kept`: its shapes, `kept_shapes`):
+    the conditional's partial evaluation would otherwise save the kept branch's row as a residual of every
+    layer (zeros where the other branch ran), a weight-sized buffer per layer (10.2 GiB for the 8B pick)."""
     def wrapped(prim, *args, **params):
         if prim.name == "name" and params.get("name") == DEVICE_WEIGHTS:
             return False
+        if _reads_host_memory(args) or any(tuple(getattr(a, "shape", ())) in kept for a in args):
+            return False
         return policy(prim, *args, **params)
     return wrapped
+
+
+@contextlib.contextmanager
+def keeping_fetched_weights(layers: int) -> Iterator[None]:
+    """Block stacks traced inside keep the fetched device weights of their last `layers` layers for the
+    backward pass (offload.params_keep); 0 keeps none."""
+    token = _KEPT_LAYERS.set(layers)
+    try:
+        yield
+    finally:
+        _KEPT_LAYERS.reset(token)
+
+
+def kept_layers() -> int:
+    """The count `keeping_fetched_weights` put in force (0 outside it)."""
+    return _KEPT_LAYERS.get()

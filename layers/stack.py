@@ -253,13 +253,16 @@ class BlockStack(nnx.Module):
         new_caches, aux_per_piece = [], []
         # Split weights (offload.params=host:N): one stack, cut where its weights go to host memory.
         split_at = host_weights.split_boundary(split[0][1]) if len(split) == 1 else None
+        # The weights across the turn (offload.params_keep=K): the last K layers' host weights come in once.
+        keep_at = self.num_layers - host_weights.kept_layers() if cache is None else self.num_layers
         for run, start, stop, policy in self.pieces(split_at):
             graphdef, state = split[run]
             offset = self.run_bounds[run][0]
             seg_cache = None if cache is None else jax.tree.map(lambda a: a[start:stop], cache)
             x_btd, (seg_cache, seg_aux) = self._scan(graphdef, host_weights.layer_rows(state, start - offset,
                                                                                        stop - offset),
-                                                     self._values(start, stop), x_btd, ctx, seg_cache, policy)
+                                                     self._values(start, stop), x_btd, ctx, seg_cache, policy,
+                                                     kept=max(0, stop - max(start, keep_at)))
             new_caches.append(seg_cache)
             aux_per_piece.append(seg_aux)
         # What the layers emitted (layers/aux_outputs.py), stacked over the layers, to the model's collector.
@@ -278,7 +281,7 @@ class BlockStack(nnx.Module):
             x_btd, hook_carry = carry
             layer_state, layer_values, layer_index = layer
             hook_carry, layer_state, outputs = hook.before_layer(hook_carry, layer_index, layer_state)
-            x_btd, (_, aux) = body(x_btd, (layer_state, None, layer_values))
+            x_btd, (_, aux) = body(x_btd, (layer_state, None, layer_values, None))
             return (x_btd, hook_carry), (outputs, aux)
 
         (x_btd, hook_carry), (outputs, aux) = jax.lax.scan(hooked, (x_btd, hook.start()),
@@ -288,15 +291,24 @@ class BlockStack(nnx.Module):
         return x_btd
 
     @staticmethod
-    def _scan(graphdef, seg_state, seg_values, x_btd, ctx, seg_cache, policy: OffloadPolicy):
-        body = BlockStack._layer_body(graphdef, seg_state, ctx, policy)
-        return jax.lax.scan(body, x_btd, (seg_state, seg_cache, seg_values))
+    def _scan(graphdef, seg_state, seg_values, x_btd, ctx, seg_cache, policy: OffloadPolicy, kept: int = 0):
+        """One scan over a piece's layers; its last `kept` layers' host weights brought into HBM once, before
+        it, for the forward and the backward pass (offload.params_keep; layers/host_weights.py)."""
+        kept_rows = None
+        if kept and host_weights.any_in_host_memory(seg_state):
+            kept_rows = host_weights.kept_rows(seg_state, kept)
+        body = BlockStack._layer_body(graphdef, seg_state, ctx, policy, kept_rows)
+        # Each layer's index in the scan, scanned beside its weights: whether it is a kept one.
+        layers = None if kept_rows is None else jnp.arange(jax.tree.leaves(seg_state)[0].shape[0])
+        return jax.lax.scan(body, x_btd, (seg_state, seg_cache, seg_values, layers))
 
     @staticmethod
-    def _layer_body(graphdef, seg_state, ctx, policy: OffloadPolicy):
+    def _layer_body(graphdef, seg_state, ctx, policy: OffloadPolicy, kept_rows=None):
         """One layer as a scan body (x, (layer state, layer cache, layer values)) -> (x, (layer cache, aux)),
         rematerialised as `policy` says; aux is the dict of what the layer emitted (layers/aux_outputs.py),
-        empty for blocks that emit nothing (their program is unchanged).
+        empty for blocks that emit nothing (their program is unchanged). `kept_rows`
+        (host_weights.KeptRows): the piece's last layers take their host weights from an HBM copy
+        made before the scan instead of copying them in (host_weights.layer_to_device).
 
         It returns the residual stream and the cache only, never the module
         state: a body that hands back the layer's weights makes the scan stack
@@ -307,9 +319,9 @@ class BlockStack(nnx.Module):
         def body(x_btd, layer):
             # The residual stream is pinned at the block boundary too, so a
             # subclass's own forward() keeps the batch layout between blocks.
-            layer_state, layer_cache, layer_values = layer
+            layer_state, layer_cache, layer_values, layer_index = layer
             # Host-resident weights (offload.params=host) come into HBM one layer per iteration.
-            layer_state = host_weights.layer_to_device(layer_state)
+            layer_state = host_weights.layer_to_device(layer_state, kept_rows, layer_index)
             layer_ctx = ctx if layer_values is None else ctx._replace(layer_values=layer_values)
             x_btd, layer_cache = nnx.merge(graphdef, layer_state)(constrain(x_btd, names.RESIDUAL_AXES), layer_ctx,
                                                                   layer_cache)
@@ -317,15 +329,16 @@ class BlockStack(nnx.Module):
 
         # Inside the checkpoint: the emitted values are ordinary outputs of the rematerialised body.
         body = aux_outputs.collected_in_body(body)
+        kept = host_weights.kept_shapes(kept_rows)
         if policy.remat:
             jax_policy = policy.to_jax()
             if weights_on_host:
-                jax_policy = host_weights.never_save_device_weights(jax_policy)
+                jax_policy = host_weights.never_save_device_weights(jax_policy, kept)
             # prevent_cse=False: inside scan, CSE cannot merge the recompute away.
             body = jax.checkpoint(body, policy=jax_policy, prevent_cse=False)
         elif weights_on_host:
             # "No remat" still must not keep every layer's device weights for the
             # backward pass: save everything but them (layers/host_weights.py).
             body = jax.checkpoint(body, policy=host_weights.never_save_device_weights(
-                jax.checkpoint_policies.everything_saveable), prevent_cse=False)
+                jax.checkpoint_policies.everything_saveable, kept), prevent_cse=False)
         return body

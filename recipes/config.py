@@ -104,6 +104,12 @@ class OffloadConfig:
     # only an MoE block's routed experts so, keeping attention, norms, router and shared experts in HBM.
     # Embedding, final norm and head stay on device.
     params: str = Memory.DEVICE.value
+    # With the weights streamed (offload.params host, experts or a split): how many of the last streamed block
+    # layers keep the device copy the forward pass fetched until the backward pass, which visits them first,
+    # instead of fetching it again (layers/host_weights.py, "the weights across the turn"): K layers' weights
+    # more in HBM from the forward pass to the backward pass, K layers' weights fewer over the host link per
+    # micro-batch. 0: every streamed layer is fetched again.
+    params_keep: int = 0
     # "after_backward" | "next_forward": when the streamed update of host optimizer state runs.
     # "next_forward" updates each block layer in the next step's forward pass, just before the layer
     # runs, so the state's copies move while the forward pass computes (same maths; a checkpoint,
@@ -125,6 +131,14 @@ class OffloadConfig:
         elif self.params not in PARAM_PLACEMENTS:
             raise ConfigError(f"offload.params must be one of {PARAM_PLACEMENTS} or a split host:N / host:F / "
                               f"experts:N / experts:F, got {self.params!r}")
+        if isinstance(self.params_keep, bool) or not isinstance(self.params_keep, int) or self.params_keep < 0:
+            raise ConfigError(f"offload.params_keep must be a whole number of block layers, zero or more (how many "
+                              f"of the last streamed layers keep their weights in HBM from the forward pass to the "
+                              f"backward pass), got {self.params_keep!r}")
+        if self.params_keep and self.params == Memory.DEVICE:
+            raise ConfigError(f"offload.params_keep={self.params_keep} keeps streamed block weights in HBM across "
+                              f"the turn, but offload.params=device streams none: set offload.params=host (or a "
+                              f"split host:N, experts), or offload.params_keep=0")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
         if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
@@ -336,6 +350,7 @@ class Recipe:
                          len(self.decoder_spec().stack_runs()))
         check_split_fits(self.offload.params, "offload.params", self.model.num_layers,
                          len(self.decoder_spec().stack_runs()))
+        self._check_params_keep()
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
@@ -357,6 +372,20 @@ class Recipe:
                               f"{layers} block layers' weights on host; the optimizer state must be split at the "
                               f"same layer (offload.optimizer_state=host:{host_layers(params, layers)}), got "
                               f"offload.optimizer_state={state}")
+
+    def _check_params_keep(self) -> None:
+        """offload.params_keep counts streamed layers: at most the host layers of offload.params, not for LoRA."""
+        keep, params = self.offload.params_keep, self.offload.params
+        if not keep:
+            return
+        if self.lora.enabled:
+            raise ConfigError(f"offload.params_keep={keep}: keeping streamed weights across the turn is not written "
+                              "for LoRA runs (their frozen base is streamed whole): use offload.params_keep=0")
+        streamed = host_layers(params, self.model.num_layers)
+        if keep > streamed:
+            raise ConfigError(f"offload.params_keep={keep}: offload.params={params} streams {streamed} of the "
+                              f"{self.model.num_layers} block layers; at most those {streamed} can keep their "
+                              f"weights across the turn (0 to {streamed})")
 
     def _check_lora(self) -> None:
         """LoRA needs a base to adapt and adapts only stacked block weights the update streams none of."""

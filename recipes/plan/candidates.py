@@ -31,8 +31,8 @@ from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, OffloadConfig,
 # never printed: the table names the recipe fields.
 HOST_COMPUTE = "host_compute"
 # The recipe fields a candidate sets, in the order `--set` lines and labels name them.
-SETTING_FIELDS = ("offload.activations", "offload.optimizer_state", "offload.params", "offload.update",
-                  "optimizer.update_on_host")
+SETTING_FIELDS = ("offload.activations", "offload.optimizer_state", "offload.params", "offload.params_keep",
+                  "offload.update", "optimizer.update_on_host")
 # The host CPU's update is tried with the activation plans that need the least HBM, where it can matter;
 # priced at the host's update rate (recipes/plan/host_update.py).
 HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
@@ -60,16 +60,17 @@ class Candidate:
 
     @classmethod
     def of(cls, activations: str, optimizer_state: str = Memory.DEVICE.value, params: str = Memory.DEVICE.value,
-           update: str = AFTER_BACKWARD, *, update_on_host: bool = False) -> Candidate:
+           update: str = AFTER_BACKWARD, *, update_on_host: bool = False, params_keep: int = 0) -> Candidate:
         # Plain strings, as a recipe's fields hold them (a Memory member compares equal but prints otherwise).
         return cls(OffloadConfig(activations=activations, optimizer_state=str(optimizer_state), params=str(params),
-                                 update=update), update_on_host)
+                                 params_keep=params_keep, update=update), update_on_host)
 
     # The offload fields, read through: candidate.activations is candidate.offload.activations.
     activations = _offload_field("activations")
     optimizer_state = _offload_field("optimizer_state")
     params = _offload_field("params")
     update = _offload_field("update")
+    params_keep = _offload_field("params_keep")
 
     @property
     def state_word(self) -> str:
@@ -79,7 +80,8 @@ class Candidate:
     def settings(self) -> dict[str, str]:
         """The recipe fields this plan sets and their values as `--set` writes them (SETTING_FIELDS)."""
         return {"offload.activations": self.activations, "offload.optimizer_state": self.optimizer_state,
-                "offload.params": self.params, "offload.update": self.update,
+                "offload.params": self.params, "offload.params_keep": str(self.params_keep),
+                "offload.update": self.update,
                 "optimizer.update_on_host": "true" if self.update_on_host else "false"}
 
     def set_arguments(self, recipe: Recipe) -> list[str]:
@@ -99,6 +101,8 @@ class Candidate:
             words.append("update_on_host=true")
         if self.params != Memory.DEVICE:
             words.append(f"params={self.params}")
+        if self.params_keep:
+            words.append(f"params_keep={self.params_keep}")
         if self.update == NEXT_FORWARD:
             words.append(f"update={self.update}")
         return " / ".join(words)
@@ -120,19 +124,21 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"activations": self.activations, "optimizer_state": self.optimizer_state, "params": self.params,
-                "update": self.update, "update_on_host": self.update_on_host}
+                "params_keep": self.params_keep, "update": self.update, "update_on_host": self.update_on_host}
 
     @classmethod
     def from_dict(cls, data: dict) -> Candidate:
         return cls.of(data["activations"], data["optimizer_state"], data.get("params", Memory.DEVICE.value),
-                      data.get("update", AFTER_BACKWARD), update_on_host=data.get("update_on_host", False))
+                      data.get("update", AFTER_BACKWARD), update_on_host=data.get("update_on_host", False),
+                      params_keep=data.get("params_keep", 0))
 
     @classmethod
     def of_recipe(cls, recipe: Recipe) -> Candidate:
         """The candidate a recipe's own settings stand for."""
         offload = recipe.offload
         return cls.of(offload.activations, offload.optimizer_state, offload.params, offload.update,
-                      update_on_host=recipe.optimizer.update_on_host and offload.optimizer_state == Memory.HOST)
+                      update_on_host=recipe.optimizer.update_on_host and offload.optimizer_state == Memory.HOST,
+                      params_keep=offload.params_keep)
 
     def applied_to(self, recipe: Recipe) -> Recipe:
         """The recipe with this plan's offload section and optimizer.update_on_host."""

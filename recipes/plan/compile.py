@@ -224,6 +224,8 @@ class CompileReport:
     # matmul (hlo.host_copies_beside_compute); empty in older reports.
     async_copy_bytes_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
     copies_beside_compute_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Of host_to_device_bytes, those inside a conditional's branch (hlo.HostTraffic); 0 in older reports.
+    conditional_host_to_device_bytes: int = 0
     hlo_text: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def host_transfer_seconds(self, link_bytes_per_s: float) -> float:
@@ -281,6 +283,7 @@ class CompileReport:
             transfer_bytes_by_pass=hlo.traffic_by_pass(hlo_text),
             async_copy_bytes_by_pass=beside.moved_by_pass,
             copies_beside_compute_by_pass=beside.beside_compute_by_pass,
+            conditional_host_to_device_bytes=traffic.conditional_host_to_device_bytes,
             hlo_text=hlo_text if keep_hlo_text else None,
         )
 

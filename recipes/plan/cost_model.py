@@ -86,6 +86,15 @@ class ParamTraffic:
                    zeroed sums go out once (F, one buffer per distinct
                    shape, which the first micro-batch reads), counted in the
                    update;
+        turn       offload.params_keep=K: the last K streamed layers' weights come
+                   in once per micro-batch, before the forward scan, and stay for the
+                   backward pass: the backward pass brings A x K x w fewer in (w: one
+                   streamed layer's weights), `kept_weights`, the bytes not moved. In the
+                   compiled program each streamed layer's copy is in the branch of a
+                   conditional that the K kept layers of the N streamed do not take, and
+                   hlo.py counts every branch: `plan_row` takes K/N of the compile's
+                   conditional bytes out of its count (`kept_fraction`; 2 x A x K x w
+                   when both passes fetch, tests/recipes/plan/test_params_keep_aot.py);
         update     streamed through HBM (optimizer state "host"): gradients in
                    (W, or the summed F), the weights of
                    leaves without an fp32 master copy in (the others are
@@ -126,6 +135,8 @@ class ParamTraffic:
     sums_in: int = 0               # grad_accum > 1: the running sums into each backward pass
     update_in: int = 0             # besides optimizer state; includes the sums outside the loop
     update_out: int = 0
+    kept_weights: int = 0          # offload.params_keep: bytes the backward pass does not bring in again
+    kept_fraction: float = 0.0     # K / N: of the streamed layers' fetches (conditional branches), those not run
 
     @property
     def forward_in(self) -> int:
@@ -208,10 +219,14 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
     else:
         update_in = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in trained_on_host)
         update_out = sum(leaf.nbytes for leaf in trained_on_host)
+    # The weights across the turn: K layers of the streamed weights (each host leaf's rows are its layers).
+    kept = accum * candidate.params_keep * sum(leaf.nbytes // leaf.shape[0] for leaf in on_host)
+    streamed = max((leaf.shape[0] for leaf in on_host), default=0)
     return ParamTraffic(
-        host_weights=weights, weights_in_forward=accum * weights, weights_in_backward=accum * weights,
+        host_weights=weights, weights_in_forward=accum * weights, weights_in_backward=accum * weights - kept,
         gradients_out=accum * host_grads, sums_in=accum * host_grads if summed else 0,
-        update_in=update_in, update_out=update_out + zeros)
+        update_in=update_in, update_out=update_out + zeros, kept_weights=kept,
+        kept_fraction=candidate.params_keep / streamed if streamed else 0.0)
 
 
 def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],
@@ -241,12 +256,17 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     if host_cpu and host_update_params_per_s is None:
         raise ValueError("host-compute plans need the host update rate (recipes/plan/host_update.py)")
     link = target.host_link_bytes_per_s
+    params = param_traffic(candidate, recipe, mesh)
+    if params.kept_fraction:
+        # The row reads what moves: the compile's static count (kept in host_to_device_bytes_counted) less the
+        # kept layers' fetches that never run; the table, the JSON and the turn search see that.
+        row.report = {**row.report, "host_to_device_bytes": host_to_device_moved(params, row.report),
+                      "host_to_device_bytes_counted": row.report["host_to_device_bytes"]}
     to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
     row.transfer_s = (to_host + from_host - row.report.get("overlapped_transfer_bytes", 0)) / link
     if candidate.update == NEXT_FORWARD:
         phases_by_pass(row, counted, rate, link)
         return row
-    params = param_traffic(candidate, recipe, mesh)
     # Host-resident optimizer state is the rest of the step's host *argument*;
     # the streamed update brings all of it in and writes it back. The host CPU
     # updates it where it is.
@@ -286,6 +306,12 @@ def step_flops(recipe: Recipe, activations) -> flop_count.StepFlops:
     if recipe.lora.enabled:
         return lora_flops.lora_step_flops(*args, recipe.lora_spec(), **kwargs)
     return flop_count.train_step_flops(*args, **kwargs)
+
+
+def host_to_device_moved(params: ParamTraffic, report: dict) -> int:
+    """The host->device bytes a compiled step moves: its static count, less the kept layers' fetches that it
+    holds in conditional branches never taken (offload.params_keep; `ParamTraffic` "turn")."""
+    return report["host_to_device_bytes"] - int(params.kept_fraction * report.get("conditional_host_to_device_bytes", 0))
 
 
 def link_seconds(out: int, back: int, overlapped: int, link: float) -> float:

@@ -16,7 +16,10 @@ and for each instruction that reads host memory and writes device memory (or the
 reverse) adds up the device-side bytes. It is an estimate meant for transfer-time
 arithmetic, not an exact count:
 
-* A conditional's branches are all counted (an upper bound).
+* A conditional's branches are all counted (an upper bound); `HostTraffic` also says how many of the
+  host->device bytes are inside a conditional's branch (`conditional_host_to_device_bytes`), so that a
+  caller who knows how often a branch is taken can take out the rest (the kept weights of
+  offload.params_keep: recipes/plan/cost_model.py).
 * A while loop without a known trip count is counted once and flagged.
 * Fused computations are not entered; the fusion's own operands and result are
   what cross the link.
@@ -236,6 +239,7 @@ class HostTraffic:
     async_transfers: int        # static count of async start instructions moving host data
     sync_transfers: int         # static count of synchronous ones
     unknown_trip_counts: int    # while loops counted once because XLA gave no trip count
+    conditional_host_to_device_bytes: int = 0   # of host_to_device_bytes: inside a conditional's branch
 
 
 def _transfer_bytes(instruction: Instruction, shapes: dict[str, Shape]) -> tuple[int, int]:
@@ -288,6 +292,7 @@ class HostTransfer:
     runs: int                   # executions per run of the program (product of enclosing trip counts)
     device_to_host_bytes: int   # per execution
     host_to_device_bytes: int
+    in_conditional: bool = False   # inside a conditional's branch (counted as if every branch ran)
 
 
 def host_transfers(hlo_text: str) -> tuple[list[HostTransfer], int]:
@@ -299,7 +304,7 @@ def host_transfers(hlo_text: str) -> tuple[list[HostTransfer], int]:
     if entry is None:
         return found, 0
 
-    def visit(computation: str, multiplier: int, depth: int) -> None:
+    def visit(computation: str, multiplier: int, depth: int, branch: bool = False) -> None:
         nonlocal unknown
         if depth > 64 or computation not in computations:
             return
@@ -315,14 +320,14 @@ def host_transfers(hlo_text: str) -> tuple[list[HostTransfer], int]:
                     else:
                         unknown += 1
                 for called in _called_computations(instruction):
-                    visit(called, inner, depth + 1)
+                    visit(called, inner, depth + 1, branch or instruction.opcode == "conditional")
                 continue
             if instruction.opcode in _NOT_TRANSFERS:
                 continue
             to_host, to_device = _transfer_bytes(instruction, shapes)
             if to_host or to_device:
                 found.append(HostTransfer(computation, instruction.name, instruction.opcode,
-                                          _op_name(instruction), multiplier, to_host, to_device))
+                                          _op_name(instruction), multiplier, to_host, to_device, branch))
 
     visit(entry, 1, 0)
     return found, unknown
@@ -336,7 +341,9 @@ def host_traffic(hlo_text: str) -> HostTraffic:
     return HostTraffic(device_to_host_bytes=sum(t.device_to_host_bytes * t.runs for t in transfers),
                        host_to_device_bytes=sum(t.host_to_device_bytes * t.runs for t in transfers),
                        async_transfers=asynchronous, sync_transfers=len(static) - asynchronous,
-                       unknown_trip_counts=unknown)
+                       unknown_trip_counts=unknown,
+                       conditional_host_to_device_bytes=sum(t.host_to_device_bytes * t.runs for t in transfers
+                                                            if t.in_conditional))
 
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"

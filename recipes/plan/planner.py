@@ -27,7 +27,7 @@ from spillway.layers.mesh import batch_ways
 from spillway.layers.offload import RematPlan
 from spillway.recipes.blocks import import_root
 from spillway.recipes.config import Recipe
-from spillway.recipes.plan import compile_cache, compute_model, host_update, pruning, split_search
+from spillway.recipes.plan import compile_cache, compute_model, host_update, pruning, split_search, turn_search
 from spillway.recipes.plan.candidates import Candidate, candidates, planned_recipe
 from spillway.recipes.plan.cost_model import params_per_gpu, plan_row
 from spillway.recipes.plan.mesh_rules import check_sharding, resolve_mesh
@@ -186,11 +186,22 @@ def _compile_request(recipe: Recipe, compiled_recipe: Recipe, target, devices: i
             "devices": devices, "compiler_options": options, "search": search_request}
 
 
+def _searches(current_rows, judged, compile_more, compiled_recipe: Recipe, mesh: dict, hbm_limit: float, *,
+              staged: bool, turn: bool):
+    """(the split search, the turn search), each None when not run: the per-layer split (`_split`), then the
+    pick's weights across the turn (recipes/plan/turn_search.py)."""
+    split = _split(staged, current_rows(), compiled_recipe.model.num_layers, judged([], None), compile_more)
+    kept = None
+    if turn:
+        kept = turn_search.search(judged(current_rows(), None).picked, compiled_recipe, mesh, hbm_limit, compile_more)
+    return split, kept
+
+
 def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: float = HBM_HEADROOM,
          host_ram_gb: float | None = None, hbm_budget_gib: float | None = None,
          host_update_rate: float | None = None, host_cores_per_gpu: float | None = None, search: str | None = None,
          plans: list[Candidate] | None = None, verify_full_codegen: int = 0,
-         workers: int | None = None, prune: bool = True, cache: bool = True,
+         workers: int | None = None, prune: bool = True, cache: bool = True, turn: bool | None = None,
          progress_write: Callable[[str], None] | None = write_to_stderr) -> Plan:
     """Compile the recipe's train step for every candidate on `devices` x `gpu`; rows and the pick.
 
@@ -208,7 +219,9 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     the same activation plan with less in host memory already fits, as it
     cannot be faster (recipes/plan/pruning.py; the skipped ones are listed in
     Plan.skipped), and one its bounds rule out (recipes/plan/scheduler.py); not with `plans` or `search`.
-    cache: answer earlier compiles from recipes/plan/compile_cache.py. progress_write: where the line per
+    cache: answer earlier compiles from recipes/plan/compile_cache.py. turn: when the pick streams block
+    weights, also compile it with some of them kept across the turn (recipes/plan/turn_search.py; default:
+    when compiling in stages). progress_write: where the line per
     finished compile goes (default stderr; None: nowhere). ValueError for bad inputs
     (unknown GPU, mesh not matching, toolchain missing), saying what to do.
     """
@@ -228,7 +241,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     hbm_limit = headroom * target.hbm_bytes if hbm_budget is None else min(headroom * target.hbm_bytes, hbm_budget)
     search_request = None if search is None else _search_request(
         compiled_recipe, search, mesh, hbm_limit, host_ram, devices)
-    todo = plans if plans is not None else candidates(compiled_recipe)
+    todo = list(plans) if plans is not None else candidates(compiled_recipe)
     for candidate in todo:   # a bad spec is an error here, before any compile
         RematPlan.parse(candidate.activations).resolve(compiled_recipe.model.num_layers)
     check_toolchain()
@@ -271,15 +284,15 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
         rows_of(compiles.results)
         return [rows_by_index[i] for i in indices]
 
-    split = _split(staged, [rows_by_index[i] for i in sorted(rows_by_index)], compiled_recipe.model.num_layers,
-                   judged([], None), compile_more)
-    if split is not None:
+    def current_rows() -> list[PlanRow]:
+        return [rows_by_index[i] for i in sorted(rows_by_index)]
+
+    split, kept = _searches(current_rows, judged, compile_more, compiled_recipe, mesh, hbm_limit, staged=staged,
+                            turn=(staged if turn is None else turn) and search_request is None)
+    if split is not None or (kept is not None and kept.rows):
         answer = compiles.merged_answer(answer)
-    order = sorted(rows_by_index)
-    rows = [rows_by_index[i] for i in order]
-    result = judged(rows, answer["mesh"])
-    result.skipped = skipped
-    result.split = split
+    result = judged(current_rows(), answer["mesh"])
+    result.skipped, result.split, result.turn = skipped, split, kept
     result.compute_basis = compute_model.efficiency(recipe.execution.attention_impl).describe(
         recipe.execution.attention_impl)
     _report_on(result, answer, compiles, todo, search_request, options, started)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spillway.recipes.plan import host_peak, split_search
+from spillway.recipes.plan import host_peak, split_search, turn_search
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
 
@@ -38,8 +38,9 @@ def _phases(row: PlanRow) -> str:
 def _settings_cells(candidate: Candidate) -> str:
     """The plan's recipe values under the table's plan, state, params, upd_on_host and update columns."""
     settings = candidate.settings()
+    params = settings["offload.params"] + (f" keep={candidate.params_keep}" if candidate.params_keep else "")
     return (f"{settings['offload.activations']:36s} {settings['offload.optimizer_state']:6s} "
-            f"{settings['offload.params']:7s} {settings['optimizer.update_on_host']:11s} "
+            f"{params:7s} {settings['optimizer.update_on_host']:11s} "
             f"{settings['offload.update']:14s}")
 
 
@@ -91,6 +92,8 @@ def render(p: Plan) -> str:
             "   (the recipe's own offload settings)" if not p.pick_set_arguments() else ""))
     if p.split is not None:
         lines += split_search.describe(p.split)
+    if p.turn is not None:
+        lines += turn_search.describe(p.turn)
     if p.skipped:
         by_plan: dict[str, list[str]] = {}
         for entry in p.skipped:
@@ -101,8 +104,8 @@ def render(p: Plan) -> str:
                      + "; ".join(f"{plan_spec} with {', '.join(placements)}"
                                  for plan_spec, placements in by_plan.items()))
     lines.append("  " + ASSUMPTIONS)
-    lines.append("  columns: plan = offload.activations, state = offload.optimizer_state, params = offload.params, "
-                 "upd_on_host = optimizer.update_on_host, update = offload.update; xfer GB: both directions "
+    lines.append("  columns: plan = offload.activations, state = offload.optimizer_state, params = offload.params "
+                 "(keep=K: offload.params_keep), upd_on_host = optimizer.update_on_host, update = offload.update; xfer GB: both directions "
                  "together; HBM/host GiB per GPU (2^30 bytes).")
     if p.search is not None:
         lines += ["", *render_search(p)]

@@ -122,6 +122,8 @@ class Plan:
     skipped: list[dict] = dataclasses.field(default_factory=list)
     # The per-layer split of the optimizer state the planner searched (recipes/plan/split_search.py), or None.
     split: object | None = None
+    # The pick's streamed weights kept across the turn, as compiled (recipes/plan/turn_search.py), or None.
+    turn: object | None = None
     # How the user named the recipe and the --set overrides it was planned with (spillway plan's arguments),
     # for the command that trains the pick; None: the recipe's registered name.
     recipe_ref: str | None = None
@@ -206,6 +208,7 @@ class Plan:
                                                      "train_command": self.train_command()},
                 "search": self.search, "timing": self.timing, "skipped": self.skipped,
                 "split": None if self.split is None else self.split.to_dict(),
+                "turn": None if self.turn is None else self.turn.to_dict(),
                 "full_codegen_check": self.full_codegen_check, "assumptions": ASSUMPTIONS}
 
 

@@ -66,8 +66,12 @@ def make_loss_fn(graphdef, loss_chunk: int = 0, mesh=None):
     return loss_fn
 
 
-def make_objective(graphdef, loss_chunk: int = 0, mesh=None, aux_loss: AuxLossConfig = AuxLossConfig()):
+def make_objective(graphdef, loss_chunk: int = 0, mesh=None, aux_loss: AuxLossConfig = AuxLossConfig(),
+                   params_keep: int = 0):
     """(params, Batch) -> (what the step differentiates, this batch's metrics).
+
+    `params_keep` (offload.params_keep): the last that many streamed block layers keep the weights the
+    forward pass fetched into HBM for the backward pass (layers/host_weights.keeping_fetched_weights).
 
     The loss of `make_loss_fn` with a collector open around the model
     (layers/aux_outputs.py): what the blocks emit becomes metrics, and router
@@ -81,7 +85,7 @@ def make_objective(graphdef, loss_chunk: int = 0, mesh=None, aux_loss: AuxLossCo
     loss_fn = make_loss_fn(graphdef, loss_chunk, mesh)
 
     def objective(params, batch: Batch):
-        with aux_outputs.collecting() as collected:
+        with aux_outputs.collecting() as collected, host_weights.keeping_fetched_weights(params_keep):
             loss = loss_fn(params, batch)
         weighted, aux_metrics = aux_terms.batch_terms(collected.values, aux_loss)
         metrics = {"loss": loss, **({aux_terms.AUX_METRICS: aux_metrics} if aux_metrics else {})}
@@ -101,7 +105,7 @@ def emitted_values(graphdef, params, batch: Batch, mesh=None):
 
 
 def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk: int = 0, mesh=None,
-                    aux_loss: AuxLossConfig = AuxLossConfig()):
+                    aux_loss: AuxLossConfig = AuxLossConfig(), params_keep: int = 0):
     """(params, opt_state, pending, Batch) -> (params, opt_state, pending, metrics); `pending` is None
     (the signature of every step, TrainSetup.train_step; the deferred update's step passes a
     PendingUpdate, recipes/optim/update_in_forward.py).
@@ -116,7 +120,7 @@ def make_train_step(graphdef, optimizer: Optimizer, grad_accum: int, loss_chunk:
     every micro-batch: each micro-batch stays spread over all devices, with no
     reshuffle.
     """
-    objective = make_objective(graphdef, loss_chunk, mesh, aux_loss)
+    objective = make_objective(graphdef, loss_chunk, mesh, aux_loss, params_keep)
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
     def train_step(params, opt_state, pending: None, batch: Batch):
@@ -459,7 +463,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
                                             optimizer, recipe.train.grad_accum, recipe.train.seed)
     else:
         step_fn = make_train_step(graphdef, optimizer, recipe.train.grad_accum, recipe.train.loss_chunk, mesh,
-                                  recipe.aux_loss)
+                                  recipe.aux_loss, recipe.offload.params_keep)
     # The params and the optimizer state are donated on every platform, CPU included: the step writes
     # the new ones over the old, so it never holds two copies of the state. (Donating host state used
     # to abort on CPU, where XLA aliased a donated pinned_host buffer to a device output; JAX 0.10.2
