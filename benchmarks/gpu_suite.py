@@ -125,6 +125,10 @@ CASES = {
                                               global_batch=8, grad_accum=8),
     "3b/save_dots/device/cudnn/ga8": Case("llama3_1b", "save_dots", "device", overrides=CUDNN + LLAMA_3B,
                                           global_batch=8, grad_accum=8),
+    # The 8B's pick at 8 micro-batches without a budget (`spillway plan llama3_8b_offload --set
+    # train.global_batch=8 --set train.grad_accum=8`, 2026-12-02): every device-state plan is over HBM.
+    "8b/save_qkv_offload_mlp/split_pick/cudnn/ga8": Case("llama3_8b", "save_qkv_offload_mlp", "host:14",
+                                                         overrides=CUDNN, global_batch=8, grad_accum=8),
     "3b/save_qkv_offload_mlp/split_pick/cudnn/ga8": Case("llama3_1b", "save_qkv_offload_mlp", "host:8",
                                                          overrides=CUDNN + LLAMA_3B, global_batch=8, grad_accum=8),
     "1b/recompute_all/host/cudnn": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN),
@@ -140,7 +144,7 @@ DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cud
                  "3b/recompute_all/device/cudnn/ga8", "3b/recompute_all/host/cudnn/ga8",
                  "3b/recompute_all/split/cudnn/ga8",
                  "3b/recompute_all/host/cudnn", "3b/recompute_all/host_in_fwd/cudnn",
-                 "8b/recompute_all/host/cudnn", "8b/recompute_all/split/cudnn",
+                 "8b/recompute_all/host/cudnn", "8b/save_qkv_offload_mlp/split_pick/cudnn/ga8",
                  "1b/save_dots/device/cudnn/ga8", "1b/save_dots/split_pick/cudnn/ga8",
                  "3b/save_dots/device/cudnn/ga8", "3b/save_qkv_offload_mlp/split_pick/cudnn/ga8",
                  "1b/recompute_all/host/cudnn", "1b/recompute_all/host_in_fwd/cudnn")
