@@ -23,6 +23,7 @@ Pure Python (no JAX): recipes/config.py validates the spelling before anything i
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from spillway.layers.errors import ConfigError
 from spillway.layers.memory import EXPERTS, Memory
@@ -71,16 +72,16 @@ def parse_split(setting: str, name: str) -> LayerSplit:
     text = setting.split(":", 1)[1].strip()
     spelling = PARAM_SPELLING if setting.startswith(EXPERTS_SPLIT_PREFIX) or name == "offload.params" else SPELLING
     problem = f"{name}={setting!r}: a split must be {spelling}"
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(problem) from None
-    if "." not in text and "e" not in text.lower():
+    if re.fullmatch(r"[+-]?[0-9]+", text):
         count = int(text)
         if count < 0:
             raise ConfigError(f"{problem}; a layer count cannot be negative")
         return LayerSplit(count=count)
-    if not 0 < value < 1:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(problem) from None
+    if not 0 < value < 1:   # also refuses nan and inf, which float() reads but no split can mean
         raise ConfigError(f"{problem}; {text} is neither a whole count of layers nor a fraction between 0 and 1")
     return LayerSplit(fraction=value)
 

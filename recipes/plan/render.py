@@ -94,15 +94,7 @@ def render(p: Plan) -> str:
         lines += split_search.describe(p.split)
     if p.turn is not None:
         lines += turn_search.describe(p.turn)
-    if p.skipped:
-        by_plan: dict[str, list[str]] = {}
-        for entry in p.skipped:
-            by_plan.setdefault(entry["activations"], []).append(Candidate.from_dict(entry).placement_label)
-        lines.append(f"  not compiled ({len(p.skipped)}), as the same activations with less in host memory (or, "
-                     f"for a host-CPU update, streamed) fit and are at least as fast (--all-plans compiles them "
-                     f"too): "
-                     + "; ".join(f"{plan_spec} with {', '.join(placements)}"
-                                 for plan_spec, placements in by_plan.items()))
+    lines += _skipped_lines(p)
     lines.append("  " + ASSUMPTIONS)
     lines.append("  columns: plan = offload.activations, state = offload.optimizer_state, params = offload.params "
                  "(keep=K: offload.params_keep), upd_on_host = optimizer.update_on_host, update = offload.update; xfer GB: both directions "
@@ -142,3 +134,30 @@ def render_search(p: Plan) -> list[str]:
                      f"{'none' if r['best'] is None else r['best']:>10} {r['compiles']:8d} {r['seconds']:8.1f}  "
                      + "; ".join(notes))
     return lines
+
+
+def _skipped_lines(p: Plan) -> list[str]:
+    """The candidates not compiled, in two lines: those a faster plan that fits beats, and those whose bounds
+    cannot fit (the reason of each: a host peak at save or restore names its phase and bytes)."""
+    beaten = [entry for entry in p.skipped if not entry.get("cannot_fit")]
+    refused = [entry for entry in p.skipped if entry.get("cannot_fit")]
+    lines = []
+    if beaten:
+        by_plan: dict[str, list[str]] = {}
+        for entry in beaten:
+            by_plan.setdefault(entry["activations"], []).append(Candidate.from_dict(entry).placement_label)
+        lines.append(f"  not compiled ({len(beaten)}), as the same activations with less in host memory (or, "
+                     f"for a host-CPU update, streamed) fit and are at least as fast (--all-plans compiles them "
+                     f"too): "
+                     + "; ".join(f"{plan_spec} with {', '.join(placements)}"
+                                 for plan_spec, placements in by_plan.items()))
+    if refused:
+        lines.append(f"  not compiled ({len(refused)}), as they cannot fit whatever their step holds: "
+                     + "; ".join(f"{entry['label']} ({_bare_reason(entry['because'])})"
+                                 for entry in refused))
+    return lines
+
+
+def _bare_reason(because: str) -> str:
+    """A refusal's reason without the words its line already says ("cannot fit: ...", "whatever the step holds")."""
+    return because.removeprefix("cannot fit: ").removesuffix(", whatever the step holds")

@@ -250,6 +250,9 @@ def hbm_limit_words(p: Plan) -> str:
 
 def nothing_fits_numbers(p: Plan) -> str:
     compiled = [row for row in p.rows if row.report is not None]
+    refused = [entry for entry in p.skipped if entry.get("cannot_fit")]
+    if not compiled and refused and not p.rows:   # nothing compiled: every plan ruled out by its bounds
+        return f"every plan was refused before compiling (e.g. {refused[0]['label']}: {refused[0]['because']})"
     if not compiled:
         return "every compile failed (see the warnings)"
     smallest = min(compiled, key=lambda row: row.report["hbm_bytes"])

@@ -236,11 +236,15 @@ def check_host_peak(phases: HostPhases, host_ram_bytes: int, *, where: str = "th
     """HostPeakError naming the phase when the run's host memory would peak above `host_ram_bytes`."""
     phase, peak = phases.peak()
     if peak > host_ram_bytes:
+        # Nothing of the run in host memory: moving it to the device cannot help, so the advice says so.
+        remedy = ("keep more on device (offload.optimizer_state=device, offload.params=device, "
+                  "offload.update=after_backward) or shard the state over more hosts"
+                  if phases.state + phases.weights + phases.pending else
+                  "nothing of this run is in host memory already (the process and the save's staging are): "
+                  "run on a host with more RAM")
         raise HostPeakError(
             f"this run's host memory would peak at {peak / GiB:.1f} GiB during the {phase} "
-            f"({phases.describe(phase)}), but {where} has {host_ram_bytes / GiB:.1f} GiB of RAM: keep more on "
-            f"device (offload.optimizer_state=device, offload.params=device, offload.update=after_backward) "
-            f"or shard the state over more hosts")
+            f"({phases.describe(phase)}), but {where} has {host_ram_bytes / GiB:.1f} GiB of RAM: {remedy}")
 
 
 def restore_state(checkpointer, s, params, step: int | None = None):

@@ -95,3 +95,21 @@ def test_a_candidates_phases_are_one_gpus_share():
     norm_state = (2 * recipe.model.num_layers + 1) * recipe.model.d_model * 8
     assert eight["state"] == (one["state"] - norm_state) // 8 + norm_state
     assert dataclasses.asdict(HostPhases.from_dict(one))["state"] == one["state"]
+
+
+def test_plans_refused_before_compiling_are_named_with_their_phase_not_as_failed_compiles():
+    """A host too small for any plan's save: the planner compiles nothing; the table says why each was refused
+    (the phase and the bytes), not "every compile failed" nor that a faster plan fits."""
+    from spillway.recipes.plan.render import render
+    because = "cannot fit: host 6.5 GiB at checkpoint save > 0.0 GiB, whatever the step holds"
+    refused = [{**Candidate.of(activations, "host").to_dict(), "label": f"{activations} / optimizer_state=host",
+                "because": because, "cannot_fit": True} for activations in ("save_all", "recompute_all")]
+    plan = Plan(get_recipe("tiny"), get_target("h200"), 1, {"data": 1}, 0.9, 0.01 * GiB, [], [], None,
+                {"jax_version": "test", "compiles": 0, "total_s": 1.0, "workers": 1, "child_startup_s": 0.0},
+                skipped=refused).judge()
+    text = render(plan)
+    assert f"no plan fits: every plan was refused before compiling (e.g. save_all / optimizer_state=host: {because})" \
+        in text
+    assert ("not compiled (2), as they cannot fit whatever their step holds: save_all / optimizer_state=host "
+            "(host 6.5 GiB at checkpoint save > 0.0 GiB); recompute_all") in text
+    assert "every compile failed" not in text and "at least as fast" not in text

@@ -4,6 +4,8 @@ RAM; each bad input one line (recipes/train/host_memory.py, recipes/train/gpu_al
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -85,3 +87,16 @@ def test_a_host_ram_gb_that_is_not_positive_is_one_config_error(tmp_path):
     from spillway.recipes.train import loop
     with pytest.raises(ConfigError, match=r"--host-ram-gb must be positive, got -1"):
         loop.train(small_recipe(f"checkpoint.dir={tmp_path}"), progress=False, host_ram_gb=-1)
+
+
+def test_a_peak_with_nothing_in_host_memory_does_not_advise_moving_it_to_the_device():
+    """The state and the weights already on the device: the refusal names the phase and its bytes and says a
+    bigger host is what helps, not offload.optimizer_state=device (already so)."""
+    on_device = host_memory.HostPhases(footprint=GB, state=0, halved=0, weights=0, pending=0, step_host=0,
+                                       saved_device=GB, saved_host=0, gpu=False)
+    with pytest.raises(host_memory.HostPeakError, match=r"during the checkpoint save \(process .*\), but this host "
+                       r"has 0.5 GiB of RAM: nothing of this run is in host memory already .*more RAM$") as refused:
+        host_memory.check_host_peak(on_device, GB // 2)
+    assert "offload.optimizer_state=device" not in str(refused.value)
+    with pytest.raises(host_memory.HostPeakError, match=r"keep more on device \(offload.optimizer_state=device"):
+        host_memory.check_host_peak(dataclasses.replace(on_device, state=GB, step_host=GB), GB // 2)

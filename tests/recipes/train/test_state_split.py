@@ -129,6 +129,9 @@ def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, settings, in
     ("host:2.5", "offload.optimizer_state='host:2.5': a split must be .*; 2.5 is neither a whole count of layers "
                  "nor a fraction between 0 and 1"),
     ("host:lots", "offload.optimizer_state='host:lots': a split must be 'device', 'host', 'host:N'"),
+    ("host:nan", "offload.optimizer_state='host:nan': a split must be .*; nan is neither a whole count"),
+    ("host:inf", "offload.optimizer_state='host:inf': a split must be .*; inf is neither a whole count"),
+    ("host:0.0", "offload.optimizer_state='host:0.0': a split must be .*; 0.0 is neither a whole count"),
 ])
 def test_a_split_the_model_cannot_take_is_one_config_error(setting, message):
     with pytest.raises(ConfigError, match=message):
