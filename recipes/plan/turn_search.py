@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from spillway.layers.errors import ConfigError
 from spillway.layers.memory import Memory
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.cost_model import param_traffic
@@ -72,6 +73,11 @@ def search(pick: PlanRow | None, recipe, mesh: dict, hbm_limit: float,
     found = TurnSearch(pick, streamed, layer_bytes, {})
     left = hbm_limit - pick.report["hbm_bytes"]
     guess = min(streamed, int(left // layer_bytes)) if layer_bytes else 0
+    try:   # what the recipe refuses (LoRA's frozen base is streamed whole) is said, not compiled
+        _kept(pick.candidate, max(guess, 1)).applied_to(recipe)
+    except ConfigError as refused:
+        found.why_not = str(refused)
+        return found
     if guess < 1:
         found.why_not = (f"the pick leaves {left / GiB:.2f} GiB of HBM under the limit, less than one streamed "
                          f"layer's weights ({layer_bytes / GiB:.2f} GiB)")

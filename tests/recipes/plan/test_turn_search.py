@@ -59,3 +59,15 @@ def test_a_pick_that_streams_no_weights_or_keeps_some_is_not_searched():
     for candidate in (Candidate.of("recompute_all", "host"), Candidate.of("recompute_all", "host", "host",
                                                                            params_keep=1)):
         assert turn_search.search(row(candidate, 0, 0, 1), RECIPE, ONE_GPU, 1.0, lambda c: []) is None
+
+
+def test_a_lora_pick_is_not_compiled_with_kept_layers_and_says_why():
+    """LoRA refuses offload.params_keep (its frozen base is streamed whole): the search says so, compiling
+    nothing (a compile would have failed in the compile process: llama3_8b_lora_16gb's planner pick test)."""
+    lora = small_recipe("offload.params=host", "offload.optimizer_state=host", "lora.rank=2",
+                        "checkpoint.init_from=runs/base")   # a base is named, never read here
+    layer = _layer_bytes()
+    found = turn_search.search(row(PICK, 0, 10**6, 10 * layer), lora, ONE_GPU, 10 * layer,
+                               fake_compiles(layer, 0, 10**6, 10 * layer, compiled := []))
+    assert compiled == [] and found.best is None
+    assert "not written for LoRA runs" in turn_search.describe(found)[0]
