@@ -42,18 +42,22 @@ SPEC = lora.LoraSpec(rank=RANK, alpha=16.0, targets=ALL_SEVEN)
 EXECUTION = Execution(dtype="float32", attention_impl="xla")
 
 
-@functools.cache
-def xla_lora_step_flops(remat: str) -> float:
-    """XLA's FLOPs for the gradient of the loss with respect to the adapters of a two-layer Llama."""
-    cfg = preset_config("llama", "tiny", num_layers=2, **SIZES)
-    with lora.adapters_while_building(SPEC):
-        model = nnx.eval_shape(lambda: DecoderLM(cfg, EXECUTION, rngs=nnx.Rngs(0), remat=remat))
+def xla_adapter_grad_flops(cfg, spec, execution, remat: str) -> float:
+    """XLA's FLOPs for the gradient of the loss with respect to the adapters of `cfg` built with `spec`."""
+    with lora.adapters_while_building(spec):
+        model = nnx.eval_shape(lambda: DecoderLM(cfg, execution, rngs=nnx.Rngs(0), remat=remat))
     graphdef, params = nnx.split(model)
     adapters, base = lora_step.split(params)
     loss = make_loss_fn(graphdef)
     tokens = Batch(tokens=jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32))
     step = jax.value_and_grad(lambda adapters, base, batch: loss(lora_step.join(adapters, base), batch))
     return jax.jit(step).lower(adapters, base, tokens).compile().cost_analysis()["flops"]
+
+
+@functools.cache
+def xla_lora_step_flops(remat: str) -> float:
+    """XLA's FLOPs for the adapters' gradient of a two-layer Llama."""
+    return xla_adapter_grad_flops(preset_config("llama", "tiny", num_layers=2, **SIZES), SPEC, EXECUTION, remat)
 
 
 def counted(remat: str) -> flops.StepFlops:
@@ -102,15 +106,7 @@ MOE_SPEC = lora.LoraSpec(rank=16, alpha=16.0, targets=frozenset({("attn", "wq"),
 @functools.cache
 def xla_moe_lora_step_flops(remat: str) -> float:
     """A two-layer Mixtral on the capacity dispatch (its einsums multiply every slot: "executed")."""
-    cfg = preset_config("mixtral", "tiny", num_layers=2, **MOE)
-    with lora.adapters_while_building(MOE_SPEC):
-        model = nnx.eval_shape(lambda: DecoderLM(cfg, Execution(), rngs=nnx.Rngs(0), remat=remat))
-    graphdef, params = nnx.split(model)
-    adapters, base = lora_step.split(params)
-    loss = make_loss_fn(graphdef)
-    tokens = Batch(tokens=jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32))
-    step = jax.value_and_grad(lambda adapters, base, batch: loss(lora_step.join(adapters, base), batch))
-    return jax.jit(step).lower(adapters, base, tokens).compile().cost_analysis()["flops"]
+    return xla_adapter_grad_flops(preset_config("mixtral", "tiny", num_layers=2, **MOE), MOE_SPEC, Execution(), remat)
 
 
 @pytest.mark.slow
