@@ -93,9 +93,8 @@ def other_bases(rows: list[PlanRow], faster_than: float, searched: set[str]) -> 
     `faster_than` (the best fitting step so far, a split's included), whose state all on host fits HBM: a
     state split of theirs could beat the pick (8 micro-batches of the 8B: save_all's split of weights and state
     against save_dots', whose state alone on host fits). Fastest first."""
-    fitting_hosts = {row.candidate.activations for row in rows if row.report and row.candidate ==
-                     Candidate.of(row.candidate.activations, Memory.HOST)
-                     and row.report.get("hbm_bytes") is not None and row.fits}
+    fitting_hosts = {row.candidate.activations for row in rows
+                     if row.fits and row.candidate == Candidate.of(row.candidate.activations, Memory.HOST)}
     found = [row for row in rows if row.report and not row.fits and row.step_s is not None
              and row.candidate == Candidate.of(row.candidate.activations) and row.step_s < faster_than
              and row.candidate.activations in fitting_hosts and row.candidate.activations not in searched]
