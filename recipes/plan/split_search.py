@@ -23,8 +23,11 @@ and state streamed fits HBM but not the host's RAM (Llama 3.1 70B on one H200 wi
 holds the rest. The same bisection finds the fewest host layers whose HBM fits; host memory falls with every
 layer moved, so if the host does not hold that count it holds none of the counts HBM does, and no split fits.
 
-HBM is taken as non-increasing in the host-layer count and the step as non-decreasing (fewer bytes on the
-link): the fewest host layers that fit is the fastest split. docs/DESIGN.md section 9.
+HBM is taken as non-increasing in the host-layer count, so the bisection finds the fewest host layers that fit.
+The step is not taken as monotone: compiled, it is not always (8 micro-batches of the 8B, save_dots: host:21
+slower than host:24, BENCHMARKS.md; XLA schedules each count's copies its own way), so the pick is the fastest
+of the compiled counts that fit, the fewest host layers on a tie, and the plan says when that is not the
+fewest. docs/DESIGN.md section 9.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class SplitSearch:
     weights: bool = False   # the split is of the weights and the state (offload.params=host:N too)
     state_only: "SplitSearch | None" = None   # the state-only search that found no fit, when weights is True
     host_bound: bool = False   # searched from a streamed plan that fits HBM but not the host's RAM
+    fewest: int | None = None   # the fewest host layers that fit, when the pick (`best`) is a faster count
 
     @property
     def linear(self) -> bool:
@@ -65,7 +69,7 @@ class SplitSearch:
 
     def to_dict(self) -> dict:
         return {"activations": self.activations, "num_layers": self.num_layers, "best_host_layers": self.best,
-                "weights_split": self.weights, "host_bound": self.host_bound,
+                "weights_split": self.weights, "host_bound": self.host_bound, "fewest_host_layers": self.fewest,
                 "hbm_linear_in_layers": self.linear,
                 "compiled": {str(k): {"hbm_bytes": (row.report or {}).get("hbm_bytes"), "step_s": row.step_s,
                                       "fits": row.fits} for k, row in sorted(self.rows.items())}}
@@ -181,6 +185,20 @@ def _narrow(found: SplitSearch, compile_rows, good: Callable[[PlanRow], bool]) -
         fits(low)                        # one layer fewer on host: compiled already, so the plan shows why not
     if high + 1 <= num_layers and len(compiled) < MAX_SPLIT_COMPILES:
         fits(high + 1)                   # one layer more on host: what it would cost
+    _fastest_of_the_compiled(found, good)
+
+
+def _fastest_of_the_compiled(found: SplitSearch, good: Callable[[PlanRow], bool]) -> None:
+    """Make `found.best` the fastest compiled count that is good and fits (fewest host layers on a tie),
+    keeping the bisection's answer in `found.fewest` when they differ. The rows that fit are priced from
+    their own compiled programs, so a count with more host layers can be the faster one (module docstring)."""
+    fitting = [k for k, row in found.rows.items()
+               if k and good(row) and row.fits and row.step_s is not None]
+    if not fitting:
+        return
+    fastest = min(fitting, key=lambda k: (found.rows[k].step_s, k))
+    if fastest != found.best:
+        found.fewest, found.best = found.best, fastest
 
 
 def describe(found: SplitSearch) -> list[str]:
@@ -204,6 +222,11 @@ def describe(found: SplitSearch) -> list[str]:
             continue
         lines.append(f"    {words} (host:{k}): HBM {(row.report['hbm_bytes'] - best.report['hbm_bytes']) / gib:+.2f} "
                      f"GiB, step {(row.step_s - best.step_s) * 1e3:+.0f} ms" + ("" if row.fits else ", does not fit"))
+    if found.fewest is not None:
+        fewest = found.rows[found.fewest]
+        lines.append(f"    host:{found.fewest}, the fewest host layers that fit, compiled slower "
+                     f"({fewest.step_s * 1e3:.0f} ms): the step is not monotone in the layer count, so the "
+                     f"fastest compiled count that fits is the pick")
     compiled = ", ".join(str(k) for k in sorted(found.rows))   # 0: the device-state plan
     if found.host_bound:
         lines.append(f"    every layer's weights and state on host fits HBM but not the host's RAM: the first "

@@ -58,6 +58,32 @@ def test_a_step_function_is_said_not_to_be_linear_and_nothing_fitting_is_said_to
     assert none.best is None and "no count of host layers fits" in split_search.describe(none)[0]
 
 
+def test_a_count_with_more_host_layers_that_compiled_faster_is_the_pick_and_the_plan_says_why():
+    """The step is not monotone in the host-layer count (XLA schedules each count's copies its own way): the
+    fewest that fit (3 of 8) compiled slower than a count the bisection also compiled (4); the faster is the
+    pick, the fewest is kept and named."""
+    hbm = lambda k: 10.0 - k   # noqa: E731  (fits 7 GiB from 3 host layers)
+    steps = {3: 1.9, 4: 1.4, 8: 1.6}
+
+    def compile_rows(candidates):
+        rows = []
+        for c in candidates:
+            k = int(c.optimizer_state.split(":")[1])
+            rows.append(row(c, hbm(k), steps.get(k, 1.0 + 0.1 * k), 7.0))
+        return rows
+
+    found = split_search.search(row(Candidate.of("save_dots"), hbm(0), 1.0, 7.0), 8, compile_rows)
+    assert found.fewest == 3 and found.best == 4
+    assert found.to_dict()["best_host_layers"] == 4 and found.to_dict()["fewest_host_layers"] == 3
+    text = "\n".join(split_search.describe(found))
+    assert "opt state host:4" in text and "host:3, the fewest host layers that fit, compiled slower (1900 ms)" in text
+    # Monotone steps: the fewest that fit stays the pick and nothing more is said.
+    monotone = split_search.search(row(Candidate.of("save_dots"), hbm(0), 1.0, 7.0), 8,
+                                   fake_compiles(hbm, 7.0, []))
+    assert monotone.best == 3 and monotone.fewest is None
+    assert "not monotone" not in "\n".join(split_search.describe(monotone))
+
+
 def test_when_the_state_alone_cannot_make_it_fit_the_weights_are_split_too():
     """State on host saves 0.5 GiB a layer and never fits 7 GiB; each layer's weights on host too saves 1 GiB
     more: the fewest layers of both on host that fit is the pick, its neighbours compiled."""
