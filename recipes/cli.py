@@ -73,7 +73,16 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _refuse_empty_paths(**paths: str) -> None:
+    """An empty path argument ('' from an unset shell variable) would mean the current directory: name it instead
+    (an export into '' wrote its files into the working directory)."""
+    for name, value in paths.items():
+        if not value.strip():
+            raise ConfigError(f"{name} is empty: give a path")
+
+
 def _cmd_generate(args) -> int:
+    _refuse_empty_paths(CHECKPOINT=args.checkpoint)
     if args.tokens <= 0:
         raise ConfigError(f"--tokens must be positive, got {args.tokens}")
     if not args.temperature >= 0:
@@ -91,6 +100,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    _refuse_empty_paths(CHECKPOINT=args.checkpoint, OUT_DIR=args.out_dir)
     from spillway.recipes.export import export_run
     export_run(args.checkpoint, args.out_dir, adapter=args.adapter)
     return 0

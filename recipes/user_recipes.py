@@ -62,7 +62,9 @@ def recipe_from_function(spec: str) -> Recipe:
     module_name, sep, function_name = spec.partition(":")
     if not sep:
         module_name, _, function_name = spec.rpartition(".")
-    if not module_name or not function_name.isidentifier():
+    # './nosuch.py' splits into module './nosuch' and function 'py': a path, not a module, so the same line
+    # (importlib's "the 'package' argument is required" said nothing of the recipe name)
+    if not all(part.isidentifier() for part in module_name.split(".")) or not function_name.isidentifier():
         raise ConfigError(f"recipe {spec!r}: not a registered name, a .json file or 'module:function'")
     module = import_user_module(module_name, label=f"recipe {spec}")
     function = getattr(module, function_name, None)

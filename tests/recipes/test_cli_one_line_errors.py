@@ -1,4 +1,4 @@
-"""`spillway train` inputs a new user gets wrong, each ending in one line and exit status 2, before data is prepared.
+"""`spillway train` (and `export`, `generate`) inputs a new user gets wrong, each ending in one line and exit status 2, before data is prepared.
 
 * a .jsonl corpus with a line `datasets` cannot read: the file and its
   1-based line (pyarrow says "row 300" of a block, and logs it twice);
@@ -115,3 +115,15 @@ def test_a_missing_or_misshapen_hugging_face_tensor_is_found_before_the_data_is_
                    f"['model.layers.0.self_attn.q_proj.weight'] shape mismatches (1): "
                    f"model.layers.1.mlp.down_proj.weight: checkpoint (32, 32), config expects (32, 64)"]
     assert "data:" not in out and not (tmp_path / "cache").exists()   # nothing was tokenized
+
+
+@pytest.mark.parametrize("argv, named", [(["export", "runs/tiny", ""], "OUT_DIR"),
+                                         (["export", "", "out/tiny"], "CHECKPOINT"),
+                                         (["generate", "", "--prompt", "x"], "CHECKPOINT")])
+def test_an_empty_path_argument_is_refused_naming_it_not_read_as_the_working_directory(
+        argv, named, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)   # an export into '' used to write config.json and model.safetensors here
+    status = cli.main(argv)
+    assert status == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"spillway {argv[0]}: error: {named} is empty: give a path"]
+    assert list(tmp_path.iterdir()) == []

@@ -105,6 +105,8 @@ def test_train_and_plan_a_recipe_function_with_set_on_top(user_dir, capsys, monk
     ("nu_my_recipes:absent", "", r"recipe nu_my_recipes:absent: module 'nu_my_recipes' .* has no 'absent'"),
     ("nu_my_recipes:NUMBER", "", r"recipe nu_my_recipes:NUMBER: 'NUMBER' is a int, not a function"),
     ("nu_no_such_module:fn", "", r"recipe nu_no_such_module:fn: no module 'nu_no_such_module'"),
+    # a path to a .py file that is not there: importlib said "the 'package' argument is required"
+    ("./nu_absent.py", "", r"recipe './nu_absent.py': not a registered name, a .json file or 'module:function'"),
 ])
 @pytest.mark.parametrize("command", ["train", "plan"])
 def test_a_user_recipe_that_cannot_be_read_is_one_line_naming_it(user_dir, capsys, spec, content, expected,
