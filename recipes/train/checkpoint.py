@@ -21,7 +21,10 @@ Orbax does the hard parts and this file leans on them:
   and renamed to `<step>` when every item is committed. Orbax's step discovery
   only lists finalised names, so a process killed mid-save (SIGKILL, OOM, node
   loss) leaves the previous step as the latest; the stale tmp folder is deleted
-  the next time a `RunCheckpointer` opens the directory.
+  the next time a `RunCheckpointer` opens the directory, before the constructor
+  returns (here, not by orbax's `cleanup_tmp_directories`, whose background
+  thread only a save joins: opened and closed unsaved, a manager left it
+  deleting in the directory after `close()`).
 * keep-last-K garbage collection (`max_to_keep`).
 * restoring into target shardings: every array is read into the sharding
   (mesh, spec, memory kind) of the abstract target, so a run saved on one
@@ -69,6 +72,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
@@ -94,6 +98,10 @@ __all__ = ["CHECKPOINTS_DIRNAME", "LOADER_STATE", "META", "OPT_STATE", "PARAMS",
            "CheckpointError", "CheckpointMismatchError", "CorruptCheckpointError", "RunCheckpointer",
            "checkpoint_dir_of", "finalised_step_dirs", "read_recipe_json", "resolve_step_dir",
            "restore_params_only", "run_dir_of"]
+
+
+# the suffix of the folder orbax writes a step into before renaming it `<step>` (atomic finalisation)
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def _json_text(value, what: str) -> str:
@@ -145,6 +153,7 @@ class RunCheckpointer:
         self.every_steps = every_steps
         self._async_save = async_save
         self._save_in_pieces = save_in_pieces
+        self._remove_unfinished_saves()
         self._manager = self._open_manager()
         self._step_in_flight: int | None = None
         self._closed = False
@@ -156,8 +165,11 @@ class RunCheckpointer:
             # directories made in another thread meanwhile) raced those writes, so that save is orbax's sync one
             enable_async_checkpointing=self._async_save and not self._save_in_pieces,
             step_name_format=_STEP_NAMES,
-            # a save killed mid-way leaves <step>.orbax-checkpoint-tmp behind: reclaim the space
-            cleanup_tmp_directories=True,
+            # what a killed save left is removed by _remove_unfinished_saves, in this thread: orbax's cleanup
+            # runs in a thread of its own that only its first save() joins, so a manager closed unsaved (the
+            # save_in_pieces switch, a look at latest_step) left it running, deleting in this directory beside
+            # the next manager's saves
+            cleanup_tmp_directories=False,
             create=True,
         )
         try:
@@ -165,6 +177,17 @@ class RunCheckpointer:
         except Exception as e:
             raise CheckpointError(f"{self.directory}: cannot open the checkpoint directory: "
                                   f"{_cause(e)}") from e
+
+    def _remove_unfinished_saves(self) -> None:
+        """Deletes the `<step>.orbax-checkpoint-tmp*` folders a killed save left (they hold its space), before
+        anything else reads or writes the directory; every process waits for process 0 to finish."""
+        if jax.process_index() == 0:
+            for folder in sorted(f for f in self.directory.glob(f"*{_TMP_SUFFIX}*") if f.is_dir()):
+                try:
+                    shutil.rmtree(folder)
+                except OSError as e:
+                    raise CheckpointError(f"{folder}: cannot remove this unfinished save: {_cause(e)}") from e
+        _sync_processes("spillway-remove-unfinished-saves")
 
     @property
     def save_in_pieces(self) -> bool:

@@ -10,6 +10,7 @@ train loop's (tests/recipes/train/test_train.py).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import glob
 import os
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -451,6 +453,27 @@ def expected_small_state(scale):
            "mu": {"w": np.arange(12.0, dtype=np.float32).reshape(3, 4) * scale * 10,
                   "b": np.ones(4, np.float32) * scale * 10}}
     return params, opt
+
+
+def test_opening_removes_unfinished_saves_before_it_returns_and_leaves_no_thread_behind(tmp_path, monkeypatch):
+    # orbax's own cleanup (cleanup_tmp_directories) deleted in a thread that only a save joined: slowed down
+    # here, as on a busy machine, it was still deleting after the RunCheckpointer had closed, beside whatever
+    # opened the directory next
+    from orbax.checkpoint._src.path import async_path
+    real_rmtree = async_path.rmtree
+
+    async def slow_rmtree(path):
+        await asyncio.sleep(1.0)
+        return await real_rmtree(path)
+
+    monkeypatch.setattr(async_path, "rmtree", slow_rmtree)
+    (tmp_path / "5.orbax-checkpoint-tmp" / "params").mkdir(parents=True)
+    (tmp_path / "4").mkdir()   # a finalised step's name: left alone
+    before = set(threading.enumerate())
+    ckpt = RunCheckpointer(tmp_path, keep=2, every_steps=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["4"]
+    ckpt.close()
+    assert [t.name for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon] == []
 
 
 def test_sigkill_during_save_leaves_previous_step_usable(tmp_path):

@@ -248,7 +248,7 @@ def test_a_save_killed_mid_way_leaves_the_previous_step_and_is_reclaimed(tmp_pat
                               jax.ShapeDtypeStruct((1, 64, 64), jnp.float32, sharding=host))   # another split
         restored = ckpt.restore(abstract_params={"w": sds(jnp.ones(4)), "split": split},
                                 abstract_opt_state={"mu": target})
-    assert not list(tmp_path.glob("2.orbax-checkpoint-tmp*"))   # reclaimed (orbax does it in the background)
+    assert not list(tmp_path.glob("2.orbax-checkpoint-tmp*"))   # reclaimed when the RunCheckpointer opened
     np.testing.assert_array_equal(restored["opt_state"]["mu"], np.ones((5, 64, 64), np.float32))
     weights = restored["params"]["split"]
     np.testing.assert_array_equal(np.concatenate([weights.device, weights.host]), np.ones((5, 64, 64), np.float32))
