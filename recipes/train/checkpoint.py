@@ -100,10 +100,6 @@ __all__ = ["CHECKPOINTS_DIRNAME", "LOADER_STATE", "META", "OPT_STATE", "PARAMS",
            "restore_params_only", "run_dir_of"]
 
 
-# the suffix of the folder orbax writes a step into before renaming it `<step>` (atomic finalisation)
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
-
-
 def _json_text(value, what: str) -> str:
     try:
         return json.dumps(value)
@@ -182,7 +178,8 @@ class RunCheckpointer:
         """Deletes the `<step>.orbax-checkpoint-tmp*` folders a killed save left (they hold its space), before
         anything else reads or writes the directory; every process waits for process 0 to finish."""
         if jax.process_index() == 0:
-            for folder in sorted(f for f in self.directory.glob(f"*{_TMP_SUFFIX}*") if f.is_dir()):
+            from spillway.recipes.train.save_failures import unfinished_saves
+            for folder in (f for f in unfinished_saves(self.directory) if f.is_dir()):
                 try:
                     shutil.rmtree(folder)
                 except OSError as e:

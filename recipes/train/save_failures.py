@@ -36,11 +36,20 @@ def quiet_orbax_error_logs() -> None:
             logger.addFilter(OrbaxErrorLogFilter())
 
 
+# the suffix of the folder orbax writes a step into before renaming it `<step>` (atomic finalisation)
+UNFINISHED_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def unfinished_saves(directory, step: int | None = None) -> list:
+    """The `<step>.orbax-checkpoint-tmp*` entries in `directory`: of `step`, or of every step when None."""
+    return sorted(directory.glob(f"{'*' if step is None else step}{UNFINISHED_SUFFIX}*"))
+
+
 def remove_unfinished(directory, step: int | None) -> str:
     """Deletes the `<step>.orbax-checkpoint-tmp*` folders a failed save of `step` left; says what happened."""
     if step is None:
         return "nothing left behind"
-    leftovers = [p for p in directory.glob(f"{step}.orbax-checkpoint-tmp*")]
+    leftovers = unfinished_saves(directory, step)
     kept = []
     for folder in leftovers:
         try:
