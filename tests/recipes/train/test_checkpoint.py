@@ -34,6 +34,7 @@ from spillway.recipes.train.checkpoint import (CheckpointError, CheckpointMismat
                                                RunCheckpointer, read_recipe_json, resolve_step_dir,
                                                restore_params_only)
 from spillway.recipes.train.errors import RunError
+from child_env import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PINNED_HOST = "pinned_host"
@@ -436,8 +437,7 @@ CHILD_PRELUDE = textwrap.dedent("""
 
 
 def run_child(body: str, run_dir: Path) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env(devices=1, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(body), str(run_dir)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -463,7 +463,7 @@ def test_opening_removes_unfinished_saves_before_it_returns_and_leaves_no_thread
     real_rmtree = async_path.rmtree
 
     async def slow_rmtree(path):
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(5.0)
         return await real_rmtree(path)
 
     monkeypatch.setattr(async_path, "rmtree", slow_rmtree)
@@ -473,7 +473,12 @@ def test_opening_removes_unfinished_saves_before_it_returns_and_leaves_no_thread
     ckpt = RunCheckpointer(tmp_path, keep=2, every_steps=1)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["4"]
     ckpt.close()
-    assert [t.name for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon] == []
+    # A thread still working a second after close() (a slowed deletion takes 5 s) is what this guards against;
+    # an idle executor thread orbax's file operations started may still be ending its shutdown at close().
+    started = [t for t in threading.enumerate() if t not in before and not t.daemon]
+    for thread in started:
+        thread.join(timeout=1.0)
+    assert [t.name for t in started if t.is_alive()] == []
 
 
 def test_sigkill_during_save_leaves_previous_step_usable(tmp_path):
