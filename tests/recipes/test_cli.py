@@ -9,12 +9,13 @@ import pytest
 
 from spillway.layers.errors import ConfigError, SpillwayError
 from spillway.recipes import cli
+from child_env import child_env
 
 
 def run_spillway(*argv, cwd, env=None):
     """(exit status, stdout, stderr lines) of `python -m spillway.recipes.cli ARGV`."""
     environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_ENV}
-    environment.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})})
+    environment = child_env(base=environment, **(env or {}))
     done = subprocess.run([sys.executable, "-m", "spillway.recipes.cli", *argv], cwd=cwd, env=environment,
                           capture_output=True, text=True, timeout=300)
     return done.returncode, done.stdout, done.stderr.splitlines()

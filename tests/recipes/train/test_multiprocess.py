@@ -6,12 +6,12 @@ read the same global batches.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 
 STEPS = 3
 
@@ -34,9 +34,7 @@ def _command(run_dir, cache_dir):
 
 
 def _env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
-    return env
+    return child_env(devices=devices, **extra)
 
 
 def _losses(run_dir):

@@ -31,6 +31,7 @@ from spillway.recipes.train.loop import train
 from spillway.recipes.train.metrics import read_metrics
 from spillway.recipes.train.resume import read_history
 from spillway.recipes.train.run_lock import RunLockedError
+from child_env import child_env
 
 MICRO = ["data.source=builtin:stdlib:400000", "data.seq_len=32", "data.num_proc=1",
          "model.vocab_size=512", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
@@ -84,7 +85,7 @@ def test_a_second_run_is_refused_and_ctrl_c_saves_and_exits_130(data_cache, tmp_
     for item in micro_overrides(data_cache, run_dir, "train.steps=100000", "checkpoint.every_steps=100000"):
         argv += ["--set", item]
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+                             env=child_env())
     try:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.time() + 300

@@ -12,6 +12,7 @@ from spillway.recipes import cli
 from spillway.recipes.train.checkpoint import RunCheckpointer
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.loop import train
+from child_env import child_env
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +145,7 @@ def test_sigterm_saves_and_exits_143(data_cache, tmp_path):
                        ("checkpoint.every_steps", 100000)]:
         argv += ["--set", f"{key}={value}"]
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+                             env=child_env())
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
