@@ -76,10 +76,11 @@ def run_steps(r, n=STEPS):
     return history, metrics, s
 
 
-def reference_objective(graphdef, lb_coef=LB, z_coef=Z):
-    """(params, tokens[, lb_coef, z_coef]) -> (objective, (cross-entropy, load-balancing loss, z-loss,
-    per-layer loads)), by hand."""
-    def objective(params, tokens_bt, lb_coef=lb_coef, z_coef=z_coef):
+def reference_objective(graphdef):
+    """(params, tokens, lb_coef, z_coef) -> (objective, (cross-entropy, load-balancing loss, z-loss,
+    per-layer loads)), by hand. The coefficients are arguments, so every call of one jitted objective (with
+    and without the auxiliary terms) is one compile."""
+    def objective(params, tokens_bt, lb_coef, z_coef):
         with aux_outputs.collecting() as collected:
             logits = nnx.merge(graphdef, params)(tokens_bt[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens_bt[:, 1:]).mean()
@@ -100,11 +101,15 @@ def optax_steps(r, start, grads_of, n=STEPS):
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                      optax.adamw(make_schedule(cfg, r.schedule_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                  weight_decay=0.0))
+    @jax.jit   # one compile, not one per eager optax op and leaf shape (about 150 of them)
+    def apply(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
     params = start
     state = tx.init(params)
     for tokens in batches(n):
-        updates, state = tx.update(grads_of(params, tokens), state, params)
-        params = optax.apply_updates(params, updates)
+        params, state = apply(params, state, grads_of(params, tokens))
     return jax.tree.map(np.asarray, params)
 
 
@@ -125,14 +130,14 @@ def aux_run():
 def test_objective_with_aux_equals_hand_computation_and_plain_optax(aux_run):
     history, metrics, s = aux_run
     objective = jax.jit(jax.value_and_grad(reference_objective(s.graphdef), has_aux=True))
-    expected = optax_steps(s.recipe, history[0], lambda p, t: objective(p, t)[1])
+    expected = optax_steps(s.recipe, history[0], lambda p, t: objective(p, t, LB, Z)[1])
     assert_trees_close(history[-1], expected, rtol=2e-5, atol=2e-6)
     # The auxiliary terms moved the weights: the cross-entropy alone gives other parameters.
     ce_only = optax_steps(s.recipe, history[0], lambda p, t: objective(p, t, 0.0, 0.0)[1])
     assert max_difference(history[-1], ce_only) > 1e-4
     # The last step's metrics: the cross-entropy as "loss", the unweighted terms and the loads of its batch,
     # at the weights it started from.
-    (_, (ce, lb, z, load)), _ = objective(history[-2], batches()[-1])
+    (_, (ce, lb, z, load)), _ = objective(history[-2], batches()[-1], LB, Z)
     aux = metrics[aux_terms.AUX_METRICS]
     np.testing.assert_allclose(metrics["loss"], ce, rtol=1e-6)
     np.testing.assert_allclose(aux["moe/lb_loss"], lb, rtol=1e-6)
@@ -148,14 +153,14 @@ def test_micro_batches_average_their_own_objectives():
     objective = jax.jit(jax.value_and_grad(reference_objective(s.graphdef), has_aux=True))
 
     def mean_grads(p, tokens_bt):   # micro-batch m is rows m, m + 2, ... (recipes/train/step.py)
-        grads = [objective(p, tokens_bt[m::2])[1] for m in range(2)]
+        grads = [objective(p, tokens_bt[m::2], LB, Z)[1] for m in range(2)]
         return jax.tree.map(lambda a, b: (a + b) / 2, *grads)
 
     assert_trees_close(history[-1], optax_steps(s.recipe, history[0], mean_grads), rtol=2e-5, atol=2e-6)
 
     last = batches()[-1]
-    (_, (ce, lb, z, load)), _ = objective(history[-2], last)
-    micro_lb = [float(objective(history[-2], last[m::2])[0][1][1]) for m in range(2)]
+    (_, (ce, lb, z, load)), _ = objective(history[-2], last, LB, Z)
+    micro_lb = [float(objective(history[-2], last[m::2], LB, Z)[0][1][1]) for m in range(2)]
     aux = metrics[aux_terms.AUX_METRICS]
     np.testing.assert_allclose(metrics["loss"], ce, rtol=1e-5)
     np.testing.assert_allclose(aux["moe/z_loss"], z, rtol=1e-5)
