@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from spillway.layers.offload import PRESETS
@@ -22,6 +23,16 @@ from spillway.layers.sharding import create_sharded
 
 # Every preset, plus a two-segment plan (offload the first layer's matmul outputs, keep the next).
 PLANS = sorted(PRESETS) + ["offload_dots:1,save_dots:1,recompute_all"]
+# What a family's or a block's own sweep runs in the default suite: a preset that moves activations to host
+# and back, and the two-segment plan (host, device and recompute in one program). Every preset on the plain
+# Llama stack runs there too (tests/layers/test_offload_policy.py); each family's other presets run with the
+# slow tests (each is one compile of the model's gradient: about 10 s of a worker on 2 cores).
+DEFAULT_PLANS = ("offload_dots", "offload_dots:1,save_dots:1,recompute_all")
+
+
+def plan_params(plans=PLANS) -> list:
+    """`plans` as pytest parameters, those outside DEFAULT_PLANS marked slow."""
+    return [plan if plan in DEFAULT_PLANS else pytest.param(plan, marks=pytest.mark.slow) for plan in plans]
 
 
 class NoRematReference:

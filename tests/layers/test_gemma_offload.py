@@ -7,8 +7,8 @@ the tanh-GELU gated MLP, and a sliding window; the model around them is the
 generic DecoderLM (tied, scaled embedding). The soft-capped flash kernel runs
 under every plan with the block given LayerValues (a traced window and RoPE
 base inside the scanned, rematerialised body, as the family's stack hands
-them over), and (slow) with the window static (layer_values None). The
-reference attention ("xla") is checked on two plans. Sizes are odd; float32, tight tolerance (tests/no_remat_reference.py).
+them over; two plans in the default suite, every one with the slow tests), and (slow)
+with the window static (layer_values None). The reference attention ("xla") is checked on two plans. Sizes are odd; float32, tight tolerance (tests/no_remat_reference.py).
 """
 
 import dataclasses
@@ -21,7 +21,7 @@ import optax
 import pytest
 from flax import nnx
 
-from no_remat_reference import PLANS, NoRematReference
+from no_remat_reference import PLANS, NoRematReference, plan_params
 from spillway.layers import names
 from spillway.layers.block import BlockConfig, BlockContext
 from spillway.layers.execution import Execution
@@ -88,7 +88,7 @@ def test_every_plan_gives_the_no_remat_loss_and_gradients_flash(plan, flash_stat
     flash_static.check(plan, **TOLERANCE)
 
 
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("plan", plan_params(PLANS))
 def test_every_plan_gives_the_no_remat_loss_and_gradients_with_layer_values(plan, flash_traced):
     flash_traced.check(plan, **TOLERANCE)
 

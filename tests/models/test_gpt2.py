@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from no_remat_reference import PLANS, NoRematReference
+from no_remat_reference import PLANS, NoRematReference, plan_params
 from spillway.layers import names
 from spillway.layers.sharding import create_sharded
 from spillway.models.decoder import DecoderLM, count_params
@@ -247,7 +247,7 @@ def test_the_block_tags_every_name_so_every_preset_applies():
     assert model.layers.block_names == frozenset(names.ACTIVATION_NAMES)
 
 
-@pytest.mark.parametrize("remat", [plan for plan in PLANS if plan != "save_all"])
+@pytest.mark.parametrize("remat", plan_params([plan for plan in PLANS if plan != "save_all"]))
 def test_every_offload_plan_matches_no_remat(remat, no_remat):
     no_remat.check(remat)
 
