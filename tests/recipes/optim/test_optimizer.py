@@ -138,7 +138,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The two switches each have their case; both at once (a piece-wise embedding without prefetch) runs with the
+# slow tests.
+SLOW_CASES = {"host_embed_head_in_pieces_no_prefetch"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_fp32_params_match_optax(case):
     memory, on_host, scale, clip, prefetch, piece_elements = CASES[case]
     cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, update_on_host=on_host, clip_norm=clip)
@@ -159,8 +164,10 @@ def test_fp32_params_match_optax(case):
         assert len(host_leaves(opt_state, layouts)) == 8
 
 
-@pytest.mark.parametrize("memory,on_host,piece_elements", [("device", False, WHOLE), ("host", False, WHOLE),
-                                                          ("host", False, SMALL_PIECES), ("host", True, WHOLE)])
+# The embedding and head in pieces with a master copy: as the float32 pieces case, with the slow tests.
+@pytest.mark.parametrize("memory,on_host,piece_elements", [
+    ("device", False, WHOLE), ("host", False, WHOLE),
+    pytest.param("host", False, SMALL_PIECES, marks=pytest.mark.slow), ("host", True, WHOLE)])
 def test_bf16_params_with_master_weights_match_optax_on_fp32_masters(memory, on_host, piece_elements):
     cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=5, update_on_host=on_host)
     params, opt_state, ref_master, _, layouts, _ = run_against_optax(cfg, memory, jnp.bfloat16, 10.0,
@@ -287,8 +294,11 @@ def test_orbax_roundtrip_keeps_host_state_in_pinned_host(tmp_path):
 
 
 
-@pytest.mark.parametrize("layers", [1, 3, 5])
-@pytest.mark.parametrize("prefetch", [True, False])
+# One layer (an empty second half) and three (halves of 2 and 1) with and without prefetch; five with the slow
+# tests.
+@pytest.mark.parametrize("layers,prefetch", [(1, True), (3, True), (1, False), (3, False),
+                                             pytest.param(5, True, marks=pytest.mark.slow),
+                                             pytest.param(5, False, marks=pytest.mark.slow)])
 def test_odd_layer_counts_stream_through_both_halves(layers, prefetch, monkeypatch):
     """Odd stacks give halves of unequal length (and a one-layer stack an empty second half)."""
     monkeypatch.setattr(sys.modules[__name__], "LAYERS", layers)
