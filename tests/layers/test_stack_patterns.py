@@ -17,7 +17,6 @@
 """
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -214,10 +213,10 @@ def test_an_offload_inside_the_scan_with_layer_values_still_goes_to_host():
     assert with_values == uniform and sum(with_values.values()) > 0, with_values
 
 
-# --- compile time does not grow with depth ----------------------------------------------------
+# --- the program does not grow with depth ----------------------------------------------------
 
-def _compile_seconds(num_layers: int) -> float:
-
+def _lowered_lines(num_layers: int) -> int:
+    """Lines of the gradient program's StableHLO for a Gemma 3 stack of `num_layers` layers (shapes only)."""
     cfg = preset_config("gemma3", "tiny_odd", num_layers=num_layers)
     model = nnx.eval_shape(lambda: DecoderLM(cfg, F32, rngs=nnx.Rngs(0), remat="recompute_all"))
     graphdef, state = nnx.split(model)   # shapes only: nothing to initialise
@@ -226,13 +225,12 @@ def _compile_seconds(num_layers: int) -> float:
     def loss(state):
         return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
 
-    lowered = jax.jit(jax.value_and_grad(loss)).lower(state)
-    start = time.perf_counter()
-    lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
-    return time.perf_counter() - start
+    return jax.jit(jax.value_and_grad(loss)).lower(state).as_text().count("\n")
 
 
-def test_compile_time_does_not_grow_with_depth():
-    _compile_seconds(6)                                   # warm the compiler's caches
-    two, eight = _compile_seconds(12), _compile_seconds(48)   # 2 and 8 periods of "LLLLLG"
-    assert eight < 2.0 * two + 1.0, (two, eight)           # a Python loop over layers would take about 4x
+def test_the_program_does_not_grow_with_depth():
+    """2 and 8 periods of "LLLLLG" lower to programs of about one size: the runs are scanned, so what XLA
+    compiles (and its compile time) does not grow with the layer count; a Python loop over the layers would
+    make the program (and the compile) about 4x larger. Counted in the lowered program, not timed."""
+    two, eight = _lowered_lines(12), _lowered_lines(48)
+    assert eight < 1.1 * two, (two, eight)
