@@ -23,8 +23,16 @@ here (no LayerHalves), carried through the scan and written a row at a time in
 place: iteration t writes layer t-1's new rows over its old ones, then reads
 layer t+1's from the buffers written, and the step donates the state, so the
 state is never in host memory twice (deviceless H200: its host bytes alias,
-host temp 0; docs/DESIGN.md section 6). The pending gradients are not donated
-(recipes/train/step.py says why): old and new are held together.
+host temp 0; docs/DESIGN.md section 6). The pending gradients are donated too
+(with keep_unused: recipes/train/step.py says why), the new ones written where the
+old ones were.
+
+Where the stacked leaves' pending gradients wait (offload.pending_gradients): in
+pinned host memory (`pending_in_host_memory=True`, the default: each layer's
+gradient leaves HBM as the backward pass makes it and comes back in the next
+forward pass), or in HBM (False: about the HBM of the update after the backward
+pass, which holds the whole stacked gradient then too; no gradient crosses the
+link). The maths is the same either way.
 """
 
 from __future__ import annotations
@@ -45,8 +53,9 @@ from spillway.recipes.optim.host_memory import host_sharding
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingUpdate:
-    """The gradients of the last step, not yet applied: the stacked leaves' in host memory, the rest on
-    device; their global norm (float32 scalar) and whether there are any (a boolean scalar)."""
+    """The gradients of the last step, not yet applied: the stacked leaves' in host memory (or in HBM:
+    `pending_shardings`), the rest on device; their global norm (float32 scalar) and whether there are any
+    (a boolean scalar)."""
     grads: object
     grad_norm: jax.Array
     apply: jax.Array
@@ -56,7 +65,7 @@ class PendingUpdate:
 @dataclasses.dataclass(frozen=True)
 class _UpdatedBeforeUse:
     """A stacked weight (or its layer) standing in the model's state for the weight its layer will run
-    with. `grad_sink`: the same layer of the pending gradient's host buffer, the input the step
+    with. `grad_sink`: the same layer of the pending gradient's buffer (host or HBM), the input the step
     differentiates (its value is never read: the new gradient is what comes back for it). `key`: the
     leaf's index in the optimizer's flattening."""
     weight: jax.Array
@@ -68,21 +77,23 @@ def _is_updated(x) -> bool:
     return isinstance(x, _UpdatedBeforeUse)
 
 
-@jax.custom_vjp
-def _into_layer(new_weight, grad_sink, norm_probe):
-    """new_weight, for the layer to run with. Backward: the weight's gradient goes to host memory as the
-    cotangent of `grad_sink` (the layer's gradient leaves HBM as the backward pass makes it), and its
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _into_layer(new_weight, grad_sink, norm_probe, pending_in_host_memory: bool):
+    """new_weight, for the layer to run with. Backward: the weight's gradient becomes the cotangent of
+    `grad_sink`, in the pending gradients' memory: sent to host memory (`pending_in_host_memory`: the
+    layer's gradient leaves HBM as the backward pass makes it) or left in HBM where it was made; and its
     sum of squares on device as the cotangent of `norm_probe` (a scalar every layer shares, so the scan's
     transpose adds them up: the stacked gradients' squared norm, without reading them back)."""
     return new_weight
 
 
-def _into_layer_fwd(new_weight, grad_sink, norm_probe):
+def _into_layer_fwd(new_weight, grad_sink, norm_probe, pending_in_host_memory):
     return new_weight, None
 
 
-def _into_layer_bwd(_, grad):
-    return None, streaming.to_host(grad), jnp.sum(jnp.square(grad.astype(jnp.float32)))
+def _into_layer_bwd(pending_in_host_memory, _, grad):
+    sink = streaming.to_host(grad) if pending_in_host_memory else grad
+    return None, sink, jnp.sum(jnp.square(grad.astype(jnp.float32)))
 
 
 _into_layer.defvjp(_into_layer_fwd, _into_layer_bwd)
@@ -94,10 +105,11 @@ class _UpdateBeforeEachLayer:
     Its carry: (the state's host buffers, written a row at a time in place; the next layer's gradient and
     state rows on device). What it collects: per leaf (the new stacked weight, the new state buffers)."""
 
-    def __init__(self, begun, host_grads: dict, norm_probe):
+    def __init__(self, begun, pending_grads: dict, norm_probe, pending_in_host_memory: bool):
         self.begun = begun
-        self.host_grads = host_grads
+        self.pending_grads = pending_grads
         self.norm_probe = norm_probe
+        self.pending_in_host_memory = pending_in_host_memory
         self.outputs = None
         lengths = {state[0].shape[0] for state in begun.host_state.values()}
         if len(lengths) > 1:
@@ -106,9 +118,11 @@ class _UpdateBeforeEachLayer:
         self.num_layers = lengths.pop() if lengths else 0
 
     def _fetch(self, buffers, layer_index):
-        def row(x):
-            return streaming.to_device(lax.dynamic_index_in_dim(x, layer_index, keepdims=False))
-        return {k: (row(self.host_grads[k]), tuple(row(s) for s in state)) for k, state in buffers.items()}
+        def row(x, in_host_memory=True):
+            x = lax.dynamic_index_in_dim(x, layer_index, keepdims=False)
+            return streaming.to_device(x) if in_host_memory else x
+        return {k: (row(self.pending_grads[k], self.pending_in_host_memory), tuple(row(s) for s in state))
+                for k, state in buffers.items()}
 
     def start(self):
         """(the host state buffers, written a row at a time in place; layer 0's gradient and state rows on
@@ -139,7 +153,7 @@ class _UpdateBeforeEachLayer:
             new_weights[leaf.key] = new_weight
             new_rows[leaf.key] = tuple(lax.stop_gradient(d).astype(s.dtype)
                                        for d, s in zip(new_state, buffers[leaf.key]))
-            return _into_layer(new_weight, leaf.grad_sink, self.norm_probe)
+            return _into_layer(new_weight, leaf.grad_sink, self.norm_probe, self.pending_in_host_memory)
 
         layer_state = jax.tree.map(update, layer_state, is_leaf=_is_updated)
         return (buffers, upcoming, new_rows), layer_state, new_weights
@@ -155,8 +169,11 @@ class _UpdateBeforeEachLayer:
                         for k in outputs}
 
 
-def make_train_step(objective, optimizer):
+def make_train_step(objective, optimizer, pending_in_host_memory: bool = True):
     """(params, opt_state, pending, batch) -> (params, opt_state, pending, metrics).
+
+    `pending_in_host_memory`: where the returned pending gradients of the stacked leaves are made, as
+    `pending_shardings` places them (host memory, or HBM with False).
 
     `objective(params, batch)` -> (what the step differentiates, that batch's metrics) is the step's
     (recipes/train/step.make_objective). The params and opt_state returned have the *pending* update
@@ -169,13 +186,14 @@ def make_train_step(objective, optimizer):
         leaves, treedef = jax.tree.flatten(begun.params)
         pending_leaves = treedef.flatten_up_to(pending.grads)
         in_forward = set(begun.layer_update)
-        # What the step differentiates: the pending gradients' host buffers for the leaves updated in
+        # What the step differentiates: the pending gradients' buffers for the leaves updated in
         # the forward pass (what comes back for them is the new gradient), the weights for the rest.
         differentiated = treedef.unflatten([pending_leaves[k] if k in in_forward else leaf
                                             for k, leaf in enumerate(leaves)])
 
         def loss_with_update(differentiated, norm_probe, batch):
-            hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe)
+            hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe,
+                                          pending_in_host_memory)
             wrapped = [_UpdatedBeforeUse(leaves[k], d, k) if k in in_forward else d
                        for k, d in enumerate(treedef.flatten_up_to(differentiated))]
             with layer_hook.running_before_layers(hook):
@@ -208,14 +226,16 @@ def make_flush(optimizer):
 
 def nothing_pending(params) -> PendingUpdate:
     """A PendingUpdate with nothing to apply (zero gradients), for the first step; jit it with
-    `pending_shardings` so that the stacked leaves' land in host memory."""
+    `pending_shardings` so that the stacked leaves' land where the step keeps them (host memory, or HBM)."""
     return PendingUpdate(jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), bool))
 
 
-def pending_shardings(optimizer, param_shardings, scalar_sharding) -> PendingUpdate:
+def pending_shardings(optimizer, param_shardings, scalar_sharding,
+                      pending_in_host_memory: bool = True) -> PendingUpdate:
     """Where a PendingUpdate lives: the gradients of the leaves updated in the forward pass in pinned host
-    memory, the rest like their parameters; the scalars replicated."""
+    memory (`pending_in_host_memory`; with False in HBM, like their parameters), the rest like their
+    parameters; the scalars replicated."""
     leaves, treedef = jax.tree.flatten(param_shardings)
-    in_forward = optimizer.updated_in_forward()
+    in_forward = optimizer.updated_in_forward() if pending_in_host_memory else set()
     grads = treedef.unflatten([host_sharding(s) if k in in_forward else s for k, s in enumerate(leaves)])
     return PendingUpdate(grads, scalar_sharding, scalar_sharding)
