@@ -32,7 +32,9 @@ pinned host memory (`pending_in_host_memory=True`, the default: each layer's
 gradient leaves HBM as the backward pass makes it and comes back in the next
 forward pass), or in HBM (False: about the HBM of the update after the backward
 pass, which holds the whole stacked gradient then too; no gradient crosses the
-link). The maths is the same either way.
+link), where the backward pass writes each layer's new gradient over its row of
+the old ones (`_into_layer_in_place`, below says why). The maths is the same
+either way.
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ class PendingUpdate:
 @dataclasses.dataclass(frozen=True)
 class _UpdatedBeforeUse:
     """A stacked weight (or its layer) standing in the model's state for the weight its layer will run
-    with. `grad_sink`: the same layer of the pending gradient's buffer (host or HBM), the input the step
-    differentiates (its value is never read: the new gradient is what comes back for it). `key`: the
-    leaf's index in the optimizer's flattening."""
+    with. `grad_sink`: the same layer of the pending gradient's host buffer, the input the step
+    differentiates (its value is never read: the new gradient is what comes back for it); None with the
+    pending gradients in HBM, whose stacked buffer rides in the hook's carry instead. `key`: the leaf's
+    index in the optimizer's flattening."""
     weight: jax.Array
     grad_sink: jax.Array
     key: int
