@@ -179,7 +179,6 @@ def test_pending_gradients_in_hbm_never_cross_the_link_and_leave_host_memory_to_
 
     from spillway.recipes.train.step import abstract_model
 
-    after = bfloat16_rows["device_params"]
     on_host = bfloat16_rows["device_params_update_in_forward"]
     in_hbm = bfloat16_rows["device_params_update_in_forward_pending_device"]
     args = argparse.Namespace(layers=LAYERS, d_model=512, grad_accum=1, activations="recompute_all",
@@ -195,10 +194,12 @@ def test_pending_gradients_in_hbm_never_cross_the_link_and_leave_host_memory_to_
     report, host_report = in_hbm["report"], on_host["report"]
     assert host_report["host_argument_bytes"] - report["host_argument_bytes"] == weights
     assert report["host_alias_bytes"] == report["host_argument_bytes"] and report["host_temp_bytes"] == 0
-    # The stacked gradient in HBM, no more: at most the pending-on-host step's HBM + the gradients, and not
-    # above the update after the backward pass by more than the layer of new state rows the carry holds.
-    assert report["hbm_bytes"] <= host_report["hbm_bytes"] + weights, (report["hbm_bytes"], host_report["hbm_bytes"])
-    assert report["hbm_bytes"] < after["report"]["hbm_bytes"] + state // LAYERS
+    # The stacked gradient in HBM once: at most the pending-on-host step's HBM + the gradients (made in the
+    # old ones' buffer; stacked by the scan's transpose into a new one, as first built, old and new were both
+    # there: the 1B's 9.78 GiB against 6.33 + 1.81), and most of them (measured on this toy: 208.1 MiB on host,
+    # 258.9 in HBM, the gradients 58.4; 211.8 after the backward pass, whose update holds them too).
+    assert host_report["hbm_bytes"] + weights - 2 * weights // LAYERS <= report["hbm_bytes"] <= \
+        host_report["hbm_bytes"] + weights, (report["hbm_bytes"], host_report["hbm_bytes"], weights)
     # The planner prices it below the pending-on-host plan: the same compute, less over the link.
     target = get_target("h200")
     recipe = host_params_toy.recipe_for(args, "device_params_update_in_forward_pending_device")

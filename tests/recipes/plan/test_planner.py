@@ -148,6 +148,8 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     assert "offload.pending_gradients=device" in in_hbm.set_arguments(recipe)
     assert plan_candidates.Candidate.of_recipe(in_hbm.applied_to(recipe)) == in_hbm
     assert plan_candidates.Candidate.from_dict(in_hbm.to_dict()) == in_hbm
+    # The table tells the two placements apart in its update column.
+    assert plan_render._settings_cells(in_hbm).split()[4:6] == ["next_forward", "pending=device"]
     assert not [c for c in plan_candidates.candidates(small_recipe("train.grad_accum=2")) if c.update == NEXT_FORWARD]
     for spec in activations:
         RematPlan.parse(spec).resolve(recipe.model.num_layers)   # all valid for the model
