@@ -13,7 +13,8 @@ Before any case starts, each is judged deviceless against the GPU machine (one H
 is skipped with the reason. Per case it records peak HBM, the process's resident peak (VmHWM) and, where
 the runtime reports it, its pinned host peak, step time, tokens/s and MFU. The default cases are the
 headline: host against device optimizer state at the same global batch with 8 micro-batches (1B, 3B),
-the update in the next forward pass against after the backward pass (1B, 3B), and the 8B step with
+the update in the next forward pass against after the backward pass (1B, 3B; with the pending
+gradients in host memory and, last, in HBM), and the 8B step with
 cuDNN attention (its MFU). With the time left, the call ends with one MoE layer shaped like
 Qwen3-30B-A3B's timed per dispatch beside a dense MLP of the same active FLOPs
 (benchmarks/moe_layer_speed.py; --no-moe-layer skips it), then one checkpoint save (in pieces) and restore of
