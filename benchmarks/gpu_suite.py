@@ -13,7 +13,8 @@ Before any case starts, each is judged deviceless against the GPU machine (one H
 is skipped with the reason. Per case it records peak HBM, the process's resident peak (VmHWM) and, where
 the runtime reports it, its pinned host peak, step time, tokens/s and MFU. The default cases are the
 headline: host against device optimizer state at the same global batch with 8 micro-batches (1B, 3B),
-the update in the next forward pass against after the backward pass (1B, 3B), and the 8B step with
+the update in the next forward pass against after the backward pass (1B, 3B; with the pending
+gradients in host memory and, last, in HBM), and the 8B step with
 cuDNN attention (its MFU). With the time left, the call ends with one MoE layer shaped like
 Qwen3-30B-A3B's timed per dispatch beside a dense MLP of the same active FLOPs
 (benchmarks/moe_layer_speed.py; --no-moe-layer skips it), then one checkpoint save (in pieces) and restore of
@@ -71,6 +72,7 @@ CUDNN = ("execution.attention_impl=cudnn",)
 # Llama 3.2 3B's shape (Meta's config: 28 layers of 3072, 24 heads, 8 KV heads, MLP 8192), on the 1B recipe.
 LLAMA_3B = ("model.d_model=3072", "model.num_layers=28", "model.num_heads=24", "model.num_kv_heads=8",
             "model.mlp_hidden=8192")
+PENDING_IN_HBM = "offload.pending_gradients=device"   # next_forward's pending gradients in HBM
 
 
 CASES = {
@@ -134,11 +136,20 @@ CASES = {
     "1b/recompute_all/host/cudnn": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN),
     "1b/recompute_all/host_in_fwd/cudnn": Case("llama3_1b", "recompute_all", "host", overrides=CUDNN,
                                                update="next_forward"),
+    # The same with the pending gradients in HBM (offload.pending_gradients=device): host memory the state
+    # alone, about the HBM of the update after the backward pass, no gradient over the link.
+    "3b/recompute_all/host_in_fwd_hbm/cudnn": Case("llama3_1b", "recompute_all", "host",
+                                                   overrides=CUDNN + LLAMA_3B + (PENDING_IN_HBM,),
+                                                   update="next_forward"),
+    "1b/recompute_all/host_in_fwd_hbm/cudnn": Case("llama3_1b", "recompute_all", "host",
+                                                   overrides=CUDNN + (PENDING_IN_HBM,), update="next_forward"),
 }
 # What one call measures by default (under 8 minutes on one H200): the headline rows, then the 8B step
 # with cuDNN attention (its MFU). `--cases all` runs every case.
 # The split rows follow their device and host rows; the budget (--budget-s) stops starting cases once spent,
-# so the last ones (the planner's budget picks, then the 1B pair repeating the 3B one) are the first to go.
+# so the last ones (the planner's budget picks, then the 1B pair repeating the 3B one, then the next_forward
+# rows with the pending gradients in HBM, added last so that they displace none of the others) are the first
+# to go.
 DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cudnn/ga8",
                  "1b/recompute_all/split/cudnn/ga8",
                  "3b/recompute_all/device/cudnn/ga8", "3b/recompute_all/host/cudnn/ga8",
@@ -147,7 +158,8 @@ DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cud
                  "8b/recompute_all/host/cudnn", "8b/save_qkv_offload_mlp/split_pick/cudnn/ga8",
                  "1b/save_dots/device/cudnn/ga8", "1b/save_dots/split_pick/cudnn/ga8",
                  "3b/save_dots/device/cudnn/ga8", "3b/save_qkv_offload_mlp/split_pick/cudnn/ga8",
-                 "1b/recompute_all/host/cudnn", "1b/recompute_all/host_in_fwd/cudnn")
+                 "1b/recompute_all/host/cudnn", "1b/recompute_all/host_in_fwd/cudnn",
+                 "3b/recompute_all/host_in_fwd_hbm/cudnn", "1b/recompute_all/host_in_fwd_hbm/cudnn")
 # The GPU machine: one H200, 128 GiB of host RAM, 16 cores.
 HOST_RAM_BYTES = 128 * 2**30
 GPU_TARGET = DEFAULT_GPU

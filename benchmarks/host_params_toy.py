@@ -20,6 +20,8 @@ of the model, once per placement:
                     update run in the next step's forward pass just before the layer
                     (offload.update=next_forward; grad_accum 1 only), the pending
                     gradients in host memory
+    device_params_update_in_forward_pending_device   the same with the pending gradients in HBM
+                    (offload.pending_gradients=device): no gradient crosses the link
     host_experts    with an MoE block (--block, e.g. benchmarks.moe_blocks:ToyMoEBlock) only the
                     routed experts' weights in pinned host memory (offload.params=experts),
                     streamed like host_params; attention, norms and router in HBM
@@ -61,6 +63,9 @@ PLACEMENTS = {
     "host_params_host_update": ["offload.params=host", "optimizer.update_on_host=true"],
     "device_params_update_in_forward": ["offload.params=device", "optimizer.update_on_host=false",
                                         "offload.update=next_forward"],
+    "device_params_update_in_forward_pending_device": ["offload.params=device", "optimizer.update_on_host=false",
+                                                       "offload.update=next_forward",
+                                                       "offload.pending_gradients=device"],
     # The last half of the layers' weights and state on host, the first half in HBM (offload.params=host:N).
     "split_params": ["offload.params=host:0.5", "offload.optimizer_state=host:0.5", "optimizer.update_on_host=false"],
     # The weights across the turn: the last 2 streamed layers keep their fetched weights for the backward pass.
@@ -73,7 +78,7 @@ PLACEMENTS = {
 # Placements that need an MoE block (--block): left out without one.
 EXPERT_PLACEMENTS = ("host_experts", "host_experts_host_update")
 # Placements that take one batch per step (offload.update=next_forward): left out with --grad-accum > 1.
-ONE_BATCH_PLACEMENTS = ("device_params_update_in_forward",)
+ONE_BATCH_PLACEMENTS = ("device_params_update_in_forward", "device_params_update_in_forward_pending_device")
 
 
 def mesh_shape(text: str) -> dict[str, int]:

@@ -23,7 +23,8 @@ schedule does with the host link:
 (offload.update), --set train.grad_accum=8 the accumulating step.
 
 Run:  .venv/bin/python benchmarks/update_overlap.py [--recipe llama3_8b] [--gpu h200]
-      [--plan recompute_all] [--update after_backward|next_forward] [--set key=value ...]
+      [--plan recompute_all] [--update after_backward|next_forward] [--pending-gradients host|device]
+      [--set key=value ...]
       [--xla option=value ...] [--json]
 """
 
@@ -57,6 +58,8 @@ def measure(argv: list[str]) -> dict:
     parser.add_argument("--gpu", default=DEFAULT_GPU)
     parser.add_argument("--plan", default="recompute_all")
     parser.add_argument("--update", default="after_backward")
+    parser.add_argument("--pending-gradients", default="host", choices=("host", "device"),
+                        help="with --update next_forward: where the pending gradients wait (offload.pending_gradients)")
     parser.add_argument("--hlo-out", help="write the compiled step's HLO text here")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
@@ -77,7 +80,8 @@ def measure(argv: list[str]) -> dict:
 
     recipe = get_recipe(args.recipe, args.set)
     recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state="host",
-                                                                       update=args.update))
+                                                                       update=args.update,
+                                                                       pending_gradients=args.pending_gradients))
     recipe, _ = planned_recipe(recipe)
     target = get_target(args.gpu)
     topology = gpu_topology(target, 1)
@@ -99,10 +103,13 @@ def measure(argv: list[str]) -> dict:
     state = min(stats.host_argument_size_in_bytes, traffic.device_to_host_bytes, traffic.host_to_device_bytes)
     moved = traffic.device_to_host_bytes + traffic.host_to_device_bytes
     return {
-        "recipe": recipe.name, "plan": args.plan, "xla": args.xla, "update": args.update, "target": target.display_name,
+        "recipe": recipe.name, "plan": args.plan, "xla": args.xla, "update": args.update,
+        "pending_gradients": args.pending_gradients, "target": target.display_name,
         "host_link": target.host_link, "link_bytes_per_s": link, "compile_s": seconds,
         "hbm_bytes": (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                       + stats.temp_size_in_bytes),
+        "hbm_parts": {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+                      "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes},
         "host_state_bytes": stats.host_argument_size_in_bytes,
         "host_temp_bytes": stats.host_temp_size_in_bytes,
         "host_alias_bytes": stats.host_alias_size_in_bytes,
@@ -122,7 +129,11 @@ def print_table(r: dict) -> None:
           f"(deviceless compile, {r['compile_s']:.0f} s{', ' + ' '.join(r['xla']) if r['xla'] else ''}); "
           f"{r['host_link']} "
           f"{r['link_bytes_per_s'] / 1e9:.0f} GB/s per direction")
-    print(f"  HBM {r['hbm_bytes'] / GiB:.2f} GiB, host state {r['host_state_bytes'] / GiB:.2f} GiB, "
+    parts = r["hbm_parts"]
+    print(f"  HBM {r['hbm_bytes'] / GiB:.2f} GiB (arguments {parts['argument'] / GiB:.2f} + outputs "
+          f"{parts['output'] / GiB:.2f} - alias {parts['alias'] / GiB:.2f} + temp {parts['temp'] / GiB:.2f}); "
+          f"pending gradients in {r['pending_gradients']} memory")
+    print(f"  host state {r['host_state_bytes'] / GiB:.2f} GiB, "
           f"host temp {r['host_temp_bytes'] / GiB:.2f} GiB, host alias {r['host_alias_bytes'] / GiB:.2f} GiB")
     print("  async copies beside a matmul, per pass: " + ", ".join(
         f"{kind} {r['beside_compute_by_pass'][kind] / GiB:.2f} of {moved / GiB:.2f} GiB"

@@ -40,6 +40,12 @@ TOKENIZER_TYPES = ("bpe", "unigram")
 AFTER_BACKWARD = "after_backward"
 NEXT_FORWARD = "next_forward"
 UPDATE_TIMES = (AFTER_BACKWARD, NEXT_FORWARD)
+# Where the deferred update's pending gradients of the stacked block leaves wait between two steps (with
+# offload.update=next_forward): pinned host memory, sent there as the backward pass makes them, or HBM
+# (recipes/optim/update_in_forward.py pending_shardings).
+PENDING_HOST = "host"
+PENDING_DEVICE = "device"
+PENDING_PLACES = (PENDING_HOST, PENDING_DEVICE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +121,11 @@ class OffloadConfig:
     # runs, so the state's copies move while the forward pass computes (same maths; a checkpoint,
     # validation or the end of training first finishes the update still pending).
     update: str = AFTER_BACKWARD
+    # With offload.update=next_forward: where the pending gradients of the stacked block leaves wait for the
+    # next step. "host": in pinned host memory (host memory S + Gp, the gradients cross the link twice a
+    # step); "device": in HBM (about the HBM of after_backward, which holds the whole stacked gradient at the
+    # end of the backward pass too; host memory S alone, and no gradient crosses the link).
+    pending_gradients: str = PENDING_HOST
     # The GPUs the two settings above were planned for: `spillway plan RECIPE` picks them there, and
     # `spillway train RECIPE --plan auto` plans for that GPU by default. None: a recipe for no GPU in particular.
     target_gpu: str | None = None         # a recipes/targets.py name, e.g. "h200"
@@ -146,6 +157,14 @@ class OffloadConfig:
             raise ConfigError("offload.update=next_forward streams a host-resident optimizer state under the "
                               "next forward pass: it needs offload.optimizer_state=host and offload.params=device "
                               f"(got optimizer_state={self.optimizer_state}, params={self.params})")
+        if self.pending_gradients not in PENDING_PLACES:
+            raise ConfigError(f"offload.pending_gradients must be one of {PENDING_PLACES}, "
+                              f"got {self.pending_gradients!r}")
+        if self.pending_gradients != PENDING_HOST and self.update != NEXT_FORWARD:
+            raise ConfigError(f"offload.pending_gradients={self.pending_gradients} places the gradients the "
+                              f"update in the next forward pass waits for, but offload.update={self.update} "
+                              f"leaves none pending: set offload.update={NEXT_FORWARD}, or "
+                              f"offload.pending_gradients={PENDING_HOST}")
         require_positive("offload", target_devices=self.target_devices)
         if self.target_gpu is not None:
             try:
@@ -325,7 +344,7 @@ class Recipe:
                                   f"offload.activations={self.offload.activations!r} has {len(segments)} segments")
             if self.train.grad_accum != 1:
                 raise ConfigError(f"offload.update=next_forward takes one batch per step (train.grad_accum=1, "
-                                  f"got {self.train.grad_accum}): the pending gradients wait in host memory "
+                                  f"got {self.train.grad_accum}): the pending gradients are kept "
                                   f"as the backward pass makes them, with no running sum")
             if self.optimizer.update_on_host:
                 raise ConfigError("offload.update=next_forward streams the update through HBM; "

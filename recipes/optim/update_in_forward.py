@@ -23,8 +23,18 @@ here (no LayerHalves), carried through the scan and written a row at a time in
 place: iteration t writes layer t-1's new rows over its old ones, then reads
 layer t+1's from the buffers written, and the step donates the state, so the
 state is never in host memory twice (deviceless H200: its host bytes alias,
-host temp 0; docs/DESIGN.md section 6). The pending gradients are not donated
-(recipes/train/step.py says why): old and new are held together.
+host temp 0; docs/DESIGN.md section 6). The pending gradients are donated too
+(with keep_unused: recipes/train/step.py says why), the new ones written where the
+old ones were.
+
+Where the stacked leaves' pending gradients wait (offload.pending_gradients): in
+pinned host memory (`pending_in_host_memory=True`, the default: each layer's
+gradient leaves HBM as the backward pass makes it and comes back in the next
+forward pass), or in HBM (False: about the HBM of the update after the backward
+pass, which holds the whole stacked gradient then too; no gradient crosses the
+link), where the backward pass writes each layer's new gradient over its row of
+the old ones (`_into_layer_in_place`, below says why). The maths is the same
+either way.
 """
 
 from __future__ import annotations
@@ -45,8 +55,9 @@ from spillway.recipes.optim.host_memory import host_sharding
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingUpdate:
-    """The gradients of the last step, not yet applied: the stacked leaves' in host memory, the rest on
-    device; their global norm (float32 scalar) and whether there are any (a boolean scalar)."""
+    """The gradients of the last step, not yet applied: the stacked leaves' in host memory (or in HBM:
+    `pending_shardings`), the rest on device; their global norm (float32 scalar) and whether there are any
+    (a boolean scalar)."""
     grads: object
     grad_norm: jax.Array
     apply: jax.Array
@@ -57,8 +68,9 @@ class PendingUpdate:
 class _UpdatedBeforeUse:
     """A stacked weight (or its layer) standing in the model's state for the weight its layer will run
     with. `grad_sink`: the same layer of the pending gradient's host buffer, the input the step
-    differentiates (its value is never read: the new gradient is what comes back for it). `key`: the
-    leaf's index in the optimizer's flattening."""
+    differentiates (its value is never read: the new gradient is what comes back for it); None with the
+    pending gradients in HBM, whose stacked buffer rides in the hook's carry instead. `key`: the leaf's
+    index in the optimizer's flattening."""
     weight: jax.Array
     grad_sink: jax.Array
     key: int
@@ -88,37 +100,104 @@ def _into_layer_bwd(_, grad):
 _into_layer.defvjp(_into_layer_fwd, _into_layer_bwd)
 
 
+# Pending gradients in HBM (offload.pending_gradients=device). Had each layer's gradient come back as the
+# cotangent of its own row, as above, the scan's transpose would stack the rows into a new buffer
+# (zeros first), and XLA, which puts a donated argument's memory only under a value made from that argument,
+# would copy that buffer into the old gradients' after the loop: old and new in HBM together (deviceless
+# H200, Llama 3.2 1B: HBM 9.78 GiB against 6.33 with them on host). Instead the stacked pending gradient
+# rides in the hook's carry, untouched by the forward pass, and its cotangent is seeded with the old
+# gradients themselves (`_seeded_with_itself`); going back, each layer writes its gradient over its own
+# row of that cotangent (`_into_layer_in_place`), so the new gradients are made in the old ones' buffer,
+# a row at a time, as the carried state is in the forward pass. Every row is written once (every layer
+# runs once), so what comes back is the new gradient whatever the seed held; no other operation reads
+# the carried buffer's cotangent.
+
+@jax.custom_vjp
+def _into_layer_in_place(new_weight, stacked_sink, layer_index, norm_probe):
+    """(new_weight, stacked_sink unchanged). Backward: the weight's gradient written over row `layer_index`
+    of the stacked sink's cotangent (in place, in HBM), and its sum of squares as `norm_probe`'s."""
+    return new_weight, stacked_sink
+
+
+def _into_layer_in_place_fwd(new_weight, stacked_sink, layer_index, norm_probe):
+    return (new_weight, stacked_sink), layer_index
+
+
+def _into_layer_in_place_bwd(layer_index, cotangents):
+    grad, sink_cotangent = cotangents
+    written = lax.dynamic_update_index_in_dim(sink_cotangent, grad.astype(sink_cotangent.dtype), layer_index, 0)
+    return None, written, None, jnp.sum(jnp.square(grad.astype(jnp.float32)))
+
+
+_into_layer_in_place.defvjp(_into_layer_in_place_fwd, _into_layer_in_place_bwd)
+
+
+@jax.custom_vjp
+def _seeded_with_itself(stacked_sinks):
+    """0.0, added to the loss. Backward: the sinks' cotangent is their own value (the old pending gradients):
+    the buffer `_into_layer_in_place` writes each layer's new gradient into."""
+    return jnp.zeros((), jnp.float32)
+
+
+def _seeded_with_itself_fwd(stacked_sinks):
+    return jnp.zeros((), jnp.float32), stacked_sinks
+
+
+def _seeded_with_itself_bwd(stacked_sinks, _):
+    return (stacked_sinks,)
+
+
+_seeded_with_itself.defvjp(_seeded_with_itself_fwd, _seeded_with_itself_bwd)
+
+
 class _UpdateBeforeEachLayer:
     """The LayerHook: layer t's update from its prefetched gradient and state, layer t+1's fetched meanwhile.
 
     Its carry: (the state's host buffers, written a row at a time in place; the next layer's gradient and
-    state rows on device). What it collects: per leaf (the new stacked weight, the new state buffers)."""
+    state rows on device; the rows to write next), and with the pending gradients in HBM their stacked
+    buffers too (the sinks `_into_layer_in_place` threads through; `pending_grads` are then those, the
+    differentiated ones). What it collects: per leaf (the new stacked weight, the new state buffers), and
+    the sinks after the last layer (`final_sinks`)."""
 
-    def __init__(self, begun, host_grads: dict, norm_probe):
+    def __init__(self, begun, pending_grads: dict, norm_probe, pending_in_host_memory: bool = True):
         self.begun = begun
-        self.host_grads = host_grads
+        self.pending_grads = pending_grads
         self.norm_probe = norm_probe
+        self.pending_in_host_memory = pending_in_host_memory
         self.outputs = None
+        self.final_sinks = None
         lengths = {state[0].shape[0] for state in begun.host_state.values()}
         if len(lengths) > 1:
             raise ValueError(f"offload.update=next_forward needs one stack of layers; the stacked leaves "
                              f"have {sorted(lengths)} layers")
         self.num_layers = lengths.pop() if lengths else 0
 
-    def _fetch(self, buffers, layer_index):
+    def _fetch(self, buffers, layer_index, grads=None):
         def row(x):
             return streaming.to_device(lax.dynamic_index_in_dim(x, layer_index, keepdims=False))
-        return {k: (row(self.host_grads[k]), tuple(row(s) for s in state)) for k, state in buffers.items()}
+
+        def grad_row(k):
+            if self.pending_in_host_memory:
+                return row(self.pending_grads[k])
+            # in HBM: read from the carried sink (not differentiated through: the update stops gradients)
+            return lax.dynamic_index_in_dim(lax.stop_gradient(grads[k]), layer_index, keepdims=False)
+        return {k: (grad_row(k), tuple(row(s) for s in state)) for k, state in buffers.items()}
 
     def start(self):
         """(the host state buffers, written a row at a time in place; layer 0's gradient and state rows on
-        device; the rows to write before the next fetch: layer 0's own, unchanged, the first time)."""
+        device; the rows to write before the next fetch: layer 0's own, unchanged, the first time), and
+        with the pending gradients in HBM their stacked sinks."""
         buffers = dict(self.begun.host_state)
-        current = self._fetch(buffers, 0)
-        return buffers, current, {k: rows for k, (_, rows) in current.items()}
+        if self.pending_in_host_memory:
+            current = self._fetch(buffers, 0)
+            return buffers, current, {k: rows for k, (_, rows) in current.items()}
+        sinks = dict(self.pending_grads)
+        current = self._fetch(buffers, 0, sinks)
+        return buffers, current, {k: rows for k, (_, rows) in current.items()}, sinks
 
     def before_layer(self, carry, layer_index, layer_state):
-        buffers, current, previous = carry
+        buffers, current, previous, *sinks = carry
+        sinks = dict(sinks[0]) if sinks else None
         # The previous layer's new rows go over its old ones first (in place: the step donates the
         # state), and the next layer's are read from the buffers written: the read follows the write it
         # depends on, so XLA needs neither a copy nor an order of its own between them, and both copies
@@ -127,7 +206,7 @@ class _UpdateBeforeEachLayer:
                                                             jnp.maximum(layer_index - 1, 0), 0)
                             for i, s in enumerate(state))
                    for k, state in buffers.items()}
-        upcoming = self._fetch(buffers, jnp.minimum(layer_index + 1, self.num_layers - 1))
+        upcoming = self._fetch(buffers, jnp.minimum(layer_index + 1, self.num_layers - 1), sinks)
         new_weights, new_rows = {}, {}
 
         def update(leaf):
@@ -139,15 +218,22 @@ class _UpdateBeforeEachLayer:
             new_weights[leaf.key] = new_weight
             new_rows[leaf.key] = tuple(lax.stop_gradient(d).astype(s.dtype)
                                        for d, s in zip(new_state, buffers[leaf.key]))
-            return _into_layer(new_weight, leaf.grad_sink, self.norm_probe)
+            if sinks is None:
+                return _into_layer(new_weight, leaf.grad_sink, self.norm_probe)
+            new_weight, sinks[leaf.key] = _into_layer_in_place(new_weight, sinks[leaf.key], layer_index,
+                                                               self.norm_probe)
+            return new_weight
 
         layer_state = jax.tree.map(update, layer_state, is_leaf=_is_updated)
-        return (buffers, upcoming, new_rows), layer_state, new_weights
+        if sinks is None:
+            return (buffers, upcoming, new_rows), layer_state, new_weights
+        return (buffers, upcoming, new_rows, sinks), layer_state, new_weights
 
     def collect(self, outputs, carry):
         if self.outputs is not None:
             raise ValueError("offload.update=next_forward needs one stack of layers; a second one ran")
-        buffers, _, last = carry
+        buffers, _, last, *sinks = carry
+        self.final_sinks = sinks[0] if sinks else None
         last_layer = self.num_layers - 1
         self.outputs = {k: (outputs[k], tuple(lax.dynamic_update_index_in_dim(s, streaming.to_host(last[k][i]),
                                                                               last_layer, 0)
@@ -155,8 +241,11 @@ class _UpdateBeforeEachLayer:
                         for k in outputs}
 
 
-def make_train_step(objective, optimizer):
+def make_train_step(objective, optimizer, pending_in_host_memory: bool = True):
     """(params, opt_state, pending, batch) -> (params, opt_state, pending, metrics).
+
+    `pending_in_host_memory`: where the returned pending gradients of the stacked leaves are made, as
+    `pending_shardings` places them (host memory, or HBM with False).
 
     `objective(params, batch)` -> (what the step differentiates, that batch's metrics) is the step's
     (recipes/train/step.make_objective). The params and opt_state returned have the *pending* update
@@ -169,19 +258,28 @@ def make_train_step(objective, optimizer):
         leaves, treedef = jax.tree.flatten(begun.params)
         pending_leaves = treedef.flatten_up_to(pending.grads)
         in_forward = set(begun.layer_update)
-        # What the step differentiates: the pending gradients' host buffers for the leaves updated in
+        # What the step differentiates: the pending gradients' buffers for the leaves updated in
         # the forward pass (what comes back for them is the new gradient), the weights for the rest.
         differentiated = treedef.unflatten([pending_leaves[k] if k in in_forward else leaf
                                             for k, leaf in enumerate(leaves)])
 
         def loss_with_update(differentiated, norm_probe, batch):
-            hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe)
-            wrapped = [_UpdatedBeforeUse(leaves[k], d, k) if k in in_forward else d
-                       for k, d in enumerate(treedef.flatten_up_to(differentiated))]
+            differentiated_leaves = treedef.flatten_up_to(differentiated)
+            if pending_in_host_memory:
+                hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe)
+                wrapped = [_UpdatedBeforeUse(leaves[k], d, k) if k in in_forward else d
+                           for k, d in enumerate(differentiated_leaves)]
+            else:   # in HBM: the stacked pending gradients ride in the hook's carry, no row in the layer state
+                hook = _UpdateBeforeEachLayer(begun, {k: differentiated_leaves[k] for k in in_forward}, norm_probe,
+                                              pending_in_host_memory=False)
+                wrapped = [_UpdatedBeforeUse(leaves[k], None, k) if k in in_forward else d
+                           for k, d in enumerate(differentiated_leaves)]
             with layer_hook.running_before_layers(hook):
                 value, batch_metrics = objective(treedef.unflatten(wrapped), batch)
             if in_forward and hook.outputs is None:
                 raise ValueError("offload.update=next_forward: the model ran no block stack that took the update")
+            if hook.final_sinks is not None:
+                value = value + _seeded_with_itself(hook.final_sinks)
             return value, (hook.outputs or {}, batch_metrics)
 
         (_, (stacked, batch_metrics)), (grads, stacked_squares) = jax.value_and_grad(
@@ -208,14 +306,16 @@ def make_flush(optimizer):
 
 def nothing_pending(params) -> PendingUpdate:
     """A PendingUpdate with nothing to apply (zero gradients), for the first step; jit it with
-    `pending_shardings` so that the stacked leaves' land in host memory."""
+    `pending_shardings` so that the stacked leaves' land where the step keeps them (host memory, or HBM)."""
     return PendingUpdate(jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), bool))
 
 
-def pending_shardings(optimizer, param_shardings, scalar_sharding) -> PendingUpdate:
+def pending_shardings(optimizer, param_shardings, scalar_sharding,
+                      pending_in_host_memory: bool = True) -> PendingUpdate:
     """Where a PendingUpdate lives: the gradients of the leaves updated in the forward pass in pinned host
-    memory, the rest like their parameters; the scalars replicated."""
+    memory (`pending_in_host_memory`; with False in HBM, like their parameters), the rest like their
+    parameters; the scalars replicated."""
     leaves, treedef = jax.tree.flatten(param_shardings)
-    in_forward = optimizer.updated_in_forward()
+    in_forward = optimizer.updated_in_forward() if pending_in_host_memory else set()
     grads = treedef.unflatten([host_sharding(s) if k in in_forward else s for k, s in enumerate(leaves)])
     return PendingUpdate(grads, scalar_sharding, scalar_sharding)

@@ -25,14 +25,14 @@ import jax
 from spillway.layers import names
 from spillway.layers.memory import EXPERTS, MEMORIES, Memory
 from spillway.layers.offload import MOE_PRESETS, PRESETS, RematPlan
-from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, OffloadConfig, Recipe
+from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, PENDING_HOST, PENDING_PLACES, OffloadConfig, Recipe
 
 # The key (`Candidate.state_word`) of host state updated by the host CPU (OptimizerConfig.update_on_host);
 # never printed: the table names the recipe fields.
 HOST_COMPUTE = "host_compute"
 # The recipe fields a candidate sets, in the order `--set` lines and labels name them.
 SETTING_FIELDS = ("offload.activations", "offload.optimizer_state", "offload.params", "offload.params_keep",
-                  "offload.update", "optimizer.update_on_host")
+                  "offload.update", "offload.pending_gradients", "optimizer.update_on_host")
 # The host CPU's update is tried with the activation plans that need the least HBM, where it can matter;
 # priced at the host's update rate (recipes/plan/host_update.py).
 HOST_COMPUTE_PLANS = ("recompute_all", "offload_dots")
@@ -60,10 +60,12 @@ class Candidate:
 
     @classmethod
     def of(cls, activations: str, optimizer_state: str = Memory.DEVICE.value, params: str = Memory.DEVICE.value,
-           update: str = AFTER_BACKWARD, *, update_on_host: bool = False, params_keep: int = 0) -> Candidate:
+           update: str = AFTER_BACKWARD, *, update_on_host: bool = False, params_keep: int = 0,
+           pending_gradients: str = PENDING_HOST) -> Candidate:
         # Plain strings, as a recipe's fields hold them (a Memory member compares equal but prints otherwise).
         return cls(OffloadConfig(activations=activations, optimizer_state=str(optimizer_state), params=str(params),
-                                 params_keep=params_keep, update=update), update_on_host)
+                                 params_keep=params_keep, update=update, pending_gradients=str(pending_gradients)),
+                   update_on_host)
 
     # The offload fields, read through: candidate.activations is candidate.offload.activations.
     activations = _offload_field("activations")
@@ -71,6 +73,7 @@ class Candidate:
     params = _offload_field("params")
     update = _offload_field("update")
     params_keep = _offload_field("params_keep")
+    pending_gradients = _offload_field("pending_gradients")
 
     @property
     def state_word(self) -> str:
@@ -81,7 +84,7 @@ class Candidate:
         """The recipe fields this plan sets and their values as `--set` writes them (SETTING_FIELDS)."""
         return {"offload.activations": self.activations, "offload.optimizer_state": self.optimizer_state,
                 "offload.params": self.params, "offload.params_keep": str(self.params_keep),
-                "offload.update": self.update,
+                "offload.update": self.update, "offload.pending_gradients": self.pending_gradients,
                 "optimizer.update_on_host": "true" if self.update_on_host else "false"}
 
     def set_arguments(self, recipe: Recipe) -> list[str]:
@@ -105,6 +108,8 @@ class Candidate:
             words.append(f"params_keep={self.params_keep}")
         if self.update == NEXT_FORWARD:
             words.append(f"update={self.update}")
+        if self.pending_gradients != PENDING_HOST:
+            words.append(f"pending_gradients={self.pending_gradients}")
         return " / ".join(words)
 
     @property
@@ -124,13 +129,15 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"activations": self.activations, "optimizer_state": self.optimizer_state, "params": self.params,
-                "params_keep": self.params_keep, "update": self.update, "update_on_host": self.update_on_host}
+                "params_keep": self.params_keep, "update": self.update, "pending_gradients": self.pending_gradients,
+                "update_on_host": self.update_on_host}
 
     @classmethod
     def from_dict(cls, data: dict) -> Candidate:
         return cls.of(data["activations"], data["optimizer_state"], data.get("params", Memory.DEVICE.value),
                       data.get("update", AFTER_BACKWARD), update_on_host=data.get("update_on_host", False),
-                      params_keep=data.get("params_keep", 0))
+                      params_keep=data.get("params_keep", 0),
+                      pending_gradients=data.get("pending_gradients", PENDING_HOST))
 
     @classmethod
     def of_recipe(cls, recipe: Recipe) -> Candidate:
@@ -138,7 +145,7 @@ class Candidate:
         offload = recipe.offload
         return cls.of(offload.activations, offload.optimizer_state, offload.params, offload.update,
                       update_on_host=recipe.optimizer.update_on_host and offload.optimizer_state == Memory.HOST,
-                      params_keep=offload.params_keep)
+                      params_keep=offload.params_keep, pending_gradients=offload.pending_gradients)
 
     def applied_to(self, recipe: Recipe) -> Recipe:
         """The recipe with this plan's offload section and optimizer.update_on_host."""
@@ -190,7 +197,8 @@ def preset_plans(recipe: Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def candidates(recipe: Recipe) -> list[Candidate]:
     """Every activation plan with the state on device and on host; the host CPU's update for the plans
     with the least HBM; with one batch per step the update in the next forward pass (single-policy
-    plans); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
+    plans), its pending gradients in host memory and in HBM (pruning compiles the first only where the
+    second does not fit: recipes/plan/pruning.py); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
     the abstract model: a tenth of a second); for large models the block weights on host too (for a LoRA
     recipe also with the adapters' state on device, and no deferred update)."""
     single, host_compute = preset_plans(recipe)
@@ -199,7 +207,8 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in host_compute]
     lora = recipe.lora.enabled   # LoRA: no host state to defer; a frozen base on host needs no host state
     if recipe.train.grad_accum == 1 and not lora:   # the update in the next forward pass: one batch per step
-        found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD) for plan in single]
+        found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD, pending_gradients=pending)
+                  for pending in PENDING_PLACES for plan in single]
     # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
     # the same state placements and plans as the whole stack: the experts are most of such a model's
     # weights and a small part of its compute per token, so they are the first weights to leave HBM.

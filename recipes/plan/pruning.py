@@ -12,6 +12,7 @@ already exceed a limit cannot fit, so it is not compiled either
 from __future__ import annotations
 
 from spillway.layers.memory import EXPERTS, Memory
+from spillway.recipes.config import NEXT_FORWARD, PENDING_DEVICE, PENDING_HOST
 from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import GiB, PlanRow
@@ -32,8 +33,13 @@ def refusal_before_compile(bounds: dict, hbm_limit: float, devices: int, host_ra
 
 def _less_in_host_memory(candidate: Candidate) -> list[Candidate]:
     """The plans of the same activations with less in host memory, which `candidate` cannot beat: the
-    state on device; the weights on device; with every block weight on host, only the experts' there."""
+    state on device; the weights on device; with every block weight on host, only the experts' there;
+    with the update in the next forward pass, its pending gradients in HBM (the same compute, and the
+    gradients never cross the link)."""
     found = []
+    if candidate.update == NEXT_FORWARD and candidate.pending_gradients == PENDING_HOST:
+        found.append(Candidate.of(candidate.activations, candidate.optimizer_state, candidate.params, NEXT_FORWARD,
+                                  pending_gradients=PENDING_DEVICE))
     if candidate.optimizer_state != Memory.DEVICE:
         found.append(Candidate.of(candidate.activations, Memory.DEVICE, Memory.DEVICE))
     if candidate.params != Memory.DEVICE:

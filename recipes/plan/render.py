@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from spillway.recipes.config import PENDING_HOST
 from spillway.recipes.plan import host_peak, split_search, turn_search
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
@@ -36,12 +37,15 @@ def _phases(row: PlanRow) -> str:
 
 
 def _settings_cells(candidate: Candidate) -> str:
-    """The plan's recipe values under the table's plan, state, params, upd_on_host and update columns."""
+    """The plan's recipe values under the table's plan, state, params, upd_on_host and update columns (the
+    update's pending gradients named where they wait in HBM, offload.pending_gradients=device)."""
     settings = candidate.settings()
     params = settings["offload.params"] + (f" keep={candidate.params_keep}" if candidate.params_keep else "")
+    update = settings["offload.update"] + (f" pending={candidate.pending_gradients}"
+                                           if candidate.pending_gradients != PENDING_HOST else "")
     return (f"{settings['offload.activations']:36s} {settings['offload.optimizer_state']:6s} "
             f"{params:7s} {settings['optimizer.update_on_host']:11s} "
-            f"{settings['offload.update']:14s}")
+            f"{update:27s}")
 
 
 def render(p: Plan) -> str:
@@ -67,7 +71,7 @@ def render(p: Plan) -> str:
                      f"{h['cores_per_gpu']:g} cores per GPU for the plans with optimizer.update_on_host=true "
                      f"({h['source']})")
     lines += [f"  warning    {w}" for w in p.warnings]
-    header = (f"  {'plan':36s} {'state':6s} {'params':7s} {'upd_on_host':11s} {'update':14s} {'attn':5s} "
+    header = (f"  {'plan':36s} {'state':6s} {'params':7s} {'upd_on_host':11s} {'update':27s} {'attn':5s} "
               f"{'HBM GiB':>8s} {'host GiB':>8s} {'peak GiB':>17s} {'xfer GB':>8s} "
               f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
     lines += ["", header, "  " + "-" * (len(header) - 2)]

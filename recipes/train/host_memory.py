@@ -40,8 +40,9 @@ libraries, XLA's compiler), per process:
 
 with S the optimizer state in host memory, H what the whole save joins into new host arrays (the state kept
 as LayerHalves, a split leaf of the state or of the weights whole: offload.*=host:N),
-W the block weights in host memory, Gp the pending gradients
-(offload.update=next_forward). F is assumed (ASSUMED_GPU_FOOTPRINT_BYTES), not
+W the block weights in host memory, Gp the pending gradients in host memory
+(offload.update=next_forward with offload.pending_gradients=host; 0 with them in HBM,
+where the step is S alone). F is assumed (ASSUMED_GPU_FOOTPRINT_BYTES), not
 measured on a GPU yet: benchmarks/gpu_suite.py records the resident peak.
 
 `HostPhases` holds those figures; `phases_of(setup)` makes them from a
@@ -97,7 +98,8 @@ class HostPhases:
     state: int            # S: optimizer state in host memory
     halved: int           # H: what orbax's whole save joins first (LayerHalves, split state and weights)
     weights: int          # W: block weights in host memory
-    pending: int          # Gp: pending gradients in host memory (offload.update=next_forward)
+    pending: int          # Gp: pending gradients in host memory (offload.update=next_forward with
+                          # offload.pending_gradients=host; 0 when they wait in HBM)
     step_host: int        # what the step holds in host memory (the compiled step's, or the argument count)
     saved_device: int     # bytes a checkpoint saves from device memory (parameters, device state)
     saved_host: int       # bytes a checkpoint saves from host memory
@@ -279,7 +281,7 @@ def pinned_need_of_recipe(recipe) -> int:
 def phases_of_recipe(recipe) -> HostPhases:
     """The HostPhases (footprint 0) of one process holding the whole model, from shapes alone (no backend)."""
     from spillway.layers.residency import host_layers, is_param_split
-    from spillway.recipes.config import NEXT_FORWARD
+    from spillway.recipes.config import NEXT_FORWARD, PENDING_HOST
     from spillway.recipes.optim.layouts import LeafLayout, make_layouts
     from spillway.recipes.optim.param_placement import param_memories
     from spillway.recipes.train.step import abstract_model, pinned_step_bytes
@@ -293,6 +295,8 @@ def phases_of_recipe(recipe) -> HostPhases:
     values = [getattr(leaf, "value", leaf) for leaf in jax.tree.leaves(abstract)]
     memories = jax.tree.leaves(param_memories(abstract, recipe.offload.params))   # per leaf, same order
     deferred = recipe.offload.update == NEXT_FORWARD
+    # offload.pending_gradients=device keeps them in HBM: Gp counts only pending gradients on host
+    pending_on_host = deferred and recipe.offload.pending_gradients == PENDING_HOST
     moment_bytes = jnp.dtype(recipe.optimizer.moment_dtype).itemsize
     state = halved = weights = weights_f32 = pending = device_saved = split_device = 0
     for layout, value, memory in zip(layouts, values, memories, strict=True):
@@ -312,7 +316,7 @@ def phases_of_recipe(recipe) -> HostPhases:
         elif layout.state_memory == Memory.HOST:
             state += state_bytes
             halved += state_bytes if streamed and not deferred else 0
-            pending += param_bytes if streamed and deferred else 0
+            pending += param_bytes if streamed and pending_on_host else 0
         else:
             device_saved += state_bytes
         # offload.params=host:N: the last N layers' weights on host; a save in pieces writes both parts as

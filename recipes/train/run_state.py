@@ -9,9 +9,11 @@ TrainSetup; a test may hand the loop stand-ins of the same signatures
 saving, stopping) runs without compiling a step.
 
 `RunState` is the step reached and the state at that step: params, optimizer
-state, and the update still pending with offload.update=next_forward;
+state, and the update still pending with offload.update=next_forward (its
+gradients in host memory or HBM, as offload.pending_gradients places them);
 `settle` applies that update before anything reads the params or state
-(validation, a save, the end).
+(validation, a save, the end), so no checkpoint holds pending gradients and a
+resume starts with nothing pending, wherever they wait.
 
 `initial_state` is the state built or restored: a fresh start (or a
 fine-tune's loaded weights), or a resume from the newest checkpoint that is

@@ -23,7 +23,7 @@ from spillway.layers.mesh import check_batch_split
 from spillway.layers.residency import whole_placement
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
-from spillway.recipes.config import NEXT_FORWARD, AuxLossConfig, Recipe
+from spillway.recipes.config import NEXT_FORWARD, PENDING_HOST, AuxLossConfig, Recipe
 from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.optim import update_in_forward
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
@@ -437,7 +437,9 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
     batch_sh = batch_sharding(mesh)
     scalar_sh = NamedSharding(mesh, PartitionSpec())
     if deferred:
-        pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh)
+        # offload.pending_gradients: the stacked leaves' pending gradients in host memory, or in HBM.
+        pending_on_host = recipe.offload.pending_gradients == PENDING_HOST
+        pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh, pending_on_host)
         objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
         # The params, the optimizer state and the pending gradients are donated: the forward pass writes
         # each layer's new state over its old row in the carried host buffers
@@ -447,9 +449,10 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
         # paired the donated gradient buffers (same shapes) with the new weights, which XLA then kept
         # in host memory and copied there (the bf16 block weights twice among the host outputs and
         # 1.8 GiB of host-to-host copies; docs/DESIGN.md section 6). Kept, each donated input pairs
-        # with its own output.
+        # with its own output. Pending gradients in HBM are donated the same way: the new ones are made
+        # in the backward pass, after the forward pass has read the old ones for the last time.
         donated = ((0, 1) if not placement.any_host_sharding(param_sh) else (1,)) + (2,)
-        step = jax.jit(update_in_forward.make_train_step(objective, optimizer),
+        step = jax.jit(update_in_forward.make_train_step(objective, optimizer, pending_on_host),
                        in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
                        keep_unused=True, compiler_options=xla_options)

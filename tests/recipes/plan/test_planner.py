@@ -57,11 +57,17 @@ def small_recipe(*extra):
 IN_FORWARD_PLANS = ("recompute_all", "offload_inputs")
 
 
+def in_forward_compiled(candidate) -> bool:
+    """Whether the module's plan compiles this next_forward candidate: the two plans above, pending gradients in
+    host memory (the ones in HBM are compiled by tests/recipes/plan/test_host_params_aot.py)."""
+    return candidate.activations in IN_FORWARD_PLANS and candidate.pending_gradients == "host"
+
+
 @pytest.fixture(scope="module")
 def small_plan():
     """Every candidate compiled (prune=False): the tests below read the rows of all placements."""
     todo = [c for c in plan_candidates.candidates(small_recipe())
-            if c.update != NEXT_FORWARD or c.activations in IN_FORWARD_PLANS]
+            if c.update != NEXT_FORWARD or in_forward_compiled(c)]
     return planner.plan(small_recipe(), "h200", 1, prune=False, plans=todo)
 
 
@@ -121,11 +127,13 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     in_forward = [c for c in plans if c.update == NEXT_FORWARD]
     # By hand, for this 4-layer model with one batch per step: 6 presets and 2 mixes over the first 2 layers
     # are 8 activation plans, each with the state on device and on host (16); the host CPU's update for
-    # recompute_all and offload_dots (18); the update in the next forward pass for the 6 presets (24).
-    assert len(plans) == len(set(plans)) == 24
+    # recompute_all and offload_dots (18); the update in the next forward pass for the 6 presets, its pending
+    # gradients in host memory (24) and in HBM (30).
+    assert len(plans) == len(set(plans)) == 30
     assert [c.placement_label for c in plans] == (
         ["optimizer_state=device"] * 8 + ["optimizer_state=host"] * 8
-        + ["optimizer_state=host / update_on_host=true"] * 2 + ["optimizer_state=host / update=next_forward"] * 6)
+        + ["optimizer_state=host / update_on_host=true"] * 2 + ["optimizer_state=host / update=next_forward"] * 6
+        + ["optimizer_state=host / update=next_forward / pending_gradients=device"] * 6)
     assert [c.activations for c in plans[:8]] == [
         "save_all", "recompute_all", "offload_inputs", "save_dots", "offload_dots", "save_qkv_offload_mlp",
         "offload_dots:2,recompute_all", "save_dots:2,recompute_all"]
@@ -133,8 +141,15 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
         plan_candidates.HOST_COMPUTE_PLANS)
     # One batch per step: the host state's update in the next forward pass, for every single-policy plan.
     assert recipe.train.grad_accum == 1
-    assert {(c.activations, c.optimizer_state, c.params) for c in in_forward} == {
-        (plan, "host", "device") for plan in plan_candidates.PRESET_PLANS}
+    assert {(c.activations, c.optimizer_state, c.params, c.pending_gradients) for c in in_forward} == {
+        (plan, "host", "device", pending) for plan in plan_candidates.PRESET_PLANS for pending in ("host", "device")}
+    # Each candidate is the recipe it trains: its --set line names the pending gradients where they differ.
+    in_hbm = next(c for c in in_forward if c.pending_gradients == "device")
+    assert "offload.pending_gradients=device" in in_hbm.set_arguments(recipe)
+    assert plan_candidates.Candidate.of_recipe(in_hbm.applied_to(recipe)) == in_hbm
+    assert plan_candidates.Candidate.from_dict(in_hbm.to_dict()) == in_hbm
+    # The table tells the two placements apart in its update column.
+    assert plan_render._settings_cells(in_hbm).split()[4:6] == ["next_forward", "pending=device"]
     assert not [c for c in plan_candidates.candidates(small_recipe("train.grad_accum=2")) if c.update == NEXT_FORWARD]
     for spec in activations:
         RematPlan.parse(spec).resolve(recipe.model.num_layers)   # all valid for the model
@@ -204,7 +219,7 @@ def test_cudnn_attention_is_planned_with_flash_and_xla_warns():
 def test_every_candidate_compiled_for_the_h200(small_plan):
     assert [row.candidate for row in small_plan.rows] == [
         c for c in plan_candidates.candidates(small_plan.recipe)
-        if c.update != NEXT_FORWARD or c.activations in IN_FORWARD_PLANS]
+        if c.update != NEXT_FORWARD or in_forward_compiled(c)]
     for row in small_plan.rows:
         assert row.error is None, row.error
         assert row.report["device_kind"] == "NVIDIA H200 141GB HBM3e"
@@ -632,11 +647,21 @@ def test_a_plan_is_skipped_only_for_the_same_activations_with_less_in_host_memor
     assert pruning.faster_plan_that_fits(host_cpu_params, todo, rows, []) is None
     skipped = [{**host.to_dict(), "label": host.label, "because": device.label}]
     assert pruning.faster_plan_that_fits(host_params, todo, {}, skipped) == device.label
+    # The update in the next forward pass with its pending gradients on host, after the same with them in HBM
+    # fits (fewer host bytes, no gradient over the link, the same compute); not before, nor when it does not fit.
+    in_hbm = Candidate.of("recompute_all", "host", "device", "next_forward", pending_gradients="device")
+    on_host = Candidate.of("recompute_all", "host", "device", "next_forward")
+    assert pruning.faster_plan_that_fits(in_hbm, todo, {}, []) is None
+    assert pruning.faster_plan_that_fits(on_host, todo, {index[in_hbm]: _fitting_row(in_hbm, False)}, []) is None
+    assert pruning.faster_plan_that_fits(on_host, todo, {index[in_hbm]: _fitting_row(in_hbm, True)}, []) == \
+        in_hbm.label
     # Stages hold the plans that the plans before them decide (a small model has no weights-on-host stage).
+    pending_on_host = lambda c: c.update == "next_forward" and c.pending_gradients == "host"  # noqa: E731
     assert [len(stage) for stage in pruning.stages(todo)] == [n for n in [
         sum(c.optimizer_state == "device" for c in todo),
-        sum(c.optimizer_state == "host" and not c.update_on_host and c.params == "device" for c in todo),
-        sum(c.update_on_host != (c.params == "host") for c in todo),
+        sum(c.optimizer_state == "host" and not c.update_on_host and c.params == "device" and not pending_on_host(c)
+            for c in todo),
+        sum(c.update_on_host != (c.params == "host") or pending_on_host(c) for c in todo),
         sum(c.update_on_host and c.params == "host" for c in todo)] if n]
 
 
