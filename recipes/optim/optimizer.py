@@ -442,12 +442,15 @@ def leaf_squared_norm(grad, stacked: bool) -> jax.Array:
 
     Why per layer: a split weight's gradient lies in two parts (a ResidentSplit: the first layers in HBM,
     the last in host memory), and the sum of two partial sums is not the whole leaf's sum in float32
-    (measured one ulp off in the first or second step, CPU, jax 0.10.2). The sum of each layer is the same reduction of the
-    same layer whichever part holds it; the layers' sums, joined into one vector of the leaf's layer count
-    and added up by one reduction of that vector, give every split (and none) the same value. The barrier
-    keeps XLA from merging the two reductions of a whole leaf into one (reduce of a reduce), or splitting
-    the reduction of the joined vector back into the parts' (reduce of a concatenate): either would bring
-    the order back to the placement's. It holds a vector of L floats; the gradients are read once, as before.
+    (measured one ulp off in the first or second step, CPU, jax 0.10.2). Each layer's sum is the same
+    reduction of the same layer whichever part holds it; the layers' sums, joined into one vector of the
+    leaf's layer count and added up by one reduction of that vector, give every split (and none) the same
+    value. The barrier keeps XLA from merging the two reductions of a whole leaf into one (reduce of a
+    reduce) or splitting the reduction of the joined vector back into the parts' (reduce of a concatenate):
+    it does both otherwise, and either brings back an order that depends on the placement. The cost,
+    compiled for an H200 with Llama 3 8B's float32 gradients: still one reduction per leaf that reads its
+    gradient once (w_up's partial sums are 32 x 4096 floats instead of 114,688), then small ones: 33
+    reduction kernels in all against 31, 64 KiB more temporary HBM.
     """
     if not (stacked or _is_split(grad)):
         return streaming.squared_norm(grad)
