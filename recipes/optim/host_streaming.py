@@ -375,17 +375,21 @@ def update_on_host(update_fn: PieceUpdate, grad: jax.Array, param: jax.Array,
     return (new_p_host if param_on_host else to_device(new_p_host)), new_state
 
 
-def squared_norm(grad: jax.Array) -> jax.Array:
+def squared_norm(grad: jax.Array, *, per_layer: bool = False) -> jax.Array:
     """optax.tree.norm(grad, squared=True) as a device scalar; a host-resident gradient is reduced by the host CPU.
 
+    per_layer: the sum of squares of each layer of a stacked gradient instead, a device vector of its
+    leading axis (`Optimizer.begin` adds those up in one fixed order, so that the parts of a split
+    leaf give the whole leaf's value).
+
     Elementwise maths on host buffers must run as a host computation; only the
-    scalar crosses the link. optax squares real and imaginary parts and adds
+    scalar (or the vector of layers) crosses the link. optax squares real and imaginary parts and adds
     them; for a real gradient the imaginary square is an exact 0 (and
     creating it inside a host computation would make a device-memory array),
     so the sum of squares alone gives optax's value bit for bit.
     """
     def reduce(g):
-        return jnp.sum(jnp.square(g.astype(jnp.float32)))
+        return jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)) if per_layer else None)
     if not in_host_memory(grad):
         return reduce(grad)
     return to_device(jax_compat.on_host(reduce, out_memory_spaces=jax.memory.Space.Host)(grad))

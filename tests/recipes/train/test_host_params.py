@@ -1,4 +1,4 @@
-"""Stacked block weights in pinned host memory (offload.params=host) train exactly as on device.
+"""Stacked block weights in pinned host memory (offload.params=host) train bit for bit as on device.
 
 CPU lowers memory-kind moves to no-ops, so these tests prove the maths and the
 placement (shardings' memory kinds, the gradients' memory space in the traced
@@ -41,13 +41,22 @@ UPDATES = {"streamed": "optimizer.update_on_host=false", "host_cpu": "optimizer.
     for mesh in MESHES for update in UPDATES])
 def test_twenty_steps_with_host_params_equal_everything_on_device(mesh_name, update):
     mesh = MESHES[mesh_name]()
-    # One device: the same sums in the same order, equal to float32 rounding. Under FSDP the
-    # host CPU sums a sharded gradient's squares in another order than the device's
-    # reduce + all-reduce; AdamW turns those ~1e-7 differences into ~1e-6 on the few weights
-    # whose gradients are near zero (measured: 2 of 4096 embedding entries, 7e-5 relative).
+    # Bit for bit: the same sums in the same order. Under FSDP the micro-batches are 8 rows, one per
+    # device, as the planner requires: a micro-batch of 4 the mesh does not divide is replicated, and
+    # the host weights then change how the partitioner shards the blocks' activations (one all-gather
+    # and one all-reduce of a norm's sum over d_model more in the blocks' forward), ~1e-7 apart from
+    # the first step (docs/DESIGN.md section 6).
+    batch = ("train.global_batch=16", "optimizer.clip_norm=0.4") if mesh_name == "fsdp8" else ()   # smaller norms
+    # The one tolerance: the host CPU's update under FSDP. Its gradients cross to the host flat
+    # (recipes/optim/host_streaming.update_on_host), and for the embedding's flat gradient the partitioner
+    # adds the devices' partial scatter-adds in an all-reduce (then all-gathers it for the reshape), which
+    # the streamed update's program does not have: the embedding's state differs from the first step, the
+    # norm from the fourth (measured: norms 1.7e-5 relative, weights 2.2e-6 absolute at most, 20 steps).
+    tolerance = dict(norms_rtol=5e-5, params_tol=(1e-4, 1e-5)) if (mesh_name, update) == ("fsdp8", "host_cpu") else {}
     params, opt_state = twenty_steps_equal(
-        small_recipe(), small_recipe("offload.params=host", "offload.optimizer_state=host", UPDATES[update]), mesh,
-        norms_rtol=1e-5, params_tol=(1e-5, 1e-6) if mesh_name == "one_device" else (1e-4, 1e-5))
+        small_recipe(*batch),
+        small_recipe("offload.params=host", "offload.optimizer_state=host", UPDATES[update], *batch), mesh,
+        **tolerance)
     # The block weights stayed in host memory across 20 steps; embedding, norm and head on device.
     assert stacked_kinds(params) == ({"pinned_host"}, {"device"})
     assert all(leaf.sharding.memory_kind == "pinned_host" for leaf in jax.tree.leaves(opt_state.mu))
