@@ -188,12 +188,10 @@ class _UpdateBeforeEachLayer:
         device; the rows to write before the next fetch: layer 0's own, unchanged, the first time), and
         with the pending gradients in HBM their stacked sinks."""
         buffers = dict(self.begun.host_state)
-        if self.pending_in_host_memory:
-            current = self._fetch(buffers, 0)
-            return buffers, current, {k: rows for k, (_, rows) in current.items()}
-        sinks = dict(self.pending_grads)
+        sinks = None if self.pending_in_host_memory else dict(self.pending_grads)
         current = self._fetch(buffers, 0, sinks)
-        return buffers, current, {k: rows for k, (_, rows) in current.items()}, sinks
+        carry = (buffers, current, {k: rows for k, (_, rows) in current.items()})
+        return carry if sinks is None else (*carry, sinks)
 
     def before_layer(self, carry, layer_index, layer_state):
         buffers, current, previous, *sinks = carry
@@ -265,15 +263,14 @@ def make_train_step(objective, optimizer, pending_in_host_memory: bool = True):
 
         def loss_with_update(differentiated, norm_probe, batch):
             differentiated_leaves = treedef.flatten_up_to(differentiated)
-            if pending_in_host_memory:
-                hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe)
-                wrapped = [_UpdatedBeforeUse(leaves[k], d, k) if k in in_forward else d
-                           for k, d in enumerate(differentiated_leaves)]
-            else:   # in HBM: the stacked pending gradients ride in the hook's carry, no row in the layer state
-                hook = _UpdateBeforeEachLayer(begun, {k: differentiated_leaves[k] for k in in_forward}, norm_probe,
-                                              pending_in_host_memory=False)
-                wrapped = [_UpdatedBeforeUse(leaves[k], None, k) if k in in_forward else d
-                           for k, d in enumerate(differentiated_leaves)]
+            # On host the hook reads the pending gradients as given and each layer's row is its grad_sink;
+            # in HBM the stacked pending gradients (the differentiated ones) ride in the hook's carry, and
+            # no row is in the layer state.
+            read = pending_leaves if pending_in_host_memory else differentiated_leaves
+            hook = _UpdateBeforeEachLayer(begun, {k: read[k] for k in in_forward}, norm_probe,
+                                          pending_in_host_memory)
+            wrapped = [_UpdatedBeforeUse(leaves[k], d if pending_in_host_memory else None, k) if k in in_forward
+                       else d for k, d in enumerate(differentiated_leaves)]
             with layer_hook.running_before_layers(hook):
                 value, batch_metrics = objective(treedef.unflatten(wrapped), batch)
             if in_forward and hook.outputs is None:
