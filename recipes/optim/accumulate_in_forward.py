@@ -63,13 +63,19 @@ def make_train_step(objective, optimizer, grad_accum: int):
             grad_sum, rest_metrics = lax.scan(accumulate, as_float32(first_pending.grads), rest)
         grads = jax.tree.map(lambda g: g / grad_accum, grad_sum)
         grad_norm = optimizer.grad_norm(grads)   # as Optimizer.update reads it after the backward pass
-        batch_metrics = {k: v for k, v in first_metrics.items() if k not in _STEP_METRICS}
-        per_micro = jax.tree.map(lambda f, r: jnp.concatenate([f[None], r]), batch_metrics, rest_metrics)
-        metrics = {**jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro), "grad_norm": grad_norm,
+        metrics = {**_micro_batch_means(first_metrics, rest_metrics), "grad_norm": grad_norm,
                    "learning_rate": first_metrics["learning_rate"]}
         return params, opt_state, PendingUpdate(grads, grad_norm, jnp.ones((), bool)), metrics
 
     return train_step
+
+
+def _micro_batch_means(first_metrics: dict, rest_metrics: dict) -> dict:
+    """The mean over all micro-batches of each batch metric: micro-batch 1's (without the step's own,
+    `_STEP_METRICS`) stacked before the scan's, as the step after the backward pass averages them."""
+    first = {k: v for k, v in first_metrics.items() if k not in _STEP_METRICS}
+    stacked = jax.tree.map(lambda f, r: jnp.concatenate([f[None], r]), first, rest_metrics)
+    return jax.tree.map(lambda m: jnp.mean(m, axis=0), stacked)
 
 
 def as_float32(tree):
