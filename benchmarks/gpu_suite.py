@@ -73,6 +73,7 @@ CUDNN = ("execution.attention_impl=cudnn",)
 LLAMA_3B = ("model.d_model=3072", "model.num_layers=28", "model.num_heads=24", "model.num_kv_heads=8",
             "model.mlp_hidden=8192")
 PENDING_IN_HBM = "offload.pending_gradients=device"   # next_forward's pending gradients in HBM
+BF16_MOMENTS = ("optimizer.moment_dtype=bfloat16",)   # AdamW's moments stored in bfloat16 (8 bytes a parameter)
 
 
 CASES = {
@@ -143,13 +144,29 @@ CASES = {
                                                    update="next_forward"),
     "1b/recompute_all/host_in_fwd_hbm/cudnn": Case("llama3_1b", "recompute_all", "host",
                                                    overrides=CUDNN + (PENDING_IN_HBM,), update="next_forward"),
+    # The update in the next forward pass at 8 micro-batches (the first one's forward pass takes it; the
+    # running sum, and so the pending gradients, in HBM), beside the ga8 device and host rows above; then the
+    # three with bfloat16 moments (a third less state over the link).
+    "1b/recompute_all/host_in_fwd_hbm/cudnn/ga8": Case("llama3_1b", "recompute_all", "host",
+                                                       overrides=CUDNN + (PENDING_IN_HBM,), global_batch=8,
+                                                       grad_accum=8, update="next_forward"),
+    "3b/recompute_all/host_in_fwd_hbm/cudnn/ga8": Case("llama3_1b", "recompute_all", "host",
+                                                       overrides=CUDNN + LLAMA_3B + (PENDING_IN_HBM,),
+                                                       global_batch=8, grad_accum=8, update="next_forward"),
+    **{f"{size}/recompute_all/{placement}/cudnn/ga8/bf16_moments": Case(
+        "llama3_1b", "recompute_all", state, overrides=CUDNN + shape + BF16_MOMENTS + pending, global_batch=8,
+        grad_accum=8, update=update)
+       for size, shape in (("1b", ()), ("3b", LLAMA_3B))
+       for placement, state, pending, update in (("device", "device", (), "after_backward"),
+                                                 ("host", "host", (), "after_backward"),
+                                                 ("host_in_fwd_hbm", "host", (PENDING_IN_HBM,), "next_forward"))},
 }
 # What one call measures by default (under 8 minutes on one H200): the headline rows, then the 8B step
 # with cuDNN attention (its MFU). `--cases all` runs every case.
 # The split rows follow their device and host rows; the budget (--budget-s) stops starting cases once spent,
 # so the last ones (the planner's budget picks, then the 1B pair repeating the 3B one, then the next_forward
-# rows with the pending gradients in HBM, added last so that they displace none of the others) are the first
-# to go.
+# rows with the pending gradients in HBM, then those at 8 micro-batches and the bfloat16-moment rows, each
+# added last so that they displace none of the others) are the first to go.
 DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cudnn/ga8",
                  "1b/recompute_all/split/cudnn/ga8",
                  "3b/recompute_all/device/cudnn/ga8", "3b/recompute_all/host/cudnn/ga8",
@@ -159,7 +176,10 @@ DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cud
                  "1b/save_dots/device/cudnn/ga8", "1b/save_dots/split_pick/cudnn/ga8",
                  "3b/save_dots/device/cudnn/ga8", "3b/save_qkv_offload_mlp/split_pick/cudnn/ga8",
                  "1b/recompute_all/host/cudnn", "1b/recompute_all/host_in_fwd/cudnn",
-                 "3b/recompute_all/host_in_fwd_hbm/cudnn", "1b/recompute_all/host_in_fwd_hbm/cudnn")
+                 "3b/recompute_all/host_in_fwd_hbm/cudnn", "1b/recompute_all/host_in_fwd_hbm/cudnn",
+                 "1b/recompute_all/host_in_fwd_hbm/cudnn/ga8", "3b/recompute_all/host_in_fwd_hbm/cudnn/ga8",
+                 *(f"{size}/recompute_all/{placement}/cudnn/ga8/bf16_moments" for size in ("1b", "3b")
+                   for placement in ("device", "host", "host_in_fwd_hbm")))
 # The GPU machine: one H200, 128 GiB of host RAM, 16 cores.
 HOST_RAM_BYTES = 128 * 2**30
 GPU_TARGET = DEFAULT_GPU

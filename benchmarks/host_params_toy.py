@@ -18,10 +18,11 @@ of the model, once per placement:
                     2 layers' weights fewer into HBM per micro-batch, about 2 layers more HBM
     device_params_update_in_forward   weights in HBM, optimizer state on host, each layer's
                     update run in the next step's forward pass just before the layer
-                    (offload.update=next_forward; grad_accum 1 only), the pending
-                    gradients in host memory
+                    (offload.update=next_forward), the pending gradients in host memory
+                    (grad_accum 1 only)
     device_params_update_in_forward_pending_device   the same with the pending gradients in HBM
-                    (offload.pending_gradients=device): no gradient crosses the link
+                    (offload.pending_gradients=device): no gradient crosses the link; with
+                    --grad-accum > 1 the first micro-batch's forward pass takes the update
     host_experts    with an MoE block (--block, e.g. benchmarks.moe_blocks:ToyMoEBlock) only the
                     routed experts' weights in pinned host memory (offload.params=experts),
                     streamed like host_params; attention, norms and router in HBM
@@ -77,7 +78,10 @@ PLACEMENTS = {
 }
 # Placements that need an MoE block (--block): left out without one.
 EXPERT_PLACEMENTS = ("host_experts", "host_experts_host_update")
-# Placements that take one batch per step (offload.update=next_forward): left out with --grad-accum > 1.
+# Left out of the default list with --grad-accum > 1: the next_forward placements (the one with its pending
+# gradients in host memory takes one batch per step; the one in HBM compiles when --placements names it,
+# as tests/recipes/plan/test_accumulate_in_forward_aot.py does, and is no default so that the callers'
+# compiles stay as they were).
 ONE_BATCH_PLACEMENTS = ("device_params_update_in_forward", "device_params_update_in_forward_pending_device")
 
 

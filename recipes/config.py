@@ -342,10 +342,13 @@ class Recipe:
             if len(segments) > 1:
                 raise ConfigError(f"offload.update=next_forward needs one activation policy for every layer; "
                                   f"offload.activations={self.offload.activations!r} has {len(segments)} segments")
-            if self.train.grad_accum != 1:
-                raise ConfigError(f"offload.update=next_forward takes one batch per step (train.grad_accum=1, "
-                                  f"got {self.train.grad_accum}): the pending gradients are kept "
-                                  f"as the backward pass makes them, with no running sum")
+            if self.train.grad_accum != 1 and self.offload.pending_gradients == PENDING_HOST:
+                # the float32 running sum of the micro-batches lives in HBM; kept on the host side it would
+                # cross the link twice per micro-batch (recipes/optim/accumulate_in_forward.py)
+                raise ConfigError(f"offload.update=next_forward with train.grad_accum={self.train.grad_accum} "
+                                  f"keeps the pending gradients' float32 running sum in HBM, but "
+                                  f"offload.pending_gradients={PENDING_HOST} puts them in host memory: set "
+                                  f"offload.pending_gradients={PENDING_DEVICE}, or train.grad_accum=1")
             if self.optimizer.update_on_host:
                 raise ConfigError("offload.update=next_forward streams the update through HBM; "
                                   "optimizer.update_on_host=true runs it on the host CPU instead: set one of them")

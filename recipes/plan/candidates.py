@@ -25,7 +25,8 @@ import jax
 from spillway.layers import names
 from spillway.layers.memory import EXPERTS, MEMORIES, Memory
 from spillway.layers.offload import MOE_PRESETS, PRESETS, RematPlan
-from spillway.recipes.config import AFTER_BACKWARD, NEXT_FORWARD, PENDING_HOST, PENDING_PLACES, OffloadConfig, Recipe
+from spillway.recipes.config import (AFTER_BACKWARD, NEXT_FORWARD, PENDING_DEVICE, PENDING_HOST, PENDING_PLACES,
+                                     OffloadConfig, Recipe)
 
 # The key (`Candidate.state_word`) of host state updated by the host CPU (OptimizerConfig.update_on_host);
 # never printed: the table names the recipe fields.
@@ -196,9 +197,9 @@ def preset_plans(recipe: Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def candidates(recipe: Recipe) -> list[Candidate]:
     """Every activation plan with the state on device and on host; the host CPU's update for the plans
-    with the least HBM; with one batch per step the update in the next forward pass (single-policy
-    plans), its pending gradients in host memory and in HBM (pruning compiles the first only where the
-    second does not fit: recipes/plan/pruning.py); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
+    with the least HBM; the update in the next forward pass (single-policy plans), its pending gradients
+    in host memory and in HBM (pruning compiles the first only where the second does not fit:
+    recipes/plan/pruning.py; with grad_accum > 1 in HBM only, `pending_placements`); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
     the abstract model: a tenth of a second); for large models the block weights on host too (for a LoRA
     recipe also with the adapters' state on device, and no deferred update)."""
     single, host_compute = preset_plans(recipe)
@@ -206,9 +207,9 @@ def candidates(recipe: Recipe) -> list[Candidate]:
              for plan in activation_plans(recipe.model.num_layers, single)]
     found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in host_compute]
     lora = recipe.lora.enabled   # LoRA: no host state to defer; a frozen base on host needs no host state
-    if recipe.train.grad_accum == 1 and not lora:   # the update in the next forward pass: one batch per step
+    if not lora:   # the update in the next forward pass (with grad_accum > 1 its running sum in HBM only)
         found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD, pending_gradients=pending)
-                  for pending in PENDING_PLACES for plan in single]
+                  for pending in pending_placements(recipe) for plan in single]
     # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
     # the same state placements and plans as the whole stack: the experts are most of such a model's
     # weights and a small part of its compute per token, so they are the first weights to leave HBM.
@@ -220,6 +221,12 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     if lora:   # the frozen base streamed from host, the adapters' small state in HBM (recipes/train/lora_state.py)
         found += [Candidate.of(plan, Memory.DEVICE, params) for params in weight_placements for plan in host_compute]
     return found
+
+
+def pending_placements(recipe: Recipe) -> tuple[str, ...]:
+    """Where the deferred update's pending gradients may wait for `recipe`: host memory or HBM with one batch
+    per step; HBM alone with grad_accum > 1, whose float32 running sum is there (recipes/config.py)."""
+    return PENDING_PLACES if recipe.train.grad_accum == 1 else (PENDING_DEVICE,)
 
 
 def has_expert_weights(recipe: Recipe) -> bool:

@@ -50,7 +50,7 @@ from spillway.recipes.config import NEXT_FORWARD, Recipe
 from spillway.recipes.optim.layouts import keeps_master_copy
 from spillway.layers.residency import host_layers, is_param_split
 from spillway.recipes.optim.param_placement import param_memories
-from spillway.recipes.plan import compute_model
+from spillway.recipes.plan import compute_model, hlo
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.mesh_rules import compute_ways
 from spillway.recipes.plan.result import PlanRow
@@ -265,7 +265,7 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
     row.transfer_s = (to_host + from_host - row.report.get("overlapped_transfer_bytes", 0)) / link
     if candidate.update == NEXT_FORWARD:
-        phases_by_pass(row, counted, rate, link)
+        phases_by_pass(row, counted, rate, link, recipe.train.grad_accum)
         return row
     # Host-resident optimizer state is the rest of the step's host *argument*;
     # the streamed update brings all of it in and writes it back. The host CPU
@@ -320,14 +320,19 @@ def link_seconds(out: int, back: int, overlapped: int, link: float) -> float:
     return (out + back - min(overlapped, out, back)) / link
 
 
-def phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
+def phases_by_pass(row: PlanRow, counted, rate: float, link: float, grad_accum: int = 1) -> None:
     """The three phases from what the compiled step moves in each autodiff pass (CompileReport
     transfer_bytes_by_pass), for a plan whose update runs in the next forward pass: the stacked state
     crosses in the forward pass; what the update moves before it (the leaves outside the stack) is the
     update phase. Within a pass the two directions add, less the bytes the schedule moves with both in
     flight; of that link time, the share the schedule runs beside a matmul (`hidden_fraction`) hides
     under the pass's compute and the rest adds to it (`beside_compute`). A report without the split counts
-    every byte in the update phase."""
+    every byte in the update phase.
+
+    With `grad_accum` K > 1 the update runs in the first micro-batch's forward pass only: the forward and
+    backward passes of micro-batch 1 (hlo FORWARD, BACKWARD) are priced beside 1/K of the step's compute,
+    those of micro-batches 2..K (hlo LATER_FORWARD, LATER_BACKWARD: their own link traffic, offloaded
+    activations) beside the other (K - 1)/K, each phase the sum of the two."""
     report = row.report
     moved = report.get("transfer_bytes_by_pass") or {
         "other": {"device_to_host_bytes": report["device_to_host_bytes"],
@@ -338,10 +343,14 @@ def phases_by_pass(row: PlanRow, counted, rate: float, link: float) -> None:
         return link_seconds(moved.get(kind, {}).get("device_to_host_bytes", 0),
                              moved.get(kind, {}).get("host_to_device_bytes", 0), overlapped.get(kind, 0), link)
 
-    row.forward_s = beside_compute(counted.forward / rate, link_s("forward"), hidden_fraction(report, "forward"))
-    row.backward_s = beside_compute((counted.backward + counted.recompute) / rate, link_s("backward"),
-                                    hidden_fraction(report, "backward"))
-    row.update_s = link_s("other")
+    def pass_s(kind: str, compute_s: float) -> float:
+        return beside_compute(compute_s, link_s(kind), hidden_fraction(report, kind))
+
+    first, later = 1 / grad_accum, (grad_accum - 1) / grad_accum   # shares of the step's compute
+    forward_s, backward_s = counted.forward / rate, (counted.backward + counted.recompute) / rate
+    row.forward_s = pass_s(hlo.FORWARD, first * forward_s) + pass_s(hlo.LATER_FORWARD, later * forward_s)
+    row.backward_s = pass_s(hlo.BACKWARD, first * backward_s) + pass_s(hlo.LATER_BACKWARD, later * backward_s)
+    row.update_s = link_s(hlo.OTHER)
 
 
 def hidden_fraction(report: dict, kind: str) -> float:

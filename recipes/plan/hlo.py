@@ -347,10 +347,17 @@ def host_traffic(hlo_text: str) -> HostTraffic:
 
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
+# The deferred update with grad_accum > 1 (recipes/optim/accumulate_in_forward.py) runs its first micro-batch,
+# which takes the update, apart from the others, and traces those others under this name scope: their passes
+# are LATER_FORWARD and LATER_BACKWARD, so that the planner prices the update's copies beside one
+# micro-batch's compute, not all of them. Kinds a program has none of are absent from the dicts below.
+LATER_MICRO_BATCHES_SCOPE = "later_micro_batches"
+LATER_FORWARD, LATER_BACKWARD = "later_forward", "later_backward"
 
 
 def autodiff_pass(op_name: str) -> str:
-    """FORWARD, BACKWARD or OTHER: where JAX's autodiff put the operation an instruction came from.
+    """FORWARD, BACKWARD or OTHER: where JAX's autodiff put the operation an instruction came from; LATER_FORWARD
+    or LATER_BACKWARD for the passes of micro-batches traced under LATER_MICRO_BATCHES_SCOPE.
 
     JAX names what it traces under differentiation ``.../jvp(...)/...`` and the
     transposed (backward) computation ``.../transpose(jvp(...))/...``. Anything
@@ -358,17 +365,21 @@ def autodiff_pass(op_name: str) -> str:
     XLA made up and left without a name) is OTHER.
     """
     if "transpose(jvp(" in op_name:
-        return BACKWARD
-    if "jvp(" in op_name:
-        return FORWARD
-    return OTHER
+        kind = BACKWARD
+    elif "jvp(" in op_name:
+        kind = FORWARD
+    else:
+        return OTHER
+    later = LATER_MICRO_BATCHES_SCOPE in op_name.split("/")
+    return {FORWARD: LATER_FORWARD, BACKWARD: LATER_BACKWARD}[kind] if later else kind
 
 
 def traffic_by_pass(hlo_text: str) -> dict[str, dict[str, int]]:
     """{pass: {"device_to_host_bytes", "host_to_device_bytes"}} per `autodiff_pass`, one program run."""
     totals = {kind: {"device_to_host_bytes": 0, "host_to_device_bytes": 0} for kind in (FORWARD, BACKWARD, OTHER)}
     for transfer in host_transfers(hlo_text)[0]:
-        kind = totals[autodiff_pass(transfer.op_name)]
+        kind = totals.setdefault(autodiff_pass(transfer.op_name),
+                                 {"device_to_host_bytes": 0, "host_to_device_bytes": 0})
         kind["device_to_host_bytes"] += transfer.device_to_host_bytes * transfer.runs
         kind["host_to_device_bytes"] += transfer.host_to_device_bytes * transfer.runs
     return totals
@@ -461,7 +472,7 @@ def overlapping_host_copies(hlo_text: str) -> CopyOverlap:
             totals["overlapped"] += min(to_host, to_device) * multiplier
             if min(to_host, to_device):
                 largest = max(run, key=lambda w: w[2] + w[3])
-                by_pass[largest[4]] += min(to_host, to_device) * multiplier
+                by_pass[largest[4]] = by_pass.get(largest[4], 0) + min(to_host, to_device) * multiplier
         if computation not in counted_pairs:
             counted_pairs.add(computation)
             totals["pairs"] += sum(1 for a in windows for b in windows
@@ -588,7 +599,8 @@ def host_copies_beside_compute(hlo_text: str) -> CopiesBesideCompute:
                     started[instruction.name] = (index, to_host + to_device, autodiff_pass(_op_name(instruction)))
             elif instruction.opcode.endswith("-done") and instruction.operands and instruction.operands[0] in started:
                 begin, nbytes, kind = started.pop(instruction.operands[0])
-                moved[kind] += nbytes * multiplier
+                moved[kind] = moved.get(kind, 0) + nbytes * multiplier
+                beside.setdefault(kind, 0)
                 if any(begin < k < index for k in compute_at):
                     beside[kind] += nbytes * multiplier
 

@@ -24,8 +24,8 @@ from spillway.layers.residency import whole_placement
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import NEXT_FORWARD, PENDING_HOST, AuxLossConfig, Recipe
+from spillway.recipes.optim import accumulate_in_forward, update_in_forward
 from spillway.recipes.optim import param_placement as placement
-from spillway.recipes.optim import update_in_forward
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
@@ -246,7 +246,15 @@ class TrainSetup:
         step applies its own update)."""
         if not self.defers_update:
             return None
-        return jax.jit(update_in_forward.nothing_pending, out_shardings=self.pending_shardings)(params)
+        return jax.jit(empty_pending_of(self.recipe), out_shardings=self.pending_shardings)(params)
+
+
+def empty_pending_of(recipe: Recipe):
+    """(params) -> the PendingUpdate with nothing to apply that the recipe's deferred step takes: gradients of
+    the parameters' dtypes with one batch per step, float32 ones (the accumulated mean's) with grad_accum > 1."""
+    if recipe.train.grad_accum > 1:
+        return accumulate_in_forward.nothing_pending
+    return update_in_forward.nothing_pending
 
 
 def build_model(recipe: Recipe, mesh, seed: int, shardings=None):
@@ -441,6 +449,10 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
         pending_on_host = recipe.offload.pending_gradients == PENDING_HOST
         pending_sh = update_in_forward.pending_shardings(optimizer, param_sh, scalar_sh, pending_on_host)
         objective = make_objective(graphdef, recipe.train.loss_chunk, mesh, recipe.aux_loss)
+        if recipe.train.grad_accum > 1:   # micro-batch 1 takes the update; recipes/config.py: pending in HBM
+            step_fn = accumulate_in_forward.make_train_step(objective, optimizer, recipe.train.grad_accum)
+        else:
+            step_fn = update_in_forward.make_train_step(objective, optimizer, pending_on_host)
         # The params, the optimizer state and the pending gradients are donated: the forward pass writes
         # each layer's new state over its old row in the carried host buffers
         # (update_in_forward._UpdateBeforeEachLayer), and the new gradients go where the old ones were
@@ -452,8 +464,7 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
         # with its own output. Pending gradients in HBM are donated the same way: the new ones are made
         # in the backward pass, after the forward pass has read the old ones for the last time.
         donated = ((0, 1) if not placement.any_host_sharding(param_sh) else (1,)) + (2,)
-        step = jax.jit(update_in_forward.make_train_step(objective, optimizer, pending_on_host),
-                       in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
+        step = jax.jit(step_fn, in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
                        keep_unused=True, compiler_options=xla_options)
         flush = jax.jit(update_in_forward.make_flush(optimizer), in_shardings=(param_sh, opt_sh, pending_sh),
@@ -495,7 +506,7 @@ def _abstract_pending(s: TrainSetup):
     """The step's `pending` argument as ShapeDtypeStructs with its shardings (None: nothing deferred)."""
     if not s.defers_update:
         return None
-    return abstract_with_shardings(jax.eval_shape(update_in_forward.nothing_pending, s.params), s.pending_shardings)
+    return abstract_with_shardings(jax.eval_shape(empty_pending_of(s.recipe), s.params), s.pending_shardings)
 
 
 def is_abstract(params) -> bool:

@@ -51,9 +51,14 @@ def test_every_default_case_is_a_case_and_the_cli_refuses_a_bad_ram():
 
 
 @pytest.mark.slow   # 8 fake CPU devices, a compile of the deferred step: over a minute on 2 loaded cores
-def test_a_deferred_update_case_measures_on_cpu():
-    """The next_forward cases take and return the pending update: run one step's worth on CPU first."""
-    case = TINY_HOST._replace(update="next_forward")
+@pytest.mark.parametrize("case", [
+    TINY_HOST._replace(update="next_forward"),
+    TINY_HOST._replace(update="next_forward", grad_accum=2,
+                       overrides=TINY_HOST.overrides + (gpu_suite.PENDING_IN_HBM,))],
+    ids=["one batch", "two micro-batches"])
+def test_a_deferred_update_case_measures_on_cpu(case):
+    """The next_forward cases take and return the pending update (float32 with micro-batches): run one step's
+    worth on CPU first."""
     row = gpu_suite.measure_case("tiny/host_in_fwd", warmup=1, timed=1, case=case,
                                  extra_overrides=("train.global_batch=8",))
     assert row["step_s"] > 0 and row["host_resident_peak_bytes"] > 0

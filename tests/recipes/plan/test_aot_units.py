@@ -212,6 +212,23 @@ def test_transfers_are_split_by_autodiff_pass():
     assert hlo.autodiff_pass("") == hlo.OTHER
 
 
+def test_the_micro_batches_after_the_one_that_takes_the_update_are_passes_of_their_own():
+    """The deferred update with grad_accum > 1 names its later micro-batches (op names as the CPU compile of
+    that step writes them): the planner prices those apart from micro-batch 1's passes, and a step without
+    them keeps the three kinds it had."""
+    later = "jit(train_step)/later_micro_batches/while/body/closed_call/jvp()/while/body/closed_call/dot_general"
+    assert hlo.autodiff_pass(later) == hlo.LATER_FORWARD
+    assert hlo.autodiff_pass(later.replace("/jvp()/", "/transpose(jvp())/")) == hlo.LATER_BACKWARD
+    assert hlo.autodiff_pass("jit(train_step)/later_micro_batches/while/body/add") == hlo.OTHER
+    assert hlo.autodiff_pass("jit(train_step)/jvp()/while/body/closed_call/dot_general") == hlo.FORWARD
+    assert hlo.autodiff_pass("jit(f)/my_later_micro_batches_x/jvp()/dot") == hlo.FORWARD   # a whole scope only
+    renamed = _HOST_CALL_HLO.replace('op_name="jit(train_step)/transpose(jvp())',
+                                     'op_name="jit(train_step)/later_micro_batches/transpose(jvp())')
+    passes = hlo.traffic_by_pass(renamed)
+    assert set(passes) == {hlo.FORWARD, hlo.BACKWARD, hlo.OTHER, hlo.LATER_BACKWARD}
+    assert passes[hlo.LATER_BACKWARD]["device_to_host_bytes"] > 0 == passes[hlo.BACKWARD]["device_to_host_bytes"]
+
+
 def test_target_facts_match_their_hardware():
     h100 = targets.get_target("h100")
     assert 79e9 < h100.hbm_bytes < 86e9            # "80GB" as CUDA reports it

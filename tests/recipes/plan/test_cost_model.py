@@ -107,6 +107,38 @@ def test_the_update_in_the_next_forward_hides_only_what_the_schedule_runs_beside
     assert forward_s == pytest.approx({7: 10.0, 3.5: 12.5, None: 10.0})
 
 
+def test_with_micro_batches_the_update_in_the_next_forward_hides_under_the_first_one_only():
+    """4 GB of state copies in the first micro-batch's forward pass (4 s at 1 GB/s, all beside a matmul) and a
+    forward pass of 10 s over the whole step. With one batch per step the copies hide under the 10 s; with 4
+    micro-batches only under the first one's 2.5 s: max(2.5, 4) + the other three's 7.5 s = 11.5 s. The later
+    micro-batches' own copies (1 GB of activations out, beside their matmuls) hide under their 7.5 s; the
+    same 1 GB waiting on its own (not beside a matmul) adds 1 s."""
+    forward = {"device_to_host_bytes": 2 * GB, "host_to_device_bytes": 2 * GB}
+    one_batch = {"device_to_host_bytes": 2 * GB, "host_to_device_bytes": 2 * GB, "host_argument_bytes": 2 * GB,
+                 "overlapped_transfer_bytes": 0, "overlapped_bytes_by_pass": {},
+                 "transfer_bytes_by_pass": {"forward": forward}, "async_copy_bytes_by_pass": {"forward": 4 * GB},
+                 "copies_beside_compute_by_pass": {"forward": 4 * GB}}
+    later = {"device_to_host_bytes": 1 * GB, "host_to_device_bytes": 0}
+    accumulated = {**one_batch, "device_to_host_bytes": 3 * GB,
+                   "transfer_bytes_by_pass": {"forward": forward, "later_forward": later},
+                   "async_copy_bytes_by_pass": {"forward": 4 * GB, "later_forward": 1 * GB}}
+    reports = {(1, "beside"): one_batch,
+               (4, "beside"): {**accumulated, "copies_beside_compute_by_pass": {"forward": 4 * GB,
+                                                                                "later_forward": 1 * GB}},
+               (4, "alone"): accumulated}
+    candidate = Candidate.of("recompute_all", "host", "device", NEXT_FORWARD, pending_gradients="device")
+    forward_s = {}
+    for (grad_accum, where), report in reports.items():
+        recipe = get_recipe("tiny", ["train.global_batch=4", f"train.grad_accum={grad_accum}"])
+        forward_flops = cost_model.flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch,
+                                                               recipe.data.seq_len, remat="recompute_all").forward
+        fraction = compute_model.efficiency(recipe.execution.attention_impl).fraction
+        target = dataclasses.replace(SLOW_LINK, peak_bf16_flops=forward_flops / 10 / fraction)
+        row = cost_model.plan_row(candidate, {"report": report}, recipe, target, ONE_GPU)
+        forward_s[grad_accum, where] = row.forward_s
+    assert forward_s == pytest.approx({(1, "beside"): 10.0, (4, "beside"): 11.5, (4, "alone"): 12.5})
+
+
 def test_compute_hides_a_shorter_transfer():
     """At a peak rate that makes the forward pass take 10 s (at the efficiency the planner prices the recipe's
     attention kernel at, recipes/plan/compute_model.py), 1 GB of activations (1 s) hides under it: the

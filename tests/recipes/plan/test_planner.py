@@ -150,7 +150,14 @@ def test_candidates_are_every_preset_and_mix_times_both_state_placements():
     assert plan_candidates.Candidate.from_dict(in_hbm.to_dict()) == in_hbm
     # The table tells the two placements apart in its update column.
     assert plan_render._settings_cells(in_hbm).split()[4:6] == ["next_forward", "pending=device"]
-    assert not [c for c in plan_candidates.candidates(small_recipe("train.grad_accum=2")) if c.update == NEXT_FORWARD]
+    # With micro-batches: the update in the next forward pass too, its pending gradients (the float32 running
+    # sum) in HBM only; each is a recipe that passes its checks (dataclasses.replace runs them: ConfigError).
+    accumulated = small_recipe("train.grad_accum=2")
+    in_forward_accumulated = [c for c in plan_candidates.candidates(accumulated) if c.update == NEXT_FORWARD]
+    assert {(c.activations, c.pending_gradients) for c in in_forward_accumulated} == {
+        (plan, "device") for plan in plan_candidates.PRESET_PLANS}
+    for candidate in in_forward_accumulated:
+        assert plan_candidates.Candidate.of_recipe(candidate.applied_to(accumulated)) == candidate
     for spec in activations:
         RematPlan.parse(spec).resolve(recipe.model.num_layers)   # all valid for the model
     assert set(plan_candidates.PRESET_PLANS) <= set(PRESETS)

@@ -96,7 +96,8 @@ def test_pinned_host_bytes_count_state_weights_and_gradients_before_anything_exi
 @pytest.mark.parametrize("extra", [
     ("offload.params=host", "train.grad_accum=2", "execution.param_dtype=bfloat16"),   # float32 sums of bf16
     ("offload.params=host", "train.grad_accum=1"),
-    ("offload.update=next_forward", "train.grad_accum=1")])
+    ("offload.update=next_forward", "train.grad_accum=1"),
+    ("offload.update=next_forward", "offload.pending_gradients=device", "train.grad_accum=2")])
 def test_the_shapes_only_step_bytes_are_what_the_setup_counts(extra):
     """recipes/train/host_memory.phases_of_recipe (before any backend starts: the loop's pinned limit) counts the
     step's pinned bytes by the setup's rule, from the arrays' shapes alone."""
