@@ -15,8 +15,9 @@ the compiled schedule does with it, and its limits: docs/DESIGN.md section 6.
                               (a layers.layer_hook.LayerHook, outside the remat body)
 
 Same maths, in the same order, as the update at the end of step t. `flush`
-(the Optimizer's own streamed update) applies what is still pending before a
-checkpoint, validation or the end of training; a flushed `PendingUpdate` has
+(this hook run over the layers on its own, so that it rounds as the next step
+would) applies what is still pending before a checkpoint, validation or the
+end of training; a flushed `PendingUpdate` has
 apply=False, and a step with nothing to apply leaves every value as it is
 (adamw.adamw_piece selects). The stacked state is one host array per leaf
 here (no LayerHalves), carried through the scan and written a row at a time in
@@ -292,11 +293,42 @@ def make_train_step(objective, optimizer, pending_in_host_memory: bool = True):
     return train_step
 
 
-def make_flush(optimizer):
-    """(params, opt_state, pending) -> the same with the pending update applied, and nothing pending."""
+def make_flush(optimizer, pending_in_host_memory: bool = True):
+    """(params, opt_state, pending) -> the same with the pending update applied, and nothing pending.
+
+    The stacked leaves are updated by the step's own hook (`_UpdateBeforeEachLayer.before_layer`), in a
+    scan of their own over the layers, so that a run which flushes (before a checkpoint) and resumes has
+    the weights of the run that went on, bit for bit: the same rows fetched, updated and written back by
+    the same code in the same loop. The scan goes through `jax.linearize` (its tangent never used, so
+    never compiled) because the step's goes through `value_and_grad`: JAX then computes the body's
+    loop-invariant scalars (the bias corrections, the learning rate) before the loop and hands them in,
+    and XLA simplifies the update's divisions alike in both programs. docs/DESIGN.md section 6 says what
+    each half fixed. `pending_in_host_memory`: where the pending gradients wait, as for the step.
+    """
     def flush(params, opt_state, pending: PendingUpdate):
-        params, opt_state, _ = optimizer.update(pending.grads, opt_state, params, apply=pending.apply,
-                                                grad_norm=pending.grad_norm)
+        begun = optimizer.begin(pending.grads, opt_state, params, apply=pending.apply, grad_norm=pending.grad_norm)
+        leaves, treedef = jax.tree.flatten(begun.params)
+        pending_leaves = treedef.flatten_up_to(pending.grads)
+        in_forward = sorted(begun.layer_update)
+
+        def stacked_update(norm_probe):
+            hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe,
+                                          pending_in_host_memory)
+
+            def each_layer(carry, layer):
+                layer_index, weights = layer
+                # No gradient sink: nothing here is differentiated for its gradient.
+                rows = {k: _UpdatedBeforeUse(weights[k], None, k) for k in in_forward}
+                carry, _, new_weights = hook.before_layer(carry, layer_index, rows)
+                return carry, new_weights
+
+            carry, new_weights = lax.scan(each_layer, hook.start(),
+                                          (jnp.arange(hook.num_layers), {k: leaves[k] for k in in_forward}))
+            hook.collect(new_weights, carry)
+            return hook.outputs
+
+        stacked = jax.linearize(stacked_update, jnp.zeros((), jnp.float32))[0] if in_forward else {}
+        params, opt_state, _ = begun.finish(stacked)
         return params, opt_state, PendingUpdate(pending.grads, pending.grad_norm, jnp.zeros((), bool))
     return flush
 

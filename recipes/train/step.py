@@ -467,7 +467,8 @@ def _assemble(recipe: Recipe, mesh, graphdef, params, param_sh, layout_source=No
         step = jax.jit(step_fn, in_shardings=(param_sh, opt_sh, pending_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, pending_sh, scalar_sh), donate_argnums=donated,
                        keep_unused=True, compiler_options=xla_options)
-        flush = jax.jit(update_in_forward.make_flush(optimizer), in_shardings=(param_sh, opt_sh, pending_sh),
+        flush = jax.jit(update_in_forward.make_flush(optimizer, pending_on_host),
+                        in_shardings=(param_sh, opt_sh, pending_sh),
                         out_shardings=(param_sh, opt_sh, pending_sh), donate_argnums=donated,
                         keep_unused=True, compiler_options=xla_options)
         return TrainSetup(recipe, mesh, graphdef, params, param_sh, optimizer, opt_sh, batch_sh, step,

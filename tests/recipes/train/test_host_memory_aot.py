@@ -1,7 +1,8 @@
 """What a GPU run keeps in pinned host memory, read from deviceless H200 compiles of its programs
 (benchmarks/host_memory_aot.py): the step writes the new state over the old one, the state is created in
 host memory without a copy beside it, and the update in the next forward pass writes the new state over the
-old one too, and the new pending gradients over the old ones (recipes/train/host_memory.py counts each once)."""
+old one too, and the new pending gradients over the old ones (recipes/train/host_memory.py counts each once),
+as does the flush of that update before a save."""
 
 import pytest
 
@@ -49,6 +50,17 @@ def test_the_update_in_the_next_forward_pass_writes_the_new_state_over_the_old(c
     # 1024 x 128), so a quarter of the state is less than one layer's.
     assert step["host_temp_bytes"] < row["state_host_bytes"] // 4
 
+
+
+def test_the_flush_writes_the_new_state_over_the_old_too(configs):
+    """The flush before a save runs the step's own hook over the layers (update_in_forward.make_flush), so
+    that a resumed run rounds as the uninterrupted one: it must keep the hook's in-place writes, every host
+    byte aliasing a donated one and no host temporaries."""
+    row = configs["host_next_forward"]
+    flush = row["programs"]["flush"]
+    held = row["state_host_bytes"] + row["pending_host_bytes"]
+    assert flush["host_argument_bytes"] == flush["host_output_bytes"] == flush["host_alias_bytes"] == held
+    assert flush["host_temp_bytes"] == 0
 
 def test_joining_the_halves_for_a_save_is_a_whole_copy_of_them(configs):
     join = configs["host"]["programs"]["join"]
