@@ -46,6 +46,23 @@ def _text(value) -> bool:
     return isinstance(value, str)
 
 
+def _json_kind(value) -> str:
+    """What a JSON value is, as a message names it ("null", "a number", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    kinds = ((str, "a string"), (int, "a number"), (float, "a number"), (list, "a list"), (dict, "an object"))
+    return next((kind for cls, kind in kinds if isinstance(value, cls)), type(value).__name__)
+
+
+def _not_text(fields: dict, names: tuple[str, ...]) -> str:
+    """'; "content" is null' for each field that is there but not a string: "fields found" lists a field whose
+    value is null as found, so the line must say why it does not count."""
+    return "".join(f'; "{name}" is {_json_kind(fields[name])}' for name in names
+                   if name in fields and not _text(fields[name]))
+
+
 def chat_messages(record: Record) -> list[dict]:
     """The conversation of a `chat` record; DataError naming the record when it is not one."""
     fields = record.fields
@@ -63,9 +80,10 @@ def chat_messages(record: Record) -> list[dict]:
     messages = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict) or not _text(message.get(role_key)) or not _text(message.get(text_key)):
-            found = ", ".join(sorted(message)) if isinstance(message, dict) else type(message).__name__
+            found = (f"fields found: {', '.join(sorted(message))}{_not_text(message, (role_key, text_key))}"
+                     if isinstance(message, dict) else f"it is {_json_kind(message)}, not an object")
             raise DataError(f"data.format=chat: record {record.where}, message {index}: needs string "
-                            f"\"{role_key}\" and \"{text_key}\" (fields found: {found})")
+                            f"\"{role_key}\" and \"{text_key}\" ({found})")
         role = message[role_key]
         role = roles.get(role, role) if roles else role
         messages.append({"role": role, "content": message[text_key]})
@@ -78,8 +96,10 @@ def instruct_messages(record: Record) -> list[dict]:
     missing = [name for name in ("instruction", "output") if not _text(fields.get(name))]
     if missing or not (fields.get("input") is None or _text(fields.get("input"))):
         need = ", ".join(f'"{name}"' for name in missing) or '"input" as a string'
+        wrong = _not_text(fields, ("instruction", "output")) + (
+            _not_text(fields, ("input",)) if fields.get("input") is not None else "")
         raise DataError(f"data.format=instruct: record {_where_fields(record)} needs {need} (\"instruction\" "
-                        f"and \"output\" strings, \"input\" optional)")
+                        f"and \"output\" strings, \"input\" optional{wrong})")
     user = fields["instruction"]
     if fields.get("input"):
         user = f"{user}\n\n{fields['input']}"

@@ -83,3 +83,24 @@ def test_parquet_records_are_read_through_datasets(tmp_path):
 def test_the_shipped_instruction_set_is_what_its_generator_makes():
     shipped = [json.loads(line) for line in INSTRUCT_TINY.read_text().splitlines()]
     assert shipped == records() and len(shipped) == 280
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"instruction": "q", "output": None}, r'needs "output" .*; "output" is null\)'),
+    ({"instruction": "q", "output": 3}, r'needs "output" .*; "output" is a number\)'),
+    ({"instruction": ["q"], "output": "a"}, r'needs "instruction" .*; "instruction" is a list\)'),
+])
+def test_an_instruct_field_that_is_there_but_not_a_string_says_what_it_is(fields, message):
+    """"fields found: instruction, output" beside 'needs "output"' would read as a contradiction."""
+    with pytest.raises(DataError, match=message):
+        instruct_messages(Record(fields, "f, line 6"))
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "assistant", "content": None}, r'\(fields found: content, role; "content" is null\)'),
+    ("hello", r"\(it is a string, not an object\)"),
+])
+def test_a_chat_message_that_is_not_role_and_content_strings_says_what_it_is(message, says):
+    with pytest.raises(DataError, match=r"message 1: needs string \"role\" and \"content\" " + says):
+        chat_messages(Record({"messages": [{"role": "user", "content": "hi"}, message]}, "f, line 2"))
+
