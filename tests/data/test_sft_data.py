@@ -104,3 +104,19 @@ def test_a_chat_message_that_is_not_role_and_content_strings_says_what_it_is(mes
     with pytest.raises(DataError, match=r"message 1: needs string \"role\" and \"content\" " + says):
         chat_messages(Record({"messages": [{"role": "user", "content": "hi"}, message]}, "f, line 2"))
 
+
+def test_a_source_with_no_answer_to_train_on_is_refused_not_trained_at_loss_zero(tmp_path):
+    """Conversations without an assistant turn give rows whose loss covers no token: a run would log loss 0
+    and save a model that learnt nothing."""
+    source = tmp_path / "questions.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                              for i in range(6)))
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    with pytest.raises(DataError, match=r"questions.jsonl': 6 examples and no token to train on: .*no example has "
+                                        r"an assistant message.*data.train_on_prompt=true"):
+        prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("chat", seq_len=40, val_fraction=0.0),
+                         cache_dir=tmp_path / "cache")
+    prompts = prepare_sft_rows(str(source), CharTokenizer(), template,
+                               SftOptions("chat", seq_len=40, val_fraction=0.0, train_on_prompt=True),
+                               cache_dir=tmp_path / "cache")
+    assert prompts.target_tokens > 0
