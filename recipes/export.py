@@ -17,8 +17,9 @@ first with `spillway export`).
 The tokenizer files the run holds (tokenizer.json or tokenizer.model,
 tokenizer_config.json with its chat template, special_tokens_map.json) are
 copied beside the weights. Refused before anything is read or written, one line
-each: an output folder holding another checkpoint (as `to_hf` refuses it), and
-`--adapter` on a run without LoRA.
+each: an output folder holding another checkpoint (as `to_hf` refuses it), a
+training run's directory or its checkpoints folder (the run's own tokenizer files
+would be replaced), and `--adapter` on a run without LoRA.
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def _check_out_dir(out_dir: Path, own: str) -> None:
                                 f"an empty folder, or delete those files first")
 
 
+def _check_not_a_run(out_dir: Path) -> None:
+    """A training run's own folders are not export targets: into a run directory, the export's
+    tokenizer_config.json would replace the run's (how it tokenizes on resume, its chat template) and its
+    weights would sit beside the checkpoints; into `checkpoints/`, orbax would meet a folder it never wrote.
+    A new folder inside a run directory (`runs/sft/hf`) is fine."""
+    from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
+    from spillway.recipes.train.run_lock import LOCK_FILENAME
+
+    out = out_dir.absolute()
+    if out.is_dir() and ((out / CHECKPOINTS_DIRNAME).is_dir() or (out / LOCK_FILENAME).exists()):
+        raise HFCheckpointError(f"{out_dir} is a training run's directory (it holds {CHECKPOINTS_DIRNAME}/ or "
+                                f"{LOCK_FILENAME}): an export there would overwrite the run's tokenizer files; "
+                                f"export into a new folder, e.g. {out_dir / 'hf'}")
+    for folder in (out, *out.parents):
+        if folder.name == CHECKPOINTS_DIRNAME and folder.parent.is_dir() and (
+                (folder.parent / LOCK_FILENAME).exists() or any(p.name.isdigit() for p in folder.iterdir())):
+            raise HFCheckpointError(f"{out_dir} is inside the checkpoints folder of the run {folder.parent}, "
+                                    f"where the run keeps its steps; export into a folder outside it")
+
+
 def _saved_recipe(step_dir) -> Recipe:
     from spillway.recipes.train.checkpoint import read_recipe_json
     return Recipe.from_dict(json.loads(read_recipe_json(step_dir)))
@@ -79,6 +100,7 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
         raise ConfigError(f"--adapter: the run at {path} has no LoRA adapters (lora.rank is 0, every weight "
                           f"trained): export it without --adapter")
     out = Path(out_dir)
+    _check_not_a_run(out)
     _check_out_dir(out, ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS)
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     graphdef, abstract_state = abstract_model(recipe)
