@@ -17,7 +17,8 @@ first with `spillway export`).
 The tokenizer files the run holds (tokenizer.json or tokenizer.model,
 tokenizer_config.json with its chat template, special_tokens_map.json) are
 copied beside the weights. Refused before anything is read or written, one line
-each: an output folder holding another checkpoint (as `to_hf` refuses it), a
+each: an output folder holding another checkpoint (as `to_hf` refuses it; also
+its tokenizer or generation files that this export would leave beside its own), a
 training run's directory or its checkpoints folder (the run's own tokenizer files
 would be replaced), and `--adapter` on a run without LoRA.
 """
@@ -47,17 +48,25 @@ MERGED_WEIGHTS = "model.safetensors"
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
+# Files of a Hugging Face checkpoint that transformers reads beside the weights and an export never writes.
+READ_BESIDE = ("generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
 
 
-def _check_out_dir(out_dir: Path, own: str) -> None:
+def _check_out_dir(out_dir: Path, own: str, tokenizer_files: list[str]) -> None:
     """The same refusal as models/hf.py to_hf: a folder holding another checkpoint (safetensors files
-    other than the one this export writes, or a safetensors index)."""
+    other than the one this export writes, or a safetensors index); and files of another checkpoint that
+    transformers reads beside the weights but this export would leave in place (`tokenizer_files`: those it
+    copies): a tokenizer.json left beside the run's tokenizer.model is the tokenizer AutoTokenizer loads,
+    a chat_template.jinja overrides the template in tokenizer_config.json, a generation_config.json sets
+    the EOS that generate() stops at."""
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise HFCheckpointError(f"{out_dir} exists and is not a folder")
     others = sorted(p for p in out_dir.glob("*.safetensors") if p.name != own)
     others += sorted(out_dir.glob("*.safetensors.index.json"))
+    others += [out_dir / name for name in (*TOKENIZER_FILES, *READ_BESIDE)
+               if name not in tokenizer_files and (out_dir / name).is_file()]
     if others:
         raise HFCheckpointError(f"{out_dir} already holds another checkpoint ({listed(others)}): export into "
                                 f"an empty folder, or delete those files first")
@@ -101,7 +110,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
                           f"trained): export it without --adapter")
     out = Path(out_dir)
     _check_not_a_run(out)
-    _check_out_dir(out, ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS)
+    run_dir = run_dir_of(step_dir)
+    _check_out_dir(out, ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS, _tokenizer_files(run_dir))
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     graphdef, abstract_state = abstract_model(recipe)
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(
@@ -111,19 +121,21 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
         write_peft_adapter(recipe, params, out)
     else:
         write_merged(recipe, params, out)
-    run_dir = run_dir_of(step_dir)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run"))
     return out
 
 
+def _tokenizer_files(run_dir) -> list[str]:
+    """The tokenizer files the run holds, which the export copies."""
+    return [] if run_dir is None else [name for name in TOKENIZER_FILES if (Path(run_dir) / name).is_file()]
+
+
 def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (run_dir / name).is_file():
-            shutil.copyfile(run_dir / name, out / name)
-            copied.append(name)
+    copied = _tokenizer_files(run_dir)
+    for name in copied:
+        shutil.copyfile(run_dir / name, out / name)
     return copied
 
 

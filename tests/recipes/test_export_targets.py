@@ -53,3 +53,24 @@ def test_a_new_folder_inside_a_run_directory_is_a_fine_target(tmp_path):
     stub_run(tmp_path / "run")
     _check_not_a_run(tmp_path / "run" / "hf")
     _check_not_a_run(tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("left", ["tokenizer.json", "chat_template.jinja", "generation_config.json"])
+def test_another_checkpoints_files_that_transformers_would_read_beside_the_export_are_refused(tmp_path, capsys,
+                                                                                              left):
+    """A folder transformers saved (config.json, model.safetensors, its tokenizer.json, chat_template.jinja,
+    generation_config.json): the export replaces config and weights, but a tokenizer.json left beside the run's
+    tokenizer.model is what AutoTokenizer loads, and chat_template.jinja and generation_config.json override
+    the run's template and EOS."""
+    step = stub_run(tmp_path / "run")
+    (tmp_path / "run" / "tokenizer.model").write_bytes(b"the run's sentencepiece model")
+    folder = tmp_path / "saved_by_transformers"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", left):
+        (folder / name).write_text("{}")
+    before = digests(folder)
+    assert cli.main(["export", str(step), str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"spillway export: error: {folder} already holds another checkpoint ({left}): export into an "
+                   f"empty folder, or delete those files first"]
+    assert digests(folder) == before
