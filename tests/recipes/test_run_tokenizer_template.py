@@ -4,7 +4,8 @@ A Hugging Face tokenizer folder holds its template in its tokenizer_config.json
 or, as transformers 5 saves it, in chat_template.jinja beside it. The run copies
 the tokenizer into RUN_DIR (writing a new tokenizer_config.json there) and then
 records the template it rendered the data with: that must be the source folder's
-template, not a lookup in RUN_DIR, which at that moment holds none. No model runs.
+template, not a lookup in RUN_DIR, which at that moment holds none. A fine-tune of
+such a run copies its tokenizer with that template. No model runs.
 """
 
 import json
@@ -34,3 +35,22 @@ def test_the_tokenizer_folders_own_template_is_recorded_in_the_run(tmp_path, kep
     save_run_tokenizer(tokenizer, tmp_path / "run", recipe)
     saved = json.loads((tmp_path / "run" / "tokenizer_config.json").read_text())
     assert saved["chat_template"] == TEMPLATE and saved["eos_token"] == "<|endoftext|>"
+
+
+def test_a_fine_tune_of_a_fine_tune_keeps_the_source_runs_chat_template(tmp_path):
+    """The source is a chat run: its RUN_DIR/tokenizer_config.json holds the template it trained with. The copy
+    a fine-tune of it makes (the tokenizer file and a fresh tokenizer_config.json) must hold it too, or the
+    second fine-tune stops after preparing nothing, saying the tokenizer has no chat template."""
+    from spillway.recipes.train.finetune import with_source_tokenizer
+
+    source = write_hf_tokenizer(tmp_path / "source")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    step = source / "checkpoints" / "5"
+    (step / "params").mkdir(parents=True)   # a step folder as the weights' reader finds it; never read here
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    recipe = get_recipe("tiny", [f"checkpoint.init_from={source}", "data.format=chat", "model.vocab_size=512"])
+    recipe = with_source_tokenizer(recipe, tmp_path / "run", resuming=False, say=lambda line: None)
+    copied = json.loads((tmp_path / "run" / "tokenizer_config.json").read_text())
+    assert copied["chat_template"] == TEMPLATE
+    assert run_chat_template(recipe, load_tokenizer(recipe.data.tokenizer)).source == TEMPLATE
