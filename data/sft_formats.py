@@ -71,7 +71,8 @@ def chat_messages(record: Record) -> list[dict]:
     elif "conversations" in fields:
         raw, role_key, text_key, roles = fields["conversations"], "from", "value", _SHAREGPT_ROLES
     else:
-        hint = "; a text corpus? set data.format=text" if "text" in fields else ""
+        hint = ("; a text corpus? set data.format=text" if "text" in fields else
+                "; an instruction record? set data.format=instruct" if "instruction" in fields else "")
         raise DataError(f"data.format=chat: record {_where_fields(record)} has no \"messages\" (a list of "
                         f"{{\"role\", \"content\"}}) or \"conversations\" (a list of {{\"from\", \"value\"}})"
                         f"{hint}")
@@ -96,10 +97,12 @@ def instruct_messages(record: Record) -> list[dict]:
     missing = [name for name in ("instruction", "output") if not _text(fields.get(name))]
     if missing or not (fields.get("input") is None or _text(fields.get("input"))):
         need = ", ".join(f'"{name}"' for name in missing) or '"input" as a string'
+        # a chat file read as instructions
+        hint = "; a chat record? set data.format=chat" if "messages" in fields or "conversations" in fields else ""
         wrong = _not_text(fields, ("instruction", "output")) + (
             _not_text(fields, ("input",)) if fields.get("input") is not None else "")
         raise DataError(f"data.format=instruct: record {_where_fields(record)} needs {need} (\"instruction\" "
-                        f"and \"output\" strings, \"input\" optional{wrong})")
+                        f"and \"output\" strings, \"input\" optional{wrong}){hint}")
     user = fields["instruction"]
     if fields.get("input"):
         user = f"{user}\n\n{fields['input']}"

@@ -120,3 +120,10 @@ def test_a_source_with_no_answer_to_train_on_is_refused_not_trained_at_loss_zero
                                SftOptions("chat", seq_len=40, val_fraction=0.0, train_on_prompt=True),
                                cache_dir=tmp_path / "cache")
     assert prompts.target_tokens > 0
+
+
+def test_a_record_of_the_other_format_says_which_format_it_is():
+    with pytest.raises(DataError, match=r'has no "messages" .*; an instruction record\? set data.format=instruct$'):
+        chat_messages(Record({"instruction": "q", "output": "a"}, "f, line 1"))
+    with pytest.raises(DataError, match=r'needs "instruction", "output" .*\); a chat record\? set data.format=chat$'):
+        instruct_messages(Record({"messages": [{"role": "user", "content": "hi"}]}, "f, line 1"))
