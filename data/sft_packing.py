@@ -225,7 +225,10 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
                 raise
             os.rename(partial, final)
             return PackedData.load(final, from_cache=False)
-    return PackedData.load(final, from_cache=True)
+    packed = PackedData.load(final, from_cache=True)
+    # rows an earlier version prepared without this check are refused as fresh ones are
+    _check_targets(source, packed.num_documents, packed.target_tokens or 0, options)
+    return packed
 
 
 def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: ChatTemplate, options: SftOptions,

@@ -122,6 +122,23 @@ def test_a_source_with_no_answer_to_train_on_is_refused_not_trained_at_loss_zero
     assert prompts.target_tokens > 0
 
 
+def test_cached_rows_with_no_answer_to_train_on_are_refused_too(tmp_path, monkeypatch):
+    """Rows prepared before the check existed sit in the cache: reading them back is refused the same way."""
+    from spillway.data import sft_packing
+
+    source = tmp_path / "questions.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                              for i in range(6)))
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    options = SftOptions("chat", seq_len=40, val_fraction=0.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(sft_packing, "_check_targets", lambda *args: None)   # as an earlier version prepared them
+        assert prepare_sft_rows(str(source), CharTokenizer(), template, options,
+                                cache_dir=tmp_path / "cache").target_tokens == 0
+    with pytest.raises(DataError, match=r"6 examples and no token to train on"):
+        prepare_sft_rows(str(source), CharTokenizer(), template, options, cache_dir=tmp_path / "cache")
+
+
 def test_a_record_of_the_other_format_says_which_format_it_is():
     with pytest.raises(DataError, match=r'has no "messages" .*; an instruction record\? set data.format=instruct$'):
         chat_messages(Record({"instruction": "q", "output": "a"}, "f, line 1"))
