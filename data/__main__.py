@@ -2,7 +2,12 @@
 
 Useful to warm the cache before a run, and to measure a corpus:
 
-    python -m spillway.data --source builtin:stdlib --vocab-size 4096 --seq-len 256 --cache-dir .cache/data
+    python -m spillway.data --source builtin:stdlib --vocab-size 2048 --seq-len 128   # the tiny recipe's rows
+
+The defaults are a recipe's (recipes/config.py DataConfig: validation fraction,
+cache folder, shard size), so the same source, vocabulary size and sequence
+length prepare the rows a run started in the same folder reads, not a second
+copy under another key.
 
 The tokenizer trains on the head of the corpus, read as a stream; packing
 tokenizes into shards on disk (`--shard-tokens`), so neither holds the corpus
@@ -45,20 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prepare_and_report(argv: list[str] | None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options; defaults as a recipe's data section has them (module docstring)."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=BUILTIN_STDLIB)
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--val-fraction", type=float, default=0.01)
+    parser.add_argument("--val-fraction", type=float, default=0.02)
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizing processes (default: threads here)")
     parser.add_argument("--max-tokens", type=int, default=None, help="take only the head of the source")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/data"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/spillway"))
+    return parser
+
+
+def prepare_and_report(argv: list[str] | None) -> None:
+    args = build_parser().parse_args(argv)
 
     # CPU time next to wall time: on a shared machine the wall clock mostly
     # measures the neighbours. (CPU time of num_proc workers is not counted.)

@@ -118,8 +118,20 @@ def quiet_builders():
         logger.setLevel(level)
 
 
+def _holds_nothing(path: Path) -> bool:
+    """An empty file, or one of blank lines only (read only when small: a large file holds something)."""
+    size = path.stat().st_size
+    return size == 0 or (size < 1 << 16 and not path.read_bytes().strip())
+
+
 def unreadable_corpus(builder: str, files: Sequence[Path], error: BaseException) -> DataError:
-    """The DataError for local corpus files `datasets` failed on: the file and line, where one is found."""
+    """The DataError for local corpus files `datasets` failed on: the file and line, where one is found; an
+    empty file (on which the json builder stops with a bare StopIteration) by its name."""
+    empty = [path for path in files if _holds_nothing(path)]
+    if empty:
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        return DataError(f"corpus file {str(empty[0])!r}{more} is empty: no record to read; remove it from the "
+                          f"corpus or fill it")
     if builder == "json":
         for path in files:
             where = first_json_error(path)

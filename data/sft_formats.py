@@ -46,6 +46,23 @@ def _text(value) -> bool:
     return isinstance(value, str)
 
 
+def _json_kind(value) -> str:
+    """What a JSON value is, as a message names it ("null", "a number", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    kinds = ((str, "a string"), (int, "a number"), (float, "a number"), (list, "a list"), (dict, "an object"))
+    return next((kind for cls, kind in kinds if isinstance(value, cls)), type(value).__name__)
+
+
+def _not_text(fields: dict, names: tuple[str, ...]) -> str:
+    """'; "content" is null' for each field that is there but not a string: "fields found" lists a field whose
+    value is null as found, so the line must say why it does not count."""
+    return "".join(f'; "{name}" is {_json_kind(fields[name])}' for name in names
+                   if name in fields and not _text(fields[name]))
+
+
 def chat_messages(record: Record) -> list[dict]:
     """The conversation of a `chat` record; DataError naming the record when it is not one."""
     fields = record.fields
@@ -54,7 +71,8 @@ def chat_messages(record: Record) -> list[dict]:
     elif "conversations" in fields:
         raw, role_key, text_key, roles = fields["conversations"], "from", "value", _SHAREGPT_ROLES
     else:
-        hint = "; a text corpus? set data.format=text" if "text" in fields else ""
+        hint = ("; a text corpus? set data.format=text" if "text" in fields else
+                "; an instruction record? set data.format=instruct" if "instruction" in fields else "")
         raise DataError(f"data.format=chat: record {_where_fields(record)} has no \"messages\" (a list of "
                         f"{{\"role\", \"content\"}}) or \"conversations\" (a list of {{\"from\", \"value\"}})"
                         f"{hint}")
@@ -63,9 +81,10 @@ def chat_messages(record: Record) -> list[dict]:
     messages = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict) or not _text(message.get(role_key)) or not _text(message.get(text_key)):
-            found = ", ".join(sorted(message)) if isinstance(message, dict) else type(message).__name__
+            found = (f"fields found: {', '.join(sorted(message))}{_not_text(message, (role_key, text_key))}"
+                     if isinstance(message, dict) else f"it is {_json_kind(message)}, not an object")
             raise DataError(f"data.format=chat: record {record.where}, message {index}: needs string "
-                            f"\"{role_key}\" and \"{text_key}\" (fields found: {found})")
+                            f"\"{role_key}\" and \"{text_key}\" ({found})")
         role = message[role_key]
         role = roles.get(role, role) if roles else role
         messages.append({"role": role, "content": message[text_key]})
@@ -78,8 +97,12 @@ def instruct_messages(record: Record) -> list[dict]:
     missing = [name for name in ("instruction", "output") if not _text(fields.get(name))]
     if missing or not (fields.get("input") is None or _text(fields.get("input"))):
         need = ", ".join(f'"{name}"' for name in missing) or '"input" as a string'
+        # a chat file read as instructions
+        hint = "; a chat record? set data.format=chat" if "messages" in fields or "conversations" in fields else ""
+        wrong = _not_text(fields, ("instruction", "output")) + (
+            _not_text(fields, ("input",)) if fields.get("input") is not None else "")
         raise DataError(f"data.format=instruct: record {_where_fields(record)} needs {need} (\"instruction\" "
-                        f"and \"output\" strings, \"input\" optional)")
+                        f"and \"output\" strings, \"input\" optional{wrong}){hint}")
     user = fields["instruction"]
     if fields.get("input"):
         user = f"{user}\n\n{fields['input']}"

@@ -225,7 +225,10 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
                 raise
             os.rename(partial, final)
             return PackedData.load(final, from_cache=False)
-    return PackedData.load(final, from_cache=True)
+    packed = PackedData.load(final, from_cache=True)
+    # rows an earlier version prepared without this check are refused as fresh ones are
+    _check_targets(source, packed.num_documents, packed.target_tokens or 0, options)
+    return packed
 
 
 def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: ChatTemplate, options: SftOptions,
@@ -253,6 +256,7 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
             if progress.records % PROGRESS_EVERY == 0:
                 progress.save(partial, splits)
         _check_examples(source, splits, progress.records, progress.overlong, row_len, options)
+        _check_targets(source, progress.records, progress.target_tokens, options)
         progress.save(partial, splits)   # every example counted: a kill while the rows are laid out resumes here
     finally:
         for writer in splits.values():
@@ -270,6 +274,18 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
             "target_tokens": progress.target_tokens, "source": source, "tokenizer": tokenizer.fingerprint,
             "chat_template": template.origin, "options": dataclasses.asdict(options), "key": key}
     (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _check_targets(source: str, examples: int, target_tokens: int, options: SftOptions) -> None:
+    """DataError when no example holds a token the loss is on: every step's loss would be 0 over 0 tokens,
+    a run that trains nothing while it looks finished (conversations without an assistant turn, or cut
+    before it)."""
+    if target_tokens:
+        return
+    cut = " or every one truncated before it (data.overlong=truncate)" if options.overlong == "truncate" else ""
+    raise DataError(f"data.source {source!r}: {examples} examples and no token to train on: the loss is on the "
+                    f"assistant's messages and the end of turn after them, and no example has an assistant "
+                    f"message{cut}; add the answers, or set data.train_on_prompt=true to train on every token")
 
 
 def _check_examples(source: str, splits: dict, examples: int, overlong: int, row_len: int,

@@ -188,6 +188,8 @@ def select_text_column(
     """
     columns = dataset.column_names
     if columns is not None:
+        if not columns:   # json files of blank lines: "its columns are []" would read as a schema problem
+            raise ValueError(f"source {source!r} holds no records: its files are empty or hold only blank lines")
         if text_field not in columns:
             raise ValueError(
                 f"source {source!r} has no text field {text_field!r}; its columns are {columns}"

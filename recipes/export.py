@@ -17,8 +17,10 @@ first with `spillway export`).
 The tokenizer files the run holds (tokenizer.json or tokenizer.model,
 tokenizer_config.json with its chat template, special_tokens_map.json) are
 copied beside the weights. Refused before anything is read or written, one line
-each: an output folder holding another checkpoint (as `to_hf` refuses it), and
-`--adapter` on a run without LoRA.
+each: an output folder holding another checkpoint (as `to_hf` refuses it; also
+its tokenizer or generation files that this export would leave beside its own), a
+training run's directory or its checkpoints folder (the run's own tokenizer files
+would be replaced), and `--adapter` on a run without LoRA.
 """
 
 from __future__ import annotations
@@ -46,20 +48,48 @@ MERGED_WEIGHTS = "model.safetensors"
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
+# Files of a Hugging Face checkpoint that transformers reads beside the weights and an export never writes.
+READ_BESIDE = ("generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
 
 
-def _check_out_dir(out_dir: Path, own: str) -> None:
+def _check_out_dir(out_dir: Path, own: str, tokenizer_files: list[str]) -> None:
     """The same refusal as models/hf.py to_hf: a folder holding another checkpoint (safetensors files
-    other than the one this export writes, or a safetensors index)."""
+    other than the one this export writes, or a safetensors index); and files of another checkpoint that
+    transformers reads beside the weights but this export would leave in place (`tokenizer_files`: those it
+    copies): a tokenizer.json left beside the run's tokenizer.model is the tokenizer AutoTokenizer loads,
+    a chat_template.jinja overrides the template in tokenizer_config.json, a generation_config.json sets
+    the EOS that generate() stops at."""
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise HFCheckpointError(f"{out_dir} exists and is not a folder")
     others = sorted(p for p in out_dir.glob("*.safetensors") if p.name != own)
     others += sorted(out_dir.glob("*.safetensors.index.json"))
+    others += [out_dir / name for name in (*TOKENIZER_FILES, *READ_BESIDE)
+               if name not in tokenizer_files and (out_dir / name).is_file()]
     if others:
         raise HFCheckpointError(f"{out_dir} already holds another checkpoint ({listed(others)}): export into "
                                 f"an empty folder, or delete those files first")
+
+
+def _check_not_a_run(out_dir: Path) -> None:
+    """A training run's own folders are not export targets: into a run directory, the export's
+    tokenizer_config.json would replace the run's (how it tokenizes on resume, its chat template) and its
+    weights would sit beside the checkpoints; into `checkpoints/`, orbax would meet a folder it never wrote.
+    A new folder inside a run directory (`runs/sft/hf`) is fine."""
+    from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
+    from spillway.recipes.train.run_lock import LOCK_FILENAME
+
+    out = out_dir.absolute()
+    if out.is_dir() and ((out / CHECKPOINTS_DIRNAME).is_dir() or (out / LOCK_FILENAME).exists()):
+        raise HFCheckpointError(f"{out_dir} is a training run's directory (it holds {CHECKPOINTS_DIRNAME}/ or "
+                                f"{LOCK_FILENAME}): an export there would overwrite the run's tokenizer files; "
+                                f"export into a new folder, e.g. {out_dir / 'hf'}")
+    for folder in (out, *out.parents):
+        if folder.name == CHECKPOINTS_DIRNAME and folder.parent.is_dir() and (
+                (folder.parent / LOCK_FILENAME).exists() or any(p.name.isdigit() for p in folder.iterdir())):
+            raise HFCheckpointError(f"{out_dir} is inside the checkpoints folder of the run {folder.parent}, "
+                                    f"where the run keeps its steps; export into a folder outside it")
 
 
 def _saved_recipe(step_dir) -> Recipe:
@@ -79,7 +109,9 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
         raise ConfigError(f"--adapter: the run at {path} has no LoRA adapters (lora.rank is 0, every weight "
                           f"trained): export it without --adapter")
     out = Path(out_dir)
-    _check_out_dir(out, ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS)
+    _check_not_a_run(out)
+    run_dir = run_dir_of(step_dir)
+    _check_out_dir(out, ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS, _tokenizer_files(run_dir))
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     graphdef, abstract_state = abstract_model(recipe)
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(
@@ -89,19 +121,21 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
         write_peft_adapter(recipe, params, out)
     else:
         write_merged(recipe, params, out)
-    run_dir = run_dir_of(step_dir)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run"))
     return out
 
 
+def _tokenizer_files(run_dir) -> list[str]:
+    """The tokenizer files the run holds, which the export copies."""
+    return [] if run_dir is None else [name for name in TOKENIZER_FILES if (Path(run_dir) / name).is_file()]
+
+
 def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (run_dir / name).is_file():
-            shutil.copyfile(run_dir / name, out / name)
-            copied.append(name)
+    copied = _tokenizer_files(run_dir)
+    for name in copied:
+        shutil.copyfile(run_dir / name, out / name)
     return copied
 
 

@@ -135,6 +135,12 @@ def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple
                                            template_special_tokens)
 
     named = None if tokenizer_template(Path(run_dir)) is not None else recipe.data.chat_template
+    if named is None and tokenizer_template(Path(run_dir)) is None:
+        # resolve_chat_template would advise data.chat_template, a training setting generate does not take
+        raise ConfigError(f"--chat: the run at {run_dir} has no chat template (it trained on data.format="
+                          f"{recipe.data.format} and its tokenizer_config.json holds none), so a message cannot be "
+                          f"rendered as it learnt conversations; continue a text with --prompt, or fine-tune it on "
+                          f"chat or instruct data first")
     template = resolve_chat_template(named, Path(run_dir), template_special_tokens(tokenizer),
                                      bos_first=adds_bos(tokenizer))
     specials = special_token_texts(tokenizer)

@@ -139,15 +139,17 @@ def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer, source: str) 
 def save_run_tokenizer(tokenizer: Tokenizer, run_dir: Path, recipe: Recipe) -> None:
     """The tokenizer into RUN_DIR (`spillway generate` reads it); a chat/instruct run's tokenizer_config.json
     also holds the chat template it trained with, so `spillway generate --chat` renders the same turns."""
+    # Resolved before the copy: saving points the tokenizer at RUN_DIR, whose fresh tokenizer_config.json holds
+    # no template, while the one the rows were rendered with sits beside the source file (or is named).
+    template = run_chat_template(recipe, tokenizer) if recipe.data.format != "text" else None
     tokenizer.save_to_directory(run_dir)
-    if recipe.data.format == "text":
+    if template is None:
         return
     import json
 
     from spillway.data.cache import atomic_write_bytes
     from spillway.data.chat_template import TOKENIZER_CONFIG_FILE
 
-    template = run_chat_template(recipe, tokenizer)
     path = Path(run_dir) / TOKENIZER_CONFIG_FILE
     config = json.loads(path.read_text())
     config.update({"chat_template": template.source, **template.special_tokens})

@@ -8,7 +8,8 @@ the new run under its own file name, with the `tokenizer_config.json` that
 names its special tokens and whether the source run put a BOS before each
 document (`Tokenizer.save_to_directory`, recipes/train/tokenization_record.py),
 so that the new run tokenizes as the source did and stays usable (and
-resumable) if the source is moved or deleted. The recipe the
+resumable) if the source is moved or deleted; a chat template the source's
+tokenizer_config.json holds is kept there too. The recipe the
 run trains (and saves) names that copy in `data.tokenizer`.
 
 A tokenizer given on purpose (`data.tokenizer`) is used as given, but its
@@ -84,12 +85,30 @@ def with_source_tokenizer(recipe: Recipe, run_dir: Path, *, resuming: bool, say=
     if distributed.is_main_process():
         # the tokenizer file under its own name (bytes unchanged) and a tokenizer_config.json naming EOS/BOS
         source_tokenizer.save_to_directory(own_copy.parent)
+        _keep_chat_template(source.parent, own_copy.parent)
         if load_tokenizer(own_copy).fingerprint != source_tokenizer.fingerprint:
             raise FineTuneTokenizerError(f"{own_copy}: the copy of {source} does not read back as the same "
                                          f"tokenizer; set data.tokenizer to {source}")
     distributed.barrier("spillway-finetune-tokenizer")
     say(f"fine-tune: using the tokenizer of {init_from} ({source}), copied to {own_copy}")
     return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(own_copy)))
+
+
+def _keep_chat_template(source_dir: Path, run_dir: Path) -> None:
+    """The source run's chat template (a chat/instruct run keeps it in its tokenizer_config.json) into the copy's
+    tokenizer_config.json, which save_to_directory wrote without one: a fine-tune of a fine-tune renders its
+    conversations as the source did unless data.chat_template says otherwise."""
+    import json
+
+    from spillway.data.cache import atomic_write_bytes
+    from spillway.data.chat_template import TOKENIZER_CONFIG_FILE, tokenizer_template
+
+    template = tokenizer_template(source_dir)
+    if template is None:
+        return
+    path = run_dir / TOKENIZER_CONFIG_FILE
+    config = json.loads(path.read_text())
+    atomic_write_bytes(path, (json.dumps({**config, "chat_template": template}, indent=2) + "\n").encode())
 
 
 def _check_same_vocabulary(given_path: Path, source_path: Path, init_from: str, say) -> None:

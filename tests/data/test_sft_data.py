@@ -83,3 +83,64 @@ def test_parquet_records_are_read_through_datasets(tmp_path):
 def test_the_shipped_instruction_set_is_what_its_generator_makes():
     shipped = [json.loads(line) for line in INSTRUCT_TINY.read_text().splitlines()]
     assert shipped == records() and len(shipped) == 280
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"instruction": "q", "output": None}, r'needs "output" .*; "output" is null\)'),
+    ({"instruction": "q", "output": 3}, r'needs "output" .*; "output" is a number\)'),
+    ({"instruction": ["q"], "output": "a"}, r'needs "instruction" .*; "instruction" is a list\)'),
+])
+def test_an_instruct_field_that_is_there_but_not_a_string_says_what_it_is(fields, message):
+    """"fields found: instruction, output" beside 'needs "output"' would read as a contradiction."""
+    with pytest.raises(DataError, match=message):
+        instruct_messages(Record(fields, "f, line 6"))
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "assistant", "content": None}, r'\(fields found: content, role; "content" is null\)'),
+    ("hello", r"\(it is a string, not an object\)"),
+])
+def test_a_chat_message_that_is_not_role_and_content_strings_says_what_it_is(message, says):
+    with pytest.raises(DataError, match=r"message 1: needs string \"role\" and \"content\" " + says):
+        chat_messages(Record({"messages": [{"role": "user", "content": "hi"}, message]}, "f, line 2"))
+
+
+def test_a_source_with_no_answer_to_train_on_is_refused_not_trained_at_loss_zero(tmp_path):
+    """Conversations without an assistant turn give rows whose loss covers no token: a run would log loss 0
+    and save a model that learnt nothing."""
+    source = tmp_path / "questions.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                              for i in range(6)))
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    with pytest.raises(DataError, match=r"questions.jsonl': 6 examples and no token to train on: .*no example has "
+                                        r"an assistant message.*data.train_on_prompt=true"):
+        prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("chat", seq_len=40, val_fraction=0.0),
+                         cache_dir=tmp_path / "cache")
+    prompts = prepare_sft_rows(str(source), CharTokenizer(), template,
+                               SftOptions("chat", seq_len=40, val_fraction=0.0, train_on_prompt=True),
+                               cache_dir=tmp_path / "cache")
+    assert prompts.target_tokens > 0
+
+
+def test_cached_rows_with_no_answer_to_train_on_are_refused_too(tmp_path, monkeypatch):
+    """Rows prepared before the check existed sit in the cache: reading them back is refused the same way."""
+    from spillway.data import sft_packing
+
+    source = tmp_path / "questions.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                              for i in range(6)))
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    options = SftOptions("chat", seq_len=40, val_fraction=0.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(sft_packing, "_check_targets", lambda *args: None)   # as an earlier version prepared them
+        assert prepare_sft_rows(str(source), CharTokenizer(), template, options,
+                                cache_dir=tmp_path / "cache").target_tokens == 0
+    with pytest.raises(DataError, match=r"6 examples and no token to train on"):
+        prepare_sft_rows(str(source), CharTokenizer(), template, options, cache_dir=tmp_path / "cache")
+
+
+def test_a_record_of_the_other_format_says_which_format_it_is():
+    with pytest.raises(DataError, match=r'has no "messages" .*; an instruction record\? set data.format=instruct$'):
+        chat_messages(Record({"instruction": "q", "output": "a"}, "f, line 1"))
+    with pytest.raises(DataError, match=r'needs "instruction", "output" .*\); a chat record\? set data.format=chat$'):
+        instruct_messages(Record({"messages": [{"role": "user", "content": "hi"}]}, "f, line 1"))

@@ -1,7 +1,8 @@
 """`spillway train` (and `export`, `generate`) inputs a new user gets wrong, each ending in one line and exit status 2, before data is prepared.
 
 * a .jsonl corpus with a line `datasets` cannot read: the file and its
-  1-based line (pyarrow says "row 300" of a block, and logs it twice);
+  1-based line (pyarrow says "row 300" of a block, and logs it twice); an
+  empty one by its name (the builder says only StopIteration);
 * fine-tuning from a spillway run of another family: the two families, not a
   shape difference per weight;
 * a Hugging Face folder without config.json: what to put there (no Python
@@ -44,6 +45,20 @@ def test_a_bad_jsonl_line_is_named_with_its_file_and_1_based_line(tmp_path, monk
     status, err, _ = run_cli("tiny", *micro_set("data.source=badline.jsonl", "train.steps=1"), capsys=capsys)
     assert status == 2
     assert err == ["spillway train: error: corpus file 'badline.jsonl', line 301: not UTF-8 (byte 0xe9 at column 14)"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "corpus file 'empty.jsonl' is empty: no record to read; remove it from the corpus or fill it"),
+    (b"\n\n", "source 'empty.jsonl' holds no records: its files are empty or hold only blank lines"),
+], ids=["empty", "blank_lines"])
+def test_an_empty_jsonl_corpus_is_named_not_a_stopiteration(tmp_path, monkeypatch, capsys, content, message):
+    """The json builder stops on an empty file with a bare StopIteration, and reads a file of blank lines as a
+    table without columns ("has no text field 'text'; its columns are []"): neither said the file is empty."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_bytes(content)
+    status, err, _ = run_cli("tiny", *micro_set("data.source=empty.jsonl", "train.steps=1"), capsys=capsys)
+    assert status == 2
+    assert err == [f"spillway train: error: {message}"]
 
 
 def test_finetuning_from_a_run_of_another_family_names_both_families(tmp_path, capsys):

@@ -136,6 +136,17 @@ def test_resume_with_a_new_schedule_records_what_changed(data_cache, run_copy, s
 
 
 @pytest.mark.slow  # with the stub step about 30 s a run on 2 busy cores (the real step: 70-100 s): `make test-slow`
+def test_a_run_past_its_train_steps_says_there_is_nothing_to_train(data_cache, run_copy):
+    """Rerun with fewer steps than it has trained: one plain line, not "training steps 4..2"."""
+    said = []
+    result = stub_train(micro(data_cache, run_copy, "train.steps=2", "checkpoint.every_steps=2", "checkpoint.keep=3"),
+                        echo=said.append)
+    assert result.final_step == 4 and saved_steps(run_copy) == [2, 4]
+    assert "nothing to train: the run is at step 4 and train.steps is 2 (raise train.steps to train on)" in said
+    assert not any(line.startswith("training steps") for line in said)
+
+
+@pytest.mark.slow  # with the stub step about 30 s a run on 2 busy cores (the real step: 70-100 s): `make test-slow`
 def test_resume_step_rewinds_and_metrics_are_replaced_not_repeated(data_cache, run_copy, short_run):
     original = losses_by_step(short_run)
     stub_train(micro(data_cache, run_copy, "train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep=3",

@@ -1,0 +1,76 @@
+"""`spillway export` into a training run's own folders is refused in one line, and the run is left as it was.
+
+`spillway export runs/sft runs/sft` wrote config.json and model.safetensors into
+the run directory and then stopped on Python's "are the same file"; exporting into
+another run's directory replaced that run's tokenizer_config.json (its chat
+template and the BOS rule it resumes with). Each is now one line, before anything
+is read or written; a new folder inside a run directory stays a fine target. The
+step folder is a stub (a recipe and orbax's marker): the refusal comes before any
+weight is read, so no model is built.
+"""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from spillway.recipes import cli
+from spillway.recipes.registry import get_recipe
+
+
+def stub_run(run: Path) -> Path:
+    """A run directory as training leaves it, with one finalised step folder (no weights: never read here)."""
+    step = run / "checkpoints" / "3"
+    (step / "recipe").mkdir(parents=True)
+    (step / "params").mkdir()   # what marks a step folder
+    (step / "recipe" / "recipe.json").write_text(get_recipe("tiny").to_json())
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    (run / "tokenizer_config.json").write_text('{"eos_token": "</s>", "add_bos_token": false}\n')
+    (run / "metrics.jsonl").write_text('{"step": 3, "loss": 5.0}\n')
+    return step
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["run", "other", "run/checkpoints", "run/checkpoints/3"])
+def test_an_export_into_a_runs_own_folders_is_one_line_and_writes_nothing(tmp_path, capsys, target):
+    stub_run(tmp_path / "run")
+    stub_run(tmp_path / "other")
+    before = digests(tmp_path)
+    assert cli.main(["export", str(tmp_path / "run" / "checkpoints" / "3"), str(tmp_path / target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"spillway export: error: {tmp_path / target} is "), err
+    assert ("a training run's directory" if target in ("run", "other") else "inside the checkpoints folder") in err[0]
+    assert digests(tmp_path) == before
+
+
+def test_a_new_folder_inside_a_run_directory_is_a_fine_target(tmp_path):
+    from spillway.recipes.export import _check_not_a_run
+
+    stub_run(tmp_path / "run")
+    _check_not_a_run(tmp_path / "run" / "hf")
+    _check_not_a_run(tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("left", ["tokenizer.json", "chat_template.jinja", "generation_config.json"])
+def test_another_checkpoints_files_that_transformers_would_read_beside_the_export_are_refused(tmp_path, capsys,
+                                                                                              left):
+    """A folder transformers saved (config.json, model.safetensors, its tokenizer.json, chat_template.jinja,
+    generation_config.json): the export replaces config and weights, but a tokenizer.json left beside the run's
+    tokenizer.model is what AutoTokenizer loads, and chat_template.jinja and generation_config.json override
+    the run's template and EOS."""
+    step = stub_run(tmp_path / "run")
+    (tmp_path / "run" / "tokenizer.model").write_bytes(b"the run's sentencepiece model")
+    folder = tmp_path / "saved_by_transformers"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", left):
+        (folder / name).write_text("{}")
+    before = digests(folder)
+    assert cli.main(["export", str(step), str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"spillway export: error: {folder} already holds another checkpoint ({left}): export into an "
+                   f"empty folder, or delete those files first"]
+    assert digests(folder) == before
