@@ -160,13 +160,22 @@ CASES = {
        for placement, state, pending, update in (("device", "device", (), "after_backward"),
                                                  ("host", "host", (), "after_backward"),
                                                  ("host_in_fwd_hbm", "host", (PENDING_IN_HBM,), "next_forward"))},
+    # The same update in the next forward pass with every block layer's state on host and the non-stacked
+    # leaves' (the tied embedding, final norm) in HBM (offload.optimizer_state=host:L): their update before
+    # the forward pass then moves nothing over the link. Float32 and bfloat16 moments.
+    **{f"{size}/recompute_all/host_layers_in_fwd_hbm/cudnn/ga8{suffix}": Case(
+        "llama3_1b", "recompute_all", f"host:{layers}", overrides=CUDNN + shape + moments + (PENDING_IN_HBM,),
+        global_batch=8, grad_accum=8, update="next_forward")
+       for size, shape, layers in (("1b", (), 16), ("3b", LLAMA_3B, 28))
+       for suffix, moments in (("", ()), ("/bf16_moments", BF16_MOMENTS))},
 }
 # What one call measures by default (under 8 minutes on one H200): the headline rows, then the 8B step
 # with cuDNN attention (its MFU). `--cases all` runs every case.
 # The split rows follow their device and host rows; the budget (--budget-s) stops starting cases once spent,
 # so the last ones (the planner's budget picks, then the 1B pair repeating the 3B one, then the next_forward
-# rows with the pending gradients in HBM, then those at 8 micro-batches and the bfloat16-moment rows, each
-# added last so that they displace none of the others) are the first to go.
+# rows with the pending gradients in HBM, then those at 8 micro-batches and the bfloat16-moment rows, then
+# those with the non-stacked leaves' state in HBM, each added last so that they displace none of the others)
+# are the first to go.
 DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cudnn/ga8",
                  "1b/recompute_all/split/cudnn/ga8",
                  "3b/recompute_all/device/cudnn/ga8", "3b/recompute_all/host/cudnn/ga8",
@@ -179,7 +188,9 @@ DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cud
                  "3b/recompute_all/host_in_fwd_hbm/cudnn", "1b/recompute_all/host_in_fwd_hbm/cudnn",
                  "1b/recompute_all/host_in_fwd_hbm/cudnn/ga8", "3b/recompute_all/host_in_fwd_hbm/cudnn/ga8",
                  *(f"{size}/recompute_all/{placement}/cudnn/ga8/bf16_moments" for size in ("1b", "3b")
-                   for placement in ("device", "host", "host_in_fwd_hbm")))
+                   for placement in ("device", "host", "host_in_fwd_hbm")),
+                 *(f"{size}/recompute_all/host_layers_in_fwd_hbm/cudnn/ga8{suffix}" for size in ("1b", "3b")
+                   for suffix in ("", "/bf16_moments")))
 # The GPU machine: one H200, 128 GiB of host RAM, 16 cores.
 HOST_RAM_BYTES = 128 * 2**30
 GPU_TARGET = DEFAULT_GPU

@@ -40,6 +40,19 @@ TOKENIZER_TYPES = ("bpe", "unigram")
 AFTER_BACKWARD = "after_backward"
 NEXT_FORWARD = "next_forward"
 UPDATE_TIMES = (AFTER_BACKWARD, NEXT_FORWARD)
+
+
+# A split with resident block layers would need an update of their own in the forward pass; host:L (every
+# block layer on host) keeps only the non-stacked leaves' state in HBM, which the step updates before its
+# forward pass as it does any leaf with device state.
+def next_forward_placement_needed(state: str, params: str, layers: str = "L, every block layer") -> str:
+    """The one-line ConfigError of offload.update=next_forward with a placement it cannot stream."""
+    return ("offload.update=next_forward streams a host-resident optimizer state under the next forward pass: it "
+            "needs offload.optimizer_state=host and offload.params=device; offload.optimizer_state=host:"
+            f"{layers} (the embedding's, norms' and head's state then stays in HBM) is accepted too, a split that "
+            f"keeps block layers' state in HBM is not (got optimizer_state={state}, params={params})")
+
+
 # Where the deferred update's pending gradients of the stacked block leaves wait between two steps (with
 # offload.update=next_forward): pinned host memory, sent there as the backward pass makes them, or HBM
 # (recipes/optim/update_in_forward.py pending_shardings).
@@ -152,11 +165,11 @@ class OffloadConfig:
                               f"split host:N, experts), or offload.params_keep=0")
         if self.update not in UPDATE_TIMES:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
-        if self.update == NEXT_FORWARD and (self.optimizer_state != Memory.HOST or self.params != Memory.DEVICE):
-            # a split state too: its resident layers would need an update of their own in the forward pass
-            raise ConfigError("offload.update=next_forward streams a host-resident optimizer state under the "
-                              "next forward pass: it needs offload.optimizer_state=host and offload.params=device "
-                              f"(got optimizer_state={self.optimizer_state}, params={self.params})")
+        if self.update == NEXT_FORWARD and ((self.optimizer_state != Memory.HOST and not is_split(self.optimizer_state))
+                                            or self.params != Memory.DEVICE):
+            # A split's count is checked against the model's layers by Recipe (_check_next_forward_split): only
+            # host:L, every block layer on host, passes; its non-stacked leaves' state stays in HBM.
+            raise ConfigError(next_forward_placement_needed(self.optimizer_state, self.params))
         if self.pending_gradients not in PENDING_PLACES:
             raise ConfigError(f"offload.pending_gradients must be one of {PENDING_PLACES}, "
                               f"got {self.pending_gradients!r}")
@@ -373,9 +386,20 @@ class Recipe:
         check_split_fits(self.offload.params, "offload.params", self.model.num_layers,
                          len(self.decoder_spec().stack_runs()))
         self._check_params_keep()
+        self._check_next_forward_split()
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
+
+    def _check_next_forward_split(self) -> None:
+        """offload.update=next_forward with a split state: every block layer must be on host (host:L, or a
+        fraction that rounds to all of them); resident block layers would need an update in the forward pass
+        of their own. Runs after check_split_fits, which names a count above the model's layers."""
+        state = self.offload.optimizer_state
+        if self.offload.update != NEXT_FORWARD or not is_split(state):
+            return
+        if host_layers(state, self.model.num_layers) != self.model.num_layers:
+            raise ConfigError(next_forward_placement_needed(state, self.offload.params, str(self.model.num_layers)))
 
     def _check_params_split(self) -> None:
         """A split of the weights (offload.params=host:N | experts:N) needs the state split at the same layer:

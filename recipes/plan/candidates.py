@@ -197,7 +197,8 @@ def preset_plans(recipe: Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def candidates(recipe: Recipe) -> list[Candidate]:
     """Every activation plan with the state on device and on host; the host CPU's update for the plans
-    with the least HBM; the update in the next forward pass (single-policy plans), its pending gradients
+    with the least HBM; the update in the next forward pass (single-policy plans; the state on host, and
+    host:L with the non-stacked leaves' state in HBM: `deferred_state_placements`), its pending gradients
     in host memory and in HBM (pruning compiles the first only where the second does not fit:
     recipes/plan/pruning.py; with grad_accum > 1 in HBM only, `pending_placements`); for models with MoE blocks the routed experts' weights on host (`has_expert_weights`, from
     the abstract model: a tenth of a second); for large models the block weights on host too (for a LoRA
@@ -208,7 +209,8 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     found += [Candidate.of(plan, Memory.HOST, update_on_host=True) for plan in host_compute]
     lora = recipe.lora.enabled   # LoRA: no host state to defer; a frozen base on host needs no host state
     if not lora:   # the update in the next forward pass (with grad_accum > 1 its running sum in HBM only)
-        found += [Candidate.of(plan, Memory.HOST, Memory.DEVICE, NEXT_FORWARD, pending_gradients=pending)
+        found += [Candidate.of(plan, state, Memory.DEVICE, NEXT_FORWARD, pending_gradients=pending)
+                  for state in deferred_state_placements(recipe)
                   for pending in pending_placements(recipe) for plan in single]
     # Only the routed experts' weights on host (offload.params=experts) for any model with MoE blocks, with
     # the same state placements and plans as the whole stack: the experts are most of such a model's
@@ -221,6 +223,22 @@ def candidates(recipe: Recipe) -> list[Candidate]:
     if lora:   # the frozen base streamed from host, the adapters' small state in HBM (recipes/train/lora_state.py)
         found += [Candidate.of(plan, Memory.DEVICE, params) for params in weight_placements for plan in host_compute]
     return found
+
+
+def every_layer_on_host(recipe: Recipe) -> str:
+    """offload.optimizer_state=host:L, L the recipe's block layers: every block layer's state on host, the
+    non-stacked leaves' (embedding, final norm, head) in HBM."""
+    return f"{Memory.HOST}:{recipe.model.num_layers}"
+
+
+def deferred_state_placements(recipe: Recipe) -> tuple[str, ...]:
+    """The optimizer state placements the update in the next forward pass is tried with: host:L first (the
+    non-stacked leaves' state stays in HBM, so their update before the forward pass moves nothing over the
+    link: never slower, and pruning skips `host` where it fits), then host (less HBM). host:L needs the
+    blocks in one stack, as any split does."""
+    if len(recipe.decoder_spec().stack_runs()) != 1:
+        return (Memory.HOST.value,)
+    return (every_layer_on_host(recipe), Memory.HOST.value)
 
 
 def pending_placements(recipe: Recipe) -> tuple[str, ...]:

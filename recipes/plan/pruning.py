@@ -12,6 +12,7 @@ already exceed a limit cannot fit, so it is not compiled either
 from __future__ import annotations
 
 from spillway.layers.memory import EXPERTS, Memory
+from spillway.layers.residency import is_split
 from spillway.recipes.config import NEXT_FORWARD, PENDING_DEVICE, PENDING_HOST
 from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
@@ -31,15 +32,21 @@ def refusal_before_compile(bounds: dict, hbm_limit: float, devices: int, host_ra
     return None if host is None else f"cannot fit: {host}, whatever the step holds"
 
 
-def _less_in_host_memory(candidate: Candidate) -> list[Candidate]:
+def _less_in_host_memory(candidate: Candidate, todo: list[Candidate]) -> list[Candidate]:
     """The plans of the same activations with less in host memory, which `candidate` cannot beat: the
     state on device; the weights on device; with every block weight on host, only the experts' there;
     with the update in the next forward pass, its pending gradients in HBM (the same compute, and the
-    gradients never cross the link)."""
+    gradients never cross the link), and with the whole state on host the split host:L of `todo` (the
+    non-stacked leaves' state in HBM: the same compute, and their state never crosses the link)."""
     found = []
     if candidate.update == NEXT_FORWARD and candidate.pending_gradients == PENDING_HOST:
         found.append(Candidate.of(candidate.activations, candidate.optimizer_state, candidate.params, NEXT_FORWARD,
                                   pending_gradients=PENDING_DEVICE))
+    if candidate.update == NEXT_FORWARD and candidate.optimizer_state == Memory.HOST:
+        # host:L is the only split the update in the next forward pass takes, so any split twin in todo is it
+        found += [other for other in todo if other.update == NEXT_FORWARD and is_split(other.optimizer_state)
+                  and (other.activations, other.params, other.pending_gradients)
+                  == (candidate.activations, candidate.params, candidate.pending_gradients)]
     if candidate.optimizer_state != Memory.DEVICE:
         found.append(Candidate.of(candidate.activations, Memory.DEVICE, Memory.DEVICE))
     if candidate.params != Memory.DEVICE:
@@ -73,7 +80,7 @@ def stages(todo: list[Candidate]) -> list[list[int]]:
 
     def stage(candidate: Candidate) -> int:
         if candidate not in depth:
-            before = [c for c in [*_less_in_host_memory(candidate), _streamed_twin(candidate)] if c in present]
+            before = [c for c in [*_less_in_host_memory(candidate, todo), _streamed_twin(candidate)] if c in present]
             depth[candidate] = 1 + max(map(stage, before)) if before else 0
         return depth[candidate]
 
@@ -99,7 +106,7 @@ def faster_plan_that_fits(candidate: Candidate, todo: list[Candidate], rows: dic
     host CPU's update alone (`host_update_floor_s`, the GPU's share of the
     parameters over the host update rate), as if no byte crossed the link.
     """
-    ancestors = _less_in_host_memory(candidate)
+    ancestors = _less_in_host_memory(candidate, todo)
 
     def fitting_row(wanted: Candidate) -> PlanRow | None:
         return next((rows[index] for index, other in enumerate(todo)

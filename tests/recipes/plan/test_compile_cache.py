@@ -48,7 +48,8 @@ class FakeCompiles:
         results = []
         for position, data in enumerate(request["candidates"]):
             candidate = Candidate.from_dict(data)
-            on_host = candidate.optimizer_state == "host"
+            # host:L (the next_forward candidates' split) counted as on host too: this fake has no embedding
+            on_host = candidate.optimizer_state != "device"
             bounds = {"device_argument_bytes": 0 if on_host else self.device_argument_bytes,
                       "host_phases": host_phases(self.host_state_bytes if on_host else 0)}
             if request.get("bounds_only"):
