@@ -10,6 +10,11 @@ Logical axis names label every parameter dimension (`logical_axes` metadata on
 `nnx.Param`); layers/sharding.py maps them to mesh axes.
 """
 
+# --- trace scopes -----------------------------------------------------------
+# The deferred update with grad_accum > 1 (recipes/train/accumulate_in_forward.py) traces its micro-batches
+# 2..K under this name, so the planner (recipes/plan/hlo.py) tells their passes from micro-batch 1's.
+LATER_MICRO_BATCHES_SCOPE = "later_micro_batches"
+
 # --- activation names (checkpoint_name tags) --------------------------------
 BLOCK_INPUT = "block_input"      # residual stream entering a block, [b, t, d]
 QKV = "qkv"                      # query/key/value projections after RoPE

@@ -357,7 +357,7 @@ class Recipe:
                                   f"offload.activations={self.offload.activations!r} has {len(segments)} segments")
             if self.train.grad_accum != 1 and self.offload.pending_gradients == PENDING_HOST:
                 # the float32 running sum of the micro-batches lives in HBM; kept on the host side it would
-                # cross the link twice per micro-batch (recipes/optim/accumulate_in_forward.py)
+                # cross the link twice per micro-batch (recipes/train/accumulate_in_forward.py)
                 raise ConfigError(f"offload.update=next_forward with train.grad_accum={self.train.grad_accum} "
                                   f"keeps the pending gradients' float32 running sum in HBM, but "
                                   f"offload.pending_gradients={PENDING_HOST} puts them in host memory: set "

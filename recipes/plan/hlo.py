@@ -43,6 +43,8 @@ import dataclasses
 import math
 import re
 
+from spillway.layers.names import LATER_MICRO_BATCHES_SCOPE
+
 HOST_MEMORY_SPACE = "S(5)"
 
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
@@ -347,11 +349,10 @@ def host_traffic(hlo_text: str) -> HostTraffic:
 
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
-# The deferred update with grad_accum > 1 (recipes/optim/accumulate_in_forward.py) runs its first micro-batch,
-# which takes the update, apart from the others, and traces those others under this name scope: their passes
-# are LATER_FORWARD and LATER_BACKWARD, so that the planner prices the update's copies beside one
-# micro-batch's compute, not all of them. Kinds a program has none of are absent from the dicts below.
-LATER_MICRO_BATCHES_SCOPE = "later_micro_batches"
+# The deferred update with grad_accum > 1 (recipes/train/accumulate_in_forward.py) runs its first micro-batch,
+# which takes the update, apart from the others, and traces those others under LATER_MICRO_BATCHES_SCOPE
+# (layers/names.py): their passes are LATER_FORWARD and LATER_BACKWARD, so that the planner prices the
+# update's copies beside one micro-batch's compute, not all of them. Kinds a program has none of are absent from the dicts below.
 LATER_FORWARD, LATER_BACKWARD = "later_forward", "later_backward"
 
 

@@ -24,12 +24,12 @@ from spillway.layers.residency import whole_placement
 from spillway.layers.sharding import (activation_sharding, batch_sharding, constrain, init_program, make_mesh,
                                       state_shardings, undivided_dims)
 from spillway.recipes.config import NEXT_FORWARD, PENDING_HOST, AuxLossConfig, Recipe
-from spillway.recipes.optim import accumulate_in_forward, update_in_forward
+from spillway.recipes.optim import update_in_forward
 from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.optim.host_streaming import tree_nbytes_by_memory_kind
 from spillway.recipes.optim.layouts import make_layouts
 from spillway.recipes.optim.optimizer import Optimizer
-from spillway.recipes.train import aux_terms, lora_step, xla_settings
+from spillway.recipes.train import accumulate_in_forward, aux_terms, lora_step, xla_settings
 from spillway.recipes.train import batch as batch_lib
 from spillway.recipes.train.batch import Batch, micro_batches
 from spillway.recipes.train.sft_batch import with_step_denominator

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from spillway.layers.names import LATER_MICRO_BATCHES_SCOPE
 from spillway.recipes.optim import update_in_forward
 from spillway.recipes.optim.update_in_forward import PendingUpdate
-from spillway.recipes.plan.hlo import LATER_MICRO_BATCHES_SCOPE
 from spillway.recipes.train.batch import micro_batches
 from spillway.recipes.train.sft_batch import with_step_denominator
 
