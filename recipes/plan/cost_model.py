@@ -275,6 +275,11 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     update_in, update_out = state + params.update_in, state + params.update_out
     activations_out = max(0, to_host - params.backward_out - update_out)
     activations_back = max(0, from_host - params.forward_in - params.backward_in - update_in)
+    backward_moved = (row.report.get("transfer_bytes_by_pass") or {}).get("backward")
+    if backward_moved is not None:
+        # Offloaded activations come back only in the backward pass: what the step brings in outside the two
+        # passes beyond the state (a few scalars) is not backward traffic.
+        activations_back = min(activations_back, max(0, backward_moved["host_to_device_bytes"] - params.backward_in))
     # Bytes the compiled schedule moves in both directions at once (the
     # streamed update's write-back beside the next prefetch; in the backward
     # pass with grad_accum > 1, a layer's gradient sum going out beside the
