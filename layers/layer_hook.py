@@ -10,6 +10,15 @@ scan, outside the layer's rematerialised body:
     hook.collect(stacked outputs, carry)      once the scan is done (outputs stacked over the layers,
                                               the carry after the last layer)
 
+A hook may have an attribute `resident_layers` = R > 0: the stack then runs
+its first R layers in a scan of their own, calling
+`hook.before_resident_layer(carry, t, layer_state)` (same signature, the
+carry going on to the second scan), and `before_layer` only for layers R..L-1
+(t counts the whole stack's layers in both; `collect` gets the outputs of
+both scans joined). The deferred update with a split state uses it: its
+resident layers' state is in HBM and needs no copy over the host link, and
+one scan for both kinds would compile one body with the copies in it.
+
 The carry lets the hook fetch what layer t+1 needs while layer t computes
 (double buffering), and lets it update a buffer in place row by row (the
 final carry comes back to it); the outputs come out of the scan stacked, a

@@ -42,15 +42,14 @@ NEXT_FORWARD = "next_forward"
 UPDATE_TIMES = (AFTER_BACKWARD, NEXT_FORWARD)
 
 
-# A split with resident block layers would need an update of their own in the forward pass; host:L (every
-# block layer on host) keeps only the non-stacked leaves' state in HBM, which the step updates before its
-# forward pass as it does any leaf with device state.
-def next_forward_placement_needed(state: str, params: str, layers: str = "L, every block layer") -> str:
+# The deferred update streams host state: the weights stay in HBM, the state is on host, whole or split
+# (host:N: in the forward pass, each layer updated before it runs: the resident layers' from their state in
+# HBM, the last N layers' streamed from host memory).
+def next_forward_placement_needed(state: str, params: str) -> str:
     """The one-line ConfigError of offload.update=next_forward with a placement it cannot stream."""
     return ("offload.update=next_forward streams a host-resident optimizer state under the next forward pass: it "
-            "needs offload.optimizer_state=host and offload.params=device; offload.optimizer_state=host:"
-            f"{layers} (the embedding's, norms' and head's state then stays in HBM) is accepted too, a split that "
-            f"keeps block layers' state in HBM is not (got optimizer_state={state}, params={params})")
+            "needs offload.optimizer_state=host (or a split host:N) and offload.params=device "
+            f"(got optimizer_state={state}, params={params})")
 
 
 # Where the deferred update's pending gradients of the stacked block leaves wait between two steps (with
@@ -167,8 +166,6 @@ class OffloadConfig:
             raise ConfigError(f"offload.update must be one of {UPDATE_TIMES}, got {self.update!r}")
         if self.update == NEXT_FORWARD and ((self.optimizer_state != Memory.HOST and not is_split(self.optimizer_state))
                                             or self.params != Memory.DEVICE):
-            # A split's count is checked against the model's layers by Recipe (_check_next_forward_split): only
-            # host:L, every block layer on host, passes; its non-stacked leaves' state stays in HBM.
             raise ConfigError(next_forward_placement_needed(self.optimizer_state, self.params))
         if self.pending_gradients not in PENDING_PLACES:
             raise ConfigError(f"offload.pending_gradients must be one of {PENDING_PLACES}, "
@@ -392,14 +389,23 @@ class Recipe:
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
 
     def _check_next_forward_split(self) -> None:
-        """offload.update=next_forward with a split state: every block layer must be on host (host:L, or a
-        fraction that rounds to all of them); resident block layers would need an update in the forward pass
-        of their own. Runs after check_split_fits, which names a count above the model's layers."""
+        """offload.update=next_forward with a split state that keeps block layers resident: their update runs in
+        HBM in the forward pass, before each layer, and reads their pending gradients there, so those wait in HBM (in
+        host memory they would come back over the link with nothing to hide under). host:L (every block layer
+        on host) takes either place. Runs after check_split_fits, which names a count above the model's layers."""
         state = self.offload.optimizer_state
         if self.offload.update != NEXT_FORWARD or not is_split(state):
             return
-        if host_layers(state, self.model.num_layers) != self.model.num_layers:
-            raise ConfigError(next_forward_placement_needed(state, self.offload.params, str(self.model.num_layers)))
+        on_host = host_layers(state, self.model.num_layers)
+        if on_host == 0:   # every layer's state in HBM: nothing to stream
+            raise ConfigError(next_forward_placement_needed(state, self.offload.params))
+        resident = self.model.num_layers - on_host
+        if resident and self.offload.pending_gradients == PENDING_HOST:
+            raise ConfigError(f"offload.update=next_forward with offload.optimizer_state={state} updates the "
+                              f"{resident} resident block layers in HBM in the forward pass, from "
+                              f"pending gradients in HBM, but offload.pending_gradients={PENDING_HOST} puts them in "
+                              f"host memory: set offload.pending_gradients={PENDING_DEVICE}, or "
+                              f"offload.optimizer_state=host:{self.model.num_layers}")
 
     def _check_params_split(self) -> None:
         """A split of the weights (offload.params=host:N | experts:N) needs the state split at the same layer:

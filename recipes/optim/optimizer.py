@@ -103,9 +103,11 @@ class Optimizer:
         return self._streamed_by_layer(layout) and not self.update_in_forward and self.halve_stacked_state
 
     def updated_in_forward(self) -> set[int]:
-        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller
-        (a split leaf's never: `begin` updates both of its parts)."""
-        return {k for k, layout in enumerate(self._layouts) if self._streamed_by_layer(layout) and not layout.split}
+        """Indices (in the params' flattening) of the leaves whose update `begin` leaves to the caller: the
+        streamed stacked leaves, and with update_in_forward the split ones too (their host layers' part;
+        `begin` updates the resident layers' part itself)."""
+        return {k for k, layout in enumerate(self._layouts) if self._streamed_by_layer(layout)
+                and (self.update_in_forward or not layout.split)}
 
     # -- tree plumbing
 
@@ -328,6 +330,12 @@ class Optimizer:
         new_states: list[tuple] = [None] * len(param_leaves)
         host_stacked = []
         split_leaves = [k for k, layout in enumerate(self._layouts) if layout.split]
+        # With the update in the next forward pass, a split leaf is left to the caller whole: its resident
+        # layers' state (`resident_state`, in HBM) and its host layers' (`host_state`) are both updated a layer
+        # at a time in the forward pass (recipes/optim/update_in_forward.py).
+        resident: list[int] = []
+        if stacked_host_later and self.update_in_forward and not cfg.update_on_host and split_leaves:
+            resident, split_leaves = split_leaves, []
         previous_one_piece = None  # non-stacked host leaves visit HBM in turn, never two at once
         for k, layout in enumerate(self._layouts):
             if layout.split:
@@ -351,8 +359,11 @@ class Optimizer:
             split_results = self._update_split(split_leaves, piece_fn, state_of, grad_leaves, param_leaves)
             for k, (param, state) in split_results.items():
                 new_params[k], new_states[k] = param, state
-        begun = BegunUpdate(self, treedef, new_params, new_states, scalars,
-                            {k: piece_fn(k) for k in host_stacked}, {k: state_of(k) for k in host_stacked})
+        layer_update = {k: piece_fn(k) for k in host_stacked + resident}
+        host_state = {**{k: state_of(k) for k in host_stacked},
+                      **{k: tuple(x.host for x in state_of(k)) for k in resident}}
+        begun = BegunUpdate(self, treedef, new_params, new_states, scalars, layer_update, host_state,
+                            {k: tuple(x.device for x in state_of(k)) for k in resident})
         if stacked_host_later:
             return begun
         return begun.finish(self._stream_stacked(host_stacked, piece_fn, grad_leaves, param_leaves,
@@ -467,6 +478,10 @@ class BegunUpdate:
     one layer of leaf k (a `host_streaming.PieceUpdate`: grad row, param row, state rows on device ->
     new param row, new state rows) and `host_state[k]` is its state, host arrays with a leading layer
     axis. `finish` takes {k: (new stacked param, new host state)} for those leaves.
+
+    A split leaf (offload.optimizer_state=host:N) among them has its first L - N layers' state in
+    `resident_state[k]` (HBM) and its last N layers' in `host_state[k]`; `finish` takes its new state as
+    ResidentSplits.
     """
     optimizer: Optimizer
     treedef: Any
@@ -475,6 +490,17 @@ class BegunUpdate:
     scalars: StepScalars
     layer_update: dict[int, Callable]
     host_state: dict[int, tuple]
+    resident_state: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+    @property
+    def resident_layers(self) -> int:
+        """How many first block layers have their state in HBM (a split's resident layers; 0 without one).
+        One split setting cuts every leaf alike."""
+        counts = {self.resident_state[k][0].shape[0] for k in self.resident_state}
+        if len(counts) > 1:
+            raise ValueError(f"a split state with the update in the forward pass needs every stacked leaf cut at "
+                             f"one layer; they are cut at {sorted(counts)}")
+        return counts.pop() if counts else 0
 
     @property
     def params(self):

@@ -51,6 +51,7 @@ from jax import lax
 from spillway.layers import layer_hook
 from spillway.recipes.optim import host_streaming as streaming
 from spillway.recipes.optim.host_memory import host_sharding
+from spillway.recipes.optim.split_state import ResidentSplit
 
 
 @jax.tree_util.register_dataclass
@@ -154,11 +155,19 @@ _seeded_with_itself.defvjp(_seeded_with_itself_fwd, _seeded_with_itself_bwd)
 class _UpdateBeforeEachLayer:
     """The LayerHook: layer t's update from its prefetched gradient and state, layer t+1's fetched meanwhile.
 
-    Its carry: (the state's host buffers, written a row at a time in place; the next layer's gradient and
-    state rows on device; the rows to write next), and with the pending gradients in HBM their stacked
-    buffers too (the sinks `_into_layer_in_place` threads through; `pending_grads` are then those, the
-    differentiated ones). What it collects: per leaf (the new stacked weight, the new state buffers), and
-    the sinks after the last layer (`final_sinks`)."""
+    Its carry: (the state's host buffers, written a row at a time in place; the resident layers' state
+    buffers in HBM, likewise; the next layer's gradient and state rows on device; the rows to write next),
+    and with the pending gradients in HBM their stacked buffers too (the sinks `_into_layer_in_place`
+    threads through; `pending_grads` are then those, the differentiated ones). What it collects: per leaf
+    (the new stacked weight, the new state: host buffers, or ResidentSplits of a split leaf's two), and
+    the sinks after the last layer (`final_sinks`).
+
+    A split state (offload.optimizer_state=host:N): the first `resident_layers` = L - N block layers keep
+    their state in HBM. The stack runs them in a scan of their own (layers/layer_hook.py), where
+    `before_resident_layer` updates each from its state rows in HBM (nothing crosses the host link); the
+    host buffers hold the last N layers' rows (row t - resident_layers for layer t), the pending gradients
+    every layer's (row t).
+    """
 
     def __init__(self, begun, pending_grads: dict, norm_probe, pending_in_host_memory: bool = True):
         self.begun = begun
@@ -171,73 +180,126 @@ class _UpdateBeforeEachLayer:
         if len(lengths) > 1:
             raise ValueError(f"offload.update=next_forward needs one stack of layers; the stacked leaves "
                              f"have {sorted(lengths)} layers")
-        self.num_layers = lengths.pop() if lengths else 0
+        self.resident_layers = begun.resident_layers
+        self.num_layers = lengths.pop() if lengths else 0   # the hooked (host) layers
 
-    def _fetch(self, buffers, layer_index, grads=None):
+    def _grad_row(self, k, layer_index, sinks):
+        if self.pending_in_host_memory:
+            return streaming.to_device(lax.dynamic_index_in_dim(self.pending_grads[k], layer_index, keepdims=False))
+        # in HBM: read from the carried sink (not differentiated through: the update stops gradients)
+        return lax.dynamic_index_in_dim(lax.stop_gradient(sinks[k]), layer_index, keepdims=False)
+
+    def _fetch(self, buffers, layer_index, sinks=None):
+        """Layer `layer_index`'s (a host layer: at or after resident_layers) pending gradient and state rows,
+        on device."""
         def row(x):
-            return streaming.to_device(lax.dynamic_index_in_dim(x, layer_index, keepdims=False))
-
-        def grad_row(k):
-            if self.pending_in_host_memory:
-                return row(self.pending_grads[k])
-            # in HBM: read from the carried sink (not differentiated through: the update stops gradients)
-            return lax.dynamic_index_in_dim(lax.stop_gradient(grads[k]), layer_index, keepdims=False)
-        return {k: (grad_row(k), tuple(row(s) for s in state)) for k, state in buffers.items()}
+            return streaming.to_device(lax.dynamic_index_in_dim(x, layer_index - self.resident_layers,
+                                                                keepdims=False))
+        return {k: (self._grad_row(k, layer_index, sinks), tuple(row(s) for s in state))
+                for k, state in buffers.items()}
 
     def start(self):
-        """(the host state buffers, written a row at a time in place; layer 0's gradient and state rows on
-        device; the rows to write before the next fetch: layer 0's own, unchanged, the first time), and
-        with the pending gradients in HBM their stacked sinks."""
+        """(the host state buffers, written a row at a time in place; the resident layers' state buffers; the
+        first host layer's gradient and state rows on device; the rows to write before the next fetch: that
+        layer's own, unchanged, the first time), and with the pending gradients in HBM their stacked sinks."""
         buffers = dict(self.begun.host_state)
         sinks = None if self.pending_in_host_memory else dict(self.pending_grads)
-        current = self._fetch(buffers, 0, sinks)
-        carry = (buffers, current, {k: rows for k, (_, rows) in current.items()})
+        current = self._fetch(buffers, self.resident_layers, sinks)
+        carry = (buffers, dict(self.begun.resident_state), current, {k: rows for k, (_, rows) in current.items()})
         return carry if sinks is None else (*carry, sinks)
 
+    def _update(self, leaf, grad_row, state_rows, layer_index, sinks, new_weights, new_rows, dtypes):
+        """Leaf's layer updated: its new weight (what the layer runs with, its gradient routed back) recorded
+        in `new_weights`, its new state rows in `new_rows`."""
+        new_weight, new_state = self.begun.layer_update[leaf.key](grad_row, leaf.weight, state_rows)
+        new_weight = lax.stop_gradient(new_weight.astype(leaf.weight.dtype))
+        new_weights[leaf.key] = new_weight
+        new_rows[leaf.key] = tuple(lax.stop_gradient(d).astype(dtype) for d, dtype in zip(new_state, dtypes))
+        if sinks is None:
+            return _into_layer(new_weight, leaf.grad_sink, self.norm_probe)
+        new_weight, sinks[leaf.key] = _into_layer_in_place(new_weight, sinks[leaf.key], layer_index, self.norm_probe)
+        return new_weight
+
+    def before_resident_layer(self, carry, layer_index, layer_state):
+        """Before a resident layer (t < resident_layers): its update from its state rows in HBM, written back
+        over them in place; the first host layer's rows, fetched by `start`, wait in the carry."""
+        buffers, resident, current, previous, *sinks = carry
+        sinks = dict(sinks[0]) if sinks else None
+        new_weights, new_rows = {}, {}
+
+        def update(leaf):
+            if not _is_updated(leaf):
+                return leaf
+            state = resident[leaf.key]
+            rows = tuple(lax.dynamic_index_in_dim(s, layer_index, keepdims=False) for s in state)
+            return self._update(leaf, self._grad_row(leaf.key, layer_index, sinks), rows, layer_index, sinks,
+                                new_weights, new_rows, [s.dtype for s in state])
+
+        layer_state = jax.tree.map(update, layer_state, is_leaf=_is_updated)
+        resident = {k: tuple(lax.dynamic_update_index_in_dim(s, new_rows[k][i], layer_index, 0)
+                             for i, s in enumerate(state)) for k, state in resident.items()}
+        carry = (buffers, resident, current, previous) + ((sinks,) if sinks is not None else ())
+        return carry, layer_state, new_weights
+
     def before_layer(self, carry, layer_index, layer_state):
-        buffers, current, previous, *sinks = carry
+        buffers, resident, current, previous, *sinks = carry
         sinks = dict(sinks[0]) if sinks else None
         # The previous layer's new rows go over its old ones first (in place: the step donates the
         # state), and the next layer's are read from the buffers written: the read follows the write it
         # depends on, so XLA needs neither a copy nor an order of its own between them, and both copies
         # are free to run beside this layer's update and compute, which need neither.
+        first, last = self.resident_layers, self.resident_layers + self.num_layers - 1
         buffers = {k: tuple(lax.dynamic_update_index_in_dim(s, streaming.to_host(previous[k][i]),
-                                                            jnp.maximum(layer_index - 1, 0), 0)
+                                                            jnp.maximum(layer_index - 1, first) - first, 0)
                             for i, s in enumerate(state))
                    for k, state in buffers.items()}
-        upcoming = self._fetch(buffers, jnp.minimum(layer_index + 1, self.num_layers - 1), sinks)
+        upcoming = self._fetch(buffers, jnp.minimum(layer_index + 1, last), sinks)
         new_weights, new_rows = {}, {}
 
         def update(leaf):
             if not _is_updated(leaf):
                 return leaf
             grad_row, state_rows = current[leaf.key]
-            new_weight, new_state = self.begun.layer_update[leaf.key](grad_row, leaf.weight, state_rows)
-            new_weight = lax.stop_gradient(new_weight.astype(leaf.weight.dtype))
-            new_weights[leaf.key] = new_weight
-            new_rows[leaf.key] = tuple(lax.stop_gradient(d).astype(s.dtype)
-                                       for d, s in zip(new_state, buffers[leaf.key]))
-            if sinks is None:
-                return _into_layer(new_weight, leaf.grad_sink, self.norm_probe)
-            new_weight, sinks[leaf.key] = _into_layer_in_place(new_weight, sinks[leaf.key], layer_index,
-                                                               self.norm_probe)
-            return new_weight
+            return self._update(leaf, grad_row, state_rows, layer_index, sinks, new_weights, new_rows,
+                                [s.dtype for s in buffers[leaf.key]])
 
         layer_state = jax.tree.map(update, layer_state, is_leaf=_is_updated)
-        if sinks is None:
-            return (buffers, upcoming, new_rows), layer_state, new_weights
-        return (buffers, upcoming, new_rows, sinks), layer_state, new_weights
+        carry = (buffers, resident, upcoming, new_rows) + ((sinks,) if sinks is not None else ())
+        return carry, layer_state, new_weights
 
     def collect(self, outputs, carry):
+        """`outputs`: every layer's new weights, stacked over the whole stack (resident layers first)."""
         if self.outputs is not None:
             raise ValueError("offload.update=next_forward needs one stack of layers; a second one ran")
-        buffers, _, last, *sinks = carry
+        buffers, resident, _, last, *sinks = carry
         self.final_sinks = sinks[0] if sinks else None
         last_layer = self.num_layers - 1
-        self.outputs = {k: (outputs[k], tuple(lax.dynamic_update_index_in_dim(s, streaming.to_host(last[k][i]),
-                                                                              last_layer, 0)
-                                              for i, s in enumerate(buffers[k])))
-                        for k in outputs}
+
+        def new_state(k):
+            host = tuple(lax.dynamic_update_index_in_dim(s, streaming.to_host(last[k][i]), last_layer, 0)
+                         for i, s in enumerate(buffers[k]))
+            if k not in resident:
+                return host
+            return tuple(ResidentSplit(d, h) for d, h in zip(resident[k], host))
+        self.outputs = {k: (outputs[k], new_state(k)) for k in outputs}
+
+
+def run_layers(hook, leaves: dict, each_layer):
+    """The hook over the stacked `leaves` ({key: stacked weight}) as the block stack runs it (layers/stack.py):
+    a split's resident layers in a scan of their own, then the host layers. `each_layer(before, carry,
+    layer_index, weights)` -> (carry, new weights). Returns (the carry after the last layer, every layer's
+    new weights stacked)."""
+    def scan_layers(before, start, stop, carry):
+        return lax.scan(lambda carry, layer: each_layer(before, carry, *layer), carry,
+                        (jnp.arange(start, stop), {k: w[start:stop] for k, w in leaves.items()}))
+
+    first, carry, parts = hook.resident_layers, hook.start(), []
+    if first:
+        carry, new_weights = scan_layers(hook.before_resident_layer, 0, first, carry)
+        parts.append(new_weights)
+    carry, new_weights = scan_layers(hook.before_layer, first, first + hook.num_layers, carry)
+    parts.append(new_weights)
+    return carry, jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=0), *parts)
 
 
 def make_train_step(objective, optimizer, pending_in_host_memory: bool = True):
@@ -315,15 +377,13 @@ def make_flush(optimizer, pending_in_host_memory: bool = True):
             hook = _UpdateBeforeEachLayer(begun, {k: pending_leaves[k] for k in in_forward}, norm_probe,
                                           pending_in_host_memory)
 
-            def each_layer(carry, layer):
-                layer_index, weights = layer
+            def each_layer(before, carry, layer_index, weights):
                 # No gradient sink: nothing here is differentiated for its gradient.
                 rows = {k: _UpdatedBeforeUse(weights[k], None, k) for k in in_forward}
-                carry, _, new_weights = hook.before_layer(carry, layer_index, rows)
+                carry, _, new_weights = before(carry, layer_index, rows)
                 return carry, new_weights
 
-            carry, new_weights = lax.scan(each_layer, hook.start(),
-                                          (jnp.arange(hook.num_layers), {k: leaves[k] for k in in_forward}))
+            carry, new_weights = run_layers(hook, {k: leaves[k] for k in in_forward}, each_layer)
             hook.collect(new_weights, carry)
             return hook.outputs
 

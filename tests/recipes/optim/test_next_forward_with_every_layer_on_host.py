@@ -2,9 +2,9 @@
 block layer's state in host memory, streamed under the next forward pass, and the non-stacked leaves'
 (embedding, final norm, head) in HBM, updated before the forward pass like any leaf with device state.
 
-Accepted only where the split leaves no block layer's state in HBM (a resident layer would need an update
-of its own in the forward pass); trains as the update after the backward pass with the same placement, and
-a run stopped and resumed equals the uninterrupted one bit for bit.
+Takes the pending gradients in host memory too (a split with resident block layers needs them in HBM:
+tests/recipes/optim/test_next_forward_with_a_split.py); trains as the update after the backward pass with the
+same placement, and a run stopped and resumed equals the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ def test_a_split_with_every_block_layer_on_host_is_accepted(state):
 
 
 @pytest.mark.parametrize("state,message", [
-    (f"offload.optimizer_state=host:{LAYERS - 1}", rf"is accepted too, a split that keeps block layers' state "
-                                                   rf"in HBM is not \(got optimizer_state=host:{LAYERS - 1}"),
-    ("offload.optimizer_state=host:0.5", rf"offload.optimizer_state=host:{LAYERS} \(the embedding's"),
-    ("offload.optimizer_state=host:0", r"needs offload.optimizer_state=host and offload.params=device"),
+    (f"offload.optimizer_state=host:{LAYERS - 1}", rf"updates the 1 resident block layers on the device .* "
+                                                   rf"offload.pending_gradients=host puts them in host memory"),
+    ("offload.optimizer_state=host:0.5", rf"or offload.optimizer_state=host:{LAYERS}$"),
+    ("offload.optimizer_state=host:0", r"needs offload.optimizer_state=host \(or a split host:N\) and "
+                                       r"offload.params=device \(got optimizer_state=host:0"),
     (f"offload.optimizer_state=host:{LAYERS + 1}", rf"the model has {LAYERS} block layers; a split may put 0 to"),
 ])
-def test_a_split_that_keeps_block_layers_in_hbm_is_one_config_error(state, message):
+def test_a_split_with_pending_gradients_on_host_or_no_host_layer_is_one_config_error(state, message):
     with pytest.raises(ConfigError, match=message) as raised:
         small_recipe(state, "train.grad_accum=1", IN_FORWARD)
     assert "\n" not in str(raised.value)
