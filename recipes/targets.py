@@ -91,6 +91,12 @@ class GpuTarget:
     default_host_ram_bytes: int     # per GPU
     facts: GpuDeviceFacts
     notes: str = ""
+    # Whether a copy to host memory and one from it move at once, each at the per-direction rate. The
+    # compiled schedule often has both in flight (a streamed layer's write-back beside the next one's fetch),
+    # but on the one GPU measured (H200, jax 0.11.2, BENCHMARKS.md 2026-12-04) a streamed update's extra step
+    # time was both directions' bytes added at that rate: they take turns. No target claims otherwise until
+    # a GPU run shows it; the planner then prices the bytes moved both ways at once once, not twice.
+    host_link_duplex: bool = False
 
     @property
     def sm_version(self) -> str:

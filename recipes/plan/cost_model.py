@@ -5,9 +5,11 @@ direction moves, by autodiff pass, and the bytes moved with both directions
 in flight) and the FLOPs counted from the model's shapes (models/flops.py), a
 `PlanRow` per candidate (`plan_row`), per GPU:
 
-    transfer     both directions added, less the bytes the compiled schedule
-                 moves in one direction while the other is busy too
-                 (hlo.overlapping_host_copies), at the host link's rate;
+    transfer     both directions added, at the host link's rate; on a target
+                 whose link is measured to move both at once
+                 (GpuTarget.host_link_duplex, none yet) less the bytes the
+                 compiled schedule moves in one direction while the other is
+                 busy too (hlo.overlapping_host_copies);
     compute      FLOPs at the fraction of the GPU's peak dense bf16 rate
                  measured on an H200 for the run's attention kernel
                  (recipes/plan/compute_model.py: cuDNN 47%, blockwise 14%);
@@ -18,9 +20,10 @@ in flight) and the FLOPs counted from the model's shapes (models/flops.py), a
                  going out) / link); update: host-resident optimizer state
                  copied in and out of HBM (with host weights also their
                  gradients in and the new weights out), which overlaps no
-                 compute. Within each phase the two directions add, less the
-                 bytes that phase's compiled schedule moves with both in flight
-                 (never more than its smaller direction: `link_seconds`). A
+                 compute. Within each phase the two directions add (on a
+                 duplex link less the bytes that phase's compiled schedule
+                 moves with both in flight, never more than its smaller
+                 direction: `link_seconds`). A
                  plan whose update runs in the next forward pass is read
                  straight from what each pass moves (`phases_by_pass`),
                  each pass's copies hiding under its compute only as far
@@ -263,9 +266,11 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
         row.report = {**row.report, "host_to_device_bytes": host_to_device_moved(params, row.report),
                       "host_to_device_bytes_counted": row.report["host_to_device_bytes"]}
     to_host, from_host = row.report["device_to_host_bytes"], row.report["host_to_device_bytes"]
-    row.transfer_s = (to_host + from_host - row.report.get("overlapped_transfer_bytes", 0)) / link
+    # Bytes in flight both ways at once count once only where the link is measured to carry both at once.
+    duplex = target.host_link_duplex
+    row.transfer_s = (to_host + from_host - (row.report.get("overlapped_transfer_bytes", 0) if duplex else 0)) / link
     if candidate.update == NEXT_FORWARD:
-        phases_by_pass(row, counted, rate, link, recipe.train.grad_accum)
+        phases_by_pass(row, counted, rate, link, recipe.train.grad_accum, duplex)
         return row
     # Host-resident optimizer state is the rest of the step's host *argument*;
     # the streamed update brings all of it in and writes it back. The host CPU
@@ -287,7 +292,7 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     # never more than that phase's smaller direction. Reports older than the
     # split credit everything to the update.
     overlapped = row.report.get("overlapped_transfer_bytes", 0)
-    by_pass = row.report.get("overlapped_bytes_by_pass") or {"other": overlapped}
+    by_pass = (row.report.get("overlapped_bytes_by_pass") or {"other": overlapped}) if duplex else {}
     forward_out, forward_in = activations_out, params.forward_in
     backward_in, backward_out = activations_back + params.backward_in, params.backward_out
     row.forward_s = max(counted.forward / rate,
@@ -325,12 +330,13 @@ def link_seconds(out: int, back: int, overlapped: int, link: float) -> float:
     return (out + back - min(overlapped, out, back)) / link
 
 
-def phases_by_pass(row: PlanRow, counted, rate: float, link: float, grad_accum: int = 1) -> None:
+def phases_by_pass(row: PlanRow, counted, rate: float, link: float, grad_accum: int = 1,
+                   duplex: bool = False) -> None:
     """The three phases from what the compiled step moves in each autodiff pass (CompileReport
     transfer_bytes_by_pass), for a plan whose update runs in the next forward pass: the stacked state
     crosses in the forward pass; what the update moves before it (the leaves outside the stack) is the
-    update phase. Within a pass the two directions add, less the bytes the schedule moves with both in
-    flight; of that link time, the share the schedule runs beside a matmul (`hidden_fraction`) hides
+    update phase. Within a pass the two directions add (on a `duplex` link less the bytes the schedule
+    moves with both in flight); of that link time, the share the schedule runs beside a matmul (`hidden_fraction`) hides
     under the pass's compute and the rest adds to it (`beside_compute`). A report without the split counts
     every byte in the update phase.
 
@@ -342,7 +348,7 @@ def phases_by_pass(row: PlanRow, counted, rate: float, link: float, grad_accum: 
     moved = report.get("transfer_bytes_by_pass") or {
         "other": {"device_to_host_bytes": report["device_to_host_bytes"],
                   "host_to_device_bytes": report["host_to_device_bytes"]}}
-    overlapped = report.get("overlapped_bytes_by_pass") or {}
+    overlapped = (report.get("overlapped_bytes_by_pass") or {}) if duplex else {}
 
     def link_s(kind: str) -> float:
         return link_seconds(moved.get(kind, {}).get("device_to_host_bytes", 0),

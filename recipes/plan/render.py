@@ -60,7 +60,8 @@ def render(p: Plan) -> str:
         f"(grad_accum {s['grad_accum']}); mesh " + " ".join(f"{k}={v}" for k, v in p.mesh.items()),
         f"  limits     HBM {hbm_limit_words(p)} per GPU; "
         f"host RAM {p.host_ram_bytes / GiB:.1f} GiB for {p.devices} GPU(s)",
-        f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction; "
+        f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction"
+        f"{', both at once' if t.host_link_duplex else ', directions taking turns'}; "
         f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
     ]
     if p.compute_basis:

@@ -17,7 +17,9 @@ from spillway.recipes.registry import get_recipe
 from spillway.recipes.targets import get_target
 
 ONE_GPU = {"data": 1, "fsdp": 1, "tensor": 1}
-SLOW_LINK = dataclasses.replace(get_target("h200"), host_link_bytes_per_s=1e9, peak_bf16_flops=1e30)
+# A link that carries both directions at once (host_link_duplex): the overlap credit's arithmetic.
+SLOW_LINK = dataclasses.replace(get_target("h200"), host_link_bytes_per_s=1e9, peak_bf16_flops=1e30,
+                                host_link_duplex=True)
 GB = 1e9
 
 
@@ -56,6 +58,31 @@ def test_overlap_is_credited_at_most_the_smaller_direction():
     assert row.update_s == pytest.approx(4.0)
     assert (row.forward_s, row.backward_s) == pytest.approx((0.0, 0.0))
     assert cost_model.link_seconds(6, 4, 3, 1.0) == 7.0 and cost_model.link_seconds(6, 4, 9, 1.0) == 6.0
+
+
+def test_a_link_that_takes_turns_credits_no_overlap():
+    """The first test's report on a link whose directions take turns (every shipped target: the H200 measured
+    so, BENCHMARKS.md 2026-12-04): the 3 GB in flight both ways count twice. Transfer (5 + 6) = 11 s; the
+    update (4 + 4) = 8 s; the backward pass's 0.5 GB changes nothing (nothing goes out then); the same bytes
+    in a next_forward plan's forward pass add too."""
+    assert not any(get_target(name).host_link_duplex for name in ("h100", "h200", "l4", "gh200-96gb"))
+    turns = dataclasses.replace(SLOW_LINK, host_link_duplex=False)
+    report = {"device_to_host_bytes": 5 * GB, "host_to_device_bytes": 6 * GB, "host_argument_bytes": 4 * GB,
+              "overlapped_transfer_bytes": 3 * GB,
+              "overlapped_bytes_by_pass": {"forward": 0, "backward": 0.5 * GB, "other": 2.5 * GB}}
+    row = cost_model.plan_row(Candidate.of("recompute_all", "host"), {"report": report}, small_recipe(),
+                              turns, ONE_GPU)
+    assert row.transfer_s == pytest.approx(11.0)
+    assert (row.forward_s, row.backward_s, row.update_s) == pytest.approx((1.0, 2.0, 8.0))
+    forward = {"device_to_host_bytes": 3 * GB, "host_to_device_bytes": 4 * GB,
+               "overlapped_bytes_by_pass": {"forward": 2 * GB}, "overlapped_transfer_bytes": 2 * GB,
+               "host_argument_bytes": 4 * GB,
+               "transfer_bytes_by_pass": {"forward": {"device_to_host_bytes": 3 * GB, "host_to_device_bytes": 4 * GB}}}
+    deferred = Candidate.of("recompute_all", "host", "device", NEXT_FORWARD)
+    assert cost_model.plan_row(deferred, {"report": forward}, small_recipe(), turns, ONE_GPU).forward_s \
+        == pytest.approx(7.0)
+    assert cost_model.plan_row(deferred, {"report": forward}, small_recipe(), SLOW_LINK, ONE_GPU).forward_s \
+        == pytest.approx(5.0)
 
 
 def test_state_on_device_moves_nothing_in_the_update():
