@@ -16,6 +16,7 @@ Marked `needs_toolchain` (tests/ci_gate.py), like tests/recipes/optim/test_optim
 """
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -233,14 +234,21 @@ def test_host_weights_cost_their_link_time_in_forward_and_backward_not_in_the_up
     # A tiny model on an H200: the link, not compute (at the efficiency compute_model measured), sets both passes.
     assert host.compute_s < min(forward_weights, backward_weights - overlapped) / link
     assert host.forward_s == pytest.approx(forward_weights / link)
-    assert host.backward_s == pytest.approx((backward_weights - overlapped) / link)
+    # The H200's link directions take turns (GpuTarget.host_link_duplex): what the schedule has in flight
+    # both ways is not credited; on a duplex link it is, once.
+    assert host.backward_s == pytest.approx(backward_weights / link)
+    duplex = dataclasses.replace(target, host_link_duplex=True)
+    host_on_duplex = cost_model.plan_row(CANDIDATES["host_params"], {"report": rows["host_params"]["report"]},
+                                         toy_recipe("host_params"), duplex, ONE_GPU)
+    assert host_on_duplex.backward_s == pytest.approx((backward_weights - overlapped) / link)
     assert host.step_s >= device.step_s + (forward_weights + backward_weights) / link * (1 - 1e-9)
     # The update's time covers at most what the compiled step moves outside the two passes.
     other = passes["other"]
     assert host.update_s <= (other["host_to_device_bytes"] + other["device_to_host_bytes"]) / link
-    assert host.transfer_s == pytest.approx(
-        (sum(sum(moved.values()) for moved in passes.values()) - rows["host_params"]["report"][
-            "overlapped_transfer_bytes"]) / link)
+    moved = sum(sum(moved.values()) for moved in passes.values())
+    assert host.transfer_s == pytest.approx(moved / link)
+    assert host_on_duplex.transfer_s == pytest.approx(
+        (moved - rows["host_params"]["report"]["overlapped_transfer_bytes"]) / link)
 
 
 def test_sharded_weights_stream_one_gpu_share():
@@ -272,15 +280,18 @@ def test_with_gradient_accumulation_no_hbm_buffer_holds_a_stacked_gradient():
             assert model.forward_in == 2 * LAYERS * layer_bytes
             # float32 toy: the running sums are the weights' size, in and out per micro-batch.
             assert model.sums_in == model.gradients_out == 2 * LAYERS * layer_bytes
-    # A layer's new sum goes out while the next layer's weights and sum come in: the planner
-    # credits the bytes in flight together to the backward phase, as the schedule has them.
+    # A layer's new sum goes out while the next layer's weights and sum come in: on a duplex link the
+    # planner credits the bytes in flight together to the backward phase, as the schedule has them; on the
+    # H200's, measured taking turns, both directions add.
     report, passes = rows["host_params"]["report"], rows["host_params"]["traffic_by_pass"]["backward"]
     overlapped = report["overlapped_bytes_by_pass"]["backward"]
     assert 0 < overlapped <= passes["device_to_host_bytes"]
     target = get_target("h200")
-    row = cost_model.plan_row(CANDIDATES["host_params"], {"report": report}, toy_recipe("host_params", 2), target, ONE_GPU)
     moved = passes["device_to_host_bytes"] + passes["host_to_device_bytes"]
-    assert row.backward_s == pytest.approx((moved - overlapped) / target.host_link_bytes_per_s, rel=1e-6)
+    for link_target, credited in ((target, 0), (dataclasses.replace(target, host_link_duplex=True), overlapped)):
+        row = cost_model.plan_row(CANDIDATES["host_params"], {"report": report}, toy_recipe("host_params", 2),
+                                  link_target, ONE_GPU)
+        assert row.backward_s == pytest.approx((moved - credited) / target.host_link_bytes_per_s, rel=1e-6)
 
 
 def test_a_mesh_the_toy_cannot_read_is_named_in_one_line():
