@@ -8,7 +8,8 @@
 # is laid over the checkout with symlinks (pyproject.toml maps it the same
 # way). It prints the machine's versions, times the host CPU's optimizer update
 # (benchmarks/host_update_rate.py; the planner's host-update plans use that
-# rate), then runs benchmarks/gpu_suite.py, which prints the table for
+# rate), probes whether host copies overlap each other and compute
+# (benchmarks/link_overlap_probe.py), then runs benchmarks/gpu_suite.py, which prints the table for
 # BENCHMARKS.md. Measured rows are kept in OUT_DIR (default $OUT, else
 # /tmp/spillway-gpu) for `python -m benchmarks.gpu_suite --render`.
 set -uo pipefail
@@ -35,4 +36,8 @@ print("python", platform.python_version(), "|", ", ".join(f"{n} {version(n)}" fo
 PY
 timeout 90 "$python" benchmarks/host_update_rate.py --out "$out_dir/host_update_rate.json" \
   || echo "host update rate: failed or timed out (exit $?)"
-"$python" -m benchmarks.gpu_suite --budget-s "${GPU_SUITE_BUDGET_S:-390}" --out "$out_dir/gpu_rows.json"
+# Whether host copies run beside each other and beside compute (the planner's link model; BENCHMARKS.md
+# 2026-12-04: a streamed update's copies hid nothing there).
+timeout 60 "$python" benchmarks/link_overlap_probe.py --out "$out_dir/link_overlap.json" \
+  || echo "link overlap probe: failed or timed out (exit $?)"
+"$python" -m benchmarks.gpu_suite --budget-s "${GPU_SUITE_BUDGET_S:-360}" --out "$out_dir/gpu_rows.json"

@@ -1,0 +1,25 @@
+"""benchmarks/link_overlap_probe.py (whether host copies overlap each other and compute on a GPU) runs before a
+GPU is lent: on the CPU's host memory kinds it times every program and derives the ratios it prints."""
+
+import pytest
+
+from benchmarks import link_overlap_probe
+
+
+def test_every_program_is_timed_and_the_ratios_follow_from_the_times():
+    r = link_overlap_probe.probe(gib=1 / 1024, repeats=1, matmul_dim=32, matmul_count=2)
+    s = r["seconds"]
+    assert set(s) == {"h2d", "d2h", "both", "matmuls", "matmuls+h2d", "matmuls+d2h"}
+    assert all(t > 0 for t in s.values())
+    assert r["bytes"] == 2**20
+    assert r["both_over_sum"] == pytest.approx(s["both"] / (s["h2d"] + s["d2h"]))
+    assert r["matmuls_d2h_over_sum"] == pytest.approx(s["matmuls+d2h"] / (s["matmuls"] + s["d2h"]))
+    assert 0.5 <= r["h2d_hidden_bound"] < 1.0
+    assert "both / (h2d + d2h)" in link_overlap_probe.summary(r)
+
+
+def test_a_size_that_is_not_positive_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["link_overlap_probe.py", "--gib", "0"])
+    with pytest.raises(SystemExit):
+        link_overlap_probe.main()
+    assert "must be positive" in capsys.readouterr().err
