@@ -37,7 +37,7 @@ def _largest_difference(a_tree, b_tree) -> float:
 
 
 def test_a_split_with_pending_gradients_in_host_memory_is_one_config_error():
-    with pytest.raises(ConfigError, match=rf"updates the {LAYERS - 1} resident block layers on the device .* set "
+    with pytest.raises(ConfigError, match=rf"updates the {LAYERS - 1} resident block layers in HBM in the forward pass.* set "
                                           rf"offload.pending_gradients=device, or offload.optimizer_state=host:{LAYERS}"
                        ) as raised:
         small_recipe(ONE_LAYER_ON_HOST, "train.grad_accum=1", IN_FORWARD)
