@@ -213,8 +213,9 @@ class Plan:
 
 
 ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of the compiled step. "
-               "Transfer time: both directions added, at the host link's per-direction rate, less the bytes the "
-               "compiled schedule moves while the other direction is busy too. Compute time: "
+               "Transfer time: both directions added, at the host link's per-direction rate (the directions take "
+               "turns, as measured on an H200; on a target marked duplex, less the bytes the compiled schedule "
+               "moves while the other direction is busy too). Compute time: "
                "models/flops.py's count (a LoRA recipe: models/lora_flops.py's, the frozen base's input gradients "
                "and the adapters' products, no weight gradient of the base) at the fraction of the GPU's peak dense "
                "bf16 rate measured for the run's attention kernel (recipes/plan/compute_model.py; the summary's compute_basis says which). Step time = "
@@ -222,8 +223,8 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "
                "hide behind; where the compiled schedule has the two directions in flight together (the "
-               "streamed stacked layers; the running gradient sums of host weights), the overlapped bytes are not "
-               "counted twice, in the phase where they move. Block weights in host memory "
+               "streamed stacked layers; the running gradient sums of host weights), the overlapped bytes count "
+               "once only on a duplex link, in the phase where they move. Block weights in host memory "
                "(params host) come in during the forward, again during the backward, with their gradients going "
                "out (with grad_accum > 1, the float32 running sums come in and go out instead, a layer at a "
                "time), once per micro-batch, added to that phase's transfers; the update moves only the state, "

@@ -397,7 +397,8 @@ def test_cli_table_and_json_show_every_plan(small_plan, monkeypatch, capsys):
     assert "host_compute" not in out
     assert sum(line.startswith("* ") for line in lines) == 1
     assert "H200" in out and "tokens/step" in out and "attention flash" in out
-    assert "the overlapped bytes are not counted twice" in out
+    assert "the overlapped bytes count once only on a duplex link" in out
+    assert "directions taking turns" in out   # the rates line: no shipped target is duplex
 
     code, out, _ = run_cli(["plan", "tiny", "--gpu", "h200", "--json"], capsys)
     document = json.loads(out)
