@@ -39,7 +39,7 @@ timeout 90 "$python" benchmarks/host_update_rate.py --out "$out_dir/host_update_
   || echo "host update rate: failed or timed out (exit $?)"
 # Whether host copies run beside each other and beside compute (the planner's link model; BENCHMARKS.md
 # 2026-12-04: a streamed update's copies hid nothing there).
-timeout 60 "$python" benchmarks/link_overlap_probe.py --out "$out_dir/link_overlap.json" \
+timeout 90 "$python" benchmarks/link_overlap_probe.py --out "$out_dir/link_overlap.json" \
   || echo "link overlap probe: failed or timed out (exit $?)"
 # The host peak of a piece-wise checkpoint save and restore of the 1B's host state (issue 27), before the
 # cases: at the suite's end it never had the time left (2026-12-04: skipped, then cut at 61 s).

@@ -23,3 +23,14 @@ def test_a_size_that_is_not_positive_is_one_line(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         link_overlap_probe.main()
     assert "must be positive" in capsys.readouterr().err
+
+
+def test_the_streamed_update_is_timed_with_its_state_on_host_and_in_hbm():
+    """The project's own streamed update beside the same update in HBM: both timed, the state's bytes
+    counted (float32 master and two moments a parameter), and the line the probe prints names the rate."""
+    u = link_overlap_probe.streamed_update(layers=2, dim=64, repeats=1)
+    assert set(u["seconds"]) == {"device", "host"} and all(t > 0 for t in u["seconds"].values())
+    assert u["state_bytes"] == 2 * 64 * 64 * 12
+    assert u["both_ways_bytes_per_s"] > 0
+    r = link_overlap_probe.probe(gib=1 / 1024, repeats=1, matmul_dim=32, matmul_count=2)
+    assert "streamed update (2 x 64^2" in link_overlap_probe.summary({**r, "streamed": u})
