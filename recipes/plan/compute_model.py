@@ -9,7 +9,11 @@ compute at the fraction of peak that the kernel the run will use reached there
 (`EFFICIENCY`), and says which figures are measured and which assumed.
 
 Only the H200 has been measured; other GPUs are assumed to reach the same
-fraction of their own peak with the same kernels. The FLOPs are the
+fraction of their own peak with the same kernels. The fraction grows with
+the model: on 2026-12-04 (BENCHMARKS.md) at 8 micro-batches of 8,192 tokens
+the 1B step took 1547.3 ms against this model's 1619.9 (48.8% of peak) and
+the 3B shape's 3700.0 against 4300.6 (54.2%); the table keeps the 1B's
+figure, the conservative one, until a larger model (the 8B) is measured. The FLOPs are the
 planner's count for the blockwise kernel (models/flops.py: masked halves
 of diagonal blocks and the backward's recomputed scores included), which is
 also what the measured fractions were taken against, cuDNN's included (the
