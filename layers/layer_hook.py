@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
 
 
 class LayerHook(Protocol):
@@ -67,3 +70,29 @@ def running_before_layers(hook: LayerHook) -> Iterator[None]:
 def current() -> LayerHook | None:
     """The hook in force, or None."""
     return _HOOK.get()
+
+
+def scan_hooked_layers(hook, each_layer: Callable, carry: Any, rows: Any, num_layers: int) -> tuple[Any, list]:
+    """The stack's layers in the scans `hook` asks for: with `resident_layers` = R > 0, layers [0, R) calling
+    `before_resident_layer`, then [R, L) calling `before_layer`; else one scan calling `before_layer`.
+
+    `rows`: a pytree of per-layer inputs stacked along a leading axis of `num_layers` (None leaves allowed);
+    `each_layer(before, carry, layer_index, layer_rows)` -> (carry, outputs), `before` the hook method for
+    that layer. Returns (the carry after the last layer, each scan's stacked outputs, in layer order). The
+    block stack (layers/stack.py) and the deferred update's flush (recipes/optim/update_in_forward.py) both
+    run their layers through it, so the two walk the layers alike.
+    """
+    resident = getattr(hook, "resident_layers", 0)
+    scans = ([(hook.before_resident_layer, 0, resident)] if resident else []) + [(hook.before_layer, resident,
+                                                                                   num_layers)]
+    parts = []
+    for before, start, stop in scans:
+        carry, outputs = jax.lax.scan(lambda c, layer, before=before: each_layer(before, c, *layer), carry,
+                                      (jnp.arange(start, stop), jax.tree.map(lambda a: a[start:stop], rows)))
+        parts.append(outputs)
+    return carry, parts
+
+
+def join_layers(parts: list) -> Any:
+    """Stacked outputs of consecutive scans joined along the layer axis."""
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=0), *parts)

@@ -278,30 +278,18 @@ class BlockStack(nnx.Module):
         `hook.before_resident_layer` run before each, so that the two kinds of layer compile apart (the
         resident ones move nothing over the host link); `collect` gets both scans' outputs joined."""
         body = BlockStack._layer_body(graphdef, state, ctx, policy)
-        num_layers = jax.tree.leaves(state)[0].shape[0]
-        resident = getattr(hook, "resident_layers", 0)
 
-        def scan_layers(before, start, stop, x_btd, hook_carry):
-            def hooked(carry, layer):
-                x_btd, hook_carry = carry
-                layer_state, layer_values, layer_index = layer
-                hook_carry, layer_state, outputs = before(hook_carry, layer_index, layer_state)
-                x_btd, (_, aux) = body(x_btd, (layer_state, None, layer_values, None))
-                return (x_btd, hook_carry), (outputs, aux)
+        def hooked(before, carry, layer_index, layer):
+            x_btd, hook_carry = carry
+            layer_state, layer_values = layer
+            hook_carry, layer_state, outputs = before(hook_carry, layer_index, layer_state)
+            x_btd, (_, aux) = body(x_btd, (layer_state, None, layer_values, None))
+            return (x_btd, hook_carry), (outputs, aux)
 
-            rows = (jax.tree.map(lambda a: a[start:stop], state),
-                    None if values is None else jax.tree.map(lambda a: a[start:stop], values),
-                    jnp.arange(start, stop))
-            return jax.lax.scan(hooked, (x_btd, hook_carry), rows)
-
-        hook_carry, output_parts, aux_parts = hook.start(), [], []
-        for before, start, stop in ([(hook.before_resident_layer, 0, resident)] if resident else []) + [
-                (hook.before_layer, resident, num_layers)]:
-            (x_btd, hook_carry), (outputs, aux) = scan_layers(before, start, stop, x_btd, hook_carry)
-            output_parts.append(outputs)
-            aux_parts.append(aux)
-        hook.collect(jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *output_parts), hook_carry)
-        aux_outputs.emit_all(aux_outputs.concat_layers(aux_parts))
+        (x_btd, hook_carry), parts = layer_hook.scan_hooked_layers(
+            hook, hooked, (x_btd, hook.start()), (state, values), jax.tree.leaves(state)[0].shape[0])
+        hook.collect(layer_hook.join_layers([outputs for outputs, _ in parts]), hook_carry)
+        aux_outputs.emit_all(aux_outputs.concat_layers([aux for _, aux in parts]))
         return x_btd
 
     @staticmethod

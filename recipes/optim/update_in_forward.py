@@ -284,24 +284,6 @@ class _UpdateBeforeEachLayer:
         self.outputs = {k: (outputs[k], new_state(k)) for k in outputs}
 
 
-def run_layers(hook, leaves: dict, each_layer):
-    """The hook over the stacked `leaves` ({key: stacked weight}) as the block stack runs it (layers/stack.py):
-    a split's resident layers in a scan of their own, then the host layers. `each_layer(before, carry,
-    layer_index, weights)` -> (carry, new weights). Returns (the carry after the last layer, every layer's
-    new weights stacked)."""
-    def scan_layers(before, start, stop, carry):
-        return lax.scan(lambda carry, layer: each_layer(before, carry, *layer), carry,
-                        (jnp.arange(start, stop), {k: w[start:stop] for k, w in leaves.items()}))
-
-    first, carry, parts = hook.resident_layers, hook.start(), []
-    if first:
-        carry, new_weights = scan_layers(hook.before_resident_layer, 0, first, carry)
-        parts.append(new_weights)
-    carry, new_weights = scan_layers(hook.before_layer, first, first + hook.num_layers, carry)
-    parts.append(new_weights)
-    return carry, jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=0), *parts)
-
-
 def make_train_step(objective, optimizer, pending_in_host_memory: bool = True):
     """(params, opt_state, pending, batch) -> (params, opt_state, pending, metrics).
 
@@ -383,8 +365,11 @@ def make_flush(optimizer, pending_in_host_memory: bool = True):
                 carry, _, new_weights = before(carry, layer_index, rows)
                 return carry, new_weights
 
-            carry, new_weights = run_layers(hook, {k: leaves[k] for k in in_forward}, each_layer)
-            hook.collect(new_weights, carry)
+            # The layers walked as the block stack walks them (a split's resident layers in a scan first).
+            carry, parts = layer_hook.scan_hooked_layers(hook, each_layer, hook.start(),
+                                                         {k: leaves[k] for k in in_forward},
+                                                         hook.resident_layers + hook.num_layers)
+            hook.collect(layer_hook.join_layers(parts), carry)
             return hook.outputs
 
         stacked = jax.linearize(stacked_update, jnp.zeros((), jnp.float32))[0] if in_forward else {}
