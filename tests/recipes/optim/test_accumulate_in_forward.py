@@ -17,7 +17,7 @@ from spillway.layers.errors import ConfigError
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.batch import Batch, micro_batches
 from spillway.recipes.train.loop import train
-from tests.recipes.optim.test_update_in_forward import MESHES, WEIGHTS, twenty_steps
+from tests.recipes.optim.test_update_in_forward import MESHES, WEIGHTS, largest_difference, twenty_steps
 from tests.recipes.train.host_training import batches, small_recipe
 from tests.recipes.train.test_train import data_cache, losses, micro  # noqa: F401 (data_cache: a fixture)
 
@@ -70,10 +70,6 @@ def test_a_step_with_nothing_pending_leaves_the_mean_gradient_of_its_micro_batch
     assert pinned.total == step_lib.pinned_host_bytes(small_recipe(*ON_HOST, "train.grad_accum=2"), s.mesh).total
 
 
-def _largest_difference(a_tree, b_tree) -> float:
-    return max(float(np.max(np.abs(a - b), initial=0)) for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree),
-                                                                     strict=True))
-
 
 @pytest.mark.slow   # two setups and their compiles: about a minute each case on 2 loaded cores
 @pytest.mark.parametrize("mesh_name,grad_accum", [("one_device", 4), ("fsdp8", 2)])
@@ -91,8 +87,8 @@ def test_six_steps_accumulated_and_updated_in_the_next_forward_equal_the_update_
     assert deferred[3] == after[3]
     assert deferred[2][:3] == after[2][:3]   # measured: the first 4 (one device), all 6 (fsdp8)
     np.testing.assert_allclose(deferred[2], after[2], rtol=1e-6)   # measured: 1.6e-7 apart at most
-    assert _largest_difference(after[0], deferred[0]) < PARAMS_APART
-    assert _largest_difference(after[1], deferred[1]) < STATE_APART
+    assert largest_difference(after[0], deferred[0]) < PARAMS_APART
+    assert largest_difference(after[1], deferred[1]) < STATE_APART
 
 
 @pytest.mark.slow  # three short runs: about a minute and a half on 2 cores
@@ -109,7 +105,7 @@ def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run(data_cache, tmp_
     resumed = {**losses(first), **losses(second)}
     assert sorted(resumed) == sorted(losses(straight))
     assert resumed == losses(straight)
-    assert _largest_difference(straight.model, second.model) == 0
+    assert largest_difference(straight.model, second.model) == 0
     # The uninterrupted run logs the losses of the update after the backward pass bit for bit (measured).
     after = train(micro(data_cache, tmp_path / "after", *ON_HOST, "train.grad_accum=2"), progress=False)
     assert losses(straight) == losses(after)
@@ -135,4 +131,4 @@ def test_six_bfloat16_steps_with_float32_masters_equal_the_update_after_backward
     after = twenty_steps(small_recipe(*settings), mesh, steps=6)
     deferred = twenty_steps(small_recipe(*settings, *DEFERRED), mesh, steps=6)
     assert deferred[2] == after[2] and deferred[3] == after[3]
-    assert _largest_difference(after[0], deferred[0]) == 0 and _largest_difference(after[1], deferred[1]) == 0
+    assert largest_difference(after[0], deferred[0]) == 0 and largest_difference(after[1], deferred[1]) == 0

@@ -16,24 +16,17 @@ import pytest
 
 from spillway.layers.errors import ConfigError
 from spillway.recipes.train import step as step_lib
-from spillway.recipes.train.batch import Batch
 from spillway.recipes.train.loop import train
-from tests.recipes.optim.test_update_in_forward import MESHES, twenty_steps
-from tests.recipes.train.host_training import LAYERS, batches, small_recipe
+# The most the four-step runs below may differ from the update after the backward pass (float32): host:L's
+# bounds; a real error (a leaf left out, a layer updated twice or not at all) moves the weights by ~1e-3.
+from tests.recipes.optim.test_next_forward_with_every_layer_on_host import PARAMS_APART, STATE_APART
+from tests.recipes.optim.test_update_in_forward import (IN_FORWARD, MESHES, PENDING_IN_HBM,
+                                                      assert_same_weights_and_state, flush_beside_next_step,
+                                                      largest_difference, twenty_steps)
+from tests.recipes.train.host_training import LAYERS, small_recipe
 from tests.recipes.train.test_train import data_cache, losses, micro  # noqa: F401 (data_cache: a fixture)
 
-IN_FORWARD = "offload.update=next_forward"
-PENDING_IN_HBM = "offload.pending_gradients=device"
 ONE_LAYER_ON_HOST = "offload.optimizer_state=host:1"
-# The most the four-step runs below may differ from the update after the backward pass (float32), as for
-# host:L (tests/recipes/optim/test_next_forward_with_every_layer_on_host.py); a real error (a leaf left out, a
-# layer updated twice or not at all) moves the weights by ~1e-3.
-PARAMS_APART, STATE_APART = 2e-6, 2e-8
-
-
-def _largest_difference(a_tree, b_tree) -> float:
-    return max(float(np.max(np.abs(a - b), initial=0))
-               for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree), strict=True))
 
 
 def test_a_split_with_pending_gradients_in_host_memory_is_one_config_error():
@@ -72,8 +65,8 @@ def test_four_steps_equal_the_update_after_backward_with_the_same_split(mesh_nam
     assert min(after[2]) > 0.5, "clipping must be active for the test to cover it"
     assert deferred[3] == after[3]
     np.testing.assert_allclose(deferred[2], after[2], rtol=1e-6)
-    assert _largest_difference(after[0], deferred[0]) < PARAMS_APART
-    assert _largest_difference(after[1], deferred[1]) < STATE_APART
+    assert largest_difference(after[0], deferred[0]) < PARAMS_APART
+    assert largest_difference(after[1], deferred[1]) < STATE_APART
 
 
 @pytest.mark.slow  # four short runs: about two minutes on 2 cores
@@ -87,7 +80,7 @@ def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run_and_resumes_unde
     second = train(micro(data_cache, tmp_path / "resumed", ONE_LAYER_ON_HOST, *settings), progress=False)
     assert (first.final_step, second.final_step) == (4, 6)
     assert {**losses(first), **losses(second)} == losses(straight)
-    assert _largest_difference(straight.model, second.model) == 0
+    assert largest_difference(straight.model, second.model) == 0
 
     train(micro(data_cache, tmp_path / "resplit", ONE_LAYER_ON_HOST, *settings), progress=False, stop_after=4)
     resplit = train(micro(data_cache, tmp_path / "resplit", "offload.optimizer_state=host:2", *settings),
@@ -105,23 +98,11 @@ def test_the_flush_applies_the_pending_update_as_the_next_steps_forward_pass_doe
     checkpoint and the next step's forward pass give the same weights and state, resident layers' and host
     layers', bit for bit (else a resumed run drifts from the run it resumes)."""
     s = step_lib.setup(small_recipe(ONE_LAYER_ON_HOST, *accumulate, IN_FORWARD, PENDING_IN_HBM), MESHES[mesh_name]())
-    params, opt_state = s.params, s.optimizer.init(s.params)
-    pending = s.nothing_pending(params)
-    tokens = batches(s.recipe)[:3]
-    for t in tokens[:2]:
-        params, opt_state, pending, _ = s.train_step(params, opt_state, pending,
-                                                     Batch(tokens=jax.device_put(t, s.batch_sharding)))
-    copy = jax.tree.map(lambda a: jax.device_put(np.asarray(a), a.sharding), (params, opt_state, pending))
-    flushed_params, flushed_state, flushed_pending = s.flush(*copy)
-    batch = Batch(tokens=jax.device_put(tokens[2], s.batch_sharding))
-    hooked_params, hooked_state, hooked_pending, hooked_metrics = s.train_step(params, opt_state, pending, batch)
-    flushed = jax.tree.map(np.asarray, (flushed_params, s.optimizer.saved_form(flushed_state)))
-    hooked = jax.tree.map(np.asarray, (hooked_params, s.optimizer.saved_form(hooked_state)))
-    assert int(hooked[1].count) == 2
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(hooked)[0], jax.tree.leaves(flushed), strict=True):
-        np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
+    flushed, hooked, batch = flush_beside_next_step(s)
+    assert_same_weights_and_state(s, flushed, hooked)
+    _, _, hooked_pending, hooked_metrics = hooked
     # The resumed run's next step (nothing pending) makes the gradients and norm of the run that went on.
-    _, _, resumed_pending, resumed_metrics = s.train_step(flushed_params, flushed_state, flushed_pending, batch)
+    _, _, resumed_pending, resumed_metrics = s.train_step(*flushed, batch)
     assert float(resumed_metrics["grad_norm"]) == float(hooked_metrics["grad_norm"])
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(hooked_pending.grads)[0],
                             jax.tree.leaves(resumed_pending.grads), strict=True):

@@ -16,21 +16,16 @@ import pytest
 from spillway.layers.errors import ConfigError
 from spillway.recipes.train import step as step_lib
 from spillway.recipes.train.loop import train
-from tests.recipes.optim.test_update_in_forward import MESHES, twenty_steps
+from tests.recipes.optim.test_update_in_forward import (IN_FORWARD, MESHES, PENDING_IN_HBM, largest_difference,
+                                                      twenty_steps)
 from tests.recipes.train.host_training import LAYERS, small_recipe
 from tests.recipes.train.test_train import data_cache, losses, micro  # noqa: F401 (data_cache: a fixture)
 
 EVERY_LAYER_ON_HOST = f"offload.optimizer_state=host:{LAYERS}"
-IN_FORWARD = "offload.update=next_forward"
-PENDING_IN_HBM = "offload.pending_gradients=device"
 # The most the four-step runs below may differ from the update after the backward pass (float32). Measured:
 # see the test's docstring; a real error (a leaf left out, a step applied twice) moves the weights by ~1e-3.
 PARAMS_APART, STATE_APART = 2e-6, 2e-8
 
-
-def _largest_difference(a_tree, b_tree) -> float:
-    return max(float(np.max(np.abs(a - b), initial=0))
-               for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree), strict=True))
 
 
 @pytest.mark.parametrize("state", [EVERY_LAYER_ON_HOST, "offload.optimizer_state=host:0.9"])
@@ -91,8 +86,8 @@ def test_four_steps_equal_the_update_after_backward_with_the_same_placement(mesh
     assert min(after[2]) > 0.5, "clipping must be active for the test to cover it"
     assert deferred[3] == after[3]
     np.testing.assert_allclose(deferred[2], after[2], rtol=1e-6)
-    assert _largest_difference(after[0], deferred[0]) < PARAMS_APART
-    assert _largest_difference(after[1], deferred[1]) < STATE_APART
+    assert largest_difference(after[0], deferred[0]) < PARAMS_APART
+    assert largest_difference(after[1], deferred[1]) < STATE_APART
 
 
 @pytest.mark.slow  # three short runs: about a minute and a half on 2 cores
@@ -105,4 +100,4 @@ def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run(data_cache, tmp_
     second = train(micro(data_cache, tmp_path / "resumed", *settings), progress=False)
     assert (first.final_step, second.final_step) == (4, 6)
     assert {**losses(first), **losses(second)} == losses(straight)
-    assert _largest_difference(straight.model, second.model) == 0
+    assert largest_difference(straight.model, second.model) == 0

@@ -31,6 +31,39 @@ MESHES = {"one_device": lambda: make_mesh(MeshConfig(1, 1, 1), devices=jax.devic
 WEIGHTS = {"float32": (), "bfloat16_master": ("execution.param_dtype=bfloat16",)}
 
 
+def largest_difference(a_tree, b_tree) -> float:
+    """The largest absolute difference between two trees' leaves (0 if they are equal)."""
+    return max(float(np.max(np.abs(a - b), initial=0))
+               for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree), strict=True))
+
+
+def flush_beside_next_step(s):
+    """Two steps, then from the same state both ways of applying the pending update: the flush before a
+    checkpoint (on a copy placed as the original: both programs donate their arguments) and the third step,
+    whose forward pass applies it. Returns (flushed (params, state, pending), hooked (params, state, pending,
+    metrics), the third batch)."""
+    params, opt_state = s.params, s.optimizer.init(s.params)
+    pending = s.nothing_pending(params)
+    tokens = batches(s.recipe)[:3]
+    for t in tokens[:2]:
+        params, opt_state, pending, _ = s.train_step(params, opt_state, pending,
+                                                     Batch(tokens=jax.device_put(t, s.batch_sharding)))
+    copy = jax.tree.map(lambda a: jax.device_put(np.asarray(a), a.sharding), (params, opt_state, pending))
+    flushed = s.flush(*copy)
+    batch = Batch(tokens=jax.device_put(tokens[2], s.batch_sharding))
+    return flushed, s.train_step(params, opt_state, pending, batch), batch
+
+
+def assert_same_weights_and_state(s, flushed, hooked) -> None:
+    """The flushed and the hooked weights and saved-form state equal bit for bit, leaf by leaf, after the
+    third update (the count 2: the first step had nothing pending)."""
+    flushed = jax.tree.map(np.asarray, (flushed[0], s.optimizer.saved_form(flushed[1])))
+    hooked = jax.tree.map(np.asarray, (hooked[0], s.optimizer.saved_form(hooked[1])))
+    assert int(hooked[1].count) == 2
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(hooked)[0], jax.tree.leaves(flushed), strict=True):
+        np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
+
+
 def twenty_steps(recipe, mesh, steps=None):
     """(params, saved-form optimizer state, grad norms, learning rates) after every batch (the first
     `steps` of them), as NumPy; a deferred update is flushed at the end."""
@@ -133,22 +166,8 @@ def test_the_flush_applies_the_pending_update_as_the_next_steps_hook_does_bit_fo
     state after two steps, so that the learning rate is not 0). On one device the flush used to be an ulp
     off in up to a fifth of a stacked leaf's elements (docs/DESIGN.md section 6)."""
     s = step_lib.setup(small_recipe(*ON_HOST, IN_FORWARD), MESHES["one_device"]())
-    params, opt_state = s.params, s.optimizer.init(s.params)
-    pending = s.nothing_pending(params)
-    tokens = batches(s.recipe)[:3]
-    for t in tokens[:2]:
-        params, opt_state, pending, _ = s.train_step(params, opt_state, pending,
-                                                     Batch(tokens=jax.device_put(t, s.batch_sharding)))
-    # Both programs donate their arguments: the flush gets a copy, placed as the original.
-    copy = jax.tree.map(lambda a: jax.device_put(np.asarray(a), a.sharding), (params, opt_state, pending))
-    flushed_params, flushed_state, _ = s.flush(*copy)
-    hooked_params, hooked_state, _, _ = s.train_step(params, opt_state, pending,
-                                                     Batch(tokens=jax.device_put(tokens[2], s.batch_sharding)))
-    flushed = jax.tree.map(np.asarray, (flushed_params, s.optimizer.saved_form(flushed_state)))
-    hooked = jax.tree.map(np.asarray, (hooked_params, s.optimizer.saved_form(hooked_state)))
-    assert int(hooked[1].count) == 2
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(hooked)[0], jax.tree.leaves(flushed), strict=True):
-        np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
+    flushed, hooked, _ = flush_beside_next_step(s)
+    assert_same_weights_and_state(s, flushed, hooked)
 
 
 def test_pinned_host_bytes_count_the_state_and_the_pending_gradients_once():

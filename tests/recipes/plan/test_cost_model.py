@@ -27,6 +27,19 @@ def small_recipe():
     return get_recipe("tiny", ["train.global_batch=4"])
 
 
+# 5 GB out, 6 GB in, 4 GB of host argument (the optimizer state), 3 GB of it moved with both directions busy:
+# the first test below works it by hand on a duplex link, the third on one that takes turns.
+STREAMED_UPDATE_REPORT = {"device_to_host_bytes": 5 * GB, "host_to_device_bytes": 6 * GB,
+                          "host_argument_bytes": 4 * GB, "overlapped_transfer_bytes": 3 * GB,
+                          "overlapped_bytes_by_pass": {"forward": 0, "backward": 0.5 * GB, "other": 2.5 * GB}}
+
+
+def host_state_row(report: dict, target) -> cost_model.PlanRow:
+    """The planner's row for recompute_all with the optimizer state on host, from `report`, on `target`."""
+    return cost_model.plan_row(Candidate.of("recompute_all", "host"), {"report": report}, small_recipe(), target,
+                               ONE_GPU)
+
+
 def test_the_streamed_update_pays_state_in_and_out_less_what_moves_both_ways_at_once():
     """5 GB out, 6 GB in, 4 GB of host argument (the optimizer state, weights on device), 3 GB moved with
     both directions busy: 0.5 GB of it in the backward pass, 2.5 GB in the update.
@@ -38,11 +51,7 @@ def test_the_streamed_update_pays_state_in_and_out_less_what_moves_both_ways_at_
         update    (4 + 4 - 2.5) / 1           = 5.5 s
         step      1 + 2 + 5.5                 = 8.5 s
     """
-    report = {"device_to_host_bytes": 5 * GB, "host_to_device_bytes": 6 * GB, "host_argument_bytes": 4 * GB,
-              "overlapped_transfer_bytes": 3 * GB,
-              "overlapped_bytes_by_pass": {"forward": 0, "backward": 0.5 * GB, "other": 2.5 * GB}}
-    row = cost_model.plan_row(Candidate.of("recompute_all", "host"), {"report": report}, small_recipe(),
-                              SLOW_LINK, ONE_GPU)
+    row = host_state_row(STREAMED_UPDATE_REPORT, SLOW_LINK)
     assert row.transfer_s == pytest.approx(8.0)
     assert (row.forward_s, row.backward_s, row.update_s) == pytest.approx((1.0, 2.0, 5.5))
     assert row.step_s == pytest.approx(8.5)
@@ -53,8 +62,7 @@ def test_overlap_is_credited_at_most_the_smaller_direction():
     so the update takes (4 + 4 - 4) / 1 = 4 s, not 3."""
     report = {"device_to_host_bytes": 4 * GB, "host_to_device_bytes": 4 * GB, "host_argument_bytes": 4 * GB,
               "overlapped_transfer_bytes": 5 * GB, "overlapped_bytes_by_pass": {"other": 5 * GB}}
-    row = cost_model.plan_row(Candidate.of("recompute_all", "host"), {"report": report}, small_recipe(),
-                              SLOW_LINK, ONE_GPU)
+    row = host_state_row(report, SLOW_LINK)
     assert row.update_s == pytest.approx(4.0)
     assert (row.forward_s, row.backward_s) == pytest.approx((0.0, 0.0))
     assert cost_model.link_seconds(6, 4, 3, 1.0) == 7.0 and cost_model.link_seconds(6, 4, 9, 1.0) == 6.0
@@ -67,11 +75,7 @@ def test_a_link_that_takes_turns_credits_no_overlap():
     in a next_forward plan's forward pass add too."""
     assert not any(get_target(name).host_link_duplex for name in ("h100", "h200", "l4", "gh200-96gb"))
     turns = dataclasses.replace(SLOW_LINK, host_link_duplex=False)
-    report = {"device_to_host_bytes": 5 * GB, "host_to_device_bytes": 6 * GB, "host_argument_bytes": 4 * GB,
-              "overlapped_transfer_bytes": 3 * GB,
-              "overlapped_bytes_by_pass": {"forward": 0, "backward": 0.5 * GB, "other": 2.5 * GB}}
-    row = cost_model.plan_row(Candidate.of("recompute_all", "host"), {"report": report}, small_recipe(),
-                              turns, ONE_GPU)
+    row = host_state_row(STREAMED_UPDATE_REPORT, turns)
     assert row.transfer_s == pytest.approx(11.0)
     assert (row.forward_s, row.backward_s, row.update_s) == pytest.approx((1.0, 2.0, 8.0))
     forward = {"device_to_host_bytes": 3 * GB, "host_to_device_bytes": 4 * GB,
