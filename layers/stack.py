@@ -57,7 +57,6 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.layer_pattern import LayerSettings, StackRun, check_runs, needs_values, run_bounds, values_of
 from spillway.layers.offload import OffloadPolicy, RematPlan, presets_for
 from spillway.layers.sharding import constrain
-from spillway.layers.errors import ConfigError
 
 
 def tagged_names(closed_jaxpr) -> set[str]:

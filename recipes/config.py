@@ -48,7 +48,7 @@ UPDATE_TIMES = (AFTER_BACKWARD, NEXT_FORWARD)
 def next_forward_placement_needed(state: str, params: str) -> str:
     """The one-line ConfigError of offload.update=next_forward with a placement it cannot stream."""
     return ("offload.update=next_forward streams a host-resident optimizer state under the next forward pass: it "
-            "needs offload.optimizer_state=host (or a split host:N) and offload.params=device "
+            "needs offload.optimizer_state=host (or a split host:N with N >= 1) and offload.params=device "
             f"(got optimizer_state={state}, params={params})")
 
 

@@ -185,7 +185,7 @@ def test_pinned_host_bytes_count_the_state_and_the_pending_gradients_once():
 
 @pytest.mark.parametrize("settings,message", [
     (("offload.optimizer_state=device",), r"offload.update=next_forward .* needs offload.optimizer_state=host"),
-    (("offload.optimizer_state=host", "offload.params=host"), r"needs offload.optimizer_state=host \(or a split host:N\) and "
+    (("offload.optimizer_state=host", "offload.params=host"), r"needs offload.optimizer_state=host \(or a split host:N with N >= 1\) and "
                                                               r"offload.params=device"),
     ((*ON_HOST, "offload.activations=save_dots:1,recompute_all"), r"one activation policy .* has 2 segments"),
     (("offload.optimizer_state=host", "train.grad_accum=2"), r"with train.grad_accum=2 .* set "
