@@ -43,7 +43,8 @@ Per variant: HBM and host bytes of the compiled step (buffer assignment; host
 temp and alias), link bytes of the forward pass, bytes moved with both link
 directions in flight together (recipes/plan/hlo.py overlapping_host_copies),
 the forward pass's copy bytes whose window holds a matmul (what the planner
-reads: hlo.host_copies_beside_compute), and per loop body of the forward scan
+reads: hlo.host_copies_beside_compute), the bytes moved by kernels rather than
+memcpys (hlo.host_copy_engines: a row index that is not the loop's counter), and per loop body of the forward scan
 how many host copies are in flight across a matmul (their start before it,
 their done after it).
 
@@ -257,7 +258,8 @@ def measure(args) -> dict:
                          "overlapped_forward": overlap.overlapped_by_pass["forward"],
                          "beside_matmul_forward": (beside.beside_compute_by_pass["forward"],
                                                    beside.moved_by_pass["forward"]),
-                         "copies_across_matmuls": copies_across_matmuls(report.hlo_text)}
+                         "copies_across_matmuls": copies_across_matmuls(report.hlo_text),
+                         "kernel_bytes": report.host_kernel_copy_bytes}
     state_bytes = 3 * args.layers * args.d_model ** 2 * 4
     return {"rows": rows, "state_bytes": state_bytes, "jax": jax.__version__, "options": options}
 
@@ -290,14 +292,15 @@ def main() -> None:
           f"jax {result['jax']}, async compute limit {limit}; AdamW state {result['state_bytes'] / MiB:.0f} MiB "
           f"in host memory")
     print(f"{'variant':14s} {'HBM MiB':>8s} {'host MiB':>8s} {'temp':>6s} {'alias':>6s} {'fwd H->D':>8s} "
-          f"{'fwd D->H':>8s} {'both':>6s} {'beside matmul':>14s}  copies across a matmul per loop body (in; out)")
+          f"{'fwd D->H':>8s} {'both':>6s} {'beside matmul':>14s} {'by kernels':>10s}  copies across a matmul per loop "
+          f"body (in; out)")
     for variant, row in result["rows"].items():
         forward = row["forward"]
         beside, moved = row["beside_matmul_forward"]
         print(f"{variant:14s} {row['hbm'] / MiB:8.1f} {row['host'] / MiB:8.1f} {row['host_temp'] / MiB:6.0f} "
               f"{row['host_alias'] / MiB:6.0f} {forward['host_to_device_bytes'] / MiB:8.1f} "
               f"{forward['device_to_host_bytes'] / MiB:8.1f} {row['overlapped_forward'] / MiB:6.0f} "
-              f"{beside / MiB:6.0f} of {moved / MiB:5.0f}  "
+              f"{beside / MiB:6.0f} of {moved / MiB:5.0f} {row['kernel_bytes'] / MiB:10.0f}  "
               + "; ".join(f"{spanning} of {total}" for spanning, total in row["copies_across_matmuls"].values()))
 
 

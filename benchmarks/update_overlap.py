@@ -18,12 +18,14 @@ schedule does with the host link:
                    what can hide under that pass's compute
     host temp / alias  the compiled step's host temporaries and the host bytes
                    written over donated arguments (in place: alias = arguments)
+    DMA / kernels  of the bytes moved both ways, those a GPU moves as memcpys and those moved
+                   by kernels reading or writing pinned host memory (hlo.host_copy_engines)
 
 --update next_forward compiles the update run in the next forward pass
 (offload.update), --set train.grad_accum=8 the accumulating step.
 
 Run:  .venv/bin/python benchmarks/update_overlap.py [--recipe llama3_8b] [--gpu h200]
-      [--plan recompute_all] [--update after_backward|next_forward] [--pending-gradients host|device]
+      [--plan recompute_all] [--state host|host:N] [--update after_backward|next_forward] [--pending-gradients host|device]
       [--set key=value ...]
       [--xla option=value ...] [--json]
 """
@@ -58,6 +60,8 @@ def measure(argv: list[str]) -> dict:
     parser.add_argument("--gpu", default=DEFAULT_GPU)
     parser.add_argument("--plan", default="recompute_all")
     parser.add_argument("--update", default="after_backward")
+    parser.add_argument("--state", default="host",
+                        help="offload.optimizer_state: host, or a split host:N / host:F (default host)")
     parser.add_argument("--pending-gradients", default="host", choices=("host", "device"),
                         help="with --update next_forward: where the pending gradients wait (offload.pending_gradients)")
     parser.add_argument("--hlo-out", help="write the compiled step's HLO text here")
@@ -79,7 +83,7 @@ def measure(argv: list[str]) -> dict:
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 
     recipe = get_recipe(args.recipe, args.set)
-    recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state="host",
+    recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state=args.state,
                                                                        update=args.update,
                                                                        pending_gradients=args.pending_gradients))
     recipe, _ = planned_recipe(recipe)
@@ -99,11 +103,12 @@ def measure(argv: list[str]) -> dict:
     traffic = hlo.host_traffic(text)
     copies = hlo.overlapping_host_copies(text)
     beside = hlo.host_copies_beside_compute(text)
+    engines = hlo.host_copy_engines(text)
     link = target.host_link_bytes_per_s
     state = min(stats.host_argument_size_in_bytes, traffic.device_to_host_bytes, traffic.host_to_device_bytes)
     moved = traffic.device_to_host_bytes + traffic.host_to_device_bytes
     return {
-        "recipe": recipe.name, "plan": args.plan, "xla": args.xla, "update": args.update,
+        "recipe": recipe.name, "plan": args.plan, "state": args.state, "xla": args.xla, "update": args.update,
         "pending_gradients": args.pending_gradients, "target": target.display_name,
         "host_link": target.host_link, "link_bytes_per_s": link, "compile_s": seconds,
         "hbm_bytes": (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
@@ -117,6 +122,7 @@ def measure(argv: list[str]) -> dict:
         "transfer_bytes_by_pass": hlo.traffic_by_pass(text), "overlapped_bytes_by_pass": copies.overlapped_by_pass,
         "host_to_device_bytes": traffic.host_to_device_bytes,
         "device_to_host_bytes": traffic.device_to_host_bytes,
+        "dma_bytes": engines.dma_bytes, "kernel_bytes": engines.kernel_bytes,
         "overlapped_bytes": copies.overlapped_bytes, "overlapping_pairs": copies.overlapping_pairs,
         "link_serial_s": moved / link, "link_overlap_s": (moved - copies.overlapped_bytes) / link,
         "update_serial_s": 2 * state / link,
@@ -125,7 +131,7 @@ def measure(argv: list[str]) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"{r['recipe']}, activations {r['plan']}, optimizer state on host, update {r['update']}; {r['target']} "
+    print(f"{r['recipe']}, activations {r['plan']}, optimizer state {r['state']}, update {r['update']}; {r['target']} "
           f"(deviceless compile, {r['compile_s']:.0f} s{', ' + ' '.join(r['xla']) if r['xla'] else ''}); "
           f"{r['host_link']} "
           f"{r['link_bytes_per_s'] / 1e9:.0f} GB/s per direction")
@@ -140,6 +146,8 @@ def print_table(r: dict) -> None:
         for kind, moved in r["async_copy_bytes_by_pass"].items()))
     print(f"  H->D {r['host_to_device_bytes'] / GiB:.2f} GiB, D->H {r['device_to_host_bytes'] / GiB:.2f} GiB, "
           f"overlapped {r['overlapped_bytes'] / GiB:.2f} GiB ({r['overlapping_pairs']} overlapping window pairs)")
+    print(f"  moved by DMA memcpys {r['dma_bytes'] / GiB:.2f} GiB, by kernels over PCIe {r['kernel_bytes'] / GiB:.2f} "
+          f"GiB (hlo.host_copy_engines)")
     print(f"  link time: serial {r['link_serial_s'] * 1e3:.0f} ms, as scheduled {r['link_overlap_s'] * 1e3:.0f} ms; "
           f"planner update phase: {r['update_serial_s'] * 1e3:.0f} ms serial, {r['update_s'] * 1e3:.0f} ms "
           f"with the overlap credited")

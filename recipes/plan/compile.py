@@ -226,6 +226,9 @@ class CompileReport:
     copies_beside_compute_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
     # Of host_to_device_bytes, those inside a conditional's branch (hlo.HostTraffic); 0 in older reports.
     conditional_host_to_device_bytes: int = 0
+    # Of the bytes moved both ways, those a GPU moves with a kernel reading or writing pinned host memory
+    # rather than a DMA memcpy (hlo.host_copy_engines); 0 in older reports.
+    host_kernel_copy_bytes: int = 0
     hlo_text: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def host_transfer_seconds(self, link_bytes_per_s: float) -> float:
@@ -284,6 +287,7 @@ class CompileReport:
             async_copy_bytes_by_pass=beside.moved_by_pass,
             copies_beside_compute_by_pass=beside.beside_compute_by_pass,
             conditional_host_to_device_bytes=traffic.conditional_host_to_device_bytes,
+            host_kernel_copy_bytes=hlo.host_copy_engines(hlo_text).kernel_bytes,
             hlo_text=hlo_text if keep_hlo_text else None,
         )
 

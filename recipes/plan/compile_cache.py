@@ -44,7 +44,8 @@ REPORT_FIELDS = ("hbm_bytes", "argument_bytes", "output_bytes", "alias_bytes", "
                  "host_argument_bytes", "host_output_bytes", "host_alias_bytes", "host_temp_bytes",
                  "host_buffer_count", "device_to_host_bytes", "host_to_device_bytes", "overlapped_transfer_bytes",
                  "overlapped_bytes_by_pass", "transfer_bytes_by_pass", "async_copy_bytes_by_pass",
-                 "copies_beside_compute_by_pass", "conditional_host_to_device_bytes")
+                 "copies_beside_compute_by_pass", "conditional_host_to_device_bytes",
+                 "host_kernel_copy_bytes")
 _PACKAGES = ("spillway.layers", "spillway.models", "spillway.recipes", "spillway.data")
 
 

@@ -348,6 +348,60 @@ def host_traffic(hlo_text: str) -> HostTraffic:
                                                             if t.in_conditional))
 
 
+# A host dynamic-slice (dynamic-update-slice) that XLA's GPU compiler can address as "offset + loop iteration x
+# stride" carries this in its backend config and runs as a DMA memcpy; without it, as a kernel.
+_DMA_SLICE = "dynamic_slice_config"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopyEngines:
+    """Host<->device bytes of one program run (per device, both directions) by what moves them on a GPU."""
+
+    dma_bytes: int      # copy-start/done, and host slices XLA addresses from the loop counter: memcpys (copy engines)
+    kernel_bytes: int   # other host slices: a kernel whose threads read or write pinned host memory over PCIe
+    sync_bytes: int     # synchronous moves (neither async start nor done)
+
+    @property
+    def kernel_fraction(self) -> float:
+        moved = self.dma_bytes + self.kernel_bytes + self.sync_bytes
+        return self.kernel_bytes / moved if moved else 0.0
+
+
+def host_copy_engines(hlo_text: str) -> HostCopyEngines:
+    """Which host<->device moves of a compiled GPU program are DMA memcpys and which are kernels.
+
+    XLA's GPU compiler makes a dynamic-slice of a host (S(5)) buffer, and a
+    dynamic-update-slice into one, an async fusion. Where the offset is an
+    affine function of a while loop's counter (the loop's own induction
+    variable, or a counter carried from 0 by 1) it records the offset as
+    "byte_offset + iteration x byte_stride" (``dynamic_slice_config``) and the
+    runtime issues a memcpy; otherwise (an index from a scan's ``xs``, a
+    clamped or parity-dependent offset, a constant offset outside a loop) the
+    fusion is a kernel whose threads move the row over PCIe
+    (docs/DESIGN.md section 6: a memcpy runs on a copy engine beside compute,
+    a kernel takes SMs). Read from the compiled HLO text: the async start's
+    called computation's root carries the config or not. Loop bodies are
+    weighted by their trip counts, as in `host_traffic`.
+    """
+    computations, _ = parse_computations(hlo_text)
+    dma_slices = {name for name, instructions in computations.items()
+                  if any(_DMA_SLICE in i.attributes for i in instructions)}
+    wraps = {(computation, i.name): _FUSED.findall(i.attributes)
+             for computation, instructions in computations.items() for i in instructions}
+    dma = kernel = sync = 0
+    for transfer in host_transfers(hlo_text)[0]:
+        moved = (transfer.device_to_host_bytes + transfer.host_to_device_bytes) * transfer.runs
+        if transfer.opcode == "copy-start":
+            dma += moved
+        elif not transfer.opcode.endswith("-start"):
+            sync += moved
+        elif any(name in dma_slices for name in wraps.get((transfer.computation, transfer.instruction), ())):
+            dma += moved
+        else:
+            kernel += moved
+    return HostCopyEngines(dma_bytes=dma, kernel_bytes=kernel, sync_bytes=sync)
+
+
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
 # The deferred update with grad_accum > 1 (recipes/train/accumulate_in_forward.py) runs its first micro-batch,
 # which takes the update, apart from the others, and traces those others under LATER_MICRO_BATCHES_SCOPE

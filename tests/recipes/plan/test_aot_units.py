@@ -127,6 +127,37 @@ def test_opposite_direction_copies_in_flight_together_are_found():
     assert overlap.overlapped_bytes == 3 * row_bytes             # the lone fetch overlaps nothing
 
 
+# The wrapped computations of the body above: the slice XLA addresses from the loop counter (a memcpy) and a
+# dynamic-update-slice it does not (a kernel).
+_WRAPPED = """
+%ds (p0: f32[4,64], p1: s32[]) -> f32[1,64] {
+  %p0 = f32[4,64]{1,0:S(5)} parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %slice = f32[1,64]{1,0} dynamic-slice(%p0, %p1, %p1), dynamic_slice_sizes={1,64}, backend_config={"dynamic_slice_config":{"loop_index":"0","byte_offset":"0","byte_stride":"256"}}
+}
+
+%dus (q0: f32[4,64], q1: f32[1,64], q2: s32[]) -> f32[4,64] {
+  %q0 = f32[4,64]{1,0:S(5)} parameter(0)
+  %q1 = f32[1,64]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  ROOT %put = f32[4,64]{1,0:S(5)} dynamic-update-slice(%q0, %q1, %q2, %q2)
+}
+"""
+
+
+def test_host_slices_addressed_from_the_loop_counter_are_memcpys_and_the_rest_kernels():
+    """hlo.host_copy_engines: the two fetches' wrapped slice carries XLA's dynamic_slice_config (a memcpy),
+    the write-back's does not (a kernel over PCIe); loop bodies count per iteration."""
+    row_bytes = 64 * 4
+    engines = hlo.host_copy_engines(_TWO_DIRECTION_BODY.replace("{sequential}", "") + _WRAPPED)
+    assert engines.dma_bytes == 3 * 2 * row_bytes
+    assert engines.kernel_bytes == 3 * row_bytes
+    assert engines.sync_bytes == 0
+    assert engines.kernel_fraction == pytest.approx(1 / 3)
+    unmarked = hlo.host_copy_engines(_TWO_DIRECTION_BODY.replace("{sequential}", ""))
+    assert unmarked.dma_bytes == 0 and unmarked.kernel_bytes == 3 * 3 * row_bytes
+
+
 def test_overlap_is_credited_to_the_autodiff_pass_of_its_copies():
     plain = hlo.overlapping_host_copies(_TWO_DIRECTION_BODY.replace("{sequential}", ""))
     assert plain.overlapped_by_pass == {"forward": 0, "backward": 0, "other": 3 * 64 * 4}
