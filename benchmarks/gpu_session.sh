@@ -38,11 +38,12 @@ PY
 timeout 90 "$python" benchmarks/host_update_rate.py --out "$out_dir/host_update_rate.json" \
   || echo "host update rate: failed or timed out (exit $?)"
 # Whether host copies run beside each other and beside compute (the planner's link model; BENCHMARKS.md
-# 2026-12-04: a streamed update's copies hid nothing there).
-timeout 90 "$python" benchmarks/link_overlap_probe.py --out "$out_dir/link_overlap.json" \
+# 2026-12-04: a streamed update's copies hid nothing there): whole arrays, the streamed update, and rows in
+# loops as memcpys and as kernels, with and without XLA's command buffers (docs/DESIGN.md section 6).
+timeout 150 "$python" benchmarks/link_overlap_probe.py --out "$out_dir/link_overlap.json" \
   || echo "link overlap probe: failed or timed out (exit $?)"
 # The host peak of a piece-wise checkpoint save and restore of the 1B's host state (issue 27), before the
 # cases: at the suite's end it never had the time left (2026-12-04: skipped, then cut at 61 s).
 timeout 150 "$python" -m benchmarks.checkpoint_host_peak --mode pieces \
   || echo "checkpoint host peak: failed or timed out (exit $?)"
-"$python" -m benchmarks.gpu_suite --budget-s "${GPU_SUITE_BUDGET_S:-270}" --no-checkpoint --out "$out_dir/gpu_rows.json"
+"$python" -m benchmarks.gpu_suite --budget-s "${GPU_SUITE_BUDGET_S:-240}" --no-checkpoint --out "$out_dir/gpu_rows.json"

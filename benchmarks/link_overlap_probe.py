@@ -20,12 +20,28 @@ layers write them (`jax.device_put(x, jax.memory.Space.Host | Device)` inside th
                  the same update with the state in HBM, its link time is the difference, and its rate the
                  state's bytes both ways over that time
 
+and, in loops of --rows rows (a stack of rows in pinned host memory, a row moved per iteration, as the
+streamed update moves a layer's state), compiled with the train step's XLA settings and again with XLA's
+command buffers (CUDA graphs) off:
+
+    rows h2d / d2h / both         row i of one host stack into HBM, a row out into row i of another, or both
+    rows matmuls                  one bf16 matmul per iteration
+    rows both+matmuls             both copies and the matmul in each iteration, independent of each other
+    rows both (kernels)           both, the row index taken from a scan's xs: XLA then moves the rows with
+                                  kernels reading pinned host memory, not memcpys (hlo.host_copy_engines)
+    rows both+matmuls (kernels)
+
+(the deviceless compile says which engine each program's rows use: "DMA" or "kernels"; the streamed
+update's layer loop after the backward pass is the first form, its rows in the next forward pass the
+second, docs/DESIGN.md section 6).
+
 Printed: each program's median time of --repeats calls, the link rates, and two ratios: both / (h2d + d2h)
 (1.0: the directions take turns; 0.5: fully at once) and matmuls+copy / (matmuls + copy) (1.0: nothing
 overlaps; max(matmuls, copy) / sum: fully hidden). A ratio is what this jax and driver do with these
 programs, not the hardware's limit.
 
-Run:  python benchmarks/link_overlap_probe.py [--gib 2] [--repeats 5] [--stream-layers 16] [--out PATH]
+Run:  python benchmarks/link_overlap_probe.py [--gib 2] [--repeats 5] [--stream-layers 16] [--rows 16]
+      [--row-mib 64] [--out PATH]
       (on the CPU it runs too, as a smoke test: its figures mean nothing there)
 """
 
@@ -123,6 +139,109 @@ def streamed_update(layers: int, dim: int, repeats: int) -> dict:
             "both_ways_bytes_per_s": 2 * state_bytes / link}
 
 
+# XLA's GPU compiler runs loop bodies and runs of kernels as command buffers (CUDA graphs); this turns them off
+# for one compile, to tell whether the graph is what orders the copies (an empty list of command types).
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def _threaded_seconds(fn, args: tuple, repeats: int) -> float:
+    """Median wall time of `fn`, which donates its first len(outputs) arguments and returns their new values:
+    each call takes the previous call's outputs (the host stacks are written in place, never copied)."""
+    import jax
+
+    state, rest = tuple(args[:4]), tuple(args[4:])
+    state = jax.block_until_ready(fn(*state, *rest))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        state = jax.block_until_ready(fn(*state, *rest))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
+    """Rows moved in loops (module docstring): median seconds per program, per compile setting; and which
+    engine the compiled program moves its rows with (hlo.host_copy_engines)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from spillway.recipes.plan import hlo
+    from spillway.recipes.train.xla_settings import step_compiler_options
+
+    device = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    width = max(1, int(row_mib * 2**20) // 4)
+    to_device = lambda x: jax.device_put(x, jax.memory.Space.Device)   # noqa: E731
+    to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)       # noqa: E731
+
+    def fresh():
+        return (jax.device_put(np.ones((rows, width), np.float32), host),
+                jax.device_put(np.zeros((rows, width), np.float32), host),
+                jax.device_put(np.zeros((1, width), np.float32), device),
+                jax.device_put(np.ones((matmul_dim, matmul_dim), np.float32), device).astype(jnp.bfloat16))
+
+    weight = jax.device_put(jnp.full((matmul_dim, matmul_dim), 1.0 / matmul_dim, jnp.bfloat16), device)
+
+    def iteration(i, state, w, read: bool, write: bool, matmul: bool):
+        source, sink, acc, m = state
+        if read:
+            acc = acc + to_device(lax.dynamic_slice_in_dim(source, i, 1, axis=0))
+        if write:
+            sink = lax.dynamic_update_slice_in_dim(sink, to_host(acc * 0.5), i, axis=0)
+        if matmul:
+            m = jnp.tanh(m @ w)
+        return source, sink, acc, m
+
+    def program(read: bool, write: bool, matmul: bool, kernels: bool = False):
+        def run(source, sink, acc, m, w):
+            state = (source, sink, acc, m)
+            if kernels:   # the row index from xs: not the loop counter, so XLA cannot address it as a memcpy
+                step = lambda c, i: (iteration(i, c, w, read, write, matmul), None)   # noqa: E731
+                return lax.scan(step, state, jnp.arange(rows))[0]
+            return lax.fori_loop(0, rows, lambda i, c: iteration(i, c, w, read, write, matmul), state)
+        return run
+
+    programs = {
+        "rows h2d": program(True, False, False), "rows d2h": program(False, True, False),
+        "rows both": program(True, True, False), "rows matmuls": program(False, False, True),
+        "rows both+matmuls": program(True, True, True),
+        "rows both (kernels)": program(True, True, False, kernels=True),
+        "rows both+matmuls (kernels)": program(True, True, True, kernels=True),
+    }
+    gpu = device.platform in ("gpu", "cuda")
+    base = step_compiler_options("cuda") if gpu else None
+    settings = {"step settings": base, "command buffers off": {**(base or {}), **NO_COMMAND_BUFFERS} if gpu else None}
+    seconds: dict[str, dict[str, float]] = {}
+    engines: dict[str, str] = {}
+    for setting, options in settings.items():
+        seconds[setting] = {}
+        for name, fn in programs.items():
+            args = (*fresh(), weight)
+            compiled = jax.jit(fn, donate_argnums=(0, 1, 2, 3)).lower(*args).compile(compiler_options=options)
+            moved = hlo.host_copy_engines(compiled.as_text())
+            if moved.dma_bytes + moved.kernel_bytes:
+                engines[name] = "kernels" if moved.kernel_bytes > moved.dma_bytes else "DMA"
+            seconds[setting][name] = _threaded_seconds(compiled, args, repeats)
+    return {"rows": rows, "row_bytes": width * 4, "matmul_dim": matmul_dim, "seconds": seconds,
+            "engines": engines}
+
+
+def row_loop_lines(u: dict) -> str:
+    """The row loops' figures: each setting's times and the two ratios for the memcpy and the kernel form."""
+    lines = [f"\n  row loops ({u['rows']} rows of {u['row_bytes'] / 2**20:.3g} MiB; rows moved by "
+             + ", ".join(f"{name}: {engine}" for name, engine in u["engines"].items()) + ")"]
+    for setting, s in u["seconds"].items():
+        ms = "  ".join(f"{name.removeprefix('rows ')} {t * 1e3:.1f}" for name, t in s.items())
+        both = s["rows both"] / (s["rows h2d"] + s["rows d2h"])
+        hidden = s["rows both+matmuls"] / (s["rows both"] + s["rows matmuls"])
+        hidden_k = s["rows both+matmuls (kernels)"] / (s["rows both (kernels)"] + s["rows matmuls"])
+        lines.append(f"    {setting}: {ms} ms; both / (h2d + d2h) = {both:.2f}; both+matmuls / sum = {hidden:.2f} "
+                     f"(kernels: {hidden_k:.2f})")
+    return "\n".join(lines)
+
+
 def summary(r: dict) -> str:
     s = r["seconds"]
     ms = "  ".join(f"{name} {t * 1e3:.1f} ms" for name, t in s.items())
@@ -131,7 +250,7 @@ def summary(r: dict) -> str:
             f"both / (h2d + d2h) = {r['both_over_sum']:.2f} (1.0 turns, 0.5 at once); "
             f"matmuls+h2d / sum = {r['matmuls_h2d_over_sum']:.2f} (hidden: {r['h2d_hidden_bound']:.2f}), "
             f"matmuls+d2h / sum = {r['matmuls_d2h_over_sum']:.2f} (hidden: {r['d2h_hidden_bound']:.2f})"
-            + _streamed_line(r))
+            + _streamed_line(r) + (row_loop_lines(r["row_loops"]) if r.get("row_loops") else ""))
 
 
 def _streamed_line(r: dict) -> str:
@@ -155,15 +274,21 @@ def main() -> int:
     ap.add_argument("--stream-layers", type=int, default=16,
                     help="layers of the streamed update's stack (0: skip it; default 16 x 4096^2: 3 GiB of state)")
     ap.add_argument("--stream-d", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=16, help="rows in the row loops (0: skip them; default 16)")
+    ap.add_argument("--row-mib", type=float, default=64.0, help="MiB per row in the row loops (default 64)")
     ap.add_argument("--out", help="also write the figures as JSON here")
     args = ap.parse_args()
     if not (args.gib > 0 and args.repeats > 0 and args.matmul_dim > 0 and args.matmul_count > 0):
         ap.error("--gib, --repeats, --matmul-dim and --matmul-count must be positive")
     if args.stream_layers < 0 or args.stream_d < 1:
         ap.error("--stream-layers must be 0 or more and --stream-d positive")
+    if args.rows < 0 or args.row_mib <= 0:
+        ap.error("--rows must be 0 or more and --row-mib positive")
     result = probe(args.gib, args.repeats, args.matmul_dim, args.matmul_count)
     if args.stream_layers:
         result["streamed"] = streamed_update(args.stream_layers, args.stream_d, args.repeats)
+    if args.rows:
+        result["row_loops"] = row_loops(args.rows, args.row_mib, args.repeats, args.matmul_dim)
     print(summary(result), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -62,3 +62,22 @@ def test_a_deferred_update_case_measures_on_cpu(case):
     row = gpu_suite.measure_case("tiny/host_in_fwd", warmup=1, timed=1, case=case,
                                  extra_overrides=("train.global_batch=8",))
     assert row["step_s"] > 0 and row["host_resident_peak_bytes"] > 0
+
+
+def test_a_case_with_xla_flags_runs_its_process_with_them_added(monkeypatch):
+    """The command-buffer cases reach XLA through the child's XLA_FLAGS (appended to any set outside); the
+    other cases leave XLA_FLAGS as they found it."""
+    seen = {}
+
+    def fake_run(cmd, env, **kwargs):
+        seen[cmd[-1]] = env.get("XLA_FLAGS")
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"case": "x"}\n', stderr="")
+
+    monkeypatch.setattr(gpu_suite.subprocess, "run", fake_run)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    flagged = "1b/recompute_all/host/cudnn/ga8/no_command_buffers"
+    assert gpu_suite.CASES[flagged].xla_flags == gpu_suite.NO_COMMAND_BUFFERS
+    gpu_suite.run_child(flagged, timeout_s=1)
+    gpu_suite.run_child("1b/recompute_all/host/cudnn/ga8", timeout_s=1)
+    assert seen[flagged] == "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="
+    assert seen["1b/recompute_all/host/cudnn/ga8"] == "--xla_dump_to=/tmp/x"

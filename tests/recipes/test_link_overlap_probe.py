@@ -34,3 +34,20 @@ def test_the_streamed_update_is_timed_with_its_state_on_host_and_in_hbm():
     assert u["both_ways_bytes_per_s"] > 0
     r = link_overlap_probe.probe(gib=1 / 1024, repeats=1, matmul_dim=32, matmul_count=2)
     assert "streamed update (2 x 64^2" in link_overlap_probe.summary({**r, "streamed": u})
+
+
+def test_the_row_loops_are_timed_under_both_settings():
+    """The row loops (a host row in and one out per iteration, with and without a matmul, in the memcpy
+    and the kernel form): every program timed under the step's settings and with command buffers off, each
+    call threading the donated stacks into the next, and the line names both ratios."""
+    u = link_overlap_probe.row_loops(rows=3, row_mib=1 / 64, repeats=2, matmul_dim=16)
+    assert set(u["seconds"]) == {"step settings", "command buffers off"}
+    for times in u["seconds"].values():
+        assert set(times) == {"rows h2d", "rows d2h", "rows both", "rows matmuls", "rows both+matmuls",
+                              "rows both (kernels)", "rows both+matmuls (kernels)"}
+        assert all(t > 0 for t in times.values())
+    assert u["row_bytes"] == 2**20 // 64
+    r = link_overlap_probe.probe(gib=1 / 1024, repeats=1, matmul_dim=32, matmul_count=2)
+    line = link_overlap_probe.summary({**r, "row_loops": u})
+    assert "row loops (3 rows of 0.0156 MiB" in line and "command buffers off:" in line
+    assert "both+matmuls / sum" in line
