@@ -139,9 +139,12 @@ def streamed_update(layers: int, dim: int, repeats: int) -> dict:
             "both_ways_bytes_per_s": 2 * state_bytes / link}
 
 
-# XLA's GPU compiler runs loop bodies and runs of kernels as command buffers (CUDA graphs); this turns them off
-# for one compile, to tell whether the graph is what orders the copies (an empty list of command types).
+# XLA's GPU compiler runs loop bodies and runs of kernels as command buffers (CUDA graphs). In its default
+# scheduling mode (LHS) the body of a captured async copy becomes an ordinary node chained after the command
+# before it, so nothing runs beside it; CONCURRENT keeps only the data dependencies as the graph's edges; an
+# empty list of command types turns the graphs off (docs/DESIGN.md section 6). Each is one compile's options.
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+CONCURRENT_COMMAND_BUFFERS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
 def _threaded_seconds(fn, args: tuple, repeats: int) -> float:
@@ -212,7 +215,9 @@ def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
     }
     gpu = device.platform in ("gpu", "cuda")
     base = step_compiler_options("cuda") if gpu else None
-    settings = {"step settings": base, "command buffers off": {**(base or {}), **NO_COMMAND_BUFFERS} if gpu else None}
+    settings = {"step settings": base,
+                "command buffers concurrent": {**(base or {}), **CONCURRENT_COMMAND_BUFFERS} if gpu else None,
+                "command buffers off": {**(base or {}), **NO_COMMAND_BUFFERS} if gpu else None}
     seconds: dict[str, dict[str, float]] = {}
     engines: dict[str, str] = {}
     for setting, options in settings.items():

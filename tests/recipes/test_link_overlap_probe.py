@@ -38,10 +38,10 @@ def test_the_streamed_update_is_timed_with_its_state_on_host_and_in_hbm():
 
 def test_the_row_loops_are_timed_under_both_settings():
     """The row loops (a host row in and one out per iteration, with and without a matmul, in the memcpy
-    and the kernel form): every program timed under the step's settings and with command buffers off, each
+    and the kernel form): every program timed under the step's settings and the two command-buffer ones, each
     call threading the donated stacks into the next, and the line names both ratios."""
     u = link_overlap_probe.row_loops(rows=3, row_mib=1 / 64, repeats=2, matmul_dim=16)
-    assert set(u["seconds"]) == {"step settings", "command buffers off"}
+    assert set(u["seconds"]) == {"step settings", "command buffers concurrent", "command buffers off"}
     for times in u["seconds"].values():
         assert set(times) == {"rows h2d", "rows d2h", "rows both", "rows matmuls", "rows both+matmuls",
                               "rows both (kernels)", "rows both+matmuls (kernels)"}
