@@ -30,6 +30,10 @@ Two ways to bring the state in:
                 that each buffer comes back to its own place in the loop's carry;
                 layer t's new rows go into its buffer while layer t+1's are read
                 from the other, so neither copy waits on the other
+    parity_counted  parity, a pair of layers per scan step and every row offset the
+                pair counter carried through the scan (k, k + 1; the last pair
+                after the scan), so that XLA moves the rows with memcpys, not
+                kernels (docs/DESIGN.md section 6)
 
 and `*_tied`: the same with layer t's update (and its copies' sources) tied to
 the layer's input by an optimization_barrier, so that it runs after layer t-1's
@@ -64,7 +68,8 @@ from spillway.recipes.plan.subprocess_runner import prepare_compile_process, ser
 from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
-VARIANTS = ("sliced", "prefetched", "in_place", "in_place_tied", "parity", "parity_tied")
+VARIANTS = ("sliced", "prefetched", "in_place", "in_place_tied", "parity", "parity_tied", "parity_counted",
+            "parity_counted_tied")
 
 
 def build_step(variant: str, num_layers: int, compiler_options: dict | None = None):
@@ -156,7 +161,54 @@ def build_step(variant: str, num_layers: int, compiler_options: dict | None = No
                                                           (weights, grads, jnp.arange(num_layers)), unroll=2)
             return x, (new_weights, *zip(even, odd))
 
+        def parity_counted_scan(weights):
+            # Parity, with every row's offset the loop's own counter (a pair index k carried from 0 by 1) so
+            # that XLA moves the rows with memcpys (hlo.host_copy_engines): the scan takes a pair of layers a
+            # step, layer 2k's rows into even[k] while layer 2k+1's are read from odd[k], layer 2k+1's into
+            # odd[k] while layer 2k+2's are read from even[k+1]; the last pair runs after the scan, so that no
+            # offset in the loop is ever clamped.
+            pairs = num_layers // 2
+
+            def layer_step(x, weight_row, grad_row, current, own, k, fetch_from, fetch_at):
+                if tied:
+                    x, current = jax.lax.optimization_barrier((x, current))
+                    current = jax.lax.stop_gradient(current)
+                new_rows = adamw(grad_row, *current)
+                own = tuple(jax.lax.dynamic_update_index_in_dim(s, jax.device_put(p, host), k, 0)
+                            for s, p in zip(own, new_rows))
+                upcoming = None if fetch_from is None else tuple(
+                    jax.device_put(jax.lax.dynamic_index_in_dim(s, fetch_at, keepdims=False), device)
+                    for s in fetch_from)
+                new_weight = jax.lax.stop_gradient(new_rows[2].astype(weight_row.dtype))
+                used = straight_through(weight_row, new_weight)
+                x = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)(x, used)
+                return x, own, upcoming, new_weight
+
+            def body(carry, rows):
+                x, even, odd, current, k = carry
+                weight_pair, grad_pair = rows
+                x, even, current, first = layer_step(x, weight_pair[0], grad_pair[0], current, even, k, odd, k)
+                x, odd, current, second = layer_step(x, weight_pair[1], grad_pair[1], current, odd, k, even, k + 1)
+                return (x, even, odd, current, k + 1), jnp.stack([first, second])
+
+            even, odd = (mu[0], nu[0], master[0]), (mu[1], nu[1], master[1])
+            first = tuple(jax.device_put(jax.lax.dynamic_index_in_dim(s, 0, keepdims=False), device) for s in even)
+            as_pairs = lambda a: a.reshape(pairs, 2, *a.shape[1:])   # noqa: E731
+            weight_pairs, grad_pairs = as_pairs(weights), as_pairs(grads)
+            (x, even, odd, current, _), new_weights = jax.lax.scan(
+                body, (x0, even, odd, first, jnp.int32(0)), (weight_pairs[:-1], grad_pairs[:-1]))
+            last = pairs - 1
+            x, even, current, w_even = layer_step(x, weight_pairs[-1, 0], grad_pairs[-1, 0], current, even, last,
+                                                  odd, last)
+            x, odd, _, w_odd = layer_step(x, weight_pairs[-1, 1], grad_pairs[-1, 1], current, odd, last, None, None)
+            new_weights = jnp.concatenate([new_weights.reshape(-1, *weights.shape[1:]),
+                                           jnp.stack([w_even, w_odd])])
+            return x, (new_weights, *zip(even, odd))
+
         def loss(weights):
+            if variant == "parity_counted":
+                x, outs = parity_counted_scan(weights)
+                return jnp.sum(x.astype(jnp.float32)), outs
             if variant == "parity":
                 x, outs = parity_scan(weights)
                 return jnp.sum(x.astype(jnp.float32)), outs
@@ -186,7 +238,7 @@ def build_step(variant: str, num_layers: int, compiler_options: dict | None = No
     # gradients'); the state is not: donated, XLA copies the scan's host
     # output into the donated buffer after the loop, over the link again.
     # In place, the carried state is donated too.
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 4) if variant in ("in_place", "parity") else (0, 1),
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 4) if variant in ("in_place", "parity", "parity_counted") else (0, 1),
                    compiler_options=compiler_options)
 
 
