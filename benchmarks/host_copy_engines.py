@@ -17,7 +17,9 @@ and reads the answer from the compiled program (recipes/plan/hlo.py host_copy_en
     fori 2i / 2i+1               an offset with a stride the loop does not step by one row (mod L)
 
 Each loop has L-1 iterations over a stack of L rows, a row in and a row out per iteration, beside a
-matmul. Printed: MiB moved by memcpys and by kernels per form.
+matmul. Printed: MiB moved by memcpys and by kernels per form; then the same for the GPU link probe's row
+loops (benchmarks/link_overlap_probe.py row_programs, L rows), with the MiB the schedule moves in both
+directions at once and beside a matmul, the premise of what the probe times.
 
 Run:  .venv/bin/python benchmarks/host_copy_engines.py [--target h200] [--layers 8] [--width 1024]
 """
@@ -93,7 +95,23 @@ def measure(args) -> dict:
             .compile(compiler_options=step_compiler_options("cuda"))
         engines = hlo.host_copy_engines(compiled.as_text())
         rows[form] = {"dma_bytes": engines.dma_bytes, "kernel_bytes": engines.kernel_bytes}
-    return {"rows": rows, "jax": jax.__version__, "target": args.target}
+    # The GPU link probe's row loops (benchmarks/link_overlap_probe.py), compiled the same way: which engine
+    # each moves its rows with, and whether the schedule has the two directions and the matmuls beside them.
+    from benchmarks.link_overlap_probe import row_programs
+
+    row_stack = aot.abstract_array((args.layers, args.width * args.width), jnp.float32, mesh,
+                                   memory_kind="pinned_host")
+    row = aot.abstract_array((1, args.width * args.width), jnp.float32, mesh)
+    probe = {}
+    for name, fn in row_programs(args.layers).items():
+        text = jax.jit(fn, donate_argnums=(0, 1, 2, 3)).lower(row_stack, row_stack, row, weight, weight) \
+            .compile(compiler_options=step_compiler_options("cuda")).as_text()
+        engines = hlo.host_copy_engines(text)
+        beside = hlo.host_copies_beside_compute(text)
+        probe[name] = {"dma_bytes": engines.dma_bytes, "kernel_bytes": engines.kernel_bytes,
+                       "both_directions_bytes": hlo.overlapping_host_copies(text).overlapped_bytes,
+                       "beside_matmul_bytes": sum(beside.beside_compute_by_pass.values())}
+    return {"rows": rows, "probe_rows": probe, "jax": jax.__version__, "target": args.target}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,6 +137,11 @@ def main() -> None:
     print(f"{'row offsets (read / write)':32s} {'memcpy MiB':>10s} {'kernel MiB':>10s}")
     for form, row in result["rows"].items():
         print(f"{form:32s} {row['dma_bytes'] / MiB:10.0f} {row['kernel_bytes'] / MiB:10.0f}")
+    print(f"\nthe GPU link probe's row loops, compiled alike: {'memcpy MiB':>10s} {'kernel MiB':>10s} "
+          f"{'both ways':>10s} {'by a matmul':>11s}")
+    for name, row in result["probe_rows"].items():
+        print(f"{name:47s} {row['dma_bytes'] / MiB:10.0f} {row['kernel_bytes'] / MiB:10.0f} "
+              f"{row['both_directions_bytes'] / MiB:10.0f} {row['beside_matmul_bytes'] / MiB:11.0f}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ and, in loops of --rows rows (a stack of rows in pinned host memory, a row moved
 streamed update moves a layer's state), compiled with the train step's XLA settings and again with XLA's
 command buffers (CUDA graphs) off:
 
-    rows h2d / d2h / both         row i of one host stack into HBM, a row out into row i of another, or both
+    rows h2d / d2h / both         row i+1 of one host stack prefetched into HBM, the row held written into
+                                  row i of another, or both (as the streamed update moves a layer's state)
     rows matmuls                  one bf16 matmul per iteration
     rows both+matmuls             both copies and the matmul in each iteration, independent of each other
     rows both (kernels)           both, the row index taken from a scan's xs: XLA then moves the rows with
@@ -162,13 +163,52 @@ def _threaded_seconds(fn, args: tuple, repeats: int) -> float:
     return statistics.median(times)
 
 
+def row_programs(rows: int) -> dict:
+    """The row loops (module docstring) as functions (source, sink, row, m, w) -> (source, sink, row, m), `rows`
+    - 1 iterations: as the streamed update does, iteration i writes the row it holds into row i of `sink`
+    and prefetches row i + 1 of `source` for the next iteration (neither copy waits on the other, nor on the
+    matmul chain on `m`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    to_device = lambda x: jax.device_put(x, jax.memory.Space.Device)   # noqa: E731
+    to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)       # noqa: E731
+
+    def iteration(i, state, w, read: bool, write: bool, matmul: bool):
+        source, sink, row, m = state
+        if write:
+            sink = lax.dynamic_update_slice_in_dim(sink, to_host(row * 0.5), i, axis=0)
+        if read:
+            row = to_device(lax.dynamic_slice_in_dim(source, i + 1, 1, axis=0))
+        if matmul:
+            m = jnp.tanh(m @ w)
+        return source, sink, row, m
+
+    def program(read: bool, write: bool, matmul: bool, kernels: bool = False):
+        def run(source, sink, row, m, w):
+            state = (source, sink, row, m)
+            if kernels:   # the row index from xs: not the loop counter, so XLA cannot address it as a memcpy
+                step = lambda c, i: (iteration(i, c, w, read, write, matmul), None)   # noqa: E731
+                return lax.scan(step, state, jnp.arange(rows - 1))[0]
+            return lax.fori_loop(0, rows - 1, lambda i, c: iteration(i, c, w, read, write, matmul), state)
+        return run
+
+    return {
+        "rows h2d": program(True, False, False), "rows d2h": program(False, True, False),
+        "rows both": program(True, True, False), "rows matmuls": program(False, False, True),
+        "rows both+matmuls": program(True, True, True),
+        "rows both (kernels)": program(True, True, False, kernels=True),
+        "rows both+matmuls (kernels)": program(True, True, True, kernels=True),
+    }
+
+
 def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
     """Rows moved in loops (module docstring): median seconds per program, per compile setting; and which
     engine the compiled program moves its rows with (hlo.host_copy_engines)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax import lax
 
     from spillway.recipes.plan import hlo
     from spillway.recipes.train.xla_settings import step_compiler_options
@@ -176,8 +216,6 @@ def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
     device = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     width = max(1, int(row_mib * 2**20) // 4)
-    to_device = lambda x: jax.device_put(x, jax.memory.Space.Device)   # noqa: E731
-    to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)       # noqa: E731
 
     def fresh():
         return (jax.device_put(np.ones((rows, width), np.float32), host),
@@ -186,33 +224,7 @@ def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
                 jax.device_put(np.ones((matmul_dim, matmul_dim), np.float32), device).astype(jnp.bfloat16))
 
     weight = jax.device_put(jnp.full((matmul_dim, matmul_dim), 1.0 / matmul_dim, jnp.bfloat16), device)
-
-    def iteration(i, state, w, read: bool, write: bool, matmul: bool):
-        source, sink, acc, m = state
-        if read:
-            acc = acc + to_device(lax.dynamic_slice_in_dim(source, i, 1, axis=0))
-        if write:
-            sink = lax.dynamic_update_slice_in_dim(sink, to_host(acc * 0.5), i, axis=0)
-        if matmul:
-            m = jnp.tanh(m @ w)
-        return source, sink, acc, m
-
-    def program(read: bool, write: bool, matmul: bool, kernels: bool = False):
-        def run(source, sink, acc, m, w):
-            state = (source, sink, acc, m)
-            if kernels:   # the row index from xs: not the loop counter, so XLA cannot address it as a memcpy
-                step = lambda c, i: (iteration(i, c, w, read, write, matmul), None)   # noqa: E731
-                return lax.scan(step, state, jnp.arange(rows))[0]
-            return lax.fori_loop(0, rows, lambda i, c: iteration(i, c, w, read, write, matmul), state)
-        return run
-
-    programs = {
-        "rows h2d": program(True, False, False), "rows d2h": program(False, True, False),
-        "rows both": program(True, True, False), "rows matmuls": program(False, False, True),
-        "rows both+matmuls": program(True, True, True),
-        "rows both (kernels)": program(True, True, False, kernels=True),
-        "rows both+matmuls (kernels)": program(True, True, True, kernels=True),
-    }
+    programs = row_programs(rows)
     gpu = device.platform in ("gpu", "cuda")
     base = step_compiler_options("cuda") if gpu else None
     settings = {"step settings": base,

@@ -378,10 +378,11 @@ def host_copy_engines(hlo_text: str) -> HostCopyEngines:
     runtime issues a memcpy; otherwise (an index from a scan's ``xs``, a
     clamped or parity-dependent offset, a constant offset outside a loop) the
     fusion is a kernel whose threads move the row over PCIe
-    (docs/DESIGN.md section 6: a memcpy runs on a copy engine beside compute,
-    a kernel takes SMs). Read from the compiled HLO text: the async start's
-    called computation's root carries the config or not. Loop bodies are
-    weighted by their trip counts, as in `host_traffic`.
+    (docs/DESIGN.md section 6: a memcpy is a copy engine's work, a kernel
+    takes SMs as compute does). Read from the compiled HLO text: the slice in
+    the async start's called computation carries the config or not (its root
+    in jaxlib 0.11 and 0.12; in 0.10 the root is a copy of it). Loop bodies
+    are weighted by their trip counts, as in `host_traffic`.
     """
     computations, _ = parse_computations(hlo_text)
     dma_slices = {name for name, instructions in computations.items()

@@ -11,9 +11,19 @@ pytestmark = pytest.mark.needs_toolchain   # tests/ci_gate.py: skips only withou
 
 
 @pytest.fixture(scope="module")
-def rows():
+def compiled():
     return run_in_compile_process("benchmarks.host_copy_engines", ["--json", "--layers", "4", "--width", "256"],
-                                  timeout_s=600)["rows"]
+                                  timeout_s=600)
+
+
+@pytest.fixture
+def rows(compiled):
+    return compiled["rows"]
+
+
+@pytest.fixture
+def probe_rows(compiled):
+    return compiled["probe_rows"]
 
 
 def test_offsets_from_the_loop_counter_are_memcpys(rows):
@@ -25,3 +35,16 @@ def test_offsets_from_the_loop_counter_are_memcpys(rows):
 def test_an_index_from_a_scans_xs_is_a_kernel(rows):
     assert rows["scan xs / xs"]["dma_bytes"] == 0
     assert rows["scan xs / xs"]["kernel_bytes"] == 2 * 3 * 256 * 256 * 4
+
+
+def test_the_gpu_probes_row_loops_can_show_what_they_time(probe_rows):
+    """benchmarks/link_overlap_probe.py's row loops, compiled for the H200: the memcpy form moves its rows by
+    memcpy and the kernel form by kernels, and in both the schedule has the two directions in flight together
+    and every copy beside a matmul, so the GPU's times say what the hardware and runtime do with them."""
+    moved = 2 * 3 * 256 * 256 * 4   # 3 iterations, a row each way
+    both = probe_rows["rows both+matmuls"]
+    assert both["dma_bytes"] == moved and both["kernel_bytes"] == 0
+    assert probe_rows["rows both+matmuls (kernels)"]["kernel_bytes"] == moved
+    for name in ("rows both+matmuls", "rows both+matmuls (kernels)"):
+        assert probe_rows[name]["both_directions_bytes"] == moved // 2, name
+        assert probe_rows[name]["beside_matmul_bytes"] == moved, name
