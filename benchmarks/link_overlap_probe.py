@@ -148,19 +148,18 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 CONCURRENT_COMMAND_BUFFERS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
-def _threaded_seconds(fn, args: tuple, repeats: int) -> float:
-    """Median wall time of `fn`, which donates its first len(outputs) arguments and returns their new values:
-    each call takes the previous call's outputs (the host stacks are written in place, never copied)."""
+def _threaded_seconds(fn, state: tuple, rest: tuple, repeats: int) -> tuple[float, tuple]:
+    """(median wall time of `fn`, the state it leaves): `fn(*state, *rest)` donates `state` and returns its new
+    value, and each call takes the previous call's (the host stacks are written in place, never copied)."""
     import jax
 
-    state, rest = tuple(args[:4]), tuple(args[4:])
     state = jax.block_until_ready(fn(*state, *rest))
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         state = jax.block_until_ready(fn(*state, *rest))
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(times), tuple(state)
 
 
 def row_programs(rows: int) -> dict:
@@ -217,12 +216,11 @@ def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     width = max(1, int(row_mib * 2**20) // 4)
 
-    def fresh():
-        return (jax.device_put(np.ones((rows, width), np.float32), host),
-                jax.device_put(np.zeros((rows, width), np.float32), host),
-                jax.device_put(np.zeros((1, width), np.float32), device),
-                jax.device_put(np.ones((matmul_dim, matmul_dim), np.float32), device).astype(jnp.bfloat16))
-
+    # One set of buffers for every program (each donates them and returns them written in place).
+    state = (jax.device_put(np.ones((rows, width), np.float32), host),
+             jax.device_put(np.zeros((rows, width), np.float32), host),
+             jax.device_put(np.zeros((1, width), np.float32), device),
+             jax.device_put(jnp.ones((matmul_dim, matmul_dim), jnp.bfloat16), device))
     weight = jax.device_put(jnp.full((matmul_dim, matmul_dim), 1.0 / matmul_dim, jnp.bfloat16), device)
     programs = row_programs(rows)
     gpu = device.platform in ("gpu", "cuda")
@@ -235,12 +233,11 @@ def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
     for setting, options in settings.items():
         seconds[setting] = {}
         for name, fn in programs.items():
-            args = (*fresh(), weight)
-            compiled = jax.jit(fn, donate_argnums=(0, 1, 2, 3)).lower(*args).compile(compiler_options=options)
+            compiled = jax.jit(fn, donate_argnums=(0, 1, 2, 3)).lower(*state, weight).compile(compiler_options=options)
             moved = hlo.host_copy_engines(compiled.as_text())
             if moved.dma_bytes + moved.kernel_bytes:
                 engines[name] = "kernels" if moved.kernel_bytes > moved.dma_bytes else "DMA"
-            seconds[setting][name] = _threaded_seconds(compiled, args, repeats)
+            seconds[setting][name], state = _threaded_seconds(compiled, state, (weight,), repeats)
     return {"rows": rows, "row_bytes": width * 4, "matmul_dim": matmul_dim, "seconds": seconds,
             "engines": engines}
 
