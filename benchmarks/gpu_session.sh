@@ -9,7 +9,8 @@
 # way). It prints the machine's versions, times the host CPU's optimizer update
 # (benchmarks/host_update_rate.py; the planner's host-update plans use that
 # rate), probes whether host copies overlap each other and compute
-# (benchmarks/link_overlap_probe.py), measures the host peak of a checkpoint save and restore of host
+# (benchmarks/link_overlap_probe.py), times the next-forward update's program shapes on a stand-in
+# (benchmarks/update_in_forward.py --time), measures the host peak of a checkpoint save and restore of host
 # state (benchmarks/checkpoint_host_peak.py), then runs benchmarks/gpu_suite.py, which prints the table for
 # BENCHMARKS.md. Measured rows are kept in OUT_DIR (default $OUT, else
 # /tmp/spillway-gpu) for `python -m benchmarks.gpu_suite --render`.
@@ -42,8 +43,13 @@ timeout 90 "$python" benchmarks/host_update_rate.py --out "$out_dir/host_update_
 # loops as memcpys and as kernels, with and without XLA's command buffers (docs/DESIGN.md section 6).
 timeout 150 "$python" benchmarks/link_overlap_probe.py --out "$out_dir/link_overlap.json" \
   || echo "link overlap probe: failed or timed out (exit $?)"
+# The update in the next forward pass's program shapes (the step's in-place one, the even/odd parity ones, one
+# of them with memcpy rows) timed against the state in HBM, under each command-buffer setting: which shape and
+# setting hide the state's copies under the layers' matmuls (docs/DESIGN.md section 6).
+timeout 150 "$python" benchmarks/update_in_forward.py --time --layers 16 --d-model 4096 --tokens 8192 \
+  || echo "update in the forward pass, timed: failed or timed out (exit $?)"
 # The host peak of a piece-wise checkpoint save and restore of the 1B's host state (issue 27), before the
 # cases: at the suite's end it never had the time left (2026-12-04: skipped, then cut at 61 s).
 timeout 150 "$python" -m benchmarks.checkpoint_host_peak --mode pieces \
   || echo "checkpoint host peak: failed or timed out (exit $?)"
-"$python" -m benchmarks.gpu_suite --budget-s "${GPU_SUITE_BUDGET_S:-240}" --no-checkpoint --out "$out_dir/gpu_rows.json"
+"$python" -m benchmarks.gpu_suite --budget-s "${GPU_SUITE_BUDGET_S:-180}" --no-checkpoint --out "$out_dir/gpu_rows.json"

@@ -52,8 +52,16 @@ memcpys (hlo.host_copy_engines: a row index that is not the loop's counter), and
 how many host copies are in flight across a matmul (their start before it,
 their done after it).
 
+and `in_hbm`: the `sliced` step with the state in HBM (nothing over the link), the baseline of --time.
+
+--time runs on a GPU instead (the machine's own): the step of each variant (default: in_hbm, in_place_tied,
+parity_tied, parity_counted_tied) with real arrays, under the step's XLA settings, with command buffers
+scheduled by their data dependencies alone, and with none; median ms per step (what each program shape and
+setting hides of the link, against in_hbm).
+
 Run:  .venv/bin/python benchmarks/update_in_forward.py [--target h200] [--layers 16] [--d-model 2048]
       [--tokens 4096] [--variants in_place,parity_tied] [--async-compute-limit 2]
+      python benchmarks/update_in_forward.py --time [--layers 16] [--d-model 4096] [--tokens 8192] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -70,6 +78,12 @@ from spillway.recipes.targets import DEFAULT_GPU
 MiB = 2**20
 VARIANTS = ("sliced", "prefetched", "in_place", "in_place_tied", "parity", "parity_tied", "parity_counted",
             "parity_counted_tied")
+# Timed on a GPU (--time): the state in HBM (the baseline), the step's shape today, and the two parity shapes.
+TIMED_VARIANTS = ("in_hbm", "in_place_tied", "parity_tied", "parity_counted_tied")
+# XLA's command-buffer settings each timed variant runs under (benchmarks/link_overlap_probe.py says why).
+COMMAND_BUFFER_SETTINGS = {"step settings": {},
+                           "command buffers concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+                           "command buffers off": {"xla_gpu_enable_command_buffer": ""}}
 
 
 def build_step(variant: str, num_layers: int, compiler_options: dict | None = None):
@@ -83,6 +97,8 @@ def build_step(variant: str, num_layers: int, compiler_options: dict | None = No
     variant = variant.removesuffix("_tied")
 
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    if variant == "in_hbm":   # the baseline: `sliced` with the state in HBM, nothing over the link
+        host, variant = device, "sliced"
 
     @jax.custom_vjp
     def straight_through(old_weight, new_weight):
@@ -292,6 +308,8 @@ def measure(args) -> dict:
     half = (args.layers // 2, args.d_model, args.d_model)
 
     def state_array(variant):
+        if variant == "in_hbm":
+            return aot.abstract_array(shape, jnp.float32, mesh)
         if variant.startswith("parity"):   # (even layers, odd layers)
             return tuple(aot.abstract_array(half, jnp.float32, mesh, memory_kind="pinned_host") for _ in range(2))
         return aot.abstract_array(shape, jnp.float32, mesh, memory_kind="pinned_host")
@@ -316,6 +334,57 @@ def measure(args) -> dict:
     return {"rows": rows, "state_bytes": state_bytes, "jax": jax.__version__, "options": options}
 
 
+def time_variants(args) -> dict:
+    """On this machine's GPU: each of --variants (default TIMED_VARIANTS) under each COMMAND_BUFFER_SETTINGS,
+    median ms of --repeats steps after one warm-up; each call takes the previous call's outputs (the donated
+    state written in place)."""
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from spillway.recipes.train import xla_settings
+
+    device = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    shape = (args.layers, args.d_model, args.d_model)
+    half = (args.layers // 2, args.d_model, args.d_model)
+
+    def state_array(variant):
+        if variant == "in_hbm":
+            return jax.device_put(jnp.full(shape, 0.01, jnp.float32), device)
+        if variant.startswith("parity"):
+            return tuple(jax.device_put(np.full(half, 0.01, np.float32), pinned) for _ in range(2))
+        return jax.device_put(np.full(shape, 0.01, np.float32), pinned)
+
+    rows = {}
+    for variant in args.variants.split(","):
+        rows[variant] = {}
+        for setting, extra in COMMAND_BUFFER_SETTINGS.items():
+            options = {**(xla_settings.step_compiler_options(device.platform) or {}), **extra}
+            arguments = [jax.device_put(jnp.full(shape, 0.01, jnp.bfloat16), device),
+                         jax.device_put(jnp.full(shape, 0.001, jnp.bfloat16), device),
+                         *(state_array(variant) for _ in range(3)),
+                         jax.device_put(jnp.full((args.tokens, args.d_model), 0.1, jnp.bfloat16), device)]
+            step = build_step(variant, args.layers, options)
+            times = []
+            for call in range(args.repeats + 1):
+                started = time.perf_counter()
+                new_weights, new_grads, *new_state, loss = step(*arguments)
+                jax.block_until_ready(loss)
+                jax.block_until_ready(new_state)
+                if call:
+                    times.append(time.perf_counter() - started)
+                arguments = [new_weights, new_grads, *new_state, arguments[-1]]
+            rows[variant][setting] = statistics.median(times)
+            if args.progress:   # as measured: a run cut by a timeout keeps what it had
+                print(f"  {variant} / {setting}: {rows[variant][setting] * 1e3:.1f} ms", flush=True)
+    return {"rows": rows, "jax": jax.__version__, "device": device.device_kind,
+            "state_bytes": 3 * args.layers * args.d_model ** 2 * 4}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=DEFAULT_GPU)
@@ -327,7 +396,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="xla_gpu_experimental_parallel_async_compute_limit instead of the step's "
                              "(recipes/train/xla_settings.py); XLA's default is 2")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON (a compile process)")
+    parser.add_argument("--time", action="store_true",
+                        help="on a GPU: time --variants (default: the state in HBM, in_place_tied and the parity "
+                             "shapes) under each command-buffer setting, instead of compiling deviceless")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per row with --time (default 3)")
     args = parser.parse_args(argv)
+    args.progress = False
+    if args.time and args.variants == ",".join(VARIANTS):
+        args.variants = ",".join(TIMED_VARIANTS)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.layers % 2:
         parser.error("--layers must be even (the parity variants split the layers into even and odd)")
     return args
@@ -335,6 +413,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.time:
+        args.progress = True
+        result = time_variants(args)
+        print(f"{args.layers} layers of {args.d_model}x{args.d_model}, {args.tokens} tokens, {result['device']}, "
+              f"jax {result['jax']}; AdamW state {result['state_bytes'] / MiB:.0f} MiB; median ms of "
+              f"{args.repeats} steps")
+        settings = list(COMMAND_BUFFER_SETTINGS)
+        print(f"{'variant':20s} " + " ".join(f"{name:>26s}" for name in settings))
+        for variant, times in result["rows"].items():
+            print(f"{variant:20s} " + " ".join(f"{times[name] * 1e3:26.1f}" for name in settings))
+        return
     if args.json:
         serve_compile_process(lambda argv: measure(parse_args(argv)))
     prepare_compile_process()
