@@ -297,10 +297,12 @@ class HostTransfer:
     in_conditional: bool = False   # inside a conditional's branch (counted as if every branch ran)
 
 
-def host_transfers(hlo_text: str) -> tuple[list[HostTransfer], int]:
+def host_transfers(hlo_text: str, parsed: tuple[dict[str, list[Instruction]], str | None] | None = None
+                   ) -> tuple[list[HostTransfer], int]:
     """Every host<->device transfer instruction reached from the entry computation, and the number of
-    while loops without a known trip count (each counted as one trip)."""
-    computations, entry = parse_computations(hlo_text)
+    while loops without a known trip count (each counted as one trip). `parsed`: parse_computations(hlo_text),
+    when the caller has it already."""
+    computations, entry = parsed if parsed is not None else parse_computations(hlo_text)
     found: list[HostTransfer] = []
     unknown = 0
     if entry is None:
@@ -384,13 +386,14 @@ def host_copy_engines(hlo_text: str) -> HostCopyEngines:
     in jaxlib 0.11 and 0.12; in 0.10 the root is a copy of it). Loop bodies
     are weighted by their trip counts, as in `host_traffic`.
     """
-    computations, _ = parse_computations(hlo_text)
+    parsed = parse_computations(hlo_text)
+    computations = parsed[0]
     dma_slices = {name for name, instructions in computations.items()
                   if any(_DMA_SLICE in i.attributes for i in instructions)}
     wraps = {(computation, i.name): _FUSED.findall(i.attributes)
              for computation, instructions in computations.items() for i in instructions}
     dma = kernel = sync = 0
-    for transfer in host_transfers(hlo_text)[0]:
+    for transfer in host_transfers(hlo_text, parsed)[0]:
         moved = (transfer.device_to_host_bytes + transfer.host_to_device_bytes) * transfer.runs
         if transfer.opcode == "copy-start":
             dma += moved
