@@ -87,7 +87,7 @@ def test_the_split_cases_run_by_default_and_build_with_their_split():
     from spillway.layers.residency import host_layers
     from spillway.recipes.registry import get_recipe
     for name in ("1b/recompute_all/split/cudnn/ga8", "3b/recompute_all/split/cudnn/ga8",
-                 "8b/save_qkv_offload_mlp/split_pick/cudnn/ga8", "1b/save_dots/split_pick/cudnn/ga8",
+                 "8b/save_qkv_offload_mlp/split_pick/cudnn/ga8", "1b/offload_dots8+recompute_all/split_pick/cudnn/ga8",
                  "3b/save_qkv_offload_mlp/split_pick/cudnn/ga8"):
         assert name in gpu_suite.DEFAULT_CASES
         recipe = get_recipe(gpu_suite.CASES[name].recipe, gpu_suite.case_overrides(gpu_suite.CASES[name]))
