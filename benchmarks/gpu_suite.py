@@ -75,13 +75,16 @@ LLAMA_3B = ("model.d_model=3072", "model.num_layers=28", "model.num_heads=24", "
             "model.mlp_hidden=8192")
 PENDING_IN_HBM = "offload.pending_gradients=device"   # next_forward's pending gradients in HBM
 BF16_MOMENTS = ("optimizer.moment_dtype=bfloat16",)   # AdamW's moments stored in bfloat16 (8 bytes a parameter)
-# XLA's GPU compiler runs loop bodies and runs of kernels as command buffers (CUDA graphs); in its default
-# scheduling mode a captured async copy is chained after the command before it. Off, every thunk is issued on
-# its own stream as scheduled; CONCURRENT keeps the graphs with only the data dependencies as edges. Whether
-# the graphs are what keeps the streamed state's copies in turns (docs/DESIGN.md section 6;
-# benchmarks/link_overlap_probe.py asks the same of plain loops).
-NO_COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer=",)
-CONCURRENT_COMMAND_BUFFERS = ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",)
+# XLA's command buffers (CUDA graphs) chain the host copies they capture (docs/DESIGN.md section 6): the cases
+# named after an alternative of recipes/train/xla_settings.py run their process with it as XLA_FLAGS.
+COMMAND_BUFFER_CASES = {"concurrent_command_buffers": "command buffers concurrent",
+                        "memcpys_outside_command_buffers": "memcpys outside command buffers",
+                        "no_command_buffers": "command buffers off"}
+
+
+def command_buffer_flags(case_suffix: str) -> tuple[str, ...]:
+    from spillway.recipes.train.xla_settings import COMMAND_BUFFER_ALTERNATIVES, as_xla_flags
+    return as_xla_flags(COMMAND_BUFFER_ALTERNATIVES[COMMAND_BUFFER_CASES[case_suffix]])
 
 
 CASES = {
@@ -187,13 +190,12 @@ CASES = {
         "llama3_1b", "recompute_all", f"host:{layers}", overrides=CUDNN + shape + (PENDING_IN_HBM,),
         global_batch=8, grad_accum=8, update="next_forward")
        for size, shape, layers in (("1b", (), 8), ("3b", LLAMA_3B, 14))},
-    # The headline rows again with XLA's command buffers off, and scheduled by data dependencies alone (the
-    # device rows too: their ratios are the ones read).
+    # The headline rows again under each command-buffer alternative (the device rows too: their ratios are
+    # the ones read).
     **{f"1b/recompute_all/{placement}/cudnn/ga8/{graphs}": Case(
         "llama3_1b", "recompute_all", state, overrides=CUDNN + pending, global_batch=8, grad_accum=8,
         update=update, xla_flags=flags)
-       for graphs, flags in (("no_command_buffers", NO_COMMAND_BUFFERS),
-                             ("concurrent_command_buffers", CONCURRENT_COMMAND_BUFFERS))
+       for graphs, flags in ((suffix, command_buffer_flags(suffix)) for suffix in COMMAND_BUFFER_CASES)
        for placement, state, pending, update in (("device", "device", (), "after_backward"),
                                                  ("host", "host", (), "after_backward"),
                                                  ("host_layers_in_fwd_hbm", "host:16", (PENDING_IN_HBM,),
@@ -201,15 +203,16 @@ CASES = {
 }
 # What one call measures by default (under 8 minutes on one H200; `--cases all` runs every case). The budget
 # (--budget-s) stops starting cases once spent, so the order is what matters most first: the 1B's device and
-# host rows at 8 micro-batches, then the same with XLA's command buffers off and scheduled by data alone
-# (whether the CUDA graphs keep the streamed copies in turns: the 2026-12-04 rows hid nothing); then the planner's budget picks (never measured);
+# host rows at 8 micro-batches, then the same under each command-buffer alternative (whether the CUDA graphs
+# keep the streamed copies in turns: the 2026-12-04 rows hid nothing); then the planner's budget picks (never measured);
 # then the update in the next forward pass (issues 27 and 29: host:L, the split, every leaf's state on host)
 # beside the after-backward rows, for the 1B then the 3B; then the bfloat16 moments, the 8B, and the rows an
 # earlier GPU call measured.
 DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cudnn/ga8",
                  *(f"1b/recompute_all/{placement}/cudnn/ga8/{graphs}"
                    for placement in ("host", "device", "host_layers_in_fwd_hbm")
-                   for graphs in ("no_command_buffers", "concurrent_command_buffers")),
+                   for graphs in ("concurrent_command_buffers", "memcpys_outside_command_buffers",
+                                  "no_command_buffers")),
                  "1b/save_dots/device/cudnn/ga8", "1b/offload_dots8+recompute_all/split_pick/cudnn/ga8",
                  "3b/save_dots/device/cudnn/ga8", "3b/save_qkv_offload_mlp/split_pick/cudnn/ga8",
                  "1b/recompute_all/host_layers_in_fwd_hbm/cudnn/ga8", "1b/recompute_all/split_in_fwd_hbm/cudnn/ga8",

@@ -140,14 +140,6 @@ def streamed_update(layers: int, dim: int, repeats: int) -> dict:
             "both_ways_bytes_per_s": 2 * state_bytes / link}
 
 
-# XLA's GPU compiler runs loop bodies and runs of kernels as command buffers (CUDA graphs). In its default
-# scheduling mode (LHS) the body of a captured async copy becomes an ordinary node chained after the command
-# before it, so nothing runs beside it; CONCURRENT keeps only the data dependencies as the graph's edges; an
-# empty list of command types turns the graphs off (docs/DESIGN.md section 6). Each is one compile's options.
-NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-CONCURRENT_COMMAND_BUFFERS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-
-
 def _threaded_seconds(fn, state: tuple, rest: tuple, repeats: int) -> tuple[float, tuple]:
     """(median wall time of `fn`, the state it leaves): `fn(*state, *rest)` donates `state` and returns its new
     value, and each call takes the previous call's (the host stacks are written in place, never copied)."""
@@ -210,7 +202,7 @@ def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
     import numpy as np
 
     from spillway.recipes.plan import hlo
-    from spillway.recipes.train.xla_settings import step_compiler_options
+    from spillway.recipes.train.xla_settings import COMMAND_BUFFER_ALTERNATIVES, step_compiler_options
 
     device = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -225,9 +217,10 @@ def row_loops(rows: int, row_mib: float, repeats: int, matmul_dim: int) -> dict:
     programs = row_programs(rows)
     gpu = device.platform in ("gpu", "cuda")
     base = step_compiler_options("cuda") if gpu else None
-    settings = {"step settings": base,
-                "command buffers concurrent": {**(base or {}), **CONCURRENT_COMMAND_BUFFERS} if gpu else None,
-                "command buffers off": {**(base or {}), **NO_COMMAND_BUFFERS} if gpu else None}
+    # The step's settings, then each command-buffer alternative on top (recipes/train/xla_settings.py; GPU
+    # compiler options, so on a CPU every row compiles as the first).
+    settings = {"step settings": base, **{name: {**(base or {}), **extra} if gpu else None
+                                          for name, extra in COMMAND_BUFFER_ALTERNATIVES.items()}}
     seconds: dict[str, dict[str, float]] = {}
     engines: dict[str, str] = {}
     for setting, options in settings.items():

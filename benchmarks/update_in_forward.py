@@ -56,8 +56,8 @@ and `in_hbm`: the `sliced` step with the state in HBM (nothing over the link), t
 
 --time runs on a GPU instead (the machine's own): the step of each variant (default: in_hbm, in_place_tied,
 parity_tied, parity_counted_tied) with real arrays, under the step's XLA settings, with command buffers
-scheduled by their data dependencies alone, and with none; median ms per step (what each program shape and
-setting hides of the link, against in_hbm).
+scheduled by their data dependencies alone, and with the dynamic-slice memcpys kept out of them; median ms
+per step (what each program shape and setting hides of the link, against in_hbm).
 
 Run:  .venv/bin/python benchmarks/update_in_forward.py [--target h200] [--layers 16] [--d-model 2048]
       [--tokens 4096] [--variants in_place,parity_tied] [--async-compute-limit 2]
@@ -80,10 +80,9 @@ VARIANTS = ("sliced", "prefetched", "in_place", "in_place_tied", "parity", "pari
             "parity_counted_tied")
 # Timed on a GPU (--time): the state in HBM (the baseline), the step's shape today, and the two parity shapes.
 TIMED_VARIANTS = ("in_hbm", "in_place_tied", "parity_tied", "parity_counted_tied")
-# XLA's command-buffer settings each timed variant runs under (benchmarks/link_overlap_probe.py says why).
-COMMAND_BUFFER_SETTINGS = {"step settings": {},
-                           "command buffers concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-                           "command buffers off": {"xla_gpu_enable_command_buffer": ""}}
+# XLA's command-buffer settings each timed variant runs under, on top of the step's (docs/DESIGN.md section 6;
+# recipes/train/xla_settings.py COMMAND_BUFFER_ALTERNATIVES, less "off": three settings keep the GPU call short).
+TIMED_SETTINGS = ("step settings", "command buffers concurrent", "memcpys outside command buffers")
 
 
 def build_step(variant: str, num_layers: int, compiler_options: dict | None = None):
@@ -359,10 +358,11 @@ def time_variants(args) -> dict:
             return tuple(jax.device_put(np.full(half, 0.01, np.float32), pinned) for _ in range(2))
         return jax.device_put(np.full(shape, 0.01, np.float32), pinned)
 
+    settings = {name: xla_settings.COMMAND_BUFFER_ALTERNATIVES.get(name, {}) for name in TIMED_SETTINGS}
     rows = {}
     for variant in args.variants.split(","):
         rows[variant] = {}
-        for setting, extra in COMMAND_BUFFER_SETTINGS.items():
+        for setting, extra in settings.items():
             options = {**(xla_settings.step_compiler_options(device.platform) or {}), **extra}
             arguments = [jax.device_put(jnp.full(shape, 0.01, jnp.bfloat16), device),
                          jax.device_put(jnp.full(shape, 0.001, jnp.bfloat16), device),
@@ -419,7 +419,7 @@ def main() -> None:
         print(f"{args.layers} layers of {args.d_model}x{args.d_model}, {args.tokens} tokens, {result['device']}, "
               f"jax {result['jax']}; AdamW state {result['state_bytes'] / MiB:.0f} MiB; median ms of "
               f"{args.repeats} steps")
-        settings = list(COMMAND_BUFFER_SETTINGS)
+        settings = list(TIMED_SETTINGS)
         print(f"{'variant':20s} " + " ".join(f"{name:>26s}" for name in settings))
         for variant, times in result["rows"].items():
             print(f"{variant:20s} " + " ".join(f"{times[name] * 1e3:26.1f}" for name in settings))

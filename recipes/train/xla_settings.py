@@ -65,3 +65,24 @@ def step_compiler_options(platform: str) -> dict[str, bool | int] | None:
     """The train step's XLA options for `platform` (the runtime's, or a deviceless target's); None off a GPU
     (these are GPU compiler options)."""
     return dict(STEP_OPTIONS) if platform in GPU_PLATFORMS else None
+
+
+# XLA's command buffers (CUDA graphs) and the host copies (docs/DESIGN.md section 6): in XLA's default graph
+# scheduling a copy captured in a graph is chained after the command before it, so the streamed state's
+# copies in the update's loops run beside nothing. The alternatives the GPU session measures against the
+# step's settings above (not the step's yet: none has run on a GPU); each is a set of compile options:
+COMMAND_BUFFER_ALTERNATIVES: dict[str, dict[str, str]] = {
+    # graphs kept, their edges the data dependencies alone
+    "command buffers concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+    # graphs kept for everything but the dynamic-slice memcpys (XLA's default list less DYNAMIC_SLICE_FUSION):
+    # the streamed rows' memcpys then run on their own streams, as the activation offload's do
+    "memcpys outside command buffers": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
+    # no graphs at all
+    "command buffers off": {"xla_gpu_enable_command_buffer": ""},
+}
+
+
+def as_xla_flags(options: dict[str, str]) -> tuple[str, ...]:
+    """Compile options as XLA_FLAGS words (for a process whose every compile should take them)."""
+    return tuple(f"--{name}={value}" for name, value in options.items())
+

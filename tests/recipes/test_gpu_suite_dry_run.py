@@ -76,7 +76,7 @@ def test_a_case_with_xla_flags_runs_its_process_with_them_added(monkeypatch):
     monkeypatch.setattr(gpu_suite.subprocess, "run", fake_run)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     flagged = "1b/recompute_all/host/cudnn/ga8/no_command_buffers"
-    assert gpu_suite.CASES[flagged].xla_flags == gpu_suite.NO_COMMAND_BUFFERS
+    assert gpu_suite.CASES[flagged].xla_flags == ("--xla_gpu_enable_command_buffer=",)
     gpu_suite.run_child(flagged, timeout_s=1)
     gpu_suite.run_child("1b/recompute_all/host/cudnn/ga8", timeout_s=1)
     assert seen[flagged] == "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="

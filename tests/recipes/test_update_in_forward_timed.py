@@ -14,7 +14,7 @@ def test_every_timed_variant_runs_under_every_command_buffer_setting():
     result = update_in_forward.time_variants(args)
     assert set(result["rows"]) == set(update_in_forward.TIMED_VARIANTS)
     for times in result["rows"].values():
-        assert set(times) == set(update_in_forward.COMMAND_BUFFER_SETTINGS)
+        assert set(times) == set(update_in_forward.TIMED_SETTINGS)
         assert all(t > 0 for t in times.values())
     assert result["state_bytes"] == 3 * 4 * 32 * 32 * 4
 
