@@ -210,7 +210,10 @@ CASES = {
 # earlier GPU call measured.
 DEFAULT_CASES = ("1b/recompute_all/device/cudnn/ga8", "1b/recompute_all/host/cudnn/ga8",
                  *(f"1b/recompute_all/{placement}/cudnn/ga8/{graphs}"
-                   for placement in ("host", "device", "host_layers_in_fwd_hbm")
+                   for graphs in ("concurrent_command_buffers", "memcpys_outside_command_buffers",
+                                  "no_command_buffers")
+                   for placement in ("host", "device")),
+                 *(f"1b/recompute_all/host_layers_in_fwd_hbm/cudnn/ga8/{graphs}"
                    for graphs in ("concurrent_command_buffers", "memcpys_outside_command_buffers",
                                   "no_command_buffers")),
                  "1b/save_dots/device/cudnn/ga8", "1b/offload_dots8+recompute_all/split_pick/cudnn/ga8",
