@@ -19,7 +19,8 @@ and reads the answer from the compiled program (recipes/plan/hlo.py host_copy_en
 Each loop has L-1 iterations over a stack of L rows, a row in and a row out per iteration, beside a
 matmul. Printed: MiB moved by memcpys and by kernels per form; then the same for the GPU link probe's row
 loops (benchmarks/link_overlap_probe.py row_programs, L rows), with the MiB the schedule moves in both
-directions at once and beside a matmul, the premise of what the probe times.
+directions at once and beside a matmul (memcpys only: hlo.host_copies_beside_compute counts no kernel
+there), the premise of what the probe times.
 
 Run:  .venv/bin/python benchmarks/host_copy_engines.py [--target h200] [--layers 8] [--width 1024]
 """

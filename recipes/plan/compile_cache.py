@@ -8,7 +8,8 @@ Two kinds of entry, one small JSON file each, under the user's cache folder
   reads, never code or HLO), keyed by `program_key`: the lowered StableHLO text with its source positions
   cut (file:line:column moves with every edit; op names, which the pass split of the host traffic reads,
   stay), the XLA options, the toolchain (`toolchain_fingerprint`: jax, jaxlib, flax, the GPU plugin's
-  version, XLA_FLAGS and the JAX_ settings), the target's GpuTargetConfigProto and the GPU count. The
+  version, XLA_FLAGS and the JAX_ settings, and the source of the code that reads a compiled program into
+  figures, `ANALYSIS_MODULES`), the target's GpuTargetConfigProto and the GPU count. The
   compile process (recipes/plan/child.py) writes and reads these: a setting that leaves a program as it was
   (train.steps, the learning rate, a comment in a layer) lowers again and compiles nothing.
 - `requests/`: what the planner asked for, keyed by `request_key`: the recipe with the candidate applied, the
@@ -47,6 +48,9 @@ REPORT_FIELDS = ("hbm_bytes", "argument_bytes", "output_bytes", "alias_bytes", "
                  "copies_beside_compute_by_pass", "conditional_host_to_device_bytes",
                  "host_kernel_copy_bytes")
 _PACKAGES = ("spillway.layers", "spillway.models", "spillway.recipes", "spillway.data")
+# The code that reads a compiled program into the report's figures: a change to it changes the figures of a
+# program that did not change, so its source is part of every key (the toolchain fingerprint).
+ANALYSIS_MODULES = ("spillway.recipes.plan.hlo", "spillway.recipes.plan.compile")
 
 
 def enabled(environ=os.environ) -> bool:
@@ -79,14 +83,14 @@ def toolchain_fingerprint(environ=os.environ) -> dict:
                 if (k.startswith("JAX_") or k.startswith("XLA_")) and k != "JAX_PLATFORMS"
                 and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     return {"python": sys.version.split()[0], "versions": versions, "gpu_plugin": plugin.installed_version(),
-            "settings": settings}
+            "settings": settings, "analysis": source_digest(ANALYSIS_MODULES, packages=())}
 
 
-def source_digest(extra_modules: tuple[str, ...] = ()) -> str:
-    """sha256 of spillway's Python source (layers, models, recipes, data) and of `extra_modules` (a recipe's own
-    block module), by path and content."""
+def source_digest(extra_modules: tuple[str, ...] = (), packages: tuple[str, ...] = _PACKAGES) -> str:
+    """sha256 of spillway's Python source (`packages`: layers, models, recipes, data) and of `extra_modules` (a
+    recipe's own block module), by path and content."""
     files: list[Path] = []
-    for name in (*_PACKAGES, *extra_modules):
+    for name in (*packages, *extra_modules):
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):

@@ -355,6 +355,21 @@ def host_traffic(hlo_text: str) -> HostTraffic:
 _DMA_SLICE = "dynamic_slice_config"
 
 
+def _dma_slice_computations(computations: dict[str, list[Instruction]]) -> set[str]:
+    """The computations holding a slice XLA addresses from a loop counter (`_DMA_SLICE`): the wrapped
+    computations of host slices a GPU moves as memcpys."""
+    return {name for name, instructions in computations.items()
+            if any(_DMA_SLICE in i.attributes for i in instructions)}
+
+
+def _moved_by_kernel(instruction: Instruction, dma_slices: set[str]) -> bool:
+    """Whether an async host transfer's start is a kernel reading or writing host memory (a fusion-start whose
+    wrapped slice XLA could not address from a loop counter), not a memcpy (copy-start, or such a slice)."""
+    if instruction.opcode == "copy-start":
+        return False
+    return not any(name in dma_slices for name in _FUSED.findall(instruction.attributes))
+
+
 @dataclasses.dataclass(frozen=True)
 class HostCopyEngines:
     """Host<->device bytes of one program run (per device, both directions) by what moves them on a GPU."""
@@ -388,21 +403,17 @@ def host_copy_engines(hlo_text: str) -> HostCopyEngines:
     """
     parsed = parse_computations(hlo_text)
     computations = parsed[0]
-    dma_slices = {name for name, instructions in computations.items()
-                  if any(_DMA_SLICE in i.attributes for i in instructions)}
-    wraps = {(computation, i.name): _FUSED.findall(i.attributes)
-             for computation, instructions in computations.items() for i in instructions}
+    dma_slices = _dma_slice_computations(computations)
+    by_name = {(computation, i.name): i for computation, instructions in computations.items() for i in instructions}
     dma = kernel = sync = 0
     for transfer in host_transfers(hlo_text, parsed)[0]:
         moved = (transfer.device_to_host_bytes + transfer.host_to_device_bytes) * transfer.runs
-        if transfer.opcode == "copy-start":
-            dma += moved
-        elif not transfer.opcode.endswith("-start"):
+        if not transfer.opcode.endswith("-start"):
             sync += moved
-        elif any(name in dma_slices for name in wraps.get((transfer.computation, transfer.instruction), ())):
-            dma += moved
-        else:
+        elif _moved_by_kernel(by_name[(transfer.computation, transfer.instruction)], dma_slices):
             kernel += moved
+        else:
+            dma += moved
     return HostCopyEngines(dma_bytes=dma, kernel_bytes=kernel, sync_bytes=sync)
 
 
@@ -611,14 +622,19 @@ def host_copies_beside_compute(hlo_text: str) -> CopiesBesideCompute:
     Triton custom call, or a loop or call whose body holds one (the blockwise
     attention's loop). A copy with nothing of that kind inside its window waits
     on its own or beside elementwise work only (the optimizer's maths) and
-    hides under nothing worth counting. Loop bodies are weighted by their trip
-    counts, as in `host_traffic`.
+    hides under nothing worth counting. Nor does a copy a GPU moves with a
+    kernel (`host_copy_engines`): it takes the SMs the matmuls need, and on the
+    H200 the update in the next forward pass, whose rows are all such kernels
+    scheduled across the layers' matmuls, hid none of them (BENCHMARKS.md
+    2026-12-04); it counts as moved, never as beside compute. Loop bodies are
+    weighted by their trip counts, as in `host_traffic`.
     """
     computations, entry = parse_computations(hlo_text)
     moved = {FORWARD: 0, BACKWARD: 0, OTHER: 0}
     beside = {FORWARD: 0, BACKWARD: 0, OTHER: 0}
     if entry is None:
         return CopiesBesideCompute(moved, beside)
+    dma_slices = _dma_slice_computations(computations)
     computes: dict[str, bool] = {}
 
     def holds_compute(computation: str, depth: int = 0) -> bool:
@@ -645,7 +661,7 @@ def host_copies_beside_compute(hlo_text: str) -> CopiesBesideCompute:
             return
         instructions = computations[computation]
         shapes = {instruction.name: instruction.shape for instruction in instructions}
-        started: dict[str, tuple[int, int, str]] = {}
+        started: dict[str, tuple[int, int, str, bool]] = {}
         compute_at = [k for k, instruction in enumerate(instructions) if is_compute(instruction)]
         for index, instruction in enumerate(instructions):
             if instruction.opcode in _CALLED:
@@ -655,12 +671,13 @@ def host_copies_beside_compute(hlo_text: str) -> CopiesBesideCompute:
             elif instruction.opcode.endswith("-start") and instruction.opcode not in _NOT_TRANSFERS:
                 to_host, to_device = _transfer_bytes(instruction, shapes)
                 if to_host or to_device:
-                    started[instruction.name] = (index, to_host + to_device, autodiff_pass(_op_name(instruction)))
+                    started[instruction.name] = (index, to_host + to_device, autodiff_pass(_op_name(instruction)),
+                                                 _moved_by_kernel(instruction, dma_slices))
             elif instruction.opcode.endswith("-done") and instruction.operands and instruction.operands[0] in started:
-                begin, nbytes, kind = started.pop(instruction.operands[0])
+                begin, nbytes, kind, by_kernel = started.pop(instruction.operands[0])
                 moved[kind] = moved.get(kind, 0) + nbytes * multiplier
                 beside.setdefault(kind, 0)
-                if any(begin < k < index for k in compute_at):
+                if not by_kernel and any(begin < k < index for k in compute_at):
                     beside[kind] += nbytes * multiplier
 
     visit(entry, 1, 0)

@@ -183,9 +183,13 @@ def test_copies_that_take_turns_are_not_credited():
 
 def test_copies_in_flight_across_a_matmul_are_beside_compute():
     """host_copies_beside_compute: with a cuBLAS call scheduled between the fetch's and the write-back's
-    starts and their dones, those two copies run beside compute, the lone fetch does not; without it none."""
+    starts and their dones, those two copies run beside compute, the lone fetch does not; without it none.
+    Their slices are memcpys here (both wrapped computations addressed from the loop counter)."""
     row_bytes = 64 * 4
-    body = _TWO_DIRECTION_BODY.replace("{sequential}", "")
+    both_memcpys = _WRAPPED.replace("ROOT %put = f32[4,64]{1,0:S(5)} dynamic-update-slice(%q0, %q1, %q2, %q2)",
+                                    'ROOT %put = f32[4,64]{1,0:S(5)} dynamic-update-slice(%q0, %q1, %q2, %q2), '
+                                    'backend_config={"dynamic_slice_config":{"loop_index":"0"}}')
+    body = _TWO_DIRECTION_BODY.replace("{sequential}", "") + both_memcpys
     plain = hlo.host_copies_beside_compute(body)
     assert plain.moved_by_pass["other"] == 3 * 3 * row_bytes and plain.beside_compute_by_pass["other"] == 0
     with_matmul = body.replace("  %fetch-done", '  %mm = f32[1,64]{1,0} custom-call(%row), '
@@ -193,6 +197,18 @@ def test_copies_in_flight_across_a_matmul_are_beside_compute():
     beside = hlo.host_copies_beside_compute(with_matmul)
     assert beside.beside_compute_by_pass["other"] == 3 * 2 * row_bytes
     assert beside.hidden_fraction("other") == pytest.approx(2 / 3) and beside.hidden_fraction("forward") == 0
+
+
+def test_a_copy_moved_by_a_kernel_is_never_beside_compute():
+    """The same schedule with the write-back's slice a kernel (no dynamic_slice_config): it takes the SMs the
+    matmul needs, so only the fetch counts as beside compute; both still count as moved."""
+    row_bytes = 64 * 4
+    body = _TWO_DIRECTION_BODY.replace("{sequential}", "") + _WRAPPED
+    with_matmul = body.replace("  %fetch-done", '  %mm = f32[1,64]{1,0} custom-call(%row), '
+                                                'custom_call_target="__cublas$gemm"\n  %fetch-done')
+    beside = hlo.host_copies_beside_compute(with_matmul)
+    assert beside.moved_by_pass["other"] == 3 * 3 * row_bytes
+    assert beside.beside_compute_by_pass["other"] == 3 * row_bytes
 
 
 # A host computation (compute_on: custom-call-start to HostExecute) reading two host

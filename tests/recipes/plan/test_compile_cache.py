@@ -195,6 +195,26 @@ def test_the_program_key_ignores_source_positions_and_sees_the_program():
     assert compile_cache.program_key(text, "target", 1, {"a": 1}, {"jax": 1}) != key(double)   # the options
 
 
+def test_the_code_that_reads_a_program_into_figures_is_part_of_every_key(tmp_path, monkeypatch):
+    """A change to the analysis of compiled programs (recipes/plan/hlo.py, compile.py) changes a program's
+    figures though the program did not change: its source is in the toolchain fingerprint, which both keys
+    hold, and a module's digest follows its content."""
+    fingerprint = compile_cache.toolchain_fingerprint()
+    assert fingerprint["analysis"] == compile_cache.source_digest(compile_cache.ANALYSIS_MODULES, packages=())
+    package = tmp_path / "analysis_stand_in"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    module = package / "reader.py"
+    module.write_text("FIGURE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = compile_cache.source_digest(("analysis_stand_in.reader",), packages=())
+    module.write_text("FIGURE = 2\n")
+    assert compile_cache.source_digest(("analysis_stand_in.reader",), packages=()) != before
+    text = "module @jit_f {}"
+    assert compile_cache.program_key(text, "target", 1, None, {**fingerprint, "analysis": before}) != \
+        compile_cache.program_key(text, "target", 1, None, fingerprint)
+
+
 def test_the_command_says_what_each_compile_gave_on_stderr_when_it_is_not_a_terminal(fake, capsys):
     from spillway.recipes import cli
 
