@@ -362,12 +362,13 @@ def time_variants(args) -> dict:
     rows = {}
     for variant in args.variants.split(","):
         rows[variant] = {}
+        # One set of arrays per variant, each call's outputs the next call's inputs (under every setting).
+        arguments = [jax.device_put(jnp.full(shape, 0.01, jnp.bfloat16), device),
+                     jax.device_put(jnp.full(shape, 0.001, jnp.bfloat16), device),
+                     *(state_array(variant) for _ in range(3)),
+                     jax.device_put(jnp.full((args.tokens, args.d_model), 0.1, jnp.bfloat16), device)]
         for setting, extra in settings.items():
             options = {**(xla_settings.step_compiler_options(device.platform) or {}), **extra}
-            arguments = [jax.device_put(jnp.full(shape, 0.01, jnp.bfloat16), device),
-                         jax.device_put(jnp.full(shape, 0.001, jnp.bfloat16), device),
-                         *(state_array(variant) for _ in range(3)),
-                         jax.device_put(jnp.full((args.tokens, args.d_model), 0.1, jnp.bfloat16), device)]
             step = build_step(variant, args.layers, options)
             times = []
             for call in range(args.repeats + 1):
