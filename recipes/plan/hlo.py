@@ -363,18 +363,19 @@ def _dma_slice_computations(computations: dict[str, list[Instruction]]) -> set[s
 
 
 def _moved_by_kernel(instruction: Instruction, dma_slices: set[str]) -> bool:
-    """Whether an async host transfer's start is a kernel reading or writing host memory (a fusion-start whose
-    wrapped slice XLA could not address from a loop counter), not a memcpy (copy-start, or such a slice)."""
-    if instruction.opcode == "copy-start":
-        return False
-    return not any(name in dma_slices for name in _FUSED.findall(instruction.attributes))
+    """Whether an async host transfer's start is a kernel reading or writing host memory: a fusion-start whose
+    wrapped slice XLA could not address from a loop counter. Not a copy-start (a memcpy), a fusion-start whose
+    slice it could, nor any other start (a host computation's custom-call-start: the host CPU's work)."""
+    return instruction.opcode == "fusion-start" and not any(
+        name in dma_slices for name in _FUSED.findall(instruction.attributes))
 
 
 @dataclasses.dataclass(frozen=True)
 class HostCopyEngines:
     """Host<->device bytes of one program run (per device, both directions) by what moves them on a GPU."""
 
-    dma_bytes: int      # copy-start/done, and host slices XLA addresses from the loop counter: memcpys (copy engines)
+    dma_bytes: int      # every async move but the kernels below: copy-start/done, host slices XLA addresses from
+                        # the loop counter (memcpys, copy engines), a host computation's result
     kernel_bytes: int   # other host slices: a kernel whose threads read or write pinned host memory over PCIe
     sync_bytes: int     # synchronous moves (neither async start nor done)
 

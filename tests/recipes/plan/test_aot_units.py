@@ -248,6 +248,16 @@ def test_a_host_computation_is_counted_once_at_its_start():
     assert traffic.async_transfers == 5 and traffic.sync_transfers == 0
 
 
+def test_a_host_computation_is_no_kernel_and_keeps_its_place_beside_compute():
+    """Only a host slice's fusion-start can be a kernel: a host computation's custom-call-start (the host CPU's
+    work) moves no bytes by kernel, and across a matmul it counts as beside compute."""
+    result = 16 * 64 * 4
+    assert hlo.host_copy_engines(_HOST_CALL_HLO).kernel_bytes == 0
+    with_matmul = _HOST_CALL_HLO.replace("  %call-done", '  %mm = f32[16,64]{1,0} custom-call(%g), '
+                                                          'custom_call_target="__cublas$gemm"\n  %call-done')
+    assert hlo.host_copies_beside_compute(with_matmul).beside_compute_by_pass["other"] == result
+
+
 def test_transfers_are_split_by_autodiff_pass():
     result, weights = 16 * 64 * 4, 8 * 64 * 2
     assert hlo.traffic_by_pass(_HOST_CALL_HLO) == {
