@@ -40,6 +40,7 @@ Nothing here imports JAX, so it can be tested anywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -193,8 +194,13 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
+@functools.lru_cache(maxsize=1)
 def parse_computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
-    """Computations by name, and the entry computation's name."""
+    """Computations by name, and the entry computation's name.
+
+    The last program's parse is kept: a compile report reads the same HLO text with every function below
+    (CompileReport.from_compiled), and parsing is most of each one's time (a 1B step's 1.7 MB of text:
+    0.1 s a parse). The result is shared, so read it and never change it."""
     computations: dict[str, list[Instruction]] = {}
     entry = None
     current: list[Instruction] | None = None
@@ -297,12 +303,10 @@ class HostTransfer:
     in_conditional: bool = False   # inside a conditional's branch (counted as if every branch ran)
 
 
-def host_transfers(hlo_text: str, parsed: tuple[dict[str, list[Instruction]], str | None] | None = None
-                   ) -> tuple[list[HostTransfer], int]:
+def host_transfers(hlo_text: str) -> tuple[list[HostTransfer], int]:
     """Every host<->device transfer instruction reached from the entry computation, and the number of
-    while loops without a known trip count (each counted as one trip). `parsed`: parse_computations(hlo_text),
-    when the caller has it already."""
-    computations, entry = parsed if parsed is not None else parse_computations(hlo_text)
+    while loops without a known trip count (each counted as one trip)."""
+    computations, entry = parse_computations(hlo_text)
     found: list[HostTransfer] = []
     unknown = 0
     if entry is None:
@@ -402,12 +406,11 @@ def host_copy_engines(hlo_text: str) -> HostCopyEngines:
     in jaxlib 0.11 and 0.12; in 0.10 the root is a copy of it). Loop bodies
     are weighted by their trip counts, as in `host_traffic`.
     """
-    parsed = parse_computations(hlo_text)
-    computations = parsed[0]
+    computations, _ = parse_computations(hlo_text)
     dma_slices = _dma_slice_computations(computations)
     by_name = {(computation, i.name): i for computation, instructions in computations.items() for i in instructions}
     dma = kernel = sync = 0
-    for transfer in host_transfers(hlo_text, parsed)[0]:
+    for transfer in host_transfers(hlo_text)[0]:
         moved = (transfer.device_to_host_bytes + transfer.host_to_device_bytes) * transfer.runs
         if not transfer.opcode.endswith("-start"):
             sync += moved
