@@ -44,12 +44,10 @@ FORMS = ("fori i / i", "fori i+1 / i", "fori min(i+1,L-1) / max(i-1,0)", "scan x
 def loop_program(form: str, layers: int):
     """(host stack, weight, activations) -> (host stack, activations): L-1 iterations, each reading one row
     of the host stack into HBM and writing one back, at the offsets of `form`."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
 
-    to_device = lambda x: jax.device_put(x, jax.memory.Space.Device)   # noqa: E731
-    to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)       # noqa: E731
+    from spillway.recipes.optim.host_streaming import to_device, to_host   # the streamed update's own moves
     offsets = {
         "fori i / i": (lambda i: i, lambda i: i),
         "fori i+1 / i": (lambda i: i + 1, lambda i: i),

@@ -86,8 +86,7 @@ def probe(gib: float, repeats: int, matmul_dim: int, matmul_count: int) -> dict:
     on_device = jax.device_put(np.ones(elements, np.float32), device)
     square = jax.device_put(jnp.ones((matmul_dim, matmul_dim), jnp.bfloat16) / matmul_dim, device)
 
-    to_device = lambda x: jax.device_put(x, jax.memory.Space.Device)   # noqa: E731
-    to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)       # noqa: E731
+    from spillway.recipes.optim.host_streaming import to_device, to_host   # the streamed update's own moves
 
     def matmuls(a):
         return jax.lax.fori_loop(0, matmul_count, lambda _, m: m @ a, a)
@@ -159,12 +158,10 @@ def row_programs(rows: int) -> dict:
     - 1 iterations: as the streamed update does, iteration i writes the row it holds into row i of `sink`
     and prefetches row i + 1 of `source` for the next iteration (neither copy waits on the other, nor on the
     matmul chain on `m`)."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
 
-    to_device = lambda x: jax.device_put(x, jax.memory.Space.Device)   # noqa: E731
-    to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)       # noqa: E731
+    from spillway.recipes.optim.host_streaming import to_device, to_host   # the streamed update's own moves
 
     def iteration(i, state, w, read: bool, write: bool, matmul: bool):
         source, sink, row, m = state
