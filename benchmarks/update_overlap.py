@@ -54,7 +54,7 @@ def _xla_option(text: str) -> tuple[str, object]:
     return name, int(value) if value.lstrip("-").isdigit() else value
 
 
-def measure(argv: list[str]) -> dict:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="llama3_8b")
     parser.add_argument("--gpu", default=DEFAULT_GPU)
@@ -70,23 +70,33 @@ def measure(argv: list[str]) -> dict:
                         help="an XLA compile option on top of the step's own (xla_settings.py), e.g. "
                              "xla_gpu_experimental_parallel_async_compute_limit=2 to compile as before")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def measured_recipe(args: argparse.Namespace):
+    """The recipe the step is compiled from: --recipe with --set, the placement and update of the arguments;
+    ConfigError (one line) for a setting it cannot take."""
+    from spillway.recipes.config import OffloadConfig
+    from spillway.recipes.registry import get_recipe
+
+    recipe = get_recipe(args.recipe, args.set)
+    return dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state=args.state,
+                                                             update=args.update,
+                                                             pending_gradients=args.pending_gradients))
+
+
+def measure(argv: list[str]) -> dict:
+    args = parse_args(argv)
 
     from spillway.layers.sharding import make_mesh
-    from spillway.recipes.config import OffloadConfig
     from spillway.recipes.plan import hlo
     from spillway.recipes.plan.candidates import planned_recipe
     from spillway.recipes.plan.toolchain import compiler_options
     from spillway.recipes.plan.compile import gpu_topology
     from spillway.recipes.targets import get_target
-    from spillway.recipes.registry import get_recipe
     from spillway.recipes.train.step import abstract_setup, abstract_step_arguments
 
-    recipe = get_recipe(args.recipe, args.set)
-    recipe = dataclasses.replace(recipe, offload=OffloadConfig(activations=args.plan, optimizer_state=args.state,
-                                                                       update=args.update,
-                                                                       pending_gradients=args.pending_gradients))
-    recipe, _ = planned_recipe(recipe)
+    recipe, _ = planned_recipe(measured_recipe(args))
     target = get_target(args.gpu)
     topology = gpu_topology(target, 1)
     mesh = make_mesh(recipe.mesh, devices=topology.devices)
@@ -156,5 +166,10 @@ def print_table(r: dict) -> None:
 if __name__ == "__main__":
     if "--json" in sys.argv[1:]:
         serve_compile_process(measure)
+    from spillway.layers.errors import ConfigError
     from spillway.recipes.plan.subprocess_runner import run_in_compile_process
+    try:   # a setting the recipe cannot take is one line here, before any compile process starts
+        measured_recipe(parse_args(sys.argv[1:]))
+    except (ConfigError, ValueError) as error:   # a setting, or a recipe name, it cannot take
+        sys.exit(f"update_overlap.py: {error}")
     print_table(run_in_compile_process("benchmarks.update_overlap", ["--json", *sys.argv[1:]], timeout_s=1800))
