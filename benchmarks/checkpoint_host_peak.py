@@ -87,10 +87,11 @@ def host_memory_ram() -> int:
 
 def render(row: dict) -> str:
     gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+    rise = lambda n: f"{n / GiB:+.2f} GiB"  # noqa: E731  (signed: a rise of nothing can read a page below zero)
     return (f"checkpoint of host state ({row['recipe']}, {row['backend']}, save {row['mode']}, state "
-            f"{gib(row['state_bytes'])}): save VmHWM +{gib(row['save_rise_bytes'])} (predicted "
+            f"{gib(row['state_bytes'])}): save VmHWM {rise(row['save_rise_bytes'])} (predicted "
             f"+{gib(row['save_predicted_rise_bytes'])} above the live state, {row['save_s']} s); restore VmHWM "
-            f"+{gib(row['restore_rise_bytes'])} (predicted {gib(row['restore_predicted_bytes'])} with the restored "
+            f"{rise(row['restore_rise_bytes'])} (predicted {gib(row['restore_predicted_bytes'])} with the restored "
             f"state, {row['restore_s']} s)")
 
 

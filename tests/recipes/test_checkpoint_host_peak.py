@@ -12,7 +12,11 @@ TINY = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model
 def test_the_checkpoint_case_measures_a_save_in_pieces_and_a_restore_beside_the_prediction():
     row = checkpoint_host_peak.measure("tiny", TINY, mode="pieces")
     assert row["mode"] == "pieces" and row["state_bytes"] > 0
-    assert row["save_rise_bytes"] >= 0 and row["restore_rise_bytes"] >= 0
+    # A rise is a difference of two readings of the kernel's resident-set counters, which lag by a few
+    # pages (they are batched per thread): a restore that allocates next to nothing new can read -4 KiB
+    # (CI, 2026-12-04). A page-sized wobble is noise; a negative MiB would be a broken measurement.
+    noise = 1 << 20
+    assert row["save_rise_bytes"] >= -noise and row["restore_rise_bytes"] >= -noise
     assert row["save_predicted_rise_bytes"] > 0 and row["restore_predicted_bytes"] >= row["state_bytes"]
     line = checkpoint_host_peak.render(row)
-    assert "save VmHWM +" in line and "restore VmHWM +" in line and "\n" not in line
+    assert "save VmHWM " in line and "restore VmHWM " in line and "\n" not in line
