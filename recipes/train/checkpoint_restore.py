@@ -15,6 +15,7 @@ from etils import epath
 from spillway.recipes.train.checkpoint_dirs import _STEP_NAMES, _absolute, _finalised_steps, resolve_step_dir
 from spillway.recipes.train.checkpoint_io import PieceWiseRestore
 from spillway.recipes.train.row_pieces import from_pieces, restore_target
+from spillway.recipes.train.stray_callbacks import quiet_failed_reads
 from spillway.recipes.train.checkpoint_items import (META, PARAMS, RECIPE, RECIPE_FILENAME, CheckpointError,
                                                      CheckpointMismatchError, CorruptCheckpointError, _cause,
                                                      _item_handlers)
@@ -97,7 +98,8 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
                                          f"(corrupt, or not written by spillway.recipes.train.checkpoint)")
     for name, tree in abstract_trees.items():
         try:
-            saved_metadata = handlers[name].metadata(step_dir / name)
+            with quiet_failed_reads():
+                saved_metadata = handlers[name].metadata(step_dir / name)
         except Exception as e:  # unreadable or garbage _METADATA
             raise CorruptCheckpointError(f"{step_dir / name}: cannot read the checkpoint's metadata, the "
                                          f"checkpoint is corrupt: {_cause(e)}") from e
@@ -107,7 +109,8 @@ def _restore_step_dir(step_dir: epath.Path, abstract_trees: Mapping[str, Any],
     restore_args.update(extra_items)
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{n: handlers[n] for n in wanted}))
     try:
-        restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**restore_args))
+        with quiet_failed_reads():
+            restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**restore_args))
     except Exception as e:  # missing or truncated array files, garbage JSON, ...
         # shapes and keys were checked above, so what is left is almost always damage on disk
         raise CorruptCheckpointError(f"{step_dir}: restoring failed, the checkpoint is corrupt or unreadable "
