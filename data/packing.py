@@ -125,7 +125,8 @@ def _split_sizes(
             f"corpus {description!r} is too short: it has {shards.num_tokens} tokens in "
             f"{shards.num_documents} documents, and {wanted} of seq_len={seq_len} need {row_len} tokens "
             f"each, from whole documents ({train_tokens} tokens train, {val_tokens} validation); "
-            f"use a larger corpus or a shorter seq_len" + (" or val_fraction=0" if val_fraction > 0 else "")
+            f"use a larger corpus or a shorter seq_len" + (" or val_fraction=0 (with train.eval_every=0: no "
+                                                           "validation)" if val_fraction > 0 else "")
         )
     return threshold, train_rows, val_rows, shards.num_documents - val_documents, val_documents
 

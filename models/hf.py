@@ -462,8 +462,18 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
     # "format": "pt" is what transformers checks for before trusting a safetensors file.
     partial = directory / (SAFETENSORS_FILE + ".partial")   # never a half-written model.safetensors
     save_file(tensors, str(partial), metadata={"format": "pt"})
-    partial.replace(directory / SAFETENSORS_FILE)
+    put_in_place(partial, directory / SAFETENSORS_FILE)
     return directory
+
+
+def put_in_place(partial: Path, final: Path) -> None:
+    """A finished file moved over its final name, with the permissions any file this process creates gets
+    (safetensors writes its files 0600, so an export was unreadable to the other users of a shared
+    machine while its config beside it was not)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(partial, 0o666 & ~mask)
+    partial.replace(final)
 
 
 # --- helpers the family tables share ---------------------------------------------

@@ -86,9 +86,9 @@ def resolve_block_class(path: str) -> type:
         raise ValueError(f"block: module {module_name!r} ({getattr(module, '__file__', '?')}) has no {class_name!r}")
     cls = getattr(module, class_name)
     if not (isinstance(cls, type) and issubclass(cls, TransformerBlock)):
-        what = f"class {cls.__name__} based on {[b.__name__ for b in cls.__mro__[1:-1]]}" if isinstance(cls, type) \
-            else f"{type(cls).__name__}"
-        raise ValueError(f"block: {path!r} is a {what}, not a subclass of spillway.layers.block.TransformerBlock")
+        what = f"a class {cls.__name__} based on {[b.__name__ for b in cls.__mro__[1:-1]]}" if isinstance(cls, type) \
+            else f"an object of type {type(cls).__name__}"
+        raise ValueError(f"block: {path!r} is {what}, not a subclass of spillway.layers.block.TransformerBlock")
     return cls
 
 

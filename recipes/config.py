@@ -15,6 +15,7 @@ that cannot work is a `ConfigError` naming the field (docs/DESIGN.md section 7).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -672,7 +673,9 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
     try:
         return Recipe.from_dict(tree)
     except (ValueError, TypeError) as err:
-        raise ConfigError(f"--set {' '.join(overrides)}: {err}") from None
+        # Name the settings the message is about (the validation names its fields), not every --set given.
+        named = [item for item in overrides if item.partition("=")[0].strip() in str(err)]
+        raise ConfigError(f"--set {' '.join(named or overrides)}: {err}") from None
 
 
 def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
@@ -682,7 +685,10 @@ def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
         raise ConfigError("family cannot be changed with --set (the model config is the family's): "
                          "pick a recipe of that family (`spillway recipes` lists them)")
     if key not in fields:
-        raise ConfigError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} (fields: {sorted(fields)})")
+        close = difflib.get_close_matches(key, sorted(fields), n=1)
+        guess = f"did you mean {'.'.join(full.split('.')[:-len(keys)] + close)!r}? " if close else ""
+        raise ConfigError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} ({guess}fields: "
+                          f"{sorted(fields)})")
     annotation = typing.get_type_hints(cls)[key]
     if cls is Recipe and key == "model":
         annotation = _model_config_class(tree)   # the family decides what `model.*` holds

@@ -19,8 +19,11 @@ tokenizer_config.json with its chat template, special_tokens_map.json) are
 copied beside the weights. Refused before anything is read or written, one line
 each: an output folder holding another checkpoint (as `to_hf` refuses it; also
 its tokenizer or generation files that this export would leave beside its own), a
-training run's directory or its checkpoints folder (the run's own tokenizer files
-would be replaced), and `--adapter` on a run without LoRA.
+folder holding weights that no export of this run wrote (another run's export,
+a downloaded checkpoint: `spillway_export.json` records which run an export
+holds, so that a later export of the same run replaces it), a training run's
+directory or its checkpoints folder (the run's own tokenizer files would be
+replaced), and `--adapter` on a run without LoRA.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.lora import ADAPTER_PREFIX
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
-from spillway.models.hf import STACK_PATH, HFCheckpointError, listed
+from spillway.models.hf import STACK_PATH, HFCheckpointError, listed, put_in_place
 from spillway.recipes.config import LoraConfig, Recipe
 
+EXPORT_RECORD = "spillway_export.json"   # which run an export folder holds: a later export replaces only its own
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED_WEIGHTS = "model.safetensors"
@@ -70,6 +74,32 @@ def _check_out_dir(out_dir: Path, own: str, tokenizer_files: list[str]) -> None:
     if others:
         raise HFCheckpointError(f"{out_dir} already holds another checkpoint ({listed(others)}): export into "
                                 f"an empty folder, or delete those files first")
+
+
+def _source_of(run_dir, step_dir) -> str:
+    return str(Path(run_dir if run_dir is not None else step_dir).resolve())
+
+
+def _check_earlier_export(out_dir: Path, own: str, source: str) -> str | None:
+    """An output folder already holding weights (or a config) of this kind is replaced only when its export
+    record names the same run: an export of another run, or a folder with no record (a downloaded or
+    transformers-saved checkpoint, an export of older code), is refused, nothing written. Returns the step
+    the earlier export of this run came from, or None for a fresh folder."""
+    config = ADAPTER_CONFIG if own == ADAPTER_WEIGHTS else "config.json"
+    present = [out_dir / name for name in (own, config) if (out_dir / name).is_file()]
+    if not present:
+        return None
+    try:
+        record = json.loads((out_dir / EXPORT_RECORD).read_text())
+        earlier_source, earlier_step = record["source"], record["step_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise HFCheckpointError(f"{out_dir} already holds {listed(present)} that no spillway export recorded "
+                                f"({EXPORT_RECORD} missing or unreadable): export into an empty folder, or delete "
+                                f"those files first") from None
+    if earlier_source != source:
+        raise HFCheckpointError(f"{out_dir} holds an export of another run ({earlier_source}): export into an "
+                                f"empty folder, or delete it first")
+    return str(earlier_step)
 
 
 def _check_not_a_run(out_dir: Path) -> None:
@@ -111,7 +141,10 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
     out = Path(out_dir)
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)
-    _check_out_dir(out, ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS, _tokenizer_files(run_dir))
+    own = ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS
+    _check_out_dir(out, own, _tokenizer_files(run_dir))
+    source = _source_of(run_dir, step_dir)
+    replaced = _check_earlier_export(out, own, source) if out.is_dir() else None
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     graphdef, abstract_state = abstract_model(recipe)
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(
@@ -122,7 +155,10 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
     else:
         write_merged(recipe, params, out)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
+    (out / EXPORT_RECORD).write_text(json.dumps({"source": source, "step_dir": str(Path(step_dir).resolve()),
+                                                 "adapter": adapter}, indent=1) + "\n")
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
+        + (f", replacing its export of {replaced}" if replaced else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run"))
     return out
 
@@ -220,4 +256,4 @@ def write_peft_adapter(recipe: Recipe, params, out: Path) -> None:
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     partial = out / (ADAPTER_WEIGHTS + ".partial")   # never a half-written adapter file
     save_file(tensors, str(partial), metadata={"format": "pt"})
-    partial.replace(out / ADAPTER_WEIGHTS)
+    put_in_place(partial, out / ADAPTER_WEIGHTS)

@@ -30,6 +30,10 @@ from spillway.recipes.sampling import generate
 _RETENTION_RETRIES = 3
 
 
+def _tokens(count: int) -> str:
+    return f"{count} token" if count == 1 else f"{count} tokens"
+
+
 def _recipe_of(step_dir) -> Recipe:
     from spillway.recipes.train.checkpoint import RECIPE, RECIPE_FILENAME, read_recipe_json
 
@@ -116,9 +120,10 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
         prompt_ids = prefix + tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:
-        raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the model's max_seq_len is {recipe.model.max_seq_len}")
+        raise ValueError(f"the prompt is {_tokens(len(prompt_ids))}; the model's max_seq_len is "
+                         f"{recipe.model.max_seq_len}")
     if max_new_tokens > room:
-        warn(f"warning: --tokens {max_new_tokens} capped at {room}: the prompt is {len(prompt_ids)} tokens and the "
+        warn(f"warning: --tokens {max_new_tokens} capped at {room}: the prompt is {_tokens(len(prompt_ids))} and the "
              f"model's max_seq_len is {recipe.model.max_seq_len}")
     new_ids = generate(model, prompt_ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
                        top_p=top_p, seed=seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids)

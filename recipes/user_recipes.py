@@ -74,7 +74,7 @@ def recipe_from_function(spec: str) -> Recipe:
     if isinstance(function, Recipe):
         return function   # a Recipe object itself is as good as a function returning it
     if not callable(function):
-        raise ConfigError(f"recipe {spec}: {function_name!r} is a {type(function).__name__}, not a function "
+        raise ConfigError(f"recipe {spec}: {function_name!r} is of type {type(function).__name__}, not a function "
                           f"returning a Recipe")
     try:
         recipe = function()
@@ -82,7 +82,7 @@ def recipe_from_function(spec: str) -> Recipe:
         raise ConfigError(f"recipe {spec}: calling {function_name}() failed: {type(error).__name__}: "
                           f"{error}") from None
     if not isinstance(recipe, Recipe):
-        raise ConfigError(f"recipe {spec}: {function_name}() returned a {type(recipe).__name__}, not a "
+        raise ConfigError(f"recipe {spec}: {function_name}() returned an object of type {type(recipe).__name__}, not a "
                           f"spillway.recipes.config.Recipe")
     return recipe
 

@@ -36,16 +36,32 @@ def _phases(row: PlanRow) -> str:
     return "/".join(f"{seconds * 1e3:.0f}" for seconds in (row.forward_s, row.backward_s, row.update_s))
 
 
-def _settings_cells(candidate: Candidate) -> str:
+# The settings columns: (header, least width). Each is as wide as its longest value in the table, so that
+# a split (host:32) or a long activation plan does not push the figures after it out of their columns.
+_SETTINGS_COLUMNS = (("plan", 36), ("state", 6), ("params", 7), ("upd_on_host", 11), ("update", 27))
+
+
+def _settings_values(candidate: Candidate) -> tuple[str, ...]:
     """The plan's recipe values under the table's plan, state, params, upd_on_host and update columns (the
     update's pending gradients named where they wait in HBM, offload.pending_gradients=device)."""
     settings = candidate.settings()
     params = settings["offload.params"] + (f" keep={candidate.params_keep}" if candidate.params_keep else "")
     update = settings["offload.update"] + (f" pending={candidate.pending_gradients}"
                                            if candidate.pending_gradients != PENDING_HOST else "")
-    return (f"{settings['offload.activations']:36s} {settings['offload.optimizer_state']:6s} "
-            f"{params:7s} {settings['optimizer.update_on_host']:11s} "
-            f"{update:27s}")
+    return (settings["offload.activations"], settings["offload.optimizer_state"], params,
+            settings["optimizer.update_on_host"], update)
+
+
+def _settings_widths(candidates) -> tuple[int, ...]:
+    values = [_settings_values(c) for c in candidates]
+    return tuple(max([least, len(name)] + [len(v[i]) for v in values])
+                 for i, (name, least) in enumerate(_SETTINGS_COLUMNS))
+
+
+def _settings_cells(candidate: Candidate, widths: tuple[int, ...] | None = None) -> str:
+    values = _settings_values(candidate)
+    widths = widths or _settings_widths([candidate])
+    return " ".join(f"{value:{width}s}" for value, width in zip(values, widths))
 
 
 def render(p: Plan) -> str:
@@ -72,7 +88,9 @@ def render(p: Plan) -> str:
                      f"{h['cores_per_gpu']:g} cores per GPU for the plans with optimizer.update_on_host=true "
                      f"({h['source']})")
     lines += [f"  warning    {w}" for w in p.warnings]
-    header = (f"  {'plan':36s} {'state':6s} {'params':7s} {'upd_on_host':11s} {'update':27s} {'attn':5s} "
+    widths = _settings_widths([row.candidate for row in p.rows])
+    header = ("  " + " ".join(f"{name:{width}s}" for (name, _), width in zip(_SETTINGS_COLUMNS, widths))
+              + f" {'attn':5s} "
               f"{'HBM GiB':>8s} {'host GiB':>8s} {'peak GiB':>17s} {'xfer GB':>8s} "
               f"{'xfer ms':>8s} {'comp ms':>8s} {'step ms':>8s} {'fwd/bwd/update ms':>18s}  fits")
     lines += ["", header, "  " + "-" * (len(header) - 2)]
@@ -81,7 +99,7 @@ def render(p: Plan) -> str:
         moved = None if not r else (r["device_to_host_bytes"] + r["host_to_device_bytes"]) / GB
         fits = "yes" if row.fits else f"no ({row.why_not})"
         lines.append(
-            f"{'*' if row.pick else ' '} {_settings_cells(row.candidate)} "
+            f"{'*' if row.pick else ' '} {_settings_cells(row.candidate, widths)} "
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
             f"{_host_peak_cell(r, p.devices):>17s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "

@@ -254,13 +254,15 @@ def _run_steps(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, fe
     from tqdm import tqdm
 
     cfg = recipe.train
-    bar = tqdm(total=cfg.steps, initial=state.step, disable=not (main and progress), unit="step", dynamic_ncols=True)
-    write = bar.write if main else (lambda text: None)
-    progress_log = Progress(recipe, feed, logger, bar, checkpointer, main=main)
-    if state.step >= cfg.steps:   # "training steps 10..5" read as a run going backwards
+    nothing_to_train = state.step >= cfg.steps
+    if nothing_to_train:   # "training steps 10..5" read as a run going backwards; said before a bar is drawn
         say(f"nothing to train: the run is at step {state.step} and train.steps is {cfg.steps} (raise "
             f"train.steps to train on)")
-    else:
+    bar = tqdm(total=cfg.steps, initial=state.step, disable=not (main and progress) or nothing_to_train,
+               unit="step", dynamic_ncols=True)
+    write = bar.write if main else (lambda text: None)
+    progress_log = Progress(recipe, feed, logger, bar, checkpointer, main=main)
+    if not nothing_to_train:
         say(f"training steps {state.step}..{cfg.steps}: {progress_log.tokens_per_step} tokens/step; MFU against "
             f"{progress_log.peak_source} ({progress_log.peak_flops / 1e9:.0f} GFLOP/s per device)")
     losses, profile = LossWatch(checkpointer), Profile(recipe, run_dir, main=main, say=say)

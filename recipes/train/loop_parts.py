@@ -176,7 +176,8 @@ class Stopping:
     def leave(self, step: int, checkpointer, say, write) -> bool:
         """True to leave the loop now (stop_after); raises SystemExit on a signal, once its save is written."""
         if self.leave_early:
-            say(f"stopping after {self._stop_after} steps at step {step} (checkpoint saved)")
+            say(f"stopping after {self._stop_after} steps at step {step} of {self._last_step} (checkpoint saved; "
+                f"the same command resumes from it)")
             return True
         if self.status:
             checkpointer.wait()

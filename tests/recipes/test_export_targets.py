@@ -10,6 +10,7 @@ weight is read, so no model is built.
 """
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,39 @@ def test_another_checkpoints_files_that_transformers_would_read_beside_the_expor
     assert err == [f"spillway export: error: {folder} already holds another checkpoint ({left}): export into an "
                    f"empty folder, or delete those files first"]
     assert digests(folder) == before
+
+
+def test_weights_no_export_of_this_run_recorded_are_refused_and_kept(tmp_path, capsys):
+    """`spillway export runs/a out` then `spillway export runs/b out` replaced a's export without a word; a
+    downloaded checkpoint (config.json, model.safetensors) was overwritten the same way."""
+    step = stub_run(tmp_path / "run")
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (downloaded / name).write_text("{}")
+    other_export = tmp_path / "other_export"
+    other_export.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (other_export / name).write_text("{}")
+    (other_export / "spillway_export.json").write_text(json.dumps({"source": str(tmp_path / "elsewhere"),
+                                                                   "step_dir": "x", "adapter": False}))
+    for folder, named in ((downloaded, "that no spillway export recorded"),
+                          (other_export, f"holds an export of another run ({tmp_path / 'elsewhere'})")):
+        before = digests(folder)
+        assert cli.main(["export", str(step), str(folder)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0], err
+        assert digests(folder) == before
+
+
+def test_an_export_of_the_same_run_is_replaced_and_named(tmp_path):
+    from spillway.recipes.export import _check_earlier_export, _source_of
+
+    step = stub_run(tmp_path / "run")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("{}")
+    source = _source_of(tmp_path / "run", step)
+    (out / "spillway_export.json").write_text(json.dumps({"source": source, "step_dir": str(step), "adapter": False}))
+    assert _check_earlier_export(out, "model.safetensors", source) == str(step)
+    assert _check_earlier_export(tmp_path / "run", "model.safetensors", source) is None   # nothing of that kind

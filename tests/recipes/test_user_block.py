@@ -80,7 +80,8 @@ def test_the_current_directory_is_searched(user_folder, monkeypatch):
     ("no_such_module_xyz:Block", "block: no module 'no_such_module_xyz' on PYTHONPATH or in the current directory"),
     ("spillway.layers.norm:RMSNorm", "'spillway.layers.norm:RMSNorm' is a class RMSNorm based on \\['Module', "
                                      ".*not a subclass of spillway.layers.block.TransformerBlock"),
-    ("spillway.layers.names:BLOCK_INPUT", "'spillway.layers.names:BLOCK_INPUT' is a str, not a subclass"),
+    ("spillway.layers.names:BLOCK_INPUT",
+     "'spillway.layers.names:BLOCK_INPUT' is an object of type str, not a subclass"),
     (f"{MODULE}:Nope", f"block: module '{MODULE}' \\(.*{MODULE}.py\\) has no 'Nope'"),
     ("not a path", "block: 'not a path' is not a class path like 'package.module:Class'"),
 ])

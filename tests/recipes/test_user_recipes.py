@@ -99,11 +99,11 @@ def test_train_and_plan_a_recipe_function_with_set_on_top(user_dir, capsys, monk
     ("bad.json", '{\n  "name": "tiny",\n  oops\n}', r"recipe file bad.json: not valid JSON \(line 3, column 3"),
     ("list.json", "[1, 2]", r"recipe file list.json: a JSON list, not a recipe"),
     ("other.json", '{"model": 3}', r"recipe file other.json: not a spillway recipe"),
-    ("nu_my_recipes:not_a_recipe", "", r"recipe nu_my_recipes:not_a_recipe: not_a_recipe\(\) returned a dict, "
-                                       r"not a spillway.recipes.config.Recipe"),
+    ("nu_my_recipes:not_a_recipe", "", r"recipe nu_my_recipes:not_a_recipe: not_a_recipe\(\) returned an object of "
+                                       r"type dict, not a spillway.recipes.config.Recipe"),
     ("nu_my_recipes:raises", "", r"recipe nu_my_recipes:raises: calling raises\(\) failed: KeyError"),
     ("nu_my_recipes:absent", "", r"recipe nu_my_recipes:absent: module 'nu_my_recipes' .* has no 'absent'"),
-    ("nu_my_recipes:NUMBER", "", r"recipe nu_my_recipes:NUMBER: 'NUMBER' is a int, not a function"),
+    ("nu_my_recipes:NUMBER", "", r"recipe nu_my_recipes:NUMBER: 'NUMBER' is of type int, not a function"),
     ("nu_no_such_module:fn", "", r"recipe nu_no_such_module:fn: no module 'nu_no_such_module'"),
     # a path to a .py file that is not there: importlib said "the 'package' argument is required"
     ("./nu_absent.py", "", r"recipe './nu_absent.py': not a registered name, a .json file or 'module:function'"),

@@ -84,7 +84,7 @@ def test_stop_after_saves_the_step_it_stops_at_and_the_next_call_resumes(data_ca
     first = stub_train(micro(data_cache, run_dir, "train.steps=6", "checkpoint.every_steps=100"), stop_after=3,
                        echo=said.append)
     assert first.final_step == 3 and saved_steps(run_dir) == [3]
-    assert "stopping after 3 steps at step 3 (checkpoint saved)" in said
+    assert "stopping after 3 steps at step 3 of 6 (checkpoint saved; the same command resumes from it)" in said
     second = stub_train(micro(data_cache, run_dir, "train.steps=6", "checkpoint.every_steps=100"))
     assert second.final_step == 6 and saved_steps(run_dir) == [3, 6]
     assert metric_steps(run_dir) == [1, 2, 3, 4, 5, 6]

@@ -9,6 +9,7 @@ is the slow test.
 """
 
 import json
+import os
 
 import pytest
 
@@ -112,6 +113,17 @@ def test_the_readme_chain_pretrain_then_fine_tune(tmp_path, capsys, monkeypatch)
     exported = tmp_path / "out" / "tiny_sft"
     assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
     assert json.loads((exported / "tokenizer_config.json").read_text())["chat_template"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(exported / "model.safetensors").st_mode & 0o777 == 0o666 & ~mask   # safetensors writes 0600
+    # The same run exported again replaces its own export; another run's is refused, its export kept.
+    capsys.readouterr()
+    assert cli.main(["export", "runs/tiny_sft", "out/tiny_sft"]) == 0
+    assert "replacing its export of " in capsys.readouterr().out
+    kept = (exported / "model.safetensors").read_bytes()
+    assert cli.main(["export", "runs/tiny", "out/tiny_sft"]) == 2
+    assert "holds an export of another run" in capsys.readouterr().err
+    assert (exported / "model.safetensors").read_bytes() == kept
 
 
 def test_a_mixture_of_chat_sources_packs_each_whole_and_draws_rows_by_weight(tmp_path, tokenizer_dir):
