@@ -213,6 +213,9 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     if recipe.data.mixture and recipe.data.source != DataConfig.source:
         say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
             f"it; list that source in the mixture to train on it)")
+    # Said first: a large corpus takes minutes to tokenize the first time, and nothing else is said meanwhile.
+    say(f"data: preparing {recipe.data.mixture or recipe.data.source} (tokenized once, then read from "
+        f"{recipe.data.cache_dir})")
     t0 = time.perf_counter()
     tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
                               bos=kept_bos)
