@@ -267,7 +267,8 @@ def plugin_missing_reason() -> str | None:
     directory = plugin_dir()
     versions = installed_versions(directory)
     wanted = required_version()
-    fix = f"install it with `{install_command_text(directory)}` (or `python -m spillway.recipes.plan.plugin install`)"
+    fix = (f"install it with `make gpu-plugin` in the repository, or `python -m spillway.recipes.plan.plugin "
+           f"install`, which runs `{install_command_text(directory)}`")
     if not versions:
         return f"the GPU compiler plugin is not installed in {directory}: {fix}"
     if set(versions) != set(PLUGIN_DISTRIBUTIONS):
@@ -289,7 +290,7 @@ def missing_reason() -> str | None:
     """Everything a deviceless GPU compile still needs, with how to get it; None if ready."""
     reasons = [reason for reason in (plugin_missing_reason(), cuda_toolkit_missing_reason())
                if reason]
-    return "\n".join(reasons) or None
+    return "; and ".join(reasons) or None
 
 
 def _main(argv: list[str]) -> int:

@@ -23,8 +23,7 @@ def check_toolchain() -> None:
     reason = plugin.missing_reason()
     if reason is not None:
         raise ValueError("planning compiles the train step for the GPU without one, which needs the GPU "
-                         f"compiler plugin and the CUDA toolkit's ptxas:\n{reason}\n"
-                         f"plugin install command: {plugin.install_command_text()}")
+                         f"compiler plugin and the CUDA toolkit's ptxas: {reason}")
 
 
 def compiler_options() -> dict | None:
