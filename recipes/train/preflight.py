@@ -15,11 +15,14 @@ local copy. Checked:
   and hold corpus files; a Hub dataset must be reachable
   (data/hub_reach.py: one metadata request, none when HF_HUB_OFFLINE is set).
 * `checkpoint.init_from=hf:DIR`: the folder must exist (what it holds is checked later,
-  recipes/train/init_weights.py). With `checkpoint.init_from_origin` the line says how to fetch it.
+  recipes/train/init_weights.py). With `checkpoint.init_from_origin` the line says how to fetch it;
+  a published tokenizer's local copy missing beside it is not named (the checkpoint brings it).
+* `checkpoint.init_from=DIR` (a spillway run or step folder): it must exist.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from spillway.data.hub_reach import hub_unreachable_reason
@@ -39,7 +42,13 @@ class MissingInputError(DataError):
 
 def check_run_inputs(recipe: Recipe) -> None:
     """MissingInputError naming every input of the recipe that is missing (one line); nothing when all are there."""
-    problems = missing_inputs(recipe.data) + [problem for problem in [_base_model_problem(recipe)] if problem]
+    base = _base_model_problem(recipe)
+    data = recipe.data
+    if base and recipe.checkpoint.init_from.startswith("hf:") and data.tokenizer_origin:
+        # A published tokenizer's local copy that is not there is not missing on its own: the hf: checkpoint
+        # brings that tokenizer (init_weights.resolve_init_from), so only the checkpoint is named.
+        data = dataclasses.replace(data, tokenizer=None)
+    problems = missing_inputs(data) + [problem for problem in [base] if problem]
     if not problems:
         return
     if len(problems) == 1:
@@ -92,12 +101,29 @@ def _base_model_problem(recipe: Recipe) -> str | None:
 
     init_from, origin = recipe.checkpoint.init_from, recipe.checkpoint.init_from_origin
     folder = hf_checkpoint_dir(init_from)
-    if folder is None or folder.exists():
+    if folder is None:
+        # A spillway run or step folder (a fine-tune of one's own pretraining run): it must be there too.
+        if not init_from or Path(init_from).expanduser().exists():
+            return None
+        return (f"checkpoint.init_from {init_from!r} does not exist: train that run first{_run_of(init_from)}, or "
+                f"point at a run directory or step folder with --set checkpoint.init_from=DIR")
+    if folder.exists():
         return None
     fetch = (f" (it is {origin}: fetch it with `hf download {origin} --exclude 'original/*' --local-dir {folder}`)"
              if origin else "")
     return (f"checkpoint.init_from {init_from!r} does not exist{fetch}; or point at a local copy with "
             f"--set checkpoint.init_from=hf:DIR (a Hugging Face model folder: config.json and *.safetensors)")
+
+
+def _run_of(init_from: str) -> str:
+    """How the run a fine-tune starts from is made, where its folder is a recipe's own (runs/<recipe>)."""
+    from spillway.recipes.registry import recipe_names
+
+    name = Path(init_from).name
+    if name in recipe_names() and Path(init_from).parent.name == "runs":
+        made = ", what `make train` does" if name == "tiny" else ""
+        return f" (`spillway train {name}` writes runs/{name}{made})"
+    return ""
 
 
 def _source_problem(field: str, source: str, fix: str) -> str | None:

@@ -151,3 +151,14 @@ def test_a_mixture_of_chat_sources_packs_each_whole_and_draws_rows_by_weight(tmp
 def dataclass_dict(config):
     import dataclasses
     return dataclasses.asdict(config)
+
+
+def test_tiny_sft_before_its_base_run_exists_is_one_line_and_takes_no_run_directory(tmp_path, capsys, monkeypatch):
+    """`spillway train tiny_sft` before `make train`: it said only "runs/tiny: no such checkpoint directory" and
+    left an empty runs/tiny_sft/checkpoints behind, which `generate runs/tiny_sft` then misread."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "tiny_sft", "--set", "train.steps=2"]) == cli.EXIT_USER_ERROR
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "checkpoint.init_from 'runs/tiny' does not exist: train that run first (`spillway train tiny` writes " \
+           "runs/tiny, what `make train` does)" in line
+    assert not (tmp_path / "runs").exists()
