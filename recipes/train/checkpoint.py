@@ -69,6 +69,8 @@ synchronises them); JSON items and the recipe are written by process 0 only.
 
 from __future__ import annotations
 
+import contextlib
+
 import errno
 import json
 import os
@@ -303,7 +305,11 @@ class RunCheckpointer:
         except Exception as e:
             if not self.save_in_pieces:
                 raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
-            # the pieces are written here, so a full disk or a failed write surfaces now: name the intact step
+            # the pieces are written here, so a full disk or a failed write surfaces now: name the intact step.
+            # Orbax's threads of this save (its folder's creation among them) stop first: the unfinished folder
+            # is removed below, and one made after that would be left behind (seen under a loaded machine).
+            with contextlib.suppress(Exception):
+                self._manager.wait_until_finished()
             self._manager.reload()
             raise self._failed_save_error(step, e, what="the save in pieces") from e
         self._step_in_flight = step
