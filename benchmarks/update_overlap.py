@@ -166,10 +166,9 @@ def print_table(r: dict) -> None:
 if __name__ == "__main__":
     if "--json" in sys.argv[1:]:
         serve_compile_process(measure)
-    from spillway.layers.errors import ConfigError
     from spillway.recipes.plan.subprocess_runner import run_in_compile_process
     try:   # a setting the recipe cannot take is one line here, before any compile process starts
         measured_recipe(parse_args(sys.argv[1:]))
-    except (ConfigError, ValueError) as error:   # a setting, or a recipe name, it cannot take
+    except ValueError as error:   # a setting (ConfigError), or a recipe name, it cannot take
         sys.exit(f"update_overlap.py: {error}")
     print_table(run_in_compile_process("benchmarks.update_overlap", ["--json", *sys.argv[1:]], timeout_s=1800))

@@ -470,10 +470,20 @@ def put_in_place(partial: Path, final: Path) -> None:
     """A finished file moved over its final name, with the permissions any file this process creates gets
     (safetensors writes its files 0600, so an export was unreadable to the other users of a shared
     machine while its config beside it was not)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(partial, 0o666 & ~mask)
+    os.chmod(partial, 0o666 & ~_umask())
     partial.replace(final)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux shows it (setting it to read it, the only
+    portable way, would give files other threads create meanwhile, a compile cache's, the wrong mode)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 # --- helpers the family tables share ---------------------------------------------

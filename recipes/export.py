@@ -144,7 +144,7 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
     own = ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS
     _check_out_dir(out, own, _tokenizer_files(run_dir))
     source = _source_of(run_dir, step_dir)
-    replaced = _check_earlier_export(out, own, source) if out.is_dir() else None
+    replaced = _check_earlier_export(out, own, source)
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     graphdef, abstract_state = abstract_model(recipe)
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(

@@ -70,7 +70,6 @@ synchronises them); JSON items and the recipe are written by process 0 only.
 from __future__ import annotations
 
 import contextlib
-
 import errno
 import json
 import os

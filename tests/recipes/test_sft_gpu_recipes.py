@@ -61,8 +61,7 @@ def test_the_16gb_target_is_an_rtx_4080_and_is_told_from_other_rtx_cards():
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_offline_an_sft_recipe_names_its_corpus_and_base_model_in_one_line(name, monkeypatch, tmp_path,
-                                                                                  capsys):
+def test_offline_an_sft_recipe_names_its_corpus_and_base_model_in_one_line(name, monkeypatch, tmp_path, capsys):
     from spillway.recipes.train import data_pipeline, loop
 
     def must_not_run(*args, **kwargs):
