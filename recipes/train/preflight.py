@@ -17,7 +17,8 @@ local copy. Checked:
 * `checkpoint.init_from=hf:DIR`: the folder must exist (what it holds is checked later,
   recipes/train/init_weights.py). With `checkpoint.init_from_origin` the line says how to fetch it;
   a published tokenizer's local copy missing beside it is not named (the checkpoint brings it).
-* `checkpoint.init_from=DIR` (a spillway run or step folder): it must exist.
+* `checkpoint.init_from=DIR` (a spillway run or step folder): it must exist, unless the run resumes from a
+  step of its own (not a LoRA run, which reads its base at every start).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _base_model_problem(recipe: Recipe) -> str | None:
     folder = hf_checkpoint_dir(init_from)
     if folder is None:
         # A spillway run or step folder (a fine-tune of one's own pretraining run): it must be there too.
-        if not init_from or Path(init_from).expanduser().exists():
+        if not init_from or Path(init_from).expanduser().exists() or _resumes_without_it(recipe):
             return None
         return (f"checkpoint.init_from {init_from!r} does not exist: train that run first{_run_of(init_from)}, or "
                 f"point at a run directory or step folder with --set checkpoint.init_from=DIR")
@@ -113,6 +114,18 @@ def _base_model_problem(recipe: Recipe) -> str | None:
              if origin else "")
     return (f"checkpoint.init_from {init_from!r} does not exist{fetch}; or point at a local copy with "
             f"--set checkpoint.init_from=hf:DIR (a Hugging Face model folder: config.json and *.safetensors)")
+
+
+def _resumes_without_it(recipe: Recipe) -> bool:
+    """Whether the run resumes from a step of its own, which holds the whole model: a fine-tune's source is then
+    not read (its tokenizer was copied into the run), so it may be gone. A LoRA run reads its base at every start."""
+    if recipe.lora.enabled or not recipe.train.resume:
+        return False
+    from spillway.recipes.train.checkpoint_dirs import finalised_step_dirs   # here: it imports orbax
+    from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
+
+    checkpoints = Path(recipe.run_dir).expanduser() / CHECKPOINTS_DIRNAME
+    return checkpoints.is_dir() and bool(finalised_step_dirs(checkpoints))
 
 
 def _run_of(init_from: str) -> str:

@@ -162,3 +162,26 @@ def test_tiny_sft_before_its_base_run_exists_is_one_line_and_takes_no_run_direct
     assert "checkpoint.init_from 'runs/tiny' does not exist: train that run first (`spillway train tiny` writes " \
            "runs/tiny, what `make train` does)" in line
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_fine_tune_that_resumes_from_its_own_step_does_not_need_its_source(tmp_path, monkeypatch):
+    """The missing-source line is for a fresh fine-tune: one resuming a step of its own reads no source (CI
+    caught the first version refusing such a resume after the source was removed). A LoRA run reads its base
+    at every start, so for it the line still comes."""
+    from spillway.recipes.config import apply_overrides
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.preflight import MissingInputError, check_base_model_first
+
+    monkeypatch.chdir(tmp_path)
+    recipe = apply_overrides(get_recipe("tiny_sft"), ["checkpoint.init_from=gone-run"])
+    with pytest.raises(MissingInputError, match="checkpoint.init_from 'gone-run' does not exist"):
+        check_base_model_first(recipe)
+    (tmp_path / recipe.run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-12").mkdir(parents=True)
+    with pytest.raises(MissingInputError):   # an unfinished save is not a step to resume
+        check_base_model_first(recipe)
+    (tmp_path / recipe.run_dir / "checkpoints" / "2").mkdir()
+    check_base_model_first(recipe)
+    with pytest.raises(MissingInputError):   # ... unless told not to resume
+        check_base_model_first(apply_overrides(recipe, ["train.resume=false"]))
+    with pytest.raises(MissingInputError):
+        check_base_model_first(apply_overrides(recipe, ["lora.rank=4"]))
