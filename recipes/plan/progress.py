@@ -3,7 +3,9 @@
 A plan compiles for minutes; a user whose output goes to a file (or a pipe, or CI's log) must see it work:
 which candidate finished, in how many seconds, and whether it fits (the same verdict as the table's,
 recipes/plan/result.refusals), or that it came from the compile cache (recipes/plan/compile_cache.py) or
-was skipped without compiling (recipes/plan/pruning.py).
+was skipped without compiling (recipes/plan/pruning.py). The searches after the candidates (a split, the
+weights across the turn) compile in rounds whose size is known only when each starts: each round is
+announced and counted on its own ("[search 2/3]"), so a count never grows under the reader.
 """
 
 from __future__ import annotations
@@ -30,14 +32,25 @@ class CompileProgress:
         self.total, self.hbm_limit, self.devices, self.host_ram = total, hbm_limit, devices, host_ram
         self.write = write
         self.done = 0
+        self.rounds = 0   # the searches' rounds started; lines of a round read "[search done/total]"
         self._lock = threading.Lock()
+
+    def start_round(self, count: int) -> None:
+        """A search's `count` further compiles, counted from 1 in their own lines after one announcing them."""
+        with self._lock:
+            self.rounds += 1
+            self.done, self.total = 0, count
+        if self.write is not None:
+            self.write(f"spillway plan: search round {self.rounds}: {count} more "
+                       f"{'compile' if count == 1 else 'compiles'}")
 
     def _line(self, candidate: Candidate, what: str) -> None:
         if self.write is None:
             return
         with self._lock:
             self.done += 1
-            self.write(f"spillway plan: [{self.done}/{self.total}] {candidate.label}: {what}")
+            counted = f"search {self.done}/{self.total}" if self.rounds else f"{self.done}/{self.total}"
+            self.write(f"spillway plan: [{counted}] {candidate.label}: {what}")
 
     def finished(self, candidate: Candidate, result: dict, *, cached: bool = False) -> None:
         """A compile's result (the compile process's dict: "report" or "error", "seconds")."""

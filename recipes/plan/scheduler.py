@@ -143,7 +143,7 @@ class CandidateCompiles:
         Their results are not written to the cache (its request keys were made for the first todo)."""
         indices = list(range(len(self.todo), len(self.todo) + len(candidates)))
         self.todo.extend(candidates)
-        self.progress.total += len(candidates)   # the progress lines count the search's compiles too
+        self.progress.start_round(len(candidates))
         answer = self._run(indices)
         self.answers.append(answer)
         self.groups.append(indices)
