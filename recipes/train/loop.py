@@ -205,11 +205,14 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
 def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
     from spillway.data import load_tokenizer
+    from spillway.recipes.train import lora_state
     from spillway.recipes.train.data_pipeline import prepare
     from spillway.recipes.train.tokenization_record import describe_kept_bos
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
+    if recipe.lora.enabled:
+        say(lora_state.trained_summary(recipe))
     if recipe.data.mixture and recipe.data.source != DataConfig.source:
         say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
             f"it; list that source in the mixture to train on it)")

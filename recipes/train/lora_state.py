@@ -36,6 +36,20 @@ from spillway.recipes.optim import param_placement as placement
 from spillway.recipes.train.lora_step import adapters_of, join, split
 
 
+def trained_summary(recipe: Recipe) -> str:
+    """What a LoRA run trains, for its header: "LoRA rank 8 on q_proj, v_proj: 0.07M adapter parameters
+    trained (1.2% of the model), the base frozen"; "" for any other run. From the abstract model (no array made)."""
+    if not recipe.lora.enabled:
+        return ""
+    from spillway.recipes.train.step import abstract_model
+
+    _, abstract_state = abstract_model(recipe)
+    count = sum(leaf.size for leaf in jax.tree.leaves(adapters_of(abstract_state)))
+    share = 100 * count / max(1, recipe.num_params())
+    return (f"LoRA rank {recipe.lora.rank} on {', '.join(recipe.lora.targets)}: {count / 1e6:.2f}M adapter "
+            f"parameters trained ({share:.2g}% of the model), the base frozen")
+
+
 # --- checkpoints: the adapters, and the base they adapt ------------------------------------------
 
 

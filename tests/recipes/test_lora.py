@@ -250,3 +250,15 @@ def test_the_adapters_share_benchmark_counts_r_times_in_plus_out_per_layer():
     counted = share("tiny", 4, "q_proj,down_proj")   # tiny: 4 layers, d_model 192, 6 heads of 32, MLP 512
     assert counted["adapter_params"] == 4 * 4 * ((192 + 192) + (512 + 192))
     assert counted["adapter_moments_bytes"] == 8 * counted["adapter_params"]
+
+
+def test_a_lora_runs_header_counts_the_adapters_it_trains():
+    from spillway.recipes.train.lora_state import trained_summary
+
+    # SMALL: 2 layers, d_model 32, 4 heads of 8 with 2 KV heads (v_proj out 16): r (in + out) per projection
+    expected = 2 * 4 * ((32 + 32) + (32 + 16))
+    line = trained_summary(lora_recipe())
+    assert line.startswith(f"LoRA rank 4 on q_proj, v_proj: {expected / 1e6:.2f}M adapter parameters trained (")
+    share = 100 * expected / lora_recipe().num_params()
+    assert f"({share:.2g}% of the model), the base frozen" in line
+    assert trained_summary(get_recipe("tiny", SMALL)) == ""
