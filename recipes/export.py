@@ -21,7 +21,8 @@ each: an output folder holding another checkpoint (as `to_hf` refuses it; also
 its tokenizer or generation files that this export would leave beside its own), a
 folder holding weights that no export of this run wrote (another run's export,
 a downloaded checkpoint: `spillway_export.json` records which run an export
-holds, so that a later export of the same run replaces it), a training run's
+holds, so that a later export of the same run replaces it; it is written before
+the weights, so an export killed midway is replaced too), a training run's
 directory or its checkpoints folder (the run's own tokenizer files would be
 replaced), and `--adapter` on a run without LoRA.
 """
@@ -83,8 +84,9 @@ def _source_of(run_dir, step_dir) -> str:
 def _check_earlier_export(out_dir: Path, own: str, source: str) -> str | None:
     """An output folder already holding weights (or a config) of this kind is replaced only when its export
     record names the same run: an export of another run, or a folder with no record (a downloaded or
-    transformers-saved checkpoint, an export of older code), is refused, nothing written. Returns the step
-    the earlier export of this run came from, or None for a fresh folder."""
+    transformers-saved checkpoint, an export of older code), is refused, nothing written. Returns what the
+    earlier export of this run was ("its export of STEP", "its unfinished export of STEP": one killed while
+    writing), or None for a fresh folder."""
     config = ADAPTER_CONFIG if own == ADAPTER_WEIGHTS else "config.json"
     present = [out_dir / name for name in (own, config) if (out_dir / name).is_file()]
     if not present:
@@ -99,7 +101,7 @@ def _check_earlier_export(out_dir: Path, own: str, source: str) -> str | None:
     if earlier_source != source:
         raise HFCheckpointError(f"{out_dir} holds an export of another run ({earlier_source}): export into an "
                                 f"empty folder, or delete it first")
-    return str(earlier_step)
+    return f"its {'' if record.get('finished', True) else 'unfinished '}export of {earlier_step}"
 
 
 def _check_not_a_run(out_dir: Path) -> None:
@@ -150,17 +152,27 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(
         abstract_state, state_shardings(abstract_state, mesh)))
     out.mkdir(parents=True, exist_ok=True)
+    # The record comes first: an export killed while writing leaves a folder that names this run, so the
+    # same command replaces it (written last, the rerun met weights no export had recorded, and refused).
+    _write_record(out, source, step_dir, adapter, finished=False)
     if adapter:
         write_peft_adapter(recipe, params, out)
     else:
         write_merged(recipe, params, out)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
-    (out / EXPORT_RECORD).write_text(json.dumps({"source": source, "step_dir": str(Path(step_dir).resolve()),
-                                                 "adapter": adapter}, indent=1) + "\n")
+    _write_record(out, source, step_dir, adapter, finished=True)
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
-        + (f", replacing its export of {replaced}" if replaced else "")
+        + (f", replacing {replaced}" if replaced else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run"))
     return out
+
+
+def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: bool) -> None:
+    """spillway_export.json, replaced whole (a kill leaves the old record or the new, never half of one)."""
+    partial = out / (EXPORT_RECORD + ".partial")
+    partial.write_text(json.dumps({"source": source, "step_dir": str(Path(step_dir).resolve()), "adapter": adapter,
+                                   "finished": finished}, indent=1) + "\n")
+    partial.replace(out / EXPORT_RECORD)
 
 
 def _tokenizer_files(run_dir) -> list[str]:

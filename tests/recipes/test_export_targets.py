@@ -109,5 +109,8 @@ def test_an_export_of_the_same_run_is_replaced_and_named(tmp_path):
     (out / "model.safetensors").write_text("{}")
     source = _source_of(tmp_path / "run", step)
     (out / "spillway_export.json").write_text(json.dumps({"source": source, "step_dir": str(step), "adapter": False}))
-    assert _check_earlier_export(out, "model.safetensors", source) == str(step)
+    assert _check_earlier_export(out, "model.safetensors", source) == f"its export of {step}"
+    (out / "spillway_export.json").write_text(json.dumps({"source": source, "step_dir": str(step), "adapter": False,
+                                                          "finished": False}))
+    assert _check_earlier_export(out, "model.safetensors", source) == f"its unfinished export of {step}"
     assert _check_earlier_export(tmp_path / "run", "model.safetensors", source) is None   # nothing of that kind

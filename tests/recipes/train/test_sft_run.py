@@ -58,6 +58,30 @@ def test_instruct_run_trains_on_answers_and_answers_a_chat(tmp_path, tokenizer_d
     assert "### User" not in answer and "Write a function" not in answer   # only the answer is printed
 
 
+def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path, tokenizer_dir, capsys,
+                                                                         monkeypatch):
+    """An export stopped between its config and its weights (a kill, a full disk) left config.json and no
+    record of which run wrote it, so the same command then refused the folder as someone else's."""
+    from spillway.models import hf
+
+    assert cli.main(run_args(tmp_path, tokenizer_dir, "train.steps=1")) == 0
+    out = tmp_path / "exported"
+
+    def killed(partial, final):
+        raise KeyboardInterrupt   # what a kill leaves: the config written, the weights only as a .partial
+
+    with monkeypatch.context() as patched:
+        patched.setattr(hf, "put_in_place", killed)
+        assert cli.main(["export", str(tmp_path / "run"), str(out)]) == cli.EXIT_INTERRUPTED
+    assert (out / "config.json").is_file() and not (out / "model.safetensors").exists()
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path / "run"), str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "replacing its unfinished export of " in said, said
+    assert (out / "model.safetensors").is_file()
+    assert json.loads((out / "spillway_export.json").read_text())["finished"] is True
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
