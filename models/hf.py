@@ -470,7 +470,10 @@ def put_in_place(partial: Path, final: Path) -> None:
     """A finished file moved over its final name, with the permissions any file this process creates gets
     (safetensors writes its files 0600, so an export was unreadable to the other users of a shared
     machine while its config beside it was not)."""
-    os.chmod(partial, 0o666 & ~_umask())
+    try:
+        os.chmod(partial, 0o666 & ~_umask())
+    except OSError:   # a file system that refuses modes (a CIFS or vfat mount under another owner): the file as made
+        pass
     partial.replace(final)
 
 

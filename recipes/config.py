@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from spillway.layers.errors import ConfigError, require_non_negative, require_positive
@@ -96,6 +98,11 @@ class DataConfig:
     @property
     def uses_document_mask(self) -> bool:
         return self.format != "text" if self.document_mask is None else self.document_mask
+
+    @property
+    def cache_path(self) -> Path:
+        """`cache_dir` with `~` expanded (`--set data.cache_dir=~/cache` reaches here unexpanded by the shell)."""
+        return Path(self.cache_dir).expanduser()
 
     def __post_init__(self):
         for name, allowed in (("format", ("text", "chat", "instruct")), ("packing", ("pack", "pad")),
@@ -468,7 +475,9 @@ class Recipe:
 
     @property
     def run_dir(self) -> str:
-        return self.checkpoint.dir or f"runs/{self.name}"
+        # `~` expanded here, once for every reader: `--set checkpoint.dir=~/ft` is not expanded by the shell
+        # (the word starts with "checkpoint"), and the run made a folder named "~" in the working directory
+        return os.path.expanduser(self.checkpoint.dir or f"runs/{self.name}")
 
     def decoder_spec(self):
         """The model's shapes (models/decoder.py DecoderSpec) with this recipe's execution settings."""

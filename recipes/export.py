@@ -21,7 +21,8 @@ each: an output folder holding another checkpoint (as `to_hf` refuses it; also
 its tokenizer or generation files that this export would leave beside its own), a
 folder holding weights that no export of this run wrote (another run's export,
 a downloaded checkpoint: `spillway_export.json` records which run an export
-holds, so that a later export of the same run replaces it; it is written before
+holds (its folder's name, a digest of its path, the step), so that a later
+export of the same run replaces it; it is written before
 the weights, so an export killed midway is replaced too), a training run's
 directory or its checkpoints folder (the run's own tokenizer files would be
 replaced), and `--adapter` on a run without LoRA.
@@ -30,6 +31,7 @@ replaced), and `--adapter` on a run without LoRA.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -81,27 +83,33 @@ def _source_of(run_dir, step_dir) -> str:
     return str(Path(run_dir if run_dir is not None else step_dir).resolve())
 
 
+def _run_id(source: str) -> str:
+    """What the record keeps of the run's path: a digest, so an export folder published as it is (`hf upload`)
+    does not carry the local paths of the machine it was made on."""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
 def _check_earlier_export(out_dir: Path, own: str, source: str) -> str | None:
     """An output folder already holding weights (or a config) of this kind is replaced only when its export
     record names the same run: an export of another run, or a folder with no record (a downloaded or
     transformers-saved checkpoint, an export of older code), is refused, nothing written. Returns what the
-    earlier export of this run was ("its export of STEP", "its unfinished export of STEP": one killed while
-    writing), or None for a fresh folder."""
+    earlier export of this run was ("its export of step 40", "its unfinished export of step 40": one killed
+    while writing), or None for a fresh folder."""
     config = ADAPTER_CONFIG if own == ADAPTER_WEIGHTS else "config.json"
     present = [out_dir / name for name in (own, config) if (out_dir / name).is_file()]
     if not present:
         return None
     try:
         record = json.loads((out_dir / EXPORT_RECORD).read_text())
-        earlier_source, earlier_step = record["source"], record["step_dir"]
+        earlier_run, earlier_id, earlier_step = record["run"], record["run_id"], record["step"]
     except (OSError, ValueError, KeyError, TypeError):
         raise HFCheckpointError(f"{out_dir} already holds {listed(present)} that no spillway export recorded "
                                 f"({EXPORT_RECORD} missing or unreadable): export into an empty folder, or delete "
                                 f"those files first") from None
-    if earlier_source != source:
-        raise HFCheckpointError(f"{out_dir} holds an export of another run ({earlier_source}): export into an "
-                                f"empty folder, or delete it first")
-    return f"its {'' if record.get('finished', True) else 'unfinished '}export of {earlier_step}"
+    if earlier_id != _run_id(source):
+        raise HFCheckpointError(f"{out_dir} holds an export of another run ({earlier_run!r}, not {source}): export "
+                                f"into an empty folder, or delete it first")
+    return f"its {'' if record.get('finished', True) else 'unfinished '}export of step {earlier_step}"
 
 
 def _check_not_a_run(out_dir: Path) -> None:
@@ -170,8 +178,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
 def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: bool) -> None:
     """spillway_export.json, replaced whole (a kill leaves the old record or the new, never half of one)."""
     partial = out / (EXPORT_RECORD + ".partial")
-    partial.write_text(json.dumps({"source": source, "step_dir": str(Path(step_dir).resolve()), "adapter": adapter,
-                                   "finished": finished}, indent=1) + "\n")
+    partial.write_text(json.dumps({"run": Path(source).name, "run_id": _run_id(source), "step": Path(step_dir).name,
+                                   "adapter": adapter, "finished": finished}, indent=1) + "\n")
     partial.replace(out / EXPORT_RECORD)
 
 

@@ -267,8 +267,10 @@ def plugin_missing_reason() -> str | None:
     directory = plugin_dir()
     versions = installed_versions(directory)
     wanted = required_version()
-    fix = (f"install it with `make gpu-plugin` in the repository, or `python -m spillway.recipes.plan.plugin "
-           f"install`, which runs `{install_command_text(directory)}`")
+    # This interpreter's own command: `make gpu-plugin` installs into .venv only, the wrong fix in .venv-jax011,
+    # .venv-newest or a pip-installed spillway.
+    fix = (f"install it with `{shlex.quote(sys.executable)} -m spillway.recipes.plan.plugin install`, which runs "
+           f"`{install_command_text(directory)}`")
     if not versions:
         return f"the GPU compiler plugin is not installed in {directory}: {fix}"
     if set(versions) != set(PLUGIN_DISTRIBUTIONS):

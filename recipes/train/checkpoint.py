@@ -69,7 +69,6 @@ synchronises them); JSON items and the recipe are written by process 0 only.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -304,11 +303,8 @@ class RunCheckpointer:
         except Exception as e:
             if not self.save_in_pieces:
                 raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
-            # the pieces are written here, so a full disk or a failed write surfaces now: name the intact step.
-            # Orbax's threads of this save (its folder's creation among them) stop first: the unfinished folder
-            # is removed below, and one made after that would be left behind (seen under a loaded machine).
-            with contextlib.suppress(Exception):
-                self._manager.wait_until_finished()
+            # the pieces are written here, so a full disk or a failed write surfaces now: name the intact step
+            # (and remove the unfinished folder, which orbax's own thread may still be making: save_failures.py)
             self._manager.reload()
             raise self._failed_save_error(step, e, what="the save in pieces") from e
         self._step_in_flight = step

@@ -19,8 +19,9 @@ _STEP_NAMES = ocp.step.standard_name_format()  # "<step>", no prefix: what `ls` 
 
 
 def _absolute(path: str | os.PathLike) -> epath.Path:
-    # orbax's background writer rejects relative paths, and only says so from its thread
-    return epath.Path(os.path.abspath(os.fspath(path)))
+    # orbax's background writer rejects relative paths, and only says so from its thread; `~` as everywhere
+    # else a path is read (`--set checkpoint.init_from=~/run` reaches here unexpanded by the shell)
+    return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
 def _finalised_steps(run_dir: epath.Path) -> list[int]:

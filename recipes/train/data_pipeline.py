@@ -107,11 +107,11 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
                         f"checkpoint.init_from): a tokenizer trained on chat records would not know the model's")
     # A stream: the tokenizer trains on the head of the corpus, which is never copied whole.
     sources = [c.source for c in parse_mixture(cfg.mixture)] if cfg.mixture else [cfg.source]
-    streams = [stream_documents(source, text_field=cfg.text_field, cache_dir=Path(cfg.cache_dir) / "datasets")
+    streams = [stream_documents(source, text_field=cfg.text_field, cache_dir=cfg.cache_path / "datasets")
                for source in sources]
     documents = streams[0] if len(streams) == 1 else interleave_documents(streams)
     return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
-                           cache_dir=Path(cfg.cache_dir) / "tokenizers")
+                           cache_dir=cfg.cache_path / "tokenizers")
 
 
 def run_chat_template(recipe: Recipe, tokenizer: Tokenizer):
@@ -133,7 +133,7 @@ def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer, source: str) 
     options = SftOptions(cfg.format, cfg.seq_len, packing=cfg.packing, overlong=cfg.overlong,
                          train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed)
     return prepare_sft_rows(source, tokenizer, run_chat_template(recipe, tokenizer), options,
-                            cache_dir=cfg.cache_dir)
+                            cache_dir=cfg.cache_path)
 
 
 def save_run_tokenizer(tokenizer: Tokenizer, run_dir: Path, recipe: Recipe) -> None:
@@ -191,7 +191,7 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
         check_vocab(tokenizer, recipe.model.vocab_size)
         # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
         _ = tokenizer.eos_id
-        options = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_dir, val_fraction=cfg.val_fraction,
+        options = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_path, val_fraction=cfg.val_fraction,
                        num_proc=cfg.num_proc, seed=recipe.train.seed, text_field=cfg.text_field,
                        max_tokens=cfg.max_tokens, shard_tokens=cfg.shard_tokens)
         if cfg.format != "text" and components is None:

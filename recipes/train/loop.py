@@ -218,7 +218,7 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
             f"it; list that source in the mixture to train on it)")
     # Said first: a large corpus takes minutes to tokenize the first time, and nothing else is said meanwhile.
     say(f"data: preparing {recipe.data.mixture or recipe.data.source} (tokenized once, then read from "
-        f"{recipe.data.cache_dir})")
+        f"{recipe.data.cache_path})")
     t0 = time.perf_counter()
     tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
                               bos=kept_bos)

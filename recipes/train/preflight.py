@@ -45,9 +45,9 @@ def check_run_inputs(recipe: Recipe) -> None:
     """MissingInputError naming every input of the recipe that is missing (one line); nothing when all are there."""
     base = _base_model_problem(recipe)
     data = recipe.data
-    if base and recipe.checkpoint.init_from.startswith("hf:") and data.tokenizer_origin:
+    if data.tokenizer_origin and _checkpoint_brings_a_tokenizer(recipe):
         # A published tokenizer's local copy that is not there is not missing on its own: the hf: checkpoint
-        # brings that tokenizer (init_weights.resolve_init_from), so only the checkpoint is named.
+        # brings that tokenizer (init_weights.resolve_init_from), so only a missing checkpoint is named.
         data = dataclasses.replace(data, tokenizer=None)
     problems = missing_inputs(data) + [problem for problem in [base] if problem]
     if not problems:
@@ -116,6 +116,16 @@ def _base_model_problem(recipe: Recipe) -> str | None:
             f"--set checkpoint.init_from=hf:DIR (a Hugging Face model folder: config.json and *.safetensors)")
 
 
+def _checkpoint_brings_a_tokenizer(recipe: Recipe) -> bool:
+    """Whether an `hf:` checkpoint.init_from will bring the tokenizer: one not yet fetched (named missing on its
+    own), or one that holds a tokenizer file. Checked on the recipe as given (`spillway train --plan` checks
+    before resolve_init_from has put the checkpoint's tokenizer in)."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir   # here: it imports jax and the models
+
+    folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
+    return folder is not None and (not folder.exists() or tokenizer_file_in(folder) is not None)
+
+
 def _resumes_without_it(recipe: Recipe) -> bool:
     """Whether the run resumes from a step of its own, which holds the whole model: a fine-tune's source is then
     not read (its tokenizer was copied into the run), so it may be gone. A LoRA run reads its base at every start."""
@@ -124,7 +134,7 @@ def _resumes_without_it(recipe: Recipe) -> bool:
     from spillway.recipes.train.checkpoint_dirs import finalised_step_dirs   # here: it imports orbax
     from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
 
-    checkpoints = Path(recipe.run_dir).expanduser() / CHECKPOINTS_DIRNAME
+    checkpoints = Path(recipe.run_dir) / CHECKPOINTS_DIRNAME
     return checkpoints.is_dir() and bool(finalised_step_dirs(checkpoints))
 
 
@@ -133,7 +143,8 @@ def _run_of(init_from: str) -> str:
     from spillway.recipes.registry import recipe_names
 
     name = Path(init_from).name
-    if name in recipe_names() and Path(init_from).parent.name == "runs":
+    # only where the recipe's own run lands from here (`gone/runs/tiny` is not what `spillway train tiny` writes)
+    if name in recipe_names() and Path(init_from).expanduser().absolute() == Path.cwd() / "runs" / name:
         made = ", what `make train` does" if name == "tiny" else ""
         return f" (`spillway train {name}` writes runs/{name}{made})"
     return ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 
 _ORBAX_SOURCES = f"{os.sep}orbax{os.sep}"
 
@@ -45,17 +46,38 @@ def unfinished_saves(directory, step: int | None = None) -> list:
     return sorted(directory.glob(f"{'*' if step is None else step}{UNFINISHED_SUFFIX}*"))
 
 
+# How long a removal watches for the folder to come back (see remove_unfinished), and how often it looks.
+SETTLE_S, SETTLE_LIMIT_S, POLL_S = 0.5, 5.0, 0.05
+
+
 def remove_unfinished(directory, step: int | None) -> str:
-    """Deletes the `<step>.orbax-checkpoint-tmp*` folders a failed save of `step` left; says what happened."""
+    """Deletes the `<step>.orbax-checkpoint-tmp*` folders a failed save of `step` left; says what happened.
+
+    Orbax runs a save's directory coroutines on an event loop in a thread of its own, even for its
+    synchronous saves, and an error raised in the caller's thread does not stop them; nothing it exposes
+    joins them (`wait_until_finished` waits for async saves only). So a folder can be made just after it was
+    removed (a loaded machine showed it): the removal is repeated until none has appeared for SETTLE_S
+    (at most SETTLE_LIMIT_S). A folder still made later is removed when the directory is next opened."""
     if step is None:
         return "nothing left behind"
-    leftovers = unfinished_saves(directory, step)
-    kept = []
-    for folder in leftovers:
-        try:
-            shutil.rmtree(folder)
-        except OSError:
-            kept.append(str(folder))
+    leftovers, kept = [], []
+    started = quiet_since = time.monotonic()
+    while True:
+        found = [folder for folder in unfinished_saves(directory, step) if str(folder) not in kept]
+        now = time.monotonic()
+        if found:
+            quiet_since = now
+        elif now - quiet_since >= SETTLE_S or now - started >= SETTLE_LIMIT_S:
+            break
+        for folder in found:
+            leftovers.append(folder)
+            try:
+                shutil.rmtree(folder)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                kept.append(str(folder))
+        time.sleep(POLL_S)
     if kept:
         return f"the unfinished save is left in {', '.join(kept)}: delete it"
     return f"its unfinished folder {leftovers[0].name} was removed" if leftovers else "nothing left behind"

@@ -93,3 +93,21 @@ def test_a_nan_in_imported_weights_names_the_tensor(model, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(HFCheckpointError, match=rf"tensor {name!r} holds 1 NaN or infinite values"):
         from_hf(tmp_path)
+
+
+def test_a_file_system_that_refuses_modes_still_gets_the_export(tmp_path, monkeypatch):
+    """A CIFS or vfat mount owned by another user refuses chmod: the export wrote its weights whole and then
+    stopped on PermissionError, leaving model.safetensors.partial, at every rerun."""
+    import errno
+    import os
+
+    from spillway.models import hf
+
+    def refused(path, mode):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    partial = tmp_path / "model.safetensors.partial"
+    partial.write_bytes(b"weights")
+    monkeypatch.setattr(os, "chmod", refused)
+    hf.put_in_place(partial, tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors").read_bytes() == b"weights" and not partial.exists()

@@ -177,3 +177,19 @@ def test_the_step_summary_is_worked_out_from_the_fields():
     assert get_recipe("llama3_8b").step_summary() == (
         "4,194,304 tokens/step (512 x 8,192, 64 micro-batches of 1 sequence per GPU); 3,576,278 steps, "
         "15.00T tokens; planned for 8 x H200 SXM 141GB")
+
+
+def test_a_tilde_in_the_run_and_cache_folders_is_the_home_folder(tmp_path, monkeypatch):
+    """`--set checkpoint.dir=~/ft` is not expanded by the shell (the word starts with "checkpoint"): the run
+    made a folder named "~" in the working directory, and the resume preflight looked in the home folder."""
+    from pathlib import Path
+
+    from spillway.recipes.config import apply_overrides
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.checkpoint_dirs import checkpoint_dir_of
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    recipe = apply_overrides(get_recipe("tiny"), ["checkpoint.dir=~/ft", "data.cache_dir=~/cache"])
+    assert recipe.run_dir == str(tmp_path / "ft")
+    assert recipe.data.cache_path == tmp_path / "cache"
+    assert Path(str(checkpoint_dir_of("~/ft"))) == tmp_path / "ft"   # expanded, not <cwd>/~/ft

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from spillway.recipes import cli
+from spillway.recipes.export import _run_id
 from spillway.recipes.registry import get_recipe
 
 
@@ -89,10 +90,10 @@ def test_weights_no_export_of_this_run_recorded_are_refused_and_kept(tmp_path, c
     other_export.mkdir()
     for name in ("config.json", "model.safetensors"):
         (other_export / name).write_text("{}")
-    (other_export / "spillway_export.json").write_text(json.dumps({"source": str(tmp_path / "elsewhere"),
-                                                                   "step_dir": "x", "adapter": False}))
+    (other_export / "spillway_export.json").write_text(json.dumps({"run": "elsewhere", "run_id": _run_id(
+        str(tmp_path / "elsewhere")), "step": "3", "adapter": False, "finished": True}))
     for folder, named in ((downloaded, "that no spillway export recorded"),
-                          (other_export, f"holds an export of another run ({tmp_path / 'elsewhere'})")):
+                          (other_export, f"holds an export of another run ('elsewhere', not {tmp_path / 'run'})")):
         before = digests(folder)
         assert cli.main(["export", str(step), str(folder)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -108,9 +109,9 @@ def test_an_export_of_the_same_run_is_replaced_and_named(tmp_path):
     out.mkdir()
     (out / "model.safetensors").write_text("{}")
     source = _source_of(tmp_path / "run", step)
-    (out / "spillway_export.json").write_text(json.dumps({"source": source, "step_dir": str(step), "adapter": False}))
-    assert _check_earlier_export(out, "model.safetensors", source) == f"its export of {step}"
-    (out / "spillway_export.json").write_text(json.dumps({"source": source, "step_dir": str(step), "adapter": False,
-                                                          "finished": False}))
-    assert _check_earlier_export(out, "model.safetensors", source) == f"its unfinished export of {step}"
+    record = {"run": "run", "run_id": _run_id(source), "step": "3", "adapter": False, "finished": True}
+    (out / "spillway_export.json").write_text(json.dumps(record))
+    assert _check_earlier_export(out, "model.safetensors", source) == "its export of step 3"
+    (out / "spillway_export.json").write_text(json.dumps({**record, "finished": False}))
+    assert _check_earlier_export(out, "model.safetensors", source) == "its unfinished export of step 3"
     assert _check_earlier_export(tmp_path / "run", "model.safetensors", source) is None   # nothing of that kind

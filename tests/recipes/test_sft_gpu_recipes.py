@@ -80,3 +80,21 @@ def test_offline_an_sft_recipe_names_its_corpus_and_base_model_in_one_line(name,
             f"it with `hf download {TOKENIZER} --exclude 'original/*' --local-dir models/{TOKENIZER}`)") in line
     assert "--set checkpoint.init_from=hf:DIR" in line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_plan_check_takes_the_tokenizer_from_a_fetched_base_as_the_run_does(name, tmp_path, monkeypatch):
+    """`spillway train NAME --plan` checks the inputs before the base is read: with the base fetched (as the
+    missing-input line says) and tokenizers/<repo> not, it refused on the tokenizer that plain `train` takes
+    from the checkpoint. A fetched base without a tokenizer still leaves the local copy missing."""
+    from spillway.recipes.train.preflight import MissingInputError, check_run_inputs
+
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / "models" / TOKENIZER
+    base.mkdir(parents=True)
+    (tmp_path / "corpus.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    recipe = get_recipe(name, ["data.source=corpus.jsonl"])
+    with pytest.raises(MissingInputError, match=r"data.tokenizer .* does not exist"):
+        check_run_inputs(recipe)
+    (base / "tokenizer.json").write_text("{}")
+    check_run_inputs(recipe)
