@@ -61,6 +61,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Where the special tokens of a tokenizer are looked up, beside its file, in this order.
 _TOKEN_FILES = (TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
 _TOKEN_ID_FILES = ("generation_config.json", "config.json")
+# Files beside a tokenizer that transformers reads with it, copied where it is saved (`save_to_directory`).
+KEPT_BESIDE = ("special_tokens_map.json", "chat_template.jinja")
 
 
 class NoEosTokenError(ValueError):
@@ -228,13 +230,31 @@ class Tokenizer(abc.ABC):
         """The vocabulary entry of one id (what `tokenizer_config.json` names special tokens by)."""
 
     def save_to_directory(self, directory: str | os.PathLike) -> Path:
-        """`file_name` and a tokenizer_config.json naming EOS/BOS in `directory`; load_tokenizer reads it back."""
+        """`file_name` and a tokenizer_config.json naming EOS/BOS in `directory`; load_tokenizer reads it back.
+
+        What the files beside the tokenizer said is kept (a Hugging Face checkpoint's tokenizer_class,
+        pad_token, added tokens, chat template; its special_tokens_map.json and chat_template.jinja are
+        copied): transformers loads the folder, or an export of it, as the tokenizer it was, and a model
+        fine-tuned on text keeps its chat template. Only EOS, BOS and add_bos_token are this tokenizer's."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        beside = self.path.parent if self.path is not None else None
+        config = {}
+        if beside is not None and (beside / TOKENIZER_CONFIG_FILE).is_file():
+            try:
+                config = _read_json(beside / TOKENIZER_CONFIG_FILE)   # read before a save into the same folder
+            except ValueError:
+                config = {}   # unreadable: load_tokenizer said so already where it mattered
+        kept = {name: (beside / name).read_bytes() for name in KEPT_BESIDE
+                if beside is not None and (beside / name).is_file()}
         path = self.save(directory / self.file_name)
-        config = {"eos_token": self.token_text(self.eos_id)}
+        for name, data in kept.items():
+            atomic_write_bytes(directory / name, data)
+        config["eos_token"] = self.token_text(self.eos_id)
         if self.bos_id is not None:
             config["bos_token"] = self.token_text(self.bos_id)
+        else:
+            config.pop("bos_token", None)
         config["add_bos_token"] = self.adds_bos   # how the run tokenized (recipes/train/tokenization_record.py)
         atomic_write_bytes(directory / TOKENIZER_CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
         return path

@@ -52,6 +52,7 @@ EXPORT_RECORD = "spillway_export.json"   # which run an export folder holds: a l
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED_WEIGHTS = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"   # the merged export's stop ids (_write_generation_ids)
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
@@ -152,7 +153,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)
     own = ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS
-    _check_out_dir(out, own, _tokenizer_files(run_dir))
+    writes = _tokenizer_files(run_dir) + ([GENERATION_CONFIG] if not adapter and run_dir is not None else [])
+    _check_out_dir(out, own, writes)
     source = _source_of(run_dir, step_dir)
     replaced = _check_earlier_export(out, own, source)
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
@@ -168,10 +170,11 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
     else:
         write_merged(recipe, params, out)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
+    stops = _write_generation_ids(Path(run_dir), out) if not adapter and run_dir is not None else ""
     _write_record(out, source, step_dir, adapter, finished=True)
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
         + (f", replacing {replaced}" if replaced else "")
-        + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run"))
+        + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run") + stops)
     return out
 
 
@@ -181,6 +184,50 @@ def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: 
     partial.write_text(json.dumps({"run": Path(source).name, "run_id": _run_id(source), "step": Path(step_dir).name,
                                    "adapter": adapter, "finished": finished}, indent=1) + "\n")
     partial.replace(out / EXPORT_RECORD)
+
+
+def _write_generation_ids(run_dir: Path, out: Path) -> str:
+    """The run's BOS, EOS and pad ids into config.json, and a generation_config.json whose eos_token_id lists
+    every token that ends an answer (a chat run's end-of-turn tokens too, as `spillway generate --chat` stops):
+    without them transformers takes the family's default ids, and generate() ran past the end of a turn.
+    Returns what the export's line says of it."""
+    from spillway.data import load_tokenizer
+    from spillway.data.chat_template import resolve_chat_template, tokenizer_template
+    from spillway.data.sft_targets import adds_bos, end_of_turn_ids, special_token_texts, template_special_tokens
+    from spillway.recipes.train.tokenization_record import recorded_bos
+
+    tokenizer = load_tokenizer(run_dir)
+    if recorded_bos(run_dir) is not None:
+        tokenizer = tokenizer.with_bos(recorded_bos(run_dir))
+    specials = special_token_texts(tokenizer)
+    stops = [tokenizer.eos_id]
+    if tokenizer_template(run_dir) is not None:
+        template = resolve_chat_template(None, run_dir, template_special_tokens(tokenizer), bos_first=adds_bos(tokenizer))
+        stops += [i for i in end_of_turn_ids(template, tokenizer, specials) if i not in stops]
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops}
+    pad = specials.get(_token_text_of(run_dir / "tokenizer_config.json", "pad_token"))
+    if pad is not None:
+        ids["pad_token_id"] = pad
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    _write_json(config_path, {**config, **{k: v for k, v in ids.items() if v is not None}})
+    _write_json(out / GENERATION_CONFIG, {k: v for k, v in ids.items() if v is not None})
+    return f"; {GENERATION_CONFIG}: generation stops at token {' or '.join(str(i) for i in stops)}"
+
+
+def _token_text_of(path: Path, field: str) -> str | None:
+    """A special token's text as tokenizer_config.json names it (a string, or transformers' older dict form)."""
+    try:
+        value = json.loads(path.read_text()).get(field)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _write_json(path: Path, value: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=2) + "\n")
+    partial.replace(path)
 
 
 def _tokenizer_files(run_dir) -> list[str]:

@@ -148,12 +148,15 @@ def save_run_tokenizer(tokenizer: Tokenizer, run_dir: Path, recipe: Recipe) -> N
     import json
 
     from spillway.data.cache import atomic_write_bytes
-    from spillway.data.chat_template import TOKENIZER_CONFIG_FILE
+    from spillway.data.chat_template import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 
     path = Path(run_dir) / TOKENIZER_CONFIG_FILE
     config = json.loads(path.read_text())
     config.update({"chat_template": template.source, **template.special_tokens})
     atomic_write_bytes(path, (json.dumps(config, indent=2) + "\n").encode())
+    jinja = Path(run_dir) / CHAT_TEMPLATE_FILE   # copied from the tokenizer's folder: transformers reads it first
+    if jinja.is_file():
+        atomic_write_bytes(jinja, template.source.encode())
 
 
 def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:

@@ -163,3 +163,24 @@ def test_packing_with_a_tokenizer_json(hf_dir, text_folder, tmp_path):
     assert (rows == tokenizer.eos_id).sum() > 0   # documents end with the EOS from tokenizer_config.json
     again = prepare_tokens(str(text_folder), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
     assert again.from_cache
+
+
+def test_a_saved_copy_keeps_what_transformers_reads_beside_the_tokenizer(bpe, tmp_path):
+    """A run's copy of a Hugging Face tokenizer kept only EOS, BOS and add_bos_token: AutoTokenizer then took
+    the model family's class (a Gemma 2 export failed to load), lost the pad token, and a model fine-tuned on
+    text lost its chat template."""
+    transformers = pytest.importorskip("transformers")
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    source = tmp_path / "hf"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=BOS, pad_token=EOS,
+                                         chat_template=template).save_pretrained(source)
+    load_tokenizer(source).with_bos(False).save_to_directory(tmp_path / "run")
+    original = transformers.AutoTokenizer.from_pretrained(source)
+    copy = transformers.AutoTokenizer.from_pretrained(tmp_path / "run")
+    assert type(copy) is type(original)
+    assert (copy.pad_token, copy.eos_token, copy.bos_token) == (original.pad_token, EOS, BOS)
+    assert copy.chat_template == original.chat_template == template
+    saved = json.loads((tmp_path / "run" / "tokenizer_config.json").read_text())
+    assert saved["add_bos_token"] is False   # this tokenizer's own choice still wins
+    for name in ("special_tokens_map.json", "chat_template.jinja"):   # whichever transformers wrote
+        assert (tmp_path / "run" / name).is_file() == (source / name).is_file()

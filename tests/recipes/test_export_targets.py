@@ -57,13 +57,13 @@ def test_a_new_folder_inside_a_run_directory_is_a_fine_target(tmp_path):
     _check_not_a_run(tmp_path / "elsewhere")
 
 
-@pytest.mark.parametrize("left", ["tokenizer.json", "chat_template.jinja", "generation_config.json"])
+@pytest.mark.parametrize("left", ["tokenizer.json", "chat_template.jinja", "added_tokens.json"])
 def test_another_checkpoints_files_that_transformers_would_read_beside_the_export_are_refused(tmp_path, capsys,
                                                                                               left):
     """A folder transformers saved (config.json, model.safetensors, its tokenizer.json, chat_template.jinja,
-    generation_config.json): the export replaces config and weights, but a tokenizer.json left beside the run's
-    tokenizer.model is what AutoTokenizer loads, and chat_template.jinja and generation_config.json override
-    the run's template and EOS."""
+    added_tokens.json): the export replaces config and weights (and generation_config.json, which it writes),
+    but a tokenizer.json left beside the run's tokenizer.model is what AutoTokenizer loads, chat_template.jinja
+    overrides the run's template and added_tokens.json adds tokens the run never had."""
     step = stub_run(tmp_path / "run")
     (tmp_path / "run" / "tokenizer.model").write_bytes(b"the run's sentencepiece model")
     folder = tmp_path / "saved_by_transformers"

@@ -79,6 +79,12 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     said = capsys.readouterr().out
     assert "replacing its unfinished export of " in said, said
     assert (out / "model.safetensors").is_file()
+    # the run's stop ids, which transformers' generate() reads (it took the family's defaults and ran on)
+    from spillway.data import load_tokenizer
+    eos = load_tokenizer(tmp_path / "run").eos_id
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+    assert f"generation_config.json: generation stops at token {eos}" in said
     record = (out / "spillway_export.json").read_text()
     assert json.loads(record)["finished"] is True
     assert str(tmp_path) not in record   # an export folder uploaded as it is carries no local path
