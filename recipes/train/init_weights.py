@@ -77,13 +77,43 @@ def check_model_matches(recipe: Recipe, directory: Path):
         raise ValueError(f"{where}: the checkpoint is a {family.name} model, but recipe {recipe.name!r} builds "
                          f"a {recipe.family} model; pick a {family.name} recipe")
     may_differ = () if recipe.decoder_spec().learned_positions else POSITION_RANGE_FIELDS
-    for field in dataclasses.fields(recipe.model):
-        ours, theirs = getattr(recipe.model, field.name), getattr(checkpoint_model, field.name)
-        if ours != theirs and field.name not in may_differ:
-            raise ValueError(f"{where}: model.{field.name} differs: recipe {recipe.name!r} has {ours!r}, the "
-                             f"checkpoint's config.json has {theirs!r}; make them equal "
-                             f"(--set model.{field.name}=...) or pick the recipe of this checkpoint")
+    differing = [field.name for field in dataclasses.fields(recipe.model) if field.name not in may_differ
+                 and getattr(recipe.model, field.name) != getattr(checkpoint_model, field.name)
+                 and _effective(recipe.model, field.name) != _effective(checkpoint_model, field.name)]
+    if differing:
+        # Every field at once, with the flags that match it: one at a time took a user four runs.
+        what = ", ".join(f"model.{name} (recipe {_effective(recipe.model, name)!r}, checkpoint "
+                         f"{_effective(checkpoint_model, name)!r})" for name in differing)
+        flags = " ".join(flag for name in differing for flag in _set_flags(f"model.{name}",
+                                                                          _effective(checkpoint_model, name)))
+        raise ValueError(f"{where}: recipe {recipe.name!r} differs from the checkpoint's config.json in {what}; "
+                         f"match it with {flags}, or pick the recipe of this checkpoint")
     return checkpoint_model
+
+
+def _effective(model, name: str):
+    """A model field as the model uses it: head_dim unset is d_model / num_heads (a config.json that writes
+    that default out is the same model)."""
+    value = getattr(model, name)
+    if name == "head_dim" and value is None and getattr(model, "num_heads", 0):
+        return model.d_model // model.num_heads
+    return value
+
+
+def _set_flags(name: str, value) -> list[str]:
+    """The --set flags that give field `name` this value: a group of fields (rope scaling) one flag a field."""
+    if dataclasses.is_dataclass(value):
+        return [flag for field in dataclasses.fields(value)
+                for flag in _set_flags(f"{name}.{field.name}", getattr(value, field.name))]
+    if value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = str(value).lower()
+    elif isinstance(value, (tuple, list)):
+        text = ",".join(str(v) for v in value)
+    else:
+        text = str(value)
+    return [f"--set {name}={text}"]
 
 
 def check_source_run_family(recipe: Recipe, init_from: str) -> None:

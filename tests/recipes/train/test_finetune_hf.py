@@ -189,7 +189,8 @@ def test_a_recipe_whose_model_differs_fails_naming_the_field(hf_checkpoint, data
     assert cli.main(cli_args(sets)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert "model.num_layers differs: recipe 'tiny' has 3, the checkpoint's config.json has 2" in err
+    assert "recipe 'tiny' differs from the checkpoint's config.json in model.num_layers (recipe 3, checkpoint 2); " \
+           "match it with --set model.num_layers=2, or pick" in err
     assert not (tmp_path / "bad").exists()   # refused before anything was built or written
 
 
