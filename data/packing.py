@@ -123,10 +123,10 @@ def _split_sizes(
         wanted = "one training row and one validation row" if val_fraction > 0 else "one training row"
         raise ValueError(
             f"corpus {description!r} is too short: it has {shards.num_tokens} tokens in "
-            f"{shards.num_documents} documents, and {wanted} of seq_len={seq_len} need {row_len} tokens "
+            f"{shards.num_documents} document{'' if shards.num_documents == 1 else 's'}, and {wanted} of seq_len={seq_len} need {row_len} tokens "
             f"each, from whole documents ({train_tokens} tokens train, {val_tokens} validation); "
-            f"use a larger corpus or a shorter seq_len" + (" or val_fraction=0 (with train.eval_every=0: no "
-                                                           "validation)" if val_fraction > 0 else "")
+            f"use a larger corpus or a shorter seq_len" + (" or val_fraction=0 (no validation set; a run then "
+                                                           "needs train.eval_every=0)" if val_fraction > 0 else "")
         )
     return threshold, train_rows, val_rows, shards.num_documents - val_documents, val_documents
 

@@ -296,5 +296,5 @@ def _check_examples(source: str, splits: dict, examples: int, overlong: int, row
     wanted = "a training and a validation example" if options.val_fraction > 0 else "a training example"
     raise DataError(f"data.source {source!r}: {examples} examples ({overlong} longer than a row of "
                     f"{row_len} tokens{', dropped' if options.overlong == 'drop' else ''}) do not give "
-                    f"{wanted}; use more records" + (" or data.val_fraction=0 with train.eval_every=0 (no validation)"
+                    f"{wanted}; use more records" + (" or data.val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
                                                      if options.val_fraction else ""))

@@ -171,7 +171,7 @@ def test_too_short_for_a_training_row(tokenizer, tmp_path):
     num_tokens = len(tokenizer.encode(["the model"])[0]) + 1
     with pytest.raises(
         ValueError,
-        match=f"short.txt' is too short: it has {num_tokens} tokens in 1 documents, and one training row of "
+        match=f"short.txt' is too short: it has {num_tokens} tokens in 1 document, and one training row of "
         f"seq_len=64 need 65 tokens",
     ):
         prepare_tokens(str(path), tokenizer, seq_len=64, val_fraction=0, cache_dir=tmp_path / "cache")
