@@ -326,14 +326,23 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
     cfg = recipe.train
     sample = None
     if main and cfg.sample_tokens > 0:
-        # a prompt starts as the documents the model trained on did: with the BOS, if they had one
-        prefix = tokenizer.document_prefix()
-        prompt_ids = prefix + tokenizer.encode([cfg.sample_prompt])[0] or [tokenizer.eos_id]
+        if recipe.data.format != "text":   # a chat/instruct run answers train.sample_prompt as a user's message
+            from spillway.recipes.generate import chat_prompt
+            prefix, (prompt_ids, stop_ids) = [], chat_prompt(run_dir, recipe, tokenizer, cfg.sample_prompt)
+            heading = f"sample (the answer to {cfg.sample_prompt!r}, through the chat template):"
+        else:   # a prompt starts as the documents the model trained on did: with the BOS, if they had one
+            prefix, stop_ids, heading = tokenizer.document_prefix(), (), "sample:"
+            prompt_ids = prefix + tokenizer.encode([cfg.sample_prompt])[0] or [tokenizer.eos_id]
         room = recipe.model.max_seq_len - len(prompt_ids)
-        new_ids = generate(model, prompt_ids, max_new_tokens=min(cfg.sample_tokens, room), temperature=0.8,
-                           top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id)
-        sample = tokenizer.decode(prompt_ids[len(prefix):] + new_ids)   # the text, without the BOS put first
-        say("sample:\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
+        if room <= 0:
+            say(f"sample: none, train.sample_prompt is {len(prompt_ids)} tokens and model.max_seq_len "
+                f"{recipe.model.max_seq_len}")
+        else:
+            new_ids = generate(model, prompt_ids, max_new_tokens=min(cfg.sample_tokens, room), temperature=0.8,
+                               top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids)
+            sample = (tokenizer.decode(new_ids).strip() if recipe.data.format != "text"
+                      else tokenizer.decode(prompt_ids[len(prefix):] + new_ids))   # the text, without the BOS first
+            say(heading + "\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
     # Process 0 did extra work above; leave together, or jax.distributed's shutdown barrier can time out.
     distributed.barrier("spillway-train-end")
     return RunResult(run_dir, state.step, logger.history, sample, model, tokenizer)

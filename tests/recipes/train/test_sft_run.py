@@ -64,7 +64,10 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     record of which run wrote it, so the same command then refused the folder as someone else's."""
     from spillway.models import hf
 
-    assert cli.main(run_args(tmp_path, tokenizer_dir, "train.steps=1")) == 0
+    assert cli.main(run_args(tmp_path, tokenizer_dir, "train.steps=1", "train.sample_tokens=3",
+                             "train.sample_prompt=Say hi.")) == 0
+    # the run's closing sample answers the prompt as a message, through the chat template
+    assert "sample (the answer to 'Say hi.', through the chat template):" in capsys.readouterr().out
     out = tmp_path / "exported"
 
     def killed(partial, final):
