@@ -110,6 +110,12 @@ def _base_model_problem(recipe: Recipe) -> str | None:
                 f"point at a run directory or step folder with --set checkpoint.init_from=DIR")
     if folder.exists():
         return None
+    if _resumes_without_it(recipe):
+        # The resume reads its weights from its own step, but its recipe names this folder as its tokenizer
+        # (init_weights.resolve_init_from), which must match: say so, rather than to download a base again.
+        return (f"checkpoint.init_from {init_from!r} does not exist: this run resumes from a step of its own, but "
+                f"it tokenizes with that checkpoint's tokenizer, read from there; put the folder back where it was "
+                f"(or train into another checkpoint.dir to start over)")
     fetch = (f" (it is {origin}: fetch it with `hf download {origin} --exclude 'original/*' --local-dir {folder}`)"
              if origin else "")
     return (f"checkpoint.init_from {init_from!r} does not exist{fetch}; or point at a local copy with "

@@ -220,3 +220,6 @@ def test_a_fine_tune_that_resumes_from_its_own_step_does_not_need_its_source(tmp
         check_base_model_first(apply_overrides(recipe, ["train.resume=false"]))
     with pytest.raises(MissingInputError):
         check_base_model_first(apply_overrides(recipe, ["lora.rank=4"]))
+    # an hf: base is still read for its tokenizer: the line says to put it back, not to download a base
+    with pytest.raises(MissingInputError, match="this run resumes from a step of its own, but it tokenizes with"):
+        check_base_model_first(apply_overrides(recipe, ["checkpoint.init_from=hf:gone-download"]))
