@@ -171,6 +171,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
         write_merged(recipe, params, out)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
     stops = _write_generation_ids(Path(run_dir), out) if not adapter and run_dir is not None else ""
+    if not adapter:
+        _keep_base_context(recipe, out)
     _write_record(out, source, step_dir, adapter, finished=True)
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
         + (f", replacing {replaced}" if replaced else "")
@@ -213,6 +215,23 @@ def _write_generation_ids(run_dir: Path, out: Path) -> str:
     _write_json(config_path, {**config, **{k: v for k, v in ids.items() if v is not None}})
     _write_json(out / GENERATION_CONFIG, {k: v for k, v in ids.items() if v is not None})
     return f"; {GENERATION_CONFIG}: generation stops at token {' or '.join(str(i) for i in stops)}"
+
+
+def _keep_base_context(recipe: Recipe, out: Path) -> None:
+    """config.json's max_position_embeddings as the `hf:` base's where the run fine-tuned at a shorter
+    model.max_seq_len (RoPE positions are computed: the weights serve the base's length; the export said the
+    fine-tune's, and transformers warned past it). Left as written where the base folder is not found."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    try:
+        folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
+        base = None if folder is None else json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return
+    if recipe.decoder_spec().learned_positions or not isinstance(base, int) or base <= recipe.model.max_seq_len:
+        return
+    config = json.loads((out / "config.json").read_text())
+    _write_json(out / "config.json", {**config, "max_position_embeddings": base})
 
 
 def _token_text_of(path: Path, field: str) -> str | None:

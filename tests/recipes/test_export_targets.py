@@ -115,3 +115,24 @@ def test_an_export_of_the_same_run_is_replaced_and_named(tmp_path):
     (out / "spillway_export.json").write_text(json.dumps({**record, "finished": False}))
     assert _check_earlier_export(out, "model.safetensors", source) == "its unfinished export of step 3"
     assert _check_earlier_export(tmp_path / "run", "model.safetensors", source) is None   # nothing of that kind
+
+
+def test_a_fine_tune_at_a_shorter_length_exports_the_bases_context(tmp_path):
+    """A run fine-tuned from an hf: base at a shorter model.max_seq_len exported that length as
+    max_position_embeddings: transformers then warned past it, although RoPE weights serve the base's."""
+    from spillway.recipes.export import _keep_base_context
+
+    base, out = tmp_path / "base", tmp_path / "out"
+    base.mkdir()
+    out.mkdir()
+    (base / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "hidden_size": 64}))
+    recipe = get_recipe("tiny", [f"checkpoint.init_from=hf:{base}", "model.max_seq_len=128"])
+    _keep_base_context(recipe, out)
+    assert json.loads((out / "config.json").read_text()) == {"max_position_embeddings": 256, "hidden_size": 64}
+    longer = get_recipe("tiny", [f"checkpoint.init_from=hf:{base}", "model.max_seq_len=512"])
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    _keep_base_context(longer, out)   # a longer fine-tune keeps its own
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 512
+    _keep_base_context(get_recipe("tiny", [f"checkpoint.init_from=hf:{tmp_path / 'gone'}"]), out)   # not found: kept
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 512
