@@ -102,7 +102,9 @@ def _cmd_generate(args) -> int:
 def _cmd_export(args) -> int:
     _refuse_empty_paths(CHECKPOINT=args.checkpoint, OUT_DIR=args.out_dir)
     from spillway.recipes.export import export_run
-    export_run(args.checkpoint, args.out_dir, adapter=args.adapter)
+    if args.dtype is not None and args.adapter:
+        raise ConfigError("--dtype casts the merged weights; the --adapter folder keeps the adapters' float32")
+    export_run(args.checkpoint, args.out_dir, adapter=args.adapter, dtype=args.dtype)
     return 0
 
 
@@ -166,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="the folder to write (empty, or holding an earlier export of the same run)")
     p.add_argument("--adapter", action="store_true",
                    help="write the LoRA adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the weights' dtype in the folder (default: the run's parameter dtype, "
+                        "execution.param_dtype; bfloat16 halves a float32 run's folder)")
     p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("plan", help="HBM, host memory and transfer cost of a recipe on a GPU, without the GPU",

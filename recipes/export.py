@@ -2,6 +2,7 @@
 
     spillway export runs/sft out/          config.json, model.safetensors, the run's tokenizer files:
                                            transformers loads it (LoRA adapters merged into the weights)
+    spillway export runs/sft out/ --dtype bfloat16   the same, the weights cast (default: the run's dtype)
     spillway export runs/sft out/ --adapter   adapter_config.json + adapter_model.safetensors, the
                                            adapters alone, which `peft` loads onto the base model
 
@@ -138,7 +139,7 @@ def _saved_recipe(step_dir) -> Recipe:
     return Recipe.from_dict(json.loads(read_recipe_json(step_dir)))
 
 
-def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> Path:
+def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | None = None, say=print) -> Path:
     """Write the Hugging Face (or, with `adapter`, PEFT) folder of the run or step `path` into `out_dir`."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
     from spillway.recipes.train.lora_state import restore_run_params
@@ -168,13 +169,14 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, say=print) -> 
     if adapter:
         write_peft_adapter(recipe, params, out)
     else:
-        write_merged(recipe, params, out)
+        write_merged(recipe, params, out, dtype=dtype)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
     stops = _write_generation_ids(Path(run_dir), out) if not adapter and run_dir is not None else ""
     if not adapter:
         _keep_base_context(recipe, out)
     _write_record(out, source, step_dir, adapter, finished=True)
-    say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else "")
+    weights = "" if adapter else f" ({json.loads((out / 'config.json').read_text()).get('torch_dtype')} weights)"
+    say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else weights)
         + (f", replacing {replaced}" if replaced else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run") + stops)
     return out
@@ -295,10 +297,10 @@ def merged_state(recipe: Recipe, params):
     return graphdef, nnx.from_flat_state(list(base.items()))
 
 
-def write_merged(recipe: Recipe, params, out: Path) -> None:
+def write_merged(recipe: Recipe, params, out: Path, dtype: str | None = None) -> None:
     from spillway.models.hf import to_hf
     graphdef, state = merged_state(recipe, params)
-    to_hf(nnx.merge(graphdef, state), out)
+    to_hf(nnx.merge(graphdef, state), out, dtype=dtype)
 
 
 def _hf_names(recipe: Recipe) -> dict[tuple, str]:

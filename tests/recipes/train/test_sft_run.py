@@ -88,6 +88,14 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
     assert f"generation_config.json: generation stops at token {eos}" in said
+    # --dtype casts the folder's weights (a float32 run's bfloat16 export is half the size)
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "half"), "--dtype", "bfloat16"]) == 0
+    assert "(bfloat16 weights)" in capsys.readouterr().out
+    header_size = int.from_bytes((tmp_path / "half" / "model.safetensors").read_bytes()[:8], "little")
+    header = json.loads((tmp_path / "half" / "model.safetensors").read_bytes()[8:8 + header_size])
+    assert {entry["dtype"] for name, entry in header.items() if name != "__metadata__"} == {"BF16"}
+    assert json.loads((tmp_path / "half" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (tmp_path / "half" / "model.safetensors").stat().st_size < 0.6 * (out / "model.safetensors").stat().st_size
     record = (out / "spillway_export.json").read_text()
     assert json.loads(record)["finished"] is True
     assert str(tmp_path) not in record   # an export folder uploaded as it is carries no local path
