@@ -12,8 +12,9 @@ under the family's Hugging Face names. The adapter folder is PEFT's LoRA
 layout: `base_model.model.<module path>.lora_A.weight` [r, in] and `lora_B.weight`
 [out, r] per layer, an adapter_config.json naming r, lora_alpha, lora_dropout,
 target_modules and base_model_name_or_path (the run's `checkpoint.init_from`:
-an `hf:` folder as a path; a spillway run's step folder, which a user exports
-first with `spillway export`).
+the Hub repository an `hf:` folder is a copy of, where the recipe names it,
+else the folder's absolute path; a spillway run's step folder, which a user
+exports first with `spillway export`).
 
 The tokenizer files the run holds (tokenizer.json or tokenizer.model,
 tokenizer_config.json with its chat template, special_tokens_map.json) are
@@ -310,6 +311,16 @@ def _hf_names(recipe: Recipe) -> dict[tuple, str]:
     return {w.path: w.hf_name for w in table.weights(recipe.model) if w.per_layer and not w.per_expert}
 
 
+def _base_name(recipe: Recipe) -> str:
+    """adapter_config.json's base_model_name_or_path: the Hub repository the base is a copy of where the recipe
+    names one (checkpoint.init_from_origin, as PEFT's own exports name it), else the base folder as an absolute
+    path (a relative one was relative to wherever the run was trained)."""
+    init_from = recipe.checkpoint.init_from or ""
+    if init_from.startswith("hf:") and recipe.checkpoint.init_from_origin:
+        return recipe.checkpoint.init_from_origin
+    return str(Path(init_from.removeprefix("hf:")).expanduser().absolute()) if init_from else ""
+
+
 def write_peft_adapter(recipe: Recipe, params, out: Path) -> None:
     """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter."""
     from safetensors.numpy import save_file
@@ -332,12 +343,11 @@ def write_peft_adapter(recipe: Recipe, params, out: Path) -> None:
             tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(a[layer])
             tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b[layer])
     spec = recipe.lora_spec()
-    init_from = recipe.checkpoint.init_from or ""
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": recipe.lora.rank, "lora_alpha": recipe.lora.alpha,
         "lora_dropout": recipe.lora.dropout, "target_modules": sorted({m.rsplit(".", 1)[-1] for m in
                                                                        hf_modules(recipe.model, spec.targets)}),
-        "base_model_name_or_path": init_from.removeprefix("hf:"), "bias": "none", "fan_in_fan_out": False,
+        "base_model_name_or_path": _base_name(recipe), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None,
     }

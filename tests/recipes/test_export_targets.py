@@ -136,3 +136,15 @@ def test_a_fine_tune_at_a_shorter_length_exports_the_bases_context(tmp_path):
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 512
     _keep_base_context(get_recipe("tiny", [f"checkpoint.init_from=hf:{tmp_path / 'gone'}"]), out)   # not found: kept
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 512
+
+
+def test_the_adapters_base_is_named_by_its_hub_repository_or_an_absolute_path(tmp_path, monkeypatch):
+    """adapter_config.json named the base folder as typed when training (`hf/llama`), relative to a directory
+    the loading user may not be in."""
+    from spillway.recipes.export import _base_name
+
+    monkeypatch.chdir(tmp_path)
+    assert _base_name(get_recipe("tiny", ["checkpoint.init_from=hf:hf/llama"])) == str(tmp_path / "hf" / "llama")
+    assert _base_name(get_recipe("tiny", ["checkpoint.init_from=hf:hf/llama",
+                                          "checkpoint.init_from_origin=meta-llama/Llama-3.2-1B"])) == \
+        "meta-llama/Llama-3.2-1B"
