@@ -231,3 +231,24 @@ def test_a_fine_tune_that_resumes_from_its_own_step_does_not_need_its_source(tmp
     # an hf: base is still read for its tokenizer: the line says to put it back, not to download a base
     with pytest.raises(MissingInputError, match="this run resumes from a step of its own, but it tokenizes with"):
         check_base_model_first(apply_overrides(recipe, ["checkpoint.init_from=hf:gone-download"]))
+
+
+def test_a_chat_template_the_export_cannot_render_still_gives_the_eos(tokenizer_dir, tmp_path):
+    """A text fine-tune keeps its base's chat template, which the run never rendered: where spillway's renderer
+    cannot read it, the export still writes the EOS and says why the end of turn is missing (not fail)."""
+    import shutil
+
+    from spillway.data import load_tokenizer
+    from spillway.recipes.export import _write_generation_ids
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(tokenizer_dir, run, ignore=shutil.ignore_patterns("cache"))
+    (run / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    said = _write_generation_ids(run, out)
+    eos = load_tokenizer(run).eos_id
+    assert said.startswith(f"; generation_config.json: generation stops at token {eos} (the chat template's end "
+                           f"of turn not read: ")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
