@@ -327,7 +327,7 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
     sample = None
     if main and cfg.sample_tokens > 0:
         if recipe.data.format != "text":   # a chat/instruct run answers train.sample_prompt as a user's message
-            from spillway.recipes.generate import chat_prompt
+            from spillway.recipes.train.chat_prompt import chat_prompt
             prefix, (prompt_ids, stop_ids) = [], chat_prompt(run_dir, recipe, tokenizer, cfg.sample_prompt)
             heading = f"sample (the answer to {cfg.sample_prompt!r}, through the chat template):"
         else:   # a prompt starts as the documents the model trained on did: with the BOS, if they had one

@@ -10,7 +10,7 @@ import pytest
 
 from spillway.data import load_tokenizer
 from spillway.layers.errors import ConfigError
-from spillway.recipes.generate import chat_prompt
+from spillway.recipes.train.chat_prompt import chat_prompt
 from spillway.recipes.registry import get_recipe
 from user_files import write_hf_tokenizer
 
