@@ -65,9 +65,12 @@ def remove_unfinished(directory, step: int | None) -> str:
     while True:
         found = [folder for folder in unfinished_saves(directory, step) if str(folder) not in kept]
         now = time.monotonic()
+        if now - started >= SETTLE_LIMIT_S:   # bounded even while folders keep appearing
+            kept += [str(folder) for folder in found]
+            break
         if found:
             quiet_since = now
-        elif now - quiet_since >= SETTLE_S or now - started >= SETTLE_LIMIT_S:
+        elif now - quiet_since >= SETTLE_S:
             break
         for folder in found:
             leftovers.append(folder)

@@ -34,3 +34,29 @@ def test_nothing_to_remove_says_so_without_waiting_long(tmp_path):
     started = time.monotonic()
     assert remove_unfinished(tmp_path, 3) == "nothing left behind"
     assert time.monotonic() - started < 5 * SETTLE_S
+
+
+def test_a_folder_that_keeps_coming_back_ends_the_watch_at_its_limit(tmp_path, monkeypatch):
+    """The watch is bounded even while a folder reappears at every look (the first version only checked its
+    limit in a quiet moment, so a thread remaking the folder without pause held it forever)."""
+    from spillway.recipes.train import save_failures
+
+    monkeypatch.setattr(save_failures, "SETTLE_LIMIT_S", 0.5)
+    unfinished = tmp_path / "2.orbax-checkpoint-tmp"
+    stop = threading.Event()
+
+    def remaking():
+        while not stop.is_set():
+            unfinished.mkdir(exist_ok=True)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=remaking)
+    thread.start()
+    try:
+        started = time.monotonic()
+        said = remove_unfinished(tmp_path, 2)
+        assert time.monotonic() - started < 3.0
+    finally:
+        stop.set()
+        thread.join()
+    assert said.startswith("the unfinished save is left in ") and "2.orbax-checkpoint-tmp" in said
