@@ -107,6 +107,15 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def named_special_token(directory: str | os.PathLike, field: str) -> str | None:
+    """The text of a special token (`pad_token`, ...) as the tokenizer_config.json in `directory` names it."""
+    path = Path(directory) / TOKENIZER_CONFIG_FILE
+    try:
+        return _token_text(_read_json(path).get(field)) if path.is_file() else None
+    except ValueError:
+        return None
+
+
 def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens:
     """The EOS and BOS tokens named by the tokenizer's sibling files (see the module docstring)."""
     directory = Path(directory)

@@ -184,11 +184,9 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
 
 
 def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: bool) -> None:
-    """spillway_export.json, replaced whole (a kill leaves the old record or the new, never half of one)."""
-    partial = out / (EXPORT_RECORD + ".partial")
-    partial.write_text(json.dumps({"run": Path(source).name, "run_id": _run_id(source), "step": Path(step_dir).name,
-                                   "adapter": adapter, "finished": finished}, indent=1) + "\n")
-    partial.replace(out / EXPORT_RECORD)
+    """spillway_export.json: which run the folder holds, and whether its export finished."""
+    _write_json(out / EXPORT_RECORD, {"run": Path(source).name, "run_id": _run_id(source),
+                                      "step": Path(step_dir).name, "adapter": adapter, "finished": finished})
 
 
 def _write_generation_ids(run_dir: Path, out: Path) -> str:
@@ -196,32 +194,23 @@ def _write_generation_ids(run_dir: Path, out: Path) -> str:
     every token that ends an answer (a chat run's end-of-turn tokens too, as `spillway generate --chat` stops):
     without them transformers takes the family's default ids, and generate() ran past the end of a turn.
     Returns what the export's line says of it."""
-    from spillway.data import load_tokenizer
-    from spillway.data.chat_template import resolve_chat_template, tokenizer_template
-    from spillway.data.sft_targets import adds_bos, end_of_turn_ids, special_token_texts, template_special_tokens
-    from spillway.recipes.train.tokenization_record import recorded_bos
+    from spillway.data.sft_targets import special_token_texts
+    from spillway.data.tokenizer import named_special_token
+    from spillway.recipes.train.chat_prompt import end_of_turn_in_run
+    from spillway.recipes.train.tokenization_record import run_tokenizer
 
-    tokenizer = load_tokenizer(run_dir)
-    if recorded_bos(run_dir) is not None:
-        tokenizer = tokenizer.with_bos(recorded_bos(run_dir))
-    specials = special_token_texts(tokenizer)
+    tokenizer = run_tokenizer(run_dir)
     stops, unread = [tokenizer.eos_id], ""
-    if tokenizer_template(run_dir) is not None:
-        try:
-            template = resolve_chat_template(None, run_dir, template_special_tokens(tokenizer),
-                                             bos_first=adds_bos(tokenizer))
-            stops += [i for i in end_of_turn_ids(template, tokenizer, specials) if i not in stops]
-        except Exception as error:   # noqa: BLE001 - a template kept from a base, which this run never rendered
-            # (a text fine-tune of an instruct model): its end of turn is a refinement, not worth the export
-            unread = f" (the chat template's end of turn not read: {' '.join(str(error).split())[:120]})"
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops}
-    pad = specials.get(_token_text_of(run_dir / "tokenizer_config.json", "pad_token"))
-    if pad is not None:
-        ids["pad_token_id"] = pad
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    _write_json(config_path, {**config, **{k: v for k, v in ids.items() if v is not None}})
-    _write_json(out / GENERATION_CONFIG, {k: v for k, v in ids.items() if v is not None})
+    try:
+        stops += [i for i in end_of_turn_in_run(run_dir, tokenizer) if i not in stops]
+    except Exception as error:   # noqa: BLE001 - a template kept from a base, which this run never rendered
+        # (a text fine-tune of an instruct model): its end of turn is a refinement, not worth the export
+        unread = f" (the chat template's end of turn not read: {' '.join(str(error).split())[:120]})"
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
+           "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
+    ids = {name: value for name, value in ids.items() if value is not None}
+    _write_json(out / "config.json", {**json.loads((out / "config.json").read_text()), **ids})
+    _write_json(out / GENERATION_CONFIG, ids)
     return f"; {GENERATION_CONFIG}: generation stops at token {' or '.join(str(i) for i in stops)}{unread}"
 
 
@@ -242,19 +231,10 @@ def _keep_base_context(recipe: Recipe, out: Path) -> None:
     _write_json(out / "config.json", {**config, "max_position_embeddings": base})
 
 
-def _token_text_of(path: Path, field: str) -> str | None:
-    """A special token's text as tokenizer_config.json names it (a string, or transformers' older dict form)."""
-    try:
-        value = json.loads(path.read_text()).get(field)
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
-
-
 def _write_json(path: Path, value: dict) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=2) + "\n")
-    partial.replace(path)
+    """`value` as JSON at `path`, replaced whole (a kill leaves the old file or the new, never half of one)."""
+    from spillway.data.cache import atomic_write_bytes
+    atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode())
 
 
 def _tokenizer_files(run_dir) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from spillway.data import load_tokenizer, tokenizer_file_in
+from spillway.data import tokenizer_file_in
 from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
@@ -86,7 +86,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     end-of-turn token, and only the answer returned."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
-    from spillway.recipes.train.tokenization_record import recorded_bos
+    from spillway.recipes.train.tokenization_record import run_tokenizer
 
     warn = warn or (lambda line: print(line, file=sys.stderr))
     path = Path(path)
@@ -108,10 +108,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
 
     ckpt, recipe, params = _restore_readable(path, ckpt, target_of, warn)
     model = nnx.merge(built["graphdef"], params)
-    tokenizer = load_tokenizer(run_dir)
-    kept_bos = recorded_bos(run_dir)   # a prompt starts as the run's documents did (a run from before BOS: none)
-    if kept_bos is not None:
-        tokenizer = tokenizer.with_bos(kept_bos)
+    tokenizer = run_tokenizer(run_dir)   # a prompt starts as the run's documents did
     stop_ids = ()
     prefix: list[int] = []
     if chat is not None:   # the chat template writes the BOS itself where the tokenizer starts documents with one

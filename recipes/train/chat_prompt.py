@@ -16,9 +16,8 @@ from spillway.recipes.config import Recipe
 def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple[list[int], list[int]]:
     """(prompt ids, end-of-turn ids) of one user message under the run's chat template (data/chat_template.py):
     the template saved in the run directory, else the recipe's data.chat_template; none is a DataError."""
-    from spillway.data.chat_template import resolve_chat_template, tokenizer_template
-    from spillway.data.sft_targets import (adds_bos, end_of_turn_ids, prompt_tokens, special_token_texts,
-                                           template_special_tokens)
+    from spillway.data.chat_template import tokenizer_template
+    from spillway.data.sft_targets import prompt_tokens, special_token_texts
 
     named = None if tokenizer_template(Path(run_dir)) is not None else recipe.data.chat_template
     if named is None and tokenizer_template(Path(run_dir)) is None:
@@ -27,8 +26,31 @@ def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple
                           f"{recipe.data.format} and its tokenizer_config.json holds none), so a message cannot be "
                           f"rendered as it learnt conversations; continue a text with --prompt, or fine-tune it on "
                           f"chat or instruct data first")
-    template = resolve_chat_template(named, Path(run_dir), template_special_tokens(tokenizer),
-                                     bos_first=adds_bos(tokenizer))
-    specials = special_token_texts(tokenizer)
+    template = _template(named, run_dir, tokenizer)
     messages = [{"role": "user", "content": message}]
-    return prompt_tokens(template, tokenizer, messages, specials), end_of_turn_ids(template, tokenizer, specials)
+    return (prompt_tokens(template, tokenizer, messages, special_token_texts(tokenizer)),
+            _end_of_turn(template, tokenizer))
+
+
+def end_of_turn_in_run(run_dir: Path, tokenizer) -> list[int]:
+    """The ids that end an answer under the chat template saved in the run directory: the tokenizer's EOS and
+    the special tokens the template writes after an answer; the EOS alone where the run holds no template."""
+    from spillway.data.chat_template import tokenizer_template
+
+    if tokenizer_template(Path(run_dir)) is None:
+        return [tokenizer.eos_id]
+    return _end_of_turn(_template(None, run_dir, tokenizer), tokenizer)
+
+
+def _template(named: str | None, run_dir: Path, tokenizer):
+    from spillway.data.chat_template import resolve_chat_template
+    from spillway.data.sft_targets import adds_bos, template_special_tokens
+
+    return resolve_chat_template(named, Path(run_dir), template_special_tokens(tokenizer),
+                                 bos_first=adds_bos(tokenizer))
+
+
+def _end_of_turn(template, tokenizer) -> list[int]:
+    from spillway.data.sft_targets import end_of_turn_ids, special_token_texts
+
+    return end_of_turn_ids(template, tokenizer, special_token_texts(tokenizer))

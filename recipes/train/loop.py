@@ -326,7 +326,8 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
     cfg = recipe.train
     sample = None
     if main and cfg.sample_tokens > 0:
-        if recipe.data.format != "text":   # a chat/instruct run answers train.sample_prompt as a user's message
+        chat = recipe.data.format != "text"
+        if chat:   # a chat/instruct run answers train.sample_prompt as a user's message
             from spillway.recipes.train.chat_prompt import chat_prompt
             prefix, (prompt_ids, stop_ids) = [], chat_prompt(run_dir, recipe, tokenizer, cfg.sample_prompt)
             heading = f"sample (the answer to {cfg.sample_prompt!r}, through the chat template):"
@@ -340,7 +341,7 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
         else:
             new_ids = generate(model, prompt_ids, max_new_tokens=min(cfg.sample_tokens, room), temperature=0.8,
                                top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids)
-            sample = (tokenizer.decode(new_ids).strip() if recipe.data.format != "text"
+            sample = (tokenizer.decode(new_ids).strip() if chat
                       else tokenizer.decode(prompt_ids[len(prefix):] + new_ids))   # the text, without the BOS first
             say(heading + "\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
     # Process 0 did extra work above; leave together, or jax.distributed's shutdown barrier can time out.

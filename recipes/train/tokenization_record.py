@@ -35,6 +35,16 @@ def recorded_bos(run_dir: str | os.PathLike) -> bool | None:
     return bool(saved.get("add_bos_token", False))   # absent: from before spillway added BOS, so none
 
 
+def run_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:
+    """The tokenizer a run trained with: its file in RUN_DIR, with or without a BOS as its documents started
+    (a run from before BOS were recorded: as the files say)."""
+    from spillway.data import load_tokenizer
+
+    tokenizer = load_tokenizer(run_dir)
+    kept = recorded_bos(run_dir)
+    return tokenizer if kept is None else tokenizer.with_bos(kept)
+
+
 def new_run_adds_bos(tokenizer: Tokenizer, add_bos: bool | None) -> bool:
     """Whether a run starting now with this tokenizer and `data.add_bos` would put a BOS first."""
     return tokenizer.with_bos(None).adds_bos if add_bos is None else add_bos
