@@ -28,6 +28,10 @@ Tokenizer: when the recipe names none (`data.tokenizer`), the checkpoint's
 own is used (tokenizer.json, else tokenizer.model, in the same directory);
 a tokenizer trained on the corpus would not match the checkpoint's embedding
 rows, so a checkpoint without one is an error unless the recipe names one.
+
+A full fine-tune that resumes from a step of its own reads neither: its step holds the whole model and its
+run folder the tokenizer it trained with, so the `hf:` folder may have been moved or removed since it started
+(the recipe keeps naming it, as it was saved; recipes/train/resume.py `resumes_from_own_step`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from spillway.models.hf import family_config_from_hf, load_hf_weights, read_hf_c
 from spillway.models.registry import get_family
 from spillway.recipes.config import Recipe
 from spillway.recipes.train.checkpoint import CheckpointError, read_recipe_json, restore_params_only
+from spillway.recipes.train.resume import resumes_from_own_step
 
 HF_PREFIX = "hf:"
 # Model fields that only bound the positions a run feeds (see the module docstring).
@@ -138,7 +143,7 @@ def check_hf_tensors(recipe: Recipe) -> None:
     from spillway.recipes.train.step import abstract_model
 
     directory = hf_checkpoint_dir(recipe.checkpoint.init_from)
-    if directory is None:
+    if directory is None or not directory.exists():   # none, or gone from a run resuming its own step (above)
         return
 
     _, abstract_state = abstract_model(recipe)
@@ -169,6 +174,10 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
         if init_from:
             check_source_run_family(recipe, init_from)
         return recipe
+    if not directory.exists() and resumes_from_own_step(recipe) and tokenizer_file_in(recipe.run_dir):
+        say(f"note: checkpoint.init_from=hf:{directory} is not there; this run resumes from a step of its own, "
+            f"which holds the whole model, with the tokenizer copy in its run folder")
+        return _named_checkpoint_tokenizer(recipe, directory)
     checkpoint_len = check_model_matches(recipe, directory).max_seq_len
     if recipe.model.max_seq_len > checkpoint_len:
         say(f"note: model.max_seq_len {recipe.model.max_seq_len} is longer than the checkpoint's "
@@ -184,6 +193,14 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
                              f"checkpoint's embedding; set data.tokenizer=PATH")
         instead = "" if named is None else f", instead of data.tokenizer {named!r}, which does not exist"
         say(f"tokenizer: {found} (the checkpoint's{instead})")
+    return _named_checkpoint_tokenizer(recipe, directory)
+
+
+def _named_checkpoint_tokenizer(recipe: Recipe, directory: Path) -> Recipe:
+    """The recipe naming the checkpoint's folder as its tokenizer where it names none, or names a published
+    tokenizer's local copy that is not there (what a run's saved recipe then holds, and a resume must match)."""
+    named = recipe.data.tokenizer
+    if named is None or (recipe.data.tokenizer_origin and not Path(named).expanduser().exists()):
         recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(directory)))
     return recipe
 

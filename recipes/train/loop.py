@@ -195,8 +195,11 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
         lora_state.check_same_base(recipe, checkpointer.read_recipe_json(candidates[0]),
                                    checkpointer.step_dir(candidates[0]))
     check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
-    # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py).
-    own_tokenizer = tokenizer_file_in(run_dir) if candidates and not recipe.data.tokenizer else None
+    # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py): its
+    # copy in the run folder, also where the tokenizer it names is gone (an hf: base removed: preflight.py).
+    named = recipe.data.tokenizer
+    own_tokenizer = (tokenizer_file_in(run_dir) if candidates and (not named or not Path(named).expanduser().exists())
+                     else None)
     # ... and with or without a BOS before each document, as it started (tokenization_record.py).
     kept_bos = recorded_bos(run_dir) if candidates else None
     return recipe, candidates, own_tokenizer, kept_bos

@@ -19,6 +19,11 @@ local copy. Checked:
   a published tokenizer's local copy missing beside it is not named (the checkpoint brings it).
 * `checkpoint.init_from=DIR` (a spillway run or step folder): it must exist, unless the run resumes from a
   step of its own (not a LoRA run, which reads its base at every start).
+
+A run that resumes from a step of its own reads neither its source's weights nor its named tokenizer: it
+tokenizes with the copy in its run folder (the tokenizer it trained with), so a fine-tune's `hf:` base folder
+or a `data.tokenizer` removed since it started is not missing for it (recipes/train/resume.py
+`resumes_from_own_step`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ def check_run_inputs(recipe: Recipe) -> None:
         # A published tokenizer's local copy that is not there is not missing on its own: the hf: checkpoint
         # brings that tokenizer (init_weights.resolve_init_from), so only a missing checkpoint is named.
         data = dataclasses.replace(data, tokenizer=None)
+    from spillway.recipes.train.resume import resumes_from_own_step   # here: it imports orbax
+
+    if data.tokenizer is not None and resumes_from_own_step(recipe) and tokenizer_file_in(recipe.run_dir):
+        data = dataclasses.replace(data, tokenizer=None)   # it tokenizes with its own copy, named or not
     problems = missing_inputs(data) + [problem for problem in [base] if problem]
     if not problems:
         return
@@ -99,23 +108,25 @@ def _base_model_problem(recipe: Recipe) -> str | None:
     """The phrase for an `hf:` checkpoint.init_from whose folder does not exist; None otherwise (a folder that is
     there but wrong is init_weights.py's to name, file by file)."""
     from spillway.recipes.train.init_weights import hf_checkpoint_dir   # here: it imports jax and the models
+    from spillway.recipes.train.resume import resumes_from_own_step
 
     init_from, origin = recipe.checkpoint.init_from, recipe.checkpoint.init_from_origin
     folder = hf_checkpoint_dir(init_from)
     if folder is None:
         # A spillway run or step folder (a fine-tune of one's own pretraining run): it must be there too.
-        if not init_from or Path(init_from).expanduser().exists() or _resumes_without_it(recipe):
+        if not init_from or Path(init_from).expanduser().exists() or resumes_from_own_step(recipe):
             return None
         return (f"checkpoint.init_from {init_from!r} does not exist: train that run first{_run_of(init_from)}, or "
                 f"point at a run directory or step folder with --set checkpoint.init_from=DIR")
     if folder.exists():
         return None
-    if _resumes_without_it(recipe):
-        # The resume reads its weights from its own step, but its recipe names this folder as its tokenizer
-        # (init_weights.resolve_init_from), which must match: say so, rather than to download a base again.
+    if resumes_from_own_step(recipe):
+        if tokenizer_file_in(recipe.run_dir) is not None:
+            return None   # its weights and its tokenizer come from its run folder
+        # A run folder without its tokenizer copy (removed by hand): the base's is the one it trained with.
         return (f"checkpoint.init_from {init_from!r} does not exist: this run resumes from a step of its own, but "
-                f"it tokenizes with that checkpoint's tokenizer, read from there; put the folder back where it was "
-                f"(or train into another checkpoint.dir to start over)")
+                f"its run folder {recipe.run_dir} has lost its copy of that checkpoint's tokenizer; put the folder "
+                f"back where it was (or train into another checkpoint.dir to start over)")
     fetch = (f" (it is {origin}: fetch it with `hf download {origin} --exclude 'original/*' --local-dir {folder}`)"
              if origin else "")
     return (f"checkpoint.init_from {init_from!r} does not exist{fetch}; or point at a local copy with "
@@ -130,18 +141,6 @@ def _checkpoint_brings_a_tokenizer(recipe: Recipe) -> bool:
 
     folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
     return folder is not None and (not folder.exists() or tokenizer_file_in(folder) is not None)
-
-
-def _resumes_without_it(recipe: Recipe) -> bool:
-    """Whether the run resumes from a step of its own, which holds the whole model: a fine-tune's source is then
-    not read (its tokenizer was copied into the run), so it may be gone. A LoRA run reads its base at every start."""
-    if recipe.lora.enabled or not recipe.train.resume:
-        return False
-    from spillway.recipes.train.checkpoint_dirs import finalised_step_dirs   # here: it imports orbax
-    from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
-
-    checkpoints = Path(recipe.run_dir) / CHECKPOINTS_DIRNAME
-    return checkpoints.is_dir() and bool(finalised_step_dirs(checkpoints))
 
 
 def _run_of(init_from: str) -> str:

@@ -45,6 +45,8 @@ from typing import Any
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import distributed
 from spillway.recipes.train.checkpoint import CheckpointError, CorruptCheckpointError, RunCheckpointer
+from spillway.recipes.train.checkpoint_dirs import finalised_step_dirs
+from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import NonFiniteLossError
 
@@ -195,6 +197,15 @@ def saved_recipe_changes(checkpointer: RunCheckpointer, step: int, recipe: Recip
         raise RecipeMismatchError(f"{where}: the saved recipe cannot be read by this version of spillway "
                                   f"({e}); resume it with the version that wrote it") from e
     return compare_recipes(saved, recipe.to_dict(), where=str(where))
+
+
+def resumes_from_own_step(recipe: Recipe) -> bool:
+    """Whether the run resumes from a step of its own, which holds the whole model: a fine-tune's source is then
+    not read (its tokenizer was copied into the run), so it may be gone. A LoRA run reads its base at every start."""
+    if recipe.lora.enabled or not recipe.train.resume:
+        return False
+    checkpoints = Path(recipe.run_dir) / CHECKPOINTS_DIRNAME
+    return checkpoints.is_dir() and bool(finalised_step_dirs(checkpoints))
 
 
 def steps_to_try(checkpointer: RunCheckpointer, recipe: Recipe) -> list[int]:

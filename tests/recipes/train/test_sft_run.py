@@ -228,9 +228,32 @@ def test_a_fine_tune_that_resumes_from_its_own_step_does_not_need_its_source(tmp
         check_base_model_first(apply_overrides(recipe, ["train.resume=false"]))
     with pytest.raises(MissingInputError):
         check_base_model_first(apply_overrides(recipe, ["lora.rank=4"]))
-    # an hf: base is still read for its tokenizer: the line says to put it back, not to download a base
-    with pytest.raises(MissingInputError, match="this run resumes from a step of its own, but it tokenizes with"):
+    # an hf: base whose tokenizer the run folder no longer holds either: the line says to put it back
+    with pytest.raises(MissingInputError, match="this run resumes from a step of its own, but its run folder "):
         check_base_model_first(apply_overrides(recipe, ["checkpoint.init_from=hf:gone-download"]))
+
+
+def test_a_full_fine_tune_of_an_hf_folder_resumes_after_the_folder_is_gone(tmp_path, tokenizer_dir, capsys):
+    """A fine-tune of a downloaded checkpoint, stopped, resumes from its own step after the download was removed
+    (it needed the folder for its tokenizer, though the run folder holds a copy); a fresh start still needs it."""
+    import shutil
+
+    assert cli.main(run_args(tmp_path, tokenizer_dir, "train.steps=1")) == 0
+    base = tmp_path / "base"
+    assert cli.main(["export", str(tmp_path / "run"), str(base)]) == 0
+    fine_tune = run_args(tmp_path, tokenizer_dir, f"checkpoint.dir={tmp_path / 'ft'}", f"checkpoint.init_from=hf:{base}",
+                         "data.tokenizer=none")
+    assert cli.main([*fine_tune, "--stop-after", "1"]) == 0
+    shutil.move(base, tmp_path / "moved")
+    capsys.readouterr()
+    assert cli.main(fine_tune) == 0
+    said = capsys.readouterr().out
+    assert "this run resumes from a step of its own, which holds the whole model" in said, said
+    metrics = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert max(row.get("step", 0) for row in metrics) == 2
+    # starting over needs the base: one line, the run folder kept
+    assert cli.main([*fine_tune, "--set", "train.resume=false"]) == cli.EXIT_USER_ERROR
+    assert f"checkpoint.init_from 'hf:{base}' does not exist" in capsys.readouterr().err
 
 
 def test_a_chat_template_the_export_cannot_render_still_gives_the_eos(tokenizer_dir, tmp_path):
