@@ -231,6 +231,15 @@ def test_a_fine_tune_that_resumes_from_its_own_step_does_not_need_its_source(tmp
     # an hf: base whose tokenizer the run folder no longer holds either: the line says to put it back
     with pytest.raises(MissingInputError, match="this run resumes from a step of its own, but its run folder "):
         check_base_model_first(apply_overrides(recipe, ["checkpoint.init_from=hf:gone-download"]))
+    # a data.tokenizer removed since the run started: a resume tokenizes with the run folder's copy
+    from spillway.recipes.train.preflight import check_run_inputs
+    named_gone = apply_overrides(recipe, ["checkpoint.init_from=none", "data.tokenizer=gone/tokenizer.model"])
+    with pytest.raises(MissingInputError, match="data.tokenizer 'gone/tokenizer.model' does not exist"):
+        check_run_inputs(named_gone)
+    (tmp_path / recipe.run_dir / "tokenizer.model").write_bytes(b"the run's copy")
+    check_run_inputs(named_gone)
+    with pytest.raises(MissingInputError, match="data.tokenizer 'gone/tokenizer.model' does not exist"):
+        check_run_inputs(apply_overrides(named_gone, ["train.resume=false"]))
 
 
 def test_a_full_fine_tune_of_an_hf_folder_resumes_after_the_folder_is_gone(tmp_path, tokenizer_dir, capsys):
