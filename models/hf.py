@@ -212,7 +212,7 @@ class _Entry:
         return tuple(shape)
 
 
-def _stack_runs(param_shapes: dict[tuple, tuple[int, ...]]) -> list[tuple[tuple, int]]:
+def stack_runs(param_shapes: dict[tuple, tuple[int, ...]]) -> list[tuple[tuple, int]]:
     """(path of the stacked blocks, first layer) of each run of layers, first layers first.
 
     One run keeps its blocks at STACK_PATH; several (layers/stack.py) at
@@ -231,7 +231,7 @@ def _stack_runs(param_shapes: dict[tuple, tuple[int, ...]]) -> list[tuple[tuple,
 
 def _entries(family, config, param_shapes: dict[tuple, tuple[int, ...]]) -> list[_Entry]:
     out = []
-    runs = _stack_runs(param_shapes)
+    runs = stack_runs(param_shapes)
     for w in family.hf.weights(config):
         if w.per_layer:
             found = False

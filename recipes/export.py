@@ -47,7 +47,7 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.lora import ADAPTER_PREFIX
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
-from spillway.models.hf import STACK_PATH, HFCheckpointError, listed, put_in_place
+from spillway.models.hf import HFCheckpointError, listed, put_in_place
 from spillway.recipes.config import LoraConfig, Recipe
 
 EXPORT_RECORD = "spillway_export.json"   # which run an export folder holds: a later export replaces only its own
@@ -163,12 +163,13 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     graphdef, abstract_state = abstract_model(recipe)
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(
         abstract_state, state_shardings(abstract_state, mesh)))
+    adapter_tensors = peft_tensors(recipe, params) if adapter else None   # what PEFT cannot hold: before writing
     out.mkdir(parents=True, exist_ok=True)
     # The record comes first: an export killed while writing leaves a folder that names this run, so the
     # same command replaces it (written last, the rerun met weights no export had recorded, and refused).
     _write_record(out, source, step_dir, adapter, finished=False)
     if adapter:
-        write_peft_adapter(recipe, params, out)
+        write_peft_adapter(recipe, adapter_tensors, out)
     else:
         write_merged(recipe, params, out, dtype=dtype)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
@@ -306,27 +307,41 @@ def _base_name(recipe: Recipe) -> str:
     return str(Path(init_from.removeprefix("hf:")).expanduser().absolute()) if init_from else ""
 
 
-def write_peft_adapter(recipe: Recipe, params, out: Path) -> None:
-    """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter."""
+def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
+    """{PEFT tensor name: array} of the run's adapters, per layer under its Hugging Face module name; a model
+    with several runs of layers (Qwen3-MoE's dense layers among the sparse ones) numbers each run's layers from
+    its first. ConfigError for what PEFT's layout cannot hold: computed before anything is written."""
+    from spillway.models.hf import stack_runs
+
+    names = _hf_names(recipe)
+    adapters = _adapters(params)
+    runs = stack_runs({path: np.shape(value.get_value()) for path, value in nnx.to_flat_state(params)})
+    tensors = {}
+    for path, (a, b) in adapters.items():
+        shown = ".".join(str(part) for part in path)
+        if a.ndim == 4:
+            raise ConfigError(f"--adapter: the run adapts the routed experts ({shown}), which the PEFT "
+                              f"export does not map in this version (transformers lays MoE experts out "
+                              f"differently across versions); export merged instead")
+        prefix, first = next(((prefix, first) for prefix, first in runs if path[:len(prefix)] == prefix),
+                             (None, 0))
+        if prefix is None or path[len(prefix):] not in names:
+            raise ConfigError(f"--adapter: the adapter of {shown} has no Hugging Face module name; export "
+                              f"merged instead")
+        module = names[path[len(prefix):]].removesuffix(".weight")
+        for layer in range(a.shape[0]):
+            name = PEFT_PREFIX + module.format(i=first + layer)
+            tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a[layer])
+            tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b[layer])
+    return tensors
+
+
+def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path) -> None:
+    """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter (`peft_tensors`)."""
     from safetensors.numpy import save_file
 
     from spillway.recipes.lora_targets import hf_modules
 
-    names = _hf_names(recipe)
-    tensors = {}
-    for path, (a, b) in _adapters(params).items():
-        if a.ndim == 4:
-            raise ConfigError(f"--adapter: the run adapts the routed experts ({'.'.join(path)}), which the PEFT "
-                              f"export does not map in this version (transformers lays MoE experts out "
-                              f"differently across versions); export merged instead")
-        if path[:len(STACK_PATH)] != STACK_PATH:
-            raise ConfigError(f"--adapter: the adapter of {'.'.join(path)} is in a model with several runs of "
-                              f"layers, which the PEFT export does not map yet; export merged instead")
-        module = names[path[len(STACK_PATH):]].removesuffix(".weight")
-        for layer in range(a.shape[0]):
-            prefix = PEFT_PREFIX + module.format(i=layer)
-            tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(a[layer])
-            tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b[layer])
     spec = recipe.lora_spec()
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": recipe.lora.rank, "lora_alpha": recipe.lora.alpha,

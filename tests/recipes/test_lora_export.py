@@ -158,3 +158,39 @@ def test_export_refuses_a_folder_with_another_checkpoint_and_adapter_without_lor
         assert "already holds another checkpoint (model-00001-of-00002.safetensors)" in err, err
         assert len(err.splitlines()) == 1
     assert sorted(p.name for p in occupied.iterdir()) == ["model-00001-of-00002.safetensors"]
+
+
+@pytest.mark.slow   # a transformers checkpoint, one LoRA run and its adapter export: about a minute on 2 cores
+def test_the_adapter_of_a_model_with_several_runs_of_layers_loads_in_peft(hf_base, tmp_path, capsys):
+    """Qwen3-MoE with a dense layer among the sparse ones keeps its layers in several runs: the adapter export
+    failed with an internal error building its own refusal. Each run's layers are numbered from its first."""
+    _, cache = hf_base
+    hf_dir = tmp_path / "qwen3-moe"
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[1], decoder_sparse_step=1, max_position_embeddings=64, tie_word_embeddings=False)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf_dir / name).write_bytes((hf_base[0] / name).read_bytes())
+    run = tmp_path / "run"
+    sets = [f"checkpoint.init_from=hf:{hf_dir}", f"data.source={SOURCE}", f"data.cache_dir={cache}", "data.seq_len=32",
+            "model.vocab_size=512", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
+            "model.num_kv_heads=2", "model.head_dim=8", "model.num_experts=8", "model.top_k=2",
+            "model.moe_hidden=16", "model.mlp_hidden=64", "model.mlp_only_layers=[1]", "model.max_seq_len=64", "model.rope_theta=10000.0",
+            "model.norm_topk_prob=false",
+            "execution.dtype=float32", "train.global_batch=8", "train.steps=2", "train.eval_every=0",
+            "train.sample_tokens=0", "optimizer.learning_rate=3e-2", f"checkpoint.dir={run}", "lora.rank=4",
+            "lora.targets=q_proj,v_proj"]
+    assert cli.main(["train", "qwen3_moe_tiny", *[a for s in sets for a in ("--set", s)]]) == 0, \
+        capsys.readouterr().err
+    adapter = tmp_path / "adapter"
+    assert cli.main(["export", str(run), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
+    tokens = np.random.default_rng(1).integers(0, 512, (2, 24))
+    logits, _ = our_logits(run, tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        peft_logits = with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
