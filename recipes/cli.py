@@ -26,6 +26,7 @@ import sys
 import textwrap
 
 from spillway.layers.errors import ConfigError, SpillwayError
+from spillway.recipes.ctrl_c import interrupts_until_caught
 from spillway.recipes.targets import DEFAULT_GPU, HBM_HEADROOM
 
 DEBUG_ENV = "SPILLWAY_DEBUG"
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         return args.fn(args)   # tracebacks as Python prints them
     try:
-        return args.fn(args)
+        with interrupts_until_caught():   # a Ctrl-C that lands in a gc callback is not lost (recipes/ctrl_c.py)
+            return args.fn(args)
     except KeyboardInterrupt:
         print(f"spillway {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,0 +1,49 @@
+"""Ctrl-C stops a command even when it lands in a garbage-collector callback, where Python swallows it.
+
+JAX registers a gc callback; a user's Ctrl-C that arrived while it ran printed "Exception ignored in
+<function _xla_gc_callback>" and the command trained on to the end and exited 0.
+"""
+
+import gc
+import os
+import signal
+import time
+
+import pytest
+
+from spillway.recipes.ctrl_c import interrupts_until_caught
+
+
+def test_a_ctrl_c_swallowed_in_a_gc_callback_is_raised_again():
+    armed = [True]
+
+    def callback(phase, info):
+        if phase == "start" and armed:
+            armed.clear()
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):   # the handler runs here, between bytecodes: its exception is swallowed
+                pass
+
+    gc.callbacks.append(callback)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_until_caught():
+                gc.collect()
+                while time.perf_counter() - started < 10:
+                    time.sleep(0.01)
+    finally:
+        gc.callbacks.remove(callback)
+    assert not armed and time.perf_counter() - started < 5   # raised again within a redelivery or two
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # put back
+
+
+def test_a_command_started_with_sigint_ignored_keeps_ignoring_it():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupts_until_caught():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, previous)
