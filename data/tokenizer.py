@@ -277,7 +277,7 @@ def tokenizer_file_in(directory: str | os.PathLike) -> Path | None:
     return None
 
 
-def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int, weights_from: str | None = None) -> None:
     """Fail unless every token id the tokenizer can emit has a row in the model's embedding.
 
     A tokenizer vocabulary larger than the model's would index past the
@@ -287,9 +287,18 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     `padded_vocab_size`). The unused rows are never inputs, and as outputs
     they only ever receive gradient pushing their logits down, so they cost a
     sliver of compute and nothing in quality.
+
+    `weights_from`: the checkpoint whose weights fix the embedding (a fine-tune's), named instead of the advice
+    to grow vocab_size, which those weights do not allow.
     """
     if tokenizer.vocab_size > model_vocab_size:
         source = f" (tokenizer {tokenizer.path})" if tokenizer.path is not None else ""
+        if weights_from is not None:
+            raise ValueError(
+                f"tokenizer vocabulary ({tokenizer.vocab_size} ids){source} is larger than the embedding of the "
+                f"weights {weights_from} brings ({model_vocab_size} rows): those weights were not trained with "
+                f"this tokenizer (tokens added to a tokenizer need the embedding resized with them, e.g. "
+                f"transformers' resize_token_embeddings before saving); point data.tokenizer at their tokenizer")
         raise ValueError(
             f"tokenizer vocabulary ({tokenizer.vocab_size} ids) is larger than the model's "
             f"embedding ({model_vocab_size} rows){source}; set the model's vocab_size to at least "

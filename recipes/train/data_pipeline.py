@@ -191,7 +191,7 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
             tokenizer.document_prefix()   # a BOS asked of a tokenizer without one: one line, before tokenizing
         except ValueError as error:
             raise DataError(str(error)) from None
-        check_vocab(tokenizer, recipe.model.vocab_size)
+        check_vocab(tokenizer, recipe.model.vocab_size, weights_from=recipe.checkpoint.init_from)
         # Packing ends every document with the EOS: a tokenizer without one fails here, saying where it looked.
         _ = tokenizer.eos_id
         options = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_path, val_fraction=cfg.val_fraction,

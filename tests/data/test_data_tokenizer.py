@@ -153,6 +153,12 @@ def test_check_vocab(tokenizer):
     expected = "tokenizer vocabulary \\(400 ids\\) is larger than the model's embedding \\(256 rows\\)"
     with pytest.raises(ValueError, match=expected):
         check_vocab(tokenizer, 256)
+    # a fine-tune's embedding comes with its weights: growing model.vocab_size is no advice there (it went in a
+    # circle with the hf: check, which wants the checkpoint's vocab_size)
+    with pytest.raises(ValueError, match="than the embedding of the weights hf:base brings \\(256 rows\\): those "
+                                         "weights were not trained with this tokenizer") as refused:
+        check_vocab(tokenizer, 256, weights_from="hf:base")
+    assert "vocab_size" not in str(refused.value)
 
 
 def test_padded_vocab_size():
