@@ -15,7 +15,9 @@ Where the template comes from (`resolve_chat_template`):
 * `data.chat_template` names a built-in template (`BUILTIN_TEMPLATES`) or a
   file holding one (a `.jinja` file, or a `tokenizer_config.json` with a
   `chat_template`);
-* unset: the tokenizer's own, from the `tokenizer_config.json` beside it.
+* unset: the tokenizer's own, from the `chat_template.jinja` beside it, else
+  its `tokenizer_config.json` (transformers reads them in that order: the
+  file takes priority over the config's entry).
 
 A tokenizer with no template and none named is a DataError saying what to set.
 """
@@ -202,15 +204,24 @@ def special_tokens_of(directory: Path | None) -> dict[str, str]:
     return {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
 
 
-def tokenizer_template(directory: Path) -> str | None:
-    """The tokenizer's own chat template in `directory` (tokenizer_config.json, else chat_template.jinja)."""
+def tokenizer_template_file(directory: Path) -> tuple[str, Path] | None:
+    """(the tokenizer's own chat template in `directory`, the file holding it): chat_template.jinja, else
+    tokenizer_config.json's entry, the order transformers reads them in; None when neither has one."""
+    jinja_path = directory / CHAT_TEMPLATE_FILE
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8"), jinja_path
     config_path = directory / TOKENIZER_CONFIG_FILE
     if config_path.is_file():
         template = _template_in_config(_read_config(config_path))
         if template:
-            return template
-    jinja_path = directory / CHAT_TEMPLATE_FILE
-    return jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else None
+            return template, config_path
+    return None
+
+
+def tokenizer_template(directory: Path) -> str | None:
+    """The tokenizer's own chat template in `directory` (`tokenizer_template_file`), or None."""
+    found = tokenizer_template_file(directory)
+    return found[0] if found is not None else None
 
 
 def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
@@ -236,11 +247,12 @@ def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
                 raise ChatTemplateError(f"data.chat_template {named!r}: the file has no \"chat_template\"")
             return ChatTemplate(template, origin=str(path), special_tokens=special)
         return ChatTemplate(path.read_text(encoding="utf-8"), origin=str(path), special_tokens=special)
-    template = tokenizer_template(tokenizer_dir) if tokenizer_dir is not None else None
-    if template is None:
+    found = tokenizer_template_file(tokenizer_dir) if tokenizer_dir is not None else None
+    if found is None:
         where = f"the tokenizer in {tokenizer_dir}" if tokenizer_dir is not None else "the tokenizer"
-        raise ChatTemplateError(f"{where} has no chat template (no \"chat_template\" in its "
-                                f"{TOKENIZER_CONFIG_FILE}) and data.chat_template names none: set "
+        raise ChatTemplateError(f"{where} has no chat template (no {CHAT_TEMPLATE_FILE}, no \"chat_template\" "
+                                f"in its {TOKENIZER_CONFIG_FILE}) and data.chat_template names none: set "
                                 f"data.chat_template to a built-in ({', '.join(BUILTIN_TEMPLATES)}) or a "
                                 f".jinja file")
-    return ChatTemplate(template, origin=f"of {tokenizer_dir / TOKENIZER_CONFIG_FILE}", special_tokens=special)
+    template, path = found
+    return ChatTemplate(template, origin=f"of {path}", special_tokens=special)

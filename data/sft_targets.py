@@ -75,11 +75,19 @@ def _end_of_turn(text: str, start: int, limit: int, specials: dict[str, int]) ->
     return end
 
 
+def _render(template: ChatTemplate, messages: list[dict], where: str, **options):
+    """template.render, its error naming the record (one bad conversation among thousands must be findable)."""
+    try:
+        return template.render(messages, **options)
+    except ChatTemplateError as error:
+        raise ChatTemplateError(f"record {where}: {error}") from None
+
+
 def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[str, int],
                  where: str) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, character spans of the answers and their end-of-turn tokens): module docstring."""
     _check_roles(template, messages, where)
-    rendered = template.render(messages)
+    rendered = _render(template, messages, where)
     text = rendered.text
     for message in messages:
         if message["content"].strip() and message["content"].strip() not in text:
@@ -92,8 +100,8 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = template.render(messages[:index], add_generation_prompt=True).text
-        through = template.render(messages[: index + 1]).text
+        prompt = _render(template, messages[:index], where, add_generation_prompt=True).text
+        through = _render(template, messages[: index + 1], where).text
         if not (text.startswith(prompt) and text.startswith(through)):
             raise ChatTemplateError(f"chat template {template.origin} renders earlier turns differently once "
                                     f"later ones follow, so its answers cannot be found turn by turn (record "

@@ -103,8 +103,36 @@ def test_template_errors_are_one_line_with_the_templates_own_message(tmp_path):
 
 def test_a_tokenizer_without_a_template_and_none_named_is_refused(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    with pytest.raises(ChatTemplateError, match="has no chat template .* set data.chat_template to a built-in"):
+    with pytest.raises(ChatTemplateError, match="has no chat template \\(no chat_template.jinja, no "
+                                                "\"chat_template\" in its tokenizer_config.json\\)"):
         resolve_chat_template(None, tmp_path)
+
+
+def test_chat_template_jinja_comes_first_and_errors_name_it(tmp_path):
+    """transformers reads chat_template.jinja before tokenizer_config.json's entry; errors named the config
+    even for a template read from the .jinja file."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config: {{ messages[0].content }}"}))
+    assert resolve_chat_template(None, tmp_path).render([{"role": "user", "content": "a"}]).text == "config: a"
+    (tmp_path / "chat_template.jinja").write_text("jinja: {{ messages[0].content }}")
+    chat = resolve_chat_template(None, tmp_path)
+    assert chat.render([{"role": "user", "content": "a"}]).text == "jinja: a"
+    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match=f"chat template of {tmp_path / 'chat_template.jinja'} failed"):
+        resolve_chat_template(None, tmp_path).render([])
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match="chat_template.jinja does not compile"):
+        resolve_chat_template(None, tmp_path)
+
+
+def test_a_render_error_names_the_record(tmp_path):
+    (tmp_path / "t.jinja").write_text("{% if messages|length > 2 %}{{ raise_exception('too long') }}{% endif %}"
+                                      "{% for m in messages %}{{ m.content }}{% endfor %}")
+    chat = resolve_chat_template(str(tmp_path / "t.jinja"), None)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}]
+    with pytest.raises(ChatTemplateError, match="^record chats.jsonl, line 7: chat template .* failed to render: "
+                                                "too long$"):
+        conversation_tokens(chat, _SentencePieceLike(), messages, {}, "chats.jsonl, line 7")
 
 
 class _SentencePieceLike:
