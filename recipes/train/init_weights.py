@@ -183,6 +183,8 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
         say(f"note: model.max_seq_len {recipe.model.max_seq_len} is longer than the checkpoint's "
             f"{checkpoint_len} (max_position_embeddings): positions beyond it were never trained")
     named = recipe.data.tokenizer
+    if named is not None and Path(named).expanduser().exists():
+        _warn_if_not_the_checkpoints_tokenizer(named, directory, say)
     if named is None or (recipe.data.tokenizer_origin and not Path(named).expanduser().exists()):
         found = tokenizer_file_in(directory)
         if found is None:
@@ -194,6 +196,29 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
         instead = "" if named is None else f", instead of data.tokenizer {named!r}, which does not exist"
         say(f"tokenizer: {found} (the checkpoint's{instead})")
     return _named_checkpoint_tokenizer(recipe, directory)
+
+
+def _warn_if_not_the_checkpoints_tokenizer(named: str, directory: Path, say) -> None:
+    """A warning line when data.tokenizer maps ids to other tokens than the checkpoint's own tokenizer does: the
+    weights learned the checkpoint's ids, and a tokenizer of the same size trained quietly on the wrong ones."""
+    from spillway.data import load_tokenizer
+
+    if tokenizer_file_in(directory) is None:
+        return
+    try:
+        ours, theirs = load_tokenizer(Path(named).expanduser()), load_tokenizer(directory)
+    except (OSError, ValueError):
+        return   # an unreadable one is named where the run reads it (data.tokenizer), or is not read at all
+    if ours.fingerprint == theirs.fingerprint:
+        return
+    shared = min(ours.vocab_size, theirs.vocab_size)
+    differing = next((i for i in range(shared) if ours.token_text(i) != theirs.token_text(i)), None)
+    if differing is None and ours.vocab_size == theirs.vocab_size:
+        return   # the same tokens (another BOS/EOS setting is the tokenizer's own business)
+    what = (f"token {differing} is {theirs.token_text(differing)!r} there, {ours.token_text(differing)!r} here"
+            if differing is not None else f"{theirs.vocab_size} ids there, {ours.vocab_size} here")
+    say(f"warning: data.tokenizer {named!r} is not the checkpoint's own tokenizer ({tokenizer_file_in(directory)}): "
+        f"{what}; the weights learned the checkpoint's ids (leave data.tokenizer unset to use its own)")
 
 
 def _named_checkpoint_tokenizer(recipe: Recipe, directory: Path) -> Recipe:

@@ -253,6 +253,19 @@ def test_a_full_fine_tune_of_an_hf_folder_resumes_after_the_folder_is_gone(tmp_p
     fine_tune = run_args(tmp_path, tokenizer_dir, f"checkpoint.dir={tmp_path / 'ft'}", f"checkpoint.init_from=hf:{base}",
                          "data.tokenizer=none")
     assert cli.main([*fine_tune, "--stop-after", "1"]) == 0
+    # a tokenizer of the same size that is not the checkpoint's is said (it trained quietly on the wrong ids)
+    from spillway.recipes.config import apply_overrides
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.init_weights import resolve_init_from
+    other = tmp_path / "other-tokenizer"
+    train_tokenizer([f"{r['output']}\n{r['instruction']}" for r in records()], vocab_size=380,
+                    cache_dir=other / "cache").save_to_directory(other)
+    said = []
+    resolve_init_from(apply_overrides(get_recipe("tiny"), [f"checkpoint.init_from=hf:{base}", *SMALL_MODEL,
+                                                           "model.max_seq_len=128", f"data.tokenizer={other}"]),
+                      said.append)
+    assert any(line.startswith(f"warning: data.tokenizer '{other}' is not the checkpoint's own tokenizer")
+               for line in said), said
     shutil.move(base, tmp_path / "moved")
     capsys.readouterr()
     assert cli.main(fine_tune) == 0
