@@ -142,6 +142,12 @@ class HFTable:
 
 # --- config --------------------------------------------------------------------
 
+def is_hf_checkpoint_folder(path: str | os.PathLike) -> bool:
+    """Whether a folder holds a Hugging Face checkpoint: a config.json and *.safetensors."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def read_hf_config(source) -> dict:
     """config.json of a checkpoint directory (or of the directory holding a .safetensors file)."""
     directory = Path(source)

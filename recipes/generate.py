@@ -24,6 +24,7 @@ from spillway.data import tokenizer_file_in
 from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
+from spillway.models.hf import is_hf_checkpoint_folder
 from spillway.recipes.config import Recipe
 from spillway.recipes.sampling import generate
 from spillway.recipes.train.chat_prompt import chat_prompt
@@ -92,6 +93,11 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if is_hf_checkpoint_folder(path):   # an export, or a download: "no finalised step folder" said nothing of it
+        raise ConfigError(f"{path} is a Hugging Face checkpoint (config.json and *.safetensors), not a spillway "
+                          f"run: generate samples a run's steps; load this folder with transformers "
+                          f"(AutoModelForCausalLM.from_pretrained), or fine-tune from it with --set "
+                          f"checkpoint.init_from=hf:{path}")
     ckpt = resolve_step_dir(path)  # one step: the recipe, weights and tokenizer all come from the same run
     run_dir = run_dir_of(ckpt)
     if run_dir is None or tokenizer_file_in(run_dir) is None:

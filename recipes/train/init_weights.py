@@ -43,7 +43,7 @@ from pathlib import Path
 import jax
 
 from spillway.data import tokenizer_file_in
-from spillway.models.hf import family_config_from_hf, load_hf_weights, read_hf_config
+from spillway.models.hf import family_config_from_hf, is_hf_checkpoint_folder, load_hf_weights, read_hf_config
 from spillway.models.registry import get_family
 from spillway.recipes.config import Recipe
 from spillway.recipes.train.checkpoint import CheckpointError, read_recipe_json, restore_params_only
@@ -62,10 +62,6 @@ def hf_checkpoint_dir(init_from: str | None) -> Path | None:
     if not path:
         raise ValueError(f"checkpoint.init_from={init_from!r}: name the checkpoint directory after 'hf:'")
     return Path(path).expanduser()
-
-
-def _looks_like_hf_checkpoint(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 def check_model_matches(recipe: Recipe, directory: Path):
@@ -168,7 +164,7 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
     init_from = recipe.checkpoint.init_from
     directory = hf_checkpoint_dir(init_from)
     if directory is None:
-        if init_from and _looks_like_hf_checkpoint(Path(init_from).expanduser()):
+        if init_from and is_hf_checkpoint_folder(Path(init_from).expanduser()):
             raise ValueError(f"checkpoint.init_from={init_from!r} is a Hugging Face checkpoint (config.json and "
                              f"*.safetensors), not a spillway run: write checkpoint.init_from=hf:{init_from}")
         if init_from:

@@ -99,6 +99,11 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     record = (out / "spillway_export.json").read_text()
     assert json.loads(record)["finished"] is True
     assert str(tmp_path) not in record   # an export folder uploaded as it is carries no local path
+    # generate on the export says what the folder is (it said "no checkpoint found (no finalised step folder)")
+    capsys.readouterr()
+    assert cli.main(["generate", str(out), "--prompt", "def"]) == cli.EXIT_USER_ERROR
+    assert f"{out} is a Hugging Face checkpoint (config.json and *.safetensors), not a spillway run" in \
+        capsys.readouterr().err
 
 
 def write_jsonl(path, rows):
