@@ -58,6 +58,7 @@ class PackedData:
     overlong_examples: int = 0
     overlong_policy: str | None = None
     target_tokens: int | None = None
+    cut_target_tokens: int | None = None   # answer tokens truncation cut off (None: rows prepared before it was counted)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
@@ -77,6 +78,7 @@ class PackedData:
             overlong_examples=int(meta.get("overlong_examples", 0)),
             overlong_policy=meta.get("overlong_policy"),
             target_tokens=meta.get("target_tokens"),
+            cut_target_tokens=meta.get("cut_target_tokens"),
         )
 
 

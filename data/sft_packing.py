@@ -170,6 +170,7 @@ class _Progress:
     overlong: int = 0
     num_tokens: int = 0
     target_tokens: int = 0
+    cut_target_tokens: int = 0   # answer tokens past a row's end, cut by data.overlong=truncate
     examples: dict = dataclasses.field(default_factory=lambda: {"train": 0, "val": 0})
 
     @classmethod
@@ -247,6 +248,7 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
                 progress.overlong += 1
                 if options.overlong == "drop":
                     continue
+                progress.cut_target_tokens += int(flags[row_len:].sum())
                 ids, flags = ids[:row_len], flags[:row_len]
             score = document_scores(index, 1, options.seed)[0]
             held_out = options.val_fraction > 0 and score < options.val_fraction
@@ -271,7 +273,8 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
             "num_documents": progress.records, "train_rows": counts["train"], "val_rows": counts["val"],
             "train_examples": len(splits["train"].lengths), "val_examples": len(splits["val"].lengths),
             "overlong_examples": progress.overlong, "overlong_policy": options.overlong,
-            "target_tokens": progress.target_tokens, "source": source, "tokenizer": tokenizer.fingerprint,
+            "target_tokens": progress.target_tokens, "cut_target_tokens": progress.cut_target_tokens,
+            "source": source, "tokenizer": tokenizer.fingerprint,
             "chat_template": template.origin, "options": dataclasses.asdict(options), "key": key}
     (partial / "meta.json").write_text(json.dumps(meta, indent=2))
 

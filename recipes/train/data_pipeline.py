@@ -64,6 +64,10 @@ class TrainingData:
                        if packed.records_without_text else "")
             if packed.overlong_policy is not None:
                 done = "truncated" if packed.overlong_policy == "truncate" else "dropped"
+                if done == "truncated" and packed.cut_target_tokens:   # how much of the answers the cut took
+                    share = packed.cut_target_tokens / (packed.cut_target_tokens + packed.target_tokens)
+                    done += (f", cutting {packed.cut_target_tokens} answer tokens ({share:.0%} of them: raise "
+                             f"data.seq_len to keep them)")
                 skipped += (f" ({packed.num_documents} examples, {packed.target_tokens} target tokens; "
                             f"{packed.overlong_examples} longer than a row {done})")
             return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows{skipped}"

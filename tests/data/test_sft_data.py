@@ -56,6 +56,15 @@ def test_long_examples_are_truncated_or_dropped_and_counted(tmp_path, overlong, 
                               SftOptions("instruct", seq_len=40, overlong=overlong, val_fraction=0.0),
                               cache_dir=tmp_path / "cache")
     assert packed.overlong_examples == 2 and packed.overlong_policy == overlong
+    # the answer tokens the cut took, counted: with rows long enough for all, none is cut and the sum is the same
+    whole = prepare_sft_rows(str(source), CharTokenizer(), template,
+                             SftOptions("instruct", seq_len=200, val_fraction=0.0), cache_dir=tmp_path / "cache")
+    assert whole.overlong_examples == 0 and whole.cut_target_tokens == 0
+    if overlong == "truncate":
+        assert packed.cut_target_tokens > 0
+        assert packed.target_tokens + packed.cut_target_tokens == whole.target_tokens
+    else:
+        assert packed.cut_target_tokens == 0
     rows = packed.train
     assert rows.shape[1:] == (3, 41)
     segments = rows[:, SEGMENTS]
