@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -683,7 +684,9 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
         return Recipe.from_dict(tree)
     except (ValueError, TypeError) as err:
         # Name the settings the message is about (the validation names its fields), not every --set given.
-        named = [item for item in overrides if item.partition("=")[0].strip() in str(err)]
+        named = ([item for item in overrides if item.partition("=")[0].strip() in str(err)]
+                 or [item for item in overrides   # "MistralConfig.sliding_window must be positive": by field
+                     if re.search(rf"\b{re.escape(item.partition('=')[0].strip().rsplit('.', 1)[-1])}\b", str(err))])
         raise ConfigError(f"--set {' '.join(named or overrides)}: {err}") from None
 
 

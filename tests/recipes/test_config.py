@@ -137,6 +137,13 @@ def test_values_that_cannot_work_are_one_config_error(override, message):
     assert "\n" not in str(error.value)
 
 
+def test_a_model_value_error_names_only_its_own_setting():
+    """A model config names the field as MistralConfig.sliding_window: the line repeated every --set given."""
+    with pytest.raises(ConfigError, match=r"^--set model.d_model=0: .*d_model must be positive") as error:
+        apply_overrides(tiny(), ["train.steps=3", "data.seq_len=64", "model.d_model=0"])
+    assert "train.steps" not in str(error.value)
+
+
 def test_zero_means_off_where_the_field_says_so():
     recipe = tiny("train.eval_every=0", "data.val_fraction=0", "train.loss_chunk=0", "train.sample_tokens=0")
     assert recipe.train.eval_every == 0 and recipe.train.loss_chunk == 0
