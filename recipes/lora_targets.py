@@ -63,6 +63,10 @@ def lora_spec(lora, model_config, param_dtype: str) -> LoraSpec:
     available, experts = projections(model_config), expert_projections(model_config)
     short = sorted({name.rsplit(".", 1)[-1] for name in (*available, *experts)})
     family = family_of_config(model_config).name
+    if not short:   # GPT-2: Conv1D projections, q|k|v fused in one c_attn, which PEFT adapts as one matrix
+        raise ConfigError(f"LoRA: the {family} model has no projection it can adapt in this "
+                          f"version (its Hugging Face weights are Conv1D, q, k and v fused in one c_attn, which a "
+                          f"PEFT adapter would adapt as one matrix); fine-tune every weight instead (lora.rank=0)")
     targets: set[tuple[str, str]] = set()
     expert_targets: set[tuple[str, str]] = set()
     for target in lora.targets:
@@ -70,7 +74,7 @@ def lora_spec(lora, model_config, param_dtype: str) -> LoraSpec:
         routed = [path for module, path in experts.items() if target == EXPERTS or _matches(target, module)]
         if not hits and not routed:
             raise ConfigError(f"lora.targets: {target!r} names no projection of the {family} model; it has "
-                              f"{short or 'none LoRA can adapt (no nn.Linear weights in its Hugging Face table)'}")
+                              f"{short}")
         targets.update(hits)
         expert_targets.update(routed)
     if expert_targets and lora.dropout:

@@ -36,6 +36,10 @@ def test_targets_that_name_no_projection_are_one_line_naming_the_ones_there():
         lora_recipe("lora.targets=q_proj,qkv")
     with pytest.raises(ConfigError, match="checkpoint.init_from is not"):
         get_recipe("tiny", SMALL + ["lora.rank=4"])
+    # GPT-2 has no projection LoRA adapts: said once, with what to do, not as a missing target
+    with pytest.raises(ConfigError, match=r"^--set lora.rank=4: LoRA: the gpt2 model has no projection it can "
+                                          r"adapt .*\(lora.rank=0\)$"):
+        get_recipe("gpt2_tiny", ["lora.rank=4", "checkpoint.init_from=/nowhere"])
 
 
 MOE_SMALL = [o for o in SMALL if not o.startswith("model.mlp_hidden")]
