@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a run as a Hugging Face folder (LoRA merged), or its PEFT adapter",
                        parents=[common])
     p.add_argument("checkpoint", help="a run directory (latest step) or a checkpoint step directory")
-    p.add_argument("out_dir", help="the folder to write (empty, or holding an earlier export of the same run)")
+    p.add_argument("out_dir", help="the folder to write: new, empty, or holding an earlier export of the same run "
+                                      "(other files, a README or .git, are kept; one the export would replace is "
+                                      "refused)")
     p.add_argument("--adapter", action="store_true",
                    help="write the LoRA adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -92,14 +93,15 @@ def _run_id(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def _check_earlier_export(out_dir: Path, own: str, source: str) -> str | None:
-    """An output folder already holding weights (or a config) of this kind is replaced only when its export
-    record names the same run: an export of another run, or a folder with no record (a downloaded or
-    transformers-saved checkpoint, an export of older code), is refused, nothing written. Returns what the
-    earlier export of this run was ("its export of step 40", "its unfinished export of step 40": one killed
-    while writing), or None for a fresh folder."""
+def _check_earlier_export(out_dir: Path, own: str, source: str, writes: list[str]) -> str | None:
+    """An output folder already holding a file this export writes (its weights, config, or `writes`: the
+    tokenizer files and generation_config.json) is replaced only when its export record names the same run: an
+    export of another run, or a folder with no record (a downloaded or transformers-saved checkpoint, a
+    tokenizer download, an export of older code), is refused, nothing written. Other files (a README, a git
+    clone's .git) are left as they are. Returns what the earlier export of this run was ("its export of step
+    40", "its unfinished export of step 40": one killed while writing), or None for a fresh folder."""
     config = ADAPTER_CONFIG if own == ADAPTER_WEIGHTS else "config.json"
-    present = [out_dir / name for name in (own, config) if (out_dir / name).is_file()]
+    present = [out_dir / name for name in (own, config, *writes) if (out_dir / name).is_file()]
     if not present:
         return None
     try:
@@ -158,13 +160,15 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     writes = _tokenizer_files(run_dir) + ([GENERATION_CONFIG] if not adapter and run_dir is not None else [])
     _check_out_dir(out, own, writes)
     source = _source_of(run_dir, step_dir)
-    replaced = _check_earlier_export(out, own, source)
+    replaced = _check_earlier_export(out, own, source, writes)
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     graphdef, abstract_state = abstract_model(recipe)
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(
         abstract_state, state_shardings(abstract_state, mesh)))
     adapter_tensors = peft_tensors(recipe, params) if adapter else None   # what PEFT cannot hold: before writing
     out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK):   # named as the folder, not as the first temporary file refused in it
+        raise HFCheckpointError(f"{out_dir} is not writable: export into a folder you can write")
     # The record comes first: an export killed while writing leaves a folder that names this run, so the
     # same command replaces it (written last, the rerun met weights no export had recorded, and refused).
     _write_record(out, source, step_dir, adapter, finished=False)

@@ -101,6 +101,29 @@ def test_weights_no_export_of_this_run_recorded_are_refused_and_kept(tmp_path, c
         assert digests(folder) == before
 
 
+def test_a_folder_of_files_the_export_would_replace_is_refused_and_others_are_kept(tmp_path, capsys):
+    """A tokenizer download (tokenizers/<repo>: tokenizer.model, tokenizer_config.json, generation_config.json)
+    was overwritten by the run's files without a word; a README or a git clone's .git is no reason to refuse."""
+    step = stub_run(tmp_path / "run")
+    (tmp_path / "run" / "tokenizer.model").write_bytes(b"the run's sentencepiece model")
+    download = tmp_path / "tokenizers" / "repo"
+    download.mkdir(parents=True)
+    (download / "tokenizer.model").write_bytes(b"the user's own")
+    (download / "generation_config.json").write_text('{"mine": 1}')
+    before = digests(download)
+    assert cli.main(["export", str(step), str(download)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds tokenizer.model, generation_config.json that no spillway export " \
+        "recorded" in err[0], err
+    assert digests(download) == before
+    from spillway.recipes.export import _check_earlier_export, _source_of
+    clone = tmp_path / "clone"
+    (clone / ".git").mkdir(parents=True)
+    (clone / "README.md").write_text("# my model")
+    assert _check_earlier_export(clone, "model.safetensors", _source_of(tmp_path / "run", step),
+                                 ["tokenizer.model", "tokenizer_config.json"]) is None
+
+
 def test_an_export_of_the_same_run_is_replaced_and_named(tmp_path):
     from spillway.recipes.export import _check_earlier_export, _source_of
 
@@ -111,10 +134,10 @@ def test_an_export_of_the_same_run_is_replaced_and_named(tmp_path):
     source = _source_of(tmp_path / "run", step)
     record = {"run": "run", "run_id": _run_id(source), "step": "3", "adapter": False, "finished": True}
     (out / "spillway_export.json").write_text(json.dumps(record))
-    assert _check_earlier_export(out, "model.safetensors", source) == "its export of step 3"
+    assert _check_earlier_export(out, "model.safetensors", source, []) == "its export of step 3"
     (out / "spillway_export.json").write_text(json.dumps({**record, "finished": False}))
-    assert _check_earlier_export(out, "model.safetensors", source) == "its unfinished export of step 3"
-    assert _check_earlier_export(tmp_path / "run", "model.safetensors", source) is None   # nothing of that kind
+    assert _check_earlier_export(out, "model.safetensors", source, []) == "its unfinished export of step 3"
+    assert _check_earlier_export(tmp_path / "run", "model.safetensors", source, []) is None   # nothing of that kind
 
 
 def test_a_fine_tune_at_a_shorter_length_exports_the_bases_context(tmp_path):
