@@ -240,6 +240,15 @@ def describe_error(err: BaseException) -> tuple[str, int]:
             EXIT_INTERNAL_ERROR)
 
 
+def _leave_without_teardown(status: int) -> None:
+    """Exit at once, past the interpreter's teardown: a Ctrl-C while XLA compiles leaves its compiler threads
+    running, and tearing the interpreter down under them crashed the process (SIGSEGV after "interrupted").
+    Everything the command holds was let go on the way here (the run lock, the checkpointer, in `finally`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
@@ -249,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             return args.fn(args)
     except KeyboardInterrupt:
         print(f"spillway {args.command}: interrupted", file=sys.stderr)
+        if argv is None:   # the process's own command line, not a caller's: leave now (below)
+            _leave_without_teardown(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except Exception as err:   # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
         message, status = describe_error(err)

@@ -6,10 +6,11 @@ one, `_xla_gc_callback`), a `__del__` or a weakref callback, the interpreter
 prints "Exception ignored in ..." and carries on: the command ran to the end
 and exited 0, as if Ctrl-C had never been pressed.
 
-`interrupts_until_caught` raises the KeyboardInterrupt as Python does, and
-then, until the command's own `except KeyboardInterrupt` says it arrived
-(`caught`), delivers SIGINT again every half second: a swallowed one is raised
-anew at a later point, in ordinary code. The train loop's own handler
+`interrupts_until_caught` raises the KeyboardInterrupt as Python does (but
+not inside a gc callback: there it only asks for the signal again a moment
+later), and then, until the command's own `except KeyboardInterrupt` says it
+arrived (`caught`), delivers SIGINT again every half second: a swallowed one
+is raised anew at a later point, in ordinary code. The train loop's own handler
 (recipes/train/preemption.py) replaces this one while steps run and puts it
 back after.
 """
@@ -17,11 +18,23 @@ back after.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import threading
 
 REDELIVER_S = 0.5
+GC_DELAY_S = 0.02   # a gc callback returns in well under this: the signal comes again after it
+
+
+def _inside_gc_callback(frame) -> bool:
+    """Whether `frame` (where the signal landed) runs inside one of the garbage collector's callbacks."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Pending:
@@ -33,13 +46,16 @@ class _Pending:
 
     def handle(self, signum, frame) -> None:
         self.raised = True
-        self._schedule()
+        if _inside_gc_callback(frame):   # raised there, it would print "Exception ignored" and be lost
+            self._schedule(GC_DELAY_S)
+            return
+        self._schedule(REDELIVER_S)
         raise KeyboardInterrupt
 
-    def _schedule(self) -> None:
+    def _schedule(self, delay_s: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.timer = threading.Timer(REDELIVER_S, self._redeliver)
+        self.timer = threading.Timer(delay_s, self._redeliver)
         self.timer.daemon = True
         self.timer.start()
 

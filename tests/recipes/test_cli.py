@@ -107,3 +107,21 @@ def test_interrupt_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(loop, "train", interrupted)
     assert cli.main(["train", "tiny"]) == 130
     assert capsys.readouterr().err.splitlines() == ["spillway train: interrupted"]
+
+
+def test_an_interrupted_command_line_leaves_past_the_interpreters_teardown(monkeypatch, capsys):
+    """From the process's own command line (no argv passed), an interrupted command exits at once: tearing the
+    interpreter down under XLA's compiler threads crashed it (SIGSEGV after 'interrupted'). A caller passing
+    argv gets the status back instead (the test above)."""
+    from spillway.recipes.train import loop
+
+    def interrupted(recipe, **kwargs):
+        raise KeyboardInterrupt
+
+    left = []
+    monkeypatch.setattr(loop, "train", interrupted)
+    monkeypatch.setattr(sys, "argv", ["spillway", "train", "tiny"])
+    monkeypatch.setattr(os, "_exit", lambda status: left.append(status))
+    cli.main()
+    assert left == [130]
+    assert capsys.readouterr().err.splitlines() == ["spillway train: interrupted"]
