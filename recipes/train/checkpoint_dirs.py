@@ -25,8 +25,9 @@ def _absolute(path: str | os.PathLike) -> epath.Path:
 
 
 def _finalised_steps(run_dir: epath.Path) -> list[int]:
-    """Steps whose save completed; `<step>.orbax-checkpoint-tmp` folders are not listed."""
-    return sorted(m.step for m in _STEP_NAMES.find_all(run_dir))
+    """Steps whose save completed; `<step>.orbax-checkpoint-tmp` folders are not listed, nor a numbered folder
+    holding none of a step's items (made by hand, or emptied): it is no step to read."""
+    return sorted(m.step for m in _STEP_NAMES.find_all(run_dir) if _is_step_dir(m.path))
 
 
 def _is_step_dir(path: epath.Path) -> bool:

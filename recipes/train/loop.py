@@ -184,6 +184,7 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
     from spillway.recipes.train.corpus_record import check_corpus
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
+    from spillway.recipes.train.checkpoint import CorruptCheckpointError
     from spillway.recipes.train.resume import steps_to_try
     from spillway.recipes.train.tokenization_record import recorded_bos
 
@@ -191,9 +192,13 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
         recipe = with_source_tokenizer(recipe, run_dir, resuming=recipe.train.resume and bool(checkpointer.all_steps()),
                                        say=say)
     candidates = steps_to_try(checkpointer, recipe)  # a recipe that cannot resume fails here, before data
-    if candidates:   # a LoRA run's adapters resume only on their own base
-        lora_state.check_same_base(recipe, checkpointer.read_recipe_json(candidates[0]),
-                                   checkpointer.step_dir(candidates[0]))
+    if candidates and recipe.lora.enabled:   # a LoRA run's adapters resume only on their own base
+        try:
+            saved = checkpointer.read_recipe_json(candidates[0])
+        except CorruptCheckpointError:
+            saved = None   # a step without its recipe: the restore sets it aside and tries the one before
+        if saved is not None:
+            lora_state.check_same_base(recipe, saved, checkpointer.step_dir(candidates[0]))
     check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py): its
     # copy in the run folder, also where the tokenizer it names is gone (an hf: base removed: preflight.py).

@@ -418,6 +418,17 @@ def test_a_corrupt_newest_step_read_through_its_directory_names_the_older_steps(
     assert meta["step"] == 10
 
 
+def test_a_numbered_folder_holding_no_step_is_not_a_step(saved_run):
+    """An empty `25/` beside real steps (made by hand, or emptied) was taken as the newest step: generate and
+    export then said "no checkpoint found (no finalised step folder)" for the whole run."""
+    from spillway.recipes.train.checkpoint import finalised_step_dirs, resolve_step_dir
+
+    run_dir, _, _ = saved_run
+    (run_dir / "25").mkdir()
+    assert [d.name for d in finalised_step_dirs(run_dir)] == ["10"]
+    assert resolve_step_dir(run_dir).name == "10"
+
+
 # -- crashes: real child processes --------------------------------------------------------------------
 
 

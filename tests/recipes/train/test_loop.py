@@ -168,12 +168,14 @@ def test_a_save_killed_midway_then_resumed_does_not_repeat_metrics(data_cache, r
 
 # a failed tensorstore read can leave a callback for an event loop orbax already closed
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "recipe"])
 @pytest.mark.slow  # with the stub step about 30 s a run on 2 busy cores (the real step: 70-100 s): `make test-slow`
 def test_a_corrupt_newest_step_falls_back_with_a_warning(data_cache, run_copy, short_run, damage):
     step_dir = run_copy / "checkpoints" / "4"
     files = [f for f in glob.glob(str(step_dir / "params" / "**" / "d" / "*"), recursive=True)]
     assert files
+    if damage == "recipe":   # a step without its saved recipe stopped the run, with no fallback
+        files = [str(step_dir / "recipe" / "recipe.json")]
     for name in files:
         os.truncate(name, os.path.getsize(name) // 2) if damage == "truncate" else os.remove(name)
     said = []
