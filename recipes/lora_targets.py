@@ -63,6 +63,10 @@ def lora_spec(lora, model_config, param_dtype: str) -> LoraSpec:
     available, experts = projections(model_config), expert_projections(model_config)
     short = sorted({name.rsplit(".", 1)[-1] for name in (*available, *experts)})
     family = family_of_config(model_config).name
+    if lora.rank > model_config.d_model:   # every projection has d_model on one side: a rank past it adds nothing
+        raise ConfigError(f"lora.rank={lora.rank} is larger than the model's d_model ({model_config.d_model}), "
+                          f"the most rank an adapter of its projections can have; LoRA ranks are 4 to 64, "
+                          f"typically")
     if not short:   # GPT-2: Conv1D projections, q|k|v fused in one c_attn, which PEFT adapts as one matrix
         raise ConfigError(f"LoRA: the {family} model has no projection it can adapt in this "
                           f"version (its Hugging Face weights are Conv1D, q, k and v fused in one c_attn, which a "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spillway.layers.errors import ConfigError, require_non_negative, require_positive
+from spillway.layers.errors import ConfigError, require_non_negative, require_positive, require_positive_finite
 
 # What optimizer.moment_dtype may name. float16 is left out: the second moment (squared gradients) underflows
 # its range; 8-bit moments would need a per-block scale (docs/DESIGN.md section 6).
@@ -46,11 +46,14 @@ class OptimizerConfig:
     moment_dtype: str = "float32"
 
     def __post_init__(self):
-        require_positive("optimizer", learning_rate=self.learning_rate, clip_norm=self.clip_norm)
+        # finite: a learning rate of inf trained to a NaN loss, an eps of inf to no update at all
+        require_positive_finite("optimizer", learning_rate=self.learning_rate, clip_norm=self.clip_norm)
         # eps > 0: a parameter whose gradient is always zero (an unused embedding row) has
         # mu = nu = 0, and 0 / (sqrt(0) + 0) is NaN.
-        require_positive("optimizer", eps=self.eps)
+        require_positive_finite("optimizer", eps=self.eps)
         require_non_negative("optimizer", warmup_steps=self.warmup_steps, weight_decay=self.weight_decay)
+        if self.weight_decay == float("inf"):
+            raise ConfigError(f"optimizer.weight_decay must be finite, got {self.weight_decay!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.moment_dtype not in MOMENT_DTYPES:

@@ -160,10 +160,11 @@ def _check_limits(headroom: float, host_ram_gb: float | None, hbm_budget_gib: fl
     """ValueError, one line naming the option, for a limit out of its range (before anything compiles)."""
     if not 0 < headroom <= 1:
         raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
-    if host_ram_gb is not None and host_ram_gb <= 0:
-        raise ValueError(f"--host-ram-gb must be positive, got {host_ram_gb}")
-    if hbm_budget_gib is not None and hbm_budget_gib <= 0:
-        raise ValueError(f"--hbm-budget must be positive (GiB), got {hbm_budget_gib}")
+    # written as `not 0 < x < inf`: a NaN fails every comparison, so `x <= 0` let it through as no limit
+    if host_ram_gb is not None and not 0 < host_ram_gb < math.inf:
+        raise ValueError(f"--host-ram-gb must be a positive number, got {host_ram_gb}")
+    if hbm_budget_gib is not None and not 0 < hbm_budget_gib < math.inf:
+        raise ValueError(f"--hbm-budget must be a positive number (GiB), got {hbm_budget_gib}")
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
 

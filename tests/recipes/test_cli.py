@@ -38,6 +38,7 @@ def fake_run_dir(tmp_path):
     (["train", "tiny", "--set", "train.loss_chunk=48"], 2, "train.loss_chunk (48) must divide data.seq_len (128)"),
     (["generate", "RUN", "--prompt", "x", "--tokens", "0"], 2, "spillway generate: error: --tokens must be positive"),
     (["generate", "RUN", "--prompt", "x", "--temperature", "-1"], 2, "--temperature must be zero (greedy) or positive"),
+    (["generate", "RUN", "--prompt", "x", "--seed", str(2**70)], 2, "--seed must be in [0, 9223372036854775807]"),
     (["generate", "RUN", "--prompt", "x"], 2, "spillway generate: error: "),   # the checkpoint error, below
     (["train"], 2, "spillway train: error: the following arguments are required: recipe"),
     (["plan", "tiny", "--devices", "0"], 2, "--devices must be at least 1"),
@@ -54,9 +55,9 @@ def test_an_error_is_one_line_and_a_non_zero_exit(argv, status, message, fake_ru
 def test_a_checkpoint_error_names_the_path(fake_run_dir, tmp_path):
     code, _, err = run_spillway("generate", str(fake_run_dir), "--prompt", "x", cwd=tmp_path)
     assert code == 2 and len(err) == 1
-    # A step folder orbax never finalised is no checkpoint: one line naming the folder, not a
-    # traceback from orbax or the OS.
-    assert str(fake_run_dir / "checkpoints" / "7") in err[0], err
+    # A numbered folder holding none of a step's items is no checkpoint: one line naming where steps were
+    # looked for, not a traceback from orbax or the OS.
+    assert str(fake_run_dir / "checkpoints") in err[0], err
     assert "no checkpoint found" in err[0], err
 
 

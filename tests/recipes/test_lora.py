@@ -36,6 +36,8 @@ def test_targets_that_name_no_projection_are_one_line_naming_the_ones_there():
         lora_recipe("lora.targets=q_proj,qkv")
     with pytest.raises(ConfigError, match="checkpoint.init_from is not"):
         get_recipe("tiny", SMALL + ["lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"lora.rank=99999 is larger than the model's d_model \(32\)"):
+        lora_recipe("lora.rank=99999")
     # GPT-2 has no projection LoRA adapts: said once, with what to do, not as a missing target
     with pytest.raises(ConfigError, match=r"^--set lora.rank=4: LoRA: the gpt2 model has no projection it can "
                                           r"adapt .*\(lora.rank=0\)$"):

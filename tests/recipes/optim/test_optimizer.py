@@ -479,9 +479,9 @@ def test_layout_and_dtype_mismatches_are_rejected():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("learning_rate", 0.0, "optimizer.learning_rate must be positive"),
-    ("learning_rate", -1e-3, "optimizer.learning_rate must be positive"),
-    ("eps", 0.0, "optimizer.eps must be positive"),
+    ("learning_rate", 0.0, "optimizer.learning_rate must be a positive finite number"),
+    ("learning_rate", -1e-3, "optimizer.learning_rate must be a positive finite number"),
+    ("eps", 0.0, "optimizer.eps must be a positive finite number"),
     ("warmup_steps", -1, "optimizer.warmup_steps must be zero or positive"),
     ("weight_decay", -0.1, "optimizer.weight_decay must be zero or positive"),
     ("b1", 1.0, r"optimizer.b1 must be in \[0, 1\)"),

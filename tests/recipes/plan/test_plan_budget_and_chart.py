@@ -72,9 +72,12 @@ def test_cli_budget_prints_the_table_then_fails_naming_the_smallest(monkeypatch,
     assert "error: no offload plan fits" in captured.err and "12.00 GiB" in captured.err
 
 
-def test_nonpositive_budget_is_refused():
-    with pytest.raises(ValueError, match="--hbm-budget must be positive"):
-        planner.plan(get_recipe("tiny"), "h200", 1, hbm_budget_gib=0)
+@pytest.mark.parametrize("limits", [{"hbm_budget_gib": 0}, {"hbm_budget_gib": float("nan")},
+                                    {"host_ram_gb": float("nan")}, {"host_ram_gb": float("inf")}])
+def test_a_limit_that_is_not_a_positive_number_is_refused(limits):
+    """A NaN passed `<= 0` and was taken as no budget, or priced the host as "nan GiB" with advice to shrink."""
+    with pytest.raises(ValueError, match="must be a positive number"):
+        planner.plan(get_recipe("tiny"), "h200", 1, **limits)
 
 
 def test_png_draws_every_compiled_plan(tmp_path, monkeypatch, capsys):
