@@ -123,12 +123,16 @@ def _split_sizes(
     train_rows, val_rows = train_tokens // row_len, val_tokens // row_len
     if train_rows < 1 or (val_fraction > 0 and val_rows < 1):
         wanted = "one training row and one validation row" if val_fraction > 0 else "one training row"
+        enough = shards.num_tokens >= 2 * row_len   # long enough, but in too few documents to split in two
+        advice = ("its tokens are in too few documents to split: the validation set takes whole documents (a "
+                  ".txt file is one document; a .jsonl or .parquet file one a record), so split it into "
+                  "several files" if enough and val_fraction > 0 else "use a larger corpus or a shorter seq_len")
         raise ValueError(
             f"corpus {description!r} is too short: it has {shards.num_tokens} tokens in "
             f"{shards.num_documents} document{'' if shards.num_documents == 1 else 's'}, and {wanted} of seq_len={seq_len} need {row_len} tokens "
             f"each, from whole documents ({train_tokens} tokens train, {val_tokens} validation); "
-            f"use a larger corpus or a shorter seq_len" + (" or val_fraction=0 (no validation set; a run then "
-                                                           "needs train.eval_every=0)" if val_fraction > 0 else "")
+            f"{advice}" + (" or set val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
+                           if val_fraction > 0 else "")
         )
     return threshold, train_rows, val_rows, shards.num_documents - val_documents, val_documents
 

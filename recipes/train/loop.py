@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,30 @@ class RunResult:
     sample: str | None
     model: object
     tokenizer: object
+
+
+@contextlib.contextmanager
+def _gone_if_nothing_trained(run_dir: Path, main: bool):
+    """A run folder this call made is removed again when the run fails before anything of it is worth keeping:
+    no step saved, no step logged (a validation set smaller than a batch, a corpus that does not tokenize, a
+    Ctrl-C while preparing data). It left checkpoints/ empty and a corpus.json that looked like a run. A folder
+    that was there before is never touched, nor one with several processes writing to it."""
+    made_here = main and jax.process_count() == 1 and not run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if made_here and _nothing_trained(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _nothing_trained(run_dir: Path) -> bool:
+    from spillway.recipes.train.checkpoint import CHECKPOINTS_DIRNAME, finalised_step_dirs
+
+    checkpoints = run_dir / CHECKPOINTS_DIRNAME
+    metrics = run_dir / "metrics.jsonl"
+    return ((not checkpoints.is_dir() or not finalised_step_dirs(checkpoints))
+            and (not metrics.exists() or metrics.stat().st_size == 0))
 
 
 @contextlib.contextmanager
@@ -101,7 +126,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
 
     recipe, main, say = _checks(recipe, echo, host_ram_gb)
     run_dir = Path(recipe.run_dir)
-    with _owned_run_dir(run_dir, main, say) as lock:
+    with _gone_if_nothing_trained(run_dir, main), _owned_run_dir(run_dir, main, say) as lock:
         # opening checks that checkpoints can be written there: before any data is prepared
         checkpointer = RunCheckpointer(run_dir / CHECKPOINTS_DIRNAME, keep=recipe.checkpoint.keep,
                                        every_steps=recipe.checkpoint.every_steps,
