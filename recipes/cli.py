@@ -57,10 +57,20 @@ def _cmd_recipes(args) -> int:
     return 0
 
 
+def _refuse_empty_gpu(gpu: str | None) -> None:
+    if gpu is not None and not gpu.strip():   # '' from an unset shell variable quietly meant the default
+        raise ConfigError("--gpu is empty: name a GPU (`spillway plan --help` lists them)")
+
+
 def _cmd_train(args) -> int:
     for flag, value in (("--devices", args.devices), ("--stop-after", args.stop_after)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be positive, got {value}")
+    _refuse_empty_gpu(args.gpu)
+    given = [flag for flag, value in (("--gpu", args.gpu), ("--devices", args.devices)) if value is not None]
+    if given and not args.plan:   # they only steer the plan: without it they were quietly ignored
+        raise ConfigError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} read by --plan auto "
+                          f"only: add --plan auto, or set the run's own mesh and offload with --set")
     from spillway.recipes.user_recipes import load_recipe
     recipe = load_recipe(args.recipe, args.set)   # a registered name, a recipe.json, or module:function
     if args.plan:
@@ -114,6 +124,7 @@ def _cmd_export(args) -> int:
 
 def _cmd_plan(args) -> int:
     from spillway.recipes.plan.commands import plan_command
+    _refuse_empty_gpu(args.gpu)
     if args.gpu is None or args.devices is None:
         # the recipe's own target (offload.target_gpu x offload.target_devices), where it names one
         from spillway.recipes.user_recipes import load_recipe

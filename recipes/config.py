@@ -636,12 +636,16 @@ def _coerce(annotation, value, where: str):
     if annotation is int:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value   # exact: through a float, 99999999999999999999999 became 99999999999999991611392
         try:
             as_float = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
         if not as_float.is_integer():
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if abs(as_float) >= 2**53:   # 1e30 is a float whose integer value is not what was written
+            raise ConfigError(f"{where}: expected an integer, got {value!r} (too large to be exact as written)")
         return int(as_float)
     if annotation is float:
         try:

@@ -42,6 +42,9 @@ def fake_run_dir(tmp_path):
     (["generate", "RUN", "--prompt", "x"], 2, "spillway generate: error: "),   # the checkpoint error, below
     (["train"], 2, "spillway train: error: the following arguments are required: recipe"),
     (["plan", "tiny", "--devices", "0"], 2, "--devices must be at least 1"),
+    (["plan", "tiny", "--gpu", ""], 2, "spillway plan: error: --gpu is empty: name a GPU"),
+    (["train", "tiny", "--gpu", "h100"], 2, "--gpu is read by --plan auto only"),
+    (["train", "tiny", "--set", "train.steps=1e30"], 2, "expected an integer, got 1e+30 (too large to be exact"),
 ])
 def test_an_error_is_one_line_and_a_non_zero_exit(argv, status, message, fake_run_dir, tmp_path):
     argv = [str(fake_run_dir) if a == "RUN" else a for a in argv]
