@@ -30,6 +30,10 @@ import sentencepiece as spm
 
 from spillway.layers.errors import DataError
 
+
+class NoTextError(DataError):
+    """The documents given to train a tokenizer hold no text (the caller names where they came from)."""
+
 from .cache import atomic_write_bytes, stable_key
 from .tokenizer import SPM_TOKENIZER_FILE, NoEosTokenError, SpecialTokens, Tokenizer, no_eos_message
 
@@ -293,7 +297,7 @@ def train_tokenizer(
         seed=seed,
     )
     if not sentences:
-        raise DataError("no non-empty text to train the tokenizer on")
+        raise NoTextError("no non-empty text to train the tokenizer on")
     settings = {
         "vocab_size": vocab_size,
         "model_type": model_type,

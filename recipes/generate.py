@@ -125,7 +125,8 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:
         raise ValueError(f"the prompt is {_tokens(len(prompt_ids))}; the model's max_seq_len is "
-                         f"{recipe.model.max_seq_len}")
+                         f"{recipe.model.max_seq_len}, so a prompt may be at most "
+                         f"{_tokens(recipe.model.max_seq_len - 1)} (one more is generated)")
     if max_new_tokens > room:
         warn(f"warning: --tokens {max_new_tokens} capped at {room}: the prompt is {_tokens(len(prompt_ids))} and the "
              f"model's max_seq_len is {recipe.model.max_seq_len}")

@@ -18,6 +18,7 @@ though they cannot train on a CPU.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 
 from spillway.layers.execution import Execution
@@ -45,7 +46,9 @@ def get_recipe(name: str, overrides: list[str] = ()) -> Recipe:
     try:
         fn = _RECIPES[name]
     except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; known recipes: {recipe_names()}") from None
+        close = difflib.get_close_matches(name.lower(), recipe_names(), n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown recipe {name!r}; {guess}known recipes: {recipe_names()}") from None
     return apply_overrides(fn(), list(overrides))
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from spillway.data import (BatchLoader, MixtureLoader, PackedData, Tokenizer, check_vocab, interleave_documents,
                            load_tokenizer, parse_mixture, prepare_tokens, stream_documents, train_tokenizer)
+from spillway.data.spm_tokenizer import NoTextError
 from spillway.layers.errors import DataError
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import distributed
@@ -114,8 +115,12 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     streams = [stream_documents(source, text_field=cfg.text_field, cache_dir=cfg.cache_path / "datasets")
                for source in sources]
     documents = streams[0] if len(streams) == 1 else interleave_documents(streams)
-    return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
-                           cache_dir=cfg.cache_path / "tokenizers")
+    try:
+        return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
+                               cache_dir=cfg.cache_path / "tokenizers")
+    except NoTextError as error:   # the trainer knows its sentences, not where they came from: name the corpus
+        raise DataError(f"{'data.mixture ' + repr(cfg.mixture) if cfg.mixture else 'data.source ' + repr(cfg.source)}"
+                        f": {error}") from None
 
 
 def run_chat_template(recipe: Recipe, tokenizer: Tokenizer):

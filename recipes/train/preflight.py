@@ -29,6 +29,7 @@ or a `data.tokenizer` removed since it started is not missing for it (recipes/tr
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from spillway.data.hub_reach import hub_unreachable_reason
@@ -47,7 +48,10 @@ class MissingInputError(DataError):
 
 
 def check_run_inputs(recipe: Recipe) -> None:
-    """MissingInputError naming every input of the recipe that is missing (one line); nothing when all are there."""
+    """MissingInputError naming every input of the recipe that is missing (one line); nothing when all are there.
+    First, a data cache folder that cannot be written (a run started in a read-only folder said only
+    ".cache: Permission denied")."""
+    _check_cache_writable(recipe.data)
     base = _base_model_problem(recipe)
     data = recipe.data
     if data.tokenizer_origin and _checkpoint_brings_a_tokenizer(recipe):
@@ -65,6 +69,18 @@ def check_run_inputs(recipe: Recipe) -> None:
         raise MissingInputError(f"recipe {recipe.name}: {problems[0]}")
     numbered = "; ".join(f"({number}) {problem}" for number, problem in enumerate(problems, start=1))
     raise MissingInputError(f"recipe {recipe.name}: {len(problems)} inputs are missing: {numbered}")
+
+
+def _check_cache_writable(data: DataConfig) -> None:
+    folder = data.cache_path
+    fix = "point it at a folder you can write with --set data.cache_dir=DIR"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DataError(f"data.cache_dir {str(data.cache_dir)!r} ({folder.absolute()}) cannot be made "
+                        f"({error.strerror or error}): {fix}") from None
+    if not os.access(folder, os.W_OK):
+        raise DataError(f"data.cache_dir {str(data.cache_dir)!r} ({folder.absolute()}) is not writable: {fix}")
 
 
 def check_base_model_first(recipe: Recipe) -> None:

@@ -142,3 +142,26 @@ def test_an_empty_path_argument_is_refused_naming_it_not_read_as_the_working_dir
     assert status == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"spillway {argv[0]}: error: {named} is empty: give a path"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_data_cache_that_cannot_be_made_is_named_with_its_setting(tmp_path, monkeypatch, capsys):
+    """A run started in a read-only folder said only ".cache: Permission denied"; here the cache's parent is a
+    file, which fails the same way for any user (root passes permission checks)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    status, err, _ = run_cli("tiny", *micro_set("data.cache_dir=a-file/cache", "train.steps=1",
+                                                f"checkpoint.dir={tmp_path / 'run'}"), capsys=capsys)
+    assert status == 2 and len(err) == 1
+    assert err[0].startswith("spillway train: error: data.cache_dir 'a-file/cache' (") and \
+        "cannot be made (Not a directory): point it at a folder you can write with --set data.cache_dir=DIR" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_corpus_with_no_text_names_the_source(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("")
+    status, err, _ = run_cli("tiny", "--set", "data.source=corpus", "--set", "train.steps=1",
+                             "--set", f"data.cache_dir={tmp_path / 'cache'}", capsys=capsys)
+    assert status == 2
+    assert err == ["spillway train: error: data.source 'corpus': no non-empty text to train the tokenizer on"]
