@@ -715,7 +715,9 @@ def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
     nested = [a for a in (typing.get_args(annotation) or (annotation,)) if dataclasses.is_dataclass(a)]
     if len(keys) == 1:
         if nested and not (raw.lower() in ("none", "null") and type(None) in typing.get_args(annotation)):
-            raise ConfigError(f"{full!r} is a group of fields; set one of them, e.g. {full}.<field>=...")
+            names = sorted(f.name for f in dataclasses.fields(nested[0]))
+            raise ConfigError(f"{full!r} is a group of fields; set one of them, e.g. {full}.{names[0]}=... "
+                              f"(its fields: {', '.join(names)})")
         tree[key] = _coerce(annotation, _parse_scalar(raw), full)
         return
     if not nested:

@@ -32,7 +32,8 @@ from spillway.recipes.config import Recipe, apply_overrides
 
 
 def is_recipe_file(spec: str) -> bool:
-    return spec.lower().endswith(".json") or Path(spec).expanduser().is_file()
+    # "dir.json/" too: a path with a slash at its end is a path, whose refusal names the folder
+    return spec.lower().rstrip("/").endswith(".json") or Path(spec).expanduser().is_file()
 
 
 def recipe_from_file(spec: str) -> Recipe:

@@ -170,6 +170,9 @@ def test_unknown_and_malformed_overrides():
         apply_overrides(tiny(), ["train.steps"])
     with pytest.raises(ConfigError, match="train.steps: expected an integer, got 'many'"):
         tiny("train.steps=many")
+    with pytest.raises(ConfigError, match=r"'model.rope_scaling' is a group of fields; set one of them, e.g. "
+                                          r"model.rope_scaling.factor=... \(its fields: factor, high_freq_factor"):
+        tiny('model.rope_scaling={"factor": 2}')
 
 
 def test_block_class_is_resolved_when_the_recipe_is_built():

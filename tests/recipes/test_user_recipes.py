@@ -96,6 +96,7 @@ def test_train_and_plan_a_recipe_function_with_set_on_top(user_dir, capsys, monk
 
 @pytest.mark.parametrize("spec,content,expected", [
     ("missing.json", None, r"recipe file missing.json does not exist"),
+    ("missing.json/", None, r"recipe file missing.json does not exist"),   # a trailing slash: still the file
     ("bad.json", '{\n  "name": "tiny",\n  oops\n}', r"recipe file bad.json: not valid JSON \(line 3, column 3"),
     ("list.json", "[1, 2]", r"recipe file list.json: a JSON list, not a recipe"),
     ("other.json", '{"model": 3}', r"recipe file other.json: not a spillway recipe"),
