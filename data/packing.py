@@ -58,7 +58,7 @@ class PackedData:
     overlong_examples: int = 0
     overlong_policy: str | None = None
     target_tokens: int | None = None
-    cut_target_tokens: int | None = None   # answer tokens truncation cut off (None: rows prepared before it was counted)
+    cut_target_tokens: int | None = None   # answer tokens truncation cut (None: rows prepared before it was counted)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
