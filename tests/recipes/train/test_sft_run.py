@@ -227,7 +227,7 @@ def test_a_fine_tune_that_resumes_from_its_own_step_does_not_need_its_source(tmp
     (tmp_path / recipe.run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-12").mkdir(parents=True)
     with pytest.raises(MissingInputError):   # an unfinished save is not a step to resume
         check_base_model_first(recipe)
-    (tmp_path / recipe.run_dir / "checkpoints" / "2").mkdir()
+    (tmp_path / recipe.run_dir / "checkpoints" / "2" / "params").mkdir(parents=True)   # a step: it holds items
     check_base_model_first(recipe)
     with pytest.raises(MissingInputError):   # ... unless told not to resume
         check_base_model_first(apply_overrides(recipe, ["train.resume=false"]))
