@@ -34,16 +34,25 @@ def test_a_ctrl_c_swallowed_in_a_gc_callback_is_raised_again(capsys):
                     time.sleep(0.01)
     finally:
         gc.callbacks.remove(callback)
-    assert not armed and time.perf_counter() - started < 5   # raised again within a redelivery or two
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # put back
-    assert "Exception ignored" not in capsys.readouterr().err   # not raised inside the callback at all
+    assert not armed and time.perf_counter() - started < 2   # raised again, once out of the callback
+    assert "Exception ignored" not in capsys.readouterr().err   # the swallowed one is not printed
+
+
+def test_a_ctrl_c_that_reached_the_command_is_not_repeated_while_it_cleans_up():
+    """A Ctrl-C the command's code saw must not be sent again: its cleanup (an async save finishing) would be
+    interrupted by a Ctrl-C the user pressed once."""
+    with interrupts_until_caught():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            time.sleep(0.5)   # the cleanup: no second KeyboardInterrupt arrives
 
 
 def test_a_command_started_with_sigint_ignored_keeps_ignoring_it():
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with interrupts_until_caught():
-            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
     finally:
