@@ -81,7 +81,10 @@ def _gone_if_nothing_trained(run_dir: Path, main: bool):
 
 def _nothing_trained(run_dir: Path) -> bool:
     from spillway.recipes.train.checkpoint import CHECKPOINTS_DIRNAME, finalised_step_dirs
+    from spillway.recipes.train.run_lock import LOCK_FILENAME
 
+    if (run_dir / LOCK_FILENAME).exists():   # ours is released by now: another run took the folder, it is its own
+        return False
     checkpoints = run_dir / CHECKPOINTS_DIRNAME
     metrics = run_dir / "metrics.jsonl"
     return ((not checkpoints.is_dir() or not finalised_step_dirs(checkpoints))
