@@ -30,12 +30,13 @@ import sentencepiece as spm
 
 from spillway.layers.errors import DataError
 
+from .cache import atomic_write_bytes, stable_key
+from .tokenizer import SPM_TOKENIZER_FILE, NoEosTokenError, SpecialTokens, Tokenizer, no_eos_message
+
 
 class NoTextError(DataError):
     """The documents given to train a tokenizer hold no text (the caller names where they came from)."""
 
-from .cache import atomic_write_bytes, stable_key
-from .tokenizer import SPM_TOKENIZER_FILE, NoEosTokenError, SpecialTokens, Tokenizer, no_eos_message
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 MODEL_TYPES = ("bpe", "unigram")

@@ -119,8 +119,8 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
         return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
                                cache_dir=cfg.cache_path / "tokenizers")
     except NoTextError as error:   # the trainer knows its sentences, not where they came from: name the corpus
-        raise DataError(f"{'data.mixture ' + repr(cfg.mixture) if cfg.mixture else 'data.source ' + repr(cfg.source)}"
-                        f": {error}") from None
+        corpus = f"data.mixture {cfg.mixture!r}" if cfg.mixture else f"data.source {cfg.source!r}"
+        raise DataError(f"{corpus}: {error}") from None
 
 
 def run_chat_template(recipe: Recipe, tokenizer: Tokenizer):

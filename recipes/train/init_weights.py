@@ -181,7 +181,7 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
     named = recipe.data.tokenizer
     if named is not None and Path(named).expanduser().exists():
         _warn_if_not_the_checkpoints_tokenizer(named, directory, say)
-    if named is None or (recipe.data.tokenizer_origin and not Path(named).expanduser().exists()):
+    if _takes_checkpoint_tokenizer(recipe):
         found = tokenizer_file_in(directory)
         if found is None:
             if named is not None:
@@ -199,7 +199,8 @@ def _warn_if_not_the_checkpoints_tokenizer(named: str, directory: Path, say) -> 
     weights learned the checkpoint's ids, and a tokenizer of the same size trained quietly on the wrong ones."""
     from spillway.data import load_tokenizer
 
-    if tokenizer_file_in(directory) is None:
+    own = tokenizer_file_in(directory)
+    if own is None:
         return
     try:
         ours, theirs = load_tokenizer(Path(named).expanduser()), load_tokenizer(directory)
@@ -213,15 +214,21 @@ def _warn_if_not_the_checkpoints_tokenizer(named: str, directory: Path, say) -> 
         return   # the same tokens (another BOS/EOS setting is the tokenizer's own business)
     what = (f"token {differing} is {theirs.token_text(differing)!r} there, {ours.token_text(differing)!r} here"
             if differing is not None else f"{theirs.vocab_size} ids there, {ours.vocab_size} here")
-    say(f"warning: data.tokenizer {named!r} is not the checkpoint's own tokenizer ({tokenizer_file_in(directory)}): "
+    say(f"warning: data.tokenizer {named!r} is not the checkpoint's own tokenizer ({own}): "
         f"{what}; the weights learned the checkpoint's ids (leave data.tokenizer unset to use its own)")
 
 
-def _named_checkpoint_tokenizer(recipe: Recipe, directory: Path) -> Recipe:
-    """The recipe naming the checkpoint's folder as its tokenizer where it names none, or names a published
-    tokenizer's local copy that is not there (what a run's saved recipe then holds, and a resume must match)."""
+def _takes_checkpoint_tokenizer(recipe: Recipe) -> bool:
+    """Whether the run tokenizes with its `hf:` checkpoint's tokenizer: it names none, or names a published
+    tokenizer's local copy (data.tokenizer_origin) that is not there."""
     named = recipe.data.tokenizer
-    if named is None or (recipe.data.tokenizer_origin and not Path(named).expanduser().exists()):
+    return named is None or bool(recipe.data.tokenizer_origin and not Path(named).expanduser().exists())
+
+
+def _named_checkpoint_tokenizer(recipe: Recipe, directory: Path) -> Recipe:
+    """The recipe naming the checkpoint's folder as its tokenizer where it takes that one
+    (`_takes_checkpoint_tokenizer`): what a run's saved recipe then holds, and a resume must match."""
+    if _takes_checkpoint_tokenizer(recipe):
         recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, tokenizer=str(directory)))
     return recipe
 

@@ -46,7 +46,7 @@ from spillway.recipes.sampling import generate
 from spillway.recipes.train import distributed, gpu_allocators, host_memory
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.loop_parts import LossWatch, Profile, Progress, Saving, Stopping, Validation
-from spillway.recipes.train.metrics import RunLogger
+from spillway.recipes.train.metrics import METRICS_FILENAME, RunLogger
 from spillway.recipes.train.preemption import GroupStop, StopSignals
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.run_state import (RunState, StepPrograms, initial_state, step_programs,
@@ -86,7 +86,7 @@ def _nothing_trained(run_dir: Path) -> bool:
     if (run_dir / LOCK_FILENAME).exists():   # ours is released by now: another run took the folder, it is its own
         return False
     checkpoints = run_dir / CHECKPOINTS_DIRNAME
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILENAME
     return ((not checkpoints.is_dir() or not finalised_step_dirs(checkpoints))
             and (not metrics.exists() or metrics.stat().st_size == 0))
 
@@ -209,10 +209,10 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from spillway.data import tokenizer_file_in
     from spillway.recipes.train import lora_state
+    from spillway.recipes.train.checkpoint import CorruptCheckpointError
     from spillway.recipes.train.corpus_record import check_corpus
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
-    from spillway.recipes.train.checkpoint import CorruptCheckpointError
     from spillway.recipes.train.resume import steps_to_try
     from spillway.recipes.train.tokenization_record import recorded_bos
 
@@ -351,7 +351,7 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
     """The plots, the trained model and (process 0, train.sample_tokens > 0) a text sample from it."""
     plot = logger.plot_loss()
     if plot:
-        say(f"loss curve: {plot}; metrics: {run_dir / 'metrics.jsonl'}; TensorBoard: {run_dir / 'tb'}")
+        say(f"loss curve: {plot}; metrics: {run_dir / METRICS_FILENAME}; TensorBoard: {run_dir / 'tb'}")
     elif main and not logger.metrics_path.is_file():
         say(f"warning: {logger.metrics_path} was deleted while the run wrote it: no loss curve (the checkpoints "
             f"are saved; TensorBoard: {run_dir / 'tb'})")

@@ -33,6 +33,7 @@ from spillway.recipes.targets import target_for_device_kind   # the planner's GP
 from spillway.recipes.train import aux_terms
 from spillway.recipes.train.errors import RunError
 
+METRICS_FILENAME = "metrics.jsonl"   # in the run directory: one JSON line per logged step
 
 def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a float32 size^3 matmul on the default device (best of `repeats`)."""
@@ -124,7 +125,7 @@ class RunLogger:
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return self.run_dir / METRICS_FILENAME
 
     def _drop_rows_after(self, step: int) -> None:
         if not self.metrics_path.exists():
