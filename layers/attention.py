@@ -117,10 +117,9 @@ class Attention(nnx.Module):
         self.q_norm = make_qk_norm() if qk_norm else None
         self.k_norm = make_qk_norm() if qk_norm else None
 
-    def _project(self, x_btd, w, b, name):
+    def _project(self, x_btd, w, b, delta):
         y = jnp.einsum("btd,dnh->btnh", x_btd, w[...].astype(self.dtype))
-        delta = lora.adapter_delta(self, name, x_btd, 1, self.dtype)   # None without a LoRA adapter
-        if delta is not None:
+        if delta is not None:   # the projection's LoRA term (None without an adapter)
             y = y + delta.reshape(y.shape)
         return y if b is None else y + b[...].astype(self.dtype)
 
@@ -131,9 +130,11 @@ class Attention(nnx.Module):
         base and scale) replace the static window and base when given; `segment_ids_bt` (training only):
         packed examples, each seeing only itself (layers/segment_mask.py)."""
         x_btd = x_btd.astype(self.dtype)
-        q_btnh = self._project(x_btd, self.wq, self.bq, "wq")
-        k_btkh = self._project(x_btd, self.wk, self.bk, "wk")
-        v_btkh = self._project(x_btd, self.wv, self.bv, "wv")
+        # One call for the three: GPT-2's c_attn adapter is one over q, k and v (layers/lora.py).
+        deltas = lora.adapter_deltas(self, ("wq", "wk", "wv"), x_btd, 1, self.dtype)
+        q_btnh = self._project(x_btd, self.wq, self.bq, deltas["wq"])
+        k_btkh = self._project(x_btd, self.wk, self.bk, deltas["wk"])
+        v_btkh = self._project(x_btd, self.wv, self.bv, deltas["wv"])
         if self.q_norm is not None:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         if self.rope:

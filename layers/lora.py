@@ -26,6 +26,12 @@ with the frozen base weights in host memory (offload.params=host), the
 adapters stay in HBM. What is trainable is decided by the train step
 (recipes/train/lora_state.py), not here.
 
+A Hugging Face projection that is several block weights fused in one tensor
+(GPT-2's `c_attn`, q | k | v along its output axis) is adapted as PEFT adapts
+it, one matrix: a `FusedLoraAdapter` with one A [r, in] shared by the parts and
+B [sum of outs, r], held as `lora_wq_wk_wv` beside them; each part's term is
+its rows of B (one dropout mask for the shared input, as PEFT draws one).
+
 Routed experts ([E, in, out] stacks) get an `ExpertLoraAdapter` each: one
 PEFT adapter per expert, merged into the layer's expert weights where the MoE
 layer hands them to its dispatch (layers/moe.py `expert_weights`), so every
@@ -78,12 +84,15 @@ class LoraSpec:
     # Routed experts' stacked weights ([E, in, out]: ("mlp", "w_up")) with an adapter per expert, merged into
     # the weights each forward pass (`ExpertLoraAdapter`).
     expert_targets: frozenset[tuple[str, str]] = frozenset()
+    # Weights of one module adapted as one matrix (GPT-2's c_attn: ("attn", ("wq", "wk", "wv"))), their
+    # outputs joined in the order given: one `FusedLoraAdapter`.
+    fused_targets: frozenset[tuple[str, tuple[str, ...]]] = frozenset()
 
     def __post_init__(self):
         require_positive("lora", rank=self.rank, alpha=self.alpha)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if not self.targets and not self.expert_targets:
+        if not self.targets and not self.expert_targets and not self.fused_targets:
             raise ConfigError("lora: no target weights")
 
     @property
@@ -109,13 +118,51 @@ class LoraAdapter(nnx.Module):
     def delta(self, x_bti: jax.Array, dtype, salt: int = 0) -> jax.Array:
         """The adapter's term for inputs [..., in] (flattened): [..., out], in `dtype`. `salt` tells the
         projections of one input apart (q, k and v draw their own dropout masks, as PEFT's do)."""
+        return self._up(self._down(x_bti, dtype, salt), self.b[...], dtype)
+
+    def _down(self, x_bti: jax.Array, dtype, salt: int) -> jax.Array:
+        """dropout(x) @ A^T: [..., r]."""
         key = _DROPOUT_KEY.get()
         if self.dropout > 0 and key is not None:
             key = jax.random.fold_in(key, salt)
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x_bti.shape)
             x_bti = jnp.where(keep, x_bti / (1.0 - self.dropout), 0).astype(x_bti.dtype)
-        low = x_bti @ self.a[...].astype(dtype).T
-        return (low @ self.b[...].astype(dtype).T) * jnp.asarray(self.scale, dtype)
+        return x_bti @ self.a[...].astype(dtype).T
+
+    def _up(self, low: jax.Array, b: jax.Array, dtype) -> jax.Array:
+        """(alpha / r) * low @ B^T: [..., out] (B: these rows of the adapter's)."""
+        return (low @ b.astype(dtype).T) * jnp.asarray(self.scale, dtype)
+
+
+class FusedLoraAdapter(LoraAdapter):
+    """One adapter of several weights of a module fused in one Hugging Face tensor (GPT-2's c_attn): A [r, in]
+    shared, B [sum of the parts' outs, r], the parts' rows in `parts` order. PEFT's adapter of the fused tensor
+    as is; `deltas(names, ...)` are the parts' terms."""
+
+    def __init__(self, parts: tuple[str, ...], in_features: int, part_features: tuple[int, ...], spec: LoraSpec, *,
+                 in_axis: str | None, rngs: nnx.Rngs):
+        # The joined output axis has no single logical axis name: B's rows stay unsharded (the adapter is small).
+        super().__init__(in_features, sum(part_features), spec, in_axis=in_axis, out_axis=None, rngs=rngs)
+        self.parts = tuple(parts)
+        self.part_features = tuple(part_features)
+
+    def deltas(self, names: tuple[str, ...], x_bti: jax.Array, dtype) -> dict[str, jax.Array]:
+        """{part: its term [..., that part's out]} for inputs [..., in], of the parts in `names`: x A^T once for
+        all of them (so its gradient is one product too), then each part's rows of B (not the whole product
+        sliced, which XLA would compute whole for each part). One dropout mask for all parts: PEFT drops the
+        fused tensor's input once."""
+        low = self._down(x_bti, dtype, salt=zlib.crc32(fused_adapter_name(self.parts).encode()))
+        found = {}
+        for index, name in enumerate(self.parts):
+            if name in names:
+                start = sum(self.part_features[:index])
+                found[name] = self._up(low, self.b[start:start + self.part_features[index]], dtype)
+        return found
+
+
+def fused_adapter_name(parts: tuple[str, ...]) -> str:
+    """The attribute a fused adapter of `parts` is held as (`lora_wq_wk_wv`)."""
+    return ADAPTER_PREFIX + "_".join(parts)
 
 
 class ExpertLoraAdapter(nnx.Module):
@@ -191,6 +238,19 @@ def attach(block: nnx.Module, rngs: nnx.Rngs) -> None:
         in_features, out_features, in_axis, out_axis = _in_out(module, weight_name, weight)
         setattr(module, ADAPTER_PREFIX + weight_name,
                 LoraAdapter(in_features, out_features, spec, in_axis=in_axis, out_axis=out_axis, rngs=rngs))
+    for module_name, parts in sorted(spec.fused_targets):
+        module = getattr(block, module_name, None)
+        weights = [getattr(module, part, None) if module is not None else None for part in parts]
+        if not all(isinstance(w, nnx.Param) for w in weights):
+            raise ConfigError(f"lora: block {type(block).__name__} has no weights {module_name}."
+                              f"{'/'.join(parts)} to adapt as one")
+        sizes = [_in_out(module, part, w) for part, w in zip(parts, weights, strict=True)]
+        if len({size[0] for size in sizes}) != 1:
+            raise ConfigError(f"lora: {module_name}.{'/'.join(parts)} take different inputs; they cannot share "
+                              f"one adapter")
+        setattr(module, fused_adapter_name(parts),
+                FusedLoraAdapter(parts, sizes[0][0], tuple(size[1] for size in sizes), spec, in_axis=sizes[0][2],
+                                 rngs=rngs))
     for module_name, weight_name in sorted(spec.expert_targets):
         module = getattr(block, module_name, None)
         weight = getattr(module, weight_name, None) if module is not None else None
@@ -225,14 +285,31 @@ def in_ndim(module, weight_name: str) -> int:
 def adapter_delta(module, weight_name: str, x: jax.Array, in_axes: int, dtype) -> jax.Array | None:
     """The LoRA term of `module.<weight_name>` for input `x` whose last `in_axes` axes are the weight's input,
     shaped [..., out] flattened (the caller reshapes), or None where the weight has no adapter."""
-    adapter = getattr(module, ADAPTER_PREFIX + weight_name, None)
-    if adapter is None:
-        return None
-    lead = x.shape[:x.ndim - in_axes]
-    return adapter.delta(x.reshape(lead + (-1,)), dtype, salt=zlib.crc32(weight_name.encode()))
+    return adapter_deltas(module, (weight_name,), x, in_axes, dtype)[weight_name]
+
+
+def adapter_deltas(module, weight_names: tuple[str, ...], x: jax.Array, in_axes: int,
+                   dtype) -> dict[str, jax.Array | None]:
+    """`adapter_delta` of several weights of `module` that take the same input (q, k and v): a fused adapter
+    over them (GPT-2's c_attn) computes its shared product once for all."""
+    flat = x.reshape(x.shape[:x.ndim - in_axes] + (-1,))
+    found: dict[str, jax.Array | None] = dict.fromkeys(weight_names)
+    for value in vars(module).values():
+        if isinstance(value, FusedLoraAdapter) and set(value.parts) & set(weight_names):
+            found.update(value.deltas(weight_names, flat, dtype))
+    for name in weight_names:
+        adapter = getattr(module, ADAPTER_PREFIX + name, None)
+        if isinstance(adapter, LoraAdapter) and not isinstance(adapter, FusedLoraAdapter):
+            found[name] = adapter.delta(flat, dtype, salt=zlib.crc32(name.encode()))
+    return found
 
 
 def adapter_names(module) -> list[str]:
-    """The weights of `module` that have an adapter."""
-    return sorted(name[len(ADAPTER_PREFIX):] for name in vars(module) if name.startswith(ADAPTER_PREFIX)
-                  and isinstance(getattr(module, name), (LoraAdapter, ExpertLoraAdapter)))
+    """The weights of `module` that have an adapter (each part of a fused one)."""
+    found = []
+    for name, value in vars(module).items():
+        if isinstance(value, FusedLoraAdapter):
+            found += value.parts
+        elif name.startswith(ADAPTER_PREFIX) and isinstance(value, (LoraAdapter, ExpertLoraAdapter)):
+            found.append(name[len(ADAPTER_PREFIX):])
+    return sorted(found)

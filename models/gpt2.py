@@ -168,6 +168,7 @@ FAMILY = register_family(Family(
     hf=hf.HFTable(model_types=("gpt2",), architecture="GPT2LMHeadModel",
                   config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=gpt2_weights,
                   embed_name="transformer.wte.weight", head_name="lm_head.weight",
+                  lora_default_targets=("c_attn",),   # PEFT's default for gpt2
                   # Causal-mask buffers older transformers versions saved with every layer.
                   ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
                   base_prefix="transformer."),

@@ -121,6 +121,9 @@ class HFTable:
     weights: Callable[[Any], list[HFWeight]]             # family config -> every tensor
     embed_name: str = "model.embed_tokens.weight"
     head_name: str = "lm_head.weight"
+    # PEFT's default target_modules for the model type, taken for `lora.targets` left at its default
+    # (q_proj, v_proj) on a model without those projections (GPT-2: c_attn). None: q_proj, v_proj.
+    lora_default_targets: tuple[str, ...] | None = None
     # Buffers some checkpoints carry that are recomputed, never learned (RoPE frequencies, causal masks).
     ignored_suffixes: tuple[str, ...] = (".rotary_emb.inv_freq",)
     # transformers' `base_model_prefix` when the table's names carry it: a checkpoint saved from the

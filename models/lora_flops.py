@@ -79,14 +79,19 @@ def _layer(layer: flops.LayerFlops, block, lora, tokens: int, policy: OffloadPol
     backward = frozen + 2 * layer.attention + (layer.attn_scores if impl in ("flash", "cudnn") else 0.0)
     recompute = flops.recompute_per_layer(policy, layer, impl)
     adapters = 0.0
-    for target in lora.targets:
-        if block.moe is not None and target[0] == "mlp":
+    # A fused adapter (GPT-2's c_attn over wq, wk, wv) is one adapter: x A^T once, its product with B^T over
+    # the parts' outputs joined (all tagged as its first part is).
+    adapted = [((target,), target) for target in lora.targets] + [
+        (tuple((module, part) for part in parts), (module, parts[0])) for module, parts in lora.fused_targets]
+    for weights, tagged in adapted:
+        if block.moe is not None and tagged[0] == "mlp":
             continue   # a dense target's adapter sits only on weights without an expert axis (layers/lora.py)
-        d_in, d_out = _in_out(block, target)
+        d_in = _in_out(block, weights[0])[0]
+        d_out = sum(_in_out(block, weight)[1] for weight in weights)
         first, second = 2.0 * tokens * d_in * lora.rank, 2.0 * tokens * lora.rank * d_out
         adapters += first + second
         if policy.remat:
-            tag = _TAG[target]
+            tag = _TAG[tagged]
             recompute += first + (second if tag is not None and not flops.kept(policy, tag) else 0.0)
     for _, weight in (lora.expert_targets if block.moe is not None else ()):
         moe = block.moe
@@ -106,6 +111,7 @@ def lora_step_flops(spec, batch: int, seq_len: int, lora, *, remat: str | Offloa
     `train_step_flops`, which this replaces for a recipe with adapters."""
     _known(lora.targets)
     _known(lora.expert_targets)
+    _known({(module, part) for module, parts in lora.fused_targets for part in parts})
     impl = attention_impl or spec.block.execution.attention_impl
     plan = RematPlan.parse(remat)
     layers = flops.stack_flops(spec, batch, seq_len, attention=flops.attention_count(impl), moe_counted=moe_counted)

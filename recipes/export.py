@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from spillway.layers.errors import ConfigError
-from spillway.layers.lora import ADAPTER_PREFIX
+from spillway.layers.lora import ADAPTER_PREFIX, fused_adapter_name
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import HFCheckpointError, listed, put_in_place
@@ -254,16 +254,20 @@ def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
     return copied
 
 
-def _adapters(params) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
-    """{path of the adapted weight: (A [L, r, in], B [L, out, r]) as float32 NumPy}."""
+def _adapters(recipe: Recipe, params) -> list[tuple[tuple[tuple, ...], np.ndarray, np.ndarray]]:
+    """(paths of the weights an adapter adapts, A [L, r, in], B [L, out, r]) of each adapter, as float32 NumPy:
+    one weight, or a fused adapter's parts in their order (its B's rows are theirs, joined in that order)."""
+    fused = {fused_adapter_name(parts): parts for _, parts in recipe.lora_spec().fused_targets}
     flat = dict(nnx.to_flat_state(params))
-    found = {}
+    found = []
     for path, var in flat.items():
         if isinstance(var, nnx.LoRAParam) and path[-1] == "a":
-            weight = path[:-2] + (path[-2][len(ADAPTER_PREFIX):],)
+            holder, name = path[:-2], path[-2]
+            parts = fused.get(name, (name[len(ADAPTER_PREFIX):],))
             b = flat[path[:-1] + ("b",)]
-            found[weight] = (np.asarray(jax.device_get(var.get_value()), np.float32),
-                             np.asarray(jax.device_get(b.get_value()), np.float32))
+            found.append((tuple(holder + (part,) for part in parts),
+                          np.asarray(jax.device_get(var.get_value()), np.float32),
+                          np.asarray(jax.device_get(b.get_value()), np.float32)))
     return found
 
 
@@ -277,14 +281,18 @@ def merged_state(recipe: Recipe, params):
     if not recipe.lora.enabled:
         return graphdef, params
     scale = recipe.lora.alpha / recipe.lora.rank
-    adapters = _adapters(params)
     base = dict(nnx.to_flat_state(split(params)[1]))
-    for path, (a, b) in adapters.items():
-        w = base[path]
-        value = np.asarray(jax.device_get(w.get_value()), np.float32)
-        # [L, in, out]: A^T B^T per layer; [L, E, in, out] per layer and expert for routed experts
-        delta = np.einsum("...ri,...or->...io", a, b) * scale
-        base[path] = w.replace(jnp.asarray(value + delta.reshape(value.shape), w.get_value().dtype))
+    for weights, a, b in _adapters(recipe, params):
+        start = 0
+        for path in weights:
+            w = base[path]
+            value = np.asarray(jax.device_get(w.get_value()), np.float32)
+            # A fused adapter's part: the rows of B of this weight's outputs (its size over the shared input).
+            rows = b.shape[-2] if len(weights) == 1 else value[0].size // a.shape[-1]
+            # [L, in, out]: A^T B^T per layer; [L, E, in, out] per layer and expert for routed experts
+            delta = np.einsum("...ri,...or->...io", a, b[..., start:start + rows, :]) * scale
+            start += rows
+            base[path] = w.replace(jnp.asarray(value + delta.reshape(value.shape), w.get_value().dtype))
     return graphdef, nnx.from_flat_state(list(base.items()))
 
 
@@ -318,21 +326,21 @@ def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
     from spillway.models.hf import stack_runs
 
     names = _hf_names(recipe)
-    adapters = _adapters(params)
     runs = stack_runs({path: np.shape(value.get_value()) for path, value in nnx.to_flat_state(params)})
     tensors = {}
-    for path, (a, b) in adapters.items():
-        shown = ".".join(str(part) for part in path)
+    for weights, a, b in _adapters(recipe, params):
+        shown = ".".join(str(part) for part in weights[0])
         if a.ndim == 4:
             raise ConfigError(f"--adapter: the run adapts the routed experts ({shown}), which the PEFT "
                               f"export does not map in this version (transformers lays MoE experts out "
                               f"differently across versions); export merged instead")
-        prefix, first = next(((prefix, first) for prefix, first in runs if path[:len(prefix)] == prefix),
+        prefix, first = next(((prefix, first) for prefix, first in runs if weights[0][:len(prefix)] == prefix),
                              (None, 0))
-        if prefix is None or path[len(prefix):] not in names:
+        modules = {names.get(path[len(prefix):]) for path in weights} if prefix is not None else {None}
+        if len(modules) != 1 or None in modules:   # a fused adapter's parts are one Hugging Face tensor
             raise ConfigError(f"--adapter: the adapter of {shown} has no Hugging Face module name; export "
                               f"merged instead")
-        module = names[path[len(prefix):]].removesuffix(".weight")
+        module = modules.pop().removesuffix(".weight")
         for layer in range(a.shape[0]):
             name = PEFT_PREFIX + module.format(i=first + layer)
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a[layer])
@@ -344,14 +352,15 @@ def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path
     """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter (`peft_tensors`)."""
     from safetensors.numpy import save_file
 
-    from spillway.recipes.lora_targets import hf_modules
+    from spillway.recipes.lora_targets import hf_modules, stored_in_out
 
     spec = recipe.lora_spec()
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": recipe.lora.rank, "lora_alpha": recipe.lora.alpha,
         "lora_dropout": recipe.lora.dropout, "target_modules": sorted({m.rsplit(".", 1)[-1] for m in
-                                                                       hf_modules(recipe.model, spec.targets)}),
-        "base_model_name_or_path": _base_name(recipe), "bias": "none", "fan_in_fan_out": False,
+                                                                       hf_modules(recipe.model, spec)}),
+        # Conv1D projections (GPT-2) are stored [in, out]: PEFT's flag for them (lora_A/lora_B are the same).
+        "base_model_name_or_path": _base_name(recipe), "bias": "none", "fan_in_fan_out": stored_in_out(recipe.model),
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None,
     }

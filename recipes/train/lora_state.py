@@ -41,12 +41,15 @@ def trained_summary(recipe: Recipe) -> str:
     trained (1.2% of the model), the base frozen"; "" for any other run. From the abstract model (no array made)."""
     if not recipe.lora.enabled:
         return ""
+    from spillway.recipes.lora_targets import hf_modules
     from spillway.recipes.train.step import abstract_model
 
     _, abstract_state = abstract_model(recipe)
     count = sum(leaf.size for leaf in jax.tree.leaves(adapters_of(abstract_state)))
     share = 100 * count / max(1, recipe.num_params())
-    return (f"LoRA rank {recipe.lora.rank} on {', '.join(recipe.lora.targets)}: {count / 1e6:.2f}M adapter "
+    # The projections adapted, as resolved (the family's PEFT default where lora.targets was left at q_proj,v_proj).
+    modules = sorted({module.rsplit(".", 1)[-1] for module in hf_modules(recipe.model, recipe.lora_spec())})
+    return (f"LoRA rank {recipe.lora.rank} on {', '.join(modules)}: {count / 1e6:.2f}M adapter "
             f"parameters trained ({share:.2g}% of the model), the base frozen")
 
 

@@ -38,10 +38,45 @@ def test_targets_that_name_no_projection_are_one_line_naming_the_ones_there():
         get_recipe("tiny", SMALL + ["lora.rank=4"])
     with pytest.raises(ConfigError, match=r"lora.rank=99999 is larger than the model's d_model \(32\)"):
         lora_recipe("lora.rank=99999")
-    # GPT-2 has no projection LoRA adapts: said once, with what to do, not as a missing target
-    with pytest.raises(ConfigError, match=r"^--set lora.rank=4: LoRA: the gpt2 model has no projection it can "
-                                          r"adapt .*\(lora.rank=0\)$"):
-        get_recipe("gpt2_tiny", ["lora.rank=4", "checkpoint.init_from=/nowhere"])
+    # GPT-2's projections are PEFT's names for them (Conv1D; q, k and v fused in c_attn)
+    with pytest.raises(ConfigError, match=r"'q_proj' names no projection of the gpt2 model; it has \['c_attn', "
+                                          r"'c_fc', 'c_proj'\]"):
+        get_recipe("gpt2_tiny", ["lora.rank=4", "checkpoint.init_from=/nowhere", "lora.targets=q_proj"])
+
+
+def test_gpt2_targets_resolve_as_peft_resolves_them():
+    """lora.targets left at q_proj,v_proj (PEFT's default for Llama-shaped models) on GPT-2 is PEFT's default
+    for gpt2, c_attn: one adapter over q, k and v. c_proj names both the attention's and the MLP's."""
+    from spillway.recipes.lora_targets import PEFT_LLAMA_DEFAULT, hf_modules
+    from spillway.recipes.config import LoraConfig
+
+    assert LoraConfig().targets == PEFT_LLAMA_DEFAULT
+    gpt2 = ["lora.rank=4", "checkpoint.init_from=/nowhere"]
+    spec = get_recipe("gpt2_tiny", gpt2).lora_spec()
+    assert (spec.targets, spec.fused_targets) == (frozenset(), {("attn", ("wq", "wk", "wv"))})
+    spec = get_recipe("gpt2_tiny", gpt2 + ["lora.targets=c_proj,c_fc"]).lora_spec()
+    assert (spec.targets, spec.fused_targets) == ({("attn", "wo"), ("mlp", "w_down"), ("mlp", "w_up")}, frozenset())
+    recipe = get_recipe("gpt2_tiny", gpt2 + ["lora.targets=attn.c_attn,mlp.c_proj"])
+    assert hf_modules(recipe.model, recipe.lora_spec()) == ["attn.c_attn", "mlp.c_proj"]
+    # Llama keeps its q_proj, v_proj
+    assert lora_recipe().lora_spec().targets == {("attn", "wq"), ("attn", "wv")}
+
+
+def test_a_fused_adapter_is_one_matrix_over_its_parts():
+    """GPT-2's c_attn adapter: q, k and v's terms are x A^T B_part^T with one A, B's rows in q | k | v order,
+    which is PEFT's adapter of the fused [d, 3d] tensor; the attention adds each to its part."""
+    from spillway.layers import lora
+
+    spec = get_recipe("gpt2_tiny", ["lora.rank=4", "checkpoint.init_from=/nowhere"]).lora_spec()
+    adapter = lora.FusedLoraAdapter(("wq", "wk", "wv"), 32, (32, 32, 32), spec, in_axis=None, rngs=nnx.Rngs(0))
+    b = np.random.default_rng(0).normal(size=(96, 4)).astype(np.float32)
+    adapter.b.set_value(jnp.asarray(b))
+    x = np.random.default_rng(1).normal(size=(2, 5, 32)).astype(np.float32)
+    terms = adapter.deltas(("wq", "wk", "wv"), jnp.asarray(x), jnp.float32)
+    whole = (x @ np.asarray(adapter.a.get_value()).T @ b.T) * spec.scale   # PEFT's c_attn term [.., 3d]
+    np.testing.assert_allclose(np.concatenate([terms[p] for p in ("wq", "wk", "wv")], -1), whole, rtol=1e-5,
+                               atol=1e-5)
+    assert list(adapter.deltas(("wk",), jnp.asarray(x), jnp.float32)) == ["wk"]
 
 
 MOE_SMALL = [o for o in SMALL if not o.startswith("model.mlp_hidden")]

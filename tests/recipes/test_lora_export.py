@@ -194,3 +194,48 @@ def test_the_adapter_of_a_model_with_several_runs_of_layers_loads_in_peft(hf_bas
     with torch.no_grad():
         peft_logits = with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow   # a transformers GPT-2, one LoRA run, both exports: about a minute on 2 cores
+def test_gpt2_lora_adapts_the_fused_c_attn_as_peft_does(hf_base, tmp_path, capsys):
+    """GPT-2's projections are Conv1D, q | k | v fused in one c_attn: PEFT adapts c_attn as one matrix (one A
+    shared by q, k and v). Our run with the default targets (PEFT's for gpt2: c_attn) and Conv1D c_proj/c_fc
+    exports merged (transformers) and as an adapter (peft, fan_in_fan_out) with our logits."""
+    _, cache = hf_base
+    hf_dir = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf_dir / name).write_bytes((hf_base[0] / name).read_bytes())
+    run = tmp_path / "run"
+    sets = [f"checkpoint.init_from=hf:{hf_dir}", f"data.source={SOURCE}", f"data.cache_dir={cache}",
+            "data.seq_len=32", "model.vocab_size=512", "model.d_model=32", "model.num_layers=2",
+            "model.num_heads=4", "model.max_seq_len=64", "execution.dtype=float32", "train.global_batch=8",
+            "train.steps=3", "train.eval_every=0", "train.sample_tokens=0", "optimizer.warmup_steps=1",
+            "optimizer.learning_rate=3e-2", f"checkpoint.dir={run}", "lora.rank=4", "lora.alpha=16",
+            "lora.dropout=0.1"]
+    assert cli.main(["train", "gpt2_tiny", *[a for s in sets for a in ("--set", s)]]) == 0, capsys.readouterr().err
+    assert "LoRA rank 4 on c_attn:" in capsys.readouterr().out   # the default targets resolved, and said
+    more = tmp_path / "run-more"   # every Conv1D projection: c_attn, both c_proj (attention, MLP), c_fc
+    sets = [s.replace(f"checkpoint.dir={run}", f"checkpoint.dir={more}") for s in sets] + ["lora.targets=c_attn,c_proj,c_fc"]
+    assert cli.main(["train", "gpt2_tiny", *[a for s in sets for a in ("--set", s)]]) == 0, capsys.readouterr().err
+    tokens = np.random.default_rng(2).integers(0, 512, (2, 24))
+    for trained, modules in ((run, ["c_attn"]), (more, ["c_attn", "c_fc", "c_proj"])):
+        logits, params = our_logits(trained, tokens)
+        assert any(np.abs(v).max() > 0 for p, v in adapter_leaves(params).items() if p[-1] == "b")   # B trained
+        merged, adapter = tmp_path / f"{trained.name}-merged", tmp_path / f"{trained.name}-adapter"
+        assert cli.main(["export", str(trained), str(merged)]) == 0, capsys.readouterr().err
+        assert cli.main(["export", str(trained), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+        with torch.no_grad():
+            np.testing.assert_allclose(hf_model(input_ids=torch.as_tensor(tokens)).logits.numpy(), logits,
+                                       atol=2e-4, rtol=1e-4)
+        written = json.loads((adapter / "adapter_config.json").read_text())
+        assert (sorted(written["target_modules"]), written["fan_in_fan_out"]) == (modules, True)
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
+        with torch.no_grad():
+            np.testing.assert_allclose(with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy(), logits,
+                                       atol=2e-4, rtol=1e-4)
