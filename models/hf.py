@@ -151,6 +151,21 @@ def is_hf_checkpoint_folder(path: str | os.PathLike) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+PEFT_ADAPTER_CONFIG = "adapter_config.json"
+
+
+def peft_adapter_base(directory) -> str | None:
+    """The base model a folder's PEFT adapter (adapter_config.json) names ("its base model" where it names
+    none), or None where the folder holds no adapter."""
+    config_file = Path(directory) / PEFT_ADAPTER_CONFIG
+    if not config_file.is_file():
+        return None
+    try:
+        return json.loads(config_file.read_text()).get("base_model_name_or_path") or "its base model"
+    except (json.JSONDecodeError, AttributeError, OSError):
+        return "its base model"
+
+
 def read_hf_config(source) -> dict:
     """config.json of a checkpoint directory (or of the directory holding a .safetensors file)."""
     directory = Path(source)
@@ -158,6 +173,11 @@ def read_hf_config(source) -> dict:
         raise FileNotFoundError(f"no Hugging Face checkpoint at {directory}: the path does not exist")
     directory = directory.parent if directory.is_file() else directory
     config_file = directory / CONFIG_FILE
+    if not config_file.exists() and (base := peft_adapter_base(directory)):
+        raise HFCheckpointError(f"{directory} is a PEFT adapter ({PEFT_ADAPTER_CONFIG}), not a model: it adapts "
+                                f"{base}. Name that base model's folder, or merge the adapter into it first "
+                                f"(peft: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()"
+                                f".save_pretrained(OUT)) and name OUT")
     if not config_file.exists():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}: a Hugging Face checkpoint folder holds the "
                                 f"{CONFIG_FILE} its model was saved with beside its *.safetensors; copy it there "

@@ -24,7 +24,7 @@ from spillway.data import tokenizer_file_in
 from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
-from spillway.models.hf import is_hf_checkpoint_folder
+from spillway.models.hf import is_hf_checkpoint_folder, peft_adapter_base
 from spillway.recipes.config import Recipe
 from spillway.recipes.sampling import generate
 from spillway.recipes.train.chat_prompt import chat_prompt
@@ -98,6 +98,10 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
                           f"run: generate samples a run's steps; load this folder with transformers "
                           f"(AutoModelForCausalLM.from_pretrained), or fine-tune from it with --set "
                           f"checkpoint.init_from=hf:{path}")
+    if path.is_dir() and (base := peft_adapter_base(path)):   # `spillway export --adapter`'s folder, say
+        raise ConfigError(f"{path} is a PEFT adapter (adapter_config.json) of {base}, not a spillway run: generate "
+                          f"samples a run's steps; name the run it was exported from, or load it with peft onto "
+                          f"its base")
     ckpt = resolve_step_dir(path)  # one step: the recipe, weights and tokenizer all come from the same run
     run_dir = run_dir_of(ckpt)
     if run_dir is None or tokenizer_file_in(run_dir) is None:

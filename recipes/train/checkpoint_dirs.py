@@ -62,8 +62,21 @@ def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
     steps = _finalised_steps(directory)
     if not steps:
         raise CheckpointError(f"{path}: no checkpoint found (no finalised step folder in "
-                              f"{'this directory' if directory == path else directory})")
+                              f"{'this directory' if directory == path else directory}){_what_else(path)}")
     return directory / _STEP_NAMES.build_name(steps[-1])
+
+
+def _what_else(path: epath.Path) -> str:
+    """What a folder with no step is, where it is a Hugging Face folder (export, download) or a PEFT adapter."""
+    from spillway.models.hf import PEFT_ADAPTER_CONFIG, is_hf_checkpoint_folder, peft_adapter_base
+
+    if (base := peft_adapter_base(path)) is not None:
+        return (f"; it holds a PEFT adapter ({PEFT_ADAPTER_CONFIG}) of {base}, which spillway does not read: name "
+                f"the run it was exported from, or merge it into its base with peft and fine-tune from that "
+                f"(checkpoint.init_from=hf:FOLDER)")
+    if is_hf_checkpoint_folder(path):
+        return f"; it is a Hugging Face checkpoint: fine-tune from it with checkpoint.init_from=hf:{path}"
+    return ""
 
 
 def finalised_step_dirs(directory: str | os.PathLike) -> list[epath.Path]:

@@ -165,3 +165,25 @@ def test_a_corpus_with_no_text_names_the_source(tmp_path, monkeypatch, capsys):
                              "--set", f"data.cache_dir={tmp_path / 'cache'}", capsys=capsys)
     assert status == 2
     assert err == ["spillway train: error: data.source 'corpus': no non-empty text to train the tokenizer on"]
+
+
+def test_a_peft_adapter_folder_is_named_as_one_wherever_a_model_or_run_is_expected(tmp_path, capsys):
+    """`spillway export --adapter`'s folder (or any PEFT adapter) given where a model or a run goes: it said
+    "no config.json: copy it there", and "no checkpoint found"; it adapts a base, which it names."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "gpt2"}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    run = tmp_path / "run"
+    for init_from in (f"hf:{adapter}", str(adapter)):
+        status, err, _ = run_cli("tiny", *micro_set(f"checkpoint.init_from={init_from}", f"checkpoint.dir={run}"),
+                                 capsys=capsys)
+        assert status == 2 and len(err) == 1, err
+        assert "is a PEFT adapter (adapter_config.json)" in err[0] or "holds a PEFT adapter" in err[0], err
+        assert "of gpt2" in err[0] or "adapts gpt2" in err[0], err
+        assert not run.exists()
+    for argv in (["generate", str(adapter), "--prompt", "x"], ["export", str(adapter), str(tmp_path / "out")]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "PEFT adapter (adapter_config.json)" in err[0] and "gpt2" in err[0], err
+    assert not (tmp_path / "out").exists()
