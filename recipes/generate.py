@@ -135,7 +135,8 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
         warn(f"warning: --tokens {max_new_tokens} capped at {room}: the prompt is {_tokens(len(prompt_ids))} and the "
              f"model's max_seq_len is {recipe.model.max_seq_len}")
     new_ids = generate(model, prompt_ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
-                       top_p=top_p, seed=seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids)
+                       top_p=top_p, seed=seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids,
+                       vocab_limit=tokenizer.vocab_size)
     if chat is not None:
         return tokenizer.decode(new_ids).strip()
     return tokenizer.decode(prompt_ids[len(prefix):] + new_ids)   # the text, without the BOS put first

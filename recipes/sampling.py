@@ -14,8 +14,12 @@ import numpy as np
 from flax import nnx
 
 
-def sample_token(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """One token per row: greedy at temperature 0, else nucleus sampling."""
+def sample_token(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p: float,
+                 vocab_limit: int | None = None) -> jax.Array:
+    """One token per row: greedy at temperature 0, else nucleus sampling; ids from `vocab_limit` on never (the
+    model's embedding may be larger than its tokenizer, whose decoder has no piece for them)."""
+    if vocab_limit is not None and vocab_limit < logits_bv.shape[-1]:
+        logits_bv = jnp.where(jnp.arange(logits_bv.shape[-1]) < vocab_limit, logits_bv, -jnp.inf)
     if temperature <= 0:
         return jnp.argmax(logits_bv, axis=-1)
     logits_bv = logits_bv.astype(jnp.float32) / temperature
@@ -29,24 +33,28 @@ def sample_token(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p
     return jax.random.categorical(key, logits_bv, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p"))
-def _prefill(graphdef, state, tokens_bt, cache, key, temperature, top_p):
+_STATIC = ("graphdef", "temperature", "top_p", "vocab_limit")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _prefill(graphdef, state, tokens_bt, cache, key, temperature, top_p, vocab_limit):
     model = nnx.merge(graphdef, state)
     logits_btv, cache = model(tokens_bt, cache=cache, cache_index=jnp.int32(0))
-    return sample_token(logits_btv[:, -1], key, temperature, top_p), cache
+    return sample_token(logits_btv[:, -1], key, temperature, top_p, vocab_limit), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p"), donate_argnames=("cache",))
-def _decode_step(graphdef, state, token_b, cache, index, key, temperature, top_p):
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _decode_step(graphdef, state, token_b, cache, index, key, temperature, top_p, vocab_limit):
     model = nnx.merge(graphdef, state)
     logits_btv, cache = model(token_b[:, None], cache=cache, cache_index=index)
-    return sample_token(logits_btv[:, -1], key, temperature, top_p), cache
+    return sample_token(logits_btv[:, -1], key, temperature, top_p, vocab_limit), cache
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.8, top_p: float = 0.95,
-             seed: int = 0, stop_id: int | None = None, stop_ids=()) -> list[int]:
+             seed: int = 0, stop_id: int | None = None, stop_ids=(), vocab_limit: int | None = None) -> list[int]:
     """Continue `prompt_ids`; returns only the new tokens (stops early at `stop_id` or any of `stop_ids`, the
-    end-of-turn tokens of a chat, which are not returned)."""
+    end-of-turn tokens of a chat, which are not returned). `vocab_limit`: the tokenizer's vocabulary size, where
+    the model's embedding is larger (ids past it are never drawn)."""
     stops = set(stop_ids) | ({stop_id} if stop_id is not None else set())
     if not prompt_ids:
         raise ValueError("generate needs a non-empty prompt")
@@ -60,7 +68,8 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: 
     cache = model.init_cache(1, max_len)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
-    token, cache = _prefill(graphdef, state, jnp.asarray([prompt_ids], jnp.int32), cache, sub, temperature, top_p)
+    token, cache = _prefill(graphdef, state, jnp.asarray([prompt_ids], jnp.int32), cache, sub, temperature, top_p,
+                            vocab_limit)
     out = []
     for i in range(max_new_tokens):
         token_id = int(np.asarray(token)[0])
@@ -71,5 +80,5 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, temperature: 
             break
         key, sub = jax.random.split(key)
         token, cache = _decode_step(graphdef, state, token, cache, jnp.int32(len(prompt_ids) + i), sub,
-                                    temperature, top_p)
+                                    temperature, top_p, vocab_limit)
     return out

@@ -376,7 +376,8 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
                 f"{recipe.model.max_seq_len}")
         else:
             new_ids = generate(model, prompt_ids, max_new_tokens=min(cfg.sample_tokens, room), temperature=0.8,
-                               top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids)
+                               top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids,
+                               vocab_limit=tokenizer.vocab_size)
             sample = (tokenizer.decode(new_ids).strip() if chat
                       else tokenizer.decode(prompt_ids[len(prefix):] + new_ids))   # the text, without the BOS first
             say(heading + "\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
