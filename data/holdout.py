@@ -14,10 +14,18 @@ On a corpus of a handful of documents the expected fraction can select too
 few tokens for a single validation row; `validation_threshold` then raises the
 threshold to take documents in order of their score until one row is filled
 (still whole documents, still deterministic).
+
+A document holding more tokens than the validation set should have (a corpus
+of small files and one large one) would make the validation set most of the
+corpus when it scores low: `choose_holdout` then keeps documents longer than
+that share in training (`Holdout.max_document_tokens`) and picks the
+threshold among the others. On an ordinary corpus no document is that long,
+and the split is the threshold's alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -76,3 +84,42 @@ def validation_threshold(
     if filled + 1 >= len(order):
         return 1.0  # every document: the caller reports that nothing is left to train on
     return float(scores[order[filled + 1]])
+
+
+@dataclasses.dataclass(frozen=True)
+class Holdout:
+    """Which documents are validation: those scoring below `threshold`, unless longer than
+    `max_document_tokens` (None: of any length)."""
+
+    threshold: float
+    max_document_tokens: int | None = None
+
+    def is_validation(self, first_document: int, lengths: np.ndarray, seed: int) -> np.ndarray:
+        held = document_scores(first_document, len(lengths), seed) < self.threshold
+        return held if self.max_document_tokens is None else held & (lengths <= self.max_document_tokens)
+
+
+def choose_holdout(
+    lengths_per_shard: Sequence[np.ndarray],
+    first_documents: Sequence[int],
+    *,
+    val_fraction: float,
+    seed: int,
+    min_val_tokens: int,
+) -> Holdout:
+    """`validation_threshold`'s split, unless it holds more than twice `val_fraction` of the tokens (and more
+    than `min_val_tokens`): then the documents longer than the validation share stay in training and the
+    threshold is chosen among the rest, where they can fill `min_val_tokens`."""
+    plain = Holdout(validation_threshold(lengths_per_shard, first_documents, val_fraction=val_fraction, seed=seed,
+                                         min_val_tokens=min_val_tokens))
+    total = sum(int(lengths.sum()) for lengths in lengths_per_shard)
+    held = sum(int(lengths[plain.is_validation(first, lengths, seed)].sum())
+               for lengths, first in zip(lengths_per_shard, first_documents))
+    if held <= max(2 * val_fraction * total, min_val_tokens):
+        return plain
+    cap = max(min_val_tokens, int(val_fraction * total))
+    # The long documents counted as empty: never enough alone, and never taken (is_validation drops them).
+    short = [np.where(lengths <= cap, lengths, 0) for lengths in lengths_per_shard]
+    threshold = validation_threshold(short, first_documents, val_fraction=val_fraction, seed=seed,
+                                     min_val_tokens=min_val_tokens)
+    return plain if threshold >= 1.0 else Holdout(threshold, cap)

@@ -30,7 +30,7 @@ import datasets
 import numpy as np
 
 from .cache import atomic_directory, load_cached_array, stable_key
-from .holdout import document_scores, validation_threshold
+from .holdout import Holdout, choose_holdout
 from .npy_stream import NpyStreamWriter
 from .shards import DEFAULT_SHARD_TOKENS, SHARD_FORMAT_VERSION, TokenShards, prepare_token_shards
 from .sources import select_text_column, source_fingerprint, stream_documents
@@ -106,17 +106,15 @@ def _readable(description: str) -> str:
 
 def _split_sizes(
     shards: TokenShards, seq_len: int, val_fraction: float, seed: int, description: str
-) -> tuple[float, int, int, int, int]:
-    """(threshold, train rows, val rows, train documents, val documents); raises when too short."""
+) -> tuple[Holdout, int, int, int, int]:
+    """(holdout, train rows, val rows, train documents, val documents); raises when too short."""
     row_len = seq_len + 1
     all_lengths = [shards.lengths(shard) for shard in shards.shards]
     firsts = [shard.first_document for shard in shards.shards]
-    threshold = validation_threshold(
-        all_lengths, firsts, val_fraction=val_fraction, seed=seed, min_val_tokens=row_len
-    )
+    holdout = choose_holdout(all_lengths, firsts, val_fraction=val_fraction, seed=seed, min_val_tokens=row_len)
     train_tokens = val_tokens = val_documents = 0
     for lengths, first in zip(all_lengths, firsts):
-        is_val = document_scores(first, len(lengths), seed) < threshold
+        is_val = holdout.is_validation(first, lengths, seed)
         val_tokens += int(lengths[is_val].sum())
         train_tokens += int(lengths[~is_val].sum())
         val_documents += int(is_val.sum())
@@ -134,7 +132,7 @@ def _split_sizes(
             f"{advice}" + (" or set val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
                            if val_fraction > 0 else "")
         )
-    return threshold, train_rows, val_rows, shards.num_documents - val_documents, val_documents
+    return holdout, train_rows, val_rows, shards.num_documents - val_documents, val_documents
 
 
 def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
@@ -147,11 +145,11 @@ def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
     return [(int(a), int(b), bool(flags[a])) for a, b in zip(starts, stops)]
 
 
-def _write_rows(shards: TokenShards, threshold: float, seed: int, train: NpyStreamWriter, val: NpyStreamWriter):
+def _write_rows(shards: TokenShards, holdout: Holdout, seed: int, train: NpyStreamWriter, val: NpyStreamWriter):
     """Stream every shard's documents into the writer of their split, in corpus order."""
     for shard in shards.shards:
         lengths = shards.lengths(shard)
-        is_val = document_scores(shard.first_document, len(lengths), seed) < threshold
+        is_val = holdout.is_validation(shard.first_document, lengths, seed)
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         tokens = shards.tokens(shard)
         # Consecutive documents of one split are one contiguous slice of the
@@ -221,7 +219,7 @@ def prepare_tokens(
         num_proc=num_proc,
         settings={"text_field": text_field},
     )
-    threshold, train_rows, val_rows, train_documents, val_documents = _split_sizes(
+    holdout, train_rows, val_rows, train_documents, val_documents = _split_sizes(
         shards, seq_len, val_fraction, seed, description
     )
     row_len = seq_len + 1
@@ -234,7 +232,8 @@ def prepare_tokens(
         "val_rows": val_rows,
         "train_documents": train_documents,
         "val_documents": val_documents,
-        "val_threshold": threshold,
+        "val_threshold": holdout.threshold,
+        "val_max_document_tokens": holdout.max_document_tokens,   # None: any length (data/holdout.py)
         "dtype": shards.dtype.name,
         "source": description,
         "tokenizer": tokenizer.fingerprint,
@@ -249,7 +248,7 @@ def prepare_tokens(
             NpyStreamWriter(partial / "train.npy", (train_rows, row_len), shards.dtype) as train,
             NpyStreamWriter(partial / "val.npy", (val_rows, row_len), shards.dtype) as val,
         ):
-            _write_rows(shards, threshold, seed, train, val)
+            _write_rows(shards, holdout, seed, train, val)
         # meta.json last: its presence is what marks a folder complete.
         (partial / "meta.json").write_text(json.dumps(meta, indent=2))
     return PackedData.load(final, from_cache=False)

@@ -83,6 +83,20 @@ def test_validation_is_about_val_fraction_of_documents(tokenizer, tmp_path):
     assert meta["val_documents"] + meta["train_documents"] == 400
 
 
+def test_one_long_document_does_not_become_most_of_the_validation_set(tokenizer, tmp_path):
+    """40 small documents and one holding 80% of the tokens, placed where it scores lowest: the plain threshold
+    held it out (82% of the rows were validation, silently); it stays in training and validation is small ones."""
+    small = make_documents(40, words_per_document=24)
+    big_index = int(np.argmin(document_scores(0, 41, 0)))
+    documents = small[:big_index] + [" ".join(small) * 4] + small[big_index:]
+    packed = prepare_tokens(datasets.Dataset.from_dict({"text": documents}), tokenizer, seq_len=16,
+                            val_fraction=0.05, cache_dir=tmp_path, seed=0)
+    meta = json.loads((packed.path / "meta.json").read_text())
+    assert document_scores(0, 41, 0)[big_index] < 0.05   # the threshold alone would hold it out
+    assert 1 <= len(packed.val) <= 0.1 * (len(packed.train) + len(packed.val)), (len(packed.train), len(packed.val))
+    assert meta["val_documents"] >= 1 and meta["train_documents"] >= 1
+
+
 def test_second_call_loads_the_cache_and_repacking_reuses_the_tokens(text_folder, tokenizer, tmp_path, monkeypatch):
     arguments = dict(seq_len=16, val_fraction=0.2, cache_dir=tmp_path / "cache", seed=0)
     first = prepare_tokens(str(text_folder), tokenizer, **arguments)
