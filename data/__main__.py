@@ -31,7 +31,7 @@ from .corpus import BUILTIN_STDLIB
 from .packing import prepare_tokens
 from .peak_memory import peak_rss_bytes
 from .shards import DEFAULT_SHARD_TOKENS
-from .sources import stream_documents
+from .sources import source_notes, stream_documents
 from .spm_tokenizer import MODEL_TYPES, train_tokenizer
 
 PROG = "python -m spillway.data"
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=BUILTIN_STDLIB)
     parser.add_argument("--text-field", default="text")
+    parser.add_argument("--split", default="train",
+                        help="the source's split: a Hub dataset's, a save_to_disk DatasetDict's, or a folder's "
+                             "split-named files (train.jsonl + test.jsonl, data/train-*.parquet) (default: train)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -74,7 +77,10 @@ def prepare_and_report(argv: list[str] | None) -> None:
     # measures the neighbours. (CPU time of num_proc workers is not counted.)
     clock = lambda: (time.perf_counter(), time.process_time())  # noqa: E731
     start = clock()
-    documents = stream_documents(args.source, text_field=args.text_field, cache_dir=args.cache_dir / "datasets")
+    for line in source_notes(args.source, args.split):   # the split read, the files skipped
+        print(line)
+    documents = stream_documents(args.source, text_field=args.text_field, cache_dir=args.cache_dir / "datasets",
+                                 split=args.split)
     loaded = clock()
     tokenizer = train_tokenizer(
         documents,
@@ -95,6 +101,7 @@ def prepare_and_report(argv: list[str] | None) -> None:
         text_field=args.text_field,
         max_tokens=args.max_tokens,
         shard_tokens=args.shard_tokens,
+        split=args.split,
     )
     done = clock()
     def cost(a, b):

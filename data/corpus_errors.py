@@ -27,12 +27,16 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
+from .local_files import UTF8_BOM, corpus_suffix, open_binary, read_bytes
+
 _BUILDERS_LOGGER = "datasets.packaged_modules"
 
 
 def parse_jsonl_line(raw: bytes, expected: str = "an object with a text field") -> tuple[dict | None, str | None]:
     """One .jsonl line (bytes, without its newline): (its object, None); (None, None) for a blank line; or
-    (None, what is wrong with it). `expected` names what a line must hold, for the message."""
+    (None, what is wrong with it). `expected` names what a line must hold, for the message. A leading UTF-8 BOM
+    (Windows Notepad writes one) is no character of the record: dropped, as pyarrow's reader drops it."""
+    raw = raw.removeprefix(UTF8_BOM)
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -54,14 +58,14 @@ def parse_jsonl_line(raw: bytes, expected: str = "an object with a text field") 
 
 def first_json_error(path: Path) -> str | None:
     """Where `path` (.jsonl: one object per line; .json: one document) stops being readable JSON, or None."""
-    if path.suffix.lower() == ".jsonl":
-        with open(path, "rb") as f:
+    if corpus_suffix(path) == ".jsonl":
+        with open_binary(path) as f:
             for number, raw in enumerate(f, start=1):
                 _, problem = parse_jsonl_line(raw.rstrip(b"\r\n"))
                 if problem is not None:
                     return f"line {number}: {problem}"
         return None
-    data = path.read_bytes()
+    data = read_bytes(path).removeprefix(UTF8_BOM)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -81,9 +85,10 @@ def first_non_text_record(files, text_field: str) -> str | None:
         return None if value is None or isinstance(value, str) else type(value).__name__
 
     for path in files:
-        if path.suffix.lower() == ".jsonl":
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for number, line in enumerate(f, start=1):
+        if corpus_suffix(path) == ".jsonl":
+            with open_binary(path) as f:
+                for number, raw in enumerate(f, start=1):
+                    line = raw.removeprefix(UTF8_BOM).decode("utf-8", errors="replace")
                     if not line.strip():
                         continue
                     try:
@@ -95,7 +100,7 @@ def first_non_text_record(files, text_field: str) -> str | None:
                         return f"{path}, line {number} (a JSON {found})"
         else:
             try:
-                records = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+                records = json.loads(read_bytes(path).removeprefix(UTF8_BOM).decode("utf-8", errors="replace"))
             except json.JSONDecodeError:
                 continue
             for index, record in enumerate(records if isinstance(records, list) else []):

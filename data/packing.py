@@ -88,9 +88,9 @@ def _describe(source: str | datasets.Dataset | datasets.IterableDataset) -> str:
     return f"<{type(source).__name__} {getattr(source, '_fingerprint', '')}>"
 
 
-def _fingerprint(source: str | datasets.Dataset | datasets.IterableDataset, text_field: str) -> str:
+def _fingerprint(source: str | datasets.Dataset | datasets.IterableDataset, text_field: str, split: str) -> str:
     if isinstance(source, str):
-        return source_fingerprint(source, text_field=text_field)
+        return source_fingerprint(source, text_field=text_field, split=split)
     fingerprint = getattr(source, "_fingerprint", None)
     if not fingerprint:
         raise ValueError(
@@ -173,13 +173,15 @@ def prepare_tokens(
     text_field: str = "text",
     max_tokens: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    split: str = "train",
 ) -> PackedData:
     """Tokenize, pack and cache a corpus; a second call with the same inputs only loads.
 
     `source` is a spec for `load_documents` (read as a stream: local files are
     read in order, never copied into an Arrow cache) or an already loaded
     dataset with a `text_field` column. `max_tokens` optionally caps the
-    tokens taken from the source (the head of it), streamed or not.
+    tokens taken from the source (the head of it), streamed or not. `split`
+    chooses a source spec's split (data/local_files.py).
     `val_fraction` is the expected fraction of documents held out for
     validation, chosen by `seed`. `num_proc=None` tokenizes in this process
     with a sentencepiece thread per core; `num_proc > 1` runs that many worker
@@ -191,7 +193,7 @@ def prepare_tokens(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     description = _describe(source)
     shards_key = stable_key(
-        "tokens", SHARD_FORMAT_VERSION, _fingerprint(source, text_field), tokenizer.fingerprint, max_tokens,
+        "tokens", SHARD_FORMAT_VERSION, _fingerprint(source, text_field, split), tokenizer.fingerprint, max_tokens,
         shard_tokens,
     )
     key = stable_key("packed", _PACKING_VERSION, shards_key, seq_len, val_fraction, seed)
@@ -201,7 +203,8 @@ def prepare_tokens(
 
     def open_documents(start: int):
         if isinstance(source, str):
-            return stream_documents(source, text_field=text_field, start=start, cache_dir=Path(cache_dir) / "datasets")
+            return stream_documents(source, text_field=text_field, start=start, cache_dir=Path(cache_dir) / "datasets",
+                                    split=split)
         documents = select_text_column(source, text_field, description)
         if not start:
             return documents

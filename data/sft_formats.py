@@ -7,10 +7,12 @@
   it becomes a one-turn chat: the user's message is the instruction, then a
   blank line and the input when there is one; the assistant's is the output.
 
-Records are read as a stream (`iter_records`): local `.jsonl` files line by
-line (so a bad record is named by file and line), everything else (`.json`,
-`.parquet`, Hub datasets) through a `datasets` stream (named by record
-number). Nothing is held beyond the record being converted.
+Records are read as a stream (`iter_records`) of one split (`data.split`;
+data/local_files.py names a folder's splits): local `.jsonl` files (also
+compressed) line by line (so a bad record is named by file and line),
+everything else (`.json`, `.parquet`, `save_to_disk` folders, Hub datasets)
+through a `datasets` stream (named by record number). Nothing is held beyond
+the record being converted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from spillway.layers.errors import DataError
 
 from .corpus_errors import parse_jsonl_line
+from .local_files import SAVED, corpus_suffix, open_binary
 from .sources import TEXT_SUFFIXES, parse_hub_spec, parse_local_spec
 
 FORMATS = ("text", "chat", "instruct")
@@ -116,7 +119,7 @@ def messages_of(record: Record, data_format: str) -> list[dict]:
 def _jsonl_records(path: Path) -> Iterator[Record]:
     # read as bytes and judged as the text corpus's lines are (corpus_errors.py): a byte that is not UTF-8
     # is named with its line, never replaced inside a conversation
-    with open(path, "rb") as file:
+    with open_binary(path) as file:   # compressed files decompressed as they are read
         for number, raw in enumerate(file, start=1):
             fields, problem = parse_jsonl_line(raw.rstrip(b"\r\n"), expected="an object")
             if problem is not None:
@@ -125,41 +128,44 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
                 yield Record(fields, f"{path}, line {number}")
 
 
-def check_not_text_corpus(source: str, data_format: str) -> None:
+def check_not_text_corpus(source: str, data_format: str, split: str = "train") -> None:
     """DataError for a chat/instruct format on a corpus of text files (which has no records)."""
     if parse_hub_spec(source) is None:
-        local = parse_local_spec(source)
+        local = parse_local_spec(source, split)
         if local.builder == "text":
-            kinds = ", ".join(sorted({path.suffix for path in local.files})) or ", ".join(TEXT_SUFFIXES)
+            kinds = ", ".join(sorted({corpus_suffix(path) for path in local.files})) or ", ".join(TEXT_SUFFIXES)
             raise DataError(f"data.format={data_format}: data.source {source!r} is a text corpus ({kinds} files, "
                             f"one document each), not records of conversations; set data.format=text, or point "
                             f"data.source at .jsonl/.parquet records")
 
 
-def iter_records(source: str, *, cache_dir: str | Path | None = None) -> Iterator[Record]:
-    """Every record of a source, in order, as a stream (module docstring)."""
+def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | None = None) -> Iterator[Record]:
+    """Every record of a source's `split`, in order, as a stream (module docstring)."""
     hub = parse_hub_spec(source)
     if hub is None:
-        local = parse_local_spec(source)
-        if all(path.suffix.lower() == ".jsonl" for path in local.files):
+        local = parse_local_spec(source, split)
+        if local.builder != SAVED and all(corpus_suffix(path) == ".jsonl" for path in local.files):
             for path in local.files:
                 yield from _jsonl_records(path)
             return
-    stream = _record_stream(source, cache_dir)
+    stream = _record_stream(source, split, cache_dir)
     for number, fields in enumerate(stream, start=1):
         yield Record(dict(fields), f"{source}, record {number}")
 
 
-def _record_stream(source: str, cache_dir):
-    """A `datasets` stream of whole records (every column), through the same loaders as text sources."""
+def _record_stream(source: str, split: str, cache_dir):
+    """A `datasets` stream of whole records (every column) of `split`, through the same loaders as text sources
+    (a local source's files are that split's already: `datasets` sees them as its one split, train)."""
     import datasets
 
     hub = parse_hub_spec(source)
     cache = None if cache_dir is None else str(cache_dir)
     try:
         if hub is not None:
-            return datasets.load_dataset(**hub.load_dataset_kwargs(split="train", streaming=True), cache_dir=cache)
-        local = parse_local_spec(source)
+            return datasets.load_dataset(**hub.load_dataset_kwargs(split=split, streaming=True), cache_dir=cache)
+        local = parse_local_spec(source, split)
+        if local.builder == SAVED:
+            return datasets.load_from_disk(str(local.root)).to_iterable_dataset()
         return datasets.load_dataset(local.builder, data_files=[str(p) for p in local.files], split="train",
                                      streaming=True, cache_dir=cache)
     except Exception as error:

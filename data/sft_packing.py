@@ -71,9 +71,12 @@ class SftOptions:
     train_on_prompt: bool = False
     val_fraction: float = 0.02
     seed: int = 0
+    split: str = "train"   # the source's split (data.split); keyed through the source's fingerprint
 
     def key_parts(self) -> tuple:
-        return dataclasses.astuple(self)
+        # without `split`: it is in `source_fingerprint`, and a tuple without it keeps the keys of rows
+        # prepared before there was a split to choose
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "split")
 
 
 @dataclasses.dataclass
@@ -153,7 +156,7 @@ def _tokenized_examples(source: str, tokenizer: Tokenizer, template: ChatTemplat
     """(index, ids, flags, where) of every record from the `skip`-th on, as a stream (earlier ones are read,
     not tokenized)."""
     specials = special_token_texts(tokenizer)
-    for index, record in enumerate(iter_records(source, cache_dir=cache_dir)):
+    for index, record in enumerate(iter_records(source, split=options.split, cache_dir=cache_dir)):
         if index < skip:
             continue
         ids, flags = conversation_tokens(template, tokenizer, messages_of(record, options.data_format), specials,
@@ -212,7 +215,7 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
                      cache_dir: str | os.PathLike) -> PackedData:
     """Tokenize, pack and cache a chat/instruct source (module docstring); a second call only loads, a call
     after a killed one resumes it."""
-    key = stable_key("sft", _SFT_PACKING_VERSION, source_fingerprint(source), tokenizer.fingerprint,
+    key = stable_key("sft", _SFT_PACKING_VERSION, source_fingerprint(source, split=options.split), tokenizer.fingerprint,
                      template.source, sorted(template.special_tokens.items()), options.key_parts())
     final = Path(cache_dir) / "sft" / f"{_readable(source)}-{options.seq_len}-{key[:16]}"
     partial = final.with_name(f".{final.name}.partial")

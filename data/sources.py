@@ -7,6 +7,10 @@ A source spec is one of:
 - a local `.txt` / `.py` / `.md` file, or a folder of them: one document per file;
 - a local `.jsonl` / `.json` file or folder: one document per record, text in `text_field`;
 - a local `.parquet` file or folder: one document per row, text in `text_field`;
+- any of these but .parquet compressed (`.jsonl.gz`, `.txt.zst`, ...: gz, bz2, xz, zst);
+- a `datasets` `save_to_disk` folder (read with `datasets.load_from_disk`);
+- a folder holding a dataset's splits (`train.jsonl` + `test.jsonl`, `data/train-*.parquet`, ...):
+  the files of one split, `split` (data/local_files.py names splits as `datasets` does);
 - `hf:owner/name[:config]`, or a bare `owner/name` that is not an existing path
   (and whose first part is no local folder either): a Hugging Face Hub dataset,
   streamed (nothing is downloaded up front). Hub datasets need a network; when a
@@ -38,15 +42,12 @@ from spillway.layers.errors import DataError
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
 from .corpus_errors import ErrorsNamed, first_non_text_record, quiet_builders, unreadable_corpus
+from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
+                          TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, data_splits, empty_parquet, named,
+                          read_bytes, saved_dataset_splits, walk_files)
 
-TEXT_SUFFIXES = (".txt", ".py", ".md")
-JSON_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-_BUILDER_BY_SUFFIX = {
-    **{suffix: "text" for suffix in TEXT_SUFFIXES},
-    **{suffix: "json" for suffix in JSON_SUFFIXES},
-    **{suffix: "parquet" for suffix in PARQUET_SUFFIXES},
-}
+_BUILDER_BY_SUFFIX = BUILDER_BY_SUFFIX
+_SUPPORTED = f"{', '.join(BUILDER_BY_SUFFIX)}, and those of them but .parquet compressed ({', '.join(COMPRESSIONS)})"
 HUB_PREFIX = "hf:"
 # A Hub repository id: exactly one slash, no path-like prefix. Anything else
 # that does not exist on disk is reported as a missing path, not sent to the Hub.
@@ -67,10 +68,29 @@ class HubSpec:
 
 @dataclass(frozen=True)
 class LocalSpec:
-    """A parsed local source: the packaged builder and the files it reads, sorted."""
+    """A parsed local source: the packaged builder and the files of one split it reads, sorted."""
 
-    builder: str
+    builder: str          # "text" | "json" | "parquet" | SAVED (a `save_to_disk` folder)
     files: tuple[Path, ...]
+    split: str = "train"
+    splits: tuple[str, ...] = ("train",)          # every split the source holds
+    skipped: tuple[tuple[Path, str], ...] = ()    # files not read, and why
+    root: Path | None = None                      # SAVED: the folder `datasets.load_from_disk` reads
+
+    def notes(self, source: str) -> list[str]:
+        """One line for the splits left out (when there are several), one for the files skipped."""
+        lines = []
+        others = [name for name in self.splits if name != self.split]
+        if others:
+            lines.append(f"data: {source}: reading split {self.split!r} ({_files(len(self.files))}); left out: "
+                         f"{', '.join(others)} (data.split chooses)")
+        if self.skipped:
+            lines.append(f"data: {source}: skipped {_files(len(self.skipped))}: {named(list(self.skipped))}")
+        return lines
+
+
+def _files(count: int) -> str:
+    return f"{count} file{'s' if count != 1 else ''}"
 
 
 def parse_hub_spec(source: str) -> HubSpec | None:
@@ -87,7 +107,7 @@ def parse_hub_spec(source: str) -> HubSpec | None:
         return HubSpec(repo_id, config or None)
     if os.path.exists(source) or not _HUB_ID.match(source):
         return None
-    if Path(source).suffix.lower() in _BUILDER_BY_SUFFIX:
+    if builder_for(Path(source)) is not None or Path(source).suffix.lower() in COMPRESSIONS:
         return None
     if os.path.isdir(source.split("/")[0]):
         return None   # `corpus/train` next to a `corpus/` folder is a mistyped path, not a Hub id
@@ -105,21 +125,6 @@ def _hub_failure(source: str, hub: HubSpec, cause: BaseException) -> DataError:
     return DataError(f"{head} ({reason}); Hub datasets need a network, a local corpus a path that exists")
 
 
-def _builder_for(path: Path) -> str | None:
-    return _BUILDER_BY_SUFFIX.get(path.suffix.lower())
-
-
-def _folder_files(folder: Path) -> list[Path]:
-    # Hidden files and folders (.git, .cache) are never corpus.
-    return sorted(
-        path
-        for path in folder.rglob("*")
-        if path.is_file()
-        and _builder_for(path) is not None
-        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
-
-
 def _builtin_options(source: str) -> dict[str, int]:
     # `builtin:stdlib:N` caps the built-in corpus at N bytes (smoke tests, demos).
     _, _, cap = source[len(BUILTIN_STDLIB) :].partition(":")
@@ -130,9 +135,10 @@ def _builtin_options(source: str) -> dict[str, int]:
     return {"max_bytes": int(cap)}
 
 
-def parse_local_spec(source: str) -> LocalSpec:
-    """Resolve `builtin:stdlib` or a local file/folder into its builder and files."""
+def parse_local_spec(source: str, split: str = "train") -> LocalSpec:
+    """Resolve `builtin:stdlib` or a local file/folder into its builder and the files of `split`."""
     if source == BUILTIN_STDLIB or source.startswith(BUILTIN_STDLIB + ":"):
+        _check_split(source, split, ["train"])
         return LocalSpec("text", tuple(default_corpus_files(**_builtin_options(source))))
     path = Path(source).expanduser()
     if not path.exists():
@@ -141,26 +147,82 @@ def parse_local_spec(source: str) -> LocalSpec:
             f"like hf:owner/name)"
         )
     if path.is_file():
-        builder = _builder_for(path)
-        if builder is None:
-            raise ValueError(
-                f"corpus file {str(path)!r} has an unsupported type; supported: "
-                f"{', '.join(_BUILDER_BY_SUFFIX)}"
-            )
-        return LocalSpec(builder, (path,))
-    files = _folder_files(path)
+        return _file_spec(path, split)
+    saved = saved_dataset_splits(path)
+    if saved is not None:
+        return _saved_spec(path, saved, split)
+    return _folder_spec(path, split)
+
+
+class MissingSplitError(DataError):
+    """A source without the split asked for: the line lists the splits it has."""
+
+
+def _check_split(source: str, split: str, splits: list[str]) -> None:
+    if split not in splits:
+        raise MissingSplitError(f"corpus {source!r} has no split {split!r}; its splits: {', '.join(splits)} "
+                         f"(data.split, or --split, chooses one)")
+
+
+def _file_spec(path: Path, split: str) -> LocalSpec:
+    """One file: one split, `train` (as `datasets` names the split of the data files it is given)."""
+    builder = builder_for(path)
+    if builder is None:
+        raise ValueError(f"corpus file {str(path)!r} has an unsupported type; supported: {_SUPPORTED}")
+    _check_split(str(path), split, ["train"])
+    check_codec([path])
+    if builder == "parquet" and empty_parquet(path):
+        raise ValueError(f"corpus file {str(path)!r} is an empty parquet file (0 rows): no record to read")
+    return LocalSpec(builder, (path,))
+
+
+def _saved_spec(folder: Path, splits: list[str], split: str) -> LocalSpec:
+    """A `save_to_disk` folder: a Dataset (one split, `train`) or a DatasetDict's chosen split folder."""
+    if splits == [""]:
+        _check_split(str(folder), split, ["train"])
+        root, splits = folder, ["train"]
+    else:
+        _check_split(str(folder), split, splits)
+        root = folder / split
+    files, _ = walk_files(root)
+    return LocalSpec(SAVED, tuple(files), split, tuple(splits), root=root)
+
+
+def _folder_spec(folder: Path, split: str) -> LocalSpec:
+    """A folder's files of `split` (data/local_files.py: kinds, splits, what is skipped and why)."""
+    found, skipped = walk_files(folder)
+    corpus = [path for path in found if builder_for(path) is not None]
+    skipped += [(path, "not a corpus file type") for path in found if builder_for(path) is None]
+    if not corpus:
+        raise ValueError(f"corpus folder {str(folder)!r} holds no supported files ({_SUPPORTED})"
+                         + (f"; skipped: {named(skipped)}" if skipped else ""))
+    splits = data_splits(folder, corpus) or {"train": corpus}
+    _check_split(str(folder), split, sorted(splits))
+    in_splits = {path for paths in splits.values() for path in paths}
+    skipped += [(path, "in no split") for path in corpus if path not in in_splits]
+    files = splits[split]
+    empty = [path for path in files if builder_for(path) == "parquet" and empty_parquet(path)]
+    skipped += [(path, "empty parquet, 0 rows") for path in empty]
+    files = [path for path in files if path not in empty]
     if not files:
-        raise ValueError(
-            f"corpus folder {str(path)!r} holds no supported files "
-            f"({', '.join(_BUILDER_BY_SUFFIX)})"
-        )
-    builders = sorted({_builder_for(file) for file in files})
+        raise ValueError(f"corpus folder {str(folder)!r}: every file of split {split!r} is an empty parquet file "
+                         f"(0 rows): no record to read")
+    builders = sorted({builder_for(file) for file in files})
     if len(builders) > 1:
         raise ValueError(
-            f"corpus folder {str(path)!r} mixes file kinds ({', '.join(builders)}); "
+            f"corpus folder {str(folder)!r} mixes file kinds ({', '.join(builders)}); "
             f"point the source at a folder holding one kind"
         )
-    return LocalSpec(builders[0], tuple(files))
+    check_codec(files)
+    return LocalSpec(builders[0], tuple(files), split, tuple(sorted(splits)), tuple(sorted(skipped)))
+
+
+def source_notes(source: str, split: str = "train") -> list[str]:
+    """What a run says about reading `source`: the split it reads when there are several, and the files it
+    skips (module docstring of data/local_files.py); nothing for a Hub source."""
+    if parse_hub_spec(source) is not None:
+        return []
+    return parse_local_spec(source, split).notes(source)
 
 
 def source_fingerprint(source: str, *, text_field: str = "text", split: str = "train") -> str:
@@ -173,7 +235,7 @@ def source_fingerprint(source: str, *, text_field: str = "text", split: str = "t
     hub = parse_hub_spec(source)
     if hub is not None:
         return stable_key("hub", hub.repo_id, hub.config, split, text_field)
-    local = parse_local_spec(source)
+    local = parse_local_spec(source, split)   # the split's files: another split's corpus is another key
     stats = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in local.files]
     return stable_key("local", local.builder, stats, split, text_field)
 
@@ -219,6 +281,31 @@ class RecordsWithoutText:
         return _has_text(batch)
 
 
+def _load_local(local: LocalSpec, streaming: bool, cache: str | None) -> datasets.Dataset | datasets.IterableDataset:
+    """A local source's files through `datasets`: a `save_to_disk` folder with `load_from_disk`, data files with
+    the packaged builder (their split is chosen already, so `datasets` sees them as its one split, train)."""
+    if local.builder == SAVED:
+        dataset = datasets.load_from_disk(str(local.root))
+        return dataset.to_iterable_dataset() if streaming else dataset
+    builder_options: dict[str, Any] = {}
+    if local.builder == "text":
+        # One document per file, a leading BOM dropped (utf-8-sig); undecodable bytes become U+FFFD rather
+        # than aborting a whole corpus over one stray file.
+        builder_options = {"sample_by": "document", "encoding": "utf-8-sig", "encoding_errors": "replace"}
+    try:
+        with quiet_builders():
+            dataset = datasets.load_dataset(local.builder, data_files=[str(path) for path in local.files],
+                                            split="train", streaming=streaming, cache_dir=cache, **builder_options)
+    except Exception as error:   # datasets wraps the parser's error; find the file and line ourselves
+        raise unreadable_corpus(local.builder, local.files, error) from error
+    # its reader of compressed files keeps the BOM utf-8-sig drops from plain ones
+    return dataset.map(_without_bom, batched=True) if local.builder == "text" else dataset
+
+
+def _without_bom(batch: dict[str, list]) -> dict[str, list]:
+    return {"text": [text.removeprefix("\ufeff") for text in batch["text"]]}
+
+
 def load_documents(
     source: str,
     *,
@@ -244,24 +331,8 @@ def load_documents(
         except Exception as error:   # connection, not found, gated: all end the run with this one line
             raise _hub_failure(source, hub, error) from error
     else:
-        local = parse_local_spec(source)
-        builder_options: dict[str, Any] = {}
-        if local.builder == "text":
-            # One document per file; undecodable bytes become U+FFFD rather
-            # than aborting a whole corpus over one stray file.
-            builder_options = {"sample_by": "document", "encoding_errors": "replace"}
-        try:
-            with quiet_builders():
-                dataset = datasets.load_dataset(
-                    local.builder,
-                    data_files=[str(path) for path in local.files],
-                    split=split,
-                    streaming=bool(streaming),
-                    cache_dir=cache,
-                    **builder_options,
-                )
-        except Exception as error:   # datasets wraps the parser's error; find the file and line ourselves
-            raise unreadable_corpus(local.builder, local.files, error) from error
+        local = parse_local_spec(source, split)
+        dataset = _load_local(local, bool(streaming), cache)
     try:
         dataset = select_text_column(dataset, text_field, source)
     except ValueError as error:
@@ -300,7 +371,8 @@ class TextFileDocuments:
     """Local text files read one at a time, one document each, as a stream with a "text" column.
 
     What `datasets`' "text" builder does with `sample_by="document"` (UTF-8,
-    undecodable bytes replaced, universal newlines, blank files dropped),
+    a leading BOM dropped, undecodable bytes replaced and counted in one
+    warning line, universal newlines, blank files dropped, gz/bz2/xz/zst read),
     without its per-file bookkeeping: a `datasets` stream over local files
     holds about 2 kB per file (33 MB for 14k files, measured), which a corpus
     of many small files would feel. Offers the two methods preparation uses,
@@ -319,21 +391,59 @@ class TextFileDocuments:
     def iter(self, batch_size: int) -> Iterator[dict[str, list[str]]]:
         batch: list[str] = []
         seen = 0
-        for path in self.files:
-            with open(path, encoding="utf-8", errors="replace") as file:
-                text = file.read()
-            check_is_text(path, text)
-            if not text or text.isspace():
-                continue
-            seen += 1
-            if seen <= self.start:
-                continue
-            batch.append(text)
-            if len(batch) == batch_size:
+        not_utf8: dict[Path, int] = {}
+        try:
+            for path in self.files:
+                text, not_utf8[path] = read_text_document(path)
+                check_is_text(path, text)
+                if not text or text.isspace():
+                    continue
+                seen += 1
+                if seen <= self.start:
+                    continue
+                batch.append(text)
+                if len(batch) == batch_size:
+                    yield {"text": batch}
+                    batch = []
+            if batch:
                 yield {"text": batch}
-                batch = []
-        if batch:
-            yield {"text": batch}
+        finally:   # also when the reader stops early (a tokenizer trains on the head of the corpus)
+            warn_not_utf8(not_utf8)
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")   # a byte that is not UTF-8, as errors="surrogateescape" reads it
+
+
+def read_text_document(path: Path) -> tuple[str, int]:
+    """A text corpus file as one document (decompressed, a leading BOM dropped, universal newlines) and the
+    number of its bytes that are not UTF-8, each read as U+FFFD (as the `datasets` text builder does)."""
+    data = read_bytes(path).removeprefix(UTF8_BOM)
+    try:
+        text, bad = data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        bad = len(_ESCAPED_BYTE.findall(data.decode("utf-8", errors="surrogateescape")))
+    return text.replace("\r\n", "\n").replace("\r", "\n"), bad
+
+
+_WARNED_NOT_UTF8: set[Path] = set()   # said once a process: a corpus is read twice (tokenizer, then tokens)
+
+
+def warn_not_utf8(counts: dict[Path, int]) -> None:
+    """One warning line naming the files that are text but not all UTF-8, and how many bytes were replaced.
+
+    A warning, not an error: such a file is under the binary threshold (`check_is_text`), so it is text with a
+    few bytes in a legacy encoding (cp1252, Latin-1), which a large scraped corpus holds now and then; stopping
+    an hours-long preparation for it would cost more than a few U+FFFD. The line names the files and the fix,
+    and a re-encoded file changes the cache key, so the next run reads it right."""
+    new = {path: count for path, count in counts.items() if count and path not in _WARNED_NOT_UTF8}
+    if not new:
+        return
+    _WARNED_NOT_UTF8.update(new)
+    shown = ", ".join(f"{path} ({count})" for path, count in list(new.items())[:3])
+    more = f" and {len(new) - 3} more" if len(new) > 3 else ""
+    print(f"warning: data: {len(new)} text files are not all UTF-8; {sum(new.values())} bytes were read as U+FFFD: "
+          f"{shown}{more}; re-encode them to UTF-8 (for cp1252/Latin-1: iconv -f cp1252 -t utf-8)", file=sys.stderr)
 
 
 BINARY_SHARE = 0.01   # undecodable bytes (U+FFFD after decoding) above this share of a file: not text
@@ -345,13 +455,19 @@ def check_is_text(path: Path, text: str) -> None:
     nul = text.count("\x00")
     undecodable = text.count("\ufffd")
     if nul or undecodable > max(16, BINARY_SHARE * len(text)):
-        what = f"{nul} NUL bytes" if nul else f"{undecodable} of its {len(text)} characters are not UTF-8"
-        raise DataError(f"corpus file {path} is not text ({what}): a text corpus holds UTF-8 .txt/.py/.md files; "
-                        f"remove it from the corpus, or point data.source at a folder without it")
+        if nul:
+            raise DataError(f"corpus file {path} is not text ({nul} NUL bytes): a text corpus holds UTF-8 "
+                            f".txt/.py/.md files; remove it from the corpus, or point data.source at a folder "
+                            f"without it")
+        # no NUL: most likely text in a legacy encoding, which re-encoding saves
+        raise DataError(f"corpus file {path}: {undecodable} of its {len(text)} characters are not UTF-8 (binary, or "
+                        f"text in a legacy encoding such as cp1252/Latin-1?); re-encode it to UTF-8 (iconv -f cp1252 "
+                        f"-t utf-8), or remove it from the corpus")
 
 
 def stream_documents(
-    source: str, *, text_field: str = "text", start: int = 0, cache_dir: str | os.PathLike | None = None
+    source: str, *, text_field: str = "text", start: int = 0, cache_dir: str | os.PathLike | None = None,
+    split: str = "train",
 ) -> TextFileDocuments | datasets.IterableDataset:
     """The documents of `source` from its document `start` on, as a stream for reading once in order.
 
@@ -361,13 +477,13 @@ def stream_documents(
     cache. Skipping reads the skipped documents but does nothing else with them.
     """
     if parse_hub_spec(source) is None:
-        local = parse_local_spec(source)
+        local = parse_local_spec(source, split)
         if local.builder == "text":
             if text_field != "text":
                 raise ValueError(f"source {source!r} has no text field {text_field!r}; its columns are ['text']")
             return TextFileDocuments(local.files, start)
     with _torch_left_alone():
-        documents = load_documents(source, text_field=text_field, streaming=True, cache_dir=cache_dir)
+        documents = load_documents(source, text_field=text_field, split=split, streaming=True, cache_dir=cache_dir)
         if start:
             skipped = documents.skip(start)   # the skipped records still pass the counting filter
             skipped.records_without_text = getattr(documents, "records_without_text", None)

@@ -70,6 +70,9 @@ PENDING_PLACES = (PENDING_HOST, PENDING_DEVICE)
 class DataConfig:
     source: str = "builtin:stdlib"        # see data/sources.py: builtin:stdlib, path, or a Hub name
     text_field: str = "text"
+    # The source's split: a Hub dataset's, a save_to_disk DatasetDict's, or a folder's split-named files
+    # (train.jsonl + test.jsonl, data/train-*.parquet: named as `datasets` names them, data/local_files.py).
+    split: str = "train"
     tokenizer: str | None = None          # tokenizer.json, a sentencepiece .model, or a directory holding either;
                                           # None: the init_from=hf: checkpoint's, else one trained on the corpus
     tokenizer_origin: str | None = None   # the Hub repository `tokenizer` is a local copy of: named, with the
@@ -117,7 +120,7 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.tokenizer_type not in TOKENIZER_TYPES:
             raise ConfigError(f"data.tokenizer_type must be one of {TOKENIZER_TYPES}, got {self.tokenizer_type!r}")
-        for name in ("source", "text_field", "cache_dir"):
+        for name in ("source", "text_field", "cache_dir", "split"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"data.{name} must not be empty")
 

@@ -56,11 +56,11 @@ def describe_corpus(recipe: Recipe) -> dict:
             sources[name] = {"source": spec, "hub": True}
             continue
         files = {}
-        for path in parse_local_spec(spec).files:
+        for path in parse_local_spec(spec, recipe.data.split).files:
             stat = path.stat()
             files[str(path.resolve())] = [stat.st_size, stat.st_mtime_ns]
         sources[name] = {"source": spec, "files": files}
-    return {"format": _FORMAT, "text_field": recipe.data.text_field, "sources": sources}
+    return {"format": _FORMAT, "text_field": recipe.data.text_field, "split": recipe.data.split, "sources": sources}
 
 
 def _names(paths: list[str]) -> str:
@@ -73,6 +73,8 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
     phrases = []
     if saved.get("text_field") != now.get("text_field"):
         phrases.append(f"data.text_field was {saved.get('text_field')!r}, now {now.get('text_field')!r}")
+    if saved.get("split", "train") != now.get("split", "train"):   # a record from before data.split: train
+        phrases.append(f"data.split was {saved.get('split', 'train')!r}, now {now.get('split', 'train')!r}")
     saved_sources, now_sources = saved.get("sources", {}), now.get("sources", {})
     for name in sorted(set(saved_sources) | set(now_sources)):
         before, after = saved_sources.get(name), now_sources.get(name)

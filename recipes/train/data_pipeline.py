@@ -31,6 +31,7 @@ import numpy as np
 
 from spillway.data import (BatchLoader, MixtureLoader, PackedData, Tokenizer, check_vocab, interleave_documents,
                            load_tokenizer, parse_mixture, prepare_tokens, stream_documents, train_tokenizer)
+from spillway.data.sources import source_notes
 from spillway.data.spm_tokenizer import NoTextError
 from spillway.layers.errors import DataError
 from spillway.recipes.config import Recipe
@@ -103,6 +104,12 @@ class TrainingData:
         return {name: packed.val for name, packed in self.sources.items()}
 
 
+def source_notes_of(recipe: Recipe) -> list[str]:
+    """What reading each source leaves out (data/sources.py `source_notes`): the other splits, skipped files."""
+    sources = [c.source for c in parse_mixture(recipe.data.mixture)] if recipe.data.mixture else [recipe.data.source]
+    return [line for source in sources for line in source_notes(source, recipe.data.split)]
+
+
 def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     cfg = recipe.data
     if cfg.tokenizer:
@@ -112,8 +119,8 @@ def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
                         f"checkpoint.init_from): a tokenizer trained on chat records would not know the model's")
     # A stream: the tokenizer trains on the head of the corpus, which is never copied whole.
     sources = [c.source for c in parse_mixture(cfg.mixture)] if cfg.mixture else [cfg.source]
-    streams = [stream_documents(source, text_field=cfg.text_field, cache_dir=cfg.cache_path / "datasets")
-               for source in sources]
+    streams = [stream_documents(source, text_field=cfg.text_field, cache_dir=cfg.cache_path / "datasets",
+                                split=cfg.split) for source in sources]
     documents = streams[0] if len(streams) == 1 else interleave_documents(streams)
     try:
         return train_tokenizer(documents, vocab_size=recipe.model.vocab_size, model_type=cfg.tokenizer_type,
@@ -140,7 +147,8 @@ def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer, source: str) 
 
     cfg = recipe.data
     options = SftOptions(cfg.format, cfg.seq_len, packing=cfg.packing, overlong=cfg.overlong,
-                         train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed)
+                         train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed,
+                         split=cfg.split)
     return prepare_sft_rows(source, tokenizer, run_chat_template(recipe, tokenizer), options,
                             cache_dir=cfg.cache_path)
 
@@ -205,7 +213,7 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
         _ = tokenizer.eos_id
         options = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_path, val_fraction=cfg.val_fraction,
                        num_proc=cfg.num_proc, seed=recipe.train.seed, text_field=cfg.text_field,
-                       max_tokens=cfg.max_tokens, shard_tokens=cfg.shard_tokens)
+                       max_tokens=cfg.max_tokens, shard_tokens=cfg.shard_tokens, split=cfg.split)
         if cfg.format != "text" and components is None:
             data = TrainingData({CORPUS: prepare_fine_tuning_rows(recipe, tokenizer, cfg.source)}, None)
         elif cfg.format != "text":   # a mixture of chat/instruct sources, each packed whole on its own

@@ -242,7 +242,7 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
     from spillway.data import load_tokenizer
     from spillway.recipes.train import lora_state
-    from spillway.recipes.train.data_pipeline import prepare
+    from spillway.recipes.train.data_pipeline import prepare, source_notes_of
     from spillway.recipes.train.tokenization_record import describe_kept_bos
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
@@ -255,6 +255,8 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     # Said first: a large corpus takes minutes to tokenize the first time, and nothing else is said meanwhile.
     say(f"data: preparing {recipe.data.mixture or recipe.data.source} (tokenized once, then read from "
         f"{recipe.data.cache_path})")
+    for line in source_notes_of(recipe):   # the split read and the files skipped: nothing left out unsaid
+        say(line)
     t0 = time.perf_counter()
     tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
                               bos=kept_bos)

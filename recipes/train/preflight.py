@@ -34,7 +34,7 @@ from pathlib import Path
 
 from spillway.data.hub_reach import hub_unreachable_reason
 from spillway.data.mixture import parse_mixture
-from spillway.data.sources import parse_hub_spec, parse_local_spec
+from spillway.data.sources import MissingSplitError, parse_hub_spec, parse_local_spec
 from spillway.data.tokenizer import TOKENIZER_FILES, tokenizer_file_in
 from spillway.layers.errors import DataError
 from spillway.recipes.config import DataConfig, Recipe
@@ -100,9 +100,10 @@ def missing_inputs(data: DataConfig) -> list[str]:
         for component in components:
             fix = "--set data.mixture=" + ",".join(
                 f"{c.name}={c.weight:g}:{'DIR' if c is component else c.source}" for c in components)
-            problems.append(_source_problem(f"data.mixture source {component.name!r}", component.source, fix))
+            problems.append(_source_problem(f"data.mixture source {component.name!r}", component.source, fix,
+                                            data.split))
     else:
-        problems.append(_source_problem("data.source", data.source, "--set data.source=DIR"))
+        problems.append(_source_problem("data.source", data.source, "--set data.source=DIR", data.split))
     return [problem for problem in problems if problem is not None]
 
 
@@ -171,12 +172,14 @@ def _run_of(init_from: str) -> str:
     return ""
 
 
-def _source_problem(field: str, source: str, fix: str) -> str | None:
+def _source_problem(field: str, source: str, fix: str, split: str) -> str | None:
     try:
         hub = parse_hub_spec(source)
         if hub is None:
-            parse_local_spec(source)   # raises for a path that does not exist or holds no corpus files
+            parse_local_spec(source, split)   # raises for a path that does not exist or holds no corpus files
             return None
+    except MissingSplitError:
+        raise   # the source is there: its line names the splits it has, not a local copy to point at
     except (OSError, ValueError) as error:
         return f"{field} {source!r}: {' '.join(str(error).split())}; point it at a local copy with {fix} " \
                f"({LOCAL_CORPUS})"

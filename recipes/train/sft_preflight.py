@@ -22,6 +22,6 @@ def check_fine_tuning_inputs(recipe: Recipe) -> None:
     if data.format != "text":
         sources = [c.source for c in parse_mixture(data.mixture)] if data.mixture else [data.source]
         for source in sources:
-            check_not_text_corpus(source, data.format)
+            check_not_text_corpus(source, data.format, data.split)
     if data.uses_document_mask:
         check_segment_support(recipe.execution.attention_impl)

@@ -174,6 +174,14 @@ def test_bare_hub_name_that_cannot_be_loaded_says_no_such_path_exists_either(tmp
     assert "\n" not in str(error.value)
 
 
+def test_a_hub_source_is_loaded_at_the_split_asked_for(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(sources_module.datasets, "load_dataset", lambda **kwargs: asked.append(kwargs) or 1 / 0)
+    with pytest.raises(DataError):
+        load_documents("hf:owner/chats", split="test_sft", cache_dir=tmp_path / "hf")
+    assert asked[0]["split"] == "test_sft"
+
+
 def test_hub_failure_is_one_line_with_its_cause(tmp_path, monkeypatch):
     """A Hub load that fails (here: no network, simulated) names the source and the cause."""
     def unreachable(**kwargs):
@@ -275,3 +283,132 @@ def test_streamed_jsonl_skips_to_its_start(tmp_path):
     path.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(7)))
     documents = stream_documents(str(path), text_field="body", start=5)
     assert [text for batch in documents.iter(batch_size=10) for text in batch["text"]] == ["document 5", "document 6"]
+
+
+# Local folders as a user has them (data/local_files.py): a dataset's own splits, compressed shards, symlinked
+# subfolders, empty parquet parts, `save_to_disk` folders, BOMs and legacy-encoded bytes.
+
+def _jsonl(path, texts):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+
+
+def test_a_folder_of_split_named_files_reads_the_train_split_and_says_what_it_left_out(tmp_path):
+    folder = tmp_path / "splits"
+    _jsonl(folder / "train.jsonl", [f"train doc {i}" for i in range(6)])
+    _jsonl(folder / "test.jsonl", [f"test doc {i}" for i in range(3)])
+    texts = [batch["text"] for batch in stream_documents(str(folder)).iter(batch_size=100)][0]
+    assert texts == [f"train doc {i}" for i in range(6)]
+    assert sources_module.source_notes(str(folder)) == [
+        f"data: {folder}: reading split 'train' (1 file); left out: test (data.split chooses)"]
+    assert load_documents(str(folder), split="test", cache_dir=tmp_path / "hf")["text"] == [
+        f"test doc {i}" for i in range(3)]
+    assert source_fingerprint(str(folder)) != source_fingerprint(str(folder), split="test")
+    with pytest.raises(DataError, match=r"has no split 'validation'; its splits: test, train"):
+        stream_documents(str(folder), split="validation")
+
+
+def test_hub_layout_shards_and_split_subfolders_are_splits_as_datasets_names_them(tmp_path):
+    hub = tmp_path / "hub"   # as `hf download` leaves ultrachat_200k
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("# a dataset card, in no split")
+    for split, count in (("train_sft", 4), ("test_sft", 2)):
+        pq.write_table(pa.table({"text": [f"{split} {i}" for i in range(count)]}),
+                       hub / "data" / f"{split}-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"has no split 'train'; its splits: test_sft, train_sft"):
+        stream_documents(str(hub))
+    spec = sources_module.parse_local_spec(str(hub), "train_sft")
+    assert [path.name for path in spec.files] == ["train_sft-00000-of-00001.parquet"]
+    assert spec.skipped == ((hub / "README.md", "in no split"),)
+    sub = tmp_path / "sub"
+    _jsonl(sub / "train" / "a.jsonl", ["in train"])
+    _jsonl(sub / "validation" / "a.jsonl", ["in validation"])
+    assert sources_module.parse_local_spec(str(sub), "validation").files == (sub / "validation" / "a.jsonl",)
+
+
+def test_compressed_files_are_read_and_a_symlinked_subfolder_is_followed(tmp_path):
+    import bz2
+    import gzip
+    import lzma
+
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    for opener, suffix in ((gzip.open, ".jsonl.gz"), (bz2.open, ".jsonl.bz2"), (lzma.open, ".jsonl.xz")):
+        with opener(folder / f"a{suffix}", "wt") as file:
+            file.write(json.dumps({"text": f"from {suffix}"}) + "\n")
+    _jsonl(folder / "plain.jsonl", ["plain"])
+    texts = [t for batch in stream_documents(str(folder)).iter(batch_size=100) for t in batch["text"]]
+    assert sorted(texts) == ["from .jsonl.bz2", "from .jsonl.gz", "from .jsonl.xz", "plain"]
+    linked = tmp_path / "linked"
+    (linked).mkdir()
+    (linked / "own.txt").write_text("own document")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with gzip.open(elsewhere / "book.txt.gz", "wt") as file:
+        file.write("a book behind a link")
+    os.symlink(elsewhere, linked / "books")
+    os.symlink(tmp_path / "gone.txt", linked / "dangling.txt")
+    (linked / "table.csv").write_text("a,b\n")
+    texts = [t for batch in stream_documents(str(linked)).iter(batch_size=100) for t in batch["text"]]
+    assert texts == ["a book behind a link", "own document"]
+    assert sources_module.source_notes(str(linked)) == [
+        f"data: {linked}: skipped 2 files: {linked / 'dangling.txt'} (a dangling symlink), "
+        f"{linked / 'table.csv'} (not a corpus file type)"]
+
+
+def test_a_zst_file_without_the_zstandard_package_says_so(tmp_path, monkeypatch):
+    import importlib.util
+
+    path = tmp_path / "a.jsonl.zst"
+    path.write_bytes(b"(not read)")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "zstandard" else real(name, *a))
+    with pytest.raises(DataError, match=r"zstd-compressed and the zstandard package is not installed: pip install"):
+        stream_documents(str(path))
+
+
+def test_an_empty_parquet_shard_is_skipped_and_counted(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(5)]}), folder / "part-0.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "part-1.parquet")
+    texts = [t for batch in stream_documents(str(folder)).iter(batch_size=100) for t in batch["text"]]
+    assert texts == [f"row {i}" for i in range(5)]
+    assert sources_module.source_notes(str(folder)) == [
+        f"data: {folder}: skipped 1 file: {folder / 'part-1.parquet'} (empty parquet, 0 rows)"]
+    with pytest.raises(ValueError, match="part-1.parquet' is an empty parquet file"):
+        stream_documents(str(folder / "part-1.parquet"))
+
+
+def test_a_save_to_disk_folder_is_read_with_load_from_disk(tmp_path):
+    dataset = datasets.Dataset.from_dict({"text": ["saved one", "saved two"], "id": [1, 2]})
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    texts = [t for batch in stream_documents(str(tmp_path / "saved")).iter(batch_size=100) for t in batch["text"]]
+    assert texts == ["saved one", "saved two"]
+    datasets.DatasetDict(train=dataset, test=dataset.select([1])).save_to_disk(str(tmp_path / "dict"))
+    assert load_documents(str(tmp_path / "dict"), split="test", cache_dir=tmp_path / "hf")["text"] == ["saved two"]
+    assert sources_module.source_notes(str(tmp_path / "dict")) == [
+        f"data: {tmp_path / 'dict'}: reading split 'train' (3 files); left out: test (data.split chooses)"]
+
+
+def test_a_utf8_bom_is_no_character_of_a_text_document(tmp_path):
+    folder = tmp_path / "bom"
+    folder.mkdir()
+    (folder / "notepad.txt").write_bytes(b"\xef\xbb\xbfwritten by notepad")
+    assert next(stream_documents(str(folder)).iter(batch_size=10))["text"] == ["written by notepad"]
+    assert load_documents(str(folder), cache_dir=tmp_path / "hf")["text"] == ["written by notepad"]
+
+
+def test_legacy_encoded_bytes_in_a_text_file_are_named_with_their_count(tmp_path, capsys):
+    folder = tmp_path / "latin"
+    folder.mkdir()
+    (folder / "menu.txt").write_bytes(("the caf\xe9 menu lists coffee and tea " * 10 + "tea " * 300).encode("cp1252"))
+    (folder / "fine.txt").write_text("plain utf-8 text")
+    texts = next(stream_documents(str(folder)).iter(batch_size=10))["text"]
+    assert texts[1].count("\ufffd") == 10
+    err = capsys.readouterr().err
+    assert f"1 text files are not all UTF-8; 10 bytes were read as U+FFFD: {folder / 'menu.txt'} (10)" in err
+    assert "iconv" in err
+    (folder / "menu.txt").write_bytes(("the caf\xe9 menu " * 30).encode("cp1252"))   # above the binary threshold
+    with pytest.raises(DataError, match=r"30 of its \d+ characters are not UTF-8 .*legacy encoding.*re-encode"):
+        next(stream_documents(str(folder)).iter(batch_size=10))

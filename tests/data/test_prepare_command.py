@@ -16,8 +16,8 @@ def test_the_commands_defaults_are_a_recipes_data_settings():
 
     args, data = build_parser().parse_args([]), DataConfig()
     assert (args.source, args.text_field, args.seq_len, args.val_fraction, str(args.cache_dir), args.shard_tokens,
-            args.model_type) == (data.source, data.text_field, data.seq_len, data.val_fraction, data.cache_dir,
-                                 data.shard_tokens, data.tokenizer_type)
+            args.model_type, args.split) == (data.source, data.text_field, data.seq_len, data.val_fraction,
+                                             data.cache_dir, data.shard_tokens, data.tokenizer_type, data.split)
 
 
 def test_a_run_reads_the_rows_the_command_prepared(tmp_path, capsys):
@@ -28,3 +28,28 @@ def test_a_run_reads_the_rows_the_command_prepared(tmp_path, capsys):
                                  f"data.cache_dir={tmp_path}", "train.global_batch=4"])
     _, data = prepare(recipe)
     assert data.from_cache
+
+
+def test_a_split_the_source_does_not_hold_is_one_line_before_anything_runs(tmp_path, capsys):
+    import pytest
+
+    from spillway.data.sources import MissingSplitError
+    from spillway.recipes.train.preflight import missing_inputs
+
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.txt").write_text(f"the {split} document")
+    assert main(["--source", str(tmp_path), "--split", "dev", "--cache-dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"python -m spillway.data: error: corpus {str(tmp_path)!r} has no split 'dev'; its splits: "
+                   f"test, train (data.split, or --split, chooses one)\n")
+    with pytest.raises(MissingSplitError, match="its splits: test, train"):   # `spillway train`: not "missing"
+        missing_inputs(DataConfig(source=str(tmp_path), split="dev"))
+    assert missing_inputs(DataConfig(source=str(tmp_path), split="test")) == []
+
+
+def test_a_resumed_run_on_another_split_is_a_changed_corpus():
+    from spillway.recipes.train.corpus_record import corpus_differences
+
+    before = {"text_field": "text", "sources": {}}   # recorded before data.split: the train split
+    assert corpus_differences(before, {**before, "split": "train"}) == []
+    assert corpus_differences(before, {**before, "split": "test"}) == ["data.split was 'train', now 'test'"]

@@ -153,3 +153,50 @@ def test_a_record_of_the_other_format_says_which_format_it_is():
         chat_messages(Record({"instruction": "q", "output": "a"}, "f, line 1"))
     with pytest.raises(DataError, match=r'needs "instruction", "output" .*\); a chat record\? set data.format=chat$'):
         instruct_messages(Record({"messages": [{"role": "user", "content": "hi"}]}, "f, line 1"))
+
+
+def _chat_lines(count, word, bom=False):
+    lines = "".join(json.dumps({"messages": [{"role": "user", "content": f"{word} {i}"},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n" for i in range(count))
+    return (b"\xef\xbb\xbf" if bom else b"") + lines.encode()
+
+
+def test_a_folder_of_chat_splits_gives_the_chosen_split_and_keys_its_rows_by_it(tmp_path):
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    (folder / "train_sft.jsonl").write_bytes(_chat_lines(5, "train"))
+    (folder / "test_sft.jsonl").write_bytes(_chat_lines(2, "test"))
+    assert len(list(iter_records(str(folder)))) == 5
+    assert [r.fields["messages"][0]["content"] for r in iter_records(str(folder), split="test")] == ["test 0", "test 1"]
+    with pytest.raises(DataError, match="has no split 'dev'; its splits: test, train"):
+        list(iter_records(str(folder), split="dev"))
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    rows = {split: prepare_sft_rows(str(folder), CharTokenizer(), template,
+                                    SftOptions("chat", seq_len=64, val_fraction=0.0, split=split),
+                                    cache_dir=tmp_path / "cache") for split in ("train", "test")}
+    assert rows["train"].num_documents == 5 and rows["test"].num_documents == 2   # not the train split's cache
+
+
+def test_chat_records_with_a_bom_compressed_or_saved_to_disk_are_read(tmp_path):
+    import gzip
+
+    import datasets
+
+    (tmp_path / "notepad.jsonl").write_bytes(_chat_lines(3, "bom", bom=True))
+    assert len(list(iter_records(str(tmp_path / "notepad.jsonl")))) == 3
+    with gzip.open(tmp_path / "c.jsonl.gz", "wb") as file:
+        file.write(_chat_lines(4, "gz"))
+    assert [r.where for r in iter_records(str(tmp_path / "c.jsonl.gz"))][-1] == f"{tmp_path / 'c.jsonl.gz'}, line 4"
+    records = datasets.Dataset.from_list([json.loads(line) for line in _chat_lines(3, "saved").decode().splitlines()])
+    datasets.DatasetDict(train_sft=records, test_sft=records.select([0])).save_to_disk(str(tmp_path / "saved"))
+    assert len(list(iter_records(str(tmp_path / "saved"), split="train_sft"))) == 3
+    assert len(list(iter_records(str(tmp_path / "saved"), split="test_sft"))) == 1
+
+
+def test_a_hub_source_is_read_at_the_split_asked_for(monkeypatch):
+    import datasets
+
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda **kwargs: asked.append(kwargs) or [])
+    assert list(iter_records("hf:owner/chats", split="train_sft")) == []
+    assert asked[0]["split"] == "train_sft" and asked[0]["path"] == "owner/chats"

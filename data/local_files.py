@@ -1,0 +1,180 @@
+"""Which files a local corpus folder holds: file kinds, compression, splits, and what is skipped.
+
+A folder is walked following symlinked subfolders (Python 3.11's `Path.rglob`
+does not, so a `books -> /data/books` link would vanish), hidden files and
+folders excluded. Each file is a corpus file by its suffix, seen through one
+compression suffix (`a.jsonl.gz` is JSON lines, gzip-compressed), as
+`datasets`' json and text builders read gz/bz2/xz/zst themselves.
+
+Splits are named as `datasets` names them for a folder of data files (its
+data_files patterns, `datasets.data_files`): `data/train-00000-of-00001.parquet`
+(any split name, as `hf download` leaves a Hub dataset), or the keywords
+train/validation/test in a file or folder name (`train.jsonl`, `test/`,
+`train_sft.jsonl`). A folder without split names is one split, `train`.
+
+Every file that is not read is kept with the reason (an unknown type, a
+dangling symlink, an empty parquet shard, a file in no split), so the run can
+say what it left out in one line instead of dropping it silently.
+
+A `datasets` `save_to_disk` folder (state.json + dataset_info.json + .arrow;
+a DatasetDict: dataset_dict.json and one such folder per split) is recognised
+here too: its JSON files are metadata, not records.
+"""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import gzip
+import importlib.util
+import json
+import lzma
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+from spillway.layers.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".py", ".md")
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+BUILDER_BY_SUFFIX = {
+    **{suffix: "text" for suffix in TEXT_SUFFIXES},
+    **{suffix: "json" for suffix in JSON_SUFFIXES},
+    **{suffix: "parquet" for suffix in PARQUET_SUFFIXES},
+}
+# Compression suffix -> the module that reads it (zstandard is a package of its own, not always installed).
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+SAVED = "saved"   # the builder name of a `save_to_disk` folder, read with `datasets.load_from_disk`
+UTF8_BOM = codecs.BOM_UTF8
+
+
+def corpus_suffix(path: Path) -> str:
+    """The suffix naming the file's kind, behind one compression suffix: `a.jsonl.gz` -> `.jsonl`."""
+    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
+    if len(suffixes) == 2 and suffixes[1] in COMPRESSIONS:
+        return suffixes[0]
+    return suffixes[-1] if suffixes else ""
+
+
+def compression_of(path: Path) -> str | None:
+    suffix = path.suffix.lower()
+    return suffix if suffix in COMPRESSIONS else None
+
+
+def builder_for(path: Path) -> str | None:
+    """The `datasets` builder that reads this file, or None; parquet is never read compressed."""
+    builder = BUILDER_BY_SUFFIX.get(corpus_suffix(path))
+    return None if builder == "parquet" and compression_of(path) else builder
+
+
+def check_codec(files: Iterable[Path]) -> None:
+    """DataError when a compressed file needs a package that is not installed (only zstandard can be missing):
+    `datasets` would otherwise fail deep inside its reader."""
+    zst = [path for path in files if compression_of(path) == ".zst"]
+    if zst and importlib.util.find_spec("zstandard") is None:
+        raise DataError(f"corpus file {str(zst[0])!r}{_more(zst)} is zstd-compressed and the zstandard package is "
+                        f"not installed: pip install zstandard (or decompress it: zstd -d)")
+
+
+def _more(paths: list) -> str:
+    return f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
+
+
+def open_binary(path: Path) -> IO[bytes]:
+    """The file's bytes, decompressed as its suffix says."""
+    compression = compression_of(path)
+    if compression == ".gz":
+        return gzip.open(path, "rb")
+    if compression == ".bz2":
+        return bz2.open(path, "rb")
+    if compression == ".xz":
+        return lzma.open(path, "rb")
+    if compression == ".zst":
+        check_codec([path])
+        import zstandard
+
+        return zstandard.open(path, "rb")
+    return open(path, "rb")
+
+
+def read_bytes(path: Path) -> bytes:
+    with open_binary(path) as file:
+        return file.read()
+
+
+def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """(every visible file under `folder`, symlinked folders followed once; [(dangling symlink, why)])."""
+    found, skipped = [], []
+    seen = set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:   # a link back up the tree: walked once
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        for name in names:
+            if name.startswith("."):
+                continue
+            path = Path(root) / name
+            if path.is_file():
+                found.append(path)
+            elif path.is_symlink():
+                skipped.append((path, "a dangling symlink"))
+    return sorted(found), skipped
+
+
+def empty_parquet(path: Path) -> bool:
+    """A parquet file of 0 rows (Spark and `datasets.filter` exports write them): it holds nothing to read, and
+    `datasets`' parquet builder stops on it with "BatchSize must be greater than 0"."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows == 0
+    except Exception:   # unreadable: the builder names the problem when it reads the file
+        return False
+
+
+def data_splits(folder: Path, files: list[Path]) -> dict[str, list[Path]]:
+    """{split: its files} as `datasets` assigns a folder's files to splits (module docstring); a file may be in
+    none. `datasets`' own resolver globs the disk; this one matches the files found here (symlinks followed)."""
+    from datasets.data_files import EmptyDatasetError, _get_data_files_patterns
+    from fsspec.utils import glob_translate
+
+    relative = {path: path.relative_to(folder).as_posix() for path in files}
+
+    def resolve(pattern: str) -> list[str]:
+        regex = re.compile(glob_translate(pattern))
+        return [name for name in relative.values() if regex.match(name)]
+
+    try:
+        patterns = _get_data_files_patterns(resolve)
+    except EmptyDatasetError:
+        return {}
+    splits = {}
+    for split, split_patterns in patterns.items():
+        regexes = [re.compile(glob_translate(pattern)) for pattern in split_patterns]
+        splits[str(split)] = [path for path, name in relative.items() if any(r.match(name) for r in regexes)]
+    return {split: paths for split, paths in splits.items() if paths}
+
+
+def saved_dataset_splits(folder: Path) -> list[str] | None:
+    """The splits of a `save_to_disk` folder ([""]: a single Dataset, the folder itself), or None."""
+    if (folder / "dataset_dict.json").is_file():
+        try:
+            return [str(split) for split in json.loads((folder / "dataset_dict.json").read_text())["splits"]]
+        except (ValueError, KeyError, TypeError) as error:
+            raise DataError(f"{folder}/dataset_dict.json (a datasets save_to_disk folder) is unreadable: "
+                            f"{type(error).__name__}: {error}") from None
+    if (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file():
+        return [""]
+    return None
+
+
+def named(skipped: list[tuple[Path, str]], shown: int = 3) -> str:
+    """'a.csv (not a corpus file type), b (a dangling symlink), ...' for up to `shown` files."""
+    names = ", ".join(f"{path} ({why})" for path, why in skipped[:shown])
+    return names + (f" and {len(skipped) - shown} more" if len(skipped) > shown else "")
