@@ -46,7 +46,7 @@ from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock, stabl
 from .chat_template import ChatTemplate
 from .holdout import document_scores
 from .packing import PackedData, _readable
-from .sft_formats import iter_records, messages_of
+from .sft_formats import conversation_of, iter_records
 from .sft_targets import conversation_tokens, special_token_texts
 from .sources import source_fingerprint
 from .tokenizer import Tokenizer
@@ -54,7 +54,7 @@ from .tokenizer import Tokenizer
 TOKENS, TARGETS, SEGMENTS = 0, 1, 2
 PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
-_SFT_PACKING_VERSION = 1
+_SFT_PACKING_VERSION = 2   # 2: messages keep their tool calls (and other keys), records their tools and system
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096
@@ -156,8 +156,9 @@ def _tokenized_examples(source: str, tokenizer: Tokenizer, template: ChatTemplat
     for index, record in enumerate(iter_records(source, cache_dir=cache_dir)):
         if index < skip:
             continue
-        ids, flags = conversation_tokens(template, tokenizer, messages_of(record, options.data_format), specials,
-                                         record.where, options.train_on_prompt)
+        conversation = conversation_of(record, options.data_format)
+        ids, flags = conversation_tokens(template, tokenizer, conversation.messages, specials, record.where,
+                                         options.train_on_prompt, tools=conversation.tools)
         yield index, ids, flags, record.where
 
 

@@ -1,5 +1,6 @@
-"""Fine-tuning records and rows: chat / ShareGPT / instruct records, whole examples packed or padded, long ones
-truncated or dropped and counted, Parquet read through `datasets`, and the shipped instruction set."""
+"""Fine-tuning records and rows: chat / ShareGPT / instruct records (their tool calls, tools, system prompts and
+history as transformers and LLaMA-Factory take them), whole examples packed or padded, long ones truncated or
+dropped and counted, Parquet read through `datasets`, and the shipped instruction set."""
 
 import json
 
@@ -8,7 +9,7 @@ import pytest
 
 from spillway.data.chat_template import resolve_chat_template
 from spillway.data.instruct_tiny import INSTRUCT_TINY, records
-from spillway.data.sft_formats import Record, chat_messages, instruct_messages, iter_records
+from spillway.data.sft_formats import Record, chat_messages, conversation_of, instruct_messages, iter_records
 from spillway.data.sft_packing import SEGMENTS, TARGETS, TOKENS, SftOptions, prepare_sft_rows, row_layout
 from spillway.layers.errors import DataError
 
@@ -153,3 +154,68 @@ def test_a_record_of_the_other_format_says_which_format_it_is():
         chat_messages(Record({"instruction": "q", "output": "a"}, "f, line 1"))
     with pytest.raises(DataError, match=r'needs "instruction", "output" .*\); a chat record\? set data.format=chat$'):
         instruct_messages(Record({"messages": [{"role": "user", "content": "hi"}]}, "f, line 1"))
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_tool_calls_tool_results_and_tools_are_kept_as_transformers_takes_them():
+    """OpenAI's form: a call's content is null; the tool's answer names its call; the record's tools go to the
+    template. Reading only role and content trained an empty answer where the call was."""
+    fields = {"messages": [{"role": "user", "content": "weather?", "tool_calls": None},
+                           {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                           {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"}],
+              "tools": [TOOL]}
+    conversation = conversation_of(Record(fields, "f, line 1"), "chat")
+    assert conversation.messages == [{"role": "user", "content": "weather?"},   # a null (Parquet) column: no key
+                                     {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                                     {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"}]
+    assert conversation.tools == [TOOL]
+    # LLaMA-Factory stores the tools as JSON text; an empty column is no tools
+    assert conversation_of(Record({**fields, "tools": json.dumps([TOOL])}, "f"), "chat").tools == [TOOL]
+    assert conversation_of(Record({**fields, "tools": ""}, "f"), "chat").tools is None
+    with pytest.raises(DataError, match=r'^record f, line 2: "tools" is a string that is not JSON \(Expecting value'):
+        conversation_of(Record({**fields, "tools": "get_weather(city)"}, "f, line 2"), "chat")
+
+
+def test_sharegpt_system_tools_function_call_and_observation_are_read_as_llama_factory_reads_them():
+    fields = {"system": "You are a pirate.", "tools": json.dumps([TOOL]), "conversations": [
+        {"from": "human", "value": "weather?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Arr, sunny."}]}
+    conversation = conversation_of(Record(fields, "f, line 1"), "chat")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert conversation.messages == [
+        {"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Arr, sunny."}]
+    assert conversation.tools == [TOOL]
+    # the same prompt as the conversation's own system message is written once; a different one is refused
+    system = {"from": "system", "value": "You are a pirate."}
+    same = {**fields, "conversations": [system, *fields["conversations"]]}
+    assert chat_messages(Record(same, "f")) == conversation.messages
+    with pytest.raises(DataError, match=r'^record f: a "system" field and a different system message open'):
+        chat_messages(Record({**same, "system": "Be polite."}, "f"))
+
+
+def test_an_unknown_sharegpt_role_is_named_with_the_roles_read():
+    """It was passed on as a role of its own: no assistant turn, and a run refused for having no answers."""
+    record = Record({"conversations": [{"from": "human", "value": "hi"}, {"from": "bing", "value": "yo"}]}, "f, line 3")
+    with pytest.raises(DataError, match=r"record f, line 3, message 1: \"from\" 'bing' is not a ShareGPT role read "
+                                        r"here \(human, user, gpt, assistant, system, function_call, observation, "
+                                        r"tool, function\); rename it in the data$"):
+        chat_messages(record)
+
+
+def test_alpaca_system_and_history_come_before_the_instruction():
+    fields = {"system": "Be terse.", "history": [["hi", "hello"], ["2+2?", "4"]], "instruction": "3+3?",
+              "input": "", "output": "6"}
+    assert instruct_messages(Record(fields, "w")) == [
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6"}]
+    with pytest.raises(DataError, match=r'record w: "history" needs a list of \[instruction, response\] string '
+                                        r"pairs \(item 1 is a string\)$"):
+        instruct_messages(Record({**fields, "history": [["a", "b"], "c"]}, "w"))

@@ -118,6 +118,12 @@ def write_jsonl(path, rows):
      r"bad.jsonl, line 1: role 'narrator' is not one the chat template built-in spillway knows"),
     ("chat", [{"text": "just text"}],
      r"bad.jsonl, line 1 \(fields found: text\) has no \"messages\" .*set data.format=text"),
+    ("chat", [{"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]}],
+     r"bad.jsonl, line 1: the chat template built-in spillway does not write the assistant's tool call "
+     r"'get_weather' into its answer, .*use a chat template that renders \"tool_calls\""),
+    ("chat", [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bing", "value": "yo"}]}],
+     r"bad.jsonl, line 1, message 1: \"from\" 'bing' is not a ShareGPT role read here \(human, "),
 ])
 def test_bad_records_are_one_line_before_any_step(tmp_path, tokenizer_dir, capsys, data_format, rows, message):
     source = write_jsonl(tmp_path / "bad.jsonl", rows)
