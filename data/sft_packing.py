@@ -12,7 +12,9 @@ row's `seq_len` inputs and its last target) is never split across rows.
 `packing="pack"` puts consecutive examples into a row while they fit;
 `"pad"` gives each example its own row. An example longer than a row is cut
 to its first `seq_len + 1` tokens (`overlong="truncate"`) or left out
-(`"drop"`); either way it is counted (`PackedData.overlong_examples`).
+(`"drop"`); either way it is counted (`PackedData.overlong_examples`). An
+example with no token to train on (no assistant message, and not
+`train_on_prompt`) is skipped and counted (`PackedData.no_answer_examples`).
 Whole examples are held out for validation by a seeded hash of their index
 (data/holdout.py).
 
@@ -54,7 +56,9 @@ from .tokenizer import Tokenizer
 TOKENS, TARGETS, SEGMENTS = 0, 1, 2
 PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
-_SFT_PACKING_VERSION = 2   # 2: messages keep their tool calls (and other keys), records their tools and system
+# 2: messages keep their tool calls (and other keys), records their tools and system prompt; examples without
+# an answer skipped
+_SFT_PACKING_VERSION = 2
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096
@@ -172,6 +176,7 @@ class _Progress:
     num_tokens: int = 0
     target_tokens: int = 0
     cut_target_tokens: int = 0   # answer tokens past a row's end, cut by data.overlong=truncate
+    no_answer: int = 0           # examples with no token to train on (no assistant message), skipped
     examples: dict = dataclasses.field(default_factory=lambda: {"train": 0, "val": 0})
 
     @classmethod
@@ -244,22 +249,11 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
     try:
         for index, ids, flags, _ in _tokenized_examples(source, tokenizer, template, options, datasets_dir,
                                                         skip=progress.records):
-            progress.records = index + 1
-            if len(ids) > row_len:
-                progress.overlong += 1
-                if options.overlong == "drop":
-                    continue
-                progress.cut_target_tokens += int(flags[row_len:].sum())
-                ids, flags = ids[:row_len], flags[:row_len]
-            score = document_scores(index, 1, options.seed)[0]
-            held_out = options.val_fraction > 0 and score < options.val_fraction
-            splits["val" if held_out else "train"].add(ids, flags)
-            progress.num_tokens += len(ids)
-            progress.target_tokens += int(flags[1:].sum())
+            _take(progress, splits, index, ids, flags, options)
             if progress.records % PROGRESS_EVERY == 0:
                 progress.save(partial, splits)
-        _check_examples(source, splits, progress.records, progress.overlong, row_len, options)
         _check_targets(source, progress.records, progress.target_tokens, options)
+        _check_examples(source, splits, progress.records, progress.overlong, row_len, options)
         progress.save(partial, splits)   # every example counted: a kill while the rows are laid out resumes here
     finally:
         for writer in splits.values():
@@ -275,16 +269,39 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
             "train_examples": len(splits["train"].lengths), "val_examples": len(splits["val"].lengths),
             "overlong_examples": progress.overlong, "overlong_policy": options.overlong,
             "target_tokens": progress.target_tokens, "cut_target_tokens": progress.cut_target_tokens,
+            "no_answer_examples": progress.no_answer,
             "source": source, "tokenizer": tokenizer.fingerprint,
             "chat_template": template.origin, "options": dataclasses.asdict(options), "key": key}
     (partial / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
+def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags: np.ndarray,
+          options: SftOptions) -> None:
+    """Record `index` read: its example packed (cut to a row), or skipped and counted."""
+    row_len = options.seq_len + 1
+    if not options.train_on_prompt and not flags.any():
+        # no answer (a system prompt or questions alone): rows the loss never sees, counted in the data: line
+        progress.records, progress.no_answer = index + 1, progress.no_answer + 1
+        return
+    if len(ids) > row_len and options.overlong == "drop":
+        progress.records, progress.overlong = index + 1, progress.overlong + 1
+        return
+    progress.records = index + 1
+    if len(ids) > row_len:
+        progress.overlong += 1
+        progress.cut_target_tokens += int(flags[row_len:].sum())
+        ids, flags = ids[:row_len], flags[:row_len]
+    held_out = options.val_fraction > 0 and document_scores(index, 1, options.seed)[0] < options.val_fraction
+    splits["val" if held_out else "train"].add(ids, flags)
+    progress.num_tokens += len(ids)
+    progress.target_tokens += int(flags[1:].sum())
+
+
 def _check_targets(source: str, examples: int, target_tokens: int, options: SftOptions) -> None:
     """DataError when no example holds a token the loss is on: every step's loss would be 0 over 0 tokens,
     a run that trains nothing while it looks finished (conversations without an assistant turn, or cut
-    before it)."""
-    if target_tokens:
+    before it). No example read at all is _check_examples' to name."""
+    if target_tokens or not examples:
         return
     cut = " or every one truncated before it (data.overlong=truncate)" if options.overlong == "truncate" else ""
     raise DataError(f"data.source {source!r}: {examples} examples and no token to train on: the loss is on the "

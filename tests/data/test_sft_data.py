@@ -1,8 +1,10 @@
 """Fine-tuning records and rows: chat / ShareGPT / instruct records (their tool calls, tools, system prompts and
 history as transformers and LLaMA-Factory take them), whole examples packed or padded, long ones truncated or
-dropped and counted, Parquet read through `datasets`, and the shipped instruction set."""
+dropped and counted, examples without an answer skipped and counted, Parquet read through
+`datasets`, and the shipped instruction set."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -141,8 +143,10 @@ def test_cached_rows_with_no_answer_to_train_on_are_refused_too(tmp_path, monkey
                               for i in range(6)))
     template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
     options = SftOptions("chat", seq_len=40, val_fraction=0.0)
-    with monkeypatch.context() as patch:
-        patch.setattr(sft_packing, "_check_targets", lambda *args: None)   # as an earlier version prepared them
+    take = sft_packing._take
+    with monkeypatch.context() as patch:   # as an earlier version prepared them: unchecked, nothing skipped
+        patch.setattr(sft_packing, "_check_targets", lambda *args: None)
+        patch.setattr(sft_packing, "_take", lambda *args: take(*args[:-1], replace(args[-1], train_on_prompt=True)))
         assert prepare_sft_rows(str(source), CharTokenizer(), template, options,
                                 cache_dir=tmp_path / "cache").target_tokens == 0
     with pytest.raises(DataError, match=r"6 examples and no token to train on"):
@@ -219,3 +223,26 @@ def test_alpaca_system_and_history_come_before_the_instruction():
     with pytest.raises(DataError, match=r'record w: "history" needs a list of \[instruction, response\] string '
                                         r"pairs \(item 1 is a string\)$"):
         instruct_messages(Record({**fields, "history": [["a", "b"], "c"]}, "w"))
+
+
+def _chat_rows(path, conversations):
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in conversations))
+    return path
+
+
+def test_a_record_without_an_answer_is_skipped_and_counted(tmp_path):
+    """Packed, it took row space the loss never saw, and no line said so."""
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    source = _chat_rows(tmp_path / "d.jsonl", [answered] * 4 + [[{"role": "system", "content": "only this"}]] * 2)
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    packed = prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("chat", seq_len=40, val_fraction=0.0),
+                              cache_dir=tmp_path / "cache")
+    assert (packed.num_documents, packed.no_answer_examples) == (6, 2)
+    assert sum(len(set(row[row > 0].tolist())) for row in packed.train[:, SEGMENTS]) == 4
+    from spillway.recipes.train.data_pipeline import TrainingData
+    assert "(6 examples, " in TrainingData({"corpus": packed}, None).describe()
+    assert "; 2 without an answer to train on, skipped)" in TrainingData({"corpus": packed}, None).describe()
+    every = prepare_sft_rows(str(source), CharTokenizer(), template,
+                             SftOptions("chat", seq_len=40, val_fraction=0.0, train_on_prompt=True),
+                             cache_dir=tmp_path / "cache")
+    assert every.no_answer_examples == 0   # every token is a target: nothing to skip
