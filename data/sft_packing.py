@@ -15,6 +15,9 @@ to its first `seq_len + 1` tokens (`overlong="truncate"`) or left out
 (`"drop"`); either way it is counted (`PackedData.overlong_examples`). An
 example with no token to train on (no assistant message, and not
 `train_on_prompt`) is skipped and counted (`PackedData.no_answer_examples`).
+`max_tokens` (`data.max_tokens`) takes whole examples from the head of the
+source, in order, while their tokens (as packed) fit in it, and reads no
+further.
 Whole examples are held out for validation by a seeded hash of their index
 (data/holdout.py).
 
@@ -57,7 +60,7 @@ TOKENS, TARGETS, SEGMENTS = 0, 1, 2
 PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
 # 2: messages keep their tool calls (and other keys), records their tools and system prompt; examples without
-# an answer skipped
+# an answer skipped; data.max_tokens
 _SFT_PACKING_VERSION = 2
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
@@ -75,6 +78,7 @@ class SftOptions:
     train_on_prompt: bool = False
     val_fraction: float = 0.02
     seed: int = 0
+    max_tokens: int | None = None   # data.max_tokens: whole examples from the head while they fit in it
 
     def key_parts(self) -> tuple:
         return dataclasses.astuple(self)
@@ -249,7 +253,8 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
     try:
         for index, ids, flags, _ in _tokenized_examples(source, tokenizer, template, options, datasets_dir,
                                                         skip=progress.records):
-            _take(progress, splits, index, ids, flags, options)
+            if not _take(progress, splits, index, ids, flags, options):
+                break   # data.max_tokens reached: the rest of the source is not read
             if progress.records % PROGRESS_EVERY == 0:
                 progress.save(partial, splits)
         _check_targets(source, progress.records, progress.target_tokens, options)
@@ -276,16 +281,19 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
 
 
 def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags: np.ndarray,
-          options: SftOptions) -> None:
-    """Record `index` read: its example packed (cut to a row), or skipped and counted."""
+          options: SftOptions) -> bool:
+    """Record `index` read: its example packed (cut to a row), or skipped and counted; False, the record not
+    read, when its example would take the tokens past `options.max_tokens` (whole examples, as they come)."""
     row_len = options.seq_len + 1
     if not options.train_on_prompt and not flags.any():
         # no answer (a system prompt or questions alone): rows the loss never sees, counted in the data: line
         progress.records, progress.no_answer = index + 1, progress.no_answer + 1
-        return
+        return True
     if len(ids) > row_len and options.overlong == "drop":
         progress.records, progress.overlong = index + 1, progress.overlong + 1
-        return
+        return True
+    if options.max_tokens is not None and progress.num_tokens + min(len(ids), row_len) > options.max_tokens:
+        return False
     progress.records = index + 1
     if len(ids) > row_len:
         progress.overlong += 1
@@ -295,6 +303,7 @@ def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags:
     splits["val" if held_out else "train"].add(ids, flags)
     progress.num_tokens += len(ids)
     progress.target_tokens += int(flags[1:].sum())
+    return True
 
 
 def _check_targets(source: str, examples: int, target_tokens: int, options: SftOptions) -> None:
@@ -315,7 +324,8 @@ def _check_examples(source: str, splits: dict, examples: int, overlong: int, row
     if splits["train"].lengths and (options.val_fraction == 0 or splits["val"].lengths):
         return
     wanted = "a training and a validation example" if options.val_fraction > 0 else "a training example"
-    raise DataError(f"data.source {source!r}: {examples} examples ({overlong} longer than a row of "
+    capped = f" within data.max_tokens={options.max_tokens}" if options.max_tokens is not None else ""
+    raise DataError(f"data.source {source!r}: {examples} examples{capped} ({overlong} longer than a row of "
                     f"{row_len} tokens{', dropped' if options.overlong == 'drop' else ''}) do not give "
                     f"{wanted}; use more records" + (" or data.val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
                                                      if options.val_fraction else ""))

@@ -142,7 +142,8 @@ def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer, source: str) 
 
     cfg = recipe.data
     options = SftOptions(cfg.format, cfg.seq_len, packing=cfg.packing, overlong=cfg.overlong,
-                         train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed)
+                         train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed,
+                         max_tokens=cfg.max_tokens)
     return prepare_sft_rows(source, tokenizer, run_chat_template(recipe, tokenizer), options,
                             cache_dir=cfg.cache_path)
 

@@ -1,6 +1,6 @@
 """Fine-tuning records and rows: chat / ShareGPT / instruct records (their tool calls, tools, system prompts and
 history as transformers and LLaMA-Factory take them), whole examples packed or padded, long ones truncated or
-dropped and counted, examples without an answer skipped and counted, Parquet read through
+dropped and counted, examples without an answer skipped and counted, data.max_tokens, Parquet read through
 `datasets`, and the shipped instruction set."""
 
 import json
@@ -246,3 +246,21 @@ def test_a_record_without_an_answer_is_skipped_and_counted(tmp_path):
                              SftOptions("chat", seq_len=40, val_fraction=0.0, train_on_prompt=True),
                              cache_dir=tmp_path / "cache")
     assert every.no_answer_examples == 0   # every token is a target: nothing to skip
+
+
+def test_max_tokens_takes_whole_examples_from_the_head_and_keys_the_cache(tmp_path):
+    """data.max_tokens was ignored for chat data, and the rows of a run without it were reused."""
+    source = write_instruct(tmp_path / "d.jsonl", [f"answer {i}" for i in range(10)])
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    whole = prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("instruct", 40, val_fraction=0.0),
+                             cache_dir=tmp_path / "cache")
+    length = whole.num_tokens // 10   # every example is as long
+    capped = prepare_sft_rows(str(source), CharTokenizer(), template,
+                              SftOptions("instruct", 40, val_fraction=0.0, max_tokens=3 * length + length - 1),
+                              cache_dir=tmp_path / "cache")
+    assert not capped.from_cache and capped.path != whole.path
+    assert (capped.num_documents, capped.num_tokens) == (3, 3 * length)
+    assert np.array_equal(capped.train[:3, TOKENS], whole.train[:3, TOKENS])   # the head, one example a row
+    with pytest.raises(DataError, match=r"0 examples within data.max_tokens=5 .* do not give a training example"):
+        prepare_sft_rows(str(source), CharTokenizer(), template,
+                         SftOptions("instruct", 40, val_fraction=0.0, max_tokens=5), cache_dir=tmp_path / "cache")
