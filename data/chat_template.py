@@ -154,11 +154,16 @@ class ChatTemplate:
         """The roles a built-in template renders; None for a template whose roles are its own business."""
         return _ROLES_OF_BUILTINS.get(self.origin.removeprefix("built-in "))
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> Rendered:
-        """The conversation as text, and its generation spans; ChatTemplateError with the template's own error."""
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
+               tools: list | None = None) -> Rendered:
+        """The conversation as text, and its generation spans; ChatTemplateError with the template's own error.
+
+        `tools`: the function descriptions the conversation may call, the template's `tools` (None: none);
+        `documents` is None, as transformers passes both to every template it renders."""
         self._tracker.emitted, self._tracker.spans = [], []
         try:
-            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+            for piece in self._template.generate(messages=messages, tools=tools, documents=None,
+                                                 add_generation_prompt=add_generation_prompt,
                                                  **self.special_tokens):
                 self._tracker.emitted.append(piece)
             text = "".join(self._tracker.emitted)

@@ -59,6 +59,7 @@ class PackedData:
     overlong_policy: str | None = None
     target_tokens: int | None = None
     cut_target_tokens: int | None = None   # answer tokens truncation cut (None: rows prepared before it was counted)
+    no_answer_examples: int = 0   # examples with no token to train on (no assistant message), skipped
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
@@ -79,6 +80,7 @@ class PackedData:
             overlong_policy=meta.get("overlong_policy"),
             target_tokens=meta.get("target_tokens"),
             cut_target_tokens=meta.get("cut_target_tokens"),
+            no_answer_examples=int(meta.get("no_answer_examples", 0)),
         )
 
 

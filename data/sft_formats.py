@@ -1,11 +1,26 @@
 """Fine-tuning records as conversations: `data.format` chat and instruct, and where records come from.
 
-* `chat`: a record holds `messages`, a list of `{"role", "content"}`; the
-  ShareGPT spelling `conversations` with `{"from", "value"}` is accepted too
-  (`human` -> user, `gpt` -> assistant, `system` stays).
+A record becomes what transformers' `apply_chat_template(messages, tools=...)`
+takes (`Conversation`): its messages, each with its `role`, its `content` and
+every other key it has (`tool_calls`, `tool_call_id`, `name`: what a template
+renders them as is its business), and the record's `tools`.
+
+* `chat`: a record holds `messages`, a list of `{"role", "content"}` (an
+  assistant message with `tool_calls` may have a null `content`, OpenAI's
+  form); the ShareGPT spelling `conversations` with `{"from", "value"}` is
+  accepted too, with LLaMA-Factory's roles (`human` -> user, `gpt` ->
+  assistant, `observation` and `function` -> tool, `system` stays;
+  `function_call` -> an assistant message whose `tool_calls` are the calls
+  its value holds as JSON, `{"name", "arguments"}` or a list of them).
 * `instruct`: a record holds `instruction`, an optional `input` and `output`;
   it becomes a one-turn chat: the user's message is the instruction, then a
   blank line and the input when there is one; the assistant's is the output.
+  An optional `history`, a list of `[instruction, response]` pairs, gives the
+  turns before it (LLaMA-Factory's alpaca format).
+* Either format: a top-level `system` string is the first message (unless the
+  conversation opens with that same system message), and a top-level `tools`
+  (a list of function descriptions, or its JSON text, as LLaMA-Factory stores
+  it) is the template's `tools`.
 
 Records are read as a stream (`iter_records`) of one split (`data.split`;
 data/local_files.py names a folder's splits): local `.jsonl` files (also
@@ -17,6 +32,7 @@ the record being converted.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +45,10 @@ from .sources import TEXT_SUFFIXES, parse_hub_spec, parse_local_spec
 
 FORMATS = ("text", "chat", "instruct")
 SFT_FORMATS = ("chat", "instruct")
+# LLaMA-Factory's ShareGPT roles, and the OpenAI names some ShareGPT exports write instead
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system", "tool": "tool", "function": "tool"}
+                   "system": "system", "function_call": "assistant", "observation": "tool", "tool": "tool",
+                   "function": "tool"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,14 @@ class Record:
 
     fields: dict
     where: str   # "FILE, line N" or "SOURCE, record N"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What a chat template renders: the messages, and the record's tools (the template's `tools`; None: none)."""
+
+    messages: list
+    tools: list | None = None
 
 
 def _where_fields(record: Record) -> str:
@@ -66,13 +92,95 @@ def _not_text(fields: dict, names: tuple[str, ...]) -> str:
                    if name in fields and not _text(fields[name]))
 
 
+def _json_list(record: Record, what: str, value) -> list | None:
+    """A list of objects given as itself, as one object, or as its JSON text (LLaMA-Factory stores `tools` as a
+    string); None for none (null, "" or []: a column every record has, empty where a record has none)."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise DataError(f"record {record.where}: {what} is a string that is not JSON ({error.msg}, "
+                            f"column {error.colno})") from None
+    if isinstance(value, dict):
+        value = [value]
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+        raise DataError(f"record {record.where}: {what} is {_json_kind(value)}, not a list of objects")
+    return value or None
+
+
+def _bad_message(record: Record, index: int, message, role_key: str, text_key: str) -> DataError:
+    if not isinstance(message, dict):
+        found = f"it is {_json_kind(message)}, not an object"
+    else:
+        found = f"fields found: {', '.join(sorted(message))}{_not_text(message, (role_key, text_key))}"
+    null = (f': a null "{text_key}" is read only beside "tool_calls" (an assistant calling a tool)'
+            if isinstance(message, dict) and text_key in message and message[text_key] is None else "")
+    return DataError(f"data.format=chat: record {record.where}, message {index}: needs string "
+                     f"\"{role_key}\" and \"{text_key}\" ({found}){null}")
+
+
+def _sharegpt_role(record: Record, index: int, name: str) -> str:
+    if name not in _SHAREGPT_ROLES:
+        raise DataError(f"data.format=chat: record {record.where}, message {index}: \"from\" {name!r} is not a "
+                        f"ShareGPT role read here ({', '.join(_SHAREGPT_ROLES)}); rename it in the data")
+    return _SHAREGPT_ROLES[name]
+
+
+def _sharegpt_call(record: Record, index: int, value) -> dict:
+    """A ShareGPT `function_call` turn: the assistant calling the tools its value names (LLaMA-Factory)."""
+    calls = _json_list(record, f'message {index} ("function_call")', value)
+    if not calls or not all(_text(call.get("name")) for call in calls):
+        raise DataError(f"data.format=chat: record {record.where}, message {index}: a \"function_call\" value "
+                        f"needs the call as JSON: {{\"name\", \"arguments\"}} or a list of them")
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": call} for call in calls]}
+
+
+def _message(record: Record, index: int, message, role_key: str, text_key: str, sharegpt: bool) -> dict:
+    """One message as a template takes it: role, content and every other key of the record's message. A key
+    whose value is null is left out: a Parquet record holds every column for every message, null where the
+    message has none, and templates test `'tool_calls' in message` as often as its value."""
+    if not isinstance(message, dict) or not _text(message.get(role_key)):
+        raise _bad_message(record, index, message, role_key, text_key)
+    if sharegpt and message[role_key] == "function_call":
+        return _sharegpt_call(record, index, message.get(text_key))
+    extras = {key: value for key, value in message.items() if key not in (role_key, text_key) and value is not None}
+    if "tool_calls" in extras:
+        calls = _json_list(record, f'message {index}: "tool_calls"', extras.pop("tool_calls"))
+        if calls:
+            extras["tool_calls"] = calls
+    content = message.get(text_key)
+    if not (_text(content) or (content is None and "tool_calls" in extras)):
+        raise _bad_message(record, index, message, role_key, text_key)
+    role = _sharegpt_role(record, index, message[role_key]) if sharegpt else message[role_key]
+    return {"role": role, "content": content, **extras}
+
+
+def _with_system(record: Record, messages: list[dict]) -> list[dict]:
+    """The record's top-level `system` (LLaMA-Factory's ShareGPT and alpaca) as the first message: left out,
+    the model would learn the answers without the prompt they were written under."""
+    system = record.fields.get("system")
+    if system is None or system == "":
+        return messages
+    if not _text(system):
+        raise DataError(f'record {record.where}: "system" is {_json_kind(system)}, not a string')
+    if messages and messages[0]["role"] == "system":
+        if messages[0]["content"] == system:
+            return messages
+        raise DataError(f'record {record.where}: a "system" field and a different system message open '
+                        f"the conversation: keep one")
+    return [{"role": "system", "content": system}, *messages]
+
+
 def chat_messages(record: Record) -> list[dict]:
-    """The conversation of a `chat` record; DataError naming the record when it is not one."""
+    """The conversation of a `chat` record (module docstring); DataError naming the record when it is not one."""
     fields = record.fields
     if "messages" in fields:
-        raw, role_key, text_key, roles = fields["messages"], "role", "content", None
+        raw, role_key, text_key, sharegpt = fields["messages"], "role", "content", False
     elif "conversations" in fields:
-        raw, role_key, text_key, roles = fields["conversations"], "from", "value", _SHAREGPT_ROLES
+        raw, role_key, text_key, sharegpt = fields["conversations"], "from", "value", True
     else:
         hint = ("; a text corpus? set data.format=text" if "text" in fields else
                 "; an instruction record? set data.format=instruct" if "instruction" in fields else "")
@@ -81,21 +189,26 @@ def chat_messages(record: Record) -> list[dict]:
                         f"{hint}")
     if not isinstance(raw, list) or not raw:
         raise DataError(f"data.format=chat: record {record.where}: the conversation is not a non-empty list")
-    messages = []
-    for index, message in enumerate(raw):
-        if not isinstance(message, dict) or not _text(message.get(role_key)) or not _text(message.get(text_key)):
-            found = (f"fields found: {', '.join(sorted(message))}{_not_text(message, (role_key, text_key))}"
-                     if isinstance(message, dict) else f"it is {_json_kind(message)}, not an object")
-            raise DataError(f"data.format=chat: record {record.where}, message {index}: needs string "
-                            f"\"{role_key}\" and \"{text_key}\" ({found})")
-        role = message[role_key]
-        role = roles.get(role, role) if roles else role
-        messages.append({"role": role, "content": message[text_key]})
-    return messages
+    messages = [_message(record, index, message, role_key, text_key, sharegpt) for index, message in enumerate(raw)]
+    return _with_system(record, messages)
+
+
+def _history(record: Record) -> list[dict]:
+    """An alpaca record's `history` (LLaMA-Factory): [instruction, response] pairs, the turns before its own."""
+    history = record.fields.get("history")
+    if history is None:
+        return []
+    bad = (f"it is {_json_kind(history)}" if not isinstance(history, list) else
+           next((f"item {k} is {_json_kind(pair)}" for k, pair in enumerate(history)
+                 if not (isinstance(pair, list) and len(pair) == 2 and all(map(_text, pair)))), None))
+    if bad is not None:
+        raise DataError(f"data.format=instruct: record {record.where}: \"history\" needs a list of [instruction, "
+                        f"response] string pairs ({bad})")
+    return [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
 
 
 def instruct_messages(record: Record) -> list[dict]:
-    """The one-turn conversation of an `instruct` record (module docstring)."""
+    """The conversation of an `instruct` record (module docstring)."""
     fields = record.fields
     missing = [name for name in ("instruction", "output") if not _text(fields.get(name))]
     if missing or not (fields.get("input") is None or _text(fields.get("input"))):
@@ -109,11 +222,17 @@ def instruct_messages(record: Record) -> list[dict]:
     user = fields["instruction"]
     if fields.get("input"):
         user = f"{user}\n\n{fields['input']}"
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": fields["output"]}]
+    turn = [{"role": "user", "content": user}, {"role": "assistant", "content": fields["output"]}]
+    return _with_system(record, _history(record) + turn)
 
 
 def messages_of(record: Record, data_format: str) -> list[dict]:
     return chat_messages(record) if data_format == "chat" else instruct_messages(record)
+
+
+def conversation_of(record: Record, data_format: str) -> Conversation:
+    """The record's messages and its `tools` (module docstring)."""
+    return Conversation(messages_of(record, data_format), _json_list(record, '"tools"', record.fields.get("tools")))
 
 
 def _jsonl_records(path: Path) -> Iterator[Record]:

@@ -12,7 +12,12 @@ row's `seq_len` inputs and its last target) is never split across rows.
 `packing="pack"` puts consecutive examples into a row while they fit;
 `"pad"` gives each example its own row. An example longer than a row is cut
 to its first `seq_len + 1` tokens (`overlong="truncate"`) or left out
-(`"drop"`); either way it is counted (`PackedData.overlong_examples`).
+(`"drop"`); either way it is counted (`PackedData.overlong_examples`). An
+example with no token to train on (no assistant message, and not
+`train_on_prompt`) is skipped and counted (`PackedData.no_answer_examples`).
+`max_tokens` (`data.max_tokens`) takes whole examples from the head of the
+source, in order, while their tokens (as packed) fit in it, and reads no
+further.
 Whole examples are held out for validation by a seeded hash of their index
 (data/holdout.py).
 
@@ -46,7 +51,7 @@ from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock, stabl
 from .chat_template import ChatTemplate
 from .holdout import document_scores
 from .packing import PackedData, _readable
-from .sft_formats import iter_records, messages_of
+from .sft_formats import conversation_of, iter_records
 from .sft_targets import conversation_tokens, special_token_texts
 from .sources import source_fingerprint
 from .tokenizer import Tokenizer
@@ -54,7 +59,9 @@ from .tokenizer import Tokenizer
 TOKENS, TARGETS, SEGMENTS = 0, 1, 2
 PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
-_SFT_PACKING_VERSION = 1
+# 2: messages keep their tool calls (and other keys), records their tools and system prompt; examples without
+# an answer skipped; data.max_tokens
+_SFT_PACKING_VERSION = 2
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096
@@ -72,6 +79,7 @@ class SftOptions:
     val_fraction: float = 0.02
     seed: int = 0
     split: str = "train"   # the source's split (data.split); keyed through the source's fingerprint
+    max_tokens: int | None = None   # data.max_tokens: whole examples from the head while they fit in it
 
     def key_parts(self) -> tuple:
         # without `split`: it is in `source_fingerprint`, and a tuple without it keeps the keys of rows
@@ -159,8 +167,9 @@ def _tokenized_examples(source: str, tokenizer: Tokenizer, template: ChatTemplat
     for index, record in enumerate(iter_records(source, split=options.split, cache_dir=cache_dir)):
         if index < skip:
             continue
-        ids, flags = conversation_tokens(template, tokenizer, messages_of(record, options.data_format), specials,
-                                         record.where, options.train_on_prompt)
+        conversation = conversation_of(record, options.data_format)
+        ids, flags = conversation_tokens(template, tokenizer, conversation.messages, specials, record.where,
+                                         options.train_on_prompt, tools=conversation.tools)
         yield index, ids, flags, record.where
 
 
@@ -174,6 +183,7 @@ class _Progress:
     num_tokens: int = 0
     target_tokens: int = 0
     cut_target_tokens: int = 0   # answer tokens past a row's end, cut by data.overlong=truncate
+    no_answer: int = 0           # examples with no token to train on (no assistant message), skipped
     examples: dict = dataclasses.field(default_factory=lambda: {"train": 0, "val": 0})
 
     @classmethod
@@ -246,22 +256,12 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
     try:
         for index, ids, flags, _ in _tokenized_examples(source, tokenizer, template, options, datasets_dir,
                                                         skip=progress.records):
-            progress.records = index + 1
-            if len(ids) > row_len:
-                progress.overlong += 1
-                if options.overlong == "drop":
-                    continue
-                progress.cut_target_tokens += int(flags[row_len:].sum())
-                ids, flags = ids[:row_len], flags[:row_len]
-            score = document_scores(index, 1, options.seed)[0]
-            held_out = options.val_fraction > 0 and score < options.val_fraction
-            splits["val" if held_out else "train"].add(ids, flags)
-            progress.num_tokens += len(ids)
-            progress.target_tokens += int(flags[1:].sum())
+            if not _take(progress, splits, index, ids, flags, options):
+                break   # data.max_tokens reached: the rest of the source is not read
             if progress.records % PROGRESS_EVERY == 0:
                 progress.save(partial, splits)
-        _check_examples(source, splits, progress.records, progress.overlong, row_len, options)
         _check_targets(source, progress.records, progress.target_tokens, options)
+        _check_examples(source, splits, progress.records, progress.overlong, row_len, options)
         progress.save(partial, splits)   # every example counted: a kill while the rows are laid out resumes here
     finally:
         for writer in splits.values():
@@ -277,16 +277,43 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
             "train_examples": len(splits["train"].lengths), "val_examples": len(splits["val"].lengths),
             "overlong_examples": progress.overlong, "overlong_policy": options.overlong,
             "target_tokens": progress.target_tokens, "cut_target_tokens": progress.cut_target_tokens,
+            "no_answer_examples": progress.no_answer,
             "source": source, "tokenizer": tokenizer.fingerprint,
             "chat_template": template.origin, "options": dataclasses.asdict(options), "key": key}
     (partial / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
+def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags: np.ndarray,
+          options: SftOptions) -> bool:
+    """Record `index` read: its example packed (cut to a row), or skipped and counted; False, the record not
+    read, when its example would take the tokens past `options.max_tokens` (whole examples, as they come)."""
+    row_len = options.seq_len + 1
+    if not options.train_on_prompt and not flags.any():
+        # no answer (a system prompt or questions alone): rows the loss never sees, counted in the data: line
+        progress.records, progress.no_answer = index + 1, progress.no_answer + 1
+        return True
+    if len(ids) > row_len and options.overlong == "drop":
+        progress.records, progress.overlong = index + 1, progress.overlong + 1
+        return True
+    if options.max_tokens is not None and progress.num_tokens + min(len(ids), row_len) > options.max_tokens:
+        return False
+    progress.records = index + 1
+    if len(ids) > row_len:
+        progress.overlong += 1
+        progress.cut_target_tokens += int(flags[row_len:].sum())
+        ids, flags = ids[:row_len], flags[:row_len]
+    held_out = options.val_fraction > 0 and document_scores(index, 1, options.seed)[0] < options.val_fraction
+    splits["val" if held_out else "train"].add(ids, flags)
+    progress.num_tokens += len(ids)
+    progress.target_tokens += int(flags[1:].sum())
+    return True
+
+
 def _check_targets(source: str, examples: int, target_tokens: int, options: SftOptions) -> None:
     """DataError when no example holds a token the loss is on: every step's loss would be 0 over 0 tokens,
     a run that trains nothing while it looks finished (conversations without an assistant turn, or cut
-    before it)."""
-    if target_tokens:
+    before it). No example read at all is _check_examples' to name."""
+    if target_tokens or not examples:
         return
     cut = " or every one truncated before it (data.overlong=truncate)" if options.overlong == "truncate" else ""
     raise DataError(f"data.source {source!r}: {examples} examples and no token to train on: the loss is on the "
@@ -300,7 +327,8 @@ def _check_examples(source: str, splits: dict, examples: int, overlong: int, row
     if splits["train"].lengths and (options.val_fraction == 0 or splits["val"].lengths):
         return
     wanted = "a training and a validation example" if options.val_fraction > 0 else "a training example"
-    raise DataError(f"data.source {source!r}: {examples} examples ({overlong} longer than a row of "
+    capped = f" within data.max_tokens={options.max_tokens}" if options.max_tokens is not None else ""
+    raise DataError(f"data.source {source!r}: {examples} examples{capped} ({overlong} longer than a row of "
                     f"{row_len} tokens{', dropped' if options.overlong == 'drop' else ''}) do not give "
                     f"{wanted}; use more records" + (" or data.val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
                                                      if options.val_fraction else ""))

@@ -1,9 +1,9 @@
 """A conversation as token ids and the flags of the tokens the loss trains on (the assistant's answers).
 
-Targets are the tokens of each assistant message and the end-of-turn
-token(s) the template writes right after it; everything else (system and user
-turns, the template's markers) is not a target. `train_on_prompt` makes every
-token one.
+Targets are the tokens of each assistant message (its tool calls too, as the
+template writes them) and the end-of-turn token(s) the template writes right
+after it; everything else (system, user and tool turns, the template's
+markers) is not a target. `train_on_prompt` makes every token one.
 
 Where the answers are in the rendered text:
 
@@ -12,9 +12,14 @@ Where the answers are in the rendered text:
   where the conversation before it, rendered with the generation prompt, ends;
   its text runs to the end of its content and on through the special tokens
   that follow it (`<|eot_id|>`, `<|im_end|>`, `</s>`: whitespace before them
-  allowed, as Llama 2 writes " </s>"). A template that renders earlier turns
-  differently once later ones follow cannot be read this way: a DataError
-  asks for generation blocks.
+  allowed, as Llama 2 writes " </s>"); a turn with tool calls, written after
+  its content in the template's own markers, runs to the last special token
+  of its turn. A template that renders earlier turns differently once later
+  ones follow cannot be read this way: a DataError asks for generation blocks.
+
+An assistant's tool call that is in no answer (a template that does not
+render `tool_calls`) is a DataError naming the record: its answer would train
+without the call.
 
 Tokens: a `tokenizer.json` tokenizer encodes the whole rendered text (its
 added tokens matched in it, no special tokens added: what transformers'
@@ -80,36 +85,80 @@ def _render(template: ChatTemplate, messages: list[dict], where: str, **options)
     try:
         return template.render(messages, **options)
     except ChatTemplateError as error:
-        raise ChatTemplateError(f"record {where}: {error}") from None
+        # a template written without tool calls meets a null content (OpenAI's form of a call) as `None + str`
+        hint = ("; a message has tool_calls and a null content: use a chat template that renders \"tool_calls\""
+                if any(_call_names(message) and message.get("content") is None for message in messages) else "")
+        raise ChatTemplateError(f"record {where}: {error}{hint}") from None
 
 
-def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[str, int],
-                 where: str) -> tuple[str, list[tuple[int, int]]]:
-    """(rendered text, character spans of the answers and their end-of-turn tokens): module docstring."""
-    _check_roles(template, messages, where)
-    rendered = _render(template, messages, where)
-    text = rendered.text
+def _call_names(message: dict) -> list[str]:
+    """The function names of a message's tool calls (OpenAI's {"function": {"name"}}, or {"name"} itself)."""
+    calls = message.get("tool_calls")
+    calls = calls if isinstance(calls, list) else []
+    functions = [call.get("function", call) for call in calls if isinstance(call, dict)]
+    return [f["name"] for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]]
+
+
+def _check_rendered(template: ChatTemplate, messages: list[dict], text: str, where: str) -> None:
     for message in messages:
-        if message["content"].strip() and message["content"].strip() not in text:
+        content = message.get("content")
+        if isinstance(content, str) and content.strip() and content.strip() not in text:
             raise DataError(f"record {where}: the chat template {template.origin} does not render role "
                             f"{message['role']!r} (its message is missing from the text): a role the template "
                             f"does not know")
+
+
+def _check_calls_trained(template: ChatTemplate, messages: list[dict], text: str, spans, where: str) -> None:
+    """DataError when an assistant's tool call is not in an answer: a template that does not render tool calls
+    gives the turn without its call, and the model would learn to answer a question that needs a tool with
+    the text alone (often nothing at all). Stopped, not skipped: every tool-call record of the source meets the
+    same template, so skipping would drop them all while the run looks fine; the fix is the template."""
+    for message in messages:
+        for name in _call_names(message) if message["role"] == "assistant" else []:
+            if not any(name in text[start:end] for start, end in spans):
+                raise DataError(f"record {where}: the chat template {template.origin} does not write the "
+                                f"assistant's tool call {name!r} into its answer, which would be trained without "
+                                f"the call; use a chat template that renders \"tool_calls\" (data.chat_template, "
+                                f"or a tokenizer whose template does)")
+
+
+def _answer_end(text: str, content_end: int, limit: int, specials: dict[str, int], calls: bool) -> int:
+    """Where an answer ends: its content and the special tokens right after it. A turn with tool calls has them
+    after its content, in markers the template chooses (`<tool_call>...</tool_call>`, bare JSON): it runs to
+    the last special token of the turn (its end of turn), or to the turn's end (trailing whitespace out)."""
+    if not calls:
+        return _end_of_turn(text, content_end, limit, specials)
+    found = {special: text.rfind(special, content_end, limit) for special in specials if special}
+    ends = [start + len(special) for special, start in found.items() if start >= 0]
+    return max(ends) if ends else content_end + len(text[content_end:limit].rstrip())
+
+
+def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[str, int],
+                 where: str, tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, character spans of the answers and their end-of-turn tokens): module docstring."""
+    _check_roles(template, messages, where)
+    rendered = _render(template, messages, where, tools=tools)
+    text = rendered.text
+    _check_rendered(template, messages, text, where)
     if template.has_generation_blocks:
+        _check_calls_trained(template, messages, text, rendered.generation_spans, where)
         return text, rendered.generation_spans
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(template, messages[:index], where, add_generation_prompt=True).text
-        through = _render(template, messages[: index + 1], where).text
+        prompt = _render(template, messages[:index], where, add_generation_prompt=True, tools=tools).text
+        through = _render(template, messages[: index + 1], where, tools=tools).text
         if not (text.startswith(prompt) and text.startswith(through)):
             raise ChatTemplateError(f"chat template {template.origin} renders earlier turns differently once "
                                     f"later ones follow, so its answers cannot be found turn by turn (record "
                                     f"{where}); use a template with {{% generation %}} blocks (data.chat_template)")
-        content = message["content"].strip()
+        content = (message.get("content") or "").strip()
         found = text.find(content, len(prompt), len(through)) if content else len(prompt)
         content_end = (found + len(content)) if found >= 0 else len(prompt)
-        spans.append((len(prompt), _end_of_turn(text, content_end, len(through), specials)))
+        spans.append((len(prompt), _answer_end(text, content_end, len(through), specials,
+                                               bool(_call_names(message)))))
+    _check_calls_trained(template, messages, text, spans, where)
     return text, spans
 
 
@@ -155,9 +204,10 @@ def encode_with_targets(tokenizer, text: str, spans, specials: dict[str, int],
 
 
 def conversation_tokens(template: ChatTemplate, tokenizer, messages: list[dict], specials: dict[str, int],
-                        where: str, train_on_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, target flags) of one conversation: render, find the answers, encode."""
-    text, spans = answer_spans(template, messages, specials, where)
+                        where: str, train_on_prompt: bool = False,
+                        tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, target flags) of one conversation (its `tools` the template's): render, find the answers, encode."""
+    text, spans = answer_spans(template, messages, specials, where, tools)
     return encode_with_targets(tokenizer, text, spans, specials, train_on_prompt)
 
 

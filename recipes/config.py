@@ -87,7 +87,7 @@ class DataConfig:
     cache_dir: str = ".cache/spillway"
     num_proc: int = 1                     # tokenizing processes (>1: a forkserver pool, safe beside JAX's threads)
     max_tokens: int | None = None         # optional cap on tokens taken from the source (its head), streamed or not;
-                                          # in a mixture, from each source
+                                          # in a mixture, from each source; chat/instruct: whole examples that fit
     shard_tokens: int = 1 << 22           # tokens per on-disk shard of the tokenized corpus (data/shards.py)
     mixture: str | None = None            # "name=weight:source,...": weighted sources instead of `source` (data/mixture.py)
     # Fine-tuning (data/sft_formats.py, data/sft_packing.py): "text" | "chat" (records with `messages`) |

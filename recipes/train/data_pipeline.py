@@ -70,8 +70,10 @@ class TrainingData:
                     share = packed.cut_target_tokens / (packed.cut_target_tokens + packed.target_tokens)
                     done += (f", cutting {packed.cut_target_tokens} answer tokens ({share:.0%} of them: raise "
                              f"data.seq_len to keep them)")
+                unanswered = (f"; {packed.no_answer_examples} without an answer to train on, skipped"
+                              if packed.no_answer_examples else "")
                 skipped += (f" ({packed.num_documents} examples, {packed.target_tokens} target tokens; "
-                            f"{packed.overlong_examples} longer than a row {done})")
+                            f"{packed.overlong_examples} longer than a row {done}{unanswered})")
             return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows{skipped}"
 
         if not self.is_mixture:
@@ -148,7 +150,7 @@ def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer, source: str) 
     cfg = recipe.data
     options = SftOptions(cfg.format, cfg.seq_len, packing=cfg.packing, overlong=cfg.overlong,
                          train_on_prompt=cfg.train_on_prompt, val_fraction=cfg.val_fraction, seed=recipe.train.seed,
-                         split=cfg.split)
+                         split=cfg.split, max_tokens=cfg.max_tokens)
     return prepare_sft_rows(source, tokenizer, run_chat_template(recipe, tokenizer), options,
                             cache_dir=cfg.cache_path)
 

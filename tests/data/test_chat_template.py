@@ -24,6 +24,29 @@ CHATML_GENERATION = (
     "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
     "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML with tool calls as Qwen2.5 writes them (after the content, in <tool_call> markers), the tools named in a
+# system turn; the generation-block twin marks the answer and its calls itself.
+_TOOL_TURN = ("{% if message.content %}{{ message.content }}{% endif %}{% for call in message.tool_calls or [] %}"
+              "{{ '<tool_call>' + call.function.name + ' ' + call.function.arguments + '</tool_call>' }}{% endfor %}")
+_TOOLS_HEADER = ("{% if tools %}{{ '<|im_start|>system\nTools: ' + tools | map(attribute='function') | "
+                 "map(attribute='name') | join(', ') + '<|im_end|>\n' }}{% endif %}")
+TOOLS_CHATML = (_TOOLS_HEADER + "{% for message in messages %}{{ '<|im_start|>' + message.role + '\n' }}"
+                + _TOOL_TURN + "{% if message.role == 'tool' %}{{ ' #' + message.tool_call_id }}{% endif %}"
+                "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                "{% endif %}")
+TOOLS_CHATML_GENERATION = (
+    _TOOLS_HEADER + "{% for message in messages %}{{ '<|im_start|>' + message.role + '\n' }}"
+    "{% if message.role == 'assistant' %}{% generation %}" + _TOOL_TURN + "{{ '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message.content + ' #' + (message.tool_call_id or '') + '<|im_end|>' }}{% endif %}{{ '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": "It is sunny."}]
 CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
                 {"role": "assistant", "content": "the answer is forty two"},
                 {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "hello today"}]
@@ -176,3 +199,43 @@ def test_a_role_a_foreign_template_drops_is_named(tmp_path):
     with pytest.raises(DataError, match="does not render role 'tool'"):
         conversation_tokens(chat, _SentencePieceLike(), [{"role": "user", "content": "a"},
                                                         {"role": "tool", "content": "b"}], {}, "r")
+
+
+@pytest.mark.parametrize("template", [TOOLS_CHATML, TOOLS_CHATML_GENERATION], ids=["turn_by_turn", "generation_blocks"])
+def test_a_tool_call_is_trained_and_the_tool_result_is_not(transformers, tmp_path, template):
+    """The record's tools reach the template as `tools`, the message's tool_calls and tool_call_id as keys, as
+    transformers passes them; the loss is on the call (OpenAI's null content) and the answer, not the result."""
+    reference = saved_tokenizer(transformers, tmp_path, template)
+    tokenizer = load_tokenizer(tmp_path)
+    chat = resolve_chat_template(None, tmp_path)
+    ids, flags = conversation_tokens(chat, tokenizer, TOOL_CONVERSATION, special_token_texts(tokenizer), "t",
+                                     tools=TOOLS)
+    generation = template is TOOLS_CHATML_GENERATION
+    expected = reference.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=generation)
+    assert ids.tolist() == list(expected["input_ids"])
+    assert "Tools: get_weather<|im_end|>" in reference.decode(ids) and " #c1<|im_end|>" in reference.decode(ids)
+    if generation:
+        assert flags.astype(int).tolist() == list(expected["assistant_masks"])
+    targets = [int(i) for i, f in zip(ids, flags) if f]
+    answers = '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>It is sunny.<|im_end|>'
+    assert reference.decode(targets) == answers
+    call, answer = answers.split("<|im_end|>")[:2]
+    assert targets == [*reference.encode(call + "<|im_end|>", add_special_tokens=False),
+                       *reference.encode(answer + "<|im_end|>", add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("content, says", [
+    ("", r"the chat template .*t.jinja does not write the assistant's tool call 'get_weather' into its answer, "
+         r"which would be trained without the call; use a chat template that renders \"tool_calls\""),
+    (None, r"chat template .* failed to render: .*; a message has tool_calls and a null content: use a chat template that renders "
+           r"\"tool_calls\"$"),
+])
+def test_a_template_that_does_not_render_tool_calls_is_refused_naming_the_record(tmp_path, content, says):
+    """Rendered without its call the turn is empty: the model would learn to answer with nothing."""
+    (tmp_path / "t.jinja").write_text(CHATML)
+    chat = resolve_chat_template(str(tmp_path / "t.jinja"), None)
+    messages = [dict(message) for message in TOOL_CONVERSATION]
+    messages[1]["content"] = content
+    with pytest.raises(DataError, match=r"^record calls.jsonl, line 4: " + says):
+        conversation_tokens(chat, _SentencePieceLike(), messages, {"<|im_end|>": 3}, "calls.jsonl, line 4")

@@ -1,14 +1,17 @@
-"""Fine-tuning records and rows: chat / ShareGPT / instruct records, whole examples packed or padded, long ones
-truncated or dropped and counted, Parquet read through `datasets`, and the shipped instruction set."""
+"""Fine-tuning records and rows: chat / ShareGPT / instruct records (their tool calls, tools, system prompts and
+history as transformers and LLaMA-Factory take them), whole examples packed or padded, long ones truncated or
+dropped and counted, examples without an answer skipped and counted, data.max_tokens, Parquet read through
+`datasets`, and the shipped instruction set."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from spillway.data.chat_template import resolve_chat_template
 from spillway.data.instruct_tiny import INSTRUCT_TINY, records
-from spillway.data.sft_formats import Record, chat_messages, instruct_messages, iter_records
+from spillway.data.sft_formats import Record, chat_messages, conversation_of, instruct_messages, iter_records
 from spillway.data.sft_packing import SEGMENTS, TARGETS, TOKENS, SftOptions, prepare_sft_rows, row_layout
 from spillway.layers.errors import DataError
 
@@ -140,8 +143,10 @@ def test_cached_rows_with_no_answer_to_train_on_are_refused_too(tmp_path, monkey
                               for i in range(6)))
     template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
     options = SftOptions("chat", seq_len=40, val_fraction=0.0)
-    with monkeypatch.context() as patch:
-        patch.setattr(sft_packing, "_check_targets", lambda *args: None)   # as an earlier version prepared them
+    take = sft_packing._take
+    with monkeypatch.context() as patch:   # as an earlier version prepared them: unchecked, nothing skipped
+        patch.setattr(sft_packing, "_check_targets", lambda *args: None)
+        patch.setattr(sft_packing, "_take", lambda *args: take(*args[:-1], replace(args[-1], train_on_prompt=True)))
         assert prepare_sft_rows(str(source), CharTokenizer(), template, options,
                                 cache_dir=tmp_path / "cache").target_tokens == 0
     with pytest.raises(DataError, match=r"6 examples and no token to train on"):
@@ -200,3 +205,109 @@ def test_a_hub_source_is_read_at_the_split_asked_for(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda **kwargs: asked.append(kwargs) or [])
     assert list(iter_records("hf:owner/chats", split="train_sft")) == []
     assert asked[0]["split"] == "train_sft" and asked[0]["path"] == "owner/chats"
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_tool_calls_tool_results_and_tools_are_kept_as_transformers_takes_them():
+    """OpenAI's form: a call's content is null; the tool's answer names its call; the record's tools go to the
+    template. Reading only role and content trained an empty answer where the call was."""
+    fields = {"messages": [{"role": "user", "content": "weather?", "tool_calls": None},
+                           {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                           {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"}],
+              "tools": [TOOL]}
+    conversation = conversation_of(Record(fields, "f, line 1"), "chat")
+    assert conversation.messages == [{"role": "user", "content": "weather?"},   # a null (Parquet) column: no key
+                                     {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                                     {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"}]
+    assert conversation.tools == [TOOL]
+    # LLaMA-Factory stores the tools as JSON text; an empty column is no tools
+    assert conversation_of(Record({**fields, "tools": json.dumps([TOOL])}, "f"), "chat").tools == [TOOL]
+    assert conversation_of(Record({**fields, "tools": ""}, "f"), "chat").tools is None
+    with pytest.raises(DataError, match=r'^record f, line 2: "tools" is a string that is not JSON \(Expecting value'):
+        conversation_of(Record({**fields, "tools": "get_weather(city)"}, "f, line 2"), "chat")
+
+
+def test_sharegpt_system_tools_function_call_and_observation_are_read_as_llama_factory_reads_them():
+    fields = {"system": "You are a pirate.", "tools": json.dumps([TOOL]), "conversations": [
+        {"from": "human", "value": "weather?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Arr, sunny."}]}
+    conversation = conversation_of(Record(fields, "f, line 1"), "chat")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert conversation.messages == [
+        {"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Arr, sunny."}]
+    assert conversation.tools == [TOOL]
+    # the same prompt as the conversation's own system message is written once; a different one is refused
+    system = {"from": "system", "value": "You are a pirate."}
+    same = {**fields, "conversations": [system, *fields["conversations"]]}
+    assert chat_messages(Record(same, "f")) == conversation.messages
+    with pytest.raises(DataError, match=r'^record f: a "system" field and a different system message open'):
+        chat_messages(Record({**same, "system": "Be polite."}, "f"))
+
+
+def test_an_unknown_sharegpt_role_is_named_with_the_roles_read():
+    """It was passed on as a role of its own: no assistant turn, and a run refused for having no answers."""
+    record = Record({"conversations": [{"from": "human", "value": "hi"}, {"from": "bing", "value": "yo"}]}, "f, line 3")
+    with pytest.raises(DataError, match=r"record f, line 3, message 1: \"from\" 'bing' is not a ShareGPT role read "
+                                        r"here \(human, user, gpt, assistant, system, function_call, observation, "
+                                        r"tool, function\); rename it in the data$"):
+        chat_messages(record)
+
+
+def test_alpaca_system_and_history_come_before_the_instruction():
+    fields = {"system": "Be terse.", "history": [["hi", "hello"], ["2+2?", "4"]], "instruction": "3+3?",
+              "input": "", "output": "6"}
+    assert instruct_messages(Record(fields, "w")) == [
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6"}]
+    with pytest.raises(DataError, match=r'record w: "history" needs a list of \[instruction, response\] string '
+                                        r"pairs \(item 1 is a string\)$"):
+        instruct_messages(Record({**fields, "history": [["a", "b"], "c"]}, "w"))
+
+
+def _chat_rows(path, conversations):
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in conversations))
+    return path
+
+
+def test_a_record_without_an_answer_is_skipped_and_counted(tmp_path):
+    """Packed, it took row space the loss never saw, and no line said so."""
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    source = _chat_rows(tmp_path / "d.jsonl", [answered] * 4 + [[{"role": "system", "content": "only this"}]] * 2)
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    packed = prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("chat", seq_len=40, val_fraction=0.0),
+                              cache_dir=tmp_path / "cache")
+    assert (packed.num_documents, packed.no_answer_examples) == (6, 2)
+    assert sum(len(set(row[row > 0].tolist())) for row in packed.train[:, SEGMENTS]) == 4
+    from spillway.recipes.train.data_pipeline import TrainingData
+    assert "(6 examples, " in TrainingData({"corpus": packed}, None).describe()
+    assert "; 2 without an answer to train on, skipped)" in TrainingData({"corpus": packed}, None).describe()
+    every = prepare_sft_rows(str(source), CharTokenizer(), template,
+                             SftOptions("chat", seq_len=40, val_fraction=0.0, train_on_prompt=True),
+                             cache_dir=tmp_path / "cache")
+    assert every.no_answer_examples == 0   # every token is a target: nothing to skip
+
+
+def test_max_tokens_takes_whole_examples_from_the_head_and_keys_the_cache(tmp_path):
+    """data.max_tokens was ignored for chat data, and the rows of a run without it were reused."""
+    source = write_instruct(tmp_path / "d.jsonl", [f"answer {i}" for i in range(10)])
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    whole = prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("instruct", 40, val_fraction=0.0),
+                             cache_dir=tmp_path / "cache")
+    length = whole.num_tokens // 10   # every example is as long
+    capped = prepare_sft_rows(str(source), CharTokenizer(), template,
+                              SftOptions("instruct", 40, val_fraction=0.0, max_tokens=3 * length + length - 1),
+                              cache_dir=tmp_path / "cache")
+    assert not capped.from_cache and capped.path != whole.path
+    assert (capped.num_documents, capped.num_tokens) == (3, 3 * length)
+    assert np.array_equal(capped.train[:3, TOKENS], whole.train[:3, TOKENS])   # the head, one example a row
+    with pytest.raises(DataError, match=r"0 examples within data.max_tokens=5 .* do not give a training example"):
+        prepare_sft_rows(str(source), CharTokenizer(), template,
+                         SftOptions("instruct", 40, val_fraction=0.0, max_tokens=5), cache_dir=tmp_path / "cache")

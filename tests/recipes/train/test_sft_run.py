@@ -118,6 +118,12 @@ def write_jsonl(path, rows):
      r"bad.jsonl, line 1: role 'narrator' is not one the chat template built-in spillway knows"),
     ("chat", [{"text": "just text"}],
      r"bad.jsonl, line 1 \(fields found: text\) has no \"messages\" .*set data.format=text"),
+    ("chat", [{"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]}],
+     r"bad.jsonl, line 1: the chat template built-in spillway does not write the assistant's tool call "
+     r"'get_weather' into its answer, .*use a chat template that renders \"tool_calls\""),
+    ("chat", [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bing", "value": "yo"}]}],
+     r"bad.jsonl, line 1, message 1: \"from\" 'bing' is not a ShareGPT role read here \(human, "),
 ])
 def test_bad_records_are_one_line_before_any_step(tmp_path, tokenizer_dir, capsys, data_format, rows, message):
     source = write_jsonl(tmp_path / "bad.jsonl", rows)
@@ -302,3 +308,22 @@ def test_a_chat_template_the_export_cannot_render_still_gives_the_eos(tokenizer_
                            f"of turn not read: ")
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+
+
+def test_max_tokens_caps_a_fine_tune_and_keys_its_rows(tmp_path, tokenizer_dir):
+    """data.max_tokens was ignored for chat/instruct data, the uncapped rows reused (README: any source)."""
+    from spillway.recipes.config import DataConfig
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.data_pipeline import prepare
+
+    def prepared(**capped):
+        recipe = get_recipe("tiny")
+        recipe = type(recipe).from_dict({**json.loads(recipe.to_json()), "data": dataclass_dict(DataConfig(
+            source=str(INSTRUCT_TINY), format="instruct", chat_template="spillway", tokenizer=str(tokenizer_dir),
+            cache_dir=str(tmp_path / "cache"), seq_len=128, val_fraction=0.1, **capped)), "train": {**json.loads(
+            recipe.to_json())["train"], "eval_every": 0}})
+        return prepare(recipe)[1].sources["corpus"]
+
+    whole, capped = prepared(), prepared(max_tokens=3000)
+    assert whole.num_documents == 280 and capped.path != whole.path
+    assert capped.num_tokens <= 3000 and 0 < capped.num_documents < 280
