@@ -14,7 +14,11 @@ after `load_dataset` returned. So:
 * `ErrorsNamed` wraps a stream of local files so that a failure while it is
   read becomes that DataError, with the builders' logger silenced meanwhile;
 * `unreadable_corpus` is the one error for either path (`load_dataset` failing
-  at once, or a stream failing later).
+  at once, or a stream failing later);
+* `record_fields` reads the fields of a file's first record, so that files
+  whose fields differ (a stray `config.json` among `.jsonl` shards, which
+  `datasets` reports as a CastError between two schemas, neither named) and a
+  text field no record has are named with the file and what it holds.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
-from .local_files import UTF8_BOM, corpus_suffix, open_binary, read_bytes
+from .local_files import UTF8_BOM, builder_for, corpus_suffix, open_binary, read_bytes
+
+# A .json file (one document, parsed whole) is read for its fields only up to this size: a larger one is
+# data, not the stray metadata file the check looks for, and parsing it would cost its size in memory.
+_FIELDS_READ_MAX_BYTES = 64 << 20
 
 _BUILDERS_LOGGER = "datasets.packaged_modules"
 
@@ -129,6 +137,55 @@ def _holds_nothing(path: Path) -> bool:
     return size == 0 or (size < 1 << 16 and not path.read_bytes().strip())
 
 
+def record_fields(path: Path) -> tuple[str, ...] | None:
+    """The sorted field names of `path`'s first record (a .jsonl's first line, a .json list's first element or
+    a .json object's keys, a parquet file's schema), or None where they cannot be read cheaply."""
+    try:
+        if builder_for(path) == "parquet":
+            import pyarrow.parquet as pq   # datasets' own dependency; imported only when a parquet file is asked
+            return tuple(sorted(pq.read_schema(path).names))
+        if corpus_suffix(path) == ".jsonl":
+            with open_binary(path) as f:
+                for raw in f:
+                    record, _ = parse_jsonl_line(raw.rstrip(b"\r\n"))
+                    if record is not None:
+                        return tuple(sorted(record))
+            return None
+        if corpus_suffix(path) == ".json" and path.stat().st_size <= _FIELDS_READ_MAX_BYTES:
+            document = json.loads(read_bytes(path).removeprefix(UTF8_BOM).decode("utf-8", errors="replace"))
+            first = document[0] if isinstance(document, list) and document else document
+            return tuple(sorted(first)) if isinstance(first, dict) else None
+    except (OSError, ValueError, IndexError):   # unreadable or not JSON: the other checks name it
+        return None
+    return None
+
+
+def fields_differ(files: Sequence[Path]) -> DataError | None:
+    """A DataError naming the file whose first record's fields differ from the rest's, or None when they agree."""
+    by_fields: dict[tuple[str, ...], list[Path]] = {}
+    for path in files:
+        fields = record_fields(path)
+        if fields is not None:
+            by_fields.setdefault(fields, []).append(path)
+    if len(by_fields) < 2:
+        return None
+    common, *_ = sorted(by_fields, key=lambda fields: -len(by_fields[fields]))
+    odd_fields, odd = next((fields, paths) for fields, paths in by_fields.items() if fields != common)
+    more = f" (and {len(odd) - 1} more like it)" if len(odd) > 1 else ""
+    return DataError(f"corpus file {str(odd[0])!r}{more} holds records with fields {list(odd_fields)}, the other "
+                     f"files {list(common)}: a source's files are read as one table; move the odd file out of the "
+                     f"corpus folder (a stray metadata file?) or give data.source the files' own folder")
+
+
+def missing_text_field(source: str, text_field: str, files: Sequence[Path]) -> DataError:
+    """No record of a source whose schema was unknown until read has `text_field`: named with the fields the
+    first file's first record has (the same error a source read whole gets from `select_text_column`)."""
+    fields = next((fields for fields in map(record_fields, files[:1]) if fields is not None), None)
+    held = f"; its records' fields are {list(fields)}" if fields is not None else ""
+    return DataError(f"source {source!r} has no text field {text_field!r}{held} (data.text_field names the field "
+                     f"holding the text)")
+
+
 def unreadable_corpus(builder: str, files: Sequence[Path], error: BaseException) -> DataError:
     """The DataError for local corpus files `datasets` failed on: the file and line, where one is found; an
     empty file (on which the json builder stops with a bare StopIteration) by its name."""
@@ -142,6 +199,10 @@ def unreadable_corpus(builder: str, files: Sequence[Path], error: BaseException)
             where = first_json_error(path)
             if where is not None:
                 return DataError(f"corpus file {str(path)!r}, {where}")
+    if builder in ("json", "parquet") and len(files) > 1:
+        differ = fields_differ(files)
+        if differ is not None:
+            return differ
     cause = error.__cause__ or error.__context__ or error   # datasets' own wrapper says little
     text = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
     names = ", ".join(repr(str(p)) for p in files[:3]) + (" ..." if len(files) > 3 else "")
@@ -155,10 +216,11 @@ class ErrorsNamed:
     and `records_without_text` (data/sources.py `RecordsWithoutText`).
     """
 
-    def __init__(self, stream, builder: str, files: Sequence[Path]):
+    def __init__(self, stream, builder: str, files: Sequence[Path], *, source: str, text_field: str):
         self.stream = stream
         self.builder = builder
         self.files = tuple(files)
+        self.source, self.text_field = source, text_field
         self.records_without_text = getattr(stream, "records_without_text", None)
 
     @property
@@ -176,5 +238,18 @@ class ErrorsNamed:
             except DataError:
                 raise
             except Exception as error:   # pyarrow's, a UnicodeDecodeError, datasets' wrappers: all name a line
+                if self._is_missing_text_field(error):   # files of other fields, or none with the text field
+                    differ = fields_differ(self.files) if len(self.files) > 1 else None
+                    raise differ or missing_text_field(self.source, self.text_field, self.files) from error
                 raise unreadable_corpus(self.builder, self.files, error) from error
             yield batch
+
+    def _is_missing_text_field(self, error: BaseException) -> bool:
+        """The KeyError a stream of unknown schema raises when its records lack the text field it selects
+        (data/sources.py `select_text_column`), possibly inside datasets' own wrapper."""
+        seen: BaseException | None = error
+        while seen is not None:
+            if isinstance(seen, KeyError) and seen.args and seen.args[0] in (self.text_field, "text"):
+                return True
+            seen = seen.__cause__ or seen.__context__
+        return False

@@ -13,7 +13,8 @@ train/validation/test in a file or folder name (`train.jsonl`, `test/`,
 `train_sft.jsonl`). A folder without split names is one split, `train`.
 
 Every file that is not read is kept with the reason (an unknown type, a
-dangling symlink, an empty parquet shard, a file in no split), so the run can
+dangling symlink, an empty parquet shard, a file in no split, a README.md
+dataset card beside JSON or parquet records), so the run can
 say what it left out in one line instead of dropping it silently.
 
 A `datasets` `save_to_disk` folder (state.json + dataset_info.json + .arrow;
@@ -125,6 +126,15 @@ def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
             elif path.is_symlink():
                 skipped.append((path, "a dangling symlink"))
     return sorted(found), skipped
+
+
+def documentation_beside_records(files: list[Path]) -> list[Path]:
+    """The Markdown files of a folder whose other files are records (JSON or parquet): its README.md, the
+    dataset card every Hub dataset and `hf download` folder has, is not a document of the corpus. In a
+    folder of text files a .md file is text like the rest, and stays."""
+    markdown = [path for path in files if corpus_suffix(path) == ".md"]
+    others = {builder_for(path) for path in files if path not in markdown}
+    return markdown if others and others.isdisjoint({"text"}) else []
 
 
 def empty_parquet(path: Path) -> bool:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
-from .corpus_errors import parse_jsonl_line
+from .corpus_errors import parse_jsonl_line, unreadable_corpus
 from .local_files import SAVED, corpus_suffix, open_binary
 from .sources import TEXT_SUFFIXES, parse_hub_spec, parse_local_spec
 
@@ -268,7 +268,19 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
                 yield from _jsonl_records(path)
             return
     stream = _record_stream(source, split, cache_dir)
-    for number, fields in enumerate(stream, start=1):
+    records = enumerate(stream, start=1)
+    while True:
+        try:
+            number, fields = next(records)
+        except StopIteration:
+            return
+        except DataError:
+            raise
+        except Exception as error:   # a stream fails as it is read: a local file named (its line, its fields)
+            if hub is not None:
+                raise DataError(f"data.source {source!r}: cannot read its records ({type(error).__name__}: "
+                                f"{' '.join(str(error).split())[:300]})") from error
+            raise unreadable_corpus(local.builder, local.files, error) from error
         yield Record(dict(fields), f"{source}, record {number}")
 
 

@@ -41,10 +41,11 @@ from spillway.layers.errors import DataError
 
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
-from .corpus_errors import ErrorsNamed, first_non_text_record, quiet_builders, unreadable_corpus
+from .corpus_errors import ErrorsNamed, fields_differ, first_non_text_record, quiet_builders, unreadable_corpus
 from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
-                          TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, data_splits, empty_parquet, named,
-                          read_bytes, saved_dataset_splits, walk_files)
+                          TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, data_splits,
+                          documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
+                          walk_files)
 
 _BUILDER_BY_SUFFIX = BUILDER_BY_SUFFIX
 _SUPPORTED = f"{', '.join(BUILDER_BY_SUFFIX)}, and those of them but .parquet compressed ({', '.join(COMPRESSIONS)})"
@@ -207,6 +208,9 @@ def _folder_spec(folder: Path, split: str) -> LocalSpec:
     if not files:
         raise ValueError(f"corpus folder {str(folder)!r}: every file of split {split!r} is an empty parquet file "
                          f"(0 rows): no record to read")
+    docs = documentation_beside_records(files)   # a dataset card (README.md) beside its .jsonl/.parquet files
+    skipped += [(path, "documentation beside record files") for path in docs]
+    files = [path for path in files if path not in docs]
     builders = sorted({builder_for(file) for file in files})
     if len(builders) > 1:
         raise ValueError(
@@ -254,7 +258,8 @@ def select_text_column(
             raise ValueError(f"source {source!r} holds no records: its files are empty or hold only blank lines")
         if text_field not in columns:
             raise ValueError(
-                f"source {source!r} has no text field {text_field!r}; its columns are {columns}"
+                f"source {source!r} has no text field {text_field!r}; its columns are {columns} (data.text_field "
+                f"names the field holding the text; --text-field for python -m spillway.data)"
             )
         feature = dataset.features[text_field] if dataset.features else None
         if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
@@ -336,6 +341,9 @@ def load_documents(
     try:
         dataset = select_text_column(dataset, text_field, source)
     except ValueError as error:
+        differ = fields_differ(local.files) if hub is None and len(local.files) > 1 else None
+        if differ is not None:   # one file of other fields (a stray config.json) set the columns
+            raise differ from None
         where = first_non_text_record(local.files, text_field) if hub is None and local.builder == "json" else None
         if where is None:
             raise
@@ -489,5 +497,5 @@ def stream_documents(
             skipped.records_without_text = getattr(documents, "records_without_text", None)
             documents = skipped
     if parse_hub_spec(source) is None:   # a local file that fails as it is read: named with its line
-        return ErrorsNamed(documents, local.builder, local.files)
+        return ErrorsNamed(documents, local.builder, local.files, source=source, text_field=text_field)
     return documents

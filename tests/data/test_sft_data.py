@@ -182,6 +182,18 @@ def test_a_folder_of_chat_splits_gives_the_chosen_split_and_keys_its_rows_by_it(
     assert rows["train"].num_documents == 5 and rows["test"].num_documents == 2   # not the train split's cache
 
 
+def test_a_chat_folder_as_a_hub_download_leaves_it_reads_past_its_card_and_names_a_stray_file(tmp_path):
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    (folder / "README.md").write_text("# dataset card\n")   # skipped: documentation beside the records
+    (folder / "chats.jsonl").write_bytes(_chat_lines(4, "hello"))
+    assert len(list(iter_records(str(folder)))) == 4
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 3}))   # read through datasets' stream
+    with pytest.raises(DataError, match=r"config\.json' holds records with fields \['vocab_size'\], the other files "
+                                        r"\['messages'\]"):
+        list(iter_records(str(folder)))
+
+
 def test_chat_records_with_a_bom_compressed_or_saved_to_disk_are_read(tmp_path):
     import gzip
 

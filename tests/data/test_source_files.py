@@ -54,3 +54,40 @@ def test_the_run_says_how_many_records_it_skipped(tokenizer, tmp_path):
     path.write_text("".join(json.dumps({"text": "some words here " * 8} if i % 4 else {}) + "\n" for i in range(40)))
     packed = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
     assert "(10 records without a text field skipped)" in TrainingData({CORPUS: packed}, None).describe()
+
+
+def test_a_dataset_card_beside_jsonl_files_is_skipped_and_said(tmp_path):
+    from spillway.data.sources import source_notes
+
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# My dataset\n")   # every Hub dataset has one
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps({"text": f"record {i} " * 6}) + "\n" for i in range(9)))
+    documents = list(stream_documents(str(tmp_path)).iter(batch_size=100))
+    assert [text for batch in documents for text in batch["text"]] == [f"record {i} " * 6 for i in range(9)]
+    assert any("README.md (documentation beside record files)" in note for note in source_notes(str(tmp_path)))
+
+
+def test_markdown_among_text_files_is_still_read(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text " * 9)
+    (tmp_path / "b.md").write_text("# markdown " * 9)
+    texts = [text for batch in stream_documents(str(tmp_path)).iter(batch_size=10) for text in batch["text"]]
+    assert sorted(texts) == sorted(["plain text " * 9, "# markdown " * 9])
+
+
+def test_a_stray_json_among_jsonl_shards_is_named_with_its_fields(tmp_path):
+    for shard in range(2):
+        (tmp_path / f"shard{shard}.jsonl").write_text(
+            "".join(json.dumps({"text": f"document {i} " * 5}) + "\n" for i in range(20)))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 3, "name": "x"}))
+    with pytest.raises(DataError, match=r"corpus file '.*config\.json' holds records with fields \['name', "
+                                        r"'vocab_size'\], the other files \['text'\]"):
+        for _ in stream_documents(str(tmp_path)).iter(batch_size=100):
+            pass
+
+
+def test_a_json_list_without_the_text_field_names_the_fields_it_has(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps([{"content": f"document {i} " * 5} for i in range(30)]))
+    with pytest.raises(DataError, match=r"source '.*list\.json' has no text field 'text'; its records' fields are "
+                                        r"\['content'\] \(data\.text_field names"):
+        for _ in stream_documents(str(path)).iter(batch_size=100):
+            pass
