@@ -21,17 +21,19 @@ as for the `spillway` command.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-from spillway.layers.errors import SpillwayError
+from spillway.layers.errors import DataError, SpillwayError
 
 from .corpus import BUILTIN_STDLIB
+from .hub_reach import hub_unreachable_reason
 from .packing import prepare_tokens
 from .peak_memory import peak_rss_bytes
 from .shards import DEFAULT_SHARD_TOKENS
-from .sources import source_notes, stream_documents
+from .sources import HUB_PREFIX, parse_hub_spec, source_notes, stream_documents
 from .spm_tokenizer import MODEL_TYPES, train_tokenizer
 
 PROG = "python -m spillway.data"
@@ -70,6 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_hub_reachable(source: str) -> None:
+    """DataError at once for a Hub source this machine cannot stream (offline, unknown, gated): one metadata
+    request, where `datasets` would retry for half a minute before saying so."""
+    hub = parse_hub_spec(source)
+    reason = hub_unreachable_reason(hub) if hub is not None else None
+    if reason is not None:
+        what = (f"is the Hugging Face Hub dataset {hub.repo_id}" if source.startswith(HUB_PREFIX) else
+                f"is no file or folder (relative to {os.getcwd()}), and as the Hugging Face Hub dataset "
+                f"{hub.repo_id}")
+        raise DataError(f"--source {source!r} {what}, streamed as it is read, {reason}: give --source a local copy (a folder of the dataset's .parquet, "
+                        f".jsonl or .txt files; fetch them where there is a network with `hf download "
+                        f"{hub.repo_id} --repo-type dataset --local-dir DIR`)")
+
+
 def prepare_and_report(argv: list[str] | None) -> None:
     args = build_parser().parse_args(argv)
 
@@ -77,6 +93,7 @@ def prepare_and_report(argv: list[str] | None) -> None:
     # measures the neighbours. (CPU time of num_proc workers is not counted.)
     clock = lambda: (time.perf_counter(), time.process_time())  # noqa: E731
     start = clock()
+    check_hub_reachable(args.source)
     for line in source_notes(args.source, args.split):   # the split read, the files skipped
         print(line)
     documents = stream_documents(args.source, text_field=args.text_field, cache_dir=args.cache_dir / "datasets",

@@ -53,3 +53,15 @@ def test_a_resumed_run_on_another_split_is_a_changed_corpus():
     before = {"text_field": "text", "sources": {}}   # recorded before data.split: the train split
     assert corpus_differences(before, {**before, "split": "train"}) == []
     assert corpus_differences(before, {**before, "split": "test"}) == ["data.split was 'train', now 'test'"]
+
+
+def test_a_hub_source_it_cannot_reach_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    """Offline, `datasets` retried for 24 s before failing; the command asks the Hub once, up front (here not at
+    all: HF_HUB_OFFLINE), and a path that is not there is said to be none."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--source", "owner/corpus", "--vocab-size", "512", "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'owner/corpus' is no file or folder" in err
+    assert "HF_HUB_OFFLINE is set" in err and "hf download owner/corpus --repo-type dataset" in err
+    assert not (tmp_path / ".cache").exists()   # nothing prepared
