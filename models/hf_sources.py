@@ -198,7 +198,10 @@ def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
-        hint = f" (found {others}: only safetensors checkpoints are read)" if others else ""
+        # transformers writes safetensors by default: one save_pretrained where torch is converts a .bin checkpoint
+        hint = (f" (found {others}: only safetensors checkpoints are read; convert it where torch and transformers "
+                f"are installed: python -c \"from transformers import AutoModelForCausalLM as M; "
+                f"M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\")") if others else ""
         raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
     return files
 

@@ -75,6 +75,14 @@ def test_from_hf_refuses_a_folder_holding_two_checkpoints_naming_both(model, tmp
         from_hf(tmp_path)
 
 
+def test_a_pytorch_bin_checkpoint_is_refused_with_the_conversion_to_run(model, tmp_path):
+    to_hf(model, tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")   # an older checkpoint's only weights
+    with pytest.raises(FileNotFoundError, match=r"found \['pytorch_model.bin'\]: only safetensors checkpoints are "
+                                                r"read; convert it .*save_pretrained\("):
+        from_hf(tmp_path)
+
+
 def test_a_truncated_safetensors_file_is_named(model, tmp_path):
     to_hf(model, tmp_path)
     file = tmp_path / "model.safetensors"
