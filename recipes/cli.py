@@ -92,6 +92,22 @@ def _refuse_empty_paths(**paths: str) -> None:
             raise ConfigError(f"{name} is empty: give a path")
 
 
+# Past this the logits over the temperature are all about zero in float32: every token as likely as any other.
+MAX_TEMPERATURE = 1e6
+
+
+def _refuse_undecodable(name: str, text: str | None) -> None:
+    """A command-line text whose bytes were not UTF-8 (Python keeps them as lone surrogates, which the tokenizer
+    cannot take: an internal error before) is one line."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ConfigError(f"{name} holds bytes that are not UTF-8 (at character {error.start + 1}): give the text in "
+                          f"UTF-8 (for a cp1252/Latin-1 file: iconv -f cp1252 -t utf-8)") from None
+
+
 def _cmd_generate(args) -> int:
     _refuse_empty_paths(CHECKPOINT=args.checkpoint)
     if args.tokens <= 0:
@@ -101,6 +117,11 @@ def _cmd_generate(args) -> int:
         raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     if not args.temperature >= 0:
         raise ConfigError(f"--temperature must be zero (greedy) or positive, got {args.temperature}")
+    if not args.temperature <= MAX_TEMPERATURE:   # inf, or past float32 (1e300 became inf): uniform draws, unsaid
+        raise ConfigError(f"--temperature must be finite and at most {MAX_TEMPERATURE:g} (larger samples every token "
+                          f"alike), got {args.temperature}")
+    for name, text in (("--prompt", args.prompt), ("--chat", args.chat)):
+        _refuse_undecodable(name, text)
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     from spillway.recipes.generate import generate_from_checkpoint

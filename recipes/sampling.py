@@ -20,9 +20,12 @@ def sample_token(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p
     model's embedding may be larger than its tokenizer, whose decoder has no piece for them)."""
     if vocab_limit is not None and vocab_limit < logits_bv.shape[-1]:
         logits_bv = jnp.where(jnp.arange(logits_bv.shape[-1]) < vocab_limit, logits_bv, -jnp.inf)
-    if temperature <= 0:
+    if temperature < np.finfo(np.float32).tiny:   # 0, or so small that only the largest logit could be drawn
         return jnp.argmax(logits_bv, axis=-1)
-    logits_bv = logits_bv.astype(jnp.float32) / temperature
+    # The largest logit made 0 before dividing: a tiny temperature overflowed the others to inf (and inf - inf
+    # to NaN: garbage tokens); now they go to -inf, as their probability does.
+    logits_bv = logits_bv.astype(jnp.float32)
+    logits_bv = (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / temperature
     if top_p < 1.0:
         sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
         cumulative_bv = jnp.cumsum(jax.nn.softmax(sorted_bv, axis=-1), axis=-1)

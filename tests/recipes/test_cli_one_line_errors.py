@@ -187,3 +187,14 @@ def test_a_peft_adapter_folder_is_named_as_one_wherever_a_model_or_run_is_expect
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "PEFT adapter (adapter_config.json)" in err[0] and "gpt2" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_generate_refuses_an_unusable_temperature_and_a_prompt_that_is_not_utf8(tmp_path, capsys):
+    from spillway.recipes.cli import main
+
+    for temperature, said in (("inf", "--temperature must be finite"), ("1e300", "--temperature must be finite")):
+        assert main(["generate", str(tmp_path), "--prompt", "x", "--temperature", temperature]) == 2
+        assert said in capsys.readouterr().err
+    latin1 = b"caf\xe9".decode("utf-8", errors="surrogateescape")   # how Python hands such a shell argument over
+    assert main(["generate", str(tmp_path), "--prompt", latin1]) == 2
+    assert "--prompt holds bytes that are not UTF-8 (at character 4)" in capsys.readouterr().err

@@ -23,3 +23,13 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
     # a limit at or past the model's rows changes nothing
     np.testing.assert_array_equal(sample_token(logits, jax.random.key(2), 1.0, 1.0, vocab_limit=16),
                                   sample_token(logits, jax.random.key(2), 1.0, 1.0))
+
+
+def test_a_tiny_temperature_draws_what_greedy_does():
+    """(logits / T) overflowed to inf below T ~ 1e-38 and softmax of inf - inf gave NaN: garbage ids, or none."""
+    logits = jax.random.normal(jax.random.key(3), (32, 50)) * 4
+    greedy = np.asarray(sample_token(logits, jax.random.key(0), 0.0, 1.0))
+    for temperature in (1e-30, 1e-40, 1e-45, 1e-300):
+        for top_p in (1.0, 0.9):
+            drawn = np.asarray(sample_token(logits, jax.random.key(1), temperature, top_p))
+            np.testing.assert_array_equal(drawn, greedy, err_msg=f"temperature {temperature}, top_p {top_p}")
