@@ -50,6 +50,7 @@ from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import HFCheckpointError, listed, put_in_place
 from spillway.recipes.config import LoraConfig, Recipe
+from spillway.recipes.readable_step import restore_readable, saved_recipe
 
 EXPORT_RECORD = "spillway_export.json"   # which run an export folder holds: a later export replaces only its own
 ADAPTER_CONFIG = "adapter_config.json"
@@ -137,19 +138,13 @@ def _check_not_a_run(out_dir: Path) -> None:
                                     f"where the run keeps its steps; export into a folder outside it")
 
 
-def _saved_recipe(step_dir) -> Recipe:
-    from spillway.recipes.train.checkpoint import read_recipe_json
-    return Recipe.from_dict(json.loads(read_recipe_json(step_dir)))
-
-
 def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | None = None, say=print) -> Path:
     """Write the Hugging Face (or, with `adapter`, PEFT) folder of the run or step `path` into `out_dir`."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
-    from spillway.recipes.train.lora_state import restore_run_params
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
     step_dir = resolve_step_dir(path)
-    recipe = _saved_recipe(step_dir)
+    recipe = saved_recipe(step_dir)
     if adapter and not recipe.lora.enabled:
         raise ConfigError(f"--adapter: the run at {path} has no LoRA adapters (lora.rank is 0, every weight "
                           f"trained): export it without --adapter")
@@ -162,9 +157,14 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     source = _source_of(run_dir, step_dir)
     replaced = _check_earlier_export(out, own, source, writes)
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
-    graphdef, abstract_state = abstract_model(recipe)
-    params = restore_run_params(step_dir, recipe, abstract_with_shardings(
-        abstract_state, state_shardings(abstract_state, mesh)))
+
+    def target_of(saved: Recipe):
+        _, abstract_state = abstract_model(saved)
+        return abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
+
+    # a live run's retention may delete the step before it is read: the run's newest is read then (the record
+    # below names the step exported)
+    step_dir, recipe, params = restore_readable(path, step_dir, target_of)
     adapter_tensors = peft_tensors(recipe, params) if adapter else None   # what PEFT cannot hold: before writing
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):   # named as the folder, not as the first temporary file refused in it

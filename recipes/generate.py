@@ -8,12 +8,11 @@ Named by its run, a newest step that is corrupt is passed over for the next
 older one with a warning, as `train` does (nothing is renamed: generate only
 reads), and a step that the live run's retention (`checkpoint.keep`) deleted
 while it was being read is read again from the newest step, never reported
-as corrupt.
+as corrupt (recipes/readable_step.py).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -26,58 +25,12 @@ from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import is_hf_checkpoint_folder, peft_adapter_base
 from spillway.recipes.config import Recipe
+from spillway.recipes.readable_step import restore_readable
 from spillway.recipes.sampling import generate
 from spillway.recipes.train.chat_prompt import chat_prompt
 
-_RETENTION_RETRIES = 3
-
-
 def _tokens(count: int) -> str:
     return f"{count} token" if count == 1 else f"{count} tokens"
-
-
-def _recipe_of(step_dir) -> Recipe:
-    from spillway.recipes.train.checkpoint import RECIPE, RECIPE_FILENAME, read_recipe_json
-
-    text = read_recipe_json(step_dir)
-    try:
-        return Recipe.from_dict(json.loads(text))
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{Path(step_dir) / RECIPE / RECIPE_FILENAME}: not valid JSON (line {error.lineno}, "
-                          f"column {error.colno}: {error.msg})") from None
-
-
-def _restore_readable(path: Path, step_dir, target_of, warn):
-    """(step folder, recipe, params) of the newest readable step `path` names (module docstring)."""
-    from spillway.recipes.train.checkpoint import (CheckpointError, CorruptCheckpointError, finalised_step_dirs,
-                                                   resolve_step_dir)
-
-    explicit = Path(path).absolute() == Path(step_dir)
-    retries = 0
-    while True:
-        try:
-            recipe = _recipe_of(step_dir)
-            from spillway.recipes.train.lora_state import restore_run_params   # a LoRA run: base + adapters
-            params = restore_run_params(step_dir, recipe, target_of(recipe))
-            return step_dir, recipe, params
-        except CheckpointError as error:
-            if not Path(step_dir).exists():   # deleted under us: a live run's retention, not damage
-                if explicit:
-                    raise CheckpointError(f"{step_dir}: removed while it was being read (the run writing it keeps "
-                                          f"only its newest checkpoint.keep steps); pass a newer step or the run "
-                                          f"directory") from None
-                retries += 1
-                if retries > _RETENTION_RETRIES:
-                    raise
-                step_dir = resolve_step_dir(path)
-                continue
-            if explicit or not isinstance(error, CorruptCheckpointError):
-                raise
-            older = [d for d in finalised_step_dirs(Path(step_dir).parent) if int(d.name) < int(Path(step_dir).name)]
-            if not older:
-                raise
-            warn(f"warning: {step_dir} is corrupt, using the step before it ({older[-1]}): {error}")
-            step_dir = older[-1]
 
 
 def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: int, temperature: float, top_p: float,
@@ -116,7 +69,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
         built["graphdef"] = graphdef
         return abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
 
-    ckpt, recipe, params = _restore_readable(path, ckpt, target_of, warn)
+    ckpt, recipe, params = restore_readable(path, ckpt, target_of, warn)
     model = nnx.merge(built["graphdef"], params)
     tokenizer = run_tokenizer(run_dir)   # a prompt starts as the run's documents did
     stop_ids = ()

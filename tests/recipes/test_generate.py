@@ -1,5 +1,5 @@
 """`spillway generate` on a run a new user has: a corrupt newest step, a step deleted by the live run's
-retention while it is read, a damaged recipe.json, more --tokens than fit."""
+retention while it is read (and `spillway export` of one), a damaged recipe.json, more --tokens than fit."""
 
 from __future__ import annotations
 
@@ -83,6 +83,26 @@ def test_a_step_deleted_by_retention_while_read_is_read_again_from_the_newest(ru
     assert sample(run_copy, warnings).startswith("def ")
     assert calls == [str(run_copy / "checkpoints" / "4"), str(run_copy / "checkpoints" / "2")]
     assert warnings == []   # no "corrupt": nothing was damaged
+
+
+def test_an_export_of_a_step_deleted_by_retention_while_read_exports_the_newest(run_copy, monkeypatch, tmp_path):
+    """`spillway export` of a live run failed 1 time in 10 with 'checkpoints/10: no such checkpoint directory'."""
+    import json
+
+    from spillway.recipes.export import export_run
+
+    real = ckpt_lib.restore_params_only
+    calls = []
+
+    def retention_strikes_once(step_dir, target):
+        calls.append(str(step_dir))
+        if len(calls) == 1:
+            shutil.rmtree(step_dir)
+        return real(step_dir, target)
+    monkeypatch.setattr(ckpt_lib, "restore_params_only", retention_strikes_once)
+    export_run(str(run_copy), str(tmp_path / "out"), say=lambda line: None)
+    assert calls == [str(run_copy / "checkpoints" / "4"), str(run_copy / "checkpoints" / "2")]
+    assert json.loads((tmp_path / "out" / "spillway_export.json").read_text())["step"] == "2"
 
 
 def test_a_damaged_recipe_json_is_named_with_its_line(run_copy):

@@ -64,13 +64,13 @@ def our_logits(run_dir, tokens):
 
     from spillway.layers.mesh import MeshConfig
     from spillway.layers.sharding import make_mesh, state_shardings
-    from spillway.recipes.export import _saved_recipe
+    from spillway.recipes.readable_step import saved_recipe
     from spillway.recipes.train.checkpoint import resolve_step_dir
     from spillway.recipes.train.lora_state import restore_run_params
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
     step_dir = resolve_step_dir(run_dir)
-    recipe = _saved_recipe(step_dir)
+    recipe = saved_recipe(step_dir)
     graphdef, abstract = abstract_model(recipe)
     mesh = make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
     params = restore_run_params(step_dir, recipe, abstract_with_shardings(abstract, state_shardings(abstract, mesh)))

@@ -1,0 +1,71 @@
+"""The newest readable step of a run another process may still be writing, for the commands that only read it.
+
+`spillway generate` and `spillway export` take a run (its folder, or its
+`checkpoints/` folder: the newest finalised step) or one step folder. While a
+run trains, its retention (`checkpoint.keep`) deletes old steps: the step a
+reader resolved may be gone before it is read. Such a step is resolved again
+to the run's newest, at most `RETENTION_RETRIES` times, and never reported as
+corrupt. A step named by its own folder is not replaced by another: its
+removal is said in one line.
+
+A corrupt newest step is passed over for the one before it, with a warning,
+only where the caller gives a `warn` (generate: sampling an older step of the
+run is what a user asks of it). Export passes none: it records which step it
+wrote, and an export of an older step than the user meant, said only in a
+warning line, would be a silent mistake; it refuses in one line instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spillway.layers.errors import ConfigError
+from spillway.recipes.config import Recipe
+
+RETENTION_RETRIES = 3
+
+
+def saved_recipe(step_dir) -> Recipe:
+    """The recipe a step was saved with; its JSON damaged is one line naming the file and place."""
+    from spillway.recipes.train.checkpoint import RECIPE, RECIPE_FILENAME, read_recipe_json
+
+    text = read_recipe_json(step_dir)
+    try:
+        return Recipe.from_dict(json.loads(text))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{Path(step_dir) / RECIPE / RECIPE_FILENAME}: not valid JSON (line {error.lineno}, "
+                          f"column {error.colno}: {error.msg})") from None
+
+
+def restore_readable(path, step_dir, target_of, warn=None):
+    """(step folder, recipe, params) of the newest readable step `path` names, starting from `step_dir` (its
+    resolution); `target_of(recipe)` gives the abstract target to restore into (module docstring)."""
+    from spillway.recipes.train.checkpoint import (CheckpointError, CorruptCheckpointError, finalised_step_dirs,
+                                                   resolve_step_dir)
+    from spillway.recipes.train.lora_state import restore_run_params   # a LoRA run: base + adapters
+
+    explicit = Path(path).absolute() == Path(step_dir)
+    retries = 0
+    while True:
+        try:
+            recipe = saved_recipe(step_dir)
+            return step_dir, recipe, restore_run_params(step_dir, recipe, target_of(recipe))
+        except CheckpointError as error:
+            if not Path(step_dir).exists():   # deleted under us: a live run's retention, not damage
+                if explicit:
+                    raise CheckpointError(f"{step_dir}: removed while it was being read (the run writing it keeps "
+                                          f"only its newest checkpoint.keep steps); pass a newer step or the run "
+                                          f"directory") from None
+                retries += 1
+                if retries > RETENTION_RETRIES:
+                    raise
+                step_dir = resolve_step_dir(path)
+                continue
+            if warn is None or explicit or not isinstance(error, CorruptCheckpointError):
+                raise
+            older = [d for d in finalised_step_dirs(Path(step_dir).parent) if int(d.name) < int(Path(step_dir).name)]
+            if not older:
+                raise
+            warn(f"warning: {step_dir} is corrupt, using the step before it ({older[-1]}): {error}")
+            step_dir = older[-1]
