@@ -272,6 +272,8 @@ class CheckpointConfig:
                                           # (a Hugging Face checkpoint; recipes/train/init_weights.py)
     init_from_origin: str | None = None   # the Hub repository an hf: init_from is a local copy of: named, with the
                                           # command that fetches it, when the folder is missing (nothing else)
+    init_from_digest: str | None = None   # a LoRA run's base as its files were when the run started
+                                          # (recipes/train/base_digest.py): set by the run, not by a user
 
     def __post_init__(self):
         require_positive("checkpoint", every_steps=self.every_steps, keep=self.keep)

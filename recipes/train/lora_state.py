@@ -15,7 +15,9 @@ run. What differs:
 * checkpoints (`checkpointed`, `with_restored`) hold the adapters; the base is
   the run's `checkpoint.init_from`, which the recipe saved beside every step
   names, pinned to one step folder when the run starts (`pin_base`), so a
-  source run that trains on cannot change the base under the adapters;
+  source run that trains on cannot change the base under the adapters, with
+  the digest of its files (recipes/train/base_digest.py), so that another
+  model saved at that path is refused rather than read;
 * reading a run back (`restore_run_params`: generate, export) loads the base
   from that pointer and the adapters from the step.
 
@@ -75,13 +77,23 @@ def with_restored(recipe: Recipe, params, restored):
 
 def pin_base(recipe: Recipe) -> Recipe:
     """A LoRA run's init_from resolved to the step folder it names (a run directory's newest step now),
-    so the pointer every checkpoint saves keeps naming the same weights. `hf:` folders are kept."""
+    so the pointer every checkpoint saves keeps naming the same weights (`hf:` folders are kept), and the
+    digest of those weights' files as they are now (recipes/train/base_digest.py), which every later read of
+    the base compares."""
     init_from = recipe.checkpoint.init_from
-    if not recipe.lora.enabled or not init_from or init_from.startswith("hf:"):
+    if not recipe.lora.enabled or not init_from:
         return recipe
-    from spillway.recipes.train.checkpoint import resolve_step_dir
-    step_dir = str(resolve_step_dir(init_from))
-    return dataclasses.replace(recipe, checkpoint=dataclasses.replace(recipe.checkpoint, init_from=step_dir))
+    from spillway.recipes.train.base_digest import base_digest
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    folder = hf_checkpoint_dir(init_from)
+    if folder is None:
+        from spillway.recipes.train.checkpoint import resolve_step_dir
+        folder = resolve_step_dir(init_from)
+        init_from = str(folder)
+    digest = base_digest(folder) if folder.exists() else None   # a missing base is named by the preflight
+    return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
+        recipe.checkpoint, init_from=init_from, init_from_digest=digest))
 
 
 def initial_adapters(recipe: Recipe, param_shardings):
@@ -129,7 +141,27 @@ def _load_base_weights(recipe: Recipe, abstract_base):
         from spillway.recipes.train.checkpoint import CheckpointError
         raise CheckpointError(f"the LoRA run's base checkpoint.init_from={init_from} does not exist any more: "
                               f"its adapters need it (put it back, or point the saved recipe at a copy)")
+    check_base_unchanged(recipe)
     return load_init_weights(recipe, abstract_base, say=lambda *_: None)
+
+
+def check_base_unchanged(recipe: Recipe, where: str = "") -> None:
+    """CheckpointError when the files at a LoRA run's base are not those its adapters were trained on (another
+    model saved at the same path); a run saved before the digest was kept is not checked."""
+    expected = recipe.checkpoint.init_from_digest
+    if not recipe.lora.enabled or expected is None:
+        return
+    from spillway.recipes.train.base_digest import base_digest
+    from spillway.recipes.train.checkpoint import CheckpointError
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    init_from = recipe.checkpoint.init_from
+    folder = hf_checkpoint_dir(init_from) or Path(init_from).expanduser()
+    if folder.exists() and base_digest(folder) != expected:   # a missing one: the load names it
+        raise CheckpointError(f"{where}the LoRA run's base checkpoint.init_from={init_from} holds other weights than "
+                              f"those its adapters were trained on (its files changed since the run started: another "
+                              f"model saved there?); put the original base back, or train new adapters on this one "
+                              f"in a new checkpoint.dir")
 
 
 def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
@@ -142,8 +174,13 @@ def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
 
     if not recipe.lora.enabled:
         return
-    saved = (json.loads(saved_recipe_json).get("checkpoint") or {}).get("init_from")
+    saved_checkpoint = json.loads(saved_recipe_json).get("checkpoint") or {}
+    saved = saved_checkpoint.get("init_from")
     if saved != recipe.checkpoint.init_from:
         raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
                           f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "
                           f"into a new checkpoint.dir)")
+    digest = saved_checkpoint.get("init_from_digest")   # None: saved before digests were kept
+    if digest is not None:
+        check_base_unchanged(dataclasses.replace(
+            recipe, checkpoint=dataclasses.replace(recipe.checkpoint, init_from_digest=digest)), f"{where}: ")

@@ -285,6 +285,38 @@ def test_a_lora_run_resumes_only_on_the_base_its_adapters_were_trained_on():
         check_same_base(other, recipe.to_json(), "runs/x/checkpoints/2")
 
 
+def test_a_base_replaced_under_the_adapters_is_refused_a_copy_of_it_is_not(tmp_path):
+    """Another model saved at a LoRA run's base path was read without a word by generate, export and a resume
+    (the adapters on weights they were not trained with); its digest is kept when the run starts now."""
+    import shutil
+
+    from spillway.models.hf import to_hf
+    from spillway.recipes.train.checkpoint import CheckpointError
+    from spillway.recipes.train.lora_state import check_base_unchanged, check_same_base, pin_base
+
+    def save_base(folder, seed):
+        to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(seed)), folder)
+
+    save_base(tmp_path / "base", 0)
+    recipe = pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'base'}"))
+    assert recipe.checkpoint.init_from_digest is not None
+    check_base_unchanged(recipe)   # the same files
+    shutil.copytree(tmp_path / "base", tmp_path / "copy")   # a copy elsewhere reads alike
+    moved = pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'copy'}"))
+    assert moved.checkpoint.init_from_digest == recipe.checkpoint.init_from_digest
+    shutil.rmtree(tmp_path / "base")
+    save_base(tmp_path / "base", 7)   # another model where the base was
+    with pytest.raises(CheckpointError, match=r"base checkpoint.init_from=hf:.*base holds other weights than those "
+                                              r"its adapters were trained on"):
+        check_base_unchanged(recipe)
+    resumed = pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'base'}"))   # a resume's start
+    with pytest.raises(CheckpointError, match=r"runs/x/checkpoints/2: the LoRA run's base .* holds other weights"):
+        check_same_base(resumed, recipe.to_json(), "runs/x/checkpoints/2")
+    saved_before_digests = json.loads(recipe.to_json())
+    saved_before_digests["checkpoint"].pop("init_from_digest")
+    check_same_base(resumed, json.dumps(saved_before_digests), "runs/x/checkpoints/2")   # not checked
+
+
 def test_the_adapters_share_benchmark_counts_r_times_in_plus_out_per_layer():
     from benchmarks.lora_share import share
 

@@ -73,12 +73,12 @@ def test_the_step_folder_holds_what_the_code_before_wrote(layout_of, case):
     # comes from, for the offline message (checkpoint.init_from_origin, None), issue 28; the weights kept
     # across the turn (offload.params_keep, 0 = none), issue 29; where the deferred update's pending gradients
     # wait (offload.pending_gradients, "host" = as before), issue 27; the split a run reads (data.split,
-    # "train" = as before).
+    # "train" = as before); a LoRA run's base digest (checkpoint.init_from_digest, None = not checked).
     assert set(after["recipe_fields"]) - set(before["recipe_fields"]) == {
         "sources", "aux_loss.load_balancing", "aux_loss.router_z",
         "data.format", "data.chat_template", "data.train_on_prompt", "data.document_mask", "data.packing",
         "data.overlong", "data.split", "data.add_bos", "lora.rank", "lora.alpha", "lora.dropout", "lora.targets",
-        "optimizer.moment_dtype", "checkpoint.init_from_origin", "offload.params_keep",
+        "optimizer.moment_dtype", "checkpoint.init_from_origin", "checkpoint.init_from_digest", "offload.params_keep",
         "offload.pending_gradients"}
     assert set(before["recipe_fields"]) <= set(after["recipe_fields"])
 
