@@ -60,6 +60,7 @@ class PackedData:
     target_tokens: int | None = None
     cut_target_tokens: int | None = None   # answer tokens truncation cut (None: rows prepared before it was counted)
     no_answer_examples: int = 0   # examples with no token to train on (no assistant message), skipped
+    answer_cut_examples: int = 0  # examples whose every answer token lay past a row's end (truncated), skipped
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, from_cache: bool = True) -> PackedData:
@@ -81,6 +82,7 @@ class PackedData:
             target_tokens=meta.get("target_tokens"),
             cut_target_tokens=meta.get("cut_target_tokens"),
             no_answer_examples=int(meta.get("no_answer_examples", 0)),
+            answer_cut_examples=int(meta.get("answer_cut_examples", 0)),
         )
 
 

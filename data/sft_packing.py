@@ -60,8 +60,9 @@ TOKENS, TARGETS, SEGMENTS = 0, 1, 2
 PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
 # 2: messages keep their tool calls (and other keys), records their tools and system prompt; examples without
-# an answer skipped; data.max_tokens
-_SFT_PACKING_VERSION = 2
+# an answer skipped; data.max_tokens. 3: examples whose truncation cut their whole answer skipped (they were kept,
+# rows with nothing to train on)
+_SFT_PACKING_VERSION = 3
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096
@@ -184,6 +185,7 @@ class _Progress:
     target_tokens: int = 0
     cut_target_tokens: int = 0   # answer tokens past a row's end, cut by data.overlong=truncate
     no_answer: int = 0           # examples with no token to train on (no assistant message), skipped
+    answer_cut: int = 0          # examples whose answer lay wholly past a row's end (truncate), skipped
     examples: dict = dataclasses.field(default_factory=lambda: {"train": 0, "val": 0})
 
     @classmethod
@@ -241,7 +243,8 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
             return PackedData.load(final, from_cache=False)
     packed = PackedData.load(final, from_cache=True)
     # rows an earlier version prepared without this check are refused as fresh ones are
-    _check_targets(source, packed.num_documents, packed.target_tokens or 0, options)
+    _check_targets(source, packed.num_documents, packed.target_tokens or 0, options,
+                   overlong=packed.overlong_examples, answer_cut=packed.answer_cut_examples)
     return packed
 
 
@@ -260,7 +263,8 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
                 break   # data.max_tokens reached: the rest of the source is not read
             if progress.records % PROGRESS_EVERY == 0:
                 progress.save(partial, splits)
-        _check_targets(source, progress.records, progress.target_tokens, options)
+        _check_targets(source, progress.records, progress.target_tokens, options, overlong=progress.overlong,
+                       answer_cut=progress.answer_cut)
         _check_examples(source, splits, progress.records, progress.overlong, row_len, options)
         progress.save(partial, splits)   # every example counted: a kill while the rows are laid out resumes here
     finally:
@@ -277,7 +281,7 @@ def _prepare_into(partial: Path, source: str, tokenizer: Tokenizer, template: Ch
             "train_examples": len(splits["train"].lengths), "val_examples": len(splits["val"].lengths),
             "overlong_examples": progress.overlong, "overlong_policy": options.overlong,
             "target_tokens": progress.target_tokens, "cut_target_tokens": progress.cut_target_tokens,
-            "no_answer_examples": progress.no_answer,
+            "no_answer_examples": progress.no_answer, "answer_cut_examples": progress.answer_cut,
             "source": source, "tokenizer": tokenizer.fingerprint,
             "chat_template": template.origin, "options": dataclasses.asdict(options), "key": key}
     (partial / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -302,6 +306,11 @@ def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags:
         progress.overlong += 1
         progress.cut_target_tokens += int(flags[row_len:].sum())
         ids, flags = ids[:row_len], flags[:row_len]
+        if not options.train_on_prompt and not flags[1:].any():
+            # the cut took the whole answer: a row the loss never sees (its steps logged a loss of 0.0, its
+            # validation NaN), skipped and counted like an example with no answer
+            progress.answer_cut += 1
+            return True
     held_out = options.val_fraction > 0 and document_scores(index, 1, options.seed)[0] < options.val_fraction
     splits["val" if held_out else "train"].add(ids, flags)
     progress.num_tokens += len(ids)
@@ -309,16 +318,25 @@ def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags:
     return True
 
 
-def _check_targets(source: str, examples: int, target_tokens: int, options: SftOptions) -> None:
+def _check_targets(source: str, examples: int, target_tokens: int, options: SftOptions, *, overlong: int = 0,
+                   answer_cut: int = 0) -> None:
     """DataError when no example holds a token the loss is on: every step's loss would be 0 over 0 tokens,
-    a run that trains nothing while it looks finished (conversations without an assistant turn, or cut
-    before it). No example read at all is _check_examples' to name."""
+    a run that trains nothing while it looks finished (conversations without an assistant turn, examples
+    dropped as too long, or cut before their answer). No example read at all is _check_examples' to name."""
     if target_tokens or not examples:
         return
-    cut = " or every one truncated before it (data.overlong=truncate)" if options.overlong == "truncate" else ""
+    row = f"a row of {options.seq_len + 1} tokens (data.seq_len={options.seq_len})"
+    if options.overlong == "drop" and overlong:
+        raise DataError(f"data.source {source!r}: {examples} examples and none kept: every one with an answer is "
+                        f"longer than {row} and data.overlong=drop dropped it ({overlong}); raise data.seq_len, "
+                        f"or set data.overlong=truncate")
+    if answer_cut:
+        raise DataError(f"data.source {source!r}: {examples} examples and no token to train on: every answer lies "
+                        f"past the end of {row} ({answer_cut} examples cut before their answer, skipped); raise "
+                        f"data.seq_len")
     raise DataError(f"data.source {source!r}: {examples} examples and no token to train on: the loss is on the "
                     f"assistant's messages and the end of turn after them, and no example has an assistant "
-                    f"message{cut}; add the answers, or set data.train_on_prompt=true to train on every token")
+                    f"message; add the answers, or set data.train_on_prompt=true to train on every token")
 
 
 def _check_examples(source: str, splits: dict, examples: int, overlong: int, row_len: int,

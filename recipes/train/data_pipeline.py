@@ -72,6 +72,9 @@ class TrainingData:
                              f"data.seq_len to keep them)")
                 unanswered = (f"; {packed.no_answer_examples} without an answer to train on, skipped"
                               if packed.no_answer_examples else "")
+                if packed.answer_cut_examples:   # the cut took all of their answer
+                    unanswered += (f"; {packed.answer_cut_examples} cut before their answer, skipped (raise "
+                                   f"data.seq_len to keep them)")
                 skipped += (f" ({packed.num_documents} examples, {packed.target_tokens} target tokens; "
                             f"{packed.overlong_examples} longer than a row {done}{unanswered})")
             return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows{skipped}"

@@ -145,7 +145,7 @@ def test_cached_rows_with_no_answer_to_train_on_are_refused_too(tmp_path, monkey
     options = SftOptions("chat", seq_len=40, val_fraction=0.0)
     take = sft_packing._take
     with monkeypatch.context() as patch:   # as an earlier version prepared them: unchecked, nothing skipped
-        patch.setattr(sft_packing, "_check_targets", lambda *args: None)
+        patch.setattr(sft_packing, "_check_targets", lambda *args, **kwargs: None)
         patch.setattr(sft_packing, "_take", lambda *args: take(*args[:-1], replace(args[-1], train_on_prompt=True)))
         assert prepare_sft_rows(str(source), CharTokenizer(), template, options,
                                 cache_dir=tmp_path / "cache").target_tokens == 0
@@ -323,3 +323,31 @@ def test_max_tokens_takes_whole_examples_from_the_head_and_keys_the_cache(tmp_pa
     with pytest.raises(DataError, match=r"0 examples within data.max_tokens=5 .* do not give a training example"):
         prepare_sft_rows(str(source), CharTokenizer(), template,
                          SftOptions("instruct", 40, val_fraction=0.0, max_tokens=5), cache_dir=tmp_path / "cache")
+
+
+def write_long_prompts(path, prompts):
+    path.write_text("".join(json.dumps({"instruction": prompt, "output": "ok"}) + "\n" for prompt in prompts))
+    return path
+
+
+def test_an_example_cut_before_its_answer_is_skipped_and_counted_and_all_of_them_refused(tmp_path):
+    """Kept, its row had no target: steps of loss 0.0 and a validation loss of NaN, exit 0."""
+    from spillway.recipes.train.data_pipeline import TrainingData
+
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    source = write_long_prompts(tmp_path / "d.jsonl", ["q"] * 3 + ["p" * 80] * 2)   # two answers past a row
+    packed = prepare_sft_rows(str(source), CharTokenizer(), template,
+                              SftOptions("instruct", seq_len=40, val_fraction=0.0), cache_dir=tmp_path / "cache")
+    assert (packed.num_documents, packed.overlong_examples, packed.answer_cut_examples) == (5, 2, 2)
+    assert all(row[TARGETS].any() for row in packed.train)   # every row holds something to train on
+    assert "; 2 cut before their answer, skipped (raise data.seq_len" in TrainingData({"corpus": packed}, None).describe()
+    every_cut = write_long_prompts(tmp_path / "cut.jsonl", ["p" * 80] * 4)
+    with pytest.raises(DataError, match=r"4 examples and no token to train on: every answer lies past the end of a row "
+                                        r"of 41 tokens \(data.seq_len=40\) \(4 examples cut before their answer"):
+        prepare_sft_rows(str(every_cut), CharTokenizer(), template,
+                         SftOptions("instruct", seq_len=40, val_fraction=0.0), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match=r"4 examples and none kept: every one with an answer is longer than a row of "
+                                        r"41 tokens .* data.overlong=drop dropped it \(4\); raise data.seq_len"):
+        prepare_sft_rows(str(every_cut), CharTokenizer(), template,
+                         SftOptions("instruct", seq_len=40, val_fraction=0.0, overlong="drop"),
+                         cache_dir=tmp_path / "cache")
