@@ -17,12 +17,16 @@ new tokenizer on it, would continue another run from these weights. So:
   (with the run's own tokenizer; the data position continues only if the
   corpus still packs into as many rows), is to delete `corpus.json`: the
   resumed run announces that it records the corpus anew;
+* a chat/instruct run's `data.chat_template` file is recorded by the digest
+  of its template text: the rows are rendered with it, so an edit is a
+  changed corpus too;
 * a run from before this record existed (no `corpus.json`) resumes as before,
   with a line saying that its corpus could not be checked and is recorded now.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -60,7 +64,31 @@ def describe_corpus(recipe: Recipe) -> dict:
             stat = path.stat()
             files[str(path.resolve())] = [stat.st_size, stat.st_mtime_ns]
         sources[name] = {"source": spec, "files": files}
-    return {"format": _FORMAT, "text_field": recipe.data.text_field, "split": recipe.data.split, "sources": sources}
+    record = {"format": _FORMAT, "text_field": recipe.data.text_field, "split": recipe.data.split, "sources": sources}
+    template = _template_file(recipe)
+    if template is not None:
+        record["chat_template"] = template
+    return record
+
+
+def _template_file(recipe: Recipe) -> dict | None:
+    """A chat/instruct run's `data.chat_template` file, by name and a digest of the template text it holds (None
+    where it cannot be read): the rows are rendered with it, so an edit changes the corpus the run reads. A
+    built-in is recorded by its name; the tokenizer's own template (the run resumes with its own tokenizer copy,
+    which holds it) not at all."""
+    from spillway.data.chat_template import BUILTIN_TEMPLATES, ChatTemplateError, resolve_chat_template
+
+    named = recipe.data.chat_template
+    if recipe.data.format == "text" or not named:
+        return None
+    if named in BUILTIN_TEMPLATES:   # by name: a built-in's text is the code's, not the user's
+        return {"name": named}
+    try:
+        text = resolve_chat_template(named, None).source
+    except (ChatTemplateError, OSError, ValueError):
+        text = None
+    digest = None if text is None else hashlib.sha256(text.encode()).hexdigest()
+    return {"name": named, "sha256": digest}
 
 
 def _names(paths: list[str]) -> str:
@@ -75,6 +103,16 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
         phrases.append(f"data.text_field was {saved.get('text_field')!r}, now {now.get('text_field')!r}")
     if saved.get("split", "train") != now.get("split", "train"):   # a record from before data.split: train
         phrases.append(f"data.split was {saved.get('split', 'train')!r}, now {now.get('split', 'train')!r}")
+    before, after = saved.get("chat_template"), now.get("chat_template")
+    if before is not None and before != after:   # a record from before templates were recorded: not compared
+        if after is None or before.get("name") != after.get("name"):
+            now_named = repr(after.get("name")) if after else "the tokenizer's own template"
+            phrases.append(f"data.chat_template was {before.get('name')!r}, now {now_named}")
+        elif after.get("sha256") is None:
+            phrases.append(f"data.chat_template {before.get('name')!r} is gone or unreadable (the template the run "
+                           f"trained with is kept in its tokenizer_config.json: point data.chat_template there)")
+        else:
+            phrases.append(f"data.chat_template {before.get('name')!r}: its template text was edited")
     saved_sources, now_sources = saved.get("sources", {}), now.get("sources", {})
     for name in sorted(set(saved_sources) | set(now_sources)):
         before, after = saved_sources.get(name), now_sources.get(name)

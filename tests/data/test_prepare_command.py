@@ -65,3 +65,29 @@ def test_a_hub_source_it_cannot_reach_is_one_line_at_once(tmp_path, capsys, monk
     assert err.count("\n") == 1 and "'owner/corpus' is no file or folder" in err
     assert "HF_HUB_OFFLINE is set" in err and "hf download owner/corpus --repo-type dataset" in err
     assert not (tmp_path / ".cache").exists()   # nothing prepared
+
+
+def test_a_resumed_run_whose_chat_template_file_was_edited_is_a_changed_corpus(tmp_path):
+    """An edited data.chat_template file re-rendered the rows of a resumed run without a word."""
+    from spillway.data.chat_template import BUILTIN_TEMPLATES
+    from spillway.recipes.train.corpus_record import corpus_differences, describe_corpus
+
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "q"}, '
+                                          '{"role": "assistant", "content": "a"}]}\n')
+    template = tmp_path / "t.jinja"
+    template.write_text(BUILTIN_TEMPLATES["spillway"])
+    recipe = get_recipe("tiny", ["data.format=chat", f"data.source={tmp_path / 'chats.jsonl'}",
+                                 f"data.chat_template={template}"])
+    before = describe_corpus(recipe)
+    assert corpus_differences(before, describe_corpus(recipe)) == []
+    template.write_text(BUILTIN_TEMPLATES["spillway"].replace("User", "Usr"))
+    assert corpus_differences(before, describe_corpus(recipe)) == [
+        f"data.chat_template {str(template)!r}: its template text was edited"]
+    template.unlink()
+    assert "is gone or unreadable" in corpus_differences(before, describe_corpus(recipe))[0]
+    builtin = get_recipe("tiny", ["data.format=chat", f"data.source={tmp_path / 'chats.jsonl'}",
+                                  "data.chat_template=chatml"])
+    assert corpus_differences(before, describe_corpus(builtin)) == [
+        f"data.chat_template was {str(template)!r}, now 'chatml'"]
+    legacy = {key: value for key, value in before.items() if key != "chat_template"}   # a record from before
+    assert corpus_differences(legacy, describe_corpus(recipe)) == []
