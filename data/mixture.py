@@ -21,6 +21,7 @@ and reads only its own slice of the batch, as `BatchLoader` does.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -140,6 +141,15 @@ class MixtureLoader:
         self.rows = [rows_by_name[name] for name in self.names]
         total = sum(weights[name] for name in self.names)
         self.weights = np.array([weights[name] / total for name in self.names], dtype=np.float64)
+        for name, share, rows in zip(self.names, self.weights, self.rows):
+            # a source with fewer rows than its share of one batch repeats rows within every batch (a single
+            # corpus smaller than a batch is refused alike: loader.py)
+            per_batch = math.ceil(share * global_batch_size - 1e-9)
+            if len(rows) < per_batch:
+                raise ValueError(f"mixture source {name!r}: only {len(rows)} rows for its share of a global batch "
+                                 f"({per_batch} of {global_batch_size} at weight {share:.3g}), so its rows would "
+                                 f"repeat within every batch; give it more data or a smaller weight, or use a "
+                                 f"smaller batch")
         self.global_batch_size = global_batch_size
         self.process_index = process_index
         self.process_count = process_count

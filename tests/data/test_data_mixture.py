@@ -152,3 +152,12 @@ def test_interleave_takes_one_document_from_each_source_in_turn_until_all_run_ou
     assert documents[3:7] == ["<a1>", texts[1], "<a2>", texts[2]]   # c ran out; a runs out after a2
     assert texts == [batch_text for batch in files.iter(batch_size=5) for batch_text in batch["text"]]
     assert len(documents) == 3 + 12 + 1
+
+
+def test_a_source_smaller_than_its_share_of_a_batch_is_refused_naming_it():
+    """Its one row was repeated 8 times in every batch of 16, without a word."""
+    rows = {"big": np.zeros((100, 9), np.int32), "tiny": np.ones((1, 9), np.int32)}
+    with pytest.raises(ValueError, match=r"mixture source 'tiny': only 1 rows for its share of a global batch \(8 of "
+                                         r"16 at weight 0.5\), so its rows would repeat within every batch"):
+        MixtureLoader(rows, {"big": 0.5, "tiny": 0.5}, global_batch_size=16)
+    MixtureLoader(rows, {"big": 0.95, "tiny": 0.05}, global_batch_size=16)   # one row a batch: repeats across batches
