@@ -177,13 +177,24 @@ def fields_differ(files: Sequence[Path]) -> DataError | None:
                      f"corpus folder (a stray metadata file?) or give data.source the files' own folder")
 
 
+def format_hint(fields) -> str:
+    """"; ... set data.format=chat" where a text corpus's records are conversations (or instructions), which a
+    fine-tuning format reads: the text-field advice alone led to training on one field of them."""
+    fields = set(fields or ())
+    if fields & {"messages", "conversations"}:
+        return "; these look like chat records: set data.format=chat to fine-tune on them"
+    if {"instruction", "output"} <= fields:
+        return "; these look like instruction records: set data.format=instruct to fine-tune on them"
+    return ""
+
+
 def missing_text_field(source: str, text_field: str, files: Sequence[Path]) -> DataError:
     """No record of a source whose schema was unknown until read has `text_field`: named with the fields the
     first file's first record has (the same error a source read whole gets from `select_text_column`)."""
     fields = next((fields for fields in map(record_fields, files[:1]) if fields is not None), None)
     held = f"; its records' fields are {list(fields)}" if fields is not None else ""
     return DataError(f"source {source!r} has no text field {text_field!r}{held} (data.text_field names the field "
-                     f"holding the text)")
+                     f"holding the text; --text-field for python -m spillway.data){format_hint(fields)}")
 
 
 def unreadable_corpus(builder: str, files: Sequence[Path], error: BaseException) -> DataError:

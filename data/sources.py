@@ -41,7 +41,8 @@ from spillway.layers.errors import DataError
 
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
-from .corpus_errors import ErrorsNamed, fields_differ, first_non_text_record, quiet_builders, unreadable_corpus
+from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, quiet_builders,
+                            unreadable_corpus)
 from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
                           TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, data_splits,
                           documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
@@ -259,7 +260,7 @@ def select_text_column(
         if text_field not in columns:
             raise ValueError(
                 f"source {source!r} has no text field {text_field!r}; its columns are {columns} (data.text_field "
-                f"names the field holding the text; --text-field for python -m spillway.data)"
+                f"names the field holding the text; --text-field for python -m spillway.data){format_hint(columns)}"
             )
         feature = dataset.features[text_field] if dataset.features else None
         if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):

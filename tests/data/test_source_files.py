@@ -91,3 +91,16 @@ def test_a_json_list_without_the_text_field_names_the_fields_it_has(tmp_path):
                                         r"\['content'\] \(data\.text_field names"):
         for _ in stream_documents(str(path)).iter(batch_size=100):
             pass
+
+
+def test_chat_or_instruction_records_read_as_text_point_at_data_format(tmp_path):
+    """The text-field advice alone (data.text_field=output) trained on the bare answers."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"these look like chat records: set data.format=chat"):
+        stream_documents(str(chat))
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": "q", "input": "", "output": "a"}]))
+    with pytest.raises(DataError, match=r"these look like instruction records: set data.format=instruct"):
+        for _ in stream_documents(str(alpaca)).iter(batch_size=10):
+            pass
