@@ -223,13 +223,15 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
             data = TrainingData({CORPUS: prepare_fine_tuning_rows(recipe, tokenizer, cfg.source)}, None)
         elif cfg.format != "text":   # a mixture of chat/instruct sources, each packed whole on its own
             total = sum(c.weight for c in components)
-            data = TrainingData({c.name: prepare_fine_tuning_rows(recipe, tokenizer, c.source) for c in components},
+            data = TrainingData(_each_source(components, cfg.format,
+                                             lambda source: prepare_fine_tuning_rows(recipe, tokenizer, source)),
                                 {c.name: c.weight / total for c in components})
         elif components is None:
             data = TrainingData({CORPUS: prepare_tokens(cfg.source, tokenizer, **options)}, None)
         else:
             total = sum(c.weight for c in components)
-            data = TrainingData({c.name: prepare_tokens(c.source, tokenizer, **options) for c in components},
+            data = TrainingData(_each_source(components, cfg.format,
+                                             lambda source: prepare_tokens(source, tokenizer, **options)),
                                 {c.name: c.weight / total for c in components})
         _check_validation_rows(recipe, data)
         return tokenizer, data
@@ -240,6 +242,22 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
         return result
     distributed.barrier("spillway-data-ready")
     return build()
+
+
+def _each_source(components, data_format: str, prepare_one) -> dict[str, PackedData]:
+    """Each mixture source prepared; a source that cannot be is named by its mixture name, with the format every
+    source of the mixture is read in (a chat source beside text ones was told to set data.format=text, which
+    the chat source then failed: advice in a circle)."""
+    prepared = {}
+    for component in components:
+        try:
+            prepared[component.name] = prepare_one(component.source)
+        except (DataError, ValueError) as error:
+            said = " ".join(str(error).split())
+            shared = (f" (every source of a mixture is read as data.format={data_format}: mix sources of one "
+                      f"format)" if "data.format" in said else "")
+            raise DataError(f"data.mixture source {component.name!r}: {said}{shared}") from None
+    return prepared
 
 
 def train_loader(data: TrainingData, recipe: Recipe, process_index: int,

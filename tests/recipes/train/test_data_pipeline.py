@@ -52,3 +52,24 @@ def test_a_source_too_small_to_validate_is_one_error_naming_it(prose, tmp_path):
                                         r"batch \(64 rows\).*raise data.val_fraction \(now 0.01\) or set "
                                         r"train.eval_every=0"):
         prepare(recipe)
+
+
+def test_a_mixture_source_that_cannot_be_read_is_named_with_the_format_every_source_shares():
+    """A chat source beside text ones was told 'set data.format=text', which the chat source then failed."""
+    import pytest
+
+    from spillway.data import MixtureComponent
+    from spillway.layers.errors import DataError
+    from spillway.recipes.train.data_pipeline import _each_source
+
+    def prepare(source):
+        if source == "text.jsonl":
+            raise DataError("data.format=chat: record text.jsonl, line 1 has no \"messages\"; a text corpus? set "
+                            "data.format=text")
+        return source
+
+    components = [MixtureComponent("c", 0.5, "chat.jsonl"), MixtureComponent("t", 0.5, "text.jsonl")]
+    with pytest.raises(DataError, match=r"^data.mixture source 't': data.format=chat: .* \(every source of a mixture "
+                                        r"is read as data.format=chat: mix sources of one format\)$"):
+        _each_source(components, "chat", prepare)
+    assert _each_source(components[:1], "chat", prepare) == {"c": "chat.jsonl"}
