@@ -238,6 +238,15 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
     return recipe, candidates, own_tokenizer, kept_bos
 
 
+def _chat_settings_unread(data: DataConfig) -> list[str]:
+    """The chat/instruct settings a text run was given away from their defaults (they were ignored unsaid)."""
+    if data.format != "text":
+        return []
+    defaults = DataConfig()
+    return [f"data.{name}={getattr(data, name)}" for name in ("chat_template", "train_on_prompt", "packing", "overlong")
+            if getattr(data, name) != getattr(defaults, name)]
+
+
 def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
     from spillway.data import load_tokenizer
@@ -252,6 +261,10 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     if recipe.data.mixture and recipe.data.source != DataConfig.source:
         say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
             f"it; list that source in the mixture to train on it)")
+    unread = _chat_settings_unread(recipe.data)
+    if unread:
+        say(f"warning: data.format=text, so {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read (they "
+            f"shape chat/instruct rows: set data.format=chat or instruct to fine-tune on conversations)")
     # Said first: a large corpus takes minutes to tokenize the first time, and nothing else is said meanwhile.
     say(f"data: preparing {recipe.data.mixture or recipe.data.source} (tokenized once, then read from "
         f"{recipe.data.cache_path})")

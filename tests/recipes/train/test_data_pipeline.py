@@ -73,3 +73,13 @@ def test_a_mixture_source_that_cannot_be_read_is_named_with_the_format_every_sou
                                         r"is read as data.format=chat: mix sources of one format\)$"):
         _each_source(components, "chat", prepare)
     assert _each_source(components[:1], "chat", prepare) == {"c": "chat.jsonl"}
+
+
+def test_chat_settings_given_to_a_text_run_are_named_as_not_read():
+    from spillway.recipes.config import DataConfig
+    from spillway.recipes.train.loop import _chat_settings_unread
+
+    assert _chat_settings_unread(DataConfig()) == []
+    assert _chat_settings_unread(DataConfig(chat_template="missing.jinja", packing="pad")) == [
+        "data.chat_template=missing.jinja", "data.packing=pad"]
+    assert _chat_settings_unread(DataConfig(format="chat", chat_template="chatml", packing="pad")) == []
