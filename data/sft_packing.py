@@ -61,7 +61,7 @@ PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
 # 2: messages keep their tool calls (and other keys), records their tools and system prompt; examples without
 # an answer skipped; data.max_tokens. 3: examples whose truncation cut their whole answer skipped (they were kept,
-# rows with nothing to train on)
+# rows with nothing to train on), and examples whose answers are all empty (they trained the end of turn alone)
 _SFT_PACKING_VERSION = 3
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
@@ -171,7 +171,18 @@ def _tokenized_examples(source: str, tokenizer: Tokenizer, template: ChatTemplat
         conversation = conversation_of(record, options.data_format)
         ids, flags = conversation_tokens(template, tokenizer, conversation.messages, specials, record.where,
                                          options.train_on_prompt, tools=conversation.tools)
+        if not options.train_on_prompt and not _answers(conversation.messages):
+            # empty answers only: their targets are the end of turn alone, which would teach the model to stop at
+            # once; an example with no answer (skipped and counted in _take)
+            flags = np.zeros_like(flags)
         yield index, ids, flags, record.where
+
+
+def _answers(messages: list[dict]) -> bool:
+    """Whether any assistant message says something: text that is not blank, or a tool call."""
+    return any(message.get("role") == "assistant" and (message.get("tool_calls") or
+                                                        str(message.get("content") or "").strip())
+               for message in messages)
 
 
 @dataclasses.dataclass
@@ -184,7 +195,7 @@ class _Progress:
     num_tokens: int = 0
     target_tokens: int = 0
     cut_target_tokens: int = 0   # answer tokens past a row's end, cut by data.overlong=truncate
-    no_answer: int = 0           # examples with no token to train on (no assistant message), skipped
+    no_answer: int = 0           # examples with no answer to train on (none, or empty ones), skipped
     answer_cut: int = 0          # examples whose answer lay wholly past a row's end (truncate), skipped
     examples: dict = dataclasses.field(default_factory=lambda: {"train": 0, "val": 0})
 
@@ -336,7 +347,7 @@ def _check_targets(source: str, examples: int, target_tokens: int, options: SftO
                         f"data.seq_len")
     raise DataError(f"data.source {source!r}: {examples} examples and no token to train on: the loss is on the "
                     f"assistant's messages and the end of turn after them, and no example has an assistant "
-                    f"message; add the answers, or set data.train_on_prompt=true to train on every token")
+                    f"message with something in it; add the answers, or set data.train_on_prompt=true to train on every token")
 
 
 def _check_examples(source: str, splits: dict, examples: int, overlong: int, row_len: int,

@@ -351,3 +351,22 @@ def test_an_example_cut_before_its_answer_is_skipped_and_counted_and_all_of_them
         prepare_sft_rows(str(every_cut), CharTokenizer(), template,
                          SftOptions("instruct", seq_len=40, val_fraction=0.0, overlong="drop"),
                          cache_dir=tmp_path / "cache")
+
+
+def test_an_example_whose_answers_are_all_empty_is_skipped_as_one_without_an_answer(tmp_path):
+    """Its only target was the end of turn: 48 such examples taught the model to stop at once, unsaid."""
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    empty = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]
+    called = [{"role": "user", "content": "q"},
+              {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                     "function": {"name": "f", "arguments": {}}}]}]
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    source = _chat_rows(tmp_path / "d.jsonl", [answered] * 3 + [empty] * 2)
+    packed = prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("chat", seq_len=40, val_fraction=0.0),
+                              cache_dir=tmp_path / "cache")
+    assert (packed.num_documents, packed.no_answer_examples) == (5, 2)
+    from spillway.data.sft_packing import _answers
+    assert _answers(called) and not _answers(empty) and _answers(answered)
+    with pytest.raises(DataError, match=r"no example has an assistant message with something in it"):
+        prepare_sft_rows(str(_chat_rows(tmp_path / "e.jsonl", [empty] * 3)), CharTokenizer(), template,
+                         SftOptions("chat", seq_len=40, val_fraction=0.0), cache_dir=tmp_path / "cache")
