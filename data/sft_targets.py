@@ -230,6 +230,20 @@ def end_of_turn_ids(template: ChatTemplate, tokenizer, specials: dict[str, int])
     return sorted(stops)
 
 
+def answer_end_warning(template: ChatTemplate, specials: dict[str, int]) -> str | None:
+    """A warning when the template writes no special token after an answer (`{{ role }}: {{ content }}\n`): the
+    targets then hold no end of turn, and the model trained on them never learns to stop; None otherwise."""
+    probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+    text, spans = answer_spans(template, probe, specials, "(end-of-turn probe)")
+    answer = text[spans[-1][0]:spans[-1][1]] if spans else ""
+    tail = answer[answer.find("pong") + len("pong"):] if "pong" in answer else ""
+    if any(special and special in tail for special in specials):
+        return None
+    return (f"warning: chat template {template.origin} writes no end-of-turn token after an answer (no special "
+            f"token, the tokenizer's EOS neither): a model trained on it never learns to stop; end each assistant "
+            f"turn with the EOS ({{{{ eos_token }}}}) or the tokenizer's end-of-turn token")
+
+
 def template_special_tokens(tokenizer) -> dict[str, str]:
     """eos_token / bos_token as the tokenizer itself names them, for a template whose files do not."""
     special = {"eos_token": tokenizer.token_text(tokenizer.eos_id)}

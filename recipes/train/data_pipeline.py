@@ -146,6 +146,13 @@ def run_chat_template(recipe: Recipe, tokenizer: Tokenizer):
                                  bos_first=adds_bos(tokenizer))
 
 
+def end_of_turn_warning(recipe: Recipe, tokenizer: Tokenizer) -> str | None:
+    """The warning for a chat template that ends no answer with an end-of-turn token (data/sft_targets.py)."""
+    from spillway.data.sft_targets import answer_end_warning, special_token_texts
+
+    return answer_end_warning(run_chat_template(recipe, tokenizer), special_token_texts(tokenizer))
+
+
 def prepare_fine_tuning_rows(recipe: Recipe, tokenizer: Tokenizer, source: str) -> PackedData:
     """A chat/instruct source tokenized and packed whole (data/sft_packing.py)."""
     from spillway.data.sft_packing import SftOptions, prepare_sft_rows

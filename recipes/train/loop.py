@@ -251,7 +251,7 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
     from spillway.data import load_tokenizer
     from spillway.recipes.train import lora_state
-    from spillway.recipes.train.data_pipeline import prepare, source_notes_of
+    from spillway.recipes.train.data_pipeline import end_of_turn_warning, prepare, source_notes_of
     from spillway.recipes.train.tokenization_record import describe_kept_bos
 
     say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
@@ -274,6 +274,8 @@ def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
                               bos=kept_bos)
     if kept_bos is not None and (line := describe_kept_bos(tokenizer, kept_bos, recipe.data.add_bos)):
+        say(line)
+    if recipe.data.format != "text" and (line := end_of_turn_warning(recipe, tokenizer)):
         say(line)
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")

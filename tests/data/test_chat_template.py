@@ -239,3 +239,17 @@ def test_a_template_that_does_not_render_tool_calls_is_refused_naming_the_record
     messages[1]["content"] = content
     with pytest.raises(DataError, match=r"^record calls.jsonl, line 4: " + says):
         conversation_tokens(chat, _SentencePieceLike(), messages, {"<|im_end|>": 3}, "calls.jsonl, line 4")
+
+
+def test_a_template_that_ends_no_answer_with_an_end_of_turn_token_is_warned_of(tmp_path):
+    """`{{ role }}: {{ content }}` trained answers with no EOS after them: a model that never stops, unsaid."""
+    from spillway.data.sft_targets import answer_end_warning
+
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    specials = {"<s>": 1, "</s>": 2}
+    for name in ("spillway", "chatml"):
+        assert answer_end_warning(resolve_chat_template(name, None, special, bos_first=True), specials) is None
+    bare = tmp_path / "bare.jinja"
+    bare.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    line = answer_end_warning(resolve_chat_template(str(bare), None, special), specials)
+    assert line.startswith(f"warning: chat template {bare} writes no end-of-turn token after an answer")
