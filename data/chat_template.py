@@ -243,6 +243,9 @@ def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
                 special.pop("bos_token", None)
             return ChatTemplate(BUILTIN_TEMPLATES[named], origin=f"built-in {named}", special_tokens=special)
         path = Path(named).expanduser()
+        if path.is_dir():
+            raise ChatTemplateError(f"data.chat_template {named!r} is a folder: name the template file in it (a "
+                                    f".jinja file, or a tokenizer_config.json holding \"chat_template\")")
         if not path.is_file():
             raise ChatTemplateError(f"data.chat_template {named!r}: neither a built-in template "
                                     f"({', '.join(BUILTIN_TEMPLATES)}) nor a file that exists")

@@ -193,13 +193,22 @@ def chat_messages(record: Record) -> list[dict]:
     return _with_system(record, messages)
 
 
+def _pair_kind(pair) -> str:
+    """What a `history` item holds instead of two strings: "a list of 3 items", "a list holding a JSON null"."""
+    if not isinstance(pair, list):
+        return _json_kind(pair)
+    if len(pair) != 2:
+        return f"a list of {len(pair)} item{'s' if len(pair) != 1 else ''}"
+    return f"a list holding {_json_kind(next(item for item in pair if not _text(item)))}"
+
+
 def _history(record: Record) -> list[dict]:
     """An alpaca record's `history` (LLaMA-Factory): [instruction, response] pairs, the turns before its own."""
     history = record.fields.get("history")
     if history is None:
         return []
     bad = (f"it is {_json_kind(history)}" if not isinstance(history, list) else
-           next((f"item {k} is {_json_kind(pair)}" for k, pair in enumerate(history)
+           next((f"item {k} is {_pair_kind(pair)}" for k, pair in enumerate(history)
                  if not (isinstance(pair, list) and len(pair) == 2 and all(map(_text, pair)))), None))
     if bad is not None:
         raise DataError(f"data.format=instruct: record {record.where}: \"history\" needs a list of [instruction, "

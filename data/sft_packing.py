@@ -347,7 +347,8 @@ def _check_targets(source: str, examples: int, target_tokens: int, options: SftO
                         f"data.seq_len")
     raise DataError(f"data.source {source!r}: {examples} examples and no token to train on: the loss is on the "
                     f"assistant's messages and the end of turn after them, and no example has an assistant "
-                    f"message with something in it; add the answers, or set data.train_on_prompt=true to train on every token")
+                    f"message with something in it; add the answers, or set data.train_on_prompt=true to train "
+                    f"on every token")
 
 
 def _check_examples(source: str, splits: dict, examples: int, overlong: int, row_len: int,
@@ -357,7 +358,9 @@ def _check_examples(source: str, splits: dict, examples: int, overlong: int, row
         return
     wanted = "a training and a validation example" if options.val_fraction > 0 else "a training example"
     capped = f" within data.max_tokens={options.max_tokens}" if options.max_tokens is not None else ""
+    more = "raise data.max_tokens" if options.max_tokens is not None else "use more records"
+    no_validation = (" or data.val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
+                     if options.val_fraction else "")
     raise DataError(f"data.source {source!r}: {examples} examples{capped} ({overlong} longer than a row of "
                     f"{row_len} tokens{', dropped' if options.overlong == 'drop' else ''}) do not give "
-                    f"{wanted}; use more records" + (" or data.val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
-                                                     if options.val_fraction else ""))
+                    f"{wanted}; {more}{no_validation}")

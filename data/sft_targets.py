@@ -103,9 +103,11 @@ def _check_rendered(template: ChatTemplate, messages: list[dict], text: str, whe
     for message in messages:
         content = message.get("content")
         if isinstance(content, str) and content.strip() and content.strip() not in text:
+            said = "an empty template" if not text.strip() else (
+                "a role the template does not know, or a misspelled variable, which Jinja writes as nothing "
+                "(message.contnt)")
             raise DataError(f"record {where}: the chat template {template.origin} does not render role "
-                            f"{message['role']!r} (its message is missing from the text): a role the template "
-                            f"does not know")
+                            f"{message['role']!r} (its message is missing from the text): {said}")
 
 
 def _check_calls_trained(template: ChatTemplate, messages: list[dict], text: str, spans, where: str) -> None:

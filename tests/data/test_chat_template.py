@@ -253,3 +253,17 @@ def test_a_template_that_ends_no_answer_with_an_end_of_turn_token_is_warned_of(t
     bare.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     line = answer_end_warning(resolve_chat_template(str(bare), None, special), specials)
     assert line.startswith(f"warning: chat template {bare} writes no end-of-turn token after an answer")
+
+
+def test_a_misspelled_variable_or_an_empty_template_is_not_called_an_unknown_role(tmp_path):
+    from spillway.data.sft_targets import answer_spans
+
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    misspelled = tmp_path / "t.jinja"
+    misspelled.write_text("{% for m in messages %}{{ m.contnt }}</s>{% endfor %}")
+    with pytest.raises(DataError, match=r"does not render role 'user' .*a misspelled variable"):
+        answer_spans(resolve_chat_template(str(misspelled), None, {"eos_token": "</s>"}), messages, {"</s>": 2}, "f:1")
+    empty = tmp_path / "e.jinja"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"does not render role 'user' .*: an empty template"):
+        answer_spans(resolve_chat_template(str(empty), None, {"eos_token": "</s>"}), messages, {"</s>": 2}, "f:1")

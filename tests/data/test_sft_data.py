@@ -370,3 +370,21 @@ def test_an_example_whose_answers_are_all_empty_is_skipped_as_one_without_an_ans
     with pytest.raises(DataError, match=r"no example has an assistant message with something in it"):
         prepare_sft_rows(str(_chat_rows(tmp_path / "e.jsonl", [empty] * 3)), CharTokenizer(), template,
                          SftOptions("chat", seq_len=40, val_fraction=0.0), cache_dir=tmp_path / "cache")
+
+
+def test_small_record_problems_say_what_they_are(tmp_path):
+    """A history pair of three items said 'item 0 is a list'; a folder as the template 'nor a file that exists';
+    a data.max_tokens too small for one example 'use more records'."""
+    with pytest.raises(DataError, match=r"\"history\" needs a list of \[instruction, response\] string pairs \(item 0 "
+                                        r"is a list of 3 items\)"):
+        instruct_messages(Record({"instruction": "q", "output": "a", "history": [["a", "b", "c"]]}, "f, line 1"))
+    with pytest.raises(DataError, match=r"item 0 is a list holding null"):
+        instruct_messages(Record({"instruction": "q", "output": "a", "history": [["a", None]]}, "f, line 1"))
+    with pytest.raises(DataError, match=r"data.chat_template '.*' is a folder: name the template file in it"):
+        resolve_chat_template(str(tmp_path), None)
+    source = _chat_rows(tmp_path / "d.jsonl", [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]])
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    with pytest.raises(DataError, match=r"within data.max_tokens=3 .* do not give a training example; raise "
+                                        r"data.max_tokens$"):
+        prepare_sft_rows(str(source), CharTokenizer(), template,
+                         SftOptions("chat", seq_len=40, val_fraction=0.0, max_tokens=3), cache_dir=tmp_path / "cache")
