@@ -108,8 +108,24 @@ def _same_tokenizer_file(before: Any, after: Any) -> bool:
         return False
 
 
+def _same_mixture(before: Any, after: Any) -> bool:
+    """Two data.mixture texts name the same mixture if they parse to the same sources, names and order, with
+    weights equal once normalised (a space added, 7:3 for 0.7:0.3): the loader draws the same batches. The
+    order stays part of it (the loader breaks ties between sources in that order)."""
+    from spillway.data import parse_mixture
+
+    def parsed(text):
+        components = parse_mixture(text)
+        total = sum(c.weight for c in components)
+        return [(c.name, c.source, c.weight / total) for c in components]
+    try:
+        return isinstance(before, str) and isinstance(after, str) and parsed(before) == parsed(after)
+    except ValueError:
+        return False
+
+
 # fields whose saved and new values may differ as text and still mean the same thing
-_EQUIVALENT = {"data.tokenizer": _same_tokenizer_file}
+_EQUIVALENT = {"data.tokenizer": _same_tokenizer_file, "data.mixture": _same_mixture}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -96,3 +96,18 @@ def test_a_tokenizer_reached_by_another_path_is_the_same_tokenizer(tmp_path):
         "data.tokenizer": [str(tmp_path / "a.model"), str(tmp_path / "b.model")]}
     with pytest.raises(RecipeMismatchError, match="data.tokenizer was"):
         compare_recipes(saved, tiny(f"data.tokenizer={tmp_path / 'c.model'}"), where="x")
+
+
+def test_a_mixture_written_another_way_resumes_a_reordered_or_reweighted_one_does_not():
+    """A space added, or weights 7:3 for 0.7:0.3, was refused as a changed mixture."""
+    from spillway.recipes.train.resume import RecipeMismatchError, compare_recipes
+
+    def recipe(mixture):
+        return get_recipe("tiny", [f"data.mixture={mixture}"]).to_dict()
+
+    saved = recipe("web=0.7:/data/web,code=0.3:/data/code")
+    assert compare_recipes(saved, recipe("web=7:/data/web, code=3:/data/code"), where="s") == {
+        "data.mixture": ["web=0.7:/data/web,code=0.3:/data/code", "web=7:/data/web, code=3:/data/code"]}
+    for other in ("code=0.3:/data/code,web=0.7:/data/web", "web=0.6:/data/web,code=0.4:/data/code"):
+        with pytest.raises(RecipeMismatchError, match="data.mixture"):
+            compare_recipes(saved, recipe(other), where="s")
