@@ -7,7 +7,7 @@ renders them as is its business), and the record's `tools`.
 
 * `chat`: a record holds `messages`, a list of `{"role", "content"}` (an
   assistant message with `tool_calls` may have a null `content`, OpenAI's
-  form); the ShareGPT spelling `conversations` with `{"from", "value"}` is
+  form; a content given as OpenAI's list of text parts is their text, joined); the ShareGPT spelling `conversations` with `{"from", "value"}` is
   accepted too, with LLaMA-Factory's roles (`human` -> user, `gpt` ->
   assistant, `observation` and `function` -> tool, `system` stays;
   `function_call` -> an assistant message whose `tool_calls` are the calls
@@ -138,6 +138,22 @@ def _sharegpt_call(record: Record, index: int, value) -> dict:
             "tool_calls": [{"type": "function", "function": call} for call in calls]}
 
 
+def _joined_parts(record: Record, index: int, content):
+    """Content given as OpenAI's list of parts (`[{"type": "text", "text": ...}, ...]`, as transformers'
+    multimodal templates take it) as the one string a text model's template renders: the text parts joined as
+    those templates write them, one after the other. A part that is not text is one line: the models here read
+    text only. Any other content is returned as it is, for the caller to judge."""
+    if not (isinstance(content, list) and content and all(isinstance(part, dict) for part in content)):
+        return content
+    for number, part in enumerate(content):
+        if part.get("type") != "text" or not _text(part.get("text")):
+            kind = part.get("type")
+            raise DataError(f"data.format=chat: record {record.where}, message {index}, content part {number}: "
+                            + (f"of type {kind!r}; the models here read text only: keep the text parts"
+                               if kind not in (None, "text") else "needs \"type\": \"text\" and a string \"text\""))
+    return "".join(part["text"] for part in content)
+
+
 def _message(record: Record, index: int, message, role_key: str, text_key: str, sharegpt: bool) -> dict:
     """One message as a template takes it: role, content and every other key of the record's message. A key
     whose value is null is left out: a Parquet record holds every column for every message, null where the
@@ -151,7 +167,7 @@ def _message(record: Record, index: int, message, role_key: str, text_key: str, 
         calls = _json_list(record, f'message {index}: "tool_calls"', extras.pop("tool_calls"))
         if calls:
             extras["tool_calls"] = calls
-    content = message.get(text_key)
+    content = _joined_parts(record, index, message.get(text_key))
     if not (_text(content) or (content is None and "tool_calls" in extras)):
         raise _bad_message(record, index, message, role_key, text_key)
     role = _sharegpt_role(record, index, message[role_key]) if sharegpt else message[role_key]

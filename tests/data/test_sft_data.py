@@ -388,3 +388,16 @@ def test_small_record_problems_say_what_they_are(tmp_path):
                                         r"data.max_tokens$"):
         prepare_sft_rows(str(source), CharTokenizer(), template,
                          SftOptions("chat", seq_len=40, val_fraction=0.0, max_tokens=3), cache_dir=tmp_path / "cache")
+
+
+def test_content_as_a_list_of_text_parts_is_their_text_and_other_parts_are_named():
+    """OpenAI's and transformers' multimodal form: it was refused as content that is not a string."""
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello, "},
+                                                       {"type": "text", "text": "world"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}]}
+    assert [m["content"] for m in chat_messages(Record(parts, "f, line 1"))] == ["Hello, world", "hi"]
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                          {"role": "assistant", "content": "a"}]}
+    with pytest.raises(DataError, match=r"f, line 2, message 0, content part 0: of type 'image_url'; the models here "
+                                        r"read text only"):
+        chat_messages(Record(image, "f, line 2"))
