@@ -29,7 +29,7 @@ from pathlib import Path
 from spillway.layers.errors import DataError, SpillwayError
 
 from .corpus import BUILTIN_STDLIB
-from .hub_reach import hub_unreachable_reason
+from .hub_reach import hub_unreachable_reason, local_copy_advice
 from .packing import prepare_tokens
 from .peak_memory import peak_rss_bytes
 from .shards import DEFAULT_SHARD_TOKENS
@@ -81,9 +81,8 @@ def check_hub_reachable(source: str) -> None:
         what = (f"is the Hugging Face Hub dataset {hub.repo_id}" if source.startswith(HUB_PREFIX) else
                 f"is no file or folder (relative to {os.getcwd()}), and as the Hugging Face Hub dataset "
                 f"{hub.repo_id}")
-        raise DataError(f"--source {source!r} {what}, streamed as it is read, {reason}: give --source a local copy (a folder of the dataset's .parquet, "
-                        f".jsonl or .txt files; fetch them where there is a network with `hf download "
-                        f"{hub.repo_id} --repo-type dataset --local-dir DIR`)")
+        raise DataError(f"--source {source!r} {what}, streamed as it is read, {reason}: "
+                        f"{local_copy_advice(hub, '--source DIR')}")
 
 
 def prepare_and_report(argv: list[str] | None) -> None:

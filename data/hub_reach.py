@@ -47,3 +47,12 @@ def hub_unreachable_reason(hub: HubSpec, *, timeout_s: float = 10.0) -> str | No
         reason = " ".join(str(error).split())[:200] or type(error).__name__
         return f"the Hub cannot be reached ({reason})"
     return None
+
+
+LOCAL_CORPUS = "a folder of the dataset's .parquet, .jsonl or .txt files"
+
+
+def local_copy_advice(hub: HubSpec, fix: str) -> str:
+    """What to do instead of streaming `hub` from here: `fix` names the setting or flag that takes the copy."""
+    return (f"point it at a local copy with {fix} ({LOCAL_CORPUS}; fetch them where there is a network with "
+            f"`hf download {hub.repo_id} --repo-type dataset --local-dir DIR`)")

@@ -32,7 +32,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from spillway.data.hub_reach import hub_unreachable_reason
+from spillway.data.hub_reach import LOCAL_CORPUS, hub_unreachable_reason, local_copy_advice
 from spillway.data.mixture import parse_mixture
 from spillway.data.sources import MissingSplitError, parse_hub_spec, parse_local_spec
 from spillway.data.tokenizer import TOKENIZER_FILES, tokenizer_file_in
@@ -40,7 +40,6 @@ from spillway.layers.errors import DataError
 from spillway.recipes.config import DataConfig, Recipe
 
 LOCAL_TOKENIZER = "a tokenizer.json, a sentencepiece .model, or a folder holding either"
-LOCAL_CORPUS = "a folder of the dataset's .parquet, .jsonl or .txt files"
 
 
 class MissingInputError(DataError):
@@ -188,5 +187,4 @@ def _source_problem(field: str, source: str, fix: str, split: str) -> str | None
         return None
     config = f" (config {hub.config})" if hub.config else ""
     return (f"{field} {source!r} is the Hugging Face Hub dataset {hub.repo_id}{config}, streamed while training, "
-            f"and {reason}: point the run at a local copy with {fix} ({LOCAL_CORPUS}; fetch them where there is "
-            f"a network with `hf download {hub.repo_id} --repo-type dataset --local-dir DIR`)")
+            f"and {reason}: {local_copy_advice(hub, fix)}")
