@@ -7,7 +7,8 @@ renders them as is its business), and the record's `tools`.
 
 * `chat`: a record holds `messages`, a list of `{"role", "content"}` (an
   assistant message with `tool_calls` may have a null `content`, OpenAI's
-  form; a content given as OpenAI's list of text parts is their text, joined); the ShareGPT spelling `conversations` with `{"from", "value"}` is
+  form; a content given as OpenAI's list of text parts is their text,
+  joined); the ShareGPT spelling `conversations` with `{"from", "value"}` is
   accepted too, with LLaMA-Factory's roles (`human` -> user, `gpt` ->
   assistant, `observation` and `function` -> tool, `system` stays;
   `function_call` -> an assistant message whose `tool_calls` are the calls
@@ -41,7 +42,7 @@ from spillway.layers.errors import DataError
 
 from .corpus_errors import parse_jsonl_line, unreadable_corpus
 from .local_files import SAVED, corpus_suffix, open_binary
-from .sources import TEXT_SUFFIXES, parse_hub_spec, parse_local_spec
+from .sources import TEXT_SUFFIXES, load_local_files, parse_hub_spec, parse_local_spec
 
 FORMATS = ("text", "chat", "instruct")
 SFT_FORMATS = ("chat", "instruct")
@@ -292,7 +293,10 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
             for path in local.files:
                 yield from _jsonl_records(path)
             return
-    stream = _record_stream(source, split, cache_dir)
+        # the reader of a text corpus's files: a file that fails is named (its line, its fields)
+        stream = load_local_files(local, True, None if cache_dir is None else str(cache_dir))
+    else:
+        stream = _hub_records(source, hub, split, cache_dir)
     records = enumerate(stream, start=1)
     while True:
         try:
@@ -301,29 +305,23 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
             return
         except DataError:
             raise
-        except Exception as error:   # a stream fails as it is read: a local file named (its line, its fields)
-            if hub is not None:
-                raise DataError(f"data.source {source!r}: cannot read its records ({type(error).__name__}: "
-                                f"{' '.join(str(error).split())[:300]})") from error
-            raise unreadable_corpus(local.builder, local.files, error) from error
+        except Exception as error:   # a stream fails as it is read
+            raise (_unreadable_records(source, error) if hub is not None else
+                   unreadable_corpus(local.builder, local.files, error)) from error
         yield Record(dict(fields), f"{source}, record {number}")
 
 
-def _record_stream(source: str, split: str, cache_dir):
-    """A `datasets` stream of whole records (every column) of `split`, through the same loaders as text sources
-    (a local source's files are that split's already: `datasets` sees them as its one split, train)."""
+def _hub_records(source: str, hub, split: str, cache_dir):
+    """A `datasets` stream of a Hub dataset's whole records (every column) of `split`."""
     import datasets
 
-    hub = parse_hub_spec(source)
-    cache = None if cache_dir is None else str(cache_dir)
     try:
-        if hub is not None:
-            return datasets.load_dataset(**hub.load_dataset_kwargs(split=split, streaming=True), cache_dir=cache)
-        local = parse_local_spec(source, split)
-        if local.builder == SAVED:
-            return datasets.load_from_disk(str(local.root)).to_iterable_dataset()
-        return datasets.load_dataset(local.builder, data_files=[str(p) for p in local.files], split="train",
-                                     streaming=True, cache_dir=cache)
+        return datasets.load_dataset(**hub.load_dataset_kwargs(split=split, streaming=True),
+                                     cache_dir=None if cache_dir is None else str(cache_dir))
     except Exception as error:
-        raise DataError(f"data.source {source!r}: cannot read its records ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:300]})") from error
+        raise _unreadable_records(source, error) from error
+
+
+def _unreadable_records(source: str, error: BaseException) -> DataError:
+    return DataError(f"data.source {source!r}: cannot read its records ({type(error).__name__}: "
+                     f"{' '.join(str(error).split())[:300]})")

@@ -287,9 +287,11 @@ class RecordsWithoutText:
         return _has_text(batch)
 
 
-def _load_local(local: LocalSpec, streaming: bool, cache: str | None) -> datasets.Dataset | datasets.IterableDataset:
+def load_local_files(local: LocalSpec, streaming: bool,
+                     cache: str | None) -> datasets.Dataset | datasets.IterableDataset:
     """A local source's files through `datasets`: a `save_to_disk` folder with `load_from_disk`, data files with
-    the packaged builder (their split is chosen already, so `datasets` sees them as its one split, train)."""
+    the packaged builder (their split is chosen already, so `datasets` sees them as its one split, train); a
+    failure to open them is `unreadable_corpus`'s one line. Text documents and chat records alike."""
     if local.builder == SAVED:
         dataset = datasets.load_from_disk(str(local.root))
         return dataset.to_iterable_dataset() if streaming else dataset
@@ -338,7 +340,7 @@ def load_documents(
             raise _hub_failure(source, hub, error) from error
     else:
         local = parse_local_spec(source, split)
-        dataset = _load_local(local, bool(streaming), cache)
+        dataset = load_local_files(local, bool(streaming), cache)
     try:
         dataset = select_text_column(dataset, text_field, source)
     except ValueError as error:
