@@ -145,29 +145,34 @@ def _load_base_weights(recipe: Recipe, abstract_base):
     return load_init_weights(recipe, abstract_base, say=lambda *_: None)
 
 
-def check_base_unchanged(recipe: Recipe, where: str = "") -> None:
+def check_base_unchanged(recipe: Recipe) -> None:
     """CheckpointError when the files at a LoRA run's base are not those its adapters were trained on (another
     model saved at the same path); a run saved before the digest was kept is not checked."""
     expected = recipe.checkpoint.init_from_digest
     if not recipe.lora.enabled or expected is None:
         return
     from spillway.recipes.train.base_digest import base_digest
-    from spillway.recipes.train.checkpoint import CheckpointError
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
 
-    init_from = recipe.checkpoint.init_from
-    folder = hf_checkpoint_dir(init_from) or Path(init_from).expanduser()
+    folder = hf_checkpoint_dir(recipe.checkpoint.init_from) or Path(recipe.checkpoint.init_from).expanduser()
     if folder.exists() and base_digest(folder) != expected:   # a missing one: the load names it
-        raise CheckpointError(f"{where}the LoRA run's base checkpoint.init_from={init_from} holds other weights than "
-                              f"those its adapters were trained on (its files changed since the run started: another "
-                              f"model saved there?); put the original base back, or train new adapters on this one "
-                              f"in a new checkpoint.dir")
+        raise _other_base(recipe.checkpoint.init_from)
+
+
+def _other_base(init_from: str, where: str = ""):
+    from spillway.recipes.train.checkpoint import CheckpointError
+
+    return CheckpointError(f"{where}the LoRA run's base checkpoint.init_from={init_from} holds other weights than "
+                           f"those its adapters were trained on (its files changed since the run started: another "
+                           f"model saved there?); put the original base back, or train new adapters on this one "
+                           f"in a new checkpoint.dir")
 
 
 def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
     """A LoRA run resumes on the base its adapters were trained on: the saved step's checkpoint.init_from
     must be the one this run resolves now (a ConfigError naming both otherwise: adapters on another base
-    are another model, and `checkpoint.*` may otherwise change on a resume)."""
+    are another model, and `checkpoint.*` may otherwise change on a resume), holding the same files (its
+    digest, a CheckpointError otherwise). `recipe` is pinned (`pin_base`)."""
     import json
 
     from spillway.layers.errors import ConfigError
@@ -180,7 +185,7 @@ def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
         raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
                           f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "
                           f"into a new checkpoint.dir)")
-    digest = saved_checkpoint.get("init_from_digest")   # None: saved before digests were kept
-    if digest is not None:
-        check_base_unchanged(dataclasses.replace(
-            recipe, checkpoint=dataclasses.replace(recipe.checkpoint, init_from_digest=digest)), f"{where}: ")
+    # the pinned recipe's digest is the base's files as they are now, read once at this start
+    digest, now = saved_checkpoint.get("init_from_digest"), recipe.checkpoint.init_from_digest
+    if digest is not None and now is not None and digest != now:   # None: saved before digests, or base missing
+        raise _other_base(recipe.checkpoint.init_from, f"{where}: ")
