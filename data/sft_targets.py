@@ -220,26 +220,23 @@ def prompt_tokens(template: ChatTemplate, tokenizer, messages: list[dict], speci
     return [int(i) for i in ids]
 
 
-def end_of_turn_ids(template: ChatTemplate, tokenizer, specials: dict[str, int]) -> list[int]:
-    """The ids that end an answer: the tokenizer's EOS and the special tokens the template writes after one."""
+def _after_answer(template: ChatTemplate, specials: dict[str, int]) -> list[str]:
+    """The special tokens the template writes right after an answer (in its answer span): one probe turn."""
     probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
     text, spans = answer_spans(template, probe, specials, "(end-of-turn probe)")
-    stops = {tokenizer.eos_id}
     tail = text[text.find("pong") + len("pong"):spans[-1][1]] if spans else ""
-    for special, token_id in specials.items():
-        if special and special in tail:
-            stops.add(token_id)
-    return sorted(stops)
+    return [special for special in specials if special and special in tail]
+
+
+def end_of_turn_ids(template: ChatTemplate, tokenizer, specials: dict[str, int]) -> list[int]:
+    """The ids that end an answer: the tokenizer's EOS and the special tokens the template writes after one."""
+    return sorted({tokenizer.eos_id} | {specials[special] for special in _after_answer(template, specials)})
 
 
 def answer_end_warning(template: ChatTemplate, specials: dict[str, int]) -> str | None:
-    """A warning when the template writes no special token after an answer (`{{ role }}: {{ content }}\n`): the
+    """A warning when the template writes no special token after an answer (`{{ role }}: {{ content }}\\n`): the
     targets then hold no end of turn, and the model trained on them never learns to stop; None otherwise."""
-    probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
-    text, spans = answer_spans(template, probe, specials, "(end-of-turn probe)")
-    answer = text[spans[-1][0]:spans[-1][1]] if spans else ""
-    tail = answer[answer.find("pong") + len("pong"):] if "pong" in answer else ""
-    if any(special and special in tail for special in specials):
+    if _after_answer(template, specials):
         return None
     return (f"warning: chat template {template.origin} writes no end-of-turn token after an answer (no special "
             f"token, the tokenizer's EOS neither): a model trained on it never learns to stop; end each assistant "
