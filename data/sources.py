@@ -163,7 +163,7 @@ class MissingSplitError(DataError):
 def _check_split(source: str, split: str, splits: list[str]) -> None:
     if split not in splits:
         raise MissingSplitError(f"corpus {source!r} has no split {split!r}; its splits: {', '.join(splits)} "
-                         f"(data.split, or --split, chooses one)")
+                                f"(data.split, or --split, chooses one)")
 
 
 def _file_spec(path: Path, split: str) -> LocalSpec:

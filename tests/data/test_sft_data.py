@@ -340,7 +340,8 @@ def test_an_example_cut_before_its_answer_is_skipped_and_counted_and_all_of_them
                               SftOptions("instruct", seq_len=40, val_fraction=0.0), cache_dir=tmp_path / "cache")
     assert (packed.num_documents, packed.overlong_examples, packed.answer_cut_examples) == (5, 2, 2)
     assert all(row[TARGETS].any() for row in packed.train)   # every row holds something to train on
-    assert "; 2 cut before their answer, skipped (raise data.seq_len" in TrainingData({"corpus": packed}, None).describe()
+    described = TrainingData({"corpus": packed}, None).describe()
+    assert "; 2 cut before their answer, skipped (raise data.seq_len" in described
     every_cut = write_long_prompts(tmp_path / "cut.jsonl", ["p" * 80] * 4)
     with pytest.raises(DataError, match=r"4 examples and no token to train on: every answer lies past the end of a row "
                                         r"of 41 tokens \(data.seq_len=40\) \(4 examples cut before their answer"):
@@ -382,7 +383,8 @@ def test_small_record_problems_say_what_they_are(tmp_path):
         instruct_messages(Record({"instruction": "q", "output": "a", "history": [["a", None]]}, "f, line 1"))
     with pytest.raises(DataError, match=r"data.chat_template '.*' is a folder: name the template file in it"):
         resolve_chat_template(str(tmp_path), None)
-    source = _chat_rows(tmp_path / "d.jsonl", [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]])
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    source = _chat_rows(tmp_path / "d.jsonl", [answered])
     template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
     with pytest.raises(DataError, match=r"within data.max_tokens=3 .* do not give a training example; raise "
                                         r"data.max_tokens$"):

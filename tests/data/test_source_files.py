@@ -56,21 +56,24 @@ def test_the_run_says_how_many_records_it_skipped(tokenizer, tmp_path):
     assert "(10 records without a text field skipped)" in TrainingData({CORPUS: packed}, None).describe()
 
 
+def read_texts(source) -> list[str]:
+    """Every document a source streams (its read failures are raised as it is read)."""
+    return [text for batch in stream_documents(str(source)).iter(batch_size=100) for text in batch["text"]]
+
+
 def test_a_dataset_card_beside_jsonl_files_is_skipped_and_said(tmp_path):
     from spillway.data.sources import source_notes
 
     (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# My dataset\n")   # every Hub dataset has one
     (tmp_path / "records.jsonl").write_text("".join(json.dumps({"text": f"record {i} " * 6}) + "\n" for i in range(9)))
-    documents = list(stream_documents(str(tmp_path)).iter(batch_size=100))
-    assert [text for batch in documents for text in batch["text"]] == [f"record {i} " * 6 for i in range(9)]
+    assert read_texts(tmp_path) == [f"record {i} " * 6 for i in range(9)]
     assert any("README.md (documentation beside record files)" in note for note in source_notes(str(tmp_path)))
 
 
 def test_markdown_among_text_files_is_still_read(tmp_path):
     (tmp_path / "a.txt").write_text("plain text " * 9)
     (tmp_path / "b.md").write_text("# markdown " * 9)
-    texts = [text for batch in stream_documents(str(tmp_path)).iter(batch_size=10) for text in batch["text"]]
-    assert sorted(texts) == sorted(["plain text " * 9, "# markdown " * 9])
+    assert sorted(read_texts(tmp_path)) == sorted(["plain text " * 9, "# markdown " * 9])
 
 
 def test_a_stray_json_among_jsonl_shards_is_named_with_its_fields(tmp_path):
@@ -80,8 +83,7 @@ def test_a_stray_json_among_jsonl_shards_is_named_with_its_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 3, "name": "x"}))
     with pytest.raises(DataError, match=r"corpus file '.*config\.json' holds records with fields \['name', "
                                         r"'vocab_size'\], the other files \['text'\]"):
-        for _ in stream_documents(str(tmp_path)).iter(batch_size=100):
-            pass
+        read_texts(tmp_path)
 
 
 def test_a_json_list_without_the_text_field_names_the_fields_it_has(tmp_path):
@@ -89,8 +91,7 @@ def test_a_json_list_without_the_text_field_names_the_fields_it_has(tmp_path):
     path.write_text(json.dumps([{"content": f"document {i} " * 5} for i in range(30)]))
     with pytest.raises(DataError, match=r"source '.*list\.json' has no text field 'text'; its records' fields are "
                                         r"\['content'\] \(data\.text_field names"):
-        for _ in stream_documents(str(path)).iter(batch_size=100):
-            pass
+        read_texts(path)
 
 
 def test_chat_or_instruction_records_read_as_text_point_at_data_format(tmp_path):
@@ -102,5 +103,4 @@ def test_chat_or_instruction_records_read_as_text_point_at_data_format(tmp_path)
     alpaca = tmp_path / "alpaca.json"
     alpaca.write_text(json.dumps([{"instruction": "q", "input": "", "output": "a"}]))
     with pytest.raises(DataError, match=r"these look like instruction records: set data.format=instruct"):
-        for _ in stream_documents(str(alpaca)).iter(batch_size=10):
-            pass
+        read_texts(alpaca)
