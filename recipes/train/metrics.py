@@ -11,7 +11,10 @@ metrics.jsonl and asks TensorBoard to purge its events after K: the steps it
 trains again replace those rows instead of repeating them. `read_metrics`
 reads files written before that rule (rows repeated after a restart) the same
 way: a step going backwards starts a new segment that replaces what came
-after it. MFU is model FLOPs per second over the
+after it. A value that is not finite (a diverged loss, the MFU of a GPU
+without a known peak) is written as JSON's null, since NaN and Infinity are
+not JSON and strict readers (jq, JavaScript, most non-Python loaders) refuse the
+whole line; `read_metrics` reads a null back as NaN. MFU is model FLOPs per second over the
 device's peak: the target's published bf16 peak on GPUs (recipes/targets.py), and on a CPU the
 measured rate of a large float32 matmul (so the figure means "fraction of what
 this machine's matmul can do").
@@ -81,9 +84,36 @@ def check_finite(step: int, loss: float, resume_hint: str = "the last checkpoint
             f"optimizer.clip_norm, or check the data; {resume_hint}")
 
 
+def _json_number(value):
+    """`value` with every float that is not finite as None (null in JSON), in lists and dicts too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_json_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_number(v) for k, v in value.items()}
+    return value
+
+
+def _metrics_line(row: dict) -> str:
+    return json.dumps(_json_number(row), allow_nan=False) + "\n"
+
+
+def _from_json_number(value):
+    """A null read back as NaN: the only nulls metrics.jsonl holds are values that were not finite."""
+    if value is None:
+        return math.nan
+    if isinstance(value, list):
+        return [_from_json_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _from_json_number(v) for k, v in value.items()}
+    return value
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The rows of a metrics.jsonl, restarts resolved: a row whose step is lower than the row before it
-    (a run resumed from an earlier step) drops the earlier rows at that step and after."""
+    (a run resumed from an earlier step) drops the earlier rows at that step and after. A null (a value
+    that was not finite) reads as NaN; files written before that rule hold NaN itself, which reads the same."""
     rows: list[dict] = []
     for line in Path(path).read_text().splitlines():
         if not line.strip():
@@ -94,6 +124,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
             continue  # a line cut short by a kill mid-write
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             continue
+        row = _from_json_number(row)
         if rows and row["step"] < rows[-1]["step"]:
             rows = [r for r in rows if r["step"] < row["step"]]
         rows.append(row)
@@ -132,7 +163,7 @@ class RunLogger:
             return
         kept = [row for row in read_metrics(self.metrics_path) if row["step"] <= step]
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        tmp.write_text("".join(_metrics_line(row) for row in kept))
         os.replace(tmp, self.metrics_path)  # a kill here leaves the old file or the new one, never half of it
 
     def log(self, step: int, metrics: dict) -> None:
@@ -141,7 +172,7 @@ class RunLogger:
         self.history.append(row)
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.write(_metrics_line(row))
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, float) and math.isfinite(value):

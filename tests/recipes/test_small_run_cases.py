@@ -1,8 +1,10 @@
 """Smaller things a new user meets: a deleted metrics.jsonl, a data.source a mixture ignores, a loss curve
-with nothing to draw, a parameter count written in prose."""
+with nothing to draw, metrics.jsonl read by a strict JSON reader, a parameter count written in prose."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import warnings
 
@@ -12,7 +14,7 @@ from micro_recipe import micro
 from spillway.recipes import cli
 from spillway.recipes.registry import get_recipe, recipe_names
 from spillway.recipes.train.loop import train
-from spillway.recipes.train.metrics import RunLogger
+from spillway.recipes.train.metrics import RunLogger, read_metrics
 
 
 @pytest.mark.slow  # an end-to-end run of 35 s on 2 cores: `make test-slow` (CI: .venv-jax011's slow step), keeping `make test` near 12 minutes
@@ -42,6 +44,26 @@ def test_no_loss_to_draw_draws_nothing_and_warns_nothing(tmp_path):
         logger.log(3, {"loss": 2.5})
         assert logger.plot_loss() == tmp_path / "run" / "loss.png"
     logger.close()
+
+
+def test_metrics_jsonl_is_strict_json_and_reads_a_value_that_was_not_finite_back_as_nan(tmp_path):
+    """NaN and Infinity are not JSON: Python wrote them, and jq or JSON.parse refused the whole line."""
+    logger = RunLogger(tmp_path / "run", start_step=0, tensorboard=False)
+    logger.log(1, {"loss": 2.5, "grad_norm": math.inf, "mfu": math.nan, "load": [0.5, math.nan]})
+    logger.close()
+    line = (tmp_path / "run" / "metrics.jsonl").read_text().strip()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    strict = json.loads(line, parse_constant=refuse)
+    assert strict == {"step": 1, "loss": 2.5, "grad_norm": None, "mfu": None, "load": [0.5, None]}
+    (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert row["loss"] == 2.5 and math.isnan(row["grad_norm"]) and math.isnan(row["mfu"])
+    assert row["load"][0] == 0.5 and math.isnan(row["load"][1])
+    resumed = RunLogger(tmp_path / "run", start_step=1, tensorboard=False)   # the rewrite keeps it strict
+    resumed.close()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().strip() == line
 
 
 def test_parameter_counts_are_computed_not_written_in_descriptions(capsys):
