@@ -1,6 +1,7 @@
 """`python -m spillway.data`: train (or load) a tokenizer and pack a corpus, printing what each step cost.
 
-Useful to warm the cache before a run, and to measure a corpus:
+Useful to measure a text corpus, and to warm the cache before a run (`spillway prepare RECIPE` prepares
+any run's data as the run makes it: chat and instruct formats, mixtures, a named tokenizer):
 
     python -m spillway.data --source builtin:stdlib --vocab-size 2048 --seq-len 128   # the tiny recipe's rows
 

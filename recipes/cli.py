@@ -3,6 +3,7 @@
     spillway recipes [NAME]
     spillway train tiny [--set train.steps=100 ...] [--plan auto [--gpu h200]]
     spillway train path/to/recipe.json | my_recipes:my_recipe [--set ...]   (recipes/user_recipes.py)
+    spillway prepare tiny [--set ...]   (the run's tokenizer and rows into the cache, before the run)
     spillway generate runs/tiny --prompt "def " [--tokens 100 --temperature 0.8 --top-p 0.95]
     spillway generate runs/tiny_sft --chat "Write a function that adds a and b."
     spillway export runs/sft out/ [--adapter]   (a Hugging Face folder; --adapter: a PEFT LoRA adapter)
@@ -81,6 +82,13 @@ def _cmd_train(args) -> int:
                             devices=args.devices, host_ram_gb=args.host_ram_gb)
     from spillway.recipes.train.loop import train
     train(recipe, stop_after=args.stop_after, host_ram_gb=args.host_ram_gb)
+    return 0
+
+
+def _cmd_prepare(args) -> int:
+    from spillway.recipes.train.prepare_ahead import prepare_ahead
+    from spillway.recipes.user_recipes import load_recipe
+    prepare_ahead(load_recipe(args.recipe, args.set))
     return 0
 
 
@@ -186,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="save and leave after N steps of this invocation (time-limited jobs); rerun to resume")
     p.set_defaults(fn=_cmd_train)
+
+    p = sub.add_parser("prepare", parents=[common],
+                       help="tokenize a recipe's data into the cache its run reads (format, mixture, tokenizer, "
+                            "chat template as the run has them), without a model or a run folder")
+    p.add_argument("recipe", help="a registered name, a recipe .json file, or module:function returning a Recipe")
+    p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
+    p.set_defaults(fn=_cmd_prepare)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint", parents=[common])
     p.add_argument("checkpoint", help="a run directory (latest step) or a checkpoint step directory")

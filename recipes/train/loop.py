@@ -9,7 +9,7 @@
                   fine-tune's tokenizer (finetune.py)
     host checks   before data: the mesh, the run's host memory per phase (host_memory.py; a split
                   host:N state too) and the save that fits (orbax's whole async one, or in pieces)
-    data          tokenizer and packed rows (data_pipeline.py); the batches (batch.BatchFeed)
+    data          tokenizer and packed rows (run_data.py, data_pipeline.py); the batches (batch.BatchFeed)
     setup         the model in its shards and the jitted step (step.py), the programs the loop runs
                   (run_state.StepPrograms)
     state         built, a fine-tune's weights, or restored (run_state.initial_state; a LoRA run's
@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import functools
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from flax import nnx
 from spillway.layers.memory import Memory
 from spillway.layers.residency import memory_of
 from spillway.layers.sharding import make_mesh
-from spillway.recipes.config import DataConfig, Recipe
+from spillway.recipes.config import Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
 from spillway.recipes.train import distributed, gpu_allocators, host_memory
@@ -48,6 +47,7 @@ from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.loop_parts import LossWatch, Profile, Progress, Saving, Stopping, Validation
 from spillway.recipes.train.metrics import METRICS_FILENAME, RunLogger
 from spillway.recipes.train.preemption import GroupStop, StopSignals
+from spillway.recipes.train.run_data import prepare_run_data
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.run_state import (RunState, StepPrograms, initial_state, step_programs,
                                               weights_from_elsewhere)
@@ -127,7 +127,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     """
     from spillway.recipes.train.checkpoint import CHECKPOINTS_DIRNAME, RunCheckpointer
 
-    recipe, main, say = _checks(recipe, echo, host_ram_gb)
+    recipe, main, say = run_checks(recipe, echo, host_ram_gb)
     run_dir = Path(recipe.run_dir)
     with _gone_if_nothing_trained(run_dir, main), _owned_run_dir(run_dir, main, say) as lock:
         # opening checks that checkpoints can be written there: before any data is prepared
@@ -146,7 +146,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
             checkpointer.close()
 
 
-def _checks(recipe: Recipe, echo, host_ram_gb: float | None):
+def run_checks(recipe: Recipe, echo, host_ram_gb: float | None):
     """(recipe, is this process 0, its `say`): every check that needs no run directory, once each,
     before anything is written or any data prepared."""
     from spillway.recipes.train import lora_state
@@ -184,7 +184,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
 
     recipe, candidates, own_tokenizer, kept_bos = _before_data(recipe, run_dir, checkpointer, say)
     mesh = _host_checks(recipe, checkpointer, host_ram_gb, say)
-    tokenizer, data = _prepare_data(recipe, own_tokenizer, kept_bos, say)
+    tokenizer, data = prepare_run_data(recipe, own_tokenizer, kept_bos, say)
     s = _build_setup(recipe, mesh, say, initialise=not weights_from_elsewhere(recipe, candidates))
     # Loss masks, example ids and positions of fine-tuning rows (or of text with data.document_mask).
     as_batch = functools.partial(batch_from_rows, document_mask=recipe.data.uses_document_mask,
@@ -236,50 +236,6 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
     # ... and with or without a BOS before each document, as it started (tokenization_record.py).
     kept_bos = recorded_bos(run_dir) if candidates else None
     return recipe, candidates, own_tokenizer, kept_bos
-
-
-def _chat_settings_unread(data: DataConfig) -> list[str]:
-    """The chat/instruct settings a text run was given away from their defaults (they were ignored unsaid)."""
-    if data.format != "text":
-        return []
-    defaults = DataConfig()
-    return [f"data.{name}={getattr(data, name)}" for name in ("chat_template", "train_on_prompt", "packing", "overlong")
-            if getattr(data, name) != getattr(defaults, name)]
-
-
-def _prepare_data(recipe: Recipe, own_tokenizer, kept_bos, say):
-    """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
-    from spillway.data import load_tokenizer
-    from spillway.recipes.train import lora_state
-    from spillway.recipes.train.data_pipeline import end_of_turn_warning, prepare, source_notes_of
-    from spillway.recipes.train.tokenization_record import describe_kept_bos
-
-    say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
-        f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
-    if recipe.lora.enabled:
-        say(lora_state.trained_summary(recipe))
-    if recipe.data.mixture and recipe.data.source != DataConfig.source:
-        say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
-            f"it; list that source in the mixture to train on it)")
-    unread = _chat_settings_unread(recipe.data)
-    if unread:
-        say(f"warning: data.format=text, so {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read (they "
-            f"shape chat/instruct rows: set data.format=chat or instruct to fine-tune on conversations)")
-    # Said first: a large corpus takes minutes to tokenize the first time, and nothing else is said meanwhile.
-    say(f"data: preparing {recipe.data.mixture or recipe.data.source} (tokenized once, then read from "
-        f"{recipe.data.cache_path})")
-    for line in source_notes_of(recipe):   # the split read and the files skipped: nothing left out unsaid
-        say(line)
-    t0 = time.perf_counter()
-    tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
-                              bos=kept_bos)
-    if kept_bos is not None and (line := describe_kept_bos(tokenizer, kept_bos, recipe.data.add_bos)):
-        say(line)
-    if recipe.data.format != "text" and (line := end_of_turn_warning(recipe, tokenizer)):
-        say(line)
-    say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
-        f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
-    return tokenizer, data
 
 
 def _host_checks(recipe: Recipe, checkpointer, host_ram_gb: float | None, say):

@@ -77,7 +77,7 @@ def test_a_mixture_source_that_cannot_be_read_is_named_with_the_format_every_sou
 
 def test_chat_settings_given_to_a_text_run_are_named_as_not_read():
     from spillway.recipes.config import DataConfig
-    from spillway.recipes.train.loop import _chat_settings_unread
+    from spillway.recipes.train.run_data import _chat_settings_unread
 
     assert _chat_settings_unread(DataConfig()) == []
     assert _chat_settings_unread(DataConfig(chat_template="missing.jinja", packing="pad")) == [

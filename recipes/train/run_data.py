@@ -1,0 +1,54 @@
+"""The data phase of a run: its tokenizer and packed rows, with what the run says of them (the mixture that
+replaces data.source, chat settings a text run does not read, the split and skipped files, the BOS rule a
+resume keeps, a template without an end of turn). The train loop runs it (recipes/train/loop.py), and
+`spillway prepare` runs it alone (recipes/train/prepare_ahead.py)."""
+
+from __future__ import annotations
+
+import time
+
+from spillway.recipes.config import DataConfig, Recipe
+
+
+def _chat_settings_unread(data: DataConfig) -> list[str]:
+    """The chat/instruct settings a text run was given away from their defaults (they were ignored unsaid)."""
+    if data.format != "text":
+        return []
+    defaults = DataConfig()
+    return [f"data.{name}={getattr(data, name)}" for name in ("chat_template", "train_on_prompt", "packing", "overlong")
+            if getattr(data, name) != getattr(defaults, name)]
+
+
+def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
+    """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
+    from spillway.data import load_tokenizer
+    from spillway.recipes.train import lora_state
+    from spillway.recipes.train.data_pipeline import end_of_turn_warning, prepare, source_notes_of
+    from spillway.recipes.train.tokenization_record import describe_kept_bos
+
+    say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
+        f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
+    if recipe.lora.enabled:
+        say(lora_state.trained_summary(recipe))
+    if recipe.data.mixture and recipe.data.source != DataConfig.source:
+        say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
+            f"it; list that source in the mixture to train on it)")
+    unread = _chat_settings_unread(recipe.data)
+    if unread:
+        say(f"warning: data.format=text, so {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read (they "
+            f"shape chat/instruct rows: set data.format=chat or instruct to fine-tune on conversations)")
+    # Said first: a large corpus takes minutes to tokenize the first time, and nothing else is said meanwhile.
+    say(f"data: preparing {recipe.data.mixture or recipe.data.source} (tokenized once, then read from "
+        f"{recipe.data.cache_path})")
+    for line in source_notes_of(recipe):   # the split read and the files skipped: nothing left out unsaid
+        say(line)
+    t0 = time.perf_counter()
+    tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
+                              bos=kept_bos)
+    if kept_bos is not None and (line := describe_kept_bos(tokenizer, kept_bos, recipe.data.add_bos)):
+        say(line)
+    if recipe.data.format != "text" and (line := end_of_turn_warning(recipe, tokenizer)):
+        say(line)
+    say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
+        f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
+    return tokenizer, data

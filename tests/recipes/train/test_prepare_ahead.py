@@ -1,0 +1,38 @@
+"""`spillway prepare RECIPE`: a run's data tokenized ahead of it, into the cache the run then reads.
+
+Chat/instruct rows with a chat template and a named tokenizer are what `python -m spillway.data` could not
+prepare; the run that follows must find them cached, and no run folder may be made before it. A run already
+started is refused in one line (it tokenizes with its own copy of the tokenizer).
+"""
+
+from spillway.data import train_tokenizer
+from spillway.data.instruct_tiny import INSTRUCT_TINY, records
+from spillway.recipes import cli
+
+
+def sets(tmp_path, tokenizer_dir):
+    items = [f"data.source={INSTRUCT_TINY}", "data.format=instruct", "data.chat_template=spillway",
+             f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=128",
+             "data.val_fraction=0.2", "model.d_model=32", "model.num_layers=1", "model.num_heads=2",
+             "model.num_kv_heads=1", "model.mlp_hidden=64", "model.vocab_size=400", "model.max_seq_len=128",
+             "train.steps=1", "train.global_batch=8", "train.eval_every=0", "train.sample_tokens=0",
+             f"checkpoint.dir={tmp_path / 'run'}"]
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def test_prepare_fills_the_cache_a_chat_run_reads_and_refuses_a_started_run(tmp_path, capsys):
+    tokenizer_dir = tmp_path / "tokenizer"
+    texts = [f"{r['instruction']}\n{r.get('input', '')}\n{r['output']}" for r in records()]
+    train_tokenizer(texts, vocab_size=400, cache_dir=tmp_path / "tokenizer-cache").save_to_directory(tokenizer_dir)
+
+    assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "280 examples" in out and "(tokenized, " in out and "ready: `spillway train`" in out
+    assert not (tmp_path / "run").exists()   # no run folder before the run
+
+    assert cli.main(["train", "tiny", *sets(tmp_path, tokenizer_dir)]) == 0
+    assert "(cached, " in capsys.readouterr().out   # the run read the rows prepare made
+
+    assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir)]) == cli.EXIT_USER_ERROR
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"{tmp_path / 'run'} holds a run that has started" in line and "set checkpoint.dir" in line
