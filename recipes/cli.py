@@ -40,11 +40,16 @@ _MAX_INTERNAL_MESSAGE = 500
 def _cmd_recipes(args) -> int:
     from spillway.recipes.registry import get_recipe, recipe_names
     from spillway.recipes.user_recipes import load_recipe
+    if args.json and not args.name:
+        raise ConfigError("spillway recipes --json prints one recipe: give its NAME (spillway recipes tiny --json)")
     if args.name:
         # one recipe in full: what it is, what its fields make of a step, where its numbers come from, then
         # every field (what `--set` can change); the parameter count is computed, never written into a
         # description, so it cannot go stale
         recipe = load_recipe(args.name, args.set)
+        if args.json:   # a file `spillway train FILE` reads
+            print(recipe.to_json())
+            return 0
         print(textwrap.fill(f"{recipe.name} ({recipe.num_params() / 1e6:,.2f}M parameters): {recipe.description}",
                             width=100, subsequent_indent="  "))
         print(textwrap.fill(f"  {recipe.step_summary()}", width=100, subsequent_indent="  "))
@@ -180,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recipes", help="list the registered recipes, or show one in full", parents=[common])
     p.add_argument("name", nargs="?", help="a recipe: its description (with its sources) and all its fields")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
+    p.add_argument("--json", action="store_true",
+                   help="print the recipe's JSON alone (with NAME): a file to edit and give to `spillway train`")
     p.set_defaults(fn=_cmd_recipes)
 
     p = sub.add_parser("train", help="train a recipe", parents=[common])

@@ -42,10 +42,14 @@ def recipe_from_file(spec: str) -> Recipe:
         why = "is a folder, not a recipe file" if path.is_dir() else "does not exist"
         raise ConfigError(f"recipe file {path} {why}")
     try:
-        tree = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        tree = json.loads(text)
     except json.JSONDecodeError as error:
+        # `spillway recipes NAME > FILE` wrote the description above the JSON: the first thing users try
+        advice = (f"; it starts with `spillway recipes`' description: `spillway recipes NAME --json > {spec}` "
+                  f"writes the JSON alone" if error.pos == 0 and "\n{" in text else "")
         raise ConfigError(f"recipe file {path}: not valid JSON (line {error.lineno}, column {error.colno}: "
-                          f"{error.msg})") from None
+                          f"{error.msg}){advice}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"recipe file {path}: cannot be read ({error})") from None
     if not isinstance(tree, dict):

@@ -120,3 +120,19 @@ def test_a_user_recipe_that_cannot_be_read_is_one_line_naming_it(user_dir, capsy
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "internal error" not in err, err
     assert re.search(expected, err), err
+
+
+def test_spillway_recipes_json_writes_a_file_train_reads_and_its_description_is_named_when_saved_with_it(
+        user_dir, capsys):
+    """`spillway recipes tiny > my.json` saved the description lines above the JSON: 'not valid JSON (line 1)'."""
+    assert cli.main(["recipes", "tiny"]) == 0
+    (user_dir / "described.json").write_text(capsys.readouterr().out)
+    assert cli.main(["recipes", "tiny", "--json", "--set", "train.steps=3"]) == 0
+    (user_dir / "plain.json").write_text(capsys.readouterr().out)
+    assert cli.main(["recipes", "plain.json"]) == 0 and '"steps": 3' in capsys.readouterr().out
+    assert cli.main(["recipes", "described.json"]) == cli.EXIT_USER_ERROR
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "not valid JSON (line 1, column 1" in line
+    assert "`spillway recipes NAME --json > described.json` writes the JSON alone" in line
+    assert cli.main(["recipes", "--json"]) == cli.EXIT_USER_ERROR
+    assert "give its NAME" in capsys.readouterr().err
