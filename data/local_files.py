@@ -46,7 +46,8 @@ BUILDER_BY_SUFFIX = {
     **{suffix: "json" for suffix in JSON_SUFFIXES},
     **{suffix: "parquet" for suffix in PARQUET_SUFFIXES},
 }
-# Compression suffix -> the module that reads it (zstandard is a package of its own, not always installed).
+# Compression suffix -> the module that reads it (zstandard is a package of its own: a dependency, but an
+# environment made without it, such as the GPU machine's, is told so in one line).
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
 SAVED = "saved"   # the builder name of a `save_to_disk` folder, read with `datasets.load_from_disk`
 UTF8_BOM = codecs.BOM_UTF8

@@ -333,12 +333,15 @@ def test_compressed_files_are_read_and_a_symlinked_subfolder_is_followed(tmp_pat
 
     folder = tmp_path / "packed"
     folder.mkdir()
-    for opener, suffix in ((gzip.open, ".jsonl.gz"), (bz2.open, ".jsonl.bz2"), (lzma.open, ".jsonl.xz")):
+    import zstandard   # a dependency: SlimPajama and the Pile ship as .jsonl.zst
+
+    for opener, suffix in ((gzip.open, ".jsonl.gz"), (bz2.open, ".jsonl.bz2"), (lzma.open, ".jsonl.xz"),
+                           (zstandard.open, ".jsonl.zst")):
         with opener(folder / f"a{suffix}", "wt") as file:
             file.write(json.dumps({"text": f"from {suffix}"}) + "\n")
     _jsonl(folder / "plain.jsonl", ["plain"])
     texts = [t for batch in stream_documents(str(folder)).iter(batch_size=100) for t in batch["text"]]
-    assert sorted(texts) == ["from .jsonl.bz2", "from .jsonl.gz", "from .jsonl.xz", "plain"]
+    assert sorted(texts) == ["from .jsonl.bz2", "from .jsonl.gz", "from .jsonl.xz", "from .jsonl.zst", "plain"]
     linked = tmp_path / "linked"
     (linked).mkdir()
     (linked / "own.txt").write_text("own document")
