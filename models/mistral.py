@@ -57,13 +57,31 @@ _HF_DEFAULTS = {"num_key_value_heads": 8, "rms_norm_eps": 1e-6, "max_position_em
                 "sliding_window": 4096, "tie_word_embeddings": False}
 
 
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _window_of(hf_config: Mapping[str, Any]) -> int | None:
+    """The one window every layer attends through. A config with `layer_types` is what transformers'
+    AutoConfig reads as Ministral (MinistralForCausalLM: only the layers typed sliding_attention window),
+    so those types decide: all full is no window, all sliding the window, a mix (Ministral 8B's) is refused,
+    as this family windows every layer alike. (MistralForCausalLM built directly ignores layer_types; the
+    Auto classes, which users load with, do not.)"""
+    window = hf_config["sliding_window"]
+    kinds = set(hf_config.get("layer_types") or ())
+    hf.refuse(bool(kinds - set(_LAYER_TYPES)),
+              f"layer_types holds {sorted(kinds - set(_LAYER_TYPES))}: Mistral layers are {' or '.join(_LAYER_TYPES)}")
+    if kinds == {"full_attention"}:
+        return None
+    hf.refuse(window is not None and len(kinds) > 1,
+              f"layer_types mixes full and sliding-window attention layers (a Ministral checkpoint, which "
+              f"transformers loads as MinistralForCausalLM): spillway's mistral family windows every layer alike, "
+              f"so it cannot load this model without changing its logits")
+    return None if window is None else int(window)
+
+
 def config_from_hf(hf_config: Mapping[str, Any]) -> MistralConfig:
     hf_config = {**_HF_DEFAULTS, **hf_config}
-    # transformers' MistralModel ignores `layer_types` (it warns and windows every layer
-    # alike), so spillway does too: the same config gives the same model.
-    window = hf_config["sliding_window"]
-    return MistralConfig(**llama_shaped.fields_from_hf(hf_config, "Mistral"),
-                         sliding_window=None if window is None else int(window))
+    return MistralConfig(**llama_shaped.fields_from_hf(hf_config, "Mistral"), sliding_window=_window_of(hf_config))
 
 
 def fields_to_hf(cfg: MistralConfig) -> dict[str, Any]:

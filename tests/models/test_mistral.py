@@ -99,6 +99,22 @@ def test_unsupported_configs_fail_by_name(change, message):
         family_config_from_hf(dict(MISTRAL_7B_V01_HF, **change))
 
 
+def test_layer_types_decide_the_window_as_transformers_auto_classes_read_them():
+    """AutoConfig reads a mistral config.json with layer_types as Ministral: only sliding_attention layers window.
+    Windowing every layer alike gave other logits than AutoModelForCausalLM (6.9 apart on a tiny model)."""
+    layers = MISTRAL_7B_V01_HF["num_hidden_layers"]
+    of = lambda types: family_config_from_hf(dict(MISTRAL_7B_V01_HF, layer_types=types))[1].sliding_window  # noqa: E731
+    assert of(["sliding_attention"] * layers) == 4096
+    assert of(["full_attention"] * layers) is None
+    with pytest.raises(ValueError, match=r"layer_types mixes full and sliding-window attention layers \(a Ministral"):
+        of(["full_attention"] + ["sliding_attention"] * (layers - 1))
+    assert family_config_from_hf(dict(MISTRAL_7B_V01_HF, sliding_window=None,
+                                      layer_types=["full_attention", "sliding_attention"] * (layers // 2))
+                                 )[1].sliding_window is None   # no window to slide: every layer sees all
+    with pytest.raises(ValueError, match=r"layer_types holds \['chunked_attention'\]"):
+        of(["chunked_attention"] * layers)
+
+
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match="unknown mistral preset 'mistral_8x7b'"):
         preset_config("mistral", "mistral_8x7b")
