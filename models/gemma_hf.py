@@ -140,10 +140,15 @@ def gemma3_fields_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         text = hf_config.get("text_config")
         hf.refuse(not isinstance(text, Mapping), "the multimodal gemma3 config has no text_config: spillway reads "
                                                  "only the text tower of a Gemma 3 checkpoint")
-        hf_config = {"tie_word_embeddings": hf_config.get("tie_word_embeddings", True), **text}
+        # the lm_head belongs to the multimodal model: transformers ties it by the top-level flag, whatever
+        # text_config says (save_pretrained of an untied model writes false there and true in text_config)
+        tied = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        hf_config = {**text, "tie_word_embeddings": tied}
     hf_config = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k.endswith("capping")}}
     fields = _common_fields(hf_config, "Gemma 3", layer_pattern_from_hf(hf_config, "Gemma 3", 6))
-    return {**fields, **_gemma3_rope(hf_config)}
+    # transformers' Gemma 3 attention keeps attn_logit_softcapping but never applies it (Gemma 2's does), and
+    # no Gemma 3 sets it: read as transformers computes, a config that names a cap is the model without one
+    return {**fields, **_gemma3_rope(hf_config), "attn_softcap": None}
 
 
 def _fields_to_hf(cfg) -> dict[str, Any]:
@@ -167,6 +172,10 @@ def gemma2_fields_to_hf(cfg) -> dict[str, Any]:
 
 
 def gemma3_fields_to_hf(cfg) -> dict[str, Any]:
+    if cfg.attn_softcap is not None:
+        raise hf.HFCheckpointError(f"a Gemma 3 with model.attn_softcap={cfg.attn_softcap} has no Hugging Face "
+                                   f"gemma3_text config: transformers' Gemma 3 does not apply "
+                                   f"attn_logit_softcapping, so it would compute other logits than this model")
     full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_global_scale != 1.0:
         full = {"rope_type": "linear", "factor": cfg.rope_global_scale, "rope_theta": cfg.rope_theta}

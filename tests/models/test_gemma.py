@@ -207,6 +207,26 @@ def test_hf_configs_spillway_cannot_express_are_one_line_errors(change, message)
     assert "\n" not in str(err.value)
 
 
+def test_gemma3_reads_attn_logit_softcapping_as_transformers_computes_it_and_does_not_export_one():
+    """transformers' Gemma 3 attention keeps the cap but never applies it: applied here, the logits were 0.67
+    apart on a tiny model, and an export wrote a cap transformers then ignored."""
+    assert family_config_from_hf(dict(GEMMA3_1B_HF, attn_logit_softcapping=3.0))[1].attn_softcap is None
+    capped = preset_config("gemma3", "tiny", attn_softcap=3.0)
+    with pytest.raises(ValueError, match=r"model.attn_softcap=3.0 has no Hugging Face gemma3_text config: "
+                                         r"transformers' Gemma 3 does not apply attn_logit_softcapping"):
+        GEMMA3.hf.config_to_hf(capped)
+
+
+def test_a_multimodal_gemma3_is_tied_as_its_top_level_config_says():
+    """save_pretrained of an untied Gemma3ForConditionalGeneration writes tie_word_embeddings false at the top
+    and true in text_config; transformers builds it untied (the lm_head is the multimodal model's)."""
+    untied = dict(GEMMA3_12B_HF, tie_word_embeddings=False,
+                  text_config=dict(GEMMA3_12B_HF["text_config"], tie_word_embeddings=True))
+    assert family_config_from_hf(untied)[1].tie_embeddings is False
+    no_top = {k: v for k, v in untied.items() if k != "tie_word_embeddings"}
+    assert family_config_from_hf(no_top)[1].tie_embeddings is True
+
+
 def test_a_multimodal_checkpoint_without_a_text_config_says_only_the_text_tower_is_read():
     with pytest.raises(ValueError, match="reads only the text tower"):
         family_config_from_hf({"model_type": "gemma3", "vision_config": {}})
