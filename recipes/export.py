@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -319,6 +320,42 @@ def _base_name(recipe: Recipe) -> str:
     return str(Path(init_from.removeprefix("hf:")).expanduser().absolute()) if init_from else ""
 
 
+# Where transformers keeps a multimodal Gemma 3's text layers (Gemma3ForConditionalGeneration), for PEFT's names.
+MULTIMODAL_TEXT_TOWER = "model.language_model."
+_TEXT_MODEL = "model."
+
+
+def _text_tower(recipe: Recipe) -> str:
+    """The module path of the base's text layers as transformers builds it: `model.`, or for a multimodal Gemma 3
+    base `model.language_model.` (an adapter named `model.layers.*` loaded there with no effect, PEFT only
+    warning of missing keys). Read from the hf: base's config.json; ConfigError where it cannot be read."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    directory = hf_checkpoint_dir(recipe.checkpoint.init_from)
+    if directory is None or recipe.family != "gemma3":   # only Gemma 3 has a multimodal form here
+        return _TEXT_MODEL
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ConfigError(f"--adapter: the base's {directory / 'config.json'} cannot be read ({error}), and it says "
+                          f"whether the adapters load into a multimodal Gemma 3; put the base back, or export "
+                          f"merged instead") from None
+    return MULTIMODAL_TEXT_TOWER if model_type == "gemma3" else _TEXT_MODEL
+
+
+def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str, shown: str) -> None:
+    """A dense MLP of a model with routed experts (Qwen3-MoE's mlp_only_layers) shares its projections' names with
+    the experts', and PEFT on transformers 5 (experts fused) puts such targets on the experts: the adapter loaded
+    with no effect, or PEFT refused it. ConfigError before anything is written."""
+    from spillway.recipes.lora_targets import expert_projections
+
+    expert_names = {name.rsplit(".", 1)[-1] for name in expert_projections(recipe.model)}
+    if module.rsplit(".", 1)[-1] in expert_names:
+        raise ConfigError(f"--adapter: the run adapts the dense MLP ({shown}) of a model with routed experts, "
+                          f"whose projections have the same names, and PEFT places such targets on the routed "
+                          f"experts (the adapter would load with no effect); export merged instead")
+
+
 def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
     """{PEFT tensor name: array} of the run's adapters, per layer under its Hugging Face module name; a model
     with several runs of layers (Qwen3-MoE's dense layers among the sparse ones) numbers each run's layers from
@@ -326,6 +363,7 @@ def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
     from spillway.models.hf import stack_runs
 
     names = _hf_names(recipe)
+    tower = _text_tower(recipe)
     runs = stack_runs({path: np.shape(value.get_value()) for path, value in nnx.to_flat_state(params)})
     tensors = {}
     for weights, a, b in _adapters(recipe, params):
@@ -341,6 +379,9 @@ def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
             raise ConfigError(f"--adapter: the adapter of {shown} has no Hugging Face module name; export "
                               f"merged instead")
         module = modules.pop().removesuffix(".weight")
+        _refuse_names_peft_reads_as_experts(recipe, module, shown)
+        if module.startswith(_TEXT_MODEL):
+            module = tower + module[len(_TEXT_MODEL):]
         for layer in range(a.shape[0]):
             name = PEFT_PREFIX + module.format(i=first + layer)
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a[layer])
@@ -355,10 +396,15 @@ def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path
     from spillway.recipes.lora_targets import hf_modules, stored_in_out
 
     spec = recipe.lora_spec()
+    modules = hf_modules(recipe.model, spec)
+    targets = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    tower = _text_tower(recipe)
+    if tower != _TEXT_MODEL:
+        # bare names (q_proj) match the vision tower's modules too: a regex PEFT full-matches, the text layers only
+        targets = rf"{re.escape(tower)}layers\.\d+\.({'|'.join(re.escape(m) for m in modules)})"
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": recipe.lora.rank, "lora_alpha": recipe.lora.alpha,
-        "lora_dropout": recipe.lora.dropout, "target_modules": sorted({m.rsplit(".", 1)[-1] for m in
-                                                                       hf_modules(recipe.model, spec)}),
+        "lora_dropout": recipe.lora.dropout, "target_modules": targets,
         # Conv1D projections (GPT-2) are stored [in, out]: PEFT's flag for them (lora_A/lora_B are the same).
         "base_model_name_or_path": _base_name(recipe), "bias": "none", "fan_in_fan_out": stored_in_out(recipe.model),
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,

@@ -171,3 +171,29 @@ def test_the_adapters_base_is_named_by_its_hub_repository_or_an_absolute_path(tm
     assert _base_name(get_recipe("tiny", ["checkpoint.init_from=hf:hf/llama",
                                           "checkpoint.init_from_origin=meta-llama/Llama-3.2-1B"])) == \
         "meta-llama/Llama-3.2-1B"
+
+
+def test_an_adapter_of_a_multimodal_gemma3_names_its_text_layers_and_a_dense_mlp_beside_experts_is_refused(tmp_path):
+    """PEFT names a multimodal Gemma 3's text layers model.language_model.layers.N: an adapter named
+    model.layers.N loaded there with no effect (PEFT only warned of missing keys). A Qwen3-MoE's dense MLP
+    shares its projections' names with the routed experts, which PEFT on transformers 5 targets instead."""
+    from spillway.layers.errors import ConfigError
+    from spillway.recipes.export import MULTIMODAL_TEXT_TOWER, _refuse_names_peft_reads_as_experts, _text_tower
+
+    base = tmp_path / "gemma3"
+    base.mkdir()
+    recipe = get_recipe("gemma3_tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"])
+    (base / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}}))
+    assert _text_tower(recipe) == MULTIMODAL_TEXT_TOWER
+    (base / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    assert _text_tower(recipe) == "model."
+    (base / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"--adapter: the base's .*config.json cannot be read .* put the base back"):
+        _text_tower(recipe)
+    assert _text_tower(get_recipe("tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"])) == "model."
+
+    moe = get_recipe("qwen3_moe_tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"adapts the dense MLP \(x\) of a model with routed experts"):
+        _refuse_names_peft_reads_as_experts(moe, "model.layers.{i}.mlp.gate_proj", "x")
+    _refuse_names_peft_reads_as_experts(moe, "model.layers.{i}.self_attn.q_proj", "x")
+    _refuse_names_peft_reads_as_experts(recipe, "model.layers.{i}.mlp.gate_proj", "x")   # no experts: fine

@@ -196,6 +196,50 @@ def test_the_adapter_of_a_model_with_several_runs_of_layers_loads_in_peft(hf_bas
     np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow   # a transformers multimodal Gemma 3, one LoRA run and its adapter export: about a minute
+def test_the_adapter_of_a_multimodal_gemma3_loads_in_peft_onto_its_text_layers(hf_base, tmp_path, capsys):
+    """Gemma 3 4B-27B are Gemma3ForConditionalGeneration: their text layers are model.language_model.layers.N,
+    and bare target names (q_proj) match the vision tower too. The adapter was named model.layers.N: PEFT
+    loaded it with no effect, warning only of missing keys."""
+    _, cache = hf_base
+    hf_dir = tmp_path / "gemma3-mm"
+    torch.manual_seed(0)
+    text = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
+                query_pre_attn_scalar=8)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=511, boi_token_index=509, eoi_token_index=510)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf_dir / name).write_bytes((hf_base[0] / name).read_bytes())
+    run = tmp_path / "run"
+    sets = [f"checkpoint.init_from=hf:{hf_dir}", f"data.source={SOURCE}", f"data.cache_dir={cache}", "data.seq_len=32",
+            "model.vocab_size=512", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+            "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_hidden=64", "model.layer_pattern=L",
+            "model.sliding_window=8", "model.rope_global_scale=1.0", "model.query_pre_attn_scalar=8.0",
+            "model.max_seq_len=64", "execution.dtype=float32", "train.global_batch=8", "train.steps=2",
+            "train.eval_every=0", "train.sample_tokens=0", "optimizer.learning_rate=3e-2", f"checkpoint.dir={run}",
+            "lora.rank=4", "lora.targets=q_proj,v_proj,down_proj"]
+    assert cli.main(["train", "gemma3_tiny", *[a for s in sets for a in ("--set", s)]]) == 0, \
+        capsys.readouterr().err
+    adapter = tmp_path / "adapter"
+    assert cli.main(["export", str(run), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
+    tokens = np.random.default_rng(1).integers(0, 500, (2, 24))
+    logits, _ = our_logits(run, tokens)
+    base = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        peft_logits = with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    assert np.abs(peft_logits - base_logits).max() > 1e-3   # the adapter took effect
+    np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
+    vision_adapted = [n for n, _ in with_adapter.named_modules() if "vision" in n and "lora_A" in n]
+    assert vision_adapted == []
+
+
 @pytest.mark.slow   # a transformers GPT-2, one LoRA run, both exports: about a minute on 2 cores
 def test_gpt2_lora_adapts_the_fused_c_attn_as_peft_does(hf_base, tmp_path, capsys):
     """GPT-2's projections are Conv1D, q | k | v fused in one c_attn: PEFT adapts c_attn as one matrix (one A
