@@ -178,7 +178,7 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     else:
         write_merged(recipe, params, out, dtype=dtype)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
-    stops = _write_generation_ids(Path(run_dir), out) if not adapter and run_dir is not None else ""
+    stops = _write_generation_ids(Path(run_dir), out, recipe) if not adapter and run_dir is not None else ""
     if not adapter:
         _keep_base_context(recipe, out)
     _write_record(out, source, step_dir, adapter, finished=True)
@@ -195,11 +195,37 @@ def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: 
                                       "step": Path(step_dir).name, "adapter": adapter, "finished": finished})
 
 
-def _write_generation_ids(run_dir: Path, out: Path) -> str:
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _base_generation_config(recipe: Recipe, run_dir: Path) -> tuple[dict, list[int]]:
+    """(the hf: base's generation_config.json without its token ids, the base's stop ids where the run tokenizes
+    with the base's own tokenizer file): a fine-tune of Llama 3.1 Instruct keeps its sampling defaults and its
+    three stop tokens (<|eom_id|> among them), which the export had replaced with the run's EOS alone.
+    ({}, []) where the run has no hf: base or the base has no readable generation_config.json."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    try:
+        folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
+        base = None if folder is None else json.loads((folder / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}, []
+    if not isinstance(base, dict):
+        return {}, []
+    same_tokenizer = any((folder / name).is_file() and (run_dir / name).is_file()
+                         and (folder / name).read_bytes() == (run_dir / name).read_bytes()
+                         for name in ("tokenizer.json", "tokenizer.model"))
+    eos = base.get("eos_token_id")
+    stops = [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)] if same_tokenizer else []
+    return {k: v for k, v in base.items() if k not in _TOKEN_ID_FIELDS}, stops
+
+
+def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe) -> str:
     """The run's BOS, EOS and pad ids into config.json, and a generation_config.json whose eos_token_id lists
     every token that ends an answer (a chat run's end-of-turn tokens too, as `spillway generate --chat` stops):
-    without them transformers takes the family's default ids, and generate() ran past the end of a turn.
-    Returns what the export's line says of it."""
+    without them transformers takes the family's default ids, and generate() ran past the end of a turn. An
+    hf: base's generation_config.json is kept under them: its sampling defaults, and its stop ids beside the
+    run's where the run tokenizes with the base's tokenizer. Returns what the export's line says of it."""
     from spillway.data.sft_targets import special_token_texts
     from spillway.data.tokenizer import named_special_token
     from spillway.recipes.train.chat_prompt import end_of_turn_in_run
@@ -212,11 +238,13 @@ def _write_generation_ids(run_dir: Path, out: Path) -> str:
     except Exception as error:   # noqa: BLE001 - a template kept from a base, which this run never rendered
         # (a text fine-tune of an instruct model): its end of turn is a refinement, not worth the export
         unread = f" (the chat template's end of turn not read: {' '.join(str(error).split())[:120]})"
+    base_settings, base_stops = _base_generation_config(recipe, run_dir)
+    stops += [i for i in base_stops if i not in stops]
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
            "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
     ids = {name: value for name, value in ids.items() if value is not None}
     _write_json(out / "config.json", {**json.loads((out / "config.json").read_text()), **ids})
-    _write_json(out / GENERATION_CONFIG, ids)
+    _write_json(out / GENERATION_CONFIG, {**base_settings, **ids})
     return f"; {GENERATION_CONFIG}: generation stops at token {' or '.join(str(i) for i in stops)}{unread}"
 
 

@@ -302,12 +302,44 @@ def test_a_chat_template_the_export_cannot_render_still_gives_the_eos(tokenizer_
     (run / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     out.mkdir()
     (out / "config.json").write_text("{}")
-    said = _write_generation_ids(run, out)
+    from spillway.recipes.registry import get_recipe
+    said = _write_generation_ids(run, out, get_recipe("tiny"))
     eos = load_tokenizer(run).eos_id
     assert said.startswith(f"; generation_config.json: generation stops at token {eos} (the chat template's end "
                            f"of turn not read: ")
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+
+
+def test_the_export_keeps_an_hf_bases_generation_config_under_the_runs_ids(tokenizer_dir, tmp_path):
+    """Llama 3.1 Instruct's generation_config.json holds its sampling defaults and three stop ids (<|eom_id|>
+    among them): the export of a fine-tune wrote the run's EOS alone. The base's stop ids count only where the
+    run tokenizes with the base's own tokenizer."""
+    import shutil
+
+    from spillway.data import load_tokenizer
+    from spillway.recipes.export import _write_generation_ids
+    from spillway.recipes.registry import get_recipe
+
+    base, run, out = tmp_path / "base", tmp_path / "run", tmp_path / "out"
+    for folder in (base, run):
+        shutil.copytree(tokenizer_dir, folder, ignore=shutil.ignore_patterns("cache"))
+    eos = load_tokenizer(run).eos_id
+    (base / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": [eos, 5, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    recipe = get_recipe("tiny", [f"checkpoint.init_from=hf:{base}"])
+    assert _write_generation_ids(run, out, recipe).startswith(
+        f"; generation_config.json: generation stops at token {eos} or 5 or 7")
+    written = json.loads((out / "generation_config.json").read_text())
+    assert (written["eos_token_id"], written["do_sample"], written["temperature"], written["top_p"]) == \
+        ([eos, 5, 7], True, 0.6, 0.9)
+    assert written["bos_token_id"] == load_tokenizer(run).bos_id   # the run's ids, not the base's
+    (base / "tokenizer.model").write_bytes(b"another tokenizer")   # the base's stop ids would mean other tokens
+    _write_generation_ids(run, out, recipe)
+    written = json.loads((out / "generation_config.json").read_text())
+    assert (written["eos_token_id"], written["temperature"]) == (eos, 0.6)
 
 
 def test_max_tokens_caps_a_fine_tune_and_keys_its_rows(tmp_path, tokenizer_dir):
