@@ -186,3 +186,63 @@ def test_settings_are_checked(tokenizer, tmp_path):
         prepare_token_shards(lambda start: None, tokenizer, tmp_path, description="x", shard_tokens=0)
     with pytest.raises(ValueError, match="max_tokens must be positive or None, got -1"):
         prepare_token_shards(lambda start: None, tokenizer, tmp_path, description="x", max_tokens=-1)
+
+
+# Encodes with two worker processes, then stalls reading its next chunk, and says so: the test SIGKILLs it there.
+_POOL_OWNER = """
+import sys, time
+import numpy as np
+from spillway.data import load_tokenizer
+from spillway.data.encoding import encode_chunks
+
+def chunks():
+    for _ in range(4):
+        yield ["a document to encode"] * 8
+    print("workers busy", flush=True)
+    time.sleep(600)
+
+for _ in encode_chunks(chunks(), load_tokenizer(sys.argv[1]), np.uint16, num_proc=2):
+    pass
+"""
+
+
+def _processes_marked(marker: str) -> list[int]:
+    """Pids of the processes whose environment holds `marker` (the child, its fork server, workers, tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads process environments from /proc")
+def test_a_killed_runs_tokenizing_workers_do_not_outlive_it(tokenizer, tmp_path):
+    """SIGKILL shuts no process pool down: the workers lived on for good, and with them the fork server and the
+    resource tracker (they hold pipe ends the workers inherited), four processes of 100+ MB per killed run."""
+    import time
+    import uuid
+
+    marker = f"SPILLWAY_POOL_TEST={uuid.uuid4().hex}"
+    name, value = marker.split("=")
+    child = subprocess.Popen([sys.executable, "-c", _POOL_OWNER, str(tokenizer.save(tmp_path / "t.model"))],
+                             env={**os.environ, name: value}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "workers busy"
+        deadline = time.monotonic() + 60
+        while len(_processes_marked(marker)) < 4 and time.monotonic() < deadline:   # owner, server, 2 workers
+            time.sleep(0.2)
+        assert len(_processes_marked(marker)) >= 4
+    finally:
+        child.kill()
+        child.wait()
+    deadline = time.monotonic() + 30
+    while _processes_marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _processes_marked(marker)
+    for pid in left:   # not left behind by the test either
+        os.kill(pid, 9)
+    assert left == []
