@@ -343,6 +343,11 @@ class RunLock:
             try:
                 if self._still_the_file_at_path(fd):
                     self.path.unlink(missing_ok=True)
+            except OSError:
+                # A folder made unwritable under the run: the lock file stays, with no holder once the flock
+                # drops below, and the next run takes it over (`acquire`). Raised here, in the `finally` of a run
+                # that failed for the same reason, it hid that run's own error behind "run.lock: not permitted".
+                pass
             finally:
                 os.close(fd)  # drops the flock, after the unlink: a waiting run then finds no file or a new one
                 self.owner = None

@@ -77,6 +77,25 @@ def test_two_locks_in_one_process_conflict_and_release_frees_the_directory(tmp_p
         pass
 
 
+def test_a_lock_that_cannot_be_removed_is_let_go_and_taken_over(tmp_path, monkeypatch):
+    """A run folder made unwritable under a run: release raised PermissionError from the run's `finally`,
+    hiding the run's own error (metrics.jsonl not writable) behind 'run.lock: Operation not permitted'."""
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    real_unlink = type(lock.path).unlink
+
+    def refuse(path, missing_ok=False):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(type(lock.path), "unlink", refuse)
+    lock.release()   # no error: the flock is dropped, the file stays
+    monkeypatch.setattr(type(lock.path), "unlink", real_unlink)
+    assert lock.path.exists()
+    again = RunLock(tmp_path / "run")
+    assert again.acquire().pid == os.getpid()   # the file left behind names a holder that let go: taken over
+    again.release()
+
+
 def test_an_unwritable_run_directory_is_one_clear_error():
     # /sys refuses mkdir even to root (a chmod'ed folder would not stop root)
     with pytest.raises(RunDirectoryError, match=r"^/sys/spillway-test/run: cannot create the run directory"):
