@@ -41,10 +41,21 @@ PROG = "python -m spillway.data"
 EXIT_USER_ERROR = 2   # the `spillway` command's status for a failure the user can fix (recipes/cli.py)
 
 
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command; a failure the user can fix is one line on stderr and EXIT_USER_ERROR."""
+    """Runs the command; a failure the user can fix is one line on stderr and EXIT_USER_ERROR, Ctrl-C one line
+    and EXIT_INTERRUPTED (what is prepared so far is kept: the same command resumes)."""
+    # Each step's line as it ends, also into a file: block-buffered, a log of a killed preparation was empty
+    # after 50 of its 51 shards were written.
+    if hasattr(sys.stdout, "reconfigure"):   # a file object; not a test's capture
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         prepare_and_report(argv)
+    except KeyboardInterrupt:   # it was a traceback from inside sentencepiece
+        print(f"{PROG}: interrupted (the shards written so far are kept: the same command resumes)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (SpillwayError, ValueError, OSError) as error:
         reason = (error.strerror if isinstance(error, OSError) and error.strerror and error.filename else None)
         message = f"{error.filename}: {reason}" if reason else " ".join(str(error).split()) or type(error).__name__

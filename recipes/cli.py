@@ -27,13 +27,14 @@ import sys
 import textwrap
 
 from spillway.layers.errors import ConfigError, SpillwayError
-from spillway.recipes.ctrl_c import interrupts_until_caught
+from spillway.recipes.ctrl_c import Terminated, interrupts_until_caught
 from spillway.recipes.targets import DEFAULT_GPU, HBM_HEADROOM
 
 DEBUG_ENV = "SPILLWAY_DEBUG"
 EXIT_USER_ERROR = 2      # what argparse uses for a bad command line, too
 EXIT_INTERNAL_ERROR = 1
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
+EXIT_TERMINATED = 143    # 128 + SIGTERM
 _MAX_INTERNAL_MESSAGE = 500
 
 
@@ -313,11 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupts_until_caught():   # a Ctrl-C that lands in a gc callback is not lost (recipes/ctrl_c.py)
             return args.fn(args)
-    except KeyboardInterrupt:
-        print(f"spillway {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, Terminated)
+        print(f"spillway {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        status = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
         if argv is None:   # the process's own command line, not a caller's: leave now (below)
-            _leave_without_teardown(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
+            _leave_without_teardown(status)
+        return status
     except Exception as err:   # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
         message, status = describe_error(err)
         print(f"spillway {args.command}: error: {message}", file=sys.stderr)

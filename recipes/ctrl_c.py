@@ -15,6 +15,12 @@ again: a Ctrl-C that reached the command's code is not repeated while the
 command cleans up (an asynchronous checkpoint save finishing, say). The train
 loop's own handler (recipes/train/preemption.py) replaces SIGINT's while steps
 run and puts it back after.
+
+SIGTERM, while it is active, raises `Terminated` (a KeyboardInterrupt) the same
+way: a scheduler's SIGTERM before the first step (data preparation, compiling)
+ended the process on the spot, without a word, and left the run folder and its
+lock behind, where Ctrl-C at the same moment cleaned up and said so. The train
+loop's handler takes SIGTERM too while steps run (it saves first).
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ import threading
 REDELIVER_S = 0.02   # the callback that swallowed it returns well within this
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is: every clean-up a Ctrl-C runs, runs for it too."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 class _Swallowed:
     """The unraisable hook while a command runs: a KeyboardInterrupt swallowed is delivered again."""
 
@@ -36,18 +50,20 @@ class _Swallowed:
 
     def __call__(self, unraisable) -> None:
         if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-            timer = threading.Timer(REDELIVER_S, self._redeliver)
+            which = signal.SIGTERM if issubclass(unraisable.exc_type, Terminated) else signal.SIGINT
+            timer = threading.Timer(REDELIVER_S, self._redeliver, args=(which,))
             timer.daemon = True
             timer.start()
             return
         self.previous_hook(unraisable)
 
     @staticmethod
-    def _redeliver() -> None:
-        # Only while Python's own handling is on: the train loop's handler (a flag, no exception) decides for
+    def _redeliver(which: int) -> None:
+        # Only while the raising handler is on: the train loop's handler (a flag, no exception) decides for
         # itself, and a command that has ignored SIGINT keeps ignoring it.
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            os.kill(os.getpid(), signal.SIGINT)
+        raising = signal.default_int_handler if which == signal.SIGINT else _raise_terminated
+        if signal.getsignal(which) is raising:
+            os.kill(os.getpid(), which)
 
 
 @contextlib.contextmanager
@@ -56,7 +72,13 @@ def interrupts_until_caught():
     hook = _Swallowed(sys.unraisablehook)
     sys.unraisablehook = hook
     try:
+        previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:   # not the main thread: SIGTERM keeps its handling
+        previous_term = None
+    try:
         yield
     finally:
         if sys.unraisablehook is hook:
             sys.unraisablehook = hook.previous_hook
+        if previous_term is not None and signal.getsignal(signal.SIGTERM) is _raise_terminated:
+            signal.signal(signal.SIGTERM, previous_term)

@@ -91,3 +91,15 @@ def test_a_resumed_run_whose_chat_template_file_was_edited_is_a_changed_corpus(t
         f"data.chat_template was {str(template)!r}, now 'chatml'"]
     legacy = {key: value for key, value in before.items() if key != "chat_template"}   # a record from before
     assert corpus_differences(legacy, describe_corpus(recipe)) == []
+
+
+def test_ctrl_c_is_one_line_and_says_the_work_is_kept(monkeypatch, capsys):
+    """It was a KeyboardInterrupt traceback from inside sentencepiece."""
+    import spillway.data.__main__ as command
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(command, "prepare_and_report", interrupted)
+    assert command.main([]) == command.EXIT_INTERRUPTED
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m spillway.data: interrupted (the shards written so far are kept: the same command resumes)"]

@@ -113,6 +113,28 @@ def test_interrupt_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == ["spillway train: interrupted"]
 
 
+def test_sigterm_before_the_first_step_cleans_up_as_ctrl_c_does_and_says_so(monkeypatch, capsys, tmp_path):
+    """A scheduler's SIGTERM while data was prepared ended the process on the spot, silently, leaving run.lock,
+    corpus.json and an empty checkpoints/ behind; Ctrl-C at the same moment removed them and said so."""
+    import signal
+    import time
+
+    from spillway.recipes.train import loop
+
+    def terminated_while_preparing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)   # the handler raises here
+        raise AssertionError("SIGTERM was not raised")
+
+    monkeypatch.setattr(loop, "prepare_run_data", terminated_while_preparing)
+    run_dir = tmp_path / "run"
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["train", "tiny", "--set", f"checkpoint.dir={run_dir}", "--set", "model.num_layers=1"]) == 143
+    assert capsys.readouterr().err.splitlines()[-1] == "spillway train: terminated (SIGTERM)"
+    assert not run_dir.exists()   # the folder this run made, its lock with it
+    assert signal.getsignal(signal.SIGTERM) is before   # put back once the command ends
+
+
 def test_an_interrupted_command_line_leaves_past_the_interpreters_teardown(monkeypatch, capsys):
     """From the process's own command line (no argv passed), an interrupted command exits at once: tearing the
     interpreter down under XLA's compiler threads crashed it (SIGSEGV after 'interrupted'). A caller passing
