@@ -32,11 +32,11 @@ def prepare_ahead(recipe: Recipe, *, echo=print):
 
     recipe, _, say = run_checks(recipe, echo, host_ram_gb=None)
     checkpoints = Path(recipe.run_dir) / CHECKPOINTS_DIRNAME
-    if checkpoints.is_dir() and finalised_step_dirs(checkpoints):
+    if recipe.train.resume and checkpoints.is_dir() and finalised_step_dirs(checkpoints):   # resume=false: afresh
         raise RunAlreadyStartedError(
             f"{recipe.run_dir} holds a run that has started (checkpoints in {checkpoints}): its data was prepared "
             f"when it started, with its own copy of the tokenizer, and `spillway train` resumes it; to prepare "
-            f"the data of a new run, set checkpoint.dir to a folder without one")
+            f"the data of a new run, set checkpoint.dir to a folder without one (or train.resume=false)")
     with tempfile.TemporaryDirectory(prefix="spillway-prepare-") as scratch:
         init_from = recipe.checkpoint.init_from
         if init_from and hf_checkpoint_dir(init_from) is None:

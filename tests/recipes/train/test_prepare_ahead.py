@@ -36,3 +36,5 @@ def test_prepare_fills_the_cache_a_chat_run_reads_and_refuses_a_started_run(tmp_
     assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir)]) == cli.EXIT_USER_ERROR
     (line,) = capsys.readouterr().err.splitlines()
     assert f"{tmp_path / 'run'} holds a run that has started" in line and "set checkpoint.dir" in line
+    assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir), "--set", "train.resume=false"]) == 0
+    assert "(cached, " in capsys.readouterr().out   # a run that starts afresh there reads what a new one does
