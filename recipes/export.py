@@ -371,7 +371,7 @@ def _text_tower(recipe: Recipe) -> str:
     return MULTIMODAL_TEXT_TOWER if model_type == "gemma3" else _TEXT_MODEL
 
 
-def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str, shown: str) -> None:
+def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str) -> None:
     """A dense MLP of a model with routed experts (Qwen3-MoE's mlp_only_layers) shares its projections' names with
     the experts', and PEFT on transformers 5 (experts fused) puts such targets on the experts: the adapter loaded
     with no effect, or PEFT refused it. ConfigError before anything is written."""
@@ -379,9 +379,9 @@ def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str, shown: str)
 
     expert_names = {name.rsplit(".", 1)[-1] for name in expert_projections(recipe.model)}
     if module.rsplit(".", 1)[-1] in expert_names:
-        raise ConfigError(f"--adapter: the run adapts the dense MLP ({shown}) of a model with routed experts, "
-                          f"whose projections have the same names, and PEFT places such targets on the routed "
-                          f"experts (the adapter would load with no effect); export merged instead")
+        raise ConfigError(f"--adapter: the run adapts the dense MLP ({module.replace('{i}', 'N')}) of a model with "
+                          f"routed experts, whose projections have the same names, and PEFT places such targets on "
+                          f"the routed experts (the adapter would load with no effect); export merged instead")
 
 
 def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
@@ -407,7 +407,7 @@ def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
             raise ConfigError(f"--adapter: the adapter of {shown} has no Hugging Face module name; export "
                               f"merged instead")
         module = modules.pop().removesuffix(".weight")
-        _refuse_names_peft_reads_as_experts(recipe, module, shown)
+        _refuse_names_peft_reads_as_experts(recipe, module)
         if module.startswith(_TEXT_MODEL):
             module = tower + module[len(_TEXT_MODEL):]
         for layer in range(a.shape[0]):
