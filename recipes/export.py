@@ -166,7 +166,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     # a live run's retention may delete the step before it is read: the run's newest is read then (the record
     # below names the step exported)
     step_dir, recipe, params = restore_readable(path, step_dir, target_of)
-    adapter_tensors = peft_tensors(recipe, params) if adapter else None   # what PEFT cannot hold: before writing
+    tower = _text_tower(recipe) if adapter else None   # the base's layout, read once: before writing
+    adapter_tensors = peft_tensors(recipe, params, tower) if adapter else None   # what PEFT cannot hold: before too
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):   # named as the folder, not as the first temporary file refused in it
         raise HFCheckpointError(f"{out_dir} is not writable: export into a folder you can write")
@@ -174,7 +175,7 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     # same command replaces it (written last, the rerun met weights no export had recorded, and refused).
     _write_record(out, source, step_dir, adapter, finished=False)
     if adapter:
-        write_peft_adapter(recipe, adapter_tensors, out)
+        write_peft_adapter(recipe, adapter_tensors, out, tower)
     else:
         write_merged(recipe, params, out, dtype=dtype)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
@@ -198,20 +199,28 @@ def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: 
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def _hf_base_json(recipe: Recipe, name: str) -> tuple[Path, dict] | None:
+    """(the run's hf: base folder, its JSON file `name`), or None where the run has no hf: base or the file is
+    not there or not a JSON object (the base may have been removed since the run trained)."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    try:
+        folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
+        value = None if folder is None else json.loads((folder / name).read_text())
+    except (OSError, ValueError):
+        return None
+    return (folder, value) if isinstance(value, dict) else None
+
+
 def _base_generation_config(recipe: Recipe, run_dir: Path) -> tuple[dict, list[int]]:
     """(the hf: base's generation_config.json without its token ids, the base's stop ids where the run tokenizes
     with the base's own tokenizer file): a fine-tune of Llama 3.1 Instruct keeps its sampling defaults and its
     three stop tokens (<|eom_id|> among them), which the export had replaced with the run's EOS alone.
     ({}, []) where the run has no hf: base or the base has no readable generation_config.json."""
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
-
-    try:
-        folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
-        base = None if folder is None else json.loads((folder / GENERATION_CONFIG).read_text())
-    except (OSError, ValueError):
+    found = _hf_base_json(recipe, GENERATION_CONFIG)
+    if found is None:
         return {}, []
-    if not isinstance(base, dict):
-        return {}, []
+    folder, base = found
     same_tokenizer = any((folder / name).is_file() and (run_dir / name).is_file()
                          and (folder / name).read_bytes() == (run_dir / name).read_bytes()
                          for name in ("tokenizer.json", "tokenizer.model"))
@@ -252,13 +261,8 @@ def _keep_base_context(recipe: Recipe, out: Path) -> None:
     """config.json's max_position_embeddings as the `hf:` base's where the run fine-tuned at a shorter
     model.max_seq_len (RoPE positions are computed: the weights serve the base's length; the export said the
     fine-tune's, and transformers warned past it). Left as written where the base folder is not found."""
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
-
-    try:
-        folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
-        base = None if folder is None else json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return
+    found = _hf_base_json(recipe, "config.json")
+    base = found[1].get("max_position_embeddings") if found is not None else None
     if recipe.decoder_spec().learned_positions or not isinstance(base, int) or base <= recipe.model.max_seq_len:
         return
     config = json.loads((out / "config.json").read_text())
@@ -384,14 +388,14 @@ def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str) -> None:
                           f"the routed experts (the adapter would load with no effect); export merged instead")
 
 
-def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
+def peft_tensors(recipe: Recipe, params, tower: str) -> dict[str, np.ndarray]:
     """{PEFT tensor name: array} of the run's adapters, per layer under its Hugging Face module name; a model
     with several runs of layers (Qwen3-MoE's dense layers among the sparse ones) numbers each run's layers from
-    its first. ConfigError for what PEFT's layout cannot hold: computed before anything is written."""
+    its first; `tower` is where the base keeps its text layers (`_text_tower`). ConfigError for what PEFT's
+    layout cannot hold: computed before anything is written."""
     from spillway.models.hf import stack_runs
 
     names = _hf_names(recipe)
-    tower = _text_tower(recipe)
     runs = stack_runs({path: np.shape(value.get_value()) for path, value in nnx.to_flat_state(params)})
     tensors = {}
     for weights, a, b in _adapters(recipe, params):
@@ -417,8 +421,9 @@ def peft_tensors(recipe: Recipe, params) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path) -> None:
-    """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter (`peft_tensors`)."""
+def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path, tower: str) -> None:
+    """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter (`peft_tensors`, with the
+    same `tower`)."""
     from safetensors.numpy import save_file
 
     from spillway.recipes.lora_targets import hf_modules, stored_in_out
@@ -426,7 +431,6 @@ def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path
     spec = recipe.lora_spec()
     modules = hf_modules(recipe.model, spec)
     targets = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    tower = _text_tower(recipe)
     if tower != _TEXT_MODEL:
         # bare names (q_proj) match the vision tower's modules too: a regex PEFT full-matches, the text layers only
         targets = rf"{re.escape(tower)}layers\.\d+\.({'|'.join(re.escape(m) for m in modules)})"
