@@ -82,6 +82,24 @@ def adapter_leaves(params):
     return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params) if isinstance(v, nnx.LoRAParam)}
 
 
+def save_with_tokenizer(model, hf_dir, hf_base):
+    """A transformers model saved as a Hugging Face folder, with the fixture's tokenizer beside it."""
+    model.save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf_dir / name).write_bytes((hf_base[0] / name).read_bytes())
+
+
+def logits_of(model, tokens):
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(tokens)).logits.numpy()
+
+
+def train_and_export_adapter(recipe, sets, run, adapter, capsys):
+    """`spillway train RECIPE --set ...` into `run`, then `spillway export run adapter --adapter`."""
+    assert cli.main(["train", recipe, *[a for s in sets for a in ("--set", s)]]) == 0, capsys.readouterr().err
+    assert cli.main(["export", str(run), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
+
+
 @pytest.mark.slow   # three short CLI runs: a few minutes on 2 busy cores
 def test_lora_trains_resumes_exactly_and_exports_to_transformers_and_peft(hf_base, tmp_path, capsys):
     hf_dir, cache = hf_base
@@ -112,8 +130,7 @@ def test_lora_trains_resumes_exactly_and_exports_to_transformers_and_peft(hf_bas
     assert cli.main(["export", str(straight), str(merged)]) == 0, capsys.readouterr().err
     assert (merged / "tokenizer.json").is_file()
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = hf_model(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    theirs = logits_of(hf_model, tokens)
     np.testing.assert_allclose(theirs, logits, atol=2e-4, rtol=1e-4)
 
     # Adapter: peft loads it onto the base checkpoint and computes our logits.
@@ -124,13 +141,11 @@ def test_lora_trains_resumes_exactly_and_exports_to_transformers_and_peft(hf_bas
     assert sorted(config["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
-    with torch.no_grad():
-        peft_logits = with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    peft_logits = logits_of(with_adapter, tokens)
     np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
     # ... and the adapters matter: the base alone (a fresh copy; peft adapted `base` in place) computes others.
     plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert not np.allclose(peft_logits, plain(input_ids=torch.as_tensor(tokens)).logits.numpy(), atol=1e-3)
+    assert not np.allclose(peft_logits, logits_of(plain, tokens), atol=1e-3)
 
 
 def test_export_refuses_a_folder_with_another_checkpoint_and_adapter_without_lora(tmp_path, capsys):
@@ -171,10 +186,8 @@ def test_the_adapter_of_a_model_with_several_runs_of_layers_loads_in_peft(hf_bas
         vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
         mlp_only_layers=[1], decoder_sparse_step=1, max_position_embeddings=64, tie_word_embeddings=False)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (hf_dir / name).write_bytes((hf_base[0] / name).read_bytes())
-    run = tmp_path / "run"
+    save_with_tokenizer(transformers.Qwen3MoeForCausalLM(config), hf_dir, hf_base)
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
     sets = [f"checkpoint.init_from=hf:{hf_dir}", f"data.source={SOURCE}", f"data.cache_dir={cache}", "data.seq_len=32",
             "model.vocab_size=512", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
             "model.num_kv_heads=2", "model.head_dim=8", "model.num_experts=8", "model.top_k=2",
@@ -183,17 +196,12 @@ def test_the_adapter_of_a_model_with_several_runs_of_layers_loads_in_peft(hf_bas
             "execution.dtype=float32", "train.global_batch=8", "train.steps=2", "train.eval_every=0",
             "train.sample_tokens=0", "optimizer.learning_rate=3e-2", f"checkpoint.dir={run}", "lora.rank=4",
             "lora.targets=q_proj,v_proj"]
-    assert cli.main(["train", "qwen3_moe_tiny", *[a for s in sets for a in ("--set", s)]]) == 0, \
-        capsys.readouterr().err
-    adapter = tmp_path / "adapter"
-    assert cli.main(["export", str(run), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
+    train_and_export_adapter("qwen3_moe_tiny", sets, run, adapter, capsys)
     tokens = np.random.default_rng(1).integers(0, 512, (2, 24))
     logits, _ = our_logits(run, tokens)
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
-    with torch.no_grad():
-        peft_logits = with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy()
-    np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits_of(with_adapter, tokens), logits, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.slow   # a transformers multimodal Gemma 3, one LoRA run and its adapter export: about a minute
@@ -211,10 +219,8 @@ def test_the_adapter_of_a_multimodal_gemma3_loads_in_peft_onto_its_text_layers(h
                   patch_size=14)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        image_token_index=511, boi_token_index=509, eoi_token_index=510)
-    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(hf_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (hf_dir / name).write_bytes((hf_base[0] / name).read_bytes())
-    run = tmp_path / "run"
+    save_with_tokenizer(transformers.Gemma3ForConditionalGeneration(config), hf_dir, hf_base)
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
     sets = [f"checkpoint.init_from=hf:{hf_dir}", f"data.source={SOURCE}", f"data.cache_dir={cache}", "data.seq_len=32",
             "model.vocab_size=512", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
             "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_hidden=64", "model.layer_pattern=L",
@@ -222,18 +228,13 @@ def test_the_adapter_of_a_multimodal_gemma3_loads_in_peft_onto_its_text_layers(h
             "model.max_seq_len=64", "execution.dtype=float32", "train.global_batch=8", "train.steps=2",
             "train.eval_every=0", "train.sample_tokens=0", "optimizer.learning_rate=3e-2", f"checkpoint.dir={run}",
             "lora.rank=4", "lora.targets=q_proj,v_proj,down_proj"]
-    assert cli.main(["train", "gemma3_tiny", *[a for s in sets for a in ("--set", s)]]) == 0, \
-        capsys.readouterr().err
-    adapter = tmp_path / "adapter"
-    assert cli.main(["export", str(run), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
+    train_and_export_adapter("gemma3_tiny", sets, run, adapter, capsys)
     tokens = np.random.default_rng(1).integers(0, 500, (2, 24))
     logits, _ = our_logits(run, tokens)
     base = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
-    with torch.no_grad():
-        base_logits = base(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    base_logits = logits_of(base, tokens)
     with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
-    with torch.no_grad():
-        peft_logits = with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    peft_logits = logits_of(with_adapter, tokens)
     assert np.abs(peft_logits - base_logits).max() > 1e-3   # the adapter took effect
     np.testing.assert_allclose(peft_logits, logits, atol=2e-4, rtol=1e-4)
     vision_adapted = [n for n, _ in with_adapter.named_modules() if "vision" in n and "lora_A" in n]
@@ -250,9 +251,7 @@ def test_gpt2_lora_adapts_the_fused_c_attn_as_peft_does(hf_base, tmp_path, capsy
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(hf_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (hf_dir / name).write_bytes((hf_base[0] / name).read_bytes())
+    save_with_tokenizer(transformers.GPT2LMHeadModel(config), hf_dir, hf_base)
     run = tmp_path / "run"
     sets = [f"checkpoint.init_from=hf:{hf_dir}", f"data.source={SOURCE}", f"data.cache_dir={cache}",
             "data.seq_len=32", "model.vocab_size=512", "model.d_model=32", "model.num_layers=2",
@@ -273,13 +272,9 @@ def test_gpt2_lora_adapts_the_fused_c_attn_as_peft_does(hf_base, tmp_path, capsy
         assert cli.main(["export", str(trained), str(merged)]) == 0, capsys.readouterr().err
         assert cli.main(["export", str(trained), str(adapter), "--adapter"]) == 0, capsys.readouterr().err
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-        with torch.no_grad():
-            np.testing.assert_allclose(hf_model(input_ids=torch.as_tensor(tokens)).logits.numpy(), logits,
-                                       atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits_of(hf_model, tokens), logits, atol=2e-4, rtol=1e-4)
         written = json.loads((adapter / "adapter_config.json").read_text())
         assert (sorted(written["target_modules"]), written["fan_in_fan_out"]) == (modules, True)
         base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()
-        with torch.no_grad():
-            np.testing.assert_allclose(with_adapter(input_ids=torch.as_tensor(tokens)).logits.numpy(), logits,
-                                       atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits_of(with_adapter, tokens), logits, atol=2e-4, rtol=1e-4)
