@@ -84,30 +84,24 @@ def check_finite(step: int, loss: float, resume_hint: str = "the last checkpoint
             f"optimizer.clip_norm, or check the data; {resume_hint}")
 
 
-def _json_number(value):
-    """`value` with every float that is not finite as None (null in JSON), in lists and dicts too."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+def _each_value(value, change):
+    """`value` with `change` applied to every value inside its lists and dicts (a row, an expert-load list)."""
     if isinstance(value, list):
-        return [_json_number(v) for v in value]
+        return [_each_value(v, change) for v in value]
     if isinstance(value, dict):
-        return {k: _json_number(v) for k, v in value.items()}
-    return value
+        return {k: _each_value(v, change) for k, v in value.items()}
+    return change(value)
 
 
 def _metrics_line(row: dict) -> str:
-    return json.dumps(_json_number(row), allow_nan=False) + "\n"
+    """A row as one strict JSON line: a float that is not finite as null."""
+    strict = _each_value(row, lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
+    return json.dumps(strict, allow_nan=False) + "\n"
 
 
-def _from_json_number(value):
-    """A null read back as NaN: the only nulls metrics.jsonl holds are values that were not finite."""
-    if value is None:
-        return math.nan
-    if isinstance(value, list):
-        return [_from_json_number(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _from_json_number(v) for k, v in value.items()}
-    return value
+def _nulls_as_nan(row: dict) -> dict:
+    """A row read back: the only nulls metrics.jsonl holds are values that were not finite."""
+    return _each_value(row, lambda v: math.nan if v is None else v)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -124,7 +118,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
             continue  # a line cut short by a kill mid-write
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             continue
-        row = _from_json_number(row)
+        row = _nulls_as_nan(row)
         if rows and row["step"] < rows[-1]["step"]:
             rows = [r for r in rows if r["step"] < row["step"]]
         rows.append(row)
