@@ -39,8 +39,6 @@ from .spm_tokenizer import MODEL_TYPES, train_tokenizer
 
 PROG = "python -m spillway.data"
 EXIT_USER_ERROR = 2   # the `spillway` command's status for a failure the user can fix (recipes/cli.py)
-
-
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
 
 
