@@ -165,7 +165,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
 
     # a live run's retention may delete the step before it is read: the run's newest is read then (the record
     # below names the step exported)
-    step_dir, recipe, params = restore_readable(path, step_dir, target_of)
+    # an adapter export reads the adapters alone: it works where the base has gone since
+    step_dir, recipe, params = restore_readable(path, step_dir, target_of, with_base=not adapter)
     tower = _text_tower(recipe) if adapter else None   # the base's layout, read once: before writing
     adapter_tensors = peft_tensors(recipe, params, tower) if adapter else None   # what PEFT cannot hold: before too
     out.mkdir(parents=True, exist_ok=True)
@@ -187,7 +188,22 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else weights)
         + (f", replacing {replaced}" if replaced else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run") + stops)
+    if adapter:
+        _say_how_to_load_on_a_spillway_base(recipe, out, say)
     return out
+
+
+def _say_how_to_load_on_a_spillway_base(recipe: Recipe, out: Path, say) -> None:
+    """An adapter trained on a spillway step (not an hf: folder) names that step as its base, which transformers
+    cannot load (AutoPeftModelForCausalLM fails on it): say how to export the base and load the adapter onto it."""
+    init_from = recipe.checkpoint.init_from or ""
+    if not init_from or init_from.startswith("hf:"):
+        return
+    base = Path(init_from).expanduser().absolute()
+    gone = "" if base.exists() else " (no longer there: export it from a copy)"
+    say(f"its base is the spillway step {base}{gone}, which transformers does not load: export it too "
+        f"(spillway export {base} BASE_DIR) and load the adapter onto that, "
+        f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE_DIR), {str(out)!r})")
 
 
 def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: bool) -> None:

@@ -38,9 +38,10 @@ def saved_recipe(step_dir) -> Recipe:
                           f"column {error.colno}: {error.msg})") from None
 
 
-def restore_readable(path, step_dir, target_of, warn=None):
+def restore_readable(path, step_dir, target_of, warn=None, with_base: bool = True):
     """(step folder, recipe, params) of the newest readable step `path` names, starting from `step_dir` (its
-    resolution); `target_of(recipe)` gives the abstract target to restore into (module docstring)."""
+    resolution); `target_of(recipe)` gives the abstract target to restore into (module docstring);
+    `with_base=False`: a LoRA run's base weights are left abstract (lora_state.restore_run_params)."""
     from spillway.recipes.train.checkpoint import (CheckpointError, CorruptCheckpointError, finalised_step_dirs,
                                                    resolve_step_dir)
     from spillway.recipes.train.lora_state import restore_run_params   # a LoRA run: base + adapters
@@ -50,7 +51,7 @@ def restore_readable(path, step_dir, target_of, warn=None):
     while True:
         try:
             recipe = saved_recipe(step_dir)
-            return step_dir, recipe, restore_run_params(step_dir, recipe, target_of(recipe))
+            return step_dir, recipe, restore_run_params(step_dir, recipe, target_of(recipe), with_base)
         except CheckpointError as error:
             if not Path(step_dir).exists():   # deleted under us: a live run's retention, not damage
                 if explicit:

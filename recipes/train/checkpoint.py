@@ -25,7 +25,8 @@ Orbax does the hard parts and this file leans on them:
   returns (here, not by orbax's `cleanup_tmp_directories`, whose background
   thread only a save joins: opened and closed unsaved, a manager left it
   deleting in the directory after `close()`).
-* keep-last-K garbage collection (`max_to_keep`).
+* keep-last-K garbage collection (orbax's `LatestN`), and the steps a LoRA run stands on kept beside them
+  (recipes/train/base_pins.py).
 * restoring into target shardings: every array is read into the sharding
   (mesh, spec, memory kind) of the abstract target, so a run saved on one
   mesh restores onto another, and state saved from `pinned_host` memory comes
@@ -155,8 +156,13 @@ class RunCheckpointer:
         self._closed = False
 
     def _open_manager(self) -> ocp.CheckpointManager:
+        from spillway.recipes.train.base_pins import PinnedSteps
+
+        managers = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep,
+            # the newest `keep` steps, and any a LoRA run stands on (its base: base_pins.py)
+            preservation_policy=managers.AnyPreservationPolicy([managers.LatestN(n=self.keep),
+                                                                PinnedSteps(self.directory)]),
             # in pieces, the arrays are written in the caller's thread: orbax's background commit (its
             # directories made in another thread meanwhile) raced those writes, so that save is orbax's sync one
             enable_async_checkpointing=self._async_save and not self._save_in_pieces,

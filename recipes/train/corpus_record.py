@@ -141,20 +141,23 @@ def record_corpus(run_dir: str | os.PathLike, recipe: Recipe) -> Path:
     return path
 
 
-def check_corpus(run_dir: str | os.PathLike, recipe: Recipe, *, resuming: bool, say=print) -> None:
+def check_corpus(run_dir: str | os.PathLike, recipe: Recipe, *, resuming: bool, say=print) -> bool:
     """Records the corpus of a run that starts; holds a resumed run's corpus against its record.
 
-    Raises CorpusChangedError naming what changed; a run without a record
-    (written before it existed, or deleted on purpose) is recorded anew, said.
+    Raises CorpusChangedError naming what changed. A resumed run without a record (written before it
+    existed, or deleted on purpose) returns True: the caller records the corpus anew (`record_corpus`) once
+    the resume has read its data position from the step; a resume refused before that (the corpus packs into
+    other rows) leaves no record of a corpus the run never trained on, so restoring the files resumes.
     """
     path = Path(run_dir) / CORPUS_RECORD_FILENAME
-    if not resuming or not path.is_file():
-        if resuming:
-            say(f"corpus: {path} is absent (a run from before corpus records, or deleted to accept the corpus "
-                f"as it is now): the corpus cannot be checked against the one this run trained on; recording "
-                f"it as it is now, and resuming with the run's own tokenizer")
+    if resuming and not path.is_file():
+        say(f"corpus: {path} is absent (a run from before corpus records, or deleted to accept the corpus "
+            f"as it is now): the corpus cannot be checked against the one this run trained on; recording "
+            f"it as it is now once the run resumes, with the run's own tokenizer")
+        return True
+    if not resuming:
         record_corpus(run_dir, recipe)
-        return
+        return False
     try:
         saved = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -167,3 +170,4 @@ def check_corpus(run_dir: str | os.PathLike, recipe: Recipe, *, resuming: bool, 
             f"A resumed run reads the corpus it trained on, with the tokenizer it trained: restore those files, "
             f"or train into another checkpoint.dir (fine-tune with checkpoint.init_from); to continue on the "
             f"corpus as it is now with this run's tokenizer, delete {path}")
+    return False

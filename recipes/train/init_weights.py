@@ -119,7 +119,8 @@ def _set_flags(name: str, value) -> list[str]:
 
 def check_source_run_family(recipe: Recipe, init_from: str) -> None:
     """ValueError in one line when the spillway run `init_from` names trained another family's model (its
-    saved recipe says which): otherwise every weight would differ in shape, one message line each."""
+    saved recipe says which): otherwise every weight would differ in shape, one message line each; or trained
+    LoRA adapters, whose steps hold the adapters alone (the merged model is what its export writes)."""
     try:
         saved = json.loads(read_recipe_json(init_from))
     except (CheckpointError, json.JSONDecodeError):
@@ -129,6 +130,12 @@ def check_source_run_family(recipe: Recipe, init_from: str) -> None:
         raise ValueError(f"checkpoint.init_from={init_from}: that run trained a {family} model (recipe "
                          f"{saved.get('name')!r}), but recipe {recipe.name!r} builds a {recipe.family} model; "
                          f"fine-tune it with a {family} recipe, or start from a {recipe.family} run")
+    lora = saved.get("lora") if isinstance(saved, dict) else None
+    if isinstance(lora, dict) and isinstance(lora.get("rank"), int) and lora["rank"] > 0:
+        raise ValueError(f"checkpoint.init_from={init_from}: that run trained LoRA adapters, and its steps hold "
+                         f"the adapters alone (its base is {(saved.get('checkpoint') or {}).get('init_from')}): "
+                         f"export it merged (spillway export {init_from} DIR) and fine-tune from "
+                         f"checkpoint.init_from=hf:DIR")
 
 
 def check_hf_tensors(recipe: Recipe) -> None:

@@ -127,6 +127,7 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
     """
     from spillway.recipes.train.checkpoint import CHECKPOINTS_DIRNAME, RunCheckpointer
 
+    named_base = recipe.checkpoint.init_from   # as the command named it: a LoRA resume keeps its started base
     recipe, main, say = run_checks(recipe, echo, host_ram_gb)
     run_dir = Path(recipe.run_dir)
     with _gone_if_nothing_trained(run_dir, main), _owned_run_dir(run_dir, main, say) as lock:
@@ -136,7 +137,8 @@ def train(recipe: Recipe, *, echo=print, progress: bool = True, stop_after: int 
                                        async_save=recipe.checkpoint.async_save)
         try:
             return _train_owned(recipe, run_dir, checkpointer, lock, programs, main=main, say=say,
-                                progress=progress, stop_after=stop_after, host_ram_gb=host_ram_gb)
+                                progress=progress, stop_after=stop_after, host_ram_gb=host_ram_gb,
+                                named_base=named_base)
         except Exception as error:
             from spillway.recipes.train.out_of_memory import is_out_of_memory, out_of_memory_error
             if is_out_of_memory(error):   # the user's settings, not a bug: name them
@@ -177,12 +179,14 @@ def run_checks(recipe: Recipe, echo, host_ram_gb: float | None):
 
 
 def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, programs, *, main: bool, say,
-                 progress: bool, stop_after: int | None, host_ram_gb: float | None) -> RunResult:
+                 progress: bool, stop_after: int | None, host_ram_gb: float | None,
+                 named_base: str | None = None) -> RunResult:
     from spillway.recipes.train.batch import BatchFeed
     from spillway.recipes.train.data_pipeline import save_run_tokenizer, train_loader
     from spillway.recipes.train.sft_batch import batch_from_rows
 
-    recipe, candidates, own_tokenizer, kept_bos = _before_data(recipe, run_dir, checkpointer, say)
+    recipe, candidates, own_tokenizer, kept_bos, record_corpus_now = _before_data(recipe, run_dir, checkpointer,
+                                                                                  say, named_base)
     mesh = _host_checks(recipe, checkpointer, host_ram_gb, say)
     tokenizer, data = prepare_run_data(recipe, own_tokenizer, kept_bos, say)
     s = _build_setup(recipe, mesh, say, initialise=not weights_from_elsewhere(recipe, candidates))
@@ -192,6 +196,9 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     feed = BatchFeed(data, train_loader(data, recipe, jax.process_index(), jax.process_count()),
                      recipe.model.vocab_size, s.batch_sharding, as_batch)
     state = initial_state(s, programs(s), feed, checkpointer, candidates, run_dir=run_dir, main=main, say=say)
+    if record_corpus_now:   # a resume without corpus.json: recorded once its data position was read
+        from spillway.recipes.train.corpus_record import record_corpus
+        record_corpus(run_dir, recipe)
     logger = RunLogger(run_dir, start_step=state.step, enabled=main)
     if main:
         save_run_tokenizer(tokenizer, run_dir, recipe)  # `spillway generate RUN_DIR` needs it (and the chat template)
@@ -202,9 +209,11 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     return _finish(recipe, run_dir, s, state, logger, tokenizer, main=main, say=say)
 
 
-def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
+def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say, named_base: str | None = None):
     """(recipe, the steps to try resuming from, the tokenizer file a resumed run keeps or None, the BOS rule
-    it keeps or None): what the run directory says, checked before any data is prepared."""
+    it keeps or None, whether to record the corpus once resumed): what the run directory says, checked before
+    any data is prepared. `named_base`: the
+    checkpoint.init_from the command named, before a LoRA run's pin (lora_state.keep_started_base)."""
     # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
     from spillway.data import tokenizer_file_in
@@ -226,8 +235,13 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
         except CorruptCheckpointError:
             saved = None   # a step without its recipe: the restore sets it aside and tries the one before
         if saved is not None:
+            recipe = lora_state.keep_started_base(recipe, named_base, saved)
             lora_state.check_same_base(recipe, saved, checkpointer.step_dir(candidates[0]))
-    check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)  # an edited corpus fails here too
+    if recipe.lora.enabled and recipe.checkpoint.init_from and jax.process_index() == 0:
+        from spillway.recipes.train.base_pins import record_pin
+        record_pin(recipe.checkpoint.init_from, run_dir, say)   # the base run's retention keeps that step
+    # an edited corpus fails here too; a resume without a record records it once resumed (True)
+    record_corpus_now = check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py): its
     # copy in the run folder, also where the tokenizer it names is gone (an hf: base removed: preflight.py).
     named = recipe.data.tokenizer
@@ -235,7 +249,7 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say):
                      else None)
     # ... and with or without a BOS before each document, as it started (tokenization_record.py).
     kept_bos = recorded_bos(run_dir) if candidates else None
-    return recipe, candidates, own_tokenizer, kept_bos
+    return recipe, candidates, own_tokenizer, kept_bos, record_corpus_now
 
 
 def _host_checks(recipe: Recipe, checkpointer, host_ram_gb: float | None, say):

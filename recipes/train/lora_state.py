@@ -96,6 +96,30 @@ def pin_base(recipe: Recipe) -> Recipe:
         recipe.checkpoint, init_from=init_from, init_from_digest=digest))
 
 
+def keep_started_base(recipe: Recipe, named: str | None, saved_recipe_json: str) -> Recipe:
+    """A resume of a LoRA run whose command names its base by the base run's folder (`checkpoint.init_from=
+    runs/base`, the command that started it) stands on the step that folder's newest was when the run started,
+    which its saved steps name (`runs/base/checkpoints/30`), not on the base run's newest now: the same command
+    resumes, however far the base run trained since. A base named by its step folder, or an hf: folder, is
+    kept as named (check_same_base compares it)."""
+    import json
+
+    from spillway.recipes.train.checkpoint_dirs import checkpoint_dir_of
+
+    saved = (json.loads(saved_recipe_json).get("checkpoint") or {}).get("init_from")
+    pinned = recipe.checkpoint.init_from
+    if (not recipe.lora.enabled or not named or not saved or saved == pinned or named.startswith("hf:")
+            or Path(named).expanduser().absolute() == Path(pinned)):   # named a step folder itself
+        return recipe
+    if Path(saved).parent != Path(checkpoint_dir_of(named)):   # a step of another run: check_same_base says so
+        return recipe
+    from spillway.recipes.train.base_digest import base_digest
+
+    digest = base_digest(Path(saved)) if Path(saved).exists() else None   # a missing base: the load names it
+    return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
+        recipe.checkpoint, init_from=saved, init_from_digest=digest))
+
+
 def initial_adapters(recipe: Recipe, param_shardings):
     """A fresh LoRA run's adapters, initialised as the whole model would initialise them, alone: the program
     returns only the adapters, so XLA drops the base's initialisation and the base is never made before
@@ -120,16 +144,18 @@ def load_base(recipe: Recipe, params, param_shardings, say=print):
     return join(adapters, loaded)
 
 
-def restore_run_params(step_dir, recipe: Recipe, abstract_params):
+def restore_run_params(step_dir, recipe: Recipe, abstract_params, with_base: bool = True):
     """The whole parameter tree of a saved step, into `abstract_params`' shardings: for a LoRA run the
-    base from its pointer and the adapters from the step (generate, export)."""
+    base from its pointer and the adapters from the step (generate, export). `with_base=False`: a LoRA run's
+    base stays abstract (shapes only, never read): an adapter export needs the adapters alone, and works where
+    the base is gone."""
     from spillway.recipes.train.checkpoint import restore_params_only
 
     if not recipe.lora.enabled:
         return restore_params_only(step_dir, abstract_params)[0]
     abstract_adapters, abstract_base = split(abstract_params)
     adapters = restore_params_only(step_dir, abstract_adapters)[0]
-    base = _load_base_weights(recipe, abstract_base)
+    base = _load_base_weights(recipe, abstract_base) if with_base else abstract_base
     return join(adapters, base)
 
 

@@ -115,10 +115,16 @@ def test_an_accepted_edited_corpus_keeps_the_run_tokenizer_and_a_new_row_count_s
     assert (run_dir / "corpus.json").is_file()
     # a corpus that packs into other rows: the loader's message says the corpus changed
     files = sorted(corpus.iterdir())
-    for path in files[:len(files) // 2]:
+    kept = {path: path.read_bytes() for path in files[:len(files) // 2]}
+    for path in kept:
         path.unlink()
     (run_dir / "corpus.json").unlink()
     with pytest.raises(ValueError, match=r"num_rows: saved \d+, now \d+\); the corpus packs into another number "
                                          r"of rows.*the corpus \(or its tokenization\) changed"):
         resume(cache_dir, run_dir, corpus, steps=5)
     assert (run_dir / "tokenizer.model").read_bytes() == tokenizer_before
+    # the refused resume recorded nothing: with the files put back, as its message advises, the run resumes
+    assert not (run_dir / "corpus.json").exists()
+    for path, content in kept.items():
+        path.write_bytes(content)
+    assert resume(cache_dir, run_dir, corpus, steps=5).final_step == 5

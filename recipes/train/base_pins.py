@@ -1,0 +1,84 @@
+"""Steps of a run that a LoRA run stands on: recorded in the base run's folder, kept by its retention.
+
+A LoRA run's checkpoints hold its adapters only; its base is a step folder of
+another run (`runs/base/checkpoints/30`, pinned when the LoRA run starts:
+lora_state.pin_base). That run may train on, and its retention
+(`checkpoint.keep`) would delete step 30, leaving adapters that nothing can
+resume, sample or export. So the LoRA run records the step it stands on in the
+base run's folder:
+
+    runs/base/pinned_by/<digest of the LoRA run's path>.json   {"step": 30, "run": "/abs/runs/lora"}
+
+and the base run's checkpointer keeps every step a record names, beside its
+newest `checkpoint.keep` (`PinnedSteps`, an orbax preservation policy, read at
+each save, so a record written while the base run trains counts from its next
+save). A record whose LoRA run folder is gone (deleted by its user) pins
+nothing; the step is then deleted at the base run's next save as any other.
+A base folder the LoRA run cannot write (read-only, another user's) gets a
+warning, not a refusal: nothing there deletes steps unless it trains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+PINS_DIRNAME = "pinned_by"
+
+
+def _record_path(base_run_dir: Path, by_run_dir: Path) -> Path:
+    digest = hashlib.sha256(str(by_run_dir).encode()).hexdigest()[:16]
+    return base_run_dir / PINS_DIRNAME / f"{digest}.json"
+
+
+def record_pin(step_dir, by_run_dir, say=print) -> None:
+    """Records in the base run's folder that the run at `by_run_dir` stands on `step_dir` (a step folder of a
+    run, `<run>/checkpoints/<step>`; any other base, an hf: folder or a loose step folder, is not a run that
+    deletes steps: nothing is recorded)."""
+    from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
+
+    step_dir, by_run_dir = Path(step_dir).absolute(), Path(by_run_dir).absolute()
+    if step_dir.parent.name != CHECKPOINTS_DIRNAME or not step_dir.name.isdigit():
+        return
+    record = _record_path(step_dir.parent.parent, by_run_dir)
+    text = json.dumps({"step": int(step_dir.name), "run": str(by_run_dir)}) + "\n"
+    try:
+        if record.is_file() and record.read_text() == text:
+            return
+        record.parent.mkdir(exist_ok=True)
+        partial = record.with_name(f".{record.name}.{os.getpid()}.partial")
+        partial.write_text(text)
+        partial.replace(record)   # a reader never sees half a record
+    except OSError as error:
+        say(f"warning: cannot record in {record.parent} that this run's adapters stand on {step_dir} "
+            f"({error.strerror or error}): should that run train on, its checkpoint.keep may delete the step")
+
+
+def pinned_steps(checkpoints_dir) -> set[int]:
+    """The steps of the run whose checkpoints folder is `checkpoints_dir` that a living run stands on (its
+    folder still there); unreadable records are passed over."""
+    steps = set()
+    folder = Path(checkpoints_dir).parent / PINS_DIRNAME
+    for record in folder.glob("*.json") if folder.is_dir() else ():
+        try:
+            pin = json.loads(record.read_text())
+            step, by = int(pin["step"]), Path(pin["run"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if by.is_dir():
+            steps.add(step)
+    return steps
+
+
+class PinnedSteps:
+    """An orbax preservation policy (orbax's PreservationPolicy protocol): keeps the steps `pinned_steps`
+    names, read at every save's retention decision."""
+
+    def __init__(self, checkpoints_dir):
+        self.checkpoints_dir = Path(checkpoints_dir)
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        pinned = pinned_steps(self.checkpoints_dir)
+        return [info.step in pinned for info in checkpoints]

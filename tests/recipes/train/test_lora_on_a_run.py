@@ -1,0 +1,74 @@
+"""A LoRA run whose base is a step of another spillway run, while that run trains on.
+
+The micro recipe (tests/micro_recipe.py) as the base run, saving every step and keeping one; a LoRA run on it;
+then the base run trains on. Its retention keeps the step the LoRA run stands on (recipes/train/base_pins.py),
+the LoRA run's own command resumes on that step (not the base run's newest), an adapter export needs no base
+weights, a fine-tune from the LoRA run is one line saying how, and once the LoRA run's folder is gone the
+pinned step is deleted at the base run's next save as any other.
+"""
+
+import json
+import shutil
+
+from spillway.recipes import cli
+from tests.micro_recipe import micro_overrides
+
+
+def _train(cache, run, *extra):
+    sets = micro_overrides(cache, run, "checkpoint.every_steps=1", "checkpoint.keep=1", *extra)
+    return cli.main(["train", "tiny", *[arg for item in sets for arg in ("--set", item)]])
+
+
+def _steps(run):
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_a_lora_run_keeps_its_base_step_and_resumes_by_the_same_command(micro_data_cache, tmp_path, capsys):
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    assert _train(micro_data_cache, base, "train.steps=2") == 0
+    lora_sets = (f"checkpoint.init_from={base}", "lora.rank=4", "lora.targets=q_proj,v_proj")
+    assert _train(micro_data_cache, lora, *lora_sets, "train.steps=2") == 0
+    pinned = json.loads((lora / "checkpoints" / "2" / "recipe" / "recipe.json").read_text())["checkpoint"]
+    assert pinned["init_from"] == str(base / "checkpoints" / "2")
+
+    assert _train(micro_data_cache, base, "train.steps=4") == 0   # the base run trains on, keeping one step
+    assert _steps(base) == [2, 4]   # ... and the one the LoRA run stands on
+
+    capsys.readouterr()
+    assert _train(micro_data_cache, lora, *lora_sets, "train.steps=3") == 0   # the command that started it
+    assert f"resumed from {lora / 'checkpoints' / '2'} at step 2" in capsys.readouterr().out
+    resumed = json.loads((lora / "checkpoints" / "3" / "recipe" / "recipe.json").read_text())["checkpoint"]
+    assert resumed["init_from"] == pinned["init_from"]   # still the step it started on, not the base's newest
+
+    # a full fine-tune from the LoRA run: its steps hold the adapters alone; one line saying how
+    assert _train(micro_data_cache, tmp_path / "full", f"checkpoint.init_from={lora}", "train.steps=1") == 2
+    err = capsys.readouterr().err
+    assert "that run trained LoRA adapters" in err and "spillway export" in err and "Traceback" not in err
+    assert not (tmp_path / "full").exists()
+
+    # the adapters come out without the base's weights: here the base step is gone
+    shutil.move(base / "checkpoints" / "2", tmp_path / "away")
+    assert cli.main(["export", str(lora), str(tmp_path / "adapter"), "--adapter"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert "transformers does not load" in out and "no longer there" in out
+    shutil.move(tmp_path / "away", base / "checkpoints" / "2")
+
+    shutil.rmtree(lora)   # the LoRA run deleted: its pin holds nothing, the next save deletes the step
+    assert _train(micro_data_cache, base, "train.steps=5") == 0
+    assert _steps(base) == [5]
+
+
+def test_a_base_folder_that_cannot_be_written_is_a_warning(tmp_path):
+    from spillway.recipes.train.base_pins import pinned_steps, record_pin
+
+    step = tmp_path / "base" / "checkpoints" / "7"
+    step.mkdir(parents=True)
+    (tmp_path / "base" / "pinned_by").write_text("a file where the records' folder goes")
+    said = []
+    record_pin(step, tmp_path / "lora", say=said.append)
+    assert len(said) == 1 and said[0].startswith("warning: cannot record") and "checkpoint.keep" in said[0]
+    assert pinned_steps(step.parent) == set()
+    # an hf: folder or a loose step folder is no run that deletes steps: nothing recorded, nothing said
+    record_pin(tmp_path / "loose" / "7", tmp_path / "lora", say=said.append)
+    assert len(said) == 1 and not (tmp_path / "loose").exists()
