@@ -42,10 +42,11 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 # Built-in templates for tokenizers that have none (a sentencepiece model spillway trained). Their
 # end-of-turn token is the tokenizer's EOS; `{% generation %}` marks each answer and that EOS.
+_BOS_FIRST = "{% if bos_token %}{{ bos_token }}{% endif %}"   # left out where the tokenizer adds no BOS
 BUILTIN_TEMPLATES = {
     # Plain-text markers: nothing the tokenizer needs beyond its BOS/EOS.
     "spillway": (
-        "{% if bos_token %}{{ bos_token }}{% endif %}"
+        _BOS_FIRST +
         "{% for message in messages %}"
         "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
         "{% elif message['role'] == 'user' %}### User:\n{{ message['content'] }}\n\n### Assistant:\n"
@@ -234,14 +235,18 @@ def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
     """The template a run renders with (module docstring); `special_tokens` fill in what the file lacks.
 
     A built-in template writes the BOS only when `bos_first` (the tokenizer puts one before every document,
-    `Tokenizer.adds_bos`): a conversation then starts as the model's pretraining documents did. A tokenizer's
-    own template writes it as its authors chose; either way nothing else adds one."""
+    `Tokenizer.adds_bos`): a conversation then starts as the model's pretraining documents did. Otherwise its
+    text leaves the BOS out too, so the template saved with the run and exported with it (which transformers'
+    apply_chat_template renders with the tokenizer's bos_token) starts a prompt as training started a row. A
+    tokenizer's own template writes it as its authors chose; either way nothing else adds one."""
     special = {**(special_tokens or {}), **special_tokens_of(tokenizer_dir)}
     if named:
         if named in BUILTIN_TEMPLATES:
+            source = BUILTIN_TEMPLATES[named]
             if not bos_first:
                 special.pop("bos_token", None)
-            return ChatTemplate(BUILTIN_TEMPLATES[named], origin=f"built-in {named}", special_tokens=special)
+                source = source.removeprefix(_BOS_FIRST)
+            return ChatTemplate(source, origin=f"built-in {named}", special_tokens=special)
         path = Path(named).expanduser()
         if path.is_dir():
             raise ChatTemplateError(f"data.chat_template {named!r} is a folder: name the template file in it (a "

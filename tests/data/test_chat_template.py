@@ -13,7 +13,7 @@ import json
 import pytest
 
 from spillway.data import load_tokenizer
-from spillway.data.chat_template import ChatTemplateError, resolve_chat_template
+from spillway.data.chat_template import ChatTemplate, ChatTemplateError, resolve_chat_template
 from spillway.data.sft_targets import (conversation_tokens, end_of_turn_ids, prompt_tokens, special_token_texts)
 from spillway.layers.errors import DataError
 
@@ -183,6 +183,10 @@ def test_builtin_template_targets_answers_and_eos_for_a_tokenizer_without_offset
     # A tokenizer that starts no document with a BOS (one spillway trained) gets none from the template either.
     without = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"})
     assert without.render(messages).text == text.removeprefix("<s>")
+    # ... nor does the template text the run saves and exports, which generate --chat and transformers'
+    # apply_chat_template render with the tokenizer's bos_token: a prompt starts as training started a row
+    saved = ChatTemplate(without.source, origin="saved", special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    assert saved.render(messages).text == text.removeprefix("<s>")
 
 
 def test_a_role_the_template_does_not_know_is_named():
