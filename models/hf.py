@@ -290,8 +290,11 @@ def _entries(family, config, param_shapes: dict[tuple, tuple[int, ...]]) -> list
                 raise AssertionError(f"{family.name} HF table names {w.path}, which the model does not have")
             out.append(_Entry(w, w.path, (w.hf_name,), param_shapes[w.path]))
     unmapped = set(param_shapes) - {e.path for e in out}
-    if unmapped:  # the model grew a parameter the table does not know: fail rather than keep random values
-        raise AssertionError(f"{family.name} parameters with no Hugging Face mapping: {sorted(unmapped)}")
+    if unmapped:  # a user's block with parameters of its own: fail rather than drop or invent values
+        shown = ", ".join("/".join(str(part) for part in path) for path in sorted(unmapped)[:3])
+        raise HFCheckpointError(f"the model has {len(unmapped)} parameter(s) that the {family.name} Hugging Face "
+                                f"layout has no name for ({shown}{', ...' if len(unmapped) > 3 else ''}): a block "
+                                f"of its own (not the family's) has no Hugging Face form")
     return out
 
 

@@ -27,7 +27,8 @@ holds (its folder's name, a digest of its path, the step), so that a later
 export of the same run replaces it; it is written before
 the weights, so an export killed midway is replaced too), a training run's
 directory or its checkpoints folder (the run's own tokenizer files would be
-replaced), and `--adapter` on a run without LoRA.
+replaced), `--adapter` on a run without LoRA, and a run of a user's block (recipe `block`), which no
+Hugging Face class computes.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     if adapter and not recipe.lora.enabled:
         raise ConfigError(f"--adapter: the run at {path} has no LoRA adapters (lora.rank is 0, every weight "
                           f"trained): export it without --adapter")
+    if recipe.block is not None:   # its weights would load into the family's own block, computing another model
+        raise ConfigError(f"the run at {path} trains the block {recipe.block}, which no Hugging Face model class "
+                          f"computes (transformers would load its weights into {recipe.family}'s own layers, a "
+                          f"different model): export writes runs of the zoo's own blocks only")
     out = Path(out_dir)
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)

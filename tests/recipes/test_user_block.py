@@ -129,3 +129,24 @@ def test_plan_compiles_a_block_found_only_on_this_process_path(user_folder, tmp_
     result = plan(recipe, "h200", 1, plans=[Candidate.of("save_all", "device")])
     row = result.rows[0]
     assert row.error is None and row.report["hbm_bytes"] > 0, row.error
+
+
+def test_a_run_of_a_users_block_is_not_exported_as_the_familys_model(user_folder, tmp_path, capsys):
+    """Its weights would load into the family's own layers in transformers: another model, exported without a
+    word (a new user's finding). One line, nothing written; from Python, to_hf names the parameters it cannot."""
+    sys.path.insert(0, str(user_folder))
+    step = tmp_path / "run" / "checkpoints" / "3"
+    (step / "recipe").mkdir(parents=True)
+    (step / "params").mkdir()
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    (step / "recipe" / "recipe.json").write_text(get_recipe("tiny", MICRO + [f"block={MODULE}:ParallelBlock"]).to_json())
+    assert cli.main(["export", str(step), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"trains the block {MODULE}:ParallelBlock" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+    from spillway.models.hf import HFCheckpointError, to_hf
+    recipe = get_recipe("tiny", MICRO + [f"block={MODULE}:PostNormBlock"])
+    model = recipe.build_model(nnx.Rngs(0))
+    with pytest.raises(HFCheckpointError, match=r"parameter\(s\) that the llama Hugging Face layout has no name for"):
+        to_hf(model, tmp_path / "python_out")
