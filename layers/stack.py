@@ -220,9 +220,17 @@ class BlockStack(nnx.Module):
 
         def one_block(layer_state, x_btd):
             positions_bt = jnp.arange(x_btd.shape[1])[None]
-            return nnx.merge(graphdef, layer_state)(x_btd, BlockContext(positions_bt))[0]
+            return nnx.merge(graphdef, layer_state)(x_btd, BlockContext(positions_bt))
 
-        jaxpr, out = jax.make_jaxpr(one_block, return_shape=True)(layer_state, x)
+        jaxpr, returned = jax.make_jaxpr(one_block, return_shape=True)(layer_state, x)
+        if not isinstance(returned, (tuple, list)) or len(returned) != 2:
+            what = (f"an array of shape {returned.shape}" if hasattr(returned, "shape")
+                    else f"{type(returned).__name__}" + (f" of {len(returned)}" if isinstance(returned, (tuple, list))
+                                                         else ""))
+            raise ConfigError(f"block {_class_path(type(blocks))}: forward() returns {what}; a block returns a "
+                              f"pair (the residual stream, same shape and dtype as its input, cache): "
+                              f"`return x_btd, cache`")
+        out = returned[0]
         if (out.shape, out.dtype) != (x.shape, x.dtype):
             # else lax.scan fails with a message about carry types that names no block
             raise ConfigError(f"block {_class_path(type(blocks))}: forward() returns an array of shape "

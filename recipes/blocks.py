@@ -86,8 +86,11 @@ def resolve_block_class(path: str) -> type:
         raise ValueError(f"block: module {module_name!r} ({getattr(module, '__file__', '?')}) has no {class_name!r}")
     cls = getattr(module, class_name)
     if not (isinstance(cls, type) and issubclass(cls, TransformerBlock)):
-        what = f"a class {cls.__name__} based on {[b.__name__ for b in cls.__mro__[1:-1]]}" if isinstance(cls, type) \
-            else f"an object of type {type(cls).__name__}"
+        if not isinstance(cls, type):
+            what = f"an object of type {type(cls).__name__}"
+        else:
+            bases = [b.__name__ for b in cls.__mro__[1:-1]]
+            what = f"a class {cls.__name__}" + (f" based on {bases}" if bases else "")
         raise ValueError(f"block: {path!r} is {what}, not a subclass of spillway.layers.block.TransformerBlock")
     return cls
 

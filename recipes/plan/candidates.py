@@ -163,14 +163,17 @@ def activation_plans(num_layers: int, presets: tuple[str, ...] = PRESET_PLANS) -
     plans = list(presets)
     half = num_layers // 2
     moe = "moe_offload_dots" in presets
-    if 0 < half < num_layers:
-        plans += [f"{'moe_' if moe else ''}offload_dots:{half},recompute_all",
-                  f"{'moe_' if moe else ''}save_dots:{half},recompute_all"]
+    if 0 < half < num_layers:   # of the dot presets the model's blocks serve (a user's block may tag fewer)
+        plans += [f"{dots}:{half},recompute_all" for dots in (f"{'moe_' if moe else ''}offload_dots",
+                                                              f"{'moe_' if moe else ''}save_dots") if dots in presets]
     return plans
 
 
 def tagged_names(recipe: Recipe) -> frozenset[str] | None:
-    """The activation tags the recipe's blocks make, or None for a dense model (every dense preset applies)."""
+    """The activation tags the recipe's blocks make, or None for a dense model of the zoo's blocks (every dense
+    preset applies). A user's block (recipe `block`) tags what it tags: read from its traced stack."""
+    if recipe.block is not None:
+        return _users_block_names(recipe)
     runs = recipe.decoder_spec().stack_runs()
     if all(run.block.moe is None for run in runs):
         return None
@@ -184,6 +187,17 @@ def tagged_names(recipe: Recipe) -> frozenset[str] | None:
     return frozenset(tags)
 
 
+def _users_block_names(recipe: Recipe) -> frozenset[str]:
+    """The names a user's block tags, from its stack built under eval_shape (shapes only) with no remat plan
+    (the recipe's may name what the block never tags: that is what this finds out)."""
+
+    from flax import nnx
+
+    plain = dataclasses.replace(recipe, offload=dataclasses.replace(recipe.offload, activations="save_all"))
+    model = nnx.eval_shape(lambda: plain.build_model(nnx.Rngs(0)))
+    return frozenset(model.layers.block_names)
+
+
 def preset_plans(recipe: Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(single-policy plans, host-compute plans) for the recipe's model: PRESET_PLANS and HOST_COMPUTE_PLANS for
     a dense one; with MoE layers, the presets whose tags its blocks make and the MoE presets."""
@@ -192,7 +206,8 @@ def preset_plans(recipe: Recipe) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return PRESET_PLANS, HOST_COMPUTE_PLANS
     presets = {**PRESETS, **MOE_PRESETS}
     usable = tuple(p for p in (*PRESET_PLANS, *MOE_PRESETS) if presets[p].names() <= tags)
-    return usable, MOE_HOST_COMPUTE_PLANS
+    host_compute = MOE_HOST_COMPUTE_PLANS if tags & set(names.MOE_ACTIVATION_NAMES) else HOST_COMPUTE_PLANS
+    return usable, tuple(p for p in host_compute if p in usable)
 
 
 def candidates(recipe: Recipe) -> list[Candidate]:

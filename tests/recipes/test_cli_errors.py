@@ -29,6 +29,12 @@ BLOCKS = {
             def forward(self, x_btd, ctx, cache):
                 return x_btd[..., :3], cache
     """),
+    "nu_bare_array_block": textwrap.dedent("""
+        from spillway.layers.block import TransformerBlock
+        class Block(TransformerBlock):
+            def forward(self, x_btd, ctx, cache):
+                return x_btd + self.mlp(self.mlp_norm(x_btd))
+    """),
 }
 EXPECTED = {
     "nu_raising_block": r"block: importing 'nu_raising_block' failed: RuntimeError: boom at import",
@@ -36,6 +42,9 @@ EXPECTED = {
                            r"\(.*unexpected keyword argument 'rngs'\); a block's __init__ takes \(cfg, \*, rngs\)",
     "nu_wrong_shape_block": r"block nu_wrong_shape_block:Block: forward\(\) returns an array of shape \(1, 8, 3\) "
                             r"\(float32\) for an input of \(1, 8, 32\)",
+    # it returned the stream alone: named as such, not as the stream's first row (a new user's finding)
+    "nu_bare_array_block": r"block nu_bare_array_block:Block: forward\(\) returns an array of shape \(1, 8, 32\); a "
+                           r"block returns a pair \(the residual stream.*`return x_btd, cache`",
 }
 
 

@@ -150,3 +150,23 @@ def test_a_run_of_a_users_block_is_not_exported_as_the_familys_model(user_folder
     model = recipe.build_model(nnx.Rngs(0))
     with pytest.raises(HFCheckpointError, match=r"parameter\(s\) that the llama Hugging Face layout has no name for"):
         to_hf(model, tmp_path / "python_out")
+
+
+def test_the_planner_offers_a_users_block_the_plans_it_tags(user_folder):
+    """A new user's finding: `spillway plan tiny --set block=my_blocks:MoEBlock` offered the dense presets,
+    every one a failed compile, and never the moe_* ones: the candidates came from the recipe's model."""
+    from spillway.layers.offload import MOE_PRESETS, RematPlan
+    from spillway.recipes.plan import candidates as plan_candidates
+
+    section = README.read_text().split("## Subclass a block", 1)[1].split("\n## ", 1)[0]
+    moe_code = next(code for code in re.findall(r"```python\n(.*?)```", section, re.S) if "moe_block(" in code)
+    (user_folder / f"{MODULE}.py").write_text(readme_block_code() + "\n" + moe_code)
+    sys.path.insert(0, str(user_folder))
+    moe = get_recipe("tiny", [f"block={MODULE}:MoEBlock"])
+    tags = plan_candidates.tagged_names(moe)
+    plans = {c.activations for c in plan_candidates.candidates(moe)}
+    assert set(MOE_PRESETS) <= plans and "save_dots" not in plans
+    assert all(RematPlan.parse(plan).names() <= tags for plan in plans)
+    # a dense block of the user's that tags what the zoo's do keeps every dense plan
+    parallel = get_recipe("tiny", [f"block={MODULE}:ParallelBlock"])
+    assert plan_candidates.preset_plans(parallel) == (plan_candidates.PRESET_PLANS, plan_candidates.HOST_COMPUTE_PLANS)
