@@ -65,20 +65,27 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command's options; defaults as a recipe's data section has them (module docstring)."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default=BUILTIN_STDLIB)
-    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--source", default=BUILTIN_STDLIB,
+                        help="a local folder or file, a Hub dataset name, or builtin:stdlib (default: %(default)s)")
+    parser.add_argument("--text-field", default="text", help="the records' text column (default: %(default)s)")
     parser.add_argument("--split", default="train",
                         help="the source's split: a Hub dataset's, a save_to_disk DatasetDict's, or a folder's "
                              "split-named files (train.jsonl + test.jsonl, data/train-*.parquet) (default: train)")
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--val-fraction", type=float, default=0.02)
+    parser.add_argument("--vocab-size", type=int, default=4096,
+                        help="the tokenizer's vocabulary: the recipe's model.vocab_size (default: %(default)s)")
+    parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe",
+                        help="sentencepiece model type: data.tokenizer_type (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=256,
+                        help="tokens a packed row: the recipe's data.seq_len (default: %(default)s)")
+    parser.add_argument("--val-fraction", type=float, default=0.02, help="held out for validation (default: %(default)s)")
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizing processes (default: threads here)")
     parser.add_argument("--max-tokens", type=int, default=None, help="take only the head of the source")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/spillway"))
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help="tokens a cache shard (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the tokenizer's sample and the validation split's draw (default: %(default)s)")
+    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/spillway"),
+                        help="where the tokenizer and rows go: data.cache_dir (default: %(default)s)")
     return parser
 
 

@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_prepare)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint", parents=[common])
-    p.add_argument("checkpoint", help="a run directory (latest step) or a checkpoint step directory")
+    p.add_argument("checkpoint", help="a run directory or its checkpoints/ directory (the newest step), or a "
+                                      "step folder")
     p.add_argument("--prompt", help="a text to continue")
     p.add_argument("--chat", metavar="MESSAGE",
                    help="a user message: rendered through the run's chat template, answered until the end of turn")
@@ -223,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a run as a Hugging Face folder (LoRA merged), or its PEFT adapter",
                        parents=[common])
-    p.add_argument("checkpoint", help="a run directory (latest step) or a checkpoint step directory")
+    p.add_argument("checkpoint", help="a run directory or its checkpoints/ directory (the newest step), or a "
+                                      "step folder")
     p.add_argument("out_dir", help="the folder to write: new, empty, or holding an earlier export of the same run "
                                       "(other files, a README or .git, are kept; one the export would replace is "
                                       "refused)")
@@ -236,12 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="HBM, host memory and transfer cost of a recipe on a GPU, without the GPU",
                        parents=[common])
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="a registered name, a recipe .json file, or module:function returning a Recipe")
     p.add_argument("--gpu", default=None,
                    help=f"target GPU (default: the recipe's offload.target_gpu, else {DEFAULT_GPU})")
     p.add_argument("--devices", type=int, default=None,
                    help="GPUs on one host (default: the recipe's offload.target_devices, else 1)")
-    p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
     p.add_argument("--host-ram-gb", type=float, default=None, help="host RAM available for pinned memory")
     p.add_argument("--headroom", type=float, default=HBM_HEADROOM, help="fraction of HBM a plan may use")
     p.add_argument("--hbm-budget", type=float, default=None, metavar="GIB",

@@ -26,7 +26,8 @@ def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     from spillway.recipes.train.data_pipeline import end_of_turn_warning, prepare, source_notes_of
     from spillway.recipes.train.tokenization_record import describe_kept_bos
 
-    say(f"recipe {recipe.name} ({recipe.family}): {recipe.num_params() / 1e6:.2f}M parameters, "
+    block = f", block {recipe.block}" if recipe.block else ""   # a user's block, named where the run starts
+    say(f"recipe {recipe.name} ({recipe.family}{block}): {recipe.num_params() / 1e6:.2f}M parameters, "
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
     if recipe.lora.enabled:
         say(lora_state.trained_summary(recipe))
