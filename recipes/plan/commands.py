@@ -23,8 +23,8 @@ from spillway.recipes.user_recipes import load_recipe
 def plan_command(args) -> int:
     """`spillway plan`: print the table (or --json), and draw it with --png.
 
-    Exit 0 even when nothing fits (the table says so), except under
-    --hbm-budget, which asks for a plan: then ValueError naming the smallest.
+    Nothing fits: the table, then ValueError naming why (exit 2), so a script sees it; under --hbm-budget, which
+    asks for a plan, the same.
     """
     recipe = load_recipe(args.recipe, args.set)   # a registered name, a recipe.json, or module:function
     if getattr(args, "png", None):
@@ -42,8 +42,7 @@ def plan_command(args) -> int:
         print(render(result))
     if getattr(args, "png", None):
         draw_plan(result, args.png)
-    if budget is not None:
-        choose(result)   # a budget asks for a plan: none under it is an error naming the smallest
+    choose(result)   # no pick (under a budget, or at all) is an error naming why, after the table
     return 0
 
 

@@ -31,7 +31,7 @@ from spillway.recipes.plan import compile_cache, compute_model, host_update, pru
 from spillway.recipes.plan.candidates import Candidate, candidates, planned_recipe
 from spillway.recipes.plan.cost_model import params_per_gpu, plan_row
 from spillway.recipes.plan.mesh_rules import check_sharding, resolve_mesh
-from spillway.recipes.plan.preflight import check_user_block
+from spillway.recipes.plan.preflight import check_params_placement, check_user_block
 from spillway.recipes.plan.result import Plan, PlanRow
 from spillway.recipes.plan.toolchain import check_toolchain, compiler_options
 from spillway.recipes.plan.progress import CompileProgress, write_to_stderr
@@ -229,6 +229,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     started = time.perf_counter()
     target = get_target(gpu)
     check_user_block(recipe)   # a block that cannot be built: one line now, not one per compile process
+    check_params_placement(recipe)   # offload.params=experts without experts: as train refuses it
     from spillway.recipes.train.step import check_aux_loss
     check_aux_loss(recipe)     # an aux_loss coefficient that would weight nothing: the same
     _check_limits(headroom, host_ram_gb, hbm_budget_gib, workers)

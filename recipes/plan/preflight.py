@@ -57,3 +57,16 @@ def check_user_block(recipe) -> None:
     from spillway.recipes.train.step import abstract_model
 
     abstract_model(recipe)
+
+
+def check_params_placement(recipe) -> None:
+    """offload.params=experts on a model without routed experts: the ConfigError `spillway train` gives (it
+    would place nothing on host), before any compile, from the abstract model (nothing allocated)."""
+    from spillway.layers.memory import EXPERTS
+    from spillway.recipes.optim.param_placement import param_memories, whole_placement
+
+    if whole_placement(recipe.offload.params) != EXPERTS:
+        return
+    from spillway.recipes.train.step import abstract_model
+
+    param_memories(abstract_model(recipe)[1], recipe.offload.params)

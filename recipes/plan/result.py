@@ -38,13 +38,24 @@ def refusals(candidate: Candidate, report: dict, hbm_limit: float, devices: int,
     offload."""
     reasons = []
     if report["hbm_bytes"] > hbm_limit:
-        reasons.append(f"HBM {report['hbm_bytes'] / GiB:.1f} > {hbm_limit / GiB:.1f} GiB")
+        reasons.append(f"HBM {over(report['hbm_bytes'], hbm_limit)}")
     host_refusal = host_peak.describe_refusal(report, devices, host_ram)
     if host_refusal:
         reasons.append(host_refusal)
     if dropped_offload(candidate, report):
         reasons.append("offload dropped: no activation in host memory in the compiled step")
     return reasons
+
+
+def over(value: float, limit: float) -> str:
+    """"value > limit GiB" with as many decimals as it takes for the two to read apart (0.09 > 0.05 GiB, where
+    one decimal said 0.1 > 0.1); MiB below a hundredth of a GiB."""
+    unit, scale = ("GiB", GiB) if limit >= 0.01 * GiB else ("MiB", 2**20)
+    for decimals in range(1, 4):
+        a, b = f"{value / scale:.{decimals}f}", f"{limit / scale:.{decimals}f}"
+        if a != b:
+            break
+    return f"{a} > {b} {unit}"
 
 
 @dataclasses.dataclass
@@ -259,6 +270,13 @@ def nothing_fits_numbers(p: Plan) -> str:
     if not compiled:
         return "every compile failed (see the warnings)"
     smallest = min(compiled, key=lambda row: row.report["hbm_bytes"])
+    if smallest.report["hbm_bytes"] <= p.hbm_limit_bytes:   # HBM holds some plan: the host's RAM holds none
+        in_hbm = [row for row in compiled if row.report["hbm_bytes"] <= p.hbm_limit_bytes]
+        least = min(in_hbm, key=lambda row: host_peak.host_peak(row.report, p.devices)[1])
+        phase, peak = host_peak.host_peak(least.report, p.devices)
+        return (f"{len(in_hbm)} plan(s) fit HBM, but none the host's RAM: the least host memory is "
+                f"{peak / GiB:.2f} GiB at {phase} ({least.candidate.label}) against {p.host_ram_bytes / GiB:.2f} GiB "
+                f"of host RAM; give the machine's RAM with --host-ram-gb, or plan for a host with more")
     return (f"the smallest HBM is {smallest.report['hbm_bytes'] / GiB:.2f} GiB ({smallest.candidate.label}, "
             f"host {smallest.report['host_bytes'] * p.devices / GiB:.2f} GiB) against a limit of "
             f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({hbm_limit_words(p)}, "

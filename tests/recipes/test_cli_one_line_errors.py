@@ -198,3 +198,12 @@ def test_generate_refuses_an_unusable_temperature_and_a_prompt_that_is_not_utf8(
     latin1 = b"caf\xe9".decode("utf-8", errors="surrogateescape")   # how Python hands such a shell argument over
     assert main(["generate", str(tmp_path), "--prompt", latin1]) == 2
     assert "--prompt holds bytes that are not UTF-8 (at character 4)" in capsys.readouterr().err
+
+
+def test_plan_refuses_experts_on_a_dense_model_as_train_does(capsys):
+    """A new user's finding: `spillway plan` accepted offload.params=experts on a dense model (and planned for
+    minutes) where `spillway train` refused it in one line."""
+    for command in ("plan", "train"):
+        code = cli.main([command, "tiny", "--set", "offload.params=experts", "--set", "offload.optimizer_state=host"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "offload.params=experts, but the model has no MoE block" in lines[0]

@@ -113,3 +113,36 @@ def test_plans_refused_before_compiling_are_named_with_their_phase_not_as_failed
     assert ("not compiled (2), as they cannot fit whatever their step holds: save_all / optimizer_state=host "
             "(host 6.5 GiB at checkpoint save > 0.0 GiB); recompute_all") in text
     assert "every compile failed" not in text and "at least as fast" not in text
+
+
+def test_nothing_fits_exits_2_after_the_table_and_names_the_hosts_ram_where_hbm_holds_a_plan(monkeypatch, capsys):
+    """A new user's findings: `spillway plan` with no pick exited 0 (only --hbm-budget made it an error), and
+    where every plan fit HBM but not the host, the line blamed HBM and advised a smaller batch."""
+    from types import SimpleNamespace
+
+    from spillway.recipes import cli
+    from spillway.recipes.plan import commands
+    from spillway.recipes.plan.result import nothing_fits_numbers, over
+
+    because = "cannot fit: host 6.5 GiB at checkpoint save > 0.0 GiB, whatever the step holds"
+    refused = [{**Candidate.of("save_all", "host").to_dict(), "label": "save_all / optimizer_state=host",
+                "because": because, "cannot_fit": True}]
+    plan = Plan(get_recipe("tiny"), get_target("h200"), 1, {"data": 1}, 0.9, 0.01 * GiB, [], [], None,
+                {"jax_version": "test", "compiles": 0, "total_s": 1.0, "workers": 1, "child_startup_s": 0.0},
+                skipped=refused).judge()
+    monkeypatch.setattr(commands, "plan", lambda *args, **kwargs: plan)
+    assert cli.main(["plan", "tiny"]) == 2
+    captured = capsys.readouterr()
+    assert "no plan fits" in captured.out   # the table first
+    assert captured.err.startswith("spillway plan: error: no offload plan fits") and len(captured.err.splitlines()) == 1
+
+    def row(label, hbm, host):
+        return SimpleNamespace(report={"hbm_bytes": hbm, "host_bytes": host}, candidate=SimpleNamespace(label=label))
+    fake = SimpleNamespace(rows=[row("save_all", 0.2 * GiB, 9 * GiB), row("recompute_all", 0.1 * GiB, 7 * GiB)],
+                           skipped=[], hbm_limit_bytes=100 * GiB, devices=1, host_ram_bytes=1 * GiB)
+    said = nothing_fits_numbers(fake)
+    assert said.startswith("2 plan(s) fit HBM, but none the host's RAM: the least host memory is 7.00 GiB at step "
+                           "(recompute_all) against 1.00 GiB") and "--host-ram-gb" in said
+    assert over(0.0867 * GiB, 0.05 * GiB) == "0.09 > 0.05 GiB"   # one decimal said "0.1 > 0.1 GiB"
+    assert over(1.25 * GiB, 1.2 * GiB) == "1.25 > 1.20 GiB" and over(80 * GiB, 71.2 * GiB) == "80.0 > 71.2 GiB"
+    assert over(2**20, 1000) == "1.0 > 0.0 MiB"
