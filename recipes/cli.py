@@ -35,6 +35,7 @@ EXIT_USER_ERROR = 2      # what argparse uses for a bad command line, too
 EXIT_INTERNAL_ERROR = 1
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
 EXIT_TERMINATED = 143    # 128 + SIGTERM
+EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE: what a shell reports for a command whose reader left
 _MAX_INTERNAL_MESSAGE = 500
 
 
@@ -43,6 +44,9 @@ def _cmd_recipes(args) -> int:
     from spillway.recipes.user_recipes import load_recipe
     if args.json and not args.name:
         raise ConfigError("spillway recipes --json prints one recipe: give its NAME (spillway recipes tiny --json)")
+    if args.set and not args.name:   # the list shows every recipe as registered: a --set would be dropped unsaid
+        raise ConfigError("spillway recipes --set changes one recipe: give its NAME (spillway recipes tiny "
+                          "--set train.steps=5)")
     if args.name:
         # one recipe in full: what it is, what its fields make of a step, where its numbers come from, then
         # every field (what `--set` can change); the parameter count is computed, never written into a
@@ -66,7 +70,8 @@ def _cmd_recipes(args) -> int:
 
 def _refuse_empty_gpu(gpu: str | None) -> None:
     if gpu is not None and not gpu.strip():   # '' from an unset shell variable quietly meant the default
-        raise ConfigError("--gpu is empty: name a GPU (`spillway plan --help` lists them)")
+        from spillway.recipes.targets import TARGETS
+        raise ConfigError(f"--gpu is empty: name a GPU ({', '.join(TARGETS)})")
 
 
 def _cmd_train(args) -> int:
@@ -323,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:   # the process's own command line, not a caller's: leave now (below)
             _leave_without_teardown(status)
         return status
+    except BrokenPipeError:   # stdout's reader left (`spillway recipes tiny | head -1`): it had what it asked for
+        if argv is None:   # the interpreter's last flush of stdout would fail again, loudly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as err:   # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
         message, status = describe_error(err)
         print(f"spillway {args.command}: error: {message}", file=sys.stderr)

@@ -42,7 +42,7 @@ def recipe_from_file(spec: str) -> Recipe:
         why = "is a folder, not a recipe file" if path.is_dir() else "does not exist"
         raise ConfigError(f"recipe file {path} {why}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")   # a BOM (Notepad saves one) is no JSON error
         tree = json.loads(text)
     except json.JSONDecodeError as error:
         # `spillway recipes NAME > FILE` wrote the description above the JSON: the first thing users try

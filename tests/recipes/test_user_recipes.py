@@ -136,3 +136,17 @@ def test_spillway_recipes_json_writes_a_file_train_reads_and_its_description_is_
     assert "`spillway recipes NAME --json > described.json` writes the JSON alone" in line
     assert cli.main(["recipes", "--json"]) == cli.EXIT_USER_ERROR
     assert "give its NAME" in capsys.readouterr().err
+    # a new user's findings: --set without NAME was dropped unsaid; a file saved with a BOM (Notepad) was no JSON
+    assert cli.main(["recipes", "--set", "train.steps=5"]) == cli.EXIT_USER_ERROR
+    assert "give its NAME" in capsys.readouterr().err
+    (user_dir / "bom.json").write_bytes(b"\xef\xbb\xbf" + (user_dir / "plain.json").read_bytes())
+    assert cli.main(["recipes", "bom.json"]) == 0 and '"steps": 3' in capsys.readouterr().out
+
+
+def test_a_reader_that_leaves_is_no_error(capsys, monkeypatch):
+    """`spillway recipes gpt2_124m | head -1` said 'error: Broken pipe' and exited 2."""
+    def closed(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(cli, "_cmd_recipes", closed)
+    assert cli.main(["recipes"]) == cli.EXIT_BROKEN_PIPE
+    assert capsys.readouterr().err == ""
