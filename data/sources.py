@@ -214,9 +214,11 @@ def _folder_spec(folder: Path, split: str) -> LocalSpec:
     files = [path for path in files if path not in docs]
     builders = sorted({builder_for(file) for file in files})
     if len(builders) > 1:
+        kinds = sorted({"".join(Path(file).suffixes[-2:]) if Path(file).suffix in (".gz", ".zst", ".bz2", ".xz")
+                        else Path(file).suffix for file in files})
         raise ValueError(
-            f"corpus folder {str(folder)!r} mixes file kinds ({', '.join(builders)}); "
-            f"point the source at a folder holding one kind"
+            f"corpus folder {str(folder)!r} mixes file kinds ({', '.join(kinds)}); "
+            f"point the source at a folder holding one kind (or list each folder in data.mixture)"
         )
     check_codec(files)
     return LocalSpec(builders[0], tuple(files), split, tuple(sorted(splits)), tuple(sorted(skipped)))

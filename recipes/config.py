@@ -256,6 +256,9 @@ class LoraConfig:
             raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets is empty: name the projections to adapt (e.g. q_proj,v_proj)")
+        repeated = sorted({t for t in self.targets if self.targets.count(t) > 1})
+        if repeated:   # one adapter a projection: a name twice is a typo, and the saved recipe would carry it
+            raise ConfigError(f"lora.targets names {', '.join(repeated)} more than once: name each projection once")
 
     @property
     def enabled(self) -> bool:

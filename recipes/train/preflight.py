@@ -180,8 +180,10 @@ def _source_problem(field: str, source: str, fix: str, split: str) -> str | None
     except MissingSplitError:
         raise   # the source is there: its line names the splits it has, not a local copy to point at
     except (OSError, ValueError) as error:
-        return f"{field} {source!r}: {' '.join(str(error).split())}; point it at a local copy with {fix} " \
-               f"({LOCAL_CORPUS})"
+        said = f"{field} {source!r}: {' '.join(str(error).split())}"
+        if Path(source).expanduser().exists():   # there, but not readable as a corpus: its error says what to do
+            return said
+        return f"{said}; point it at a local copy with {fix} ({LOCAL_CORPUS})"
     reason = hub_unreachable_reason(hub)
     if reason is None:
         return None

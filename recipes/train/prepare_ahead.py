@@ -37,6 +37,7 @@ def prepare_ahead(recipe: Recipe, *, echo=print):
             f"{recipe.run_dir} holds a run that has started (checkpoints in {checkpoints}): its data was prepared "
             f"when it started, with its own copy of the tokenizer, and `spillway train` resumes it; to prepare "
             f"the data of a new run, set checkpoint.dir to a folder without one (or train.resume=false)")
+    _refuse_a_live_run(Path(recipe.run_dir))
     with tempfile.TemporaryDirectory(prefix="spillway-prepare-") as scratch:
         init_from = recipe.checkpoint.init_from
         if init_from and hf_checkpoint_dir(init_from) is None:
@@ -47,3 +48,17 @@ def prepare_ahead(recipe: Recipe, *, echo=print):
         tokenizer, data = prepare_run_data(recipe, None, None, say)
     say(f"ready: `spillway train` of this recipe (the same --set) reads these rows from {recipe.data.cache_path}")
     return tokenizer, data
+
+
+def _refuse_a_live_run(run_dir: Path) -> None:
+    """A run training in the folder now (its lock's owner alive), before its first checkpoint: it is preparing
+    (or has prepared) its own rows, with its own copy of the tokenizer; this would only say "ready"."""
+    from spillway.recipes.train.run_lock import LOCK_FILENAME, LockOwner
+
+    try:
+        owner = LockOwner.parse((run_dir / LOCK_FILENAME).read_text())
+    except OSError:
+        return
+    if owner is not None and not owner.is_gone():
+        raise RunAlreadyStartedError(f"{run_dir} holds a run training now ({owner.describe()}): it prepares its own "
+                                     f"data; to prepare the data of a new run, set checkpoint.dir to another folder")

@@ -31,8 +31,8 @@ def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
         f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
     if recipe.lora.enabled:
         say(lora_state.trained_summary(recipe))
-    if recipe.data.mixture and recipe.data.source != DataConfig.source:
-        say(f"warning: data.mixture is set, so data.source={recipe.data.source} is not read (a mixture replaces "
+    if (unread_source := mixture_replaces(recipe)) is not None:
+        say(f"warning: data.mixture is set, so data.source={unread_source} is not read (a mixture replaces "
             f"it; list that source in the mixture to train on it)")
     unread = _chat_settings_unread(recipe.data)
     if unread:
@@ -53,3 +53,15 @@ def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     say(f"data: {data.describe()} ({'cached' if data.from_cache else 'tokenized'}, "
         f"{time.perf_counter() - t0:.1f}s); tokenizer vocab {tokenizer.vocab_size}")
     return tokenizer, data
+
+
+def mixture_replaces(recipe: Recipe) -> str | None:
+    """The data.source a mixture leaves unread where the user set it; None for the default's or the one a
+    registered recipe names itself (tiny_sft's instruction set), which the user never set."""
+    from spillway.recipes.registry import get_recipe, recipe_names
+
+    if not recipe.data.mixture or recipe.data.source == DataConfig.source:
+        return None
+    if recipe.name in recipe_names() and get_recipe(recipe.name).data.source == recipe.data.source:
+        return None
+    return recipe.data.source

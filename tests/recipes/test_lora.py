@@ -42,6 +42,8 @@ def test_targets_that_name_no_projection_are_one_line_naming_the_ones_there():
     with pytest.raises(ConfigError, match=r"'q_proj' names no projection of the gpt2 model; it has \['c_attn', "
                                           r"'c_fc', 'c_proj'\]"):
         get_recipe("gpt2_tiny", ["lora.rank=4", "checkpoint.init_from=/nowhere", "lora.targets=q_proj"])
+    with pytest.raises(ConfigError, match="lora.targets names q_proj more than once"):   # was saved as given
+        lora_recipe("lora.targets=q_proj,v_proj,q_proj")
 
 
 def test_gpt2_targets_resolve_as_peft_resolves_them():

@@ -38,3 +38,29 @@ def test_prepare_fills_the_cache_a_chat_run_reads_and_refuses_a_started_run(tmp_
     assert f"{tmp_path / 'run'} holds a run that has started" in line and "set checkpoint.dir" in line
     assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir), "--set", "train.resume=false"]) == 0
     assert "(cached, " in capsys.readouterr().out   # a run that starts afresh there reads what a new one does
+
+
+def test_prepare_refuses_a_folder_a_live_run_holds(tmp_path, capsys):
+    """A new user's finding: a run training in the folder before its first checkpoint got "ready: ..." (its lock
+    names this live process here); a lock left by a process that is gone is no run."""
+    from spillway.recipes.train.run_lock import LOCK_FILENAME, LockOwner
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    texts = [f"{r['instruction']}\n{r['output']}" for r in records()]
+    train_tokenizer(texts, vocab_size=400, cache_dir=tmp_path / "tokenizer-cache").save_to_directory(tokenizer_dir)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK_FILENAME).write_text(LockOwner.this_process().to_json())
+    assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir)]) == cli.EXIT_USER_ERROR
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"{tmp_path / 'run'} holds a run training now (pid " in line
+
+
+def test_a_mixture_warns_of_the_source_it_leaves_unread_only_where_the_user_set_it():
+    """tiny_sft's own instruction set is no source the user set: a mixture on it warned of it on every run."""
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.run_data import mixture_replaces
+
+    mixture = "data.mixture=a=1:/data/a,b=1:/data/b"
+    assert mixture_replaces(get_recipe("tiny_sft", [mixture])) is None
+    assert mixture_replaces(get_recipe("tiny", [mixture])) is None
+    assert mixture_replaces(get_recipe("tiny", [mixture, "data.source=/data/mine"])) == "/data/mine"
