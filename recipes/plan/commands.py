@@ -13,7 +13,7 @@ from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.chart import draw_plan
 from spillway.recipes.plan.planner import plan
 from spillway.recipes.plan.preflight import check_image_path
-from spillway.recipes.plan.render import render
+from spillway.recipes.plan.render import ms_text, render
 from spillway.recipes.plan.result import GiB, choose
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.targets import DEFAULT_GPU, HBM_HEADROOM
@@ -58,7 +58,7 @@ def apply_plan(recipe: Recipe, how: str = "auto", *, gpu: str = DEFAULT_GPU, dev
     r = picked.report
     echo(f"plan auto: {picked.candidate.label}: HBM {r['hbm_bytes'] / GiB:.2f} GiB of "
          f"{result.hbm_limit_bytes / GiB:.2f} GiB, host {r['host_bytes'] / GiB:.2f} GiB per GPU, "
-         f"estimated step {picked.step_s * 1e3:.0f} ms on {devices} x {result.target.display_name} "
+         f"estimated step {ms_text(picked.step_s)} ms on {devices} x {result.target.display_name} "
          f"({result.timing['compiles']} compiles, {result.timing['total_s']:.0f} s)")
     for warning in result.warnings:
         echo(f"plan auto: warning: {warning}")

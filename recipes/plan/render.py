@@ -23,7 +23,8 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
-def _ms(seconds: float | None) -> str:
+def ms_text(seconds: float | None) -> str:
+    """Milliseconds: one decimal from 10 ms, three below (a tiny model's step is a fraction of one)."""
     if seconds is None:
         return "-"
     ms = seconds * 1e3
@@ -33,7 +34,9 @@ def _ms(seconds: float | None) -> str:
 def _phases(row: PlanRow) -> str:
     if row.forward_s is None:
         return "-"
-    return "/".join(f"{seconds * 1e3:.0f}" for seconds in (row.forward_s, row.backward_s, row.update_s))
+    # whole milliseconds where the step is long enough for them; a step of a few ms gets the step's decimals
+    decimals = 0 if (row.step_s or 0) >= 0.1 else 1 if (row.step_s or 0) >= 0.01 else 3
+    return "/".join(f"{seconds * 1e3:.{decimals}f}" for seconds in (row.forward_s, row.backward_s, row.update_s))
 
 
 # The settings columns: (header, least width). Each is as wide as its longest value in the table, so that
@@ -103,8 +106,8 @@ def render(p: Plan) -> str:
             f"{row.attention_impl:5s} {_gib(r.get('hbm_bytes')):>8s} {_gib(r.get('host_bytes')):>8s} "
             f"{_host_peak_cell(r, p.devices):>17s} "
             f"{'-' if moved is None else f'{moved:.2f}':>8s} "
-            f"{_ms(row.transfer_s):>8s} "
-            f"{_ms(row.compute_s):>8s} {_ms(row.step_s):>8s} {_phases(row):>18s}  {fits}")
+            f"{ms_text(row.transfer_s):>8s} "
+            f"{ms_text(row.compute_s):>8s} {ms_text(row.step_s):>8s} {_phases(row):>18s}  {fits}")
     picked = p.picked
     lines.append("")
     if picked is None:

@@ -50,8 +50,10 @@ def test_a_model_with_moe_blocks_gets_experts_on_host_candidates_and_a_dense_one
     recipe = moe_recipe()
     assert plan_candidates.has_expert_weights(recipe)
     experts = [c for c in plan_candidates.candidates(recipe) if c.params == "experts"]
+    # the host-compute plans of an MoE block (its moe_offload_dots: the dense one names what it never tags)
     assert {(c.activations, c.state_word) for c in experts} == {
-        (plan, state) for plan in plan_candidates.HOST_COMPUTE_PLANS for state in ("host", plan_candidates.HOST_COMPUTE)}
+        (plan, state) for plan in plan_candidates.MOE_HOST_COMPUTE_PLANS
+        for state in ("host", plan_candidates.HOST_COMPUTE)}
     for c in experts:   # each applies to a valid recipe and reads back from its dict
         applied = c.applied_to(recipe)
         assert applied.offload.params == "experts" and applied.offload.optimizer_state == "host"
