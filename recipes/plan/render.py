@@ -5,7 +5,8 @@ from __future__ import annotations
 from spillway.recipes.config import PENDING_HOST
 from spillway.recipes.plan import host_peak, split_search, turn_search
 from spillway.recipes.plan.candidates import Candidate
-from spillway.recipes.plan.result import ASSUMPTIONS, Plan, PlanRow, hbm_limit_words, nothing_fits_numbers
+from spillway.recipes.plan.result import (ASSUMPTIONS, Plan, PlanRow, dropped_offload, hbm_limit_words,
+                                         nothing_fits_numbers)
 
 GiB = 2**30
 GB = 10**9
@@ -144,8 +145,12 @@ def render_search(p: Plan) -> list[str]:
     lines += [header, "  " + "-" * (len(header) - 2)]
     best_baseline = max((r["best"] or 0 for r in search["results"]
                          if Candidate.from_dict(r).no_offload), default=0)
+    # a plan whose offload XLA dropped (the table above) offloads nothing at any length: said beside its figure
+    dropped = {row.candidate.label for row in p.rows if dropped_offload(row.candidate, row.report)}
     for r in search["results"]:
         notes = []
+        if Candidate.from_dict(r).label in dropped:
+            notes.append("offload dropped in the compiled step (table above): not a plan to take")
         if r["at_cap"]:
             notes.append("fits at the cap")
         elif not r["resolved"]:

@@ -146,3 +146,23 @@ def test_nothing_fits_exits_2_after_the_table_and_names_the_hosts_ram_where_hbm_
     assert over(0.0867 * GiB, 0.05 * GiB) == "0.09 > 0.05 GiB"   # one decimal said "0.1 > 0.1 GiB"
     assert over(1.25 * GiB, 1.2 * GiB) == "1.25 > 1.20 GiB" and over(80 * GiB, 71.2 * GiB) == "80.0 > 71.2 GiB"
     assert over(2**20, 1000) == "1.0 > 0.0 MiB"
+
+
+def test_the_search_table_says_which_plans_had_their_offload_dropped():
+    """A new user's finding: `--search seq_len` listed a plan the table above refused (its offload dropped by
+    XLA) as fitting at the cap, 1.0x the best without offload, with no word of it."""
+    from types import SimpleNamespace
+
+    from spillway.recipes.plan.render import render_search
+
+    dropped = Candidate.of("offload_dots:1,recompute_all", "device")
+    kept = Candidate.of("recompute_all", "device")
+    rows = [SimpleNamespace(candidate=dropped, report={"host_buffer_count": 0, "host_temp_bytes": 0}),
+            SimpleNamespace(candidate=kept, report={"host_buffer_count": 0, "host_temp_bytes": 0})]
+    results = [{**c.to_dict(), "best": 128, "at_cap": True, "resolved": True, "errors": [], "compiles": 1,
+                "seconds": 1.0} for c in (dropped, kept)]
+    lines = render_search(SimpleNamespace(rows=rows, search={"axis": "seq_len", "step": 64, "cap": 128,
+                                                             "results": results}))
+    (dropped_line,) = [line for line in lines if "offload_dots:1" in line]
+    assert "offload dropped in the compiled step" in dropped_line
+    assert not any("offload dropped" in line for line in lines if line.lstrip().startswith("recompute_all"))
