@@ -45,6 +45,26 @@ BATCH_SEARCH_CAP = 4096
 MAX_COMPILES_PER_SEARCH = 10
 
 
+# Rows that must all have failed, the same way, before the plan stops: one stage of a small model's candidates.
+SAME_FAILURE_ROWS = 4
+
+
+def _refuse_a_shape_no_plan_compiles(rows: list[PlanRow]) -> None:
+    """ValueError when every compile so far (at least SAME_FAILURE_ROWS, the first stage) failed with one error,
+    the digits of its instruction names aside: the compiler rejects the model's shape (XLA's "Couldn't find
+    output tile sizes" for a d_model of 72), which no offload plan changes; the stages after it would fail
+    alike for minutes, then say only that nothing fits. Called between stages, when no compile runs."""
+    import re
+
+    if len(rows) < SAME_FAILURE_ROWS or any(row.error is None for row in rows):
+        return
+    firsts = {re.sub(r"\d+", "#", row.error.strip().splitlines()[0] if row.error.strip() else "") for row in rows}
+    if len(firsts) == 1:
+        shown = " ".join(rows[0].error.split())[:300]
+        raise ValueError(f"every plan compiled ({len(rows)}) failed with the same compiler error, which no offload "
+                         f"plan changes (the model's shape, most likely): {shown}")
+
+
 def _search_request(recipe: Recipe, axis: str, mesh: dict, hbm_limit: float, host_ram: float,
                     devices: int) -> dict:
     if axis == "seq_len":
@@ -269,6 +289,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
             if index not in rows_by_index:
                 rows_by_index[index] = plan_row(todo[index], results[index], compiled_recipe, target, mesh,
                                                 host_rate, run_attention_impl=recipe.execution.attention_impl)
+        _refuse_a_shape_no_plan_compiles(list(rows_by_index.values()))
         judged([rows_by_index[i] for i in sorted(rows_by_index)], None)   # sets fits for the next stage
         return rows_by_index
 

@@ -166,3 +166,22 @@ def test_the_search_table_says_which_plans_had_their_offload_dropped():
     (dropped_line,) = [line for line in lines if "offload_dots:1" in line]
     assert "offload dropped in the compiled step" in dropped_line
     assert not any("offload dropped" in line for line in lines if line.lstrip().startswith("recompute_all"))
+
+
+def test_a_shape_the_compiler_rejects_in_every_plan_stops_the_plan_in_one_line():
+    """A new user's finding: d_model 72 made every compile fail with XLA's "Couldn't find output tile sizes",
+    42 candidates and five minutes on, then "no plan fits". The same error in a whole stage stops it."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from spillway.recipes.plan.planner import SAME_FAILURE_ROWS, _refuse_a_shape_no_plan_compiles
+
+    def failed(n):
+        return SimpleNamespace(error=f"JaxRuntimeError: INTERNAL: Couldn't find output tile sizes that satisfy hlo: "
+                                     f"%dot.{n} = f32[2048,72]{{1,0}} dot(...)\nmore lines")
+    with pytest.raises(ValueError, match=r"every plan compiled \(4\) failed with the same compiler error.*tile sizes"):
+        _refuse_a_shape_no_plan_compiles([failed(n) for n in range(SAME_FAILURE_ROWS)])
+    _refuse_a_shape_no_plan_compiles([failed(n) for n in range(SAME_FAILURE_ROWS - 1)])   # too few to tell
+    _refuse_a_shape_no_plan_compiles([failed(1), failed(2), failed(3), SimpleNamespace(error=None)])   # one compiled
+    _refuse_a_shape_no_plan_compiles([failed(1), failed(2), failed(3), SimpleNamespace(error="out of memory")])
