@@ -314,14 +314,14 @@ def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags:
         return False
     progress.records = index + 1
     if len(ids) > row_len:
+        if not options.train_on_prompt and not flags[1:row_len].any():
+            # the cut would take the whole answer: a row the loss never sees (its steps logged a loss of 0.0, its
+            # validation NaN), skipped and counted like an example with no answer (not as truncated too)
+            progress.answer_cut += 1
+            return True
         progress.overlong += 1
         progress.cut_target_tokens += int(flags[row_len:].sum())
         ids, flags = ids[:row_len], flags[:row_len]
-        if not options.train_on_prompt and not flags[1:].any():
-            # the cut took the whole answer: a row the loss never sees (its steps logged a loss of 0.0, its
-            # validation NaN), skipped and counted like an example with no answer
-            progress.answer_cut += 1
-            return True
     held_out = options.val_fraction > 0 and document_scores(index, 1, options.seed)[0] < options.val_fraction
     splits["val" if held_out else "train"].add(ids, flags)
     progress.num_tokens += len(ids)

@@ -338,7 +338,8 @@ def test_an_example_cut_before_its_answer_is_skipped_and_counted_and_all_of_them
     source = write_long_prompts(tmp_path / "d.jsonl", ["q"] * 3 + ["p" * 80] * 2)   # two answers past a row
     packed = prepare_sft_rows(str(source), CharTokenizer(), template,
                               SftOptions("instruct", seq_len=40, val_fraction=0.0), cache_dir=tmp_path / "cache")
-    assert (packed.num_documents, packed.overlong_examples, packed.answer_cut_examples) == (5, 2, 2)
+    # counted once, as cut before their answer, not also as truncated (a new user read both lines)
+    assert (packed.num_documents, packed.overlong_examples, packed.answer_cut_examples) == (5, 0, 2)
     assert all(row[TARGETS].any() for row in packed.train)   # every row holds something to train on
     described = TrainingData({"corpus": packed}, None).describe()
     assert "; 2 cut before their answer, skipped (raise data.seq_len" in described
