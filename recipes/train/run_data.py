@@ -39,8 +39,9 @@ def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
         say(f"warning: data.format=text, so {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read (they "
             f"shape chat/instruct rows: set data.format=chat or instruct to fine-tune on conversations)")
     # Said first: a large corpus takes minutes to tokenize the first time, and nothing else is said meanwhile.
-    say(f"data: preparing {recipe.data.mixture or recipe.data.source} (tokenized once, then read from "
-        f"{recipe.data.cache_path})")
+    # (before the cache is looked at: the line after the data says "cached" or "tokenized")
+    say(f"data: {recipe.data.mixture or recipe.data.source} (tokenized on first use into {recipe.data.cache_path}, "
+        f"read from there after)")
     for line in source_notes_of(recipe):   # the split read and the files skipped: nothing left out unsaid
         say(line)
     t0 = time.perf_counter()
