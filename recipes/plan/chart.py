@@ -38,10 +38,14 @@ def draw_plan(plan, path: str | Path) -> Path:
     ax.bar([i - width / 2 for i in x], held, width, label="HBM: arguments + outputs", color="#4c72b0")
     ax.bar([i - width / 2 for i in x], temp, width, bottom=held, label="HBM: temporaries", color="#8fb0de")
     ax.bar([i + width / 2 for i in x], host, width, label="host (pinned)", color="#dd8452")
-    ax.axhline(plan.hbm_limit_bytes / GiB, color="#c44e52", linestyle="--",
-               label=f"HBM limit {plan.hbm_limit_bytes / GiB:.1f} GiB")
-    host_share = plan.host_ram_bytes / plan.devices / GiB
-    ax.axhline(host_share, color="#937860", linestyle=":", label=f"host RAM per GPU {host_share:.0f} GiB")
+    limits = {"HBM limit": plan.hbm_limit_bytes / GiB, "host RAM per GPU": plan.host_ram_bytes / plan.devices / GiB}
+    height, drawn = y_scale(max(max(h + t for h, t in zip(held, temp)), max(host)), limits)
+    for (name, value), (color, style) in zip(limits.items(), (("#c44e52", "--"), ("#937860", ":"))):
+        if name in drawn:
+            ax.axhline(value, color=color, linestyle=style, label=f"{name} {value:.1f} GiB")
+        else:
+            ax.plot([], [], color=color, linestyle=style, label=f"{name} {value:.1f} GiB (above the chart)")
+    ax.set_ylim(0, height)
     ax.set_ylabel("GiB per GPU")
     ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
     ax.set_title(f"{plan.recipe.name} on {plan.devices} x {plan.target.display_name} "
@@ -63,3 +67,12 @@ def draw_plan(plan, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def y_scale(tallest_bar: float, limits: dict[str, float]) -> tuple[float, set[str]]:
+    """(the GiB axis' height, the limit lines drawn): the bars set the scale; a limit more than twice above
+    them (a small model's 126 GiB of HBM beside 0.07) is named in the legend instead, else the bars would
+    shrink to nothing under it."""
+    top = 1.25 * max(tallest_bar, 1e-9)
+    drawn = {name for name, value in limits.items() if value <= 2 * top}
+    return 1.05 * max([top, *(limits[name] for name in drawn)]), drawn

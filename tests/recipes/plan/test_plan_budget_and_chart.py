@@ -154,3 +154,13 @@ def test_a_pick_the_recipe_already_trains_needs_no_set_and_a_stale_cpu_update_is
     offload = get_recipe("llama3_8b_offload", ["optimizer.update_on_host=true"])   # updated by the host CPU
     assert Candidate.of("save_all", "device").set_arguments(offload) == [
         "offload.activations=save_all", "offload.optimizer_state=device", "optimizer.update_on_host=false"]
+
+
+def test_the_charts_scale_is_the_bars_not_a_limit_far_above_them():
+    """A new user's finding: a tiny model's plan drawn against 89 GiB of host RAM per GPU showed no bars."""
+    from spillway.recipes.plan.chart import y_scale
+
+    height, drawn = y_scale(0.08, {"HBM limit": 126.9, "host RAM per GPU": 89.0})
+    assert drawn == set() and height < 0.2
+    height, drawn = y_scale(100.0, {"HBM limit": 126.9, "host RAM per GPU": 900.0})
+    assert drawn == {"HBM limit"} and 126.9 < height < 200
