@@ -91,5 +91,6 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
                        top_p=top_p, seed=seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids,
                        vocab_limit=tokenizer.vocab_size)
     if chat is not None:
-        return tokenizer.decode(new_ids).strip()
+        # blank lines around the answer dropped, its first line's indentation kept (a code answer's)
+        return tokenizer.decode(new_ids).lstrip("\r\n").rstrip()
     return tokenizer.decode(prompt_ids[len(prefix):] + new_ids)   # the text, without the BOS put first
