@@ -31,7 +31,7 @@ from spillway.recipes.plan import compile_cache, compute_model, host_update, pru
 from spillway.recipes.plan.candidates import Candidate, candidates, planned_recipe
 from spillway.recipes.plan.cost_model import params_per_gpu, plan_row
 from spillway.recipes.plan.mesh_rules import check_sharding, resolve_mesh
-from spillway.recipes.plan.preflight import check_params_placement, check_user_block
+from spillway.recipes.plan.preflight import check_recipe_before_compiles
 from spillway.recipes.plan.result import Plan, PlanRow
 from spillway.recipes.plan.toolchain import check_toolchain, compiler_options
 from spillway.recipes.plan.progress import CompileProgress, write_to_stderr
@@ -248,10 +248,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     """
     started = time.perf_counter()
     target = get_target(gpu)
-    check_user_block(recipe)   # a block that cannot be built: one line now, not one per compile process
-    check_params_placement(recipe)   # offload.params=experts without experts: as train refuses it
-    from spillway.recipes.train.step import check_aux_loss
-    check_aux_loss(recipe)     # an aux_loss coefficient that would weight nothing: the same
+    check_recipe_before_compiles(recipe)   # what train refuses in one line: here too, before any compile
     _check_limits(headroom, host_ram_gb, hbm_budget_gib, workers)
     hbm_budget = None if hbm_budget_gib is None else hbm_budget_gib * GiB
     host_pricing = _host_pricing(host_update_rate, host_cores_per_gpu)

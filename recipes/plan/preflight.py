@@ -70,3 +70,14 @@ def check_params_placement(recipe) -> None:
     from spillway.recipes.train.step import abstract_model
 
     param_memories(abstract_model(recipe)[1], recipe.offload.params)
+
+
+def check_recipe_before_compiles(recipe) -> None:
+    """What `spillway train` refuses in one line, refused here before any compile process starts (else once per
+    process, or minutes of compiles first): a block that cannot be built, offload.params=experts without
+    experts, an aux_loss coefficient that would weight nothing."""
+    from spillway.recipes.train.step import check_aux_loss
+
+    check_user_block(recipe)
+    check_params_placement(recipe)
+    check_aux_loss(recipe)
