@@ -44,7 +44,7 @@ from .corpus import BUILTIN_STDLIB, default_corpus_files
 from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, quiet_builders,
                             unreadable_corpus)
 from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
-                          TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, data_splits,
+                          TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, corpus_suffix, data_splits,
                           documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
                           walk_files)
 
@@ -214,8 +214,7 @@ def _folder_spec(folder: Path, split: str) -> LocalSpec:
     files = [path for path in files if path not in docs]
     builders = sorted({builder_for(file) for file in files})
     if len(builders) > 1:
-        kinds = sorted({"".join(Path(file).suffixes[-2:]) if Path(file).suffix in (".gz", ".zst", ".bz2", ".xz")
-                        else Path(file).suffix for file in files})
+        kinds = sorted({corpus_suffix(Path(file)) for file in files})   # a.jsonl.gz is a .jsonl
         raise ValueError(
             f"corpus folder {str(folder)!r} mixes file kinds ({', '.join(kinds)}); "
             f"point the source at a folder holding one kind (or list each folder in data.mixture)"

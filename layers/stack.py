@@ -224,9 +224,12 @@ class BlockStack(nnx.Module):
 
         jaxpr, returned = jax.make_jaxpr(one_block, return_shape=True)(layer_state, x)
         if not isinstance(returned, (tuple, list)) or len(returned) != 2:
-            what = (f"an array of shape {returned.shape}" if hasattr(returned, "shape")
-                    else f"{type(returned).__name__}" + (f" of {len(returned)}" if isinstance(returned, (tuple, list))
-                                                         else ""))
+            if hasattr(returned, "shape"):
+                what = f"an array of shape {returned.shape}"
+            elif isinstance(returned, (tuple, list)):
+                what = f"a {type(returned).__name__} of {len(returned)}"
+            else:
+                what = type(returned).__name__
             raise ConfigError(f"block {_class_path(type(blocks))}: forward() returns {what}; a block returns a "
                               f"pair (the residual stream, same shape and dtype as its input, cache): "
                               f"`return x_btd, cache`")

@@ -190,7 +190,6 @@ def tagged_names(recipe: Recipe) -> frozenset[str] | None:
 def _users_block_names(recipe: Recipe) -> frozenset[str]:
     """The names a user's block tags, from its stack built under eval_shape (shapes only) with no remat plan
     (the recipe's may name what the block never tags: that is what this finds out)."""
-
     from flax import nnx
 
     plain = dataclasses.replace(recipe, offload=dataclasses.replace(recipe.offload, activations="save_all"))

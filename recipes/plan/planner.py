@@ -20,6 +20,7 @@ the largest global batch that fits; recipes/plan/child.py bounds the compiles.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 
@@ -54,8 +55,6 @@ def _refuse_a_shape_no_plan_compiles(rows: list[PlanRow]) -> None:
     the digits of its instruction names aside: the compiler rejects the model's shape (XLA's "Couldn't find
     output tile sizes" for a d_model of 72), which no offload plan changes; the stages after it would fail
     alike for minutes, then say only that nothing fits. Called between stages, when no compile runs."""
-    import re
-
     if len(rows) < SAME_FAILURE_ROWS or any(row.error is None for row in rows):
         return
     firsts = {re.sub(r"\d+", "#", row.error.strip().splitlines()[0] if row.error.strip() else "") for row in rows}

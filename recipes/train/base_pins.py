@@ -37,12 +37,13 @@ def record_pin(step_dir, by_run_dir, say=print) -> None:
     """Records in the base run's folder that the run at `by_run_dir` stands on `step_dir` (a step folder of a
     run, `<run>/checkpoints/<step>`; any other base, an hf: folder or a loose step folder, is not a run that
     deletes steps: nothing is recorded)."""
-    from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
+    from spillway.recipes.train.checkpoint_dirs import run_dir_of
 
     step_dir, by_run_dir = Path(step_dir).absolute(), Path(by_run_dir).absolute()
-    if step_dir.parent.name != CHECKPOINTS_DIRNAME or not step_dir.name.isdigit():
+    base_run_dir = run_dir_of(step_dir)
+    if base_run_dir is None or not step_dir.name.isdigit():
         return
-    record = _record_path(step_dir.parent.parent, by_run_dir)
+    record = _record_path(base_run_dir, by_run_dir)
     text = json.dumps({"step": int(step_dir.name), "run": str(by_run_dir)}) + "\n"
     try:
         if record.is_file() and record.read_text() == text:

@@ -53,12 +53,9 @@ def prepare_ahead(recipe: Recipe, *, echo=print):
 def _refuse_a_live_run(run_dir: Path) -> None:
     """A run training in the folder now (its lock's owner alive), before its first checkpoint: it is preparing
     (or has prepared) its own rows, with its own copy of the tokenizer; this would only say "ready"."""
-    from spillway.recipes.train.run_lock import LOCK_FILENAME, LockOwner
+    from spillway.recipes.train.run_lock import live_owner
 
-    try:
-        owner = LockOwner.parse((run_dir / LOCK_FILENAME).read_text())
-    except OSError:
-        return
-    if owner is not None and not owner.is_gone():
+    owner = live_owner(run_dir)
+    if owner is not None:
         raise RunAlreadyStartedError(f"{run_dir} holds a run training now ({owner.describe()}): it prepares its own "
                                      f"data; to prepare the data of a new run, set checkpoint.dir to another folder")

@@ -126,6 +126,17 @@ class LockOwner:
         return self.process_start_ticks is not None and ticks is not None and ticks != self.process_start_ticks
 
 
+def live_owner(run_dir: str | os.PathLike) -> LockOwner | None:
+    """Who holds `run_dir` now, read from its lock file without taking it (no flock, which a run starting at that
+    moment would find held): its owner unless that process is certainly gone; None where there is no lock file or
+    its record cannot be read (commands that only look, such as `spillway prepare`)."""
+    try:
+        owner = LockOwner.parse((Path(run_dir) / LOCK_FILENAME).read_text())
+    except OSError:
+        return None
+    return owner if owner is not None and not owner.is_gone() else None
+
+
 class RunLock:
     """Exclusive ownership of a run directory (`with RunLock(run_dir): ...`).
 
