@@ -74,6 +74,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 
 import jax
 import orbax.checkpoint as ocp
@@ -82,7 +83,7 @@ from etils import epath
 from spillway.recipes.train.checkpoint_dirs import (_STEP_NAMES, _absolute, _check_writable, _sync_processes,
                                                     checkpoint_dir_of, finalised_step_dirs, resolve_step_dir,
                                                     run_dir_of)
-from spillway.recipes.train.checkpoint_io import PieceWiseSave, as_pieces, chunked, joined
+from spillway.recipes.train.checkpoint_io import PieceWiseSave, as_pieces, chunked, joined, settle_writes
 from spillway.recipes.train.checkpoint_items import (CHECKPOINTS_DIRNAME, LOADER_STATE, META, OPT_STATE,
                                                      PARAMS, RECIPE, RECIPE_FILENAME, CheckpointError,
                                                      CheckpointMismatchError, CorruptCheckpointError,
@@ -302,6 +303,7 @@ class RunCheckpointer:
             META: ocp.args.JsonSave(meta),
             RECIPE: _TextSave(recipe_json),
         })
+        threads_before = set(threading.enumerate())
         try:
             # force: the decision is ours (should_save above); orbax's own policy would also
             # save the first step it sees, whatever its number
@@ -310,7 +312,11 @@ class RunCheckpointer:
             if not self.save_in_pieces:
                 raise CheckpointError(f"{self.step_dir(step)}: saving failed: {_cause(e)}") from e
             # the pieces are written here, so a full disk or a failed write surfaces now: name the intact step
-            # (and remove the unfinished folder, which orbax's own thread may still be making: save_failures.py)
+            # (and remove the unfinished folder once what the save started has stopped writing into it: its
+            # tensorstore writes, orbax's commit threads: save_failures.py)
+            from spillway.recipes.train.save_failures import SETTLE_LIMIT_S, join_threads_started_since
+            settle_writes()
+            join_threads_started_since(threads_before, SETTLE_LIMIT_S)
             self._manager.reload()
             raise self._failed_save_error(step, e, what="the save in pieces") from e
         self._step_in_flight = step

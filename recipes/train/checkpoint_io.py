@@ -61,6 +61,33 @@ from spillway.recipes.train.host_memory import SAVE_PIECES_IN_FLIGHT as PIECES_I
 from spillway.recipes.train.row_pieces import RowPieces, as_pieces, is_saved_leaf, joined  # noqa: F401
 
 
+# Every tensorstore operation a save in pieces started that has not finished. A failed save raises while
+# some are still running in tensorstore's threads (a piece's write, a sibling item's array being created:
+# orbax abandons the other items' coroutines, not what they started), and such a write makes its folders
+# again (the file store creates parents): a failed save waits for them (settle_writes) before its
+# unfinished folder is removed.
+_STARTED: set = set()
+
+
+def _started(operation):
+    """`operation` (a tensorstore Future or WriteFutures) counted in _STARTED until it finishes."""
+    _STARTED.add(operation)
+    operation.add_done_callback(_STARTED.discard)
+    return operation
+
+
+def settle_writes(timeout_s: float = 120.0) -> int:
+    """Blocks until every operation in _STARTED has finished (each at most `timeout_s`); their own errors are
+    the failed save's, already raised. Returns how many were still running when called."""
+    running = [operation for operation in list(_STARTED) if not operation.done()]
+    for operation in running:
+        try:
+            operation.result(timeout=timeout_s)
+        except Exception:   # noqa: BLE001 (the save's error is raised by the caller)
+            pass
+    return len(running)
+
+
 def chunked(tree):
     """orbax SaveArgs for a whole save of `tree` (joined): zarr chunks of at most PIECE_BYTES, as a save in
     pieces writes, so that either restores a piece at a time (orbax alone chooses chunks up to 2 GiB)."""
@@ -178,8 +205,9 @@ class PieceWiseArrayHandler(jax_array_handlers.ArrayHandler):
             metadata_key=self._metadata_key)
         chunk_shape = tuple(spec.metadata.chunk_shape) if value.ndim else ()
         if multihost.is_primary_host(self._primary_host):
-            await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
-        array = await ts.open(ts.Spec(spec.json), open=True, assume_metadata=True, context=info.ts_context)
+            await _started(ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context))
+        array = await _started(ts.open(ts.Spec(spec.json), open=True, assume_metadata=True,
+                                       context=info.ts_context))
         in_flight: collections.deque = collections.deque()
         row_offset = 0
         for part in value.parts:
@@ -189,7 +217,8 @@ class PieceWiseArrayHandler(jax_array_handlers.ArrayHandler):
                     piece = _piece(data, local)   # the only copy: one chunk
                     where = tuple(slice(t.start + c.start, t.start + c.stop) for t, c in zip(target, local))
                     # the piece is ours or a view of the state, which nothing writes before this save returns: no copy
-                    in_flight.append(array[where].write(piece, can_reference_source_data_indefinitely=True))
+                    in_flight.append(_started(array[where].write(piece,
+                                                                   can_reference_source_data_indefinitely=True)))
                     while len(in_flight) >= PIECES_IN_FLIGHT:
                         await in_flight.popleft()
             row_offset += part.shape[0] if value.ndim else 0

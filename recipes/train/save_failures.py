@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 
 _ORBAX_SOURCES = f"{os.sep}orbax{os.sep}"
@@ -46,6 +47,18 @@ def unfinished_saves(directory, step: int | None = None) -> list:
     return sorted(directory.glob(f"{'*' if step is None else step}{UNFINISHED_SUFFIX}*"))
 
 
+def join_threads_started_since(before: set, limit_s: float) -> list[str]:
+    """Joins the Python threads started since `before` (a `set(threading.enumerate())`) that still run, at
+    most `limit_s` in all: a failed save's orbax commit threads and asyncio workers go on writing into the
+    step's unfinished folder (making it again once removed) until they end. Returns the names of those still
+    running at the limit."""
+    deadline = time.monotonic() + limit_s
+    started = [t for t in threading.enumerate() if t not in before and t is not threading.current_thread()]
+    for thread in started:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [thread.name for thread in started if thread.is_alive()]
+
+
 # How long a removal watches for the folder to come back (see remove_unfinished), and how often it looks.
 SETTLE_S, SETTLE_LIMIT_S, POLL_S = 0.5, 5.0, 0.05
 
@@ -56,8 +69,10 @@ def remove_unfinished(directory, step: int | None) -> str:
     Orbax runs a save's directory coroutines on an event loop in a thread of its own, even for its
     synchronous saves, and an error raised in the caller's thread does not stop them; nothing it exposes
     joins them (`wait_until_finished` waits for async saves only). So a folder can be made just after it was
-    removed (a loaded machine showed it): the removal is repeated until none has appeared for SETTLE_S
-    (at most SETTLE_LIMIT_S). A folder still made later is removed when the directory is next opened."""
+    removed (a loaded machine showed it), or a file added while it is being removed: the removal is
+    repeated until none has appeared for SETTLE_S (at most SETTLE_LIMIT_S). A folder still made later is
+    removed when the directory is next opened. The caller first joins what the save started
+    (join_threads_started_since, checkpoint_io.settle_writes), so this watch is the last guard."""
     if step is None:
         return "nothing left behind"
     leftovers, kept = [], []
@@ -76,10 +91,8 @@ def remove_unfinished(directory, step: int | None) -> str:
             leftovers.append(folder)
             try:
                 shutil.rmtree(folder)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                kept.append(str(folder))
+            except OSError:   # gone already, or a writer added a file meanwhile ("Directory not empty"):
+                pass          # looked at again at the next poll, kept only at the limit
         time.sleep(POLL_S)
     if kept:
         return f"the unfinished save is left in {', '.join(kept)}: delete it"

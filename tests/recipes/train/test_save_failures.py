@@ -2,13 +2,15 @@
 
 Orbax makes a save's folders from coroutines on an event loop in its own thread, which an error in the
 caller's thread does not stop: under load a fresh-clone run found `2.orbax-checkpoint-tmp` made after the
-failed save's removal (test_checkpoint_pieces' full-disk test). The removal now watches for it to return.
+failed save's removal (test_checkpoint_pieces' full-disk test). The removal now watches for it to return,
+retries a removal a writer raced, and the save joins the threads it started before removing anything.
 """
 
 import threading
 import time
 
-from spillway.recipes.train.save_failures import SETTLE_S, remove_unfinished
+from spillway.recipes.train import save_failures
+from spillway.recipes.train.save_failures import SETTLE_S, join_threads_started_since, remove_unfinished
 
 
 def test_a_folder_made_again_just_after_the_removal_is_removed_too(tmp_path):
@@ -60,3 +62,41 @@ def test_a_folder_that_keeps_coming_back_ends_the_watch_at_its_limit(tmp_path, m
         stop.set()
         thread.join()
     assert said.startswith("the unfinished save is left in ") and "2.orbax-checkpoint-tmp" in said
+
+
+def test_a_removal_a_writer_raced_is_tried_again(tmp_path, monkeypatch):
+    """rmtree fails with "Directory not empty" when a file lands in a folder while it is being removed; that
+    folder was kept (and named for the user to delete) at the first failure, not tried again."""
+    unfinished = tmp_path / "2.orbax-checkpoint-tmp"
+    (unfinished / "params").mkdir(parents=True)
+    tries, rmtree = [], save_failures.shutil.rmtree
+
+    def raced_once(path):
+        tries.append(path)
+        if len(tries) == 1:
+            raise OSError(39, "Directory not empty", str(path))
+        rmtree(path)
+
+    monkeypatch.setattr(save_failures.shutil, "rmtree", raced_once)
+    assert remove_unfinished(tmp_path, 2) == "its unfinished folder 2.orbax-checkpoint-tmp was removed"
+    assert len(tries) == 2 and not unfinished.exists()
+
+
+def test_threads_a_failed_save_started_are_joined_before_anything_is_removed(tmp_path):
+    before = set(threading.enumerate())
+    wrote = threading.Event()
+
+    def commit_thread():
+        time.sleep(0.3)
+        (tmp_path / "2.orbax-checkpoint-tmp" / "meta").mkdir(parents=True)
+        wrote.set()
+
+    threading.Thread(target=commit_thread, name="late-commit").start()
+    assert join_threads_started_since(before, limit_s=10.0) == [] and wrote.is_set()
+    started = threading.Event()
+    stuck = threading.Thread(target=started.wait, name="never-ends", daemon=True)
+    stuck.start()
+    begun = time.monotonic()
+    assert join_threads_started_since(before, limit_s=0.2) == ["never-ends"]
+    assert time.monotonic() - begun < 2.0
+    started.set()
