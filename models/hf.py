@@ -489,7 +489,8 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
                                 f"an empty folder, or delete those files first")
     tensors = export_hf_state_dict(model, dtype=dtype)
     hf_config = family.hf.config_to_hf(model.config)
-    hf_config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    # transformers 4.56 on reads "dtype" (and writes only it); earlier versions read "torch_dtype"
+    hf_config["dtype"] = hf_config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     # "format": "pt" is what transformers checks for before trusting a safetensors file.
     partial = directory / (SAFETENSORS_FILE + ".partial")   # never a half-written model.safetensors

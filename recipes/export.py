@@ -189,7 +189,7 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     if not adapter:
         _keep_base_context(recipe, out)
     _write_record(out, source, step_dir, adapter, finished=True)
-    weights = "" if adapter else f" ({json.loads((out / 'config.json').read_text()).get('torch_dtype')} weights)"
+    weights = "" if adapter else f" ({json.loads((out / 'config.json').read_text()).get('dtype')} weights)"
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else weights)
         + (f", replacing {replaced}" if replaced else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run") + stops)
