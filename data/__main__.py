@@ -22,6 +22,7 @@ as for the `spillway` command.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError, SpillwayError
 
+from .cache import DISK_FULL_ADVICE
 from .corpus import BUILTIN_STDLIB
 from .hub_reach import hub_unreachable_reason, local_copy_advice
 from .packing import prepare_tokens
@@ -40,6 +42,7 @@ from .spm_tokenizer import MODEL_TYPES, train_tokenizer
 PROG = "python -m spillway.data"
 EXIT_USER_ERROR = 2   # the `spillway` command's status for a failure the user can fix (recipes/cli.py)
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports it
+EXIT_INTERNAL_ERROR = 1   # as `spillway` exits on a bug
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     except (SpillwayError, ValueError, OSError) as error:
         reason = (error.strerror if isinstance(error, OSError) and error.strerror and error.filename else None)
         message = f"{error.filename}: {reason}" if reason else " ".join(str(error).split()) or type(error).__name__
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            message += f"; {DISK_FULL_ADVICE}"
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Exception as error:   # a bug: one line, as `spillway` says it; SPILLWAY_DEBUG=1 shows the traceback
+        if os.environ.get("SPILLWAY_DEBUG", "") not in ("", "0"):
+            raise
+        message = " ".join(f"{type(error).__name__}: {error}".split())[:400]
+        print(f"{PROG}: internal error, please report it: {message} (SPILLWAY_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
     return 0
 
 

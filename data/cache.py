@@ -10,6 +10,7 @@ restarted after a crash) sees either the whole artifact or nothing, never half.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -28,6 +29,28 @@ def stable_key(*parts: object) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
+# What a full disk gets, after the path and the bytes: the preparation keeps what it finished (renamed into
+# place), so the same command goes on from there.
+DISK_FULL_ADVICE = ("free space on that disk, or put the cache on another (data.cache_dir; --cache-dir for "
+                    "python -m spillway.data), and run the same command again: what is finished is kept")
+
+
+@contextlib.contextmanager
+def _disk_full_named(final: Path, size: int) -> Iterator[None]:
+    """A write of `size` bytes that fails for want of space is a DataError naming `final` and what is free: the
+    OS says "No space left on device" without a path, NumPy "100037 requested and 26560 written"."""
+    try:
+        yield
+    except OSError as error:
+        free = shutil.disk_usage(final.parent).free if final.parent.is_dir() else None
+        if not (error.errno == errno.ENOSPC or (error.errno is None and free is not None and free < size)):
+            raise
+        from spillway.layers.errors import DataError
+
+        raise DataError(f"cannot write {final} ({size / 2**20:.1f} MiB): no space left on its disk "
+                        f"({(free or 0) / 2**20:.1f} MiB free); {DISK_FULL_ADVICE}") from None
+
+
 def _temporary_sibling(final: Path) -> Path:
     # Unique per writer so concurrent writers (several hosts sharing a cache
     # directory) never write into each other's files.
@@ -39,7 +62,8 @@ def atomic_write_bytes(final: Path, data: bytes) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     temporary = _temporary_sibling(final)
     try:
-        temporary.write_bytes(data)
+        with _disk_full_named(final, len(data)):
+            temporary.write_bytes(data)
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
@@ -54,7 +78,7 @@ def atomic_write_array(final: Path, array: np.ndarray) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     temporary = _temporary_sibling(final)
     try:
-        with open(temporary, "wb") as file:
+        with _disk_full_named(final, array.nbytes), open(temporary, "wb") as file:
             np.save(file, array)  # a file object: np.save would append ".npy" to a path
             file.flush()
             os.fsync(file.fileno())

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
-from .local_files import UTF8_BOM, builder_for, corpus_suffix, open_binary, read_bytes
+from .local_files import UTF8_BOM, builder_for, compression_of, corpus_suffix, open_binary, read_bytes
 
 # A .json file (one document, parsed whole) is read for its fields only up to this size: a larger one is
 # data, not the stray metadata file the check looks for, and parsing it would cost its size in memory.
@@ -115,6 +115,43 @@ def first_non_text_record(files, text_field: str) -> str | None:
                 found = kind(record.get(text_field)) if isinstance(record, dict) else None
                 if found:
                     return f"{path}, record {index} (a JSON {found})"
+    return None
+
+
+def non_text_in_a_later_file(files, text_field: str) -> str | None:
+    """Like first_non_text_record, for a source of several files, checked file by file.
+
+    `datasets` reads each file by itself: a file whose field mixes types gets its own type (JSON) and is
+    then cast into the first file's string column as JSON text, every record of that file (`7` becomes
+    "7", a string "a" becomes '"a"'), so the merged column's type says nothing. A parquet file is checked
+    by its schema (its footer alone); a JSON lines file by pyarrow's reader with the field declared a
+    string (C++, the other fields skipped), and only a file that reader refuses is scanned record by
+    record for the place (a .json array is always scanned)."""
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+    import pyarrow.parquet as pq
+
+    text_only = pa_json.ParseOptions(explicit_schema=pa.schema([(text_field, pa.string())]),
+                                     unexpected_field_behavior="ignore")
+    for path in files:
+        suffix = corpus_suffix(path)
+        if suffix == ".parquet":
+            schema = pq.read_schema(path)
+            if text_field in schema.names:
+                kind = schema.field(text_field).type
+                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+                    return f"{path} (a column of {kind})"
+            continue
+        if suffix == ".jsonl":
+            try:
+                with open_binary(path) as f:
+                    pa_json.read_json(f, parse_options=text_only)
+                continue
+            except (pa.ArrowInvalid, OSError, EOFError):   # refused: find the record (or nothing: fine)
+                pass
+        where = first_non_text_record([path], text_field)
+        if where is not None:
+            return where
     return None
 
 
@@ -214,6 +251,11 @@ def unreadable_corpus(builder: str, files: Sequence[Path], error: BaseException)
         differ = fields_differ(files)
         if differ is not None:
             return differ
+    for path in files:   # a compressed file that does not decompress: named by open_binary's DataError
+        if compression_of(path) is not None:
+            with open_binary(path) as f:
+                while f.read(1 << 24):
+                    pass
     cause = error.__cause__ or error.__context__ or error   # datasets' own wrapper says little
     text = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
     names = ", ".join(repr(str(p)) for p in files[:3]) + (" ..." if len(files) > 3 else "")

@@ -28,6 +28,7 @@ import bz2
 import codecs
 import gzip
 import importlib.util
+import io
 import json
 import lzma
 import os
@@ -85,21 +86,59 @@ def _more(paths: list) -> str:
     return f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
 
 
+_FORMAT_OF = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+
+
+class _Decompressing(io.RawIOBase):
+    """A compressed file's bytes whose decompression failure (not that format, cut short, corrupt) is one
+    DataError naming the file: the decompressors' own errors (EOFError, "Not a gzipped file", zlib's,
+    LZMA's, zstd's) name nothing, and `spillway` called an EOFError an internal error."""
+
+    def __init__(self, path: Path, compressed: IO[bytes]):
+        super().__init__()
+        self.path, self._compressed = path, compressed
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            data = self._compressed.read(len(buffer))
+        except Exception as error:   # noqa: BLE001 (each decompressor raises its own kinds)
+            if isinstance(error, OSError) and error.errno is not None:   # the disk's error, not the data's
+                raise
+            suffix = compression_of(self.path)
+            raise DataError(f"corpus file {self.path} cannot be read as {_FORMAT_OF[suffix]}: "
+                            f"{type(error).__name__}: {' '.join(str(error).split()) or 'cut short'}; the file "
+                            f"is cut short (an interrupted download or copy) or not {_FORMAT_OF[suffix]} "
+                            f"despite its name: fetch it again, or remove its {suffix} suffix if it is "
+                            f"not compressed") from None
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._compressed.close()
+        super().close()
+
+
 def open_binary(path: Path) -> IO[bytes]:
-    """The file's bytes, decompressed as its suffix says."""
+    """The file's bytes, decompressed as its suffix says (a failure to decompress: one DataError naming it)."""
     compression = compression_of(path)
+    if compression is None:
+        return open(path, "rb")
     if compression == ".gz":
-        return gzip.open(path, "rb")
-    if compression == ".bz2":
-        return bz2.open(path, "rb")
-    if compression == ".xz":
-        return lzma.open(path, "rb")
-    if compression == ".zst":
+        compressed = gzip.open(path, "rb")
+    elif compression == ".bz2":
+        compressed = bz2.open(path, "rb")
+    elif compression == ".xz":
+        compressed = lzma.open(path, "rb")
+    else:
         check_codec([path])
         import zstandard
 
-        return zstandard.open(path, "rb")
-    return open(path, "rb")
+        compressed = zstandard.open(path, "rb")
+    return io.BufferedReader(_Decompressing(path, compressed), buffer_size=1 << 20)
 
 
 def read_bytes(path: Path) -> bytes:

@@ -41,8 +41,8 @@ from spillway.layers.errors import DataError
 
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
-from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, quiet_builders,
-                            unreadable_corpus)
+from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, non_text_in_a_later_file,
+                            quiet_builders, unreadable_corpus)
 from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
                           TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, corpus_suffix, data_splits,
                           documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
@@ -344,15 +344,19 @@ def load_documents(
         dataset = load_local_files(local, bool(streaming), cache)
     try:
         dataset = select_text_column(dataset, text_field, source)
-    except ValueError as error:
+        # several files: a later file's non-string values were cast to JSON text, the column's type is string
+        several = hub is None and len(local.files) > 1 and local.builder in ("json", "parquet")
+        where = non_text_in_a_later_file(local.files, text_field) if several else None
+    except ValueError:
         differ = fields_differ(local.files) if hub is None and len(local.files) > 1 else None
         if differ is not None:   # one file of other fields (a stray config.json) set the columns
             raise differ from None
         where = first_non_text_record(local.files, text_field) if hub is None and local.builder == "json" else None
         if where is None:
             raise
+    if where is not None:
         raise DataError(f"corpus file {where}: field {text_field!r} is not a string; every record's "
-                        f"{text_field!r} must be text (or null, to skip the record)") from None
+                        f"{text_field!r} must be text (or null, to skip the record)")
     streamed = isinstance(dataset, datasets.IterableDataset)
     counter = RecordsWithoutText() if streamed else None   # a stream is filtered here, as it is read
     dataset = dataset.filter(counter or _has_text, batched=True)

@@ -76,6 +76,8 @@ class SentencePieceTokenizer(Tokenizer):
     def from_file(cls, path: str | os.PathLike, special: SpecialTokens = SpecialTokens()) -> SentencePieceTokenizer:
         path = Path(path)
         tokenizer = cls(path.read_bytes(), path=path, special=special)
+        if not tokenizer.model_proto:   # parsed as a model of no pieces, refused later as having no EOS
+            raise ValueError(f"{str(path)!r} is not a sentencepiece model: the file is empty")
         try:
             tokenizer.processor
         except RuntimeError as error:

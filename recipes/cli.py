@@ -22,6 +22,7 @@ SPILLWAY_DEBUG=1) shows the full traceback instead.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import textwrap
@@ -291,6 +292,9 @@ def describe_error(err: BaseException) -> tuple[str, int]:
         return _one_line(str(err)) or type(err).__name__, EXIT_USER_ERROR
     if isinstance(err, OSError):
         reason = err.strerror or _one_line(str(err)) or type(err).__name__
+        if err.errno == errno.ENOSPC:
+            reason += "; free space on that disk (or write elsewhere: data.cache_dir, checkpoint.dir) and run " \
+                      "the same command again"
         where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
         return (f"{where}: {reason}" if where else reason), EXIT_USER_ERROR
     if isinstance(err, MemoryError):

@@ -34,3 +34,36 @@ def test_a_truncated_token_shard_is_named_with_the_folder_to_delete(text_folder,
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(DataError, match=rf"cache file {shard} is damaged.*delete {shards_dir} and run again"):
         packed(text_folder, tokenizer, tmp_path)
+
+
+def test_a_full_disk_names_the_file_and_what_is_free(tmp_path, monkeypatch):
+    """NumPy's short write says "100037 requested and 26560 written", the OS "No space left on device": with
+    no path and no advice. Each is one DataError naming the file, the bytes and what to do."""
+    import errno
+
+    import numpy as np
+
+    from spillway.data import cache
+
+    def short_write(file, array):
+        raise OSError(f"{array.size} requested and 3 written")
+
+    monkeypatch.setattr(cache.np, "save", short_write)
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 20, 10 << 20, 1024))
+    final = tmp_path / "shard.npy"
+    with pytest.raises(DataError, match=rf"cannot write {final} \(0.8 MiB\): no space left on its disk \(0.0 MiB "
+                                        rf"free\); free space on that disk, or put the cache on another"):
+        cache.atomic_write_array(final, np.zeros(200_000, np.int32))
+    assert list(tmp_path.iterdir()) == []   # nothing half-written left
+
+    def full(data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", lambda self, data: full(data))
+    with pytest.raises(DataError, match=rf"cannot write {tmp_path / 'tok.model'} .*data.cache_dir"):
+        cache.atomic_write_bytes(tmp_path / "tok.model", b"x" * 10)
+    # another write failure (not for want of space) stays the OS's own error
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 0, 10 << 30))
+    monkeypatch.setattr(cache.np, "save", lambda file, array: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        cache.atomic_write_array(final, np.zeros(4, np.int32))

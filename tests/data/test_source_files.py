@@ -36,6 +36,45 @@ def test_a_jsonl_with_a_number_in_its_text_field_names_file_and_line(tmp_path):
         stream_documents(str(path))
 
 
+@pytest.mark.parametrize("later", ["b.jsonl", "b.parquet", "b.json"])
+def test_a_number_in_a_later_file_of_several_is_named_not_trained_as_json_text(tmp_path, later):
+    """With several files, `datasets` cast a later file whose field mixes types into the first file's string
+    column as JSON text: no error, and every record of that file trained with quotes and escapes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spillway.data.sources import load_documents
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    suffix = later.rsplit(".", 1)[1]
+    first = [{"text": f"document {i} " * 5} for i in range(20)]
+    mixed = [{"text": "line one\nline two café"}, {"text": None}, {"text": 7}]
+    if suffix == "parquet":
+        pq.write_table(pa.Table.from_pylist(first), folder / "a.parquet")
+        pq.write_table(pa.table({"text": pa.array([1, 2, 3])}), folder / later)
+        where = rf"{folder / later} \(a column of int64\)"
+    elif suffix == "json":
+        (folder / "a.json").write_text(json.dumps(first))
+        (folder / later).write_text(json.dumps(mixed))
+        where = rf"{folder / later}, record 2 \(a JSON int\)"
+    else:
+        (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+        (folder / later).write_text("".join(json.dumps(r) + "\n" for r in mixed))
+        where = rf"{folder / later}, line 3 \(a JSON int\)"
+    with pytest.raises(DataError, match=rf"corpus file {where}: field 'text' is not a string"):
+        load_documents(str(folder), cache_dir=tmp_path / "cache")
+    # the same files with strings (and nulls) everywhere read as they are
+    if suffix == "parquet":
+        pq.write_table(pa.table({"text": ["line one\nline two café", None]}), folder / later)
+    else:
+        fine = [{"text": "line one\nline two café"}, {"text": None}]
+        (folder / later).write_text(json.dumps(fine) if suffix == "json" else
+                                    "".join(json.dumps(r) + "\n" for r in fine))
+    texts = load_documents(str(folder), cache_dir=tmp_path / "cache2")["text"]
+    assert "line one\nline two café" in texts and len(texts) == 21
+
+
 def test_records_without_the_text_field_are_counted_and_the_count_is_kept_with_the_cache(tokenizer, tmp_path):
     path = tmp_path / "records.jsonl"
     with open(path, "w") as f:
@@ -104,3 +143,48 @@ def test_chat_or_instruction_records_read_as_text_point_at_data_format(tmp_path)
     alpaca.write_text(json.dumps([{"instruction": "q", "input": "", "output": "a"}]))
     with pytest.raises(DataError, match=r"these look like instruction records: set data.format=instruct"):
         read_texts(alpaca)
+
+
+@pytest.mark.parametrize("name", ["fake.txt.gz", "cut.jsonl.gz", "fake.txt.bz2", "fake.jsonl.xz", "fake.txt.zst"])
+def test_a_compressed_file_that_does_not_decompress_is_named(tmp_path, name):
+    """A .gz that is not gzip, or one cut short, was "error: Not a gzipped file (b'no')", an internal error
+    (EOFError, LZMAError, ZstdError), or a traceback from python -m spillway.data: none named the file."""
+    import gzip
+
+    from spillway.data.sources import load_documents
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    plain = "plain.jsonl" if ".jsonl" in name else "plain.txt"
+    (folder / plain).write_text(json.dumps({"text": "fine words"}) + "\n" if ".jsonl" in name else "fine words\n")
+    if name.startswith("cut"):
+        whole = gzip.compress("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(5000)).encode())
+        (folder / name).write_bytes(whole[: len(whole) // 2])
+    else:
+        (folder / name).write_text("not compressed at all\n")
+    kind = {"gz": "gzip", "bz2": "bzip2", "xz": "xz", "zst": "zstd"}[name.rsplit(".", 1)[1]]
+    message = rf"corpus file {folder / name} cannot be read as {kind}: .*fetch it again, or remove its"
+    with pytest.raises(DataError, match=message):
+        sum(len(batch["text"]) for batch in stream_documents(str(folder)).iter(batch_size=100))
+    with pytest.raises(DataError, match=message):
+        load_documents(str(folder), cache_dir=tmp_path / "cache")
+
+
+def test_python_m_spillway_data_on_a_cut_gzip_is_one_line(tmp_path, capsys):
+    import gzip
+
+    from spillway.data.__main__ import main
+
+    whole = gzip.compress(("some words of text " * 20_000).encode())
+    (tmp_path / "cut.txt.gz").write_bytes(whole[: len(whole) // 2])
+    assert main(["--source", str(tmp_path / "cut.txt.gz"), "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read as gzip" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_empty_tokenizer_model_is_named_as_empty(tmp_path):
+    from spillway.data.spm_tokenizer import SentencePieceTokenizer
+
+    (tmp_path / "empty.model").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.model' is not a sentencepiece model: the file is empty"):
+        SentencePieceTokenizer.from_file(tmp_path / "empty.model")
