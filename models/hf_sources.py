@@ -177,7 +177,9 @@ def with_base_prefix(source, table):
     return source
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards its index lists, else its *.safetensors (a FileNotFoundError or
+    HFCheckpointError saying what is missing or doubled)."""
     if not path.exists():
         raise FileNotFoundError(f"no Hugging Face checkpoint at {path}: the path does not exist")
     if path.is_file():
@@ -238,7 +240,7 @@ def open_source(source) -> Iterator[Any]:
     with contextlib.ExitStack() as stack:
         by_name: dict[str, Any] = {}
         paths: dict[str, Path] = {}
-        for file in _safetensors_files(Path(source)):
+        for file in safetensors_files(Path(source)):
             handle = _safe_open(stack, file)
             for name in handle.keys():
                 if name in by_name:

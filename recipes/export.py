@@ -273,9 +273,16 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe) -> str:
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
            "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
     ids = {name: value for name, value in ids.items() if value is not None}
-    _write_json(out / "config.json", {**json.loads((out / "config.json").read_text()), **ids})
-    _write_json(out / GENERATION_CONFIG, {**base_settings, **ids})
-    return f"; {GENERATION_CONFIG}: generation stops at token {' or '.join(str(i) for i in stops)}{unread}"
+    config = json.loads((out / "config.json").read_text())
+    _write_json(out / "config.json", {**config, **ids})
+    # embedding rows past the tokenizer's ids (Qwen2.5: 151,936 rows, 151,665 ids) are no token: `spillway
+    # generate` never samples them (sampling.py vocab_limit), and transformers must not either
+    padding = list(range(tokenizer.vocab_size, config.get("vocab_size", tokenizer.vocab_size)))
+    suppressed = sorted(set(base_settings.get("suppress_tokens") or []) | set(padding))
+    _write_json(out / GENERATION_CONFIG, {**base_settings, **ids, **({"suppress_tokens": suppressed}
+                                                                      if suppressed else {})})
+    never = f"; ids {padding[0]}-{padding[-1]} (no token) suppressed" if padding else ""
+    return f"; {GENERATION_CONFIG}: generation stops at token {' or '.join(str(i) for i in stops)}{never}{unread}"
 
 
 def _keep_base_context(recipe: Recipe, out: Path) -> None:

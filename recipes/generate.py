@@ -43,6 +43,8 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     from spillway.recipes.train.tokenization_record import run_tokenizer
 
     warn = warn or (lambda line: print(line, file=sys.stderr))
+    if path.startswith("hf:") and is_hf_checkpoint_folder(Path(path[3:])):   # as train's init_from spells it
+        path = path[3:]
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")

@@ -67,6 +67,8 @@ def hf_checkpoint_dir(init_from: str | None) -> Path | None:
 def check_model_matches(recipe: Recipe, directory: Path):
     """The checkpoint's model config; ValueError naming the family, or the first model field, in which the
     recipe and the checkpoint differ."""
+    from spillway.models.hf_sources import safetensors_files
+
     where = f"checkpoint.init_from=hf:{directory}"
     try:
         family, checkpoint_model = family_config_from_hf(read_hf_config(directory))
@@ -77,11 +79,18 @@ def check_model_matches(recipe: Recipe, directory: Path):
     if family.name != recipe.family:
         raise ValueError(f"{where}: the checkpoint is a {family.name} model, but recipe {recipe.name!r} builds "
                          f"a {recipe.family} model; pick a {family.name} recipe")
+    try:
+        safetensors_files(directory)   # a folder of config and tokenizer alone: named before anything else
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{where}: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     may_differ = () if recipe.decoder_spec().learned_positions else POSITION_RANGE_FIELDS
     differing = [field.name for field in dataclasses.fields(recipe.model) if field.name not in may_differ
                  and getattr(recipe.model, field.name) != getattr(checkpoint_model, field.name)
                  and _effective(recipe.model, field.name) != _effective(checkpoint_model, field.name)]
     if differing:
+        _check_weights_agree_with_their_config(recipe, directory, family, checkpoint_model, where)
         # Every field at once, with the flags that match it: one at a time took a user four runs.
         what = ", ".join(f"model.{name} (recipe {_effective(recipe.model, name)!r}, checkpoint "
                          f"{_effective(checkpoint_model, name)!r})" for name in differing)
@@ -90,6 +99,22 @@ def check_model_matches(recipe: Recipe, directory: Path):
         raise ValueError(f"{where}: recipe {recipe.name!r} differs from the checkpoint's config.json in {what}; "
                          f"match it with {flags}, or pick the recipe of this checkpoint")
     return checkpoint_model
+
+
+def _check_weights_agree_with_their_config(recipe: Recipe, directory: Path, family, checkpoint_model,
+                                           where: str) -> None:
+    """A checkpoint whose config.json contradicts its own tensors (vocab_size 600, an embedding of 512 rows) is
+    named as such: the flags matching its config would only lead to the shape mismatch after them."""
+    from spillway.models.hf import HFCheckpointError, check_checkpoint_tensors
+    from spillway.recipes.train.step import abstract_model
+
+    _, abstract_state = abstract_model(dataclasses.replace(recipe, model=checkpoint_model))
+    try:
+        check_checkpoint_tensors(directory, family, checkpoint_model, abstract_state)
+    except HFCheckpointError as error:
+        raise HFCheckpointError(f"{where}: its config.json does not describe its own weights "
+                                f"({' '.join(str(error).split())}); the "
+                                f"checkpoint is inconsistent: fix its config.json (or fetch it again)") from None
 
 
 def _effective(model, name: str):

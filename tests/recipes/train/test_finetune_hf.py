@@ -233,7 +233,18 @@ def test_bad_init_from_paths_are_explained(hf_checkpoint, data_cache, tmp_path):
     config_only = tmp_path / "no-tokenizer"
     config_only.mkdir()
     (config_only / "config.json").write_text((hf_checkpoint / "config.json").read_text())
+    # config (and tokenizer) without weights: said with the setting, as every other init_from problem
+    with pytest.raises(FileNotFoundError, match=rf"^checkpoint.init_from=hf:{config_only}: no \*.safetensors"):
+        resolve_init_from(get_recipe("tiny", overrides(config_only, data_cache, tmp_path)))
+    (config_only / "model.safetensors").symlink_to(hf_checkpoint / "model.safetensors")
     with pytest.raises(ValueError, match="holds no tokenizer.json or tokenizer.model.*set data.tokenizer"):
+        resolve_init_from(get_recipe("tiny", overrides(config_only, data_cache, tmp_path)))
+    # a config.json that contradicts its own weights (vocab_size 600, an embedding of 512 rows) is named as
+    # such, not answered with --set model.vocab_size=600, which only led to the shape mismatch
+    config = json.loads((hf_checkpoint / "config.json").read_text())
+    (config_only / "config.json").write_text(json.dumps({**config, "vocab_size": 600}))
+    with pytest.raises(ValueError, match=r"its config.json does not describe its own weights \(.*embed_tokens.*"
+                                         r"\(512, 32\).*\(600, 32\).*\); the checkpoint is inconsistent"):
         resolve_init_from(get_recipe("tiny", overrides(config_only, data_cache, tmp_path)))
 
 
@@ -251,6 +262,7 @@ def test_the_readme_example_recipe_matches_the_published_llama_3_2_1b_config(tmp
         "bos_token_id": 128000, "eos_token_id": 128001}
     (tmp_path / "config.json").write_text(json.dumps(published))
     (tmp_path / "tokenizer.json").write_text("{}")   # only its presence matters here
+    (tmp_path / "model.safetensors").write_bytes(b"")   # nor do the weights' (not read before the data is)
     said = []
     recipe = resolve_init_from(get_recipe("llama3_1b", [f"checkpoint.init_from=hf:{tmp_path}"]), said.append)
     assert recipe.data.tokenizer == str(tmp_path)

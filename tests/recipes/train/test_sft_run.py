@@ -64,8 +64,9 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     record of which run wrote it, so the same command then refused the folder as someone else's."""
     from spillway.models import hf
 
+    # 16 embedding rows more than the tokenizer has ids, as Qwen2.5 has: no token, never sampled
     assert cli.main(run_args(tmp_path, tokenizer_dir, "train.steps=1", "train.sample_tokens=3",
-                             "train.sample_prompt=Say hi.")) == 0
+                             "train.sample_prompt=Say hi.", "model.vocab_size=416")) == 0
     # the run's closing sample answers the prompt as a message, through the chat template
     assert "sample (the answer to 'Say hi.', through the chat template):" in capsys.readouterr().out
     out = tmp_path / "exported"
@@ -87,6 +88,9 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     eos = load_tokenizer(tmp_path / "run").eos_id
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+    # ... and transformers' generate() must not pick the rows past the tokenizer's ids either
+    ids = load_tokenizer(tmp_path / "run").vocab_size
+    assert json.loads((out / "generation_config.json").read_text())["suppress_tokens"] == list(range(ids, 416))
     assert f"generation_config.json: generation stops at token {eos}" in said
     # --dtype casts the folder's weights (a float32 run's bfloat16 export is half the size)
     assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "half"), "--dtype", "bfloat16"]) == 0
@@ -103,9 +107,10 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     assert str(tmp_path) not in record   # an export folder uploaded as it is carries no local path
     # generate on the export says what the folder is (it said "no checkpoint found (no finalised step folder)")
     capsys.readouterr()
-    assert cli.main(["generate", str(out), "--prompt", "def"]) == cli.EXIT_USER_ERROR
-    assert f"{out} is a Hugging Face checkpoint (config.json and *.safetensors), not a spillway run" in \
-        capsys.readouterr().err
+    for named in (str(out), f"hf:{out}"):   # spelled as train's init_from takes it: was "does not exist"
+        assert cli.main(["generate", named, "--prompt", "def"]) == cli.EXIT_USER_ERROR
+        assert f"{out} is a Hugging Face checkpoint (config.json and *.safetensors), not a spillway run" in \
+            capsys.readouterr().err
 
 
 def write_jsonl(path, rows):
