@@ -64,6 +64,17 @@ def parse_jsonl_line(raw: bytes, expected: str = "an object with a text field") 
     return record, None
 
 
+def _what_to_do(problem: str, last: bool) -> str:
+    """The advice after a .jsonl line's problem: a last line without its newline that does not parse is a
+    file cut short; bytes that are not UTF-8 are another encoding."""
+    if problem.startswith("not UTF-8"):
+        return "; re-encode the file to UTF-8 (for cp1252/Latin-1: iconv -f cp1252 -t utf-8)"
+    if last and problem.startswith("not valid JSON"):
+        return ("; it is the file's last line, without a newline: the file looks cut short (an interrupted "
+                "download or write): fetch it again, or delete that line")
+    return ""
+
+
 def first_json_error(path: Path) -> str | None:
     """Where `path` (.jsonl: one object per line; .json: one document) stops being readable JSON, or None."""
     if corpus_suffix(path) == ".jsonl":
@@ -71,7 +82,8 @@ def first_json_error(path: Path) -> str | None:
             for number, raw in enumerate(f, start=1):
                 _, problem = parse_jsonl_line(raw.rstrip(b"\r\n"))
                 if problem is not None:
-                    return f"line {number}: {problem}"
+                    advice = _what_to_do(problem, last=not raw.endswith(b"\n"))
+                    return f"line {number}: {problem}{advice}"
         return None
     data = read_bytes(path).removeprefix(UTF8_BOM)
     try:

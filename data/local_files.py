@@ -164,8 +164,19 @@ def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
             if path.is_file():
                 found.append(path)
             elif path.is_symlink():
-                skipped.append((path, "a dangling symlink"))
+                skipped.append((path, _broken_link(path)))
     return sorted(found), skipped
+
+
+def _broken_link(path: Path) -> str:
+    """Why a symlink leads to no file: nothing at its end, or links that point at each other."""
+    try:
+        path.resolve(strict=True)
+    except FileNotFoundError:
+        return "a dangling symlink"
+    except (RuntimeError, OSError):   # Python 3.11-3.12 raise RuntimeError for a loop, 3.13 OSError (ELOOP)
+        return "a symlink loop"
+    return "a symlink to no regular file"
 
 
 def documentation_beside_records(files: list[Path]) -> list[Path]:

@@ -205,7 +205,10 @@ def chat_messages(record: Record) -> list[dict]:
                         f"{{\"role\", \"content\"}}) or \"conversations\" (a list of {{\"from\", \"value\"}})"
                         f"{hint}")
     if not isinstance(raw, list) or not raw:
-        raise DataError(f"data.format=chat: record {record.where}: the conversation is not a non-empty list")
+        field = "messages" if "messages" in fields else "conversations"
+        held = "an empty list" if isinstance(raw, list) else _json_kind(raw)
+        raise DataError(f"data.format=chat: record {record.where}: \"{field}\" holds {held}, not a non-empty list "
+                        f"of turns (a JSON string of the list? store the list itself)")
     messages = [_message(record, index, message, role_key, text_key, sharegpt) for index, message in enumerate(raw)]
     return _with_system(record, messages)
 

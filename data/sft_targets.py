@@ -62,8 +62,12 @@ def _check_roles(template: ChatTemplate, messages: list[dict], where: str) -> No
         return
     for message in messages:
         if message["role"] not in roles:
-            raise DataError(f"record {where}: role {message['role']!r} is not one the chat template "
-                            f"{template.origin} knows ({', '.join(roles)})")
+            role = message["role"]
+            fix = (f"write it {role.lower()!r}" if isinstance(role, str) and role.lower() in roles else
+                   "give data.chat_template a template that knows it (a tokenizer_config.json or .jinja file), "
+                   "or leave such turns out of the records")
+            raise DataError(f"record {where}: role {role!r} is not one the chat template "
+                            f"{template.origin} knows ({', '.join(roles)}): {fix}")
 
 
 def _end_of_turn(text: str, start: int, limit: int, specials: dict[str, int]) -> int:

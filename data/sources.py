@@ -144,9 +144,11 @@ def parse_local_spec(source: str, split: str = "train") -> LocalSpec:
         return LocalSpec("text", tuple(default_corpus_files(**_builtin_options(source))))
     path = Path(source).expanduser()
     if not path.exists():
+        pattern = any(c in source for c in "*?[")   # no shell expanded it: a quoted glob, or one in a recipe
         raise FileNotFoundError(
             f"corpus path {str(path)!r} does not exist (and is not builtin:stdlib or a Hub id "
-            f"like hf:owner/name)"
+            f"like hf:owner/name)" + ("; patterns are not expanded: give the folder that holds the files (or "
+                                      "one file)" if pattern else "")
         )
     if path.is_file():
         return _file_spec(path, split)

@@ -327,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             return args.fn(args)
     except KeyboardInterrupt as stop:
         terminated = isinstance(stop, Terminated)
-        print(f"spillway {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        # prepare keeps every shard it finished (data/cache.py: written whole or not at all)
+        kept = " (what it finished is kept: the same command goes on from there)" if args.command == "prepare" else ""
+        print(f"spillway {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}{kept}",
+              file=sys.stderr)
         status = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
         if argv is None:   # the process's own command line, not a caller's: leave now (below)
             _leave_without_teardown(status)

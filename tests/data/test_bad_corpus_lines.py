@@ -51,7 +51,22 @@ def test_the_data_command_names_a_bad_jsonl_line_in_one_line_and_exits_2(tmp_pat
     assert data_main(["--source", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "300"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"python -m spillway.data: error: corpus file {str(corpus)!r}, line 301: not UTF-8 (byte 0xff "
-                   f"at column 15)"]
+                   f"at column 15); re-encode the file to UTF-8 (for cp1252/Latin-1: iconv -f cp1252 -t utf-8)"]
+
+
+def test_a_last_line_cut_short_says_the_file_looks_cut_short(tmp_path):
+    corpus = tmp_path / "cut.jsonl"
+    corpus.write_bytes(GOOD + b'{"text": "the download stopped he')   # no newline: the file ends mid-record
+    with pytest.raises(DataError, match=r"line 301: not valid JSON \(Unterminated string .*\); it is the file's "
+                                        r"last line, without a newline: the file looks cut short"):
+        for _ in stream_documents(str(corpus), cache_dir=tmp_path / "datasets").iter(batch_size=64):
+            pass
+    # a bad line in the middle is no sign of a cut: no such advice
+    write_corpus(corpus, BAD_LINES["not valid JSON (Unterminated string"])
+    with pytest.raises(DataError) as raised:
+        for _ in stream_documents(str(corpus), cache_dir=tmp_path / "datasets2").iter(batch_size=64):
+            pass
+    assert "cut short" not in str(raised.value)
 
 
 def test_the_data_command_on_a_corpus_that_is_not_text_says_one_line_and_exits_2(tmp_path):

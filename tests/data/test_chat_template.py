@@ -194,6 +194,11 @@ def test_a_role_the_template_does_not_know_is_named():
     chat = resolve_chat_template("spillway", None, {"eos_token": "</s>"})
     with pytest.raises(DataError, match="role 'narrator' is not one the chat template built-in spillway knows"):
         conversation_tokens(chat, tokenizer, [{"role": "narrator", "content": "once"}], {}, "f.jsonl, line 3")
+    # what to do: a role in other case is written in the template's; another role needs another template
+    with pytest.raises(DataError, match="role 'User' is not one .*: write it 'user'$"):
+        conversation_tokens(chat, tokenizer, [{"role": "User", "content": "hi"}], {}, "f.jsonl, line 4")
+    with pytest.raises(DataError, match="role 'tool' is not one .*: give data.chat_template a template that knows"):
+        conversation_tokens(chat, tokenizer, [{"role": "tool", "content": "42"}], {}, "f.jsonl, line 5")
 
 
 def test_a_role_a_foreign_template_drops_is_named(tmp_path):

@@ -351,12 +351,14 @@ def test_compressed_files_are_read_and_a_symlinked_subfolder_is_followed(tmp_pat
         file.write("a book behind a link")
     os.symlink(elsewhere, linked / "books")
     os.symlink(tmp_path / "gone.txt", linked / "dangling.txt")
+    os.symlink(linked / "ping.txt", linked / "pong.txt")   # two links at each other: a loop, not "dangling"
+    os.symlink(linked / "pong.txt", linked / "ping.txt")
     (linked / "table.csv").write_text("a,b\n")
     texts = [t for batch in stream_documents(str(linked)).iter(batch_size=100) for t in batch["text"]]
     assert texts == ["a book behind a link", "own document"]
     assert sources_module.source_notes(str(linked)) == [
-        f"data: {linked}: skipped 2 files: {linked / 'dangling.txt'} (a dangling symlink), "
-        f"{linked / 'table.csv'} (not a corpus file type)"]
+        f"data: {linked}: skipped 4 files: {linked / 'dangling.txt'} (a dangling symlink), "
+        f"{linked / 'ping.txt'} (a symlink loop), {linked / 'pong.txt'} (a symlink loop) and 1 more"]
 
 
 def test_a_zst_file_without_the_zstandard_package_says_so(tmp_path, monkeypatch):
@@ -415,3 +417,10 @@ def test_legacy_encoded_bytes_in_a_text_file_are_named_with_their_count(tmp_path
     (folder / "menu.txt").write_bytes(("the caf\xe9 menu " * 30).encode("cp1252"))   # above the binary threshold
     with pytest.raises(DataError, match=r"30 of its \d+ characters are not UTF-8 .*legacy encoding.*re-encode"):
         next(stream_documents(str(folder)).iter(batch_size=10))
+
+
+def test_a_glob_as_the_corpus_path_says_patterns_are_not_expanded(tmp_path):
+    from spillway.data.sources import parse_local_spec
+
+    with pytest.raises(FileNotFoundError, match=r"does not exist .*; patterns are not expanded: give the folder"):
+        parse_local_spec(str(tmp_path / "*.jsonl"))

@@ -117,6 +117,16 @@ def test_a_chat_message_that_is_not_role_and_content_strings_says_what_it_is(mes
         chat_messages(Record({"messages": [{"role": "user", "content": "hi"}, message]}, "f, line 2"))
 
 
+@pytest.mark.parametrize("raw, says", [
+    ('[{"role": "user", "content": "hi"}]', r'"messages" holds a string, not a non-empty list of turns \(a JSON '
+                                            r'string of the list\? store the list itself\)'),
+    ([], r'"messages" holds an empty list, not a non-empty list'),
+])
+def test_a_conversation_that_is_not_a_list_says_what_the_field_holds(raw, says):
+    with pytest.raises(DataError, match=r"record f, line 2: " + says):
+        chat_messages(Record({"messages": raw}, "f, line 2"))
+
+
 def test_a_source_with_no_answer_to_train_on_is_refused_not_trained_at_loss_zero(tmp_path):
     """Conversations without an assistant turn give rows whose loss covers no token: a run would log loss 0
     and save a model that learnt nothing."""

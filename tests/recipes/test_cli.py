@@ -111,6 +111,12 @@ def test_interrupt_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(loop, "train", interrupted)
     assert cli.main(["train", "tiny"]) == 130
     assert capsys.readouterr().err.splitlines() == ["spillway train: interrupted"]
+    # prepare says its finished shards are kept and the same command goes on
+    from spillway.recipes.train import prepare_ahead
+    monkeypatch.setattr(prepare_ahead, "prepare_ahead", lambda recipe: interrupted(recipe))
+    assert cli.main(["prepare", "tiny"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "spillway prepare: interrupted (what it finished is kept: the same command goes on from there)"]
 
 
 def test_sigterm_before_the_first_step_cleans_up_as_ctrl_c_does_and_says_so(monkeypatch, capsys, tmp_path):
