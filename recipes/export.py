@@ -416,6 +416,16 @@ def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str) -> None:
                           f"the routed experts (the adapter would load with no effect); export merged instead")
 
 
+def _expert_targets(recipe: Recipe, shown: str) -> str:
+    """The lora.targets that name routed experts' projections, as the user wrote them ("w1, w2"); else the
+    adapted parameter's path."""
+    from spillway.recipes.lora_targets import EXPERTS, expert_projections, names_module
+
+    experts = expert_projections(recipe.model)
+    named = [t for t in recipe.lora.targets if t == EXPERTS or any(names_module(t, m) for m in experts)]
+    return f"lora.targets {', '.join(named)}" if named else shown
+
+
 def peft_tensors(recipe: Recipe, params, tower: str) -> dict[str, np.ndarray]:
     """{PEFT tensor name: array} of the run's adapters, per layer under its Hugging Face module name; a model
     with several runs of layers (Qwen3-MoE's dense layers among the sparse ones) numbers each run's layers from
@@ -429,7 +439,8 @@ def peft_tensors(recipe: Recipe, params, tower: str) -> dict[str, np.ndarray]:
     for weights, a, b in _adapters(recipe, params):
         shown = ".".join(str(part) for part in weights[0])
         if a.ndim == 4:
-            raise ConfigError(f"--adapter: the run adapts the routed experts ({shown}), which the PEFT "
+            raise ConfigError(f"--adapter: the run adapts the routed experts ({_expert_targets(recipe, shown)}), "
+                              f"which the PEFT "
                               f"export does not map in this version (transformers lays MoE experts out "
                               f"differently across versions); export merged instead")
         prefix, first = next(((prefix, first) for prefix, first in runs if weights[0][:len(prefix)] == prefix),

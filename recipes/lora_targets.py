@@ -71,7 +71,8 @@ def expert_projections(model_config) -> dict[str, tuple[str, str]]:
             if w.per_layer and w.per_expert and len(w.path) == 2 and w.hf_name.endswith(_WEIGHT_SUFFIX)}
 
 
-def _matches(target: str, module: str) -> bool:
+def names_module(target: str, module: str) -> bool:
+    """Whether a lora.targets entry names this Hugging Face module: the whole name, or its last parts."""
     return module == target or module.endswith("." + target)
 
 
@@ -91,14 +92,14 @@ def lora_spec(lora, model_config, param_dtype: str) -> LoraSpec:
     requested = tuple(lora.targets)
     default = family.hf.lora_default_targets
     if requested == PEFT_LLAMA_DEFAULT and default and not any(
-            _matches(t, m) for t in requested for m in (*available, *experts)):
+            names_module(t, m) for t in requested for m in (*available, *experts)):
         requested = default   # PEFT's default for this model type, as PEFT takes it for target_modules=None
     targets: set[tuple[str, str]] = set()
     fused: set[tuple[str, tuple[str, ...]]] = set()
     expert_targets: set[tuple[str, str]] = set()
     for target in requested:
-        hits = [paths for module, paths in available.items() if _matches(target, module)]
-        routed = [path for module, path in experts.items() if target == EXPERTS or _matches(target, module)]
+        hits = [paths for module, paths in available.items() if names_module(target, module)]
+        routed = [path for module, path in experts.items() if target == EXPERTS or names_module(target, module)]
         if not hits and not routed:
             raise ConfigError(f"lora.targets: {target!r} names no projection of the {family.name} model; it has "
                               f"{short}")

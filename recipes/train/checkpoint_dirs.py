@@ -35,6 +35,21 @@ def _is_step_dir(path: epath.Path) -> bool:
     return any((path / name).is_dir() for name in (PARAMS, OPT_STATE, META))
 
 
+def check_not_inside_a_runs_steps(run_dir: str | os.PathLike) -> None:
+    """CheckpointError where `run_dir` is (or is inside) a run's checkpoints folder or one of its step folders:
+    a run trained there wrote its own checkpoints/, metrics and lock among that run's steps (or into a
+    finished step), and `spillway generate <run>/checkpoints` then read the intruder's steps."""
+    path = _absolute(run_dir)
+    for folder in (path, *path.parents):
+        if _is_step_dir(folder) or (folder.name == CHECKPOINTS_DIRNAME and _finalised_steps(folder)):
+            what = "a step folder" if _is_step_dir(folder) else "the checkpoints folder"
+            run = folder.parent.parent if _is_step_dir(folder) else folder.parent
+            raise CheckpointError(f"checkpoint.dir={path} is {'inside ' if folder != path else ''}{what} of the "
+                                  f"run in {run}: a run writes into a folder of its own; to continue that run, "
+                                  f"name it (checkpoint.dir={run}), to fine-tune from it, set "
+                                  f"checkpoint.init_from={folder} and checkpoint.dir to a new folder")
+
+
 def checkpoint_dir_of(path: str | os.PathLike) -> epath.Path:
     """The folder holding the step folders, given it or the run directory above it (`<run>/checkpoints`)."""
     path = _absolute(path)

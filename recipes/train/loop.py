@@ -152,6 +152,7 @@ def run_checks(recipe: Recipe, echo, host_ram_gb: float | None):
     """(recipe, is this process 0, its `say`): every check that needs no run directory, once each,
     before anything is written or any data prepared."""
     from spillway.recipes.train import lora_state
+    from spillway.recipes.train.checkpoint_dirs import check_not_inside_a_runs_steps
     from spillway.recipes.train.finetune import check_not_its_own_source
     from spillway.recipes.train.init_weights import check_hf_tensors, resolve_init_from
     from spillway.recipes.train.preflight import check_base_model_first, check_run_inputs
@@ -170,6 +171,7 @@ def run_checks(recipe: Recipe, echo, host_ram_gb: float | None):
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
     check_hf_tensors(recipe)  # ... and hold its tensors, named and shaped as the model's: before data is prepared
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
+    check_not_inside_a_runs_steps(recipe.run_dir)  # another run's checkpoints/ or step folder: not written into
     recipe = lora_state.pin_base(recipe)  # a LoRA run's base: the step folder init_from names now
     check_run_inputs(recipe)  # a missing corpus or tokenizer: one line now, before the run directory is taken
     check_fine_tuning_inputs(recipe)  # chat/instruct on a text corpus, document masks cuDNN cannot apply

@@ -119,6 +119,26 @@ def test_an_unwritable_checkpoint_dir_fails_before_training_in_one_line(data_cac
     assert err.count("\n") == 1 and run_dir in err and "cannot create the run directory" in err, err
 
 
+def test_a_checkpoint_dir_inside_another_runs_steps_is_refused_before_anything_is_written(data_cache, tmp_path,
+                                                                                          capsys):
+    """checkpoint.dir=<run>/checkpoints trained a new run among that run's steps (and `generate <run>/checkpoints`
+    then read the intruder's), and <run>/checkpoints/40 wrote into a finished step."""
+    other = tmp_path / "other"
+    for item in ("params", "opt_state", "meta"):
+        (other / "checkpoints" / "40" / item).mkdir(parents=True)
+    for inside in (other / "checkpoints", other / "checkpoints" / "40", other / "checkpoints" / "40" / "mine"):
+        before = sorted(str(p) for p in other.rglob("*"))
+        assert cli.main(["train", "tiny", *[a for item in micro_overrides(data_cache, inside)
+                                             for a in ("--set", item)]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"of the run in {other}: a run writes into a folder of its own" in err, err
+        assert sorted(str(p) for p in other.rglob("*")) == before   # nothing written there
+    # a run's own folder next to it, and a run folder merely named like one, are fine
+    from spillway.recipes.train.checkpoint_dirs import check_not_inside_a_runs_steps
+    check_not_inside_a_runs_steps(tmp_path / "next")
+    check_not_inside_a_runs_steps(tmp_path / "checkpoints")
+
+
 # -- fine-tuning ---------------------------------------------------------------------------------------------------
 
 
