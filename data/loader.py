@@ -111,7 +111,10 @@ class BatchLoader:
         }
 
     def restore(self, state: dict) -> None:
-        """Continue exactly where `state()` was taken; refuses a state from other data or settings."""
+        """Continue exactly where `state()` was taken; refuses a state from other data or settings, and one
+        whose position is no position of this loader (DamagedLoaderState)."""
+        if not isinstance(state, dict):
+            raise DamagedLoaderState(f"the loader state is a JSON {type(state).__name__}, not an object")
         expected = {
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -122,8 +125,23 @@ class BatchLoader:
         if mismatched:
             details = ", ".join(f"{k}: saved {saved}, now {now}" for k, (saved, now) in mismatched.items())
             raise ValueError(f"loader state does not match this loader ({details}){rows_changed_hint(mismatched)}")
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        self.epoch = saved_count(state, "epoch")
+        # batches_per_epoch itself: the epoch's last batch taken, the next call starts the next epoch
+        self.position = saved_count(state, "position", most=self.batches_per_epoch)
+
+
+class DamagedLoaderState(ValueError):
+    """A saved loader state with a field missing, of another type, or out of range: a damaged record (a resume
+    sets that step aside, as it does a step whose arrays are damaged), not a changed setting."""
+
+
+def saved_count(state: dict, key: str, most: int | None = None) -> int:
+    """`state[key]`, a whole number from 0 (to `most`); else DamagedLoaderState naming the field."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (most is not None and value > most):
+        allowed = f"0 to {most}" if most is not None else "0 or more"
+        raise DamagedLoaderState(f"the loader state's {key!r} is {value!r}, not a whole number from {allowed}")
+    return value
 
 
 def eval_batches(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import stable_key
-from .loader import local_batch_size, rows_changed_hint
+from .loader import DamagedLoaderState, local_batch_size, rows_changed_hint, saved_count
 from .packing import PackedData, prepare_tokens
 from .tokenizer import Tokenizer
 
@@ -214,10 +214,15 @@ class MixtureLoader:
         }
 
     def restore(self, state: dict) -> None:
-        """Continue exactly where `state()` was taken; refuses a state from other data or settings."""
+        """Continue exactly where `state()` was taken; refuses a state from other data or settings, and a
+        damaged one (DamagedLoaderState)."""
         now = self.state()
+        if not isinstance(state, dict):
+            raise DamagedLoaderState(f"the loader state is a JSON {type(state).__name__}, not an object")
         if state.get("kind") != "mixture":
             raise ValueError("loader state is not a mixture loader's (was the run started without a mixture?)")
+        if not isinstance(state.get("taken"), dict):
+            raise DamagedLoaderState(f"the mixture loader state's 'taken' is {state.get('taken')!r}, not an object")
         mismatched = {
             key: (state.get(key), now[key])
             for key in ("seed", "global_batch_size", "weights", "num_rows")
@@ -229,5 +234,5 @@ class MixtureLoader:
             details = ", ".join(f"{key}: saved {saved}, now {current}" for key, (saved, current) in mismatched.items())
             raise ValueError(f"mixture loader state does not match this loader ({details})"
                              f"{rows_changed_hint(mismatched)}")
-        self.step = int(state["step"])
-        self.taken = np.array([int(state["taken"][name]) for name in self.names], dtype=np.int64)
+        self.step = saved_count(state, "step")
+        self.taken = np.array([saved_count(state["taken"], name) for name in self.names], dtype=np.int64)

@@ -130,7 +130,9 @@ class RunLogger:
 
     Rows already logged after `start_step` belong to steps this run will train
     again: they are dropped (metrics.jsonl is rewritten atomically, TensorBoard
-    purges its events from `start_step + 1` on).
+    purges its events from `start_step + 1` on) when the first of those steps
+    is logged, not before: a run that stops before training one (a refusal, a
+    crash at start-up) leaves the file as it found it.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, start_step: int, enabled: bool = True,
@@ -140,13 +142,17 @@ class RunLogger:
         self.history: list[dict] = []
         self._jsonl = None
         self._tb = None
+        self._start_step, self._tensorboard = start_step, tensorboard
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._drop_rows_after(start_step)
-            self._jsonl = open(self.metrics_path, "a", buffering=1)
-            if tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=start_step + 1)
+
+    def _open(self) -> None:
+        """At the first row: the rows after the start step dropped, the files opened for appending."""
+        self._drop_rows_after(self._start_step)
+        self._jsonl = open(self.metrics_path, "a", buffering=1)
+        if self._tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._start_step + 1)
 
     @property
     def metrics_path(self) -> Path:
@@ -166,6 +172,8 @@ class RunLogger:
         self.history.append(row)
         if not self.enabled:
             return
+        if self._jsonl is None:
+            self._open()
         self._jsonl.write(_metrics_line(row))
         if self._tb is not None:
             for key, value in row.items():

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spillway.data.loader import DamagedLoaderState
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import distributed
 from spillway.recipes.train.checkpoint import CheckpointError, CorruptCheckpointError, RunCheckpointer
@@ -264,6 +265,15 @@ class Resumed:
     set_aside: list[str]                         # step folders renamed: "<step>.<reason>"
 
 
+def _check_saved_step(where, step: int, meta) -> None:
+    """CorruptCheckpointError where the step's meta record does not name the step of its folder: resumed, it
+    trained from that step's weights on another step's schedule and data position."""
+    saved = meta.get("step") if isinstance(meta, dict) else None
+    if saved != step or isinstance(saved, bool):
+        raise CorruptCheckpointError(f"{where}: its meta record says step {saved!r}, its folder step {step}: "
+                                     f"the record is damaged")
+
+
 def restore_for_resume(checkpointer: RunCheckpointer, recipe: Recipe, candidates: list[int], *, abstract_params,
                        abstract_opt_state, weights_problem: Callable[[dict], str | None], say=print) -> Resumed:
     """Restores the first intact candidate whose weights are sound (`weights_problem` returns None).
@@ -280,6 +290,7 @@ def restore_for_resume(checkpointer: RunCheckpointer, recipe: Recipe, candidates
             changed = saved_recipe_changes(checkpointer, step, recipe)
             restored = checkpointer.restore(step, abstract_params=abstract_params,
                                             abstract_opt_state=abstract_opt_state)
+            _check_saved_step(where, step, restored["meta"])
             damage = None
         except CorruptCheckpointError as e:
             damage = str(e)
@@ -291,7 +302,14 @@ def restore_for_resume(checkpointer: RunCheckpointer, recipe: Recipe, candidates
                 f"{damage or 'another process could not read it'}")
             rejected.append((step, "corrupt", damage or "unreadable on another process"))
             continue
-        problem = weights_problem(restored)
+        try:
+            problem = weights_problem(restored)   # reads the loader state first: a damaged one is a damaged step
+        except DamagedLoaderState as e:
+            if explicit:
+                raise CorruptCheckpointError(f"{where}: {e}") from None
+            say(f"warning: step {step} is corrupt, trying an older step: {where}: {e}")
+            rejected.append((step, "corrupt", str(e)))
+            continue
         if problem is not None:
             if explicit:
                 raise NonFiniteLossError(f"{where}: the weights saved at step {step} are diverged ({problem}); "

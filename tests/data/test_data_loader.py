@@ -124,3 +124,22 @@ def test_state_from_other_data_or_settings_is_refused():
         BatchLoader(_rows(24), global_batch_size=4, seed=0).restore(state)
     with pytest.raises(ValueError, match="seed: saved 0, now 1"):
         BatchLoader(_rows(20), global_batch_size=4, seed=1).restore(state)
+
+
+@pytest.mark.parametrize("state, says", [
+    ({"nonsense": 1}, r"'epoch' is None, not a whole number from 0"),
+    ({"epoch": 0, "position": -5}, r"'position' is -5, not a whole number from 0 to 5"),
+    ({"epoch": 0, "position": 99999}, r"'position' is 99999, not a whole number from 0 to 5"),
+    ({"epoch": "1", "position": 0}, r"'epoch' is '1'"),
+    ([0, 1], r"the loader state is a JSON list, not an object"),
+])
+def test_a_damaged_loader_state_is_named_not_a_key_error_or_a_wrong_position(state, says):
+    """A position past the epoch trained on other batches without a word, a negative one then divided by zero,
+    a missing field was a KeyError: each is a DamagedLoaderState (a resume sets that step aside)."""
+    from spillway.data.loader import BatchLoader, DamagedLoaderState
+
+    loader = BatchLoader(np.arange(40 * 5).reshape(40, 5), global_batch_size=8, seed=0)
+    with pytest.raises(DamagedLoaderState, match=says):
+        loader.restore(state)
+    loader.restore({**loader.state(), "epoch": 2, "position": 5})   # the epoch's end is a position
+    assert loader.position == 5 and next(loader).shape == (8, 5) and loader.epoch == 3

@@ -62,8 +62,26 @@ def test_metrics_jsonl_is_strict_json_and_reads_a_value_that_was_not_finite_back
     assert row["loss"] == 2.5 and math.isnan(row["grad_norm"]) and math.isnan(row["mfu"])
     assert row["load"][0] == 0.5 and math.isnan(row["load"][1])
     resumed = RunLogger(tmp_path / "run", start_step=1, tensorboard=False)   # the rewrite keeps it strict
+    resumed.log(2, {"loss": 2.0})
     resumed.close()
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().strip() == line
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0] == line
+
+
+def test_rows_after_the_resumed_step_are_dropped_only_once_a_step_replaces_them(tmp_path):
+    """A resume dropped the rows after its step at start-up: a run that then stopped before training (a
+    refusal, a crash) lost the rows of steps it never trained again."""
+    logger = RunLogger(tmp_path, start_step=0, tensorboard=False)
+    for step in range(1, 5):
+        logger.log(step, {"loss": float(step)})
+    logger.close()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    RunLogger(tmp_path, start_step=2, tensorboard=False).close()   # stopped before its first step
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    resumed = RunLogger(tmp_path, start_step=2, tensorboard=False)
+    resumed.log(3, {"loss": 30.0})
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_parameter_counts_are_computed_not_written_in_descriptions(capsys):

@@ -15,6 +15,7 @@ and test_run_safety.py.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 
@@ -168,7 +169,7 @@ def test_a_save_killed_midway_then_resumed_does_not_repeat_metrics(data_cache, r
 
 # a failed tensorstore read can leave a callback for an event loop orbax already closed
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("damage", ["truncate", "delete", "recipe"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "recipe", "loader_state", "meta_step"])
 @pytest.mark.slow  # with the stub step about 30 s a run on 2 busy cores (the real step: 70-100 s): `make test-slow`
 def test_a_corrupt_newest_step_falls_back_with_a_warning(data_cache, run_copy, short_run, damage):
     step_dir = run_copy / "checkpoints" / "4"
@@ -176,6 +177,13 @@ def test_a_corrupt_newest_step_falls_back_with_a_warning(data_cache, run_copy, s
     assert files
     if damage == "recipe":   # a step without its saved recipe stopped the run, with no fallback
         files = [str(step_dir / "recipe" / "recipe.json")]
+    if damage in ("loader_state", "meta_step"):
+        # records that parse but are damaged: a loader state without its position was an internal error
+        # (KeyError); a meta record naming step 1 in folder 4 trained step 4's weights on step 1's schedule
+        record = step_dir / ("loader_state" if damage == "loader_state" else "meta") / "metadata"
+        saved = json.loads(record.read_text())
+        record.write_text(json.dumps({"nonsense": 1} if damage == "loader_state" else {**saved, "step": 1}))
+        files = []
     for name in files:
         os.truncate(name, os.path.getsize(name) // 2) if damage == "truncate" else os.remove(name)
     said = []
