@@ -189,7 +189,8 @@ def _read_config(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
-        raise ChatTemplateError(f"{path} is not readable JSON: {error}") from None
+        raise ChatTemplateError(f"{path} is not readable JSON: {error}; fix it, or copy it again from where "
+                                f"the tokenizer came from (the checkpoint or run it belongs to)") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -103,7 +103,8 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not readable JSON: {error}") from None
+        raise ValueError(f"{path} is not readable JSON: {error}; fix it, or copy it again from where the "
+                         f"tokenizer came from (the checkpoint or run it belongs to)") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -27,15 +27,23 @@ RETENTION_RETRIES = 3
 
 
 def saved_recipe(step_dir) -> Recipe:
-    """The recipe a step was saved with; its JSON damaged is one line naming the file and place."""
-    from spillway.recipes.train.checkpoint import RECIPE, RECIPE_FILENAME, read_recipe_json
+    """The recipe a step was saved with. Its JSON damaged is a CorruptCheckpointError naming the file and place
+    (the step before it is read instead, as for a damaged array); JSON this version cannot read as a recipe is
+    a ConfigError naming the file (every step of that run would say the same, as `train` says it)."""
+    from spillway.recipes.train.checkpoint import RECIPE, RECIPE_FILENAME, CorruptCheckpointError, read_recipe_json
 
     text = read_recipe_json(step_dir)
+    where = Path(step_dir) / RECIPE / RECIPE_FILENAME
     try:
-        return Recipe.from_dict(json.loads(text))
+        tree = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{Path(step_dir) / RECIPE / RECIPE_FILENAME}: not valid JSON (line {error.lineno}, "
-                          f"column {error.colno}: {error.msg})") from None
+        raise CorruptCheckpointError(f"{where}: not valid JSON (line {error.lineno}, column {error.colno}: "
+                                     f"{error.msg}), the step is corrupt") from None
+    try:
+        return Recipe.from_dict(tree)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{where}: the saved recipe cannot be read by this version of spillway ({error}); "
+                          f"read it with the version that wrote it") from None
 
 
 def restore_readable(path, step_dir, target_of, warn=None, with_base: bool = True):
@@ -63,6 +71,13 @@ def restore_readable(path, step_dir, target_of, warn=None, with_base: bool = Tru
                     raise
                 step_dir = resolve_step_dir(path)
                 continue
+            if warn is None and not explicit and isinstance(error, CorruptCheckpointError):
+                # export stops at a damaged newest step rather than take another: it names the ones to pass
+                from etils import epath
+
+                from spillway.recipes.train.checkpoint_restore import _with_older_steps_hint
+                raise _with_older_steps_hint(error, epath.Path(Path(path).absolute()),
+                                             epath.Path(step_dir)) from error
             if warn is None or explicit or not isinstance(error, CorruptCheckpointError):
                 raise
             older = [d for d in finalised_step_dirs(Path(step_dir).parent) if int(d.name) < int(Path(step_dir).name)]

@@ -170,3 +170,11 @@ def test_padded_vocab_size():
 def test_tokenizer_repr_names_size(tokenizer):
     assert repr(tokenizer).startswith("SentencePieceTokenizer(vocab_size=400")
     assert isinstance(SentencePieceTokenizer(tokenizer.model_proto).vocab_size, int)
+
+
+def test_an_unreadable_tokenizer_config_says_what_to_do(tmp_path):
+    from spillway.data.tokenizer import read_special_tokens
+
+    (tmp_path / "tokenizer_config.json").write_text("nope")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not readable JSON: .*; fix it, or copy it again"):
+        read_special_tokens(tmp_path)

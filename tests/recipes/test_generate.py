@@ -105,11 +105,29 @@ def test_an_export_of_a_step_deleted_by_retention_while_read_exports_the_newest(
     assert json.loads((tmp_path / "out" / "spillway_export.json").read_text())["step"] == "2"
 
 
-def test_a_damaged_recipe_json_is_named_with_its_line(run_copy):
+def test_a_damaged_recipe_json_is_named_with_its_line_and_the_step_before_is_read(run_copy):
+    """A damaged recipe.json is a damaged step, as `train` treats it: the step before it is read (it stopped
+    generate and export); a recipe this version cannot read names its file (it said only "unknown field")."""
+    expected_from_step_2 = sample(run_copy / "checkpoints" / "2", [])
     recipe_file = run_copy / "checkpoints" / "4" / "recipe" / "recipe.json"
     recipe_file.write_text("{\n  \"name\": \"tiny\",\n  oops\n}\n")
-    with pytest.raises(ConfigError, match=rf"{recipe_file}: not valid JSON \(line 3, column 3"):
+    warnings = []
+    assert sample(run_copy, warnings) == expected_from_step_2
+    assert len(warnings) == 1 and f"{recipe_file}: not valid JSON (line 3, column 3" in warnings[0]
+    with pytest.raises(ckpt_lib.CorruptCheckpointError, match=rf"{recipe_file}: not valid JSON \(line 3, column 3"):
+        sample(run_copy / "checkpoints" / "4", [])   # that step named: no other step stands in
+    recipe_file.write_text('{"a": 1}')
+    with pytest.raises(ConfigError, match=rf"{recipe_file}: the saved recipe cannot be read by this version .*'a'"):
         sample(run_copy, [])
+
+
+def test_an_export_of_a_run_whose_newest_step_is_damaged_names_the_older_step_to_pass(run_copy, tmp_path, capsys):
+    for name in glob.glob(str(run_copy / "checkpoints" / "4" / "params" / "**" / "d" / "*"), recursive=True):
+        os.truncate(name, 10)
+    assert cli.main(["export", str(run_copy), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"(older steps [2]: pass one of their folders, e.g. {run_copy / 'checkpoints' / '2'})" in err, err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_more_tokens_than_fit_are_capped_with_a_word(run_copy, capsys):
