@@ -44,7 +44,8 @@ def test_a_bad_jsonl_line_is_named_with_its_file_and_1_based_line(tmp_path, monk
     (tmp_path / "badline.jsonl").write_bytes("\n".join(lines).encode() + b'\n{"text": "caf\xe9"}\n')
     status, err, _ = run_cli("tiny", *micro_set("data.source=badline.jsonl", "train.steps=1"), capsys=capsys)
     assert status == 2
-    assert err == ["spillway train: error: corpus file 'badline.jsonl', line 301: not UTF-8 (byte 0xe9 at column 14)"]
+    assert err == ["spillway train: error: corpus file 'badline.jsonl', line 301: not UTF-8 (byte 0xe9 at column 14); "
+                   "re-encode the file to UTF-8 (for cp1252/Latin-1: iconv -f cp1252 -t utf-8)"]
 
 
 @pytest.mark.parametrize("content, message", [
