@@ -22,9 +22,29 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_si
                           "original_max_position_embeddings": 64}}
 
 
+# the recipe settings that build LLAMA's model
+MATCHING = ["model.vocab_size=512", "model.d_model=64", "model.num_layers=2", "model.num_heads=4",
+            "model.num_kv_heads=2", "model.mlp_hidden=128", "model.norm_eps=1e-6", "model.rope_theta=500000",
+            "model.rope_scaling.factor=8", "model.rope_scaling.original_max_position=64"]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """LLAMA's weights (a differing recipe is checked against them too: a config.json that contradicts its
+    own weights is named as such)."""
+    from flax import nnx
+
+    from spillway.models.hf import to_hf
+
+    folder = tmp_path_factory.mktemp("weights")
+    to_hf(apply_overrides(get_recipe("tiny"), MATCHING + ["model.head_dim=16"]).build_model(nnx.Rngs(0)), folder)
+    return folder / "model.safetensors"
+
+
 @pytest.fixture
-def checkpoint(tmp_path):
+def checkpoint(tmp_path, weights):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "model.safetensors").symlink_to(weights)
     return tmp_path
 
 
@@ -43,9 +63,7 @@ def test_every_differing_field_is_named_with_the_flags_that_match_it(checkpoint)
 
 
 def test_a_head_dim_written_out_as_its_default_is_the_same_model(checkpoint):
-    sets = ["model.vocab_size=512", "model.d_model=64", "model.num_layers=2", "model.num_heads=4",
-            "model.num_kv_heads=2", "model.mlp_hidden=128", "model.norm_eps=1e-6", "model.rope_theta=500000",
-            "model.rope_scaling.factor=8", "model.rope_scaling.original_max_position=64"]
+    sets = MATCHING
     check_model_matches(apply_overrides(get_recipe("tiny"), sets + ["model.head_dim=16"]), checkpoint)
     with pytest.raises(ValueError, match=r"model.head_dim \(recipe 8, checkpoint 16\); match it with "
                                          r"--set model.head_dim=16,"):
