@@ -53,6 +53,7 @@ class PackedData:
     path: Path
     from_cache: bool  # True when loaded from an earlier run's result, nothing tokenized or packed
     records_without_text: int = 0  # records of the source skipped for having no text field
+    records_empty: int = 0  # records (or text files) of the source skipped for an empty or blank text
     # Fine-tuning rows (data/sft_packing.py: [rows, 3, seq_len + 1]): examples longer than a row, and what was
     # done with them ("truncate" | "drop"); the answer tokens the loss trains on.
     overlong_examples: int = 0
@@ -77,6 +78,7 @@ class PackedData:
             path=path,
             from_cache=from_cache,
             records_without_text=int(meta.get("records_without_text", 0)),
+            records_empty=int(meta.get("records_empty", 0)),
             overlong_examples=int(meta.get("overlong_examples", 0)),
             overlong_policy=meta.get("overlong_policy"),
             target_tokens=meta.get("target_tokens"),
@@ -248,6 +250,7 @@ def prepare_tokens(
         "seed": seed,
         "shards": str(shards.path),
         "records_without_text": shards.records_without_text,
+        "records_empty": shards.records_empty,
         "key": key,
     }
     with atomic_directory(final) as partial:

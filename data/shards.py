@@ -78,6 +78,7 @@ class TokenShards:
     vocab_size: int
     from_cache: bool  # True when an earlier run had finished it: nothing was tokenized
     records_without_text: int = 0   # records of the source skipped for having no text field (json, parquet)
+    records_empty: int = 0   # records (or text files) skipped for an empty or blank text
 
     @property
     def num_documents(self) -> int:
@@ -108,6 +109,7 @@ class TokenShards:
             vocab_size=manifest["vocab_size"],
             from_cache=from_cache,
             records_without_text=int(manifest.get("records_without_text", 0)),
+            records_empty=int(manifest.get("records_empty", 0)),
         )
 
 
@@ -251,5 +253,6 @@ def prepare_token_shards(
         counter = getattr(documents, "records_without_text", None)
         if counter is not None and max_tokens is None:   # read to its end: the count is the source's
             manifest["records_without_text"] = counter.count
+            manifest["records_empty"] = counter.empty
         writer.finish()
     return TokenShards.load(folder, from_cache=False)

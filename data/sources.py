@@ -279,15 +279,19 @@ def _has_text(batch: dict[str, list]) -> list[bool]:
 
 
 class RecordsWithoutText:
-    """The filter of a stream's documents that also counts the records it drops for having no text field
-    (absent or null; an empty text is dropped uncounted). Read `count` once the stream was read to its end."""
+    """The filter of a stream's documents that also counts the records it drops: `count` those with no text
+    field (absent or null), `empty` those whose text is empty or blank. Read them once the stream was read to
+    its end."""
 
     def __init__(self):
         self.count = 0
+        self.empty = 0
 
     def __call__(self, batch: dict[str, list]) -> list[bool]:
+        kept = _has_text(batch)
         self.count += sum(text is None for text in batch["text"])
-        return _has_text(batch)
+        self.empty += sum(text is not None and not keep for text, keep in zip(batch["text"], kept))
+        return kept
 
 
 def load_local_files(local: LocalSpec, streaming: bool,
@@ -402,6 +406,7 @@ class TextFileDocuments:
     def __init__(self, files: tuple[Path, ...], start: int = 0):
         self.files = files
         self.start = start
+        self.records_without_text = RecordsWithoutText()   # a file is never without text: its `empty` only
 
     def skip(self, count: int) -> TextFileDocuments:
         return TextFileDocuments(self.files, self.start + count)
@@ -410,11 +415,13 @@ class TextFileDocuments:
         batch: list[str] = []
         seen = 0
         not_utf8: dict[Path, int] = {}
+        self.records_without_text.empty = 0   # counted again by each read
         try:
             for path in self.files:
                 text, not_utf8[path] = read_text_document(path)
                 check_is_text(path, text)
                 if not text or text.isspace():
+                    self.records_without_text.empty += 1
                     continue
                 seen += 1
                 if seen <= self.start:

@@ -62,8 +62,10 @@ class TrainingData:
     def describe(self) -> str:
         """One line: rows per split of each source (and its weight in a mixture)."""
         def rows(packed: PackedData) -> str:
-            skipped = (f" ({packed.records_without_text} records without a text field skipped)"
-                       if packed.records_without_text else "")
+            skipped = ", ".join(part for part in (
+                f"{packed.records_without_text} records without a text field" if packed.records_without_text else "",
+                f"{packed.records_empty} with an empty text" if packed.records_empty else "") if part)
+            skipped = f" ({skipped} skipped)" if skipped else ""
             if packed.overlong_policy is not None:
                 done = "truncated" if packed.overlong_policy == "truncate" else "dropped"
                 if done == "truncated" and packed.cut_target_tokens:   # how much of the answers the cut took

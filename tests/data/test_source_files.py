@@ -93,6 +93,19 @@ def test_the_run_says_how_many_records_it_skipped(tokenizer, tmp_path):
     path.write_text("".join(json.dumps({"text": "some words here " * 8} if i % 4 else {}) + "\n" for i in range(40)))
     packed = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache", val_fraction=0.1)
     assert "(10 records without a text field skipped)" in TrainingData({CORPUS: packed}, None).describe()
+    # an empty or blank text was dropped without a word: counted too
+    with open(path, "a") as f:
+        f.write("".join(json.dumps({"text": text}) + "\n" for text in ("", "   ", "\n\n")))
+    packed = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / "cache2", val_fraction=0.1)
+    assert "(10 records without a text field, 3 with an empty text skipped)" in \
+        TrainingData({CORPUS: packed}, None).describe()
+    # ... as is an empty text file in a folder of text files
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(30):
+        (folder / f"{i}.txt").write_text(f"document {i} says some words here " * 4 if i % 10 else "\n")
+    packed = prepare_tokens(str(folder), tokenizer, seq_len=16, cache_dir=tmp_path / "cache3", val_fraction=0.1)
+    assert "(3 with an empty text skipped)" in TrainingData({CORPUS: packed}, None).describe()
 
 
 def read_texts(source) -> list[str]:
