@@ -432,7 +432,10 @@ class TextFileDocuments:
                     batch = []
             if batch:
                 yield {"text": batch}
-        finally:   # also when the reader stops early (a tokenizer trains on the head of the corpus)
+        except GeneratorExit:   # the reader stopped early (a tokenizer trains on the head of the corpus)
+            warn_not_utf8(not_utf8)
+            raise
+        else:   # read to its end; a file refused (not text) is its error's one line, no warning beside it
             warn_not_utf8(not_utf8)
 
 

@@ -19,10 +19,11 @@ def test_a_binary_file_in_a_text_corpus_is_named_not_a_vocab_size_problem(text_f
         train_tokenizer(stream_documents(str(text_folder)), vocab_size=400)
 
 
-def test_latin1_text_with_a_few_stray_bytes_is_still_text(text_folder, tokenizer, tmp_path):
+def test_latin1_text_with_a_few_stray_bytes_is_still_text(text_folder, tokenizer, tmp_path, capsys):
     (text_folder / "caf.txt").write_bytes(("the café " * 400).encode("latin-1"))   # one undecodable byte in 9
     with pytest.raises(DataError, match="not UTF-8"):
         prepare_tokens(str(text_folder), tokenizer, seq_len=16, cache_dir=tmp_path / "a")
+    assert "warning" not in capsys.readouterr().err   # the error is the one line: no warning of the same bytes
     (text_folder / "caf.txt").write_bytes(("the cafe " * 400 + "caf\xe9").encode("latin-1"))   # one stray byte
     assert prepare_tokens(str(text_folder), tokenizer, seq_len=16, cache_dir=tmp_path / "b").num_documents == 13
 
