@@ -15,12 +15,15 @@ to stop, read one step late so it never stalls the device pipeline).
 from __future__ import annotations
 
 import os
+import socket
+import sys
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 _initialized = False
+JOIN_TIMEOUT_S = 300   # how long jax.distributed waits for every process to start (its default)
 
 
 def _cluster_size_from_environment() -> int:
@@ -42,15 +45,56 @@ def maybe_initialize() -> None:
         if pid is None or coordinator is None:
             raise ValueError("SPILLWAY_NUM_PROCESSES is set: SPILLWAY_PROCESS_ID and SPILLWAY_COORDINATOR "
                              "(host:port of process 0) must be set too")
-        if int(num) > 1:
+        count, index, port = _checked_environment(num, pid, coordinator)
+        if count > 1:
             if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
                 # CPU collectives across processes need gloo (docs/DESIGN.md section 4).
                 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(coordinator_address=coordinator, num_processes=int(num),
-                                       process_id=int(pid))
+            if index == 0:
+                _check_port_free(coordinator, port)
+            # jax waits silently, then ends the process from C++ ("another task died") if one never comes
+            print(f"spillway: process {index} of {count}: joining the others at {coordinator} (waits up to "
+                  f"{JOIN_TIMEOUT_S} s for all {count} processes to start)", file=sys.stderr, flush=True)
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
+                                       initialization_timeout=JOIN_TIMEOUT_S)
+            if jax.process_count() != count:
+                raise ValueError(f"SPILLWAY_NUM_PROCESSES={count} here, but the group process 0 started has "
+                                 f"{jax.process_count()} processes: give every process the same count")
     elif _cluster_size_from_environment() > 1:
         jax.distributed.initialize()
     _initialized = True
+
+
+def _checked_environment(num: str, pid: str, coordinator: str) -> tuple[int, int, int]:
+    """(process count, this process's index, the coordinator's port) from the SPILLWAY_* variables; a
+    ValueError naming the variable that is not one (an IndexError inside jax for a coordinator without
+    its port, "invalid literal for int()" naming none)."""
+    def whole(name: str, text: str, least: int) -> int:
+        if not text.strip().isdigit() or int(text) < least:
+            raise ValueError(f"{name}={text!r}: a whole number from {least} is needed")
+        return int(text)
+
+    count = whole("SPILLWAY_NUM_PROCESSES", num, 1)
+    index = whole("SPILLWAY_PROCESS_ID", pid, 0)
+    if index >= count:
+        raise ValueError(f"SPILLWAY_PROCESS_ID={index}: the processes of SPILLWAY_NUM_PROCESSES={count} are "
+                         f"numbered 0 to {count - 1}")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"SPILLWAY_COORDINATOR={coordinator!r}: host:port of process 0 is needed "
+                         f"(e.g. 10.0.0.1:29500)")
+    return count, index, int(port)
+
+
+def _check_port_free(coordinator: str, port: int) -> None:
+    """Process 0 serves the group on `port`: one taken by another program ended it with a segfault."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed run's TIME_WAIT is no owner
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise ValueError(f"SPILLWAY_COORDINATOR={coordinator}: port {port} on process 0's host is in use "
+                             f"({error.strerror}): pick a free port for every process") from None
 
 
 def is_main_process() -> bool:

@@ -350,7 +350,12 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
     model = nnx.merge(s.graphdef, state.params)
     cfg = recipe.train
     sample = None
-    if main and cfg.sample_tokens > 0:
+    if main and cfg.sample_tokens > 0 and jax.process_count() > 1:
+        # the weights are sharded over every process's devices: process 0 alone could not compute with them
+        # (it waited for the others forever, which waited at the barrier below)
+        say(f"sample: none in a run of {jax.process_count()} processes; one process samples the saved step: "
+            f"spillway generate {run_dir}")
+    elif main and cfg.sample_tokens > 0:
         chat = recipe.data.format != "text"
         if chat:   # a chat/instruct run answers train.sample_prompt as a user's message
             from spillway.recipes.train.chat_prompt import chat_prompt

@@ -50,7 +50,10 @@ def test_two_processes_match_one(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
 
     port = _free_port()
-    procs = [subprocess.Popen(_command(tmp_path / "multi", cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # with the closing sample asked for (the default): process 0 sampled alone from weights sharded over both
+    # processes and waited forever, the other at the end barrier; it says how to sample instead now
+    multi_command = _command(tmp_path / "multi", cache) + ["--set", "train.sample_tokens=8"]
+    procs = [subprocess.Popen(multi_command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True,
                               env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
                                        SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
@@ -59,6 +62,9 @@ def test_two_processes_match_one(tmp_path):
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     assert "2 process(es)" in outputs[0][0] and "over 4 cpu device(s)" in outputs[0][0]
+    assert f"sample: none in a run of 2 processes; one process samples the saved step: spillway generate " \
+           f"{tmp_path / 'multi'}" in outputs[0][0]
+    assert f"process 1 of 2: joining the others at 127.0.0.1:{port}" in outputs[1][1]
     multi, reference = _losses(tmp_path / "multi"), _losses(tmp_path / "single")
     assert len(multi) == STEPS
     assert multi == pytest.approx(reference, rel=1e-5)
@@ -102,3 +108,38 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert max(logged) == steps[0]  # the step both processes stopped after is the one saved
     assert f"SIGTERM: saved step {steps[0]}" in outputs[0][0] + outputs[0][1]
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"SPILLWAY_NUM_PROCESSES": "two"}, r"SPILLWAY_NUM_PROCESSES='two': a whole number from 1 is needed"),
+    ({"SPILLWAY_NUM_PROCESSES": "0"}, r"SPILLWAY_NUM_PROCESSES='0': a whole number from 1"),
+    ({"SPILLWAY_PROCESS_ID": "abc"}, r"SPILLWAY_PROCESS_ID='abc': a whole number from 0"),
+    ({"SPILLWAY_PROCESS_ID": "2"}, r"SPILLWAY_PROCESS_ID=2: the processes of SPILLWAY_NUM_PROCESSES=2 are numbered "
+                                   r"0 to 1"),
+    ({"SPILLWAY_COORDINATOR": "127.0.0.1"}, r"SPILLWAY_COORDINATOR='127.0.0.1': host:port of process 0 is needed"),
+])
+def test_a_bad_process_variable_is_named_before_jax_is_asked(monkeypatch, env, says):
+    """A coordinator without its port was an IndexError inside jax ("internal error"), "abc" an int() error
+    naming no variable, a count of 0 trained as one process without a word."""
+    from spillway.recipes.train import distributed
+
+    monkeypatch.setattr(distributed, "_initialized", False)
+    for name, value in {"SPILLWAY_NUM_PROCESSES": "2", "SPILLWAY_PROCESS_ID": "0",
+                        "SPILLWAY_COORDINATOR": "127.0.0.1:29500", **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=says):
+        distributed.maybe_initialize()
+
+
+def test_process_0_names_a_coordinator_port_another_program_holds(monkeypatch):
+    """jax's coordination service segfaulted on a port in use (exit 139, one C++ log line)."""
+    from spillway.recipes.train import distributed
+
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"SPILLWAY_COORDINATOR=127.0.0.1:{port}: port {port} on process "
+                                             rf"0's host is in use"):
+            distributed._check_port_free(f"127.0.0.1:{port}", port)
+    distributed._check_port_free(f"127.0.0.1:{port}", port)   # free again once its holder closed
