@@ -572,6 +572,12 @@ def upgrade_legacy_recipe_dict(d: dict) -> dict:
         d["optimizer"] = {k: v for k, v in d["optimizer"].items() if f"optimizer.{k}" not in DERIVED_FIELDS}
     if "family" in d or not isinstance(d.get("model"), dict):
         return d
+    if not any(k in d["model"] for k in (*_EXECUTION_FIELDS, "remat")):
+        # no family and none of the old format's fields: a family deleted by hand, not an old file (a Qwen3
+        # recipe was read as Llama without its q/k norms)
+        from spillway.models.registry import FAMILIES
+        raise ConfigError(f"the recipe has no \"family\" (one of {', '.join(sorted(FAMILIES))}): add the family "
+                          f"its model section is written for")
     model = dict(d["model"])
     execution = {k: model.pop(k) for k in _EXECUTION_FIELDS if k in model}
     model.pop("remat", None)

@@ -74,6 +74,15 @@ def test_recipe_json_from_before_families_loads():
     assert Recipe.from_dict(old) == recipe
 
 
+def test_a_recipe_json_whose_family_was_deleted_is_refused_not_read_as_llama():
+    """A qwen3 recipe file without "family" was read as Llama (the format before families) without its q/k
+    norms; the old format is told by its model fields (dtypes, remat), which today's files never hold."""
+    edited = Recipe.from_dict(tiny().to_dict()).to_dict()
+    del edited["family"]
+    with pytest.raises(ConfigError, match=r'the recipe has no "family" \(one of .*llama.*qwen3.*\): add the family'):
+        Recipe.from_dict(edited)
+
+
 def test_recipe_json_errors_name_the_field():
     broken = tiny().to_dict()
     broken["train"]["steps"] = 0
