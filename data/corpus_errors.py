@@ -24,6 +24,7 @@ after `load_dataset` returned. So:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -131,7 +132,8 @@ def first_non_text_record(files, text_field: str) -> str | None:
 
 
 def non_text_in_a_later_file(files, text_field: str) -> str | None:
-    """Like first_non_text_record, for a source of several files, checked file by file.
+    """Like first_non_text_record, for a source of several files, checked file by file (once per process for
+    files unchanged since: a preparation opens its source several times).
 
     `datasets` reads each file by itself: a file whose field mixes types gets its own type (JSON) and is
     then cast into the first file's string column as JSON text, every record of that file (`7` becomes
@@ -139,10 +141,17 @@ def non_text_in_a_later_file(files, text_field: str) -> str | None:
     by its schema (its footer alone); a JSON lines file by pyarrow's reader with the field declared a
     string (C++, the other fields skipped), and only a file that reader refuses is scanned record by
     record for the place (a .json array is always scanned)."""
+    stats = tuple((str(path), path.stat().st_size, path.stat().st_mtime_ns) for path in files)
+    return _non_text_in_files(stats, text_field)
+
+
+@functools.lru_cache(maxsize=16)
+def _non_text_in_files(stats: tuple, text_field: str) -> str | None:
     import pyarrow as pa
     import pyarrow.json as pa_json
     import pyarrow.parquet as pq
 
+    files = [Path(name) for name, _, _ in stats]
     text_only = pa_json.ParseOptions(explicit_schema=pa.schema([(text_field, pa.string())]),
                                      unexpected_field_behavior="ignore")
     for path in files:
