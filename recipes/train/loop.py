@@ -341,7 +341,7 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
     plot = logger.plot_loss()
     if plot:
         say(f"loss curve: {plot}; metrics: {run_dir / METRICS_FILENAME}; TensorBoard: {run_dir / 'tb'}")
-    elif main and not logger.metrics_path.is_file():
+    elif main and logger.wrote_rows and not logger.metrics_path.is_file():
         say(f"warning: {logger.metrics_path} was deleted while the run wrote it: no loss curve (the checkpoints "
             f"are saved; TensorBoard: {run_dir / 'tb'})")
     load_plot = logger.plot_expert_load()   # None for a model without MoE layers

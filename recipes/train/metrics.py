@@ -155,6 +155,11 @@ class RunLogger:
             self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._start_step + 1)
 
     @property
+    def wrote_rows(self) -> bool:
+        """Whether this run logged a row (the file is made with the first)."""
+        return self._jsonl is not None
+
+    @property
     def metrics_path(self) -> Path:
         return self.run_dir / METRICS_FILENAME
 
