@@ -41,9 +41,10 @@ def check_not_inside_a_runs_steps(run_dir: str | os.PathLike) -> None:
     finished step), and `spillway generate <run>/checkpoints` then read the intruder's steps."""
     path = _absolute(run_dir)
     for folder in (path, *path.parents):
-        if _is_step_dir(folder) or (folder.name == CHECKPOINTS_DIRNAME and _finalised_steps(folder)):
-            what = "a step folder" if _is_step_dir(folder) else "the checkpoints folder"
-            run = folder.parent.parent if _is_step_dir(folder) else folder.parent
+        step = _is_step_dir(folder)
+        if step or (folder.name == CHECKPOINTS_DIRNAME and _finalised_steps(folder)):
+            what = "a step folder" if step else "the checkpoints folder"
+            run = (run_dir_of(folder) or folder.parent) if step else folder.parent
             raise CheckpointError(f"checkpoint.dir={path} is {'inside ' if folder != path else ''}{what} of the "
                                   f"run in {run}: a run writes into a folder of its own; to continue that run, "
                                   f"name it (checkpoint.dir={run}), to fine-tune from it, set "
