@@ -131,6 +131,17 @@ def first_non_text_record(files, text_field: str) -> str | None:
     return None
 
 
+def is_text_type(kind) -> bool:
+    """Whether an Arrow column type holds text (or nothing): string, large_string, string_view (newer writers),
+    either dictionary-encoded, or null."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+            or pa.types.is_string_view(kind))
+
+
 def non_text_in_a_later_file(files, text_field: str) -> str | None:
     """Like first_non_text_record, for a source of several files, checked file by file (once per process for
     files unchanged since: a preparation opens its source several times).
@@ -160,7 +171,7 @@ def _non_text_in_files(stats: tuple, text_field: str) -> str | None:
             schema = pq.read_schema(path)
             if text_field in schema.names:
                 kind = schema.field(text_field).type
-                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+                if not is_text_type(kind):
                     return f"{path} (a column of {kind})"
             continue
         if suffix == ".jsonl":
@@ -252,7 +263,19 @@ def missing_text_field(source: str, text_field: str, files: Sequence[Path]) -> D
     fields = next((fields for fields in map(record_fields, files[:1]) if fields is not None), None)
     held = f"; its records' fields are {list(fields)}" if fields is not None else ""
     return DataError(f"source {source!r} has no text field {text_field!r}{held} (data.text_field names the field "
-                     f"holding the text; --text-field for python -m spillway.data){format_hint(fields)}")
+                     f"holding the text; --text-field for python -m spillway.data){format_hint(fields)}"
+                     f"{normalization_hint(text_field, fields)}")
+
+
+def normalization_hint(text_field: str, fields) -> str:
+    """What to say when a field is the named one written in another Unicode normalization ('tëxt' as e + a
+    combining diaeresis): the two print alike, and the error would show the same name twice."""
+    import unicodedata
+
+    same = [field for field in fields or () if field != text_field and
+            unicodedata.normalize("NFC", field) == unicodedata.normalize("NFC", text_field)]
+    return (f"; the field {same[0]!r} is that name in another Unicode normalization (its characters composed "
+            f"otherwise): write data.text_field with the file's own characters, {ascii(same[0])}") if same else ""
 
 
 def unreadable_corpus(builder: str, files: Sequence[Path], error: BaseException) -> DataError:
@@ -287,7 +310,7 @@ class ErrorsNamed:
     """A `datasets` stream of local files whose read failures are `unreadable_corpus` errors.
 
     Offers what preparation uses of a stream: `iter(batch_size)`, `column_names`,
-    and `records_without_text` (data/sources.py `RecordsWithoutText`).
+    and `records_without_text` (data/record_documents.py `RecordsWithoutText`).
     """
 
     def __init__(self, stream, builder: str, files: Sequence[Path], *, source: str, text_field: str):
@@ -313,7 +336,8 @@ class ErrorsNamed:
                 raise
             except Exception as error:   # pyarrow's, a UnicodeDecodeError, datasets' wrappers: all name a line
                 if self._is_missing_text_field(error):   # files of other fields, or none with the text field
-                    differ = fields_differ(self.files) if len(self.files) > 1 else None
+                    several = len(self.files) > 1 and self.builder in ("json", "parquet")   # not a saved dataset's
+                    differ = fields_differ(self.files) if several else None
                     raise differ or missing_text_field(self.source, self.text_field, self.files) from error
                 raise unreadable_corpus(self.builder, self.files, error) from error
             yield batch

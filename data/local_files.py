@@ -147,16 +147,29 @@ def read_bytes(path: Path) -> bytes:
 
 
 def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """(every visible file under `folder`, symlinked folders followed once; [(dangling symlink, why)])."""
+    """(every visible file under `folder`, each read once; [(a file not read, why)]).
+
+    Symlinked folders are followed, each real folder walked once, under its own name where it is inside
+    `folder` (in sorted order otherwise: the name a folder outside it is read under does not depend on the
+    filesystem's listing order). A file reached twice (a symlink beside
+    the file it names, `latest.jsonl -> dump-2024-05.jsonl`) is read once, under its own name where the
+    folder holds it: read twice, its documents trained twice and landed in both splits."""
     found, skipped = [], []
     seen = set()
+    top = os.path.realpath(folder)
     for root, dirs, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(root)
-        if real in seen:   # a link back up the tree: walked once
+        if real in seen:   # a link back up the tree, or a second name of a folder: walked once
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        dirs[:] = sorted(name for name in dirs if not name.startswith("."))
+        # a link to a folder of the corpus is not walked: the folder is, under its own name (walked under the
+        # link's, it moved in the order, or out of its split, as the link's name sorted)
+        inside = [name for name in dirs if os.path.islink(os.path.join(root, name))
+                  and _within(os.path.realpath(os.path.join(root, name)), top)]
+        skipped += [(Path(root) / name, "a link to a folder of the corpus, read under its own name") for name in inside]
+        dirs[:] = [name for name in dirs if name not in inside]
         for name in names:
             if name.startswith("."):
                 continue
@@ -165,7 +178,16 @@ def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
                 found.append(path)
             elif path.is_symlink():
                 skipped.append((path, _broken_link(path)))
-    return sorted(found), skipped
+    kept: dict[str, Path] = {}
+    for path in sorted(found, key=lambda path: (path.is_symlink(), path)):   # a file's own name first
+        kept.setdefault(os.path.realpath(path), path)
+    skipped += [(path, f"the same file as {kept[os.path.realpath(path)]}, read once") for path in sorted(found)
+                if kept[os.path.realpath(path)] != path]
+    return sorted(kept.values()), skipped
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
 
 
 def _broken_link(path: Path) -> str:
@@ -179,13 +201,18 @@ def _broken_link(path: Path) -> str:
     return "a symlink to no regular file"
 
 
+# The metadata files `datasets` never reads as data (its FILES_TO_IGNORE), beside a dataset's record files.
+DATASET_METADATA_FILES = ("config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json")
+
+
 def documentation_beside_records(files: list[Path]) -> list[Path]:
     """The Markdown files of a folder whose other files are records (JSON or parquet): its README.md, the
-    dataset card every Hub dataset and `hf download` folder has, is not a document of the corpus. In a
-    folder of text files a .md file is text like the rest, and stays."""
-    markdown = [path for path in files if corpus_suffix(path) == ".md"]
-    others = {builder_for(path) for path in files if path not in markdown}
-    return markdown if others and others.isdisjoint({"text"}) else []
+    dataset card every Hub dataset and `hf download` folder has, is not a document of the corpus; nor is a
+    metadata file `datasets` leaves beside its records (`DATASET_METADATA_FILES`). In a folder of text files
+    a .md file is text like the rest, and stays."""
+    metadata = [path for path in files if corpus_suffix(path) == ".md" or path.name in DATASET_METADATA_FILES]
+    others = {builder_for(path) for path in files if path not in metadata}
+    return metadata if others and others.isdisjoint({"text"}) else []
 
 
 def empty_parquet(path: Path) -> bool:

@@ -25,10 +25,11 @@ renders them as is its business), and the record's `tools`.
 
 Records are read as a stream (`iter_records`) of one split (`data.split`;
 data/local_files.py names a folder's splits): local `.jsonl` files (also
-compressed) line by line (so a bad record is named by file and line),
-everything else (`.json`, `.parquet`, `save_to_disk` folders, Hub datasets)
-through a `datasets` stream (named by record number). Nothing is held beyond
-the record being converted.
+compressed) line by line (so a bad record is named by file and line) and
+`.parquet` files row by row, each file by itself (a shard may have columns
+the others lack); everything else (`.json`, `save_to_disk` folders, Hub
+datasets) through a `datasets` stream (named by record number). Nothing is
+held beyond the record being converted.
 """
 
 from __future__ import annotations
@@ -276,6 +277,22 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
                 yield Record(fields, f"{path}, line {number}")
 
 
+def _parquet_records(path: Path) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        number = 0
+        for batch in parquet.iter_batches():
+            for fields in batch.to_pylist():
+                number += 1
+                yield Record(fields, f"{path}, row {number}")
+    except DataError:
+        raise
+    except Exception as error:   # not parquet, cut short: pyarrow's error, with the file named
+        raise unreadable_corpus("parquet", [path], error) from None
+
+
 def check_not_text_corpus(source: str, data_format: str, split: str = "train") -> None:
     """DataError for a chat/instruct format on a corpus of text files (which has no records)."""
     if parse_hub_spec(source) is None:
@@ -292,9 +309,10 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
     hub = parse_hub_spec(source)
     if hub is None:
         local = parse_local_spec(source, split)
-        if local.builder != SAVED and all(corpus_suffix(path) == ".jsonl" for path in local.files):
+        # file by file: files whose other columns differ (a `source` in one shard) are read all the same
+        if local.builder != SAVED and all(corpus_suffix(path) in (".jsonl", ".parquet") for path in local.files):
             for path in local.files:
-                yield from _jsonl_records(path)
+                yield from (_jsonl_records(path) if corpus_suffix(path) == ".jsonl" else _parquet_records(path))
             return
         # the reader of a text corpus's files: a file that fails is named (its line, its fields)
         stream = load_local_files(local, True, None if cache_dir is None else str(cache_dir))

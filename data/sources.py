@@ -17,11 +17,13 @@ A source spec is one of:
   bare name cannot be loaded from the Hub, the error says that no such local
   path exists either.
 
-Loading goes through `datasets.load_dataset` with its packaged builders
-("text", "json", "parquet"), so local corpora get Arrow caching and memory
-mapping for free. `source_fingerprint` names a source's content for cache keys
-without loading it, so a warm cache never re-reads the corpus. A file that
-does not parse is reported as one `DataError` naming the file and line.
+A run streams its source (`stream_documents`): local text, `.jsonl` and
+`.parquet` files are read file by file by our own readers (a text file whole,
+records for their text field alone: data/record_documents.py), `.json` files,
+saved datasets and Hub datasets through `datasets`' packaged builders.
+`source_fingerprint` names a source's content for cache keys without loading
+it, so a warm cache never re-reads the corpus. A file that does not parse is
+reported as one `DataError` naming the file and line.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,11 +44,12 @@ from spillway.layers.errors import DataError
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
 from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, non_text_in_a_later_file,
-                            quiet_builders, unreadable_corpus)
+                            normalization_hint, quiet_builders, unreadable_corpus)
 from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
                           TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, corpus_suffix, data_splits,
                           documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
                           walk_files)
+from .record_documents import RecordFileDocuments, RecordsWithoutText, batches, has_text, readable_by_field
 
 _BUILDER_BY_SUFFIX = BUILDER_BY_SUFFIX
 _SUPPORTED = f"{', '.join(BUILDER_BY_SUFFIX)}, and those of them but .parquet compressed ({', '.join(COMPRESSIONS)})"
@@ -264,6 +267,7 @@ def select_text_column(
             raise ValueError(
                 f"source {source!r} has no text field {text_field!r}; its columns are {columns} (data.text_field "
                 f"names the field holding the text; --text-field for python -m spillway.data){format_hint(columns)}"
+                f"{normalization_hint(text_field, columns)}"
             )
         feature = dataset.features[text_field] if dataset.features else None
         if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
@@ -272,26 +276,6 @@ def select_text_column(
     if text_field != "text":
         dataset = dataset.rename_column(text_field, "text")
     return dataset
-
-
-def _has_text(batch: dict[str, list]) -> list[bool]:
-    return [bool(text and not text.isspace()) for text in batch["text"]]
-
-
-class RecordsWithoutText:
-    """The filter of a stream's documents that also counts the records it drops: `count` those with no text
-    field (absent or null), `empty` those whose text is empty or blank. Read them once the stream was read to
-    its end."""
-
-    def __init__(self):
-        self.count = 0
-        self.empty = 0
-
-    def __call__(self, batch: dict[str, list]) -> list[bool]:
-        kept = _has_text(batch)
-        self.count += sum(text is None for text in batch["text"])
-        self.empty += sum(text is not None and not keep for text, keep in zip(batch["text"], kept))
-        return kept
 
 
 def load_local_files(local: LocalSpec, streaming: bool,
@@ -354,7 +338,9 @@ def load_documents(
         several = hub is None and len(local.files) > 1 and local.builder in ("json", "parquet")
         where = non_text_in_a_later_file(local.files, text_field) if several else None
     except ValueError:
-        differ = fields_differ(local.files) if hub is None and len(local.files) > 1 else None
+        # (a saved dataset's files are its own metadata and arrow files: their fields say nothing)
+        several = hub is None and len(local.files) > 1 and local.builder != SAVED
+        differ = fields_differ(local.files) if several else None
         if differ is not None:   # one file of other fields (a stray config.json) set the columns
             raise differ from None
         where = first_non_text_record(local.files, text_field) if hub is None and local.builder == "json" else None
@@ -365,7 +351,7 @@ def load_documents(
                         f"{text_field!r} must be text (or null, to skip the record)")
     streamed = isinstance(dataset, datasets.IterableDataset)
     counter = RecordsWithoutText() if streamed else None   # a stream is filtered here, as it is read
-    dataset = dataset.filter(counter or _has_text, batched=True)
+    dataset = dataset.filter(counter or has_text, batched=True)
     if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:
         raise ValueError(f"source {source!r} holds no non-empty documents")
     if counter is not None:
@@ -412,10 +398,13 @@ class TextFileDocuments:
         return TextFileDocuments(self.files, self.start + count)
 
     def iter(self, batch_size: int) -> Iterator[dict[str, list[str]]]:
-        batch: list[str] = []
-        seen = 0
-        not_utf8: dict[Path, int] = {}
         self.records_without_text.empty = 0   # counted again by each read
+        return batches(self._texts(), self.start, batch_size)
+
+    def _texts(self) -> Generator[str, None, None]:
+        """Each file's text that holds text (an empty file counted), with one warning for the files that are not
+        all UTF-8 once the reading ends."""
+        not_utf8: dict[Path, int] = {}
         try:
             for path in self.files:
                 text, not_utf8[path] = read_text_document(path)
@@ -423,15 +412,7 @@ class TextFileDocuments:
                 if not text or text.isspace():
                     self.records_without_text.empty += 1
                     continue
-                seen += 1
-                if seen <= self.start:
-                    continue
-                batch.append(text)
-                if len(batch) == batch_size:
-                    yield {"text": batch}
-                    batch = []
-            if batch:
-                yield {"text": batch}
+                yield text
         except GeneratorExit:   # the reader stopped early (a tokenizer trains on the head of the corpus)
             warn_not_utf8(not_utf8)
             raise
@@ -500,9 +481,12 @@ def stream_documents(
     """The documents of `source` from its document `start` on, as a stream for reading once in order.
 
     The same documents as `load_documents`, in the same order. Local text
-    files are read file by file (`TextFileDocuments`); other local files and
-    Hub datasets through a `datasets` stream. Nothing is copied into an Arrow
-    cache. Skipping reads the skipped documents but does nothing else with them.
+    files are read file by file (`TextFileDocuments`), local `.jsonl` and
+    `.parquet` files too, for their text field alone (`RecordFileDocuments`:
+    their other fields may differ from file to file); `.json` files, saved
+    datasets and Hub datasets through a `datasets` stream. Nothing is copied
+    into an Arrow cache. Skipping reads the skipped documents but does nothing
+    else with them.
     """
     if parse_hub_spec(source) is None:
         local = parse_local_spec(source, split)
@@ -510,6 +494,8 @@ def stream_documents(
             if text_field != "text":
                 raise ValueError(f"source {source!r} has no text field {text_field!r}; its columns are ['text']")
             return TextFileDocuments(local.files, start)
+        if local.builder in ("json", "parquet") and readable_by_field(local.files):
+            return RecordFileDocuments(local.files, text_field, source, start).check_the_field_is_there()
     with _torch_left_alone():
         documents = load_documents(source, text_field=text_field, split=split, streaming=True, cache_dir=cache_dir)
         if start:

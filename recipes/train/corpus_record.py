@@ -13,10 +13,12 @@ new tokenizer on it, would continue another run from these weights. So:
   taken not to change under one name);
 * a resumed run compares the corpus as it is now with that record; any
   difference is a `CorpusChangedError` naming the files added, removed or
-  changed. The documented way to continue anyway, on the corpus as it is now
-  (with the run's own tokenizer; the data position continues only if the
-  corpus still packs into as many rows), is to delete `corpus.json`: the
-  resumed run announces that it records the corpus anew;
+  changed, or the same files read in another order (a folder linked or
+  renamed: every document moves). The documented way to continue anyway,
+  on the corpus as it is now (with the run's own tokenizer; the data
+  position continues only if the corpus still packs into as many rows), is
+  to delete `corpus.json`: the resumed run announces that it records the
+  corpus anew;
 * a chat/instruct run's `data.chat_template` file is recorded by the digest
   of its template text: the rows are rendered with it, so an edit is a
   changed corpus too;
@@ -128,6 +130,11 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
                             (added, "added")):
             if paths:
                 phrases.append(f"{label}{len(paths)} file{'s' if len(paths) > 1 else ''} {what}: {_names(paths)}")
+        if not (added or removed) and list(old_files) != list(new_files):
+            # the same files in another order (the record keeps the order read): every document moves, the
+            # saved position points at other rows
+            first = next(path for path, was in zip(new_files, old_files) if path != was)
+            phrases.append(f"{label}the same files are read in another order now (first moved: {first})")
     return phrases
 
 

@@ -5,6 +5,8 @@ cache folder (.cache/data against .cache/spillway), the command prepared rows un
 another key, and the run it was meant to prepare for tokenized the corpus again.
 """
 
+import json
+
 from spillway.data.__main__ import main
 from spillway.recipes.config import DataConfig
 from spillway.recipes.registry import get_recipe
@@ -103,3 +105,17 @@ def test_ctrl_c_is_one_line_and_says_the_work_is_kept(monkeypatch, capsys):
     assert command.main([]) == command.EXIT_INTERRUPTED
     assert capsys.readouterr().err.splitlines() == [
         "python -m spillway.data: interrupted (the shards written so far are kept: the same command resumes)"]
+
+
+def test_the_same_files_in_another_order_are_a_changed_corpus():
+    """A new user's finding: a link that moved a folder's files in the reading order repacked every row, and the
+    resumed run went on from its saved position in other rows without a word (the record compared the files as a
+    set)."""
+    from spillway.recipes.train.corpus_record import corpus_differences
+
+    files = {"/c/m.jsonl": [10, 1], "/c/sub/b.jsonl": [20, 2]}
+    before = {"text_field": "text", "sources": {"corpus": {"source": "/c", "files": files}}}
+    moved = {"text_field": "text", "sources": {"corpus": {"source": "/c", "files": dict(reversed(files.items()))}}}
+    assert corpus_differences(before, json.loads(json.dumps(before))) == []   # the order survives the JSON file
+    assert corpus_differences(before, moved) == ["the same files are read in another order now (first moved: "
+                                                 "/c/sub/b.jsonl)"]

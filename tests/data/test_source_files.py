@@ -34,7 +34,7 @@ def test_a_jsonl_with_a_number_in_its_text_field_names_file_and_line(tmp_path):
         for i in range(50):
             f.write(json.dumps({"text": f"document {i} " * 5 if i != 37 else 12345}) + "\n")
     with pytest.raises(DataError, match=rf"corpus file {path}, line 38 \(a JSON int\): field 'text' is not a string"):
-        stream_documents(str(path))
+        list(stream_documents(str(path)).iter(100))   # named as the file is read
 
 
 @pytest.mark.parametrize("later", ["b.jsonl", "b.parquet", "b.json"])
@@ -133,9 +133,17 @@ def test_a_stray_json_among_jsonl_shards_is_named_with_its_fields(tmp_path):
     for shard in range(2):
         (tmp_path / f"shard{shard}.jsonl").write_text(
             "".join(json.dumps({"text": f"document {i} " * 5}) + "\n" for i in range(20)))
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 3, "name": "x"}))
-    with pytest.raises(DataError, match=r"corpus file '.*config\.json' holds records with fields \['name', "
-                                        r"'vocab_size'\], the other files \['text'\]"):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 3, "name": "x"}))   # metadata: skipped
+    assert len(read_texts(tmp_path)) == 40
+    (tmp_path / "stray.json").write_text(json.dumps({"vocab_size": 3, "name": "x"}))
+    with pytest.raises(DataError, match=r"corpus file '.*stray\.json' holds records with fields \['name', "
+                                        r"'vocab_size'\], none 'text' as the other files' have"):
+        read_texts(tmp_path)
+    # ... named as the stray one whichever sorts first, and however many files hold the text (1 against 1)
+    (tmp_path / "shard1.jsonl").unlink()
+    (tmp_path / "a.jsonl").write_text(json.dumps({"id": 1}) + "\n")
+    (tmp_path / "stray.json").unlink()
+    with pytest.raises(DataError, match=r"corpus file '.*a\.jsonl' holds records with fields \['id'\], none 'text'"):
         read_texts(tmp_path)
 
 
@@ -202,3 +210,30 @@ def test_an_empty_tokenizer_model_is_named_as_empty(tmp_path):
     (tmp_path / "empty.model").write_bytes(b"")
     with pytest.raises(ValueError, match=r"empty.model' is not a sentencepiece model: the file is empty"):
         SentencePieceTokenizer.from_file(tmp_path / "empty.model")
+
+
+def test_a_saved_dataset_without_the_text_field_names_its_columns_not_its_metadata_files(tmp_path):
+    """A new user's finding: a `save_to_disk` folder read with the wrong data.text_field was "corpus file
+    'state.json' holds records with fields [...]: move the odd file out", advice that breaks the dataset."""
+    import datasets
+
+    datasets.Dataset.from_dict({"body": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match=r"has no text field 'text'; its columns are \['body'\]") as error:
+        list(stream_documents(str(tmp_path / "saved")).iter(10))
+    assert "state.json" not in str(error.value)
+
+
+def test_validation_larger_than_training_is_said(tokenizer, tmp_path):
+    """A new user's finding: data.max_tokens on a corpus of a few long documents gave 75 train rows and 79 val
+    rows, unsaid (each document is held out whole)."""
+    from spillway.recipes.train.data_pipeline import CORPUS, TrainingData
+
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 400}) + "\n" for i in range(3)))
+    for seed in range(20):   # a split that held a long document out
+        packed = prepare_tokens(str(path), tokenizer, seq_len=16, cache_dir=tmp_path / f"c{seed}", val_fraction=0.3,
+                                seed=seed)
+        if packed.val.shape[0] > packed.train.shape[0]:
+            break
+    assert packed.val.shape[0] > packed.train.shape[0]
+    assert "more val rows than train rows" in TrainingData({CORPUS: packed}, None).describe()
