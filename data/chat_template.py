@@ -49,7 +49,8 @@ BUILTIN_TEMPLATES = {
         _BOS_FIRST +
         "{% for message in messages %}"
         "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
-        "{% elif message['role'] == 'user' %}### User:\n{{ message['content'] }}\n\n### Assistant:\n"
+        "{% elif message['role'] == 'user' %}### User:\n{{ message['content'] }}\n\n"
+        "{% if loop.last or messages[loop.index0 + 1]['role'] == 'assistant' %}### Assistant:\n{% endif %}"
         "{% elif message['role'] == 'assistant' %}"
         "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}{{ '\n\n' }}"
         "{% else %}{{ raise_exception('unknown role ' ~ message['role'] ~ ': the spillway template knows "
@@ -59,6 +60,7 @@ BUILTIN_TEMPLATES = {
     # ChatML (Qwen, many others) with the tokenizer's EOS closing each turn: for tokenizers without
     # <|im_start|>/<|im_end|> tokens, where the markers are plain text.
     "chatml": (
+        _BOS_FIRST +
         "{% for message in messages %}"
         "{% if message['role'] not in ('system', 'user', 'assistant') %}{{ raise_exception('unknown role ' ~ "
         "message['role'] ~ ': the chatml template knows system, user and assistant') }}{% endif %}"
@@ -70,7 +72,8 @@ BUILTIN_TEMPLATES = {
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
 }
-# The spillway template needs no generation prompt: a user turn ends with the assistant's marker. (Newlines
+# The spillway template needs no generation prompt: a user turn that the assistant answers, or that ends the
+# conversation, ends with the assistant's marker (two user turns in a row have none between them). (Newlines
 # after a block tag are written as expressions: trim_blocks, as transformers renders, drops the first one.)
 _ROLES_OF_BUILTINS = {"spillway": ("system", "user", "assistant"), "chatml": ("system", "user", "assistant")}
 

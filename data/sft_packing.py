@@ -238,8 +238,10 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
                      cache_dir: str | os.PathLike) -> PackedData:
     """Tokenize, pack and cache a chat/instruct source (module docstring); a second call only loads, a call
     after a killed one resumes it."""
+    encoding = [tokenizer.chat_encoding] if getattr(tokenizer, "chat_encoding", None) else []   # (keys kept)
     key = stable_key("sft", _SFT_PACKING_VERSION, source_fingerprint(source, split=options.split),
-                     tokenizer.fingerprint, template.source, sorted(template.special_tokens.items()), options.key_parts())
+                     tokenizer.fingerprint, template.source, sorted(template.special_tokens.items()), options.key_parts(),
+                     *encoding)
     final = Path(cache_dir) / "sft" / f"{_readable(source)}-{options.seq_len}-{key[:16]}"
     partial = final.with_name(f".{final.name}.partial")
     with exclusive_lock(final.with_name(f".{final.name}.lock")):

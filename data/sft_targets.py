@@ -25,8 +25,9 @@ Tokens: a `tokenizer.json` tokenizer encodes the whole rendered text (its
 added tokens matched in it, no special tokens added: what transformers'
 `apply_chat_template(tokenize=True)` gives) and a token is a target when its
 character offsets overlap an answer. A sentencepiece model, which does not
-match special tokens in text, encodes the text piece by piece, cut at the
-answers' edges and at its BOS/EOS texts, which become their ids.
+match special tokens in text, encodes the text cut at its BOS/EOS texts
+(which become their ids), each stretch between them whole, with its tokens'
+offsets (as transformers' sentencepiece tokenizers split at special tokens).
 
 No BOS is added here: the template writes it when the model wants one.
 """
@@ -48,8 +49,8 @@ def special_token_texts(tokenizer) -> dict[str, int]:
     if backend is not None and hasattr(backend, "get_added_tokens_decoder"):
         texts = {token.content: token_id for token_id, token in backend.get_added_tokens_decoder().items()
                  if token.special}
-    else:
-        texts = {}
+    else:   # a sentencepiece model: the special tokens its tokenizer_config.json names that are its pieces
+        texts = dict(getattr(tokenizer, "special_piece_ids", dict)())
     for token_id in (tokenizer.bos_id, tokenizer.eos_id):
         if token_id is not None:
             texts.setdefault(tokenizer.token_text(token_id), token_id)
@@ -175,24 +176,40 @@ def _flags_from_offsets(offsets, spans) -> np.ndarray:
     return flags
 
 
-def _encode_in_pieces(tokenizer, text: str, spans, specials: dict[str, int]) -> tuple[list[int], np.ndarray]:
-    cuts = {0, len(text)} | {edge for span in spans for edge in span}
+def _encode_between_specials(tokenizer, text: str, spans, specials: dict[str, int]) -> tuple[list[int], np.ndarray]:
+    """A tokenizer that does not match special tokens in text (sentencepiece): the text is cut at its special
+    tokens' texts, which become their ids, and each stretch between them is encoded whole (with or without the
+    model's dummy prefix as transformers writes it: data/spm_tokenizer.py `prefix_scheme`), its tokens'
+    offsets telling which are an answer's. (Cut at the answers' edges too, a model with a dummy prefix wrote a
+    "▁" of its own before every answer, which neither it nor transformers writes for the whole text.)"""
+    strip = getattr(tokenizer, "special_whitespace", dict)()   # lstrip/rstrip: whitespace absorbed, as transformers
+    matched: list[tuple[int, int, int]] = []   # (start, end, id) of each special token, its absorbed whitespace in
     if specials:
         pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True) if s))
         for match in pattern.finditer(text):
-            cuts |= {match.start(), match.end()}
-    edges = sorted(cut for cut in cuts if 0 <= cut <= len(text))
-    pieces = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
-    plain = [text[a:b] for a, b in pieces if text[a:b] not in specials]
-    encoded = iter(tokenizer.encode(plain) if plain else [])
+            start, end = match.span()
+            left, right = strip.get(match.group(), (False, False))
+            floor = matched[-1][1] if matched else 0
+            while left and start > floor and text[start - 1].isspace():
+                start -= 1
+            while right and end < len(text) and text[end].isspace() and not pattern.match(text, end):
+                end += 1
+            if start >= floor:   # (a match inside the whitespace the one before absorbed is no match)
+                matched.append((start, end, specials[match.group()]))
     ids: list[int] = []
-    flags: list[bool] = []
-    for a, b in pieces:
-        piece_ids = [specials[text[a:b]]] if text[a:b] in specials else next(encoded)
-        target = any(a < span_end and b > span_start for span_start, span_end in spans)
-        ids.extend(piece_ids)
-        flags.extend([target] * len(piece_ids))
-    return ids, np.asarray(flags, bool)
+    offsets: list[tuple[int, int]] = []
+    position = 0
+    for start, end, special in [*matched, (len(text), len(text), None)]:
+        if start > position:
+            stretch_ids, stretch_offsets = tokenizer.encode_with_offsets(text[position:start],
+                                                                         starts_the_text=position == 0)
+            ids.extend(stretch_ids)
+            offsets.extend((position + a, position + b) for a, b in stretch_offsets)
+        if special is not None:
+            ids.append(special)
+            offsets.append((start, end))
+        position = max(position, end)
+    return ids, _flags_from_offsets(offsets, spans)
 
 
 def encode_with_targets(tokenizer, text: str, spans, specials: dict[str, int],
@@ -203,7 +220,7 @@ def encode_with_targets(tokenizer, text: str, spans, specials: dict[str, int],
         encoding = backend.encode(text, add_special_tokens=False)
         ids, flags = list(encoding.ids), _flags_from_offsets(encoding.offsets, spans)
     else:
-        ids, flags = _encode_in_pieces(tokenizer, text, spans, specials)
+        ids, flags = _encode_between_specials(tokenizer, text, spans, specials)
     if train_on_prompt:
         flags = np.ones(len(ids), bool)
     return np.asarray(ids, np.int64), flags

@@ -71,6 +71,11 @@ class SentencePieceTokenizer(Tokenizer):
         self.path = path
         self.special = special
         self._processor: spm.SentencePieceProcessor | None = None
+        self._unprefixed: spm.SentencePieceProcessor | None = None   # the model without its dummy prefix
+        self._parsed = None                # the model proto parsed (`_model`)
+        self._scheme: str | None = None   # prefix_scheme, once read
+        self._prefix_dropped = False      # (with it) add_prefix_space: false over a model with a dummy prefix
+        self._keeps_spaces = True         # (with it) the model's normalizer leaves whitespace as written
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, special: SpecialTokens = SpecialTokens()) -> SentencePieceTokenizer:
@@ -107,6 +112,9 @@ class SentencePieceTokenizer(Tokenizer):
             digest.update(f"eos={self.eos_id}".encode())
         if self.adds_bos:   # none added: the fingerprint of before BOS could be added, so caches stay valid
             digest.update(f"bos={self.bos_id}".encode())
+        self._read_prefix_settings()
+        if self._prefix_dropped:   # documents encoded without the model's dummy prefix: other tokens
+            digest.update(b"add_prefix_space=false")
         return digest.hexdigest()
 
     @property
@@ -158,11 +166,7 @@ class SentencePieceTokenizer(Tokenizer):
         """True for models like the ones `train_tokenizer` makes: no dummy prefix, whitespace kept as is, pieces
         never crossing a word start (split_by_whitespace). Then " word" encodes alone as it does after
         another word, and a text cut just before such a space encodes to the same ids in pieces."""
-        from sentencepiece import sentencepiece_model_pb2
-
-        proto = sentencepiece_model_pb2.ModelProto()
-        proto.ParseFromString(self.model_proto)
-        normalizer, trainer = proto.normalizer_spec, proto.trainer_spec
+        normalizer, trainer = self._model().normalizer_spec, self._model().trainer_spec
         return (not normalizer.add_dummy_prefix and not normalizer.remove_extra_whitespaces
                 and trainer.split_by_whitespace and not trainer.treat_whitespace_as_suffix)
 
@@ -174,7 +178,97 @@ class SentencePieceTokenizer(Tokenizer):
         """
         if isinstance(texts, str):
             raise TypeError("encode takes a list of strings; wrap a single text as [text]")
-        return self.processor.encode(list(texts), out_type=int, num_threads=num_threads)
+        return self._document_processor.encode(list(texts), out_type=int, num_threads=num_threads)
+
+    @property
+    def prefix_scheme(self) -> str:
+        """Where a text cut by special tokens gets the model's dummy prefix ("▁" before the first word, Llama 2's
+        and Mistral's models), as transformers' sentencepiece-based tokenizers write it: "always" (before each
+        stretch between special tokens: tokenizer_config.json's `legacy: true`), "first" (only a stretch that
+        starts the text: transformers' default since `legacy` defaults to false), "never" (`add_prefix_space:
+        false`, or a model without a dummy prefix, as those `train_tokenizer` makes)."""
+        self._read_prefix_settings()
+        return self._scheme
+
+    def _read_prefix_settings(self) -> None:
+        """`prefix_scheme` and the two facts beside it, read once from the model's proto and the config."""
+        if self._scheme is None:
+            normalizer = self._model().normalizer_spec
+            self._prefix_dropped = bool(normalizer.add_dummy_prefix and self.special.add_prefix_space is False)
+            self._keeps_spaces = not normalizer.remove_extra_whitespaces
+            if self.special.add_prefix_space is False or not normalizer.add_dummy_prefix:
+                self._scheme = "never"
+            else:
+                self._scheme = "always" if self.special.legacy else "first"
+
+    @property
+    def _document_processor(self) -> spm.SentencePieceProcessor:
+        """What encodes a document: the model, less its dummy prefix where tokenizer_config.json says
+        `add_prefix_space: false` (transformers writes none then)."""
+        self._read_prefix_settings()
+        return self._processor_without_prefix if self._prefix_dropped else self.processor
+
+    def special_piece_ids(self) -> dict[str, int]:
+        """The special tokens tokenizer_config.json names beyond BOS/EOS (Gemma's <end_of_turn>) that are pieces
+        of this model, with their ids: matched in a chat template's text as transformers matches them."""
+        ids = {text: self.processor.piece_to_id(text) for text in self.special.other_specials}
+        return {text: piece for text, piece in ids.items() if self.processor.id_to_piece(piece) == text}
+
+    def special_whitespace(self) -> dict[str, tuple[bool, bool]]:
+        """{special token text: (lstrip, rstrip)} for the special tokens that absorb the whitespace beside them in
+        transformers (tokenizer_config.json's added_tokens_decoder)."""
+        return {text: (left, right) for text, left, right in self.special.stripping}
+
+    @property
+    def chat_encoding(self) -> str:
+        """The stretches between special tokens encoded whole, with the dummy prefix where `prefix_scheme` puts
+        it (rows made before were cut at the answers' edges too: a model with a dummy prefix had one before
+        every answer, one without may have split a piece there)."""
+        return (f"stretches-whole, prefix {self.prefix_scheme}, specials {sorted(self.special_piece_ids())}, "
+                f"stripping {sorted(self.special.stripping)}")
+
+    @property
+    def _processor_without_prefix(self) -> spm.SentencePieceProcessor:
+        if self._unprefixed is None:
+            from sentencepiece import sentencepiece_model_pb2
+
+            proto = sentencepiece_model_pb2.ModelProto()
+            proto.CopyFrom(self._model())   # a copy: the parsed model stays as the file says
+            proto.normalizer_spec.add_dummy_prefix = False
+            self._unprefixed = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        return self._unprefixed
+
+    def _model(self):
+        """The model proto parsed (its normalizer's and trainer's settings), once."""
+        if self._parsed is None:
+            from sentencepiece import sentencepiece_model_pb2
+
+            self._parsed = sentencepiece_model_pb2.ModelProto()
+            self._parsed.ParseFromString(self.model_proto)
+        return self._parsed
+
+    def encode_with_offsets(self, text: str, *, starts_the_text: bool = True
+                            ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (no BOS/EOS added) and each token's (start, end) character offsets in it: where
+        it came from, so that a chat example's answer is found among the ids of its text encoded whole.
+        `starts_the_text`: false for a stretch after a special token, which gets the dummy prefix as
+        `prefix_scheme` says. A dummy prefix has no characters: (0, 0)."""
+        scheme = self.prefix_scheme
+        prefixed = scheme == "always" or (scheme == "first" and starts_the_text)
+        # transformers' Metaspace writes no "▁" before a text that starts with one (a "▁", or a space, once
+        # spaces are "▁"); sentencepiece's dummy prefix would make it two
+        if self._keeps_spaces and text.startswith((" ", "\u2581")):
+            prefixed = False
+        processor = self.processor if prefixed else self._processor_without_prefix
+        pieces = processor.encode(text, return_type="proto").pieces
+        ids = [piece.id for piece in pieces]
+        offsets = [(piece.begin, piece.end) for piece in pieces]   # bytes of the UTF-8 input
+        if text.isascii():   # a byte a character
+            return ids, offsets
+        char_at = [index for index, char in enumerate(text) for _ in range(len(char.encode("utf-8")))]
+        char_at.append(len(text))
+        last = len(char_at) - 1
+        return ids, [(char_at[min(begin, last)], char_at[min(end, last)]) for begin, end in offsets]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.processor.decode([int(i) for i in ids])

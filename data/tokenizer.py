@@ -79,6 +79,17 @@ class SpecialTokens:
     source: str | None = None         # the file the EOS came from, for messages
     add_bos: bool | None = None       # tokenizer_config.json's add_bos_token; None: the file does not say
     bos_choice: bool | None = None    # a choice made for this tokenizer (`with_bos`), which outranks the files
+    # tokenizer_config.json's `legacy` and `add_prefix_space`: where transformers' sentencepiece-based tokenizers
+    # write a dummy prefix ("▁") in a text cut by special tokens (data/spm_tokenizer.py `prefix_scheme`)
+    legacy: bool | None = None
+    add_prefix_space: bool | None = None
+    # the other special tokens tokenizer_config.json names (added_tokens_decoder's special entries,
+    # additional_special_tokens: Gemma's <start_of_turn>/<end_of_turn>), which a sentencepiece model holds as
+    # pieces of its own: a chat template's end of turn is found among them (data/sft_targets.py)
+    other_specials: tuple[str, ...] = ()
+    # (text, lstrip, rstrip) of the special tokens whose added_tokens_decoder entry absorbs the whitespace beside
+    # them, as transformers matches them in text
+    stripping: tuple[tuple[str, bool, bool], ...] = ()
 
     @property
     def has_eos(self) -> bool:
@@ -117,12 +128,33 @@ def named_special_token(directory: str | os.PathLike, field: str) -> str | None:
         return None
 
 
+def _added_tokens(config: dict) -> list[dict]:
+    """tokenizer_config.json's added_tokens_decoder entries (objects), in its order."""
+    decoder = config.get("added_tokens_decoder")
+    return [entry for entry in (decoder.values() if isinstance(decoder, dict) else []) if isinstance(entry, dict)]
+
+
+def _other_specials(config: dict) -> tuple[str, ...]:
+    """The texts of the special tokens a tokenizer_config.json names beyond BOS/EOS, in its order."""
+    entries = [entry for entry in _added_tokens(config) if entry.get("special")]
+    extra = config.get("additional_special_tokens")
+    texts = [_token_text(entry) for entry in [*entries, *(extra if isinstance(extra, list) else [])]]
+    return tuple(dict.fromkeys(text for text in texts if text))
+
+
+def _stripping(config: dict) -> tuple[tuple[str, bool, bool], ...]:
+    """(text, lstrip, rstrip) of each added_tokens_decoder entry that strips the whitespace on a side."""
+    flags = [(entry.get("content"), entry.get("lstrip") is True, entry.get("rstrip") is True)
+             for entry in _added_tokens(config)]
+    return tuple((text, left, right) for text, left, right in flags if isinstance(text, str) and (left or right))
+
+
 def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens:
     """The EOS and BOS tokens named by the tokenizer's sibling files (see the module docstring)."""
     directory = Path(directory)
     eos = bos = None
     source = None
-    add_bos = None
+    flags: dict[str, bool] = {}   # add_bos, legacy, add_prefix_space: tokenizer_config.json's booleans
     for name in _TOKEN_FILES:
         path = directory / name
         if not path.is_file():
@@ -131,17 +163,21 @@ def read_special_tokens(directory: str | os.PathLike) -> SpecialTokens:
         if eos is None and _token_text(data.get("eos_token")):
             eos, source = _token_text(data.get("eos_token")), str(path)
         bos = bos or _token_text(data.get("bos_token"))
-        if name == TOKENIZER_CONFIG_FILE and isinstance(data.get("add_bos_token"), bool):
-            add_bos = data["add_bos_token"]
+        if name == TOKENIZER_CONFIG_FILE:
+            flags = {field: data[key] for field, key in (("add_bos", "add_bos_token"), ("legacy", "legacy"),
+                                                         ("add_prefix_space", "add_prefix_space"))
+                     if isinstance(data.get(key), bool)}
+            flags["other_specials"] = _other_specials(data)
+            flags["stripping"] = _stripping(data)
     if eos is not None:
-        return SpecialTokens(eos_token=eos, bos_token=bos, source=source, add_bos=add_bos)
+        return SpecialTokens(eos_token=eos, bos_token=bos, source=source, **flags)
     for name in _TOKEN_ID_FILES:
         path = directory / name
         if path.is_file():
             eos_id = _first_id(_read_json(path).get("eos_token_id"))
             if eos_id is not None:
-                return SpecialTokens(bos_token=bos, eos_id=eos_id, source=str(path), add_bos=add_bos)
-    return SpecialTokens(bos_token=bos, add_bos=add_bos)
+                return SpecialTokens(bos_token=bos, eos_id=eos_id, source=str(path), **flags)
+    return SpecialTokens(bos_token=bos, **flags)
 
 
 def no_eos_message(path: Path | None, kind: str) -> str:
@@ -162,6 +198,9 @@ class Tokenizer(abc.ABC):
     file_name: str          # the name `save_to_directory` gives the tokenizer file
     path: Path | None
     special: SpecialTokens  # what the files beside it say (and a `with_bos` choice)
+    # How a chat example's text becomes ids, where it is not the tokenizer's plain encoding of it (a part of
+    # the chat rows' cache key: rows made another way are made again): None for most
+    chat_encoding: str | None = None
 
     @property
     @abc.abstractmethod

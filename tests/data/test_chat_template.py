@@ -159,7 +159,7 @@ def test_a_render_error_names_the_record(tmp_path):
 
 
 class _SentencePieceLike:
-    """Enough of a sentencepiece tokenizer (no added-token matching, no offsets): one id per character."""
+    """Enough of a sentencepiece tokenizer (no added-token matching): one id per character."""
 
     bos_id, eos_id, vocab_size = 1, 2, 300
 
@@ -168,6 +168,9 @@ class _SentencePieceLike:
 
     def encode(self, texts):
         return [[10 + ord(c) % 250 for c in text] for text in texts]
+
+    def encode_with_offsets(self, text, starts_the_text=True):
+        return self.encode([text])[0], [(k, k + 1) for k in range(len(text))]
 
 
 def test_builtin_template_targets_answers_and_eos_for_a_tokenizer_without_offsets():
@@ -187,6 +190,28 @@ def test_builtin_template_targets_answers_and_eos_for_a_tokenizer_without_offset
     # apply_chat_template render with the tokenizer's bos_token: a prompt starts as training started a row
     saved = ChatTemplate(without.source, origin="saved", special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
     assert saved.render(messages).text == text.removeprefix("<s>")
+
+
+@pytest.mark.parametrize("name", ["spillway", "chatml"])
+def test_every_builtin_template_starts_with_the_bos_a_tokenizer_puts_before_its_documents(name):
+    """A new user's finding: chatml never wrote it, so a Gemma or Llama 3 base (whose documents start with a
+    BOS) was fine-tuned, and its export prompted by transformers, without the BOS it was pretrained with."""
+    special = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with_bos = resolve_chat_template(name, None, special, bos_first=True).render(messages).text
+    without = resolve_chat_template(name, None, special).render(messages).text
+    assert with_bos == "<bos>" + without and not without.startswith("<bos>")
+
+
+def test_builtin_template_marks_the_assistant_only_where_it_speaks_next():
+    # Two user turns in a row (ShareGPT data has them): no empty "### Assistant:" between them, which would show
+    # the model an assistant that said nothing; a conversation ending with a user turn ends with the marker,
+    # as a prompt for generation needs.
+    chat = resolve_chat_template("spillway", None, {"eos_token": "</s>"})
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]
+    assert chat.render(messages).text == ("### User:\na\n\n### User:\nb\n\n### Assistant:\nc</s>\n\n"
+                                          "### User:\nd\n\n### Assistant:\n")
 
 
 def test_a_role_the_template_does_not_know_is_named():

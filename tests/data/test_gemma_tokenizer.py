@@ -55,3 +55,38 @@ def test_the_tokenizer_json_transformers_writes_for_gemma_is_read(gemma_like_spm
     (ids,) = tokenizer.encode([TEXT])
     assert ids == reference(TEXT, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == TEXT
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+                  "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + "
+                  "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def test_gemmas_end_of_turn_is_trained_and_stops_generation(gemma_like_spm, tmp_path):
+    """A new user's finding: with a `tokenizer.model` alone, <end_of_turn> (a special token of the config, a
+    piece of the model) was no special token to spillway: never a target after an answer, no stop for
+    `generate --chat`, and a warning that the template writes no end of turn."""
+    import json
+    import shutil
+
+    from spillway.data.chat_template import resolve_chat_template
+    from spillway.data.sft_targets import answer_end_warning, conversation_tokens, end_of_turn_ids, special_token_texts
+
+    folder = tmp_path / "gemma"
+    shutil.copytree(gemma_like_spm, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": GEMMA_TEMPLATE,
+        "added_tokens_decoder": {str(i): {"content": text, "special": True} for i, text in
+                                 [(0, "<pad>"), (1, "<eos>"), (2, "<bos>"), (4, "<start_of_turn>"), (5, "<end_of_turn>")]},
+        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]}))
+    tokenizer = load_tokenizer(folder)
+    specials = special_token_texts(tokenizer)
+    assert specials["<end_of_turn>"] == 5 and specials["<start_of_turn>"] == 4
+    template = resolve_chat_template(None, folder)
+    assert answer_end_warning(template, specials) is None
+    assert 5 in end_of_turn_ids(template, tokenizer, specials)
+    messages = [{"role": "user", "content": "Gemma reads"}, {"role": "assistant", "content": "naïve cafés"}]
+    ids, flags = conversation_tokens(template, tokenizer, messages, specials, "t")
+    targets = ids[flags].tolist()
+    assert targets[-1] == 5 and tokenizer.decode(targets[:-1]).strip() == "naïve cafés"

@@ -17,7 +17,7 @@ from spillway.layers.errors import DataError
 
 
 class CharTokenizer:
-    """One id per character, BOS 1 and EOS 2 (a sentencepiece-like tokenizer: no offsets, no added tokens)."""
+    """One id per character, BOS 1 and EOS 2 (a sentencepiece-like tokenizer: no added tokens)."""
 
     bos_id, eos_id, vocab_size, fingerprint = 1, 2, 300, "chars"
 
@@ -26,6 +26,9 @@ class CharTokenizer:
 
     def encode(self, texts):
         return [[10 + ord(c) % 250 for c in text] for text in texts]
+
+    def encode_with_offsets(self, text, starts_the_text=True):
+        return self.encode([text])[0], [(k, k + 1) for k in range(len(text))]
 
 
 def test_chat_sharegpt_and_instruct_records_become_conversations():
@@ -84,12 +87,21 @@ def test_long_examples_are_truncated_or_dropped_and_counted(tmp_path, overlong, 
     assert again.from_cache and np.array_equal(again.train, rows)
 
 
-def test_parquet_records_are_read_through_datasets(tmp_path):
+def test_parquet_records_are_read_file_by_file_whatever_their_other_columns(tmp_path):
+    """Written by `datasets`, read as `datasets` reads them; a shard with a column the others lack (a new user's
+    finding: refused, "holds records with fields ['messages', 'source']") is read all the same."""
     import datasets
 
     datasets.Dataset.from_list([{"instruction": "q", "output": "a"}]).to_parquet(str(tmp_path / "d.parquet"))
     [record] = list(iter_records(str(tmp_path / "d.parquet"), cache_dir=tmp_path / "cache"))
-    assert record.fields == {"instruction": "q", "output": "a"} and record.where.endswith("record 1")
+    assert record.fields == {"instruction": "q", "output": "a"} and record.where.endswith("d.parquet, row 1")
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    datasets.Dataset.from_list([{"messages": conversation}] * 2).to_parquet(str(tmp_path / "shards" / "a.parquet"))
+    datasets.Dataset.from_list([{"messages": conversation, "source": "web"}]).to_parquet(
+        str(tmp_path / "shards" / "b.parquet"))
+    records = list(iter_records(str(tmp_path / "shards")))
+    assert [r.fields["messages"] for r in records] == [conversation] * 3
+    assert records[2].fields["source"] == "web" and records[2].where.endswith("b.parquet, row 1")
 
 
 def test_the_shipped_instruction_set_is_what_its_generator_makes():
@@ -198,8 +210,10 @@ def test_a_chat_folder_as_a_hub_download_leaves_it_reads_past_its_card_and_names
     (folder / "README.md").write_text("# dataset card\n")   # skipped: documentation beside the records
     (folder / "chats.jsonl").write_bytes(_chat_lines(4, "hello"))
     assert len(list(iter_records(str(folder)))) == 4
-    (folder / "config.json").write_text(json.dumps({"vocab_size": 3}))   # read through datasets' stream
-    with pytest.raises(DataError, match=r"config\.json' holds records with fields \['vocab_size'\], the other files "
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 3}))   # a metadata file datasets never reads
+    assert len(list(iter_records(str(folder)))) == 4
+    (folder / "stray.json").write_text(json.dumps({"vocab_size": 3}))   # read through datasets' stream
+    with pytest.raises(DataError, match=r"stray\.json' holds records with fields \['vocab_size'\], the other files "
                                         r"\['messages'\]"):
         list(iter_records(str(folder)))
 
