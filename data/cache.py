@@ -29,10 +29,11 @@ def stable_key(*parts: object) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-# What a full disk gets, after the path and the bytes: the preparation keeps what it finished (renamed into
-# place), so the same command goes on from there.
-DISK_FULL_ADVICE = ("free space on that disk, or put the cache on another (data.cache_dir; --cache-dir for "
-                    "python -m spillway.data), and run the same command again: what is finished is kept")
+# What a full disk gets, after the path and the bytes, from every command: each keeps what it finished (a file
+# is renamed into place whole), so the same command goes on from there.
+DISK_FULL_ADVICE = ("free space on that disk, or write to another (the data cache: data.cache_dir, --cache-dir for "
+                    "python -m spillway.data; a run: checkpoint.dir; an export: another folder), and run the same "
+                    "command again: what is finished is kept")
 
 
 @contextlib.contextmanager

@@ -467,15 +467,15 @@ def export_hf_state_dict(model, dtype: Any = None) -> dict[str, np.ndarray]:
     return out
 
 
-def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
+def to_hf(model, directory: str | os.PathLike, dtype: Any = None, *, config_name: str = CONFIG_FILE) -> Path:
     """Write config.json and model.safetensors that `transformers` (and `from_hf`) can load.
 
     A folder may already hold an earlier export (its model.safetensors is replaced), but not another
     checkpoint (a safetensors index and its shards, or other .safetensors files): readers would take one or
-    the other, so that is an HFCheckpointError naming them.
+    the other, so that is an HFCheckpointError naming them. The weights are written first and config.json
+    last, each whole: a write stopped midway leaves no folder that loads. `config_name`: write the config
+    under another name (an export adds its ids to it before it becomes config.json).
     """
-    from safetensors.numpy import save_file
-
     from spillway.models.registry import family_of_config
 
     family = family_of_config(model.config)
@@ -491,12 +491,31 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None) -> Path:
     hf_config = family.hf.config_to_hf(model.config)
     # transformers 4.56 on reads "dtype" (and writes only it); earlier versions read "torch_dtype"
     hf_config["dtype"] = hf_config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
-    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    # "format": "pt" is what transformers checks for before trusting a safetensors file.
-    partial = directory / (SAFETENSORS_FILE + ".partial")   # never a half-written model.safetensors
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    put_in_place(partial, directory / SAFETENSORS_FILE)
+    save_safetensors(tensors, directory / SAFETENSORS_FILE)
+    config = directory / (config_name + ".partial")
+    config.write_text(json.dumps(hf_config, indent=2) + "\n")
+    config.replace(directory / config_name)
     return directory
+
+
+def save_safetensors(tensors: dict, final: Path) -> None:
+    """`tensors` as a safetensors file at `final`, put in place whole (never a half-written file under its
+    name; the part written is removed when the write fails or is interrupted). A full disk is the OSError
+    (ENOSPC) naming the file: safetensors' own error is a SafetensorError that names none."""
+    import errno
+
+    from safetensors.numpy import save_file
+
+    partial = final.with_name(final.name + ".partial")
+    try:
+        # "format": "pt" is what transformers checks for before trusting a safetensors file.
+        save_file(tensors, str(partial), metadata={"format": "pt"})
+    except BaseException as error:
+        partial.unlink(missing_ok=True)
+        if "No space left on device" in str(error) or getattr(error, "errno", None) == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, "No space left on device", str(final)) from None
+        raise
+    put_in_place(partial, final)
 
 
 def put_in_place(partial: Path, final: Path) -> None:

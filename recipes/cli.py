@@ -293,8 +293,8 @@ def describe_error(err: BaseException) -> tuple[str, int]:
     if isinstance(err, OSError):
         reason = err.strerror or _one_line(str(err)) or type(err).__name__
         if err.errno == errno.ENOSPC:
-            reason += "; free space on that disk (or write elsewhere: data.cache_dir, checkpoint.dir) and run " \
-                      "the same command again"
+            from spillway.data.cache import DISK_FULL_ADVICE
+            reason += f"; {DISK_FULL_ADVICE}"
         where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
         return (f"{where}: {reason}" if where else reason), EXIT_USER_ERROR
     if isinstance(err, MemoryError):
@@ -328,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as stop:
         terminated = isinstance(stop, Terminated)
         # prepare keeps every shard it finished (data/cache.py: written whole or not at all)
-        kept = " (what it finished is kept: the same command goes on from there)" if args.command == "prepare" else ""
+        kept = {"prepare": " (what it finished is kept: the same command goes on from there)",
+                # an export stopped midway has no config.json (recipes/export.py): nothing loads it as done
+                "export": " (the same command writes the export; a folder it had begun to write holds no "
+                          "config.json until then)"}.get(args.command, "")
         print(f"spillway {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}{kept}",
               file=sys.stderr)
         status = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED

@@ -29,16 +29,22 @@ the weights, so an export killed midway is replaced too), a training run's
 directory or its checkpoints folder (the run's own tokenizer files would be
 replaced), `--adapter` on a run without LoRA, and a run of a user's block (recipe `block`), which no
 Hugging Face class computes.
+
+Writing: one export at a time into a folder (a lock on the folder: a second waits, then checks what the first
+wrote); the earlier export's config.json (adapter_config.json) goes first and the new one comes
+last, whole, after the weights and tokenizer files: an export stopped midway (a kill, a full disk) leaves a
+folder that transformers does not load, whose record says unfinished, which the same command completes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import jax
@@ -50,7 +56,7 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.lora import ADAPTER_PREFIX, fused_adapter_name
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
-from spillway.models.hf import HFCheckpointError, listed, put_in_place
+from spillway.models.hf import HFCheckpointError, listed, save_safetensors
 from spillway.recipes.config import LoraConfig, Recipe
 from spillway.recipes.readable_step import restore_readable, saved_recipe
 
@@ -58,6 +64,8 @@ EXPORT_RECORD = "spillway_export.json"   # which run an export folder holds: a l
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED_WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+STAGED_CONFIG = "config.json.partial"   # the merged export's config.json until its last field is in
 GENERATION_CONFIG = "generation_config.json"   # the merged export's stop ids (_write_generation_ids)
 PEFT_PREFIX = "base_model.model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -143,7 +151,6 @@ def _check_not_a_run(out_dir: Path) -> None:
 def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | None = None, say=print) -> Path:
     """Write the Hugging Face (or, with `adapter`, PEFT) folder of the run or step `path` into `out_dir`."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
-    from spillway.recipes.train.step import abstract_model, abstract_with_shardings
 
     step_dir = resolve_step_dir(path)
     recipe = saved_recipe(step_dir)
@@ -161,7 +168,51 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     writes = _tokenizer_files(run_dir) + ([GENERATION_CONFIG] if not adapter and run_dir is not None else [])
     _check_out_dir(out, own, writes)
     source = _source_of(run_dir, step_dir)
-    replaced = _check_earlier_export(out, own, source, writes)
+    _check_earlier_export(out, own, source, writes)   # before minutes of reading; again once the folder is held
+    read = _read_for_export(path, step_dir, adapter)
+    out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK):   # named as the folder, not as the first temporary file refused in it
+        raise HFCheckpointError(f"{out_dir} is not writable: export into a folder you can write")
+    with _holding(out, say):   # one export at a time into a folder: the second sees what the first wrote
+        _check_out_dir(out, own, writes)
+        replaced = _check_earlier_export(out, own, source, writes)
+        return _write_export(read, out, source, replaced, adapter=adapter, dtype=dtype, say=say)
+
+
+@contextlib.contextmanager
+def _holding(out: Path, say):
+    """The export folder itself locked for the block (flock on the folder: no lock file is left in what may be
+    published): a second export into it (of another run, which checked the folder while the first read its
+    checkpoint) replaced the first's files; now it waits, then finds the first's record. The lock goes with
+    its process: a killed export holds nothing."""
+    folder = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for the export writing into {out} to finish")
+            fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)   # (closing lets go of the lock)
+
+
+@dataclasses.dataclass
+class _Read:
+    """What an export writes, read from the step before its folder is touched."""
+    step_dir: Path
+    recipe: Recipe
+    params: object
+    run_dir: Path | None
+    tower: str | None
+    adapter_tensors: dict | None
+
+
+def _read_for_export(path: str, step_dir, adapter: bool) -> _Read:
+    """The step's recipe and weights (for `adapter`, the PEFT tensors too), nothing written."""
+    from spillway.recipes.train.checkpoint import run_dir_of
+    from spillway.recipes.train.step import abstract_model, abstract_with_shardings
+
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
 
     def target_of(saved: Recipe):
@@ -174,22 +225,31 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     step_dir, recipe, params = restore_readable(path, step_dir, target_of, with_base=not adapter)
     tower = _text_tower(recipe) if adapter else None   # the base's layout, read once: before writing
     adapter_tensors = peft_tensors(recipe, params, tower) if adapter else None   # what PEFT cannot hold: before too
-    out.mkdir(parents=True, exist_ok=True)
-    if not os.access(out, os.W_OK):   # named as the folder, not as the first temporary file refused in it
-        raise HFCheckpointError(f"{out_dir} is not writable: export into a folder you can write")
+    return _Read(step_dir, recipe, params, run_dir_of(step_dir), tower, adapter_tensors)
+
+
+def _write_export(read: _Read, out: Path, source: str, replaced: str | None, *, adapter: bool,
+                  dtype: str | None, say) -> Path:
+    """export_run's writing, its folder held."""
+    step_dir, recipe, run_dir = read.step_dir, read.recipe, read.run_dir
     # The record comes first: an export killed while writing leaves a folder that names this run, so the
     # same command replaces it (written last, the rerun met weights no export had recorded, and refused).
     _write_record(out, source, step_dir, adapter, finished=False)
-    if adapter:
-        write_peft_adapter(recipe, adapter_tensors, out, tower)
-    else:
-        write_merged(recipe, params, out, dtype=dtype)
+    # The config that makes the folder loadable goes first and comes back last, whole: an export stopped
+    # midway (a kill, a full disk) leaves no folder transformers loads, neither the new half nor the old.
+    (out / (ADAPTER_CONFIG if adapter else CONFIG)).unlink(missing_ok=True)
     copied = _copy_tokenizer(Path(run_dir), out) if run_dir is not None else []
-    stops = _write_generation_ids(Path(run_dir), out, recipe) if not adapter and run_dir is not None else ""
-    if not adapter:
-        _keep_base_context(recipe, out)
+    if adapter:
+        write_peft_adapter(recipe, read.adapter_tensors, out, read.tower)
+        stops, weights = "", ""
+    else:
+        write_merged(recipe, read.params, out, dtype=dtype, config_name=STAGED_CONFIG)
+        stops = _write_generation_ids(Path(run_dir), out, recipe, STAGED_CONFIG) if run_dir is not None else ""
+        _keep_base_context(recipe, out, STAGED_CONFIG)
+        written = json.loads((out / STAGED_CONFIG).read_text())
+        (out / STAGED_CONFIG).replace(out / CONFIG)
+        weights = f" ({written.get('dtype')} weights)"
     _write_record(out, source, step_dir, adapter, finished=True)
-    weights = "" if adapter else f" ({json.loads((out / 'config.json').read_text()).get('dtype')} weights)"
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else weights)
         + (f", replacing {replaced}" if replaced else "")
         + (f"; tokenizer: {', '.join(copied)}" if copied else "; no tokenizer files in the run") + stops)
@@ -250,7 +310,7 @@ def _base_generation_config(recipe: Recipe, run_dir: Path) -> tuple[dict, list[i
     return {k: v for k, v in base.items() if k not in _TOKEN_ID_FIELDS}, stops
 
 
-def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe) -> str:
+def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe, config_name: str = CONFIG) -> str:
     """The run's BOS, EOS and pad ids into config.json, and a generation_config.json whose eos_token_id lists
     every token that ends an answer (a chat run's end-of-turn tokens too, as `spillway generate --chat` stops):
     without them transformers takes the family's default ids, and generate() ran past the end of a turn. An
@@ -273,8 +333,8 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe) -> str:
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
            "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
     ids = {name: value for name, value in ids.items() if value is not None}
-    config = json.loads((out / "config.json").read_text())
-    _write_json(out / "config.json", {**config, **ids})
+    config = json.loads((out / config_name).read_text())
+    _write_json(out / config_name, {**config, **ids})
     # embedding rows past the tokenizer's ids (Qwen2.5: 151,936 rows, 151,665 ids) are no token: `spillway
     # generate` never samples them (sampling.py vocab_limit), and transformers must not either
     padding = list(range(tokenizer.vocab_size, config.get("vocab_size", tokenizer.vocab_size)))
@@ -285,7 +345,7 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe) -> str:
     return f"; {GENERATION_CONFIG}: generation stops at token {' or '.join(str(i) for i in stops)}{never}{unread}"
 
 
-def _keep_base_context(recipe: Recipe, out: Path) -> None:
+def _keep_base_context(recipe: Recipe, out: Path, config_name: str = CONFIG) -> None:
     """config.json's max_position_embeddings as the `hf:` base's where the run fine-tuned at a shorter
     model.max_seq_len (RoPE positions are computed: the weights serve the base's length; the export said the
     fine-tune's, and transformers warned past it). Left as written where the base folder is not found."""
@@ -293,8 +353,8 @@ def _keep_base_context(recipe: Recipe, out: Path) -> None:
     base = found[1].get("max_position_embeddings") if found is not None else None
     if recipe.decoder_spec().learned_positions or not isinstance(base, int) or base <= recipe.model.max_seq_len:
         return
-    config = json.loads((out / "config.json").read_text())
-    _write_json(out / "config.json", {**config, "max_position_embeddings": base})
+    config = json.loads((out / config_name).read_text())
+    _write_json(out / config_name, {**config, "max_position_embeddings": base})
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -309,9 +369,12 @@ def _tokenizer_files(run_dir) -> list[str]:
 
 
 def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
+    """The run's tokenizer files copied into `out`, each whole (a full disk left a truncated tokenizer.model)."""
+    from spillway.data.cache import atomic_write_bytes
+
     copied = _tokenizer_files(run_dir)
     for name in copied:
-        shutil.copyfile(run_dir / name, out / name)
+        atomic_write_bytes(out / name, (run_dir / name).read_bytes())
     return copied
 
 
@@ -357,10 +420,10 @@ def merged_state(recipe: Recipe, params):
     return graphdef, nnx.from_flat_state(list(base.items()))
 
 
-def write_merged(recipe: Recipe, params, out: Path, dtype: str | None = None) -> None:
+def write_merged(recipe: Recipe, params, out: Path, dtype: str | None = None, config_name: str = CONFIG) -> None:
     from spillway.models.hf import to_hf
     graphdef, state = merged_state(recipe, params)
-    to_hf(nnx.merge(graphdef, state), out, dtype=dtype)
+    to_hf(nnx.merge(graphdef, state), out, dtype=dtype, config_name=config_name)
 
 
 def _hf_names(recipe: Recipe) -> dict[tuple, str]:
@@ -463,8 +526,6 @@ def peft_tensors(recipe: Recipe, params, tower: str) -> dict[str, np.ndarray]:
 def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path, tower: str) -> None:
     """adapter_config.json and adapter_model.safetensors as PEFT saves a LoRA adapter (`peft_tensors`, with the
     same `tower`)."""
-    from safetensors.numpy import save_file
-
     from spillway.recipes.lora_targets import hf_modules, stored_in_out
 
     spec = recipe.lora_spec()
@@ -481,7 +542,5 @@ def write_peft_adapter(recipe: Recipe, tensors: dict[str, np.ndarray], out: Path
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None,
     }
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    partial = out / (ADAPTER_WEIGHTS + ".partial")   # never a half-written adapter file
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    put_in_place(partial, out / ADAPTER_WEIGHTS)
+    save_safetensors(tensors, out / ADAPTER_WEIGHTS)   # the weights, then the config that makes them an adapter
+    _write_json(out / ADAPTER_CONFIG, config)

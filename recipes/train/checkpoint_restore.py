@@ -134,6 +134,16 @@ def _with_older_steps_hint(error: CorruptCheckpointError, given: epath.Path, ste
                                   f"{step_dir.parent / _STEP_NAMES.build_name(older[-1])})")
 
 
+def check_meta_names_its_step(where, step: int, meta) -> None:
+    """CorruptCheckpointError where the step's meta record does not name the step of its folder (steps swapped
+    or copied by hand under another number): resumed, it trained from that step's weights on another step's
+    schedule and data position; sampled or exported, it passed another step's weights off as this one's."""
+    saved = meta.get("step") if isinstance(meta, dict) else None
+    if saved != step or isinstance(saved, bool):
+        raise CorruptCheckpointError(f"{where}: its meta record says step {saved!r}, its folder step {step}: "
+                                     f"the record is damaged (or the folder holds another step's checkpoint)")
+
+
 def restore_params_only(path: str | os.PathLike, abstract_params) -> tuple[Any, dict]:
     """Loads the parameters (and the meta dict) of a checkpoint, for a fine-tune.
 
@@ -146,6 +156,7 @@ def restore_params_only(path: str | os.PathLike, abstract_params) -> tuple[Any, 
     try:
         items = _restore_step_dir(step_dir, {PARAMS: _as_restore_target(abstract_params, "abstract_params")},
                                   {META: ocp.args.JsonRestore()})
+        check_meta_names_its_step(step_dir, int(step_dir.name), items[META])
     except CorruptCheckpointError as e:
         raise _with_older_steps_hint(e, _absolute(path), step_dir) from e
     return from_pieces(abstract_params, items[PARAMS]), items[META]

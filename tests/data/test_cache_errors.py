@@ -52,7 +52,7 @@ def test_a_full_disk_names_the_file_and_what_is_free(tmp_path, monkeypatch):
     monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 20, 10 << 20, 1024))
     final = tmp_path / "shard.npy"
     with pytest.raises(DataError, match=rf"cannot write {final} \(0.8 MiB\): no space left on its disk \(0.0 MiB "
-                                        rf"free\); free space on that disk, or put the cache on another"):
+                                        rf"free\); free space on that disk, or write to another \(the data cache"):
         cache.atomic_write_array(final, np.zeros(200_000, np.int32))
     assert list(tmp_path.iterdir()) == []   # nothing half-written left
 

@@ -119,3 +119,27 @@ def test_a_file_system_that_refuses_modes_still_gets_the_export(tmp_path, monkey
     monkeypatch.setattr(os, "chmod", refused)
     hf.put_in_place(partial, tmp_path / "model.safetensors")
     assert (tmp_path / "model.safetensors").read_bytes() == b"weights" and not partial.exists()
+
+
+def test_a_full_disk_while_the_weights_are_written_is_the_os_error_naming_the_file(tmp_path, monkeypatch):
+    """A new user's finding: safetensors' SafetensorError ("I/O error: No space left on device (os error 28)")
+    names no file, and `spillway export` called it an internal error; the part written was left behind."""
+    import errno
+
+    import safetensors.numpy
+
+    from spillway.models.hf import save_safetensors
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as partial:
+            partial.write(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    with pytest.raises(OSError) as error:
+        save_safetensors({"w": np.zeros(3, np.float32)}, tmp_path / "model.safetensors")
+    assert error.value.errno == errno.ENOSPC and error.value.filename == str(tmp_path / "model.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    from spillway.recipes.cli import describe_error
+    line, _ = describe_error(error.value)
+    assert line.startswith(f"{tmp_path / 'model.safetensors'}: No space left on device; free space on that disk")

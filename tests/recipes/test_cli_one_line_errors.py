@@ -50,7 +50,7 @@ def test_a_bad_jsonl_line_is_named_with_its_file_and_1_based_line(tmp_path, monk
 
 @pytest.mark.parametrize("content, message", [
     (b"", "corpus file 'empty.jsonl' is empty: no record to read; remove it from the corpus or fill it"),
-    (b"\n\n", "source 'empty.jsonl' holds no records: its files are empty or hold only blank lines"),
+    (b"\n\n", "corpus file 'empty.jsonl' is empty: no record to read; remove it from the corpus or fill it"),
 ], ids=["empty", "blank_lines"])
 def test_an_empty_jsonl_corpus_is_named_not_a_stopiteration(tmp_path, monkeypatch, capsys, content, message):
     """The json builder stops on an empty file with a bare StopIteration, and reads a file of blank lines as a

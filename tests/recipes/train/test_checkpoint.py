@@ -539,3 +539,20 @@ def test_sigkill_during_save_leaves_previous_step_usable(tmp_path):
     tmp_step.mkdir()  # as a killed save leaves it: restoring from it directly is refused too
     with pytest.raises(CheckpointError, match="unfinished save"):
         restore_params_only(tmp_step, single_device_target(params))
+
+
+def test_steps_swapped_by_hand_are_not_read_as_each_other(saved_run):
+    """A new user's finding: with two step folders swapped, `spillway generate` sampled and `spillway export`
+    exported (as "step 20") step 10's weights without a word; train's resume alone checked the meta record."""
+    run_dir, params, opt_state = saved_run
+    with RunCheckpointer(run_dir, keep=3, every_steps=10) as ckpt:
+        save_step(ckpt, 20, jax.tree.map(lambda x: x * 2, params), opt_state)
+    (run_dir / "10").rename(run_dir / "x")
+    (run_dir / "20").rename(run_dir / "10")
+    (run_dir / "x").rename(run_dir / "20")
+    target = abstract_like(params, mesh_of((1, 1)))
+    with pytest.raises(CorruptCheckpointError, match=rf"{run_dir}/20: its meta record says step 10, its folder step "
+                                                     rf"20: the record is damaged .*older steps \[10\]"):
+        restore_params_only(run_dir, target)
+    with pytest.raises(CorruptCheckpointError, match=rf"{run_dir}/10: its meta record says step 20"):
+        restore_params_only(run_dir / "10", target)

@@ -10,6 +10,7 @@ is the slow test.
 
 import json
 import os
+import time
 
 import pytest
 
@@ -61,9 +62,9 @@ def test_instruct_run_trains_on_answers_and_answers_a_chat(tmp_path, tokenizer_d
 def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path, tokenizer_dir, capsys,
                                                                          monkeypatch):
     """An export stopped between its config and its weights (a kill, a full disk) left config.json and no
-    record of which run wrote it, so the same command then refused the folder as someone else's."""
-    from spillway.models import hf
-
+    record of which run wrote it, so the same command then refused the folder as someone else's. Now the
+    folder it leaves names the run and holds no config.json (config.json comes last: transformers loaded a
+    half-written export as a whole one), nor the part of the weights written."""
     # 16 embedding rows more than the tokenizer has ids, as Qwen2.5 has: no token, never sampled
     assert cli.main(run_args(tmp_path, tokenizer_dir, "train.steps=1", "train.sample_tokens=3",
                              "train.sample_prompt=Say hi.", "model.vocab_size=416")) == 0
@@ -71,13 +72,15 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
     assert "sample (the answer to 'Say hi.', through the chat template):" in capsys.readouterr().out
     out = tmp_path / "exported"
 
-    def killed(partial, final):
-        raise KeyboardInterrupt   # what a kill leaves: the config written, the weights only as a .partial
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt   # Ctrl-C while the weights are written
 
     with monkeypatch.context() as patched:
-        patched.setattr(hf, "put_in_place", killed)
+        patched.setattr("safetensors.numpy.save_file", killed)
         assert cli.main(["export", str(tmp_path / "run"), str(out)]) == cli.EXIT_INTERRUPTED
-    assert (out / "config.json").is_file() and not (out / "model.safetensors").exists()
+    assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
+    assert not list(out.glob("*.partial"))
+    assert json.loads((out / "spillway_export.json").read_text())["finished"] is False
     capsys.readouterr()
     assert cli.main(["export", str(tmp_path / "run"), str(out)]) == 0
     said = capsys.readouterr().out
@@ -111,6 +114,48 @@ def test_an_export_killed_while_writing_is_replaced_by_the_same_command(tmp_path
         assert cli.main(["generate", named, "--prompt", "def"]) == cli.EXIT_USER_ERROR
         assert f"{out} is a Hugging Face checkpoint (config.json and *.safetensors), not a spillway run" in \
             capsys.readouterr().err
+    _second_export_into_a_held_folder_waits_then_sees_the_first(tmp_path)
+
+
+def _second_export_into_a_held_folder_waits_then_sees_the_first(tmp_path):
+    """A new user's finding: two exports of different runs into one new folder both said "exported", the second
+    having checked the folder before the first wrote its record; one run's export was the other's. An export
+    now holds its folder: the second waits, then checks what the first wrote."""
+    import fcntl
+    import threading
+
+    from spillway.recipes.export import export_run
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    said, errors = [], []
+    held = os.open(shared, os.O_RDONLY)   # the first export, writing, holds the folder
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        second = threading.Thread(target=lambda: _catching(errors, export_run, str(tmp_path / "run"), str(shared),
+                                                            say=said.append))
+        second.start()
+        deadline = time.monotonic() + 120
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert said == [f"waiting for the export writing into {shared} to finish"]
+        # what the first export leaves: another run's export
+        (shared / "config.json").write_text("{}")
+        (shared / "spillway_export.json").write_text(json.dumps({"run": "other", "run_id": "x", "step": "8",
+                                                                  "adapter": False, "finished": True}))
+    finally:
+        os.close(held)
+    second.join(timeout=120)
+    assert len(errors) == 1 and "holds an export of another run ('other'" in str(errors[0])
+    assert (shared / "config.json").read_text() == "{}"   # the first's files untouched
+    assert sorted(os.listdir(shared)) == ["config.json", "spillway_export.json"]   # no lock file left to publish
+
+
+def _catching(errors, function, *args, **kwargs):
+    try:
+        function(*args, **kwargs)
+    except Exception as error:   # noqa: BLE001 - the test reads it
+        errors.append(error)
 
 
 def write_jsonl(path, rows):
