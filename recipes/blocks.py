@@ -21,6 +21,17 @@ import sys
 from pathlib import Path
 
 
+class ModuleNotHere(ValueError):
+    """The user's module is on neither PYTHONPATH nor the current directory: a saved recipe naming it (a run
+    trained with its own block, used from another folder) is readable where the module is."""
+
+
+def where_the_block_is_needed(where, error: ModuleNotHere) -> str:
+    """The line for a saved recipe (`where`) whose block's module is not found here."""
+    return (f"{where}: the run was trained with its own block, and {error}: run this from the folder that holds "
+            f"that module, or put that folder on PYTHONPATH")
+
+
 def _split(path: str) -> tuple[str, str]:
     module_name, sep, class_name = path.partition(":")
     if not sep:
@@ -60,8 +71,8 @@ def _import(module_name: str, label: str = "block"):
         if not _is_the_module_itself(error, module_name):
             raise ValueError(f"{label}: importing {module_name!r} failed: {error}") from None
         if cwd in sys.path or "" in sys.path:
-            raise ValueError(f"{label}: no module {error.name!r} on PYTHONPATH or in the current directory "
-                             f"({cwd})") from None
+            raise ModuleNotHere(f"{label}: no module {error.name!r} on PYTHONPATH or in the current directory "
+                                f"({cwd})") from None
         sys.path.append(cwd)   # kept when it works: the module may import its siblings later
         try:
             return _import_raising_only_not_found(module_name, label)
@@ -71,8 +82,8 @@ def _import(module_name: str, label: str = "block"):
         except ModuleNotFoundError as again:
             sys.path.remove(cwd)
             if _is_the_module_itself(again, module_name):
-                raise ValueError(f"{label}: no module {again.name!r} on PYTHONPATH or in the current "
-                                 f"directory ({cwd})") from None
+                raise ModuleNotHere(f"{label}: no module {again.name!r} on PYTHONPATH or in the current "
+                                    f"directory ({cwd})") from None
             raise ValueError(f"{label}: importing {module_name!r} failed: {again}") from None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from spillway.layers.offload import RematPlan
 from spillway.layers.residency import (check_split_fits, host_layers, is_param_split, is_split,
                                       memory_of, parse_split)
 from spillway.layers.rope import RopeScaling
-from spillway.models.registry import family_of_config, get_family
+from spillway.models.registry import family_names, family_of_config, get_family
 from spillway.recipes.blocks import resolve_block_class
 from spillway.recipes.optim.config import OptimizerConfig
 from spillway.recipes.targets import get_target
@@ -497,8 +498,12 @@ class Recipe:
         return family_of_config(self.model).spec(self.model, self.execution)
 
     def num_params(self) -> int:
-        """The model's parameters (a LoRA recipe's adapters, trained beside them, are not counted)."""
-        return self.decoder_spec().num_params()
+        """The model's parameters (a LoRA recipe's adapters, trained beside them, are not counted): the family's
+        count from its shapes, or for a recipe's own block the parameters the model it builds holds."""
+        if self.block is None:
+            return self.decoder_spec().num_params()
+        without_adapters = dataclasses.replace(self, lora=LoraConfig())
+        return _built_param_count(without_adapters.to_json())
 
     def block_class(self) -> type:
         """The TransformerBlock subclass `block` names (the family's own block when None)."""
@@ -555,6 +560,20 @@ class Recipe:
 _EXECUTION_FIELDS = ("dtype", "param_dtype", "attention_impl", "flash_block_size", "init_std")
 
 
+@functools.lru_cache(maxsize=8)
+def _built_param_count(recipe_json: str) -> int:
+    """The parameters of the model a recipe (as JSON) builds, counted from its shapes (nnx.eval_shape: nothing
+    allocated): what a recipe's own block holds, which the family's count from its shapes does not know."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    recipe = Recipe.from_dict(json.loads(recipe_json))
+    model = nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(0)))
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
 def upgrade_legacy_recipe_dict(d: dict) -> dict:
     """A recipe.json written by an earlier version -> today's fields, with the same meaning.
 
@@ -575,9 +594,8 @@ def upgrade_legacy_recipe_dict(d: dict) -> dict:
     if not any(k in d["model"] for k in (*_EXECUTION_FIELDS, "remat")):
         # no family and none of the old format's fields: a family deleted by hand, not an old file (a Qwen3
         # recipe was read as Llama without its q/k norms)
-        from spillway.models.registry import FAMILIES
-        raise ConfigError(f"the recipe has no \"family\" (one of {', '.join(sorted(FAMILIES))}): add the family "
-                          f"its model section is written for")
+        raise ConfigError(f"the recipe has no \"family\" (one of {', '.join(sorted(family_names()))}): add the "
+                          f"family its model section is written for")
     model = dict(d["model"])
     execution = {k: model.pop(k) for k in _EXECUTION_FIELDS if k in model}
     model.pop("remat", None)
@@ -593,12 +611,25 @@ def _model_config_class(tree: dict):
     return get_family(family).config_cls
 
 
+def _check_written_for_the_family(model: dict, config_class) -> None:
+    """ConfigError for a model section that has none of its family's own fields (those Llama's config lacks):
+    written for another family, under a "family" changed or mistyped ("mixtral" for "mistral"), it would build
+    that family's model with its defaults (a Llama section became an 8-expert MoE model)."""
+    base = {f.name for f in dataclasses.fields(get_family("llama").config_cls)}
+    own = sorted({f.name for f in dataclasses.fields(config_class)} - base)
+    if own and not set(own) & set(model):
+        family = next(name for name in family_names() if get_family(name).config_cls is config_class)
+        raise ConfigError(f"the model section has none of the {family} family's own fields ({', '.join(own)}): it "
+                          f"is written for another family; correct \"family\", or add those fields")
+
+
 def _from_dict(cls, d: dict, where: str):
     if cls is Recipe:
         # `family` names the class of the `model` mapping (Recipe.to_dict); the recipe derives it from that.
         config_class = _model_config_class(d) if isinstance(d.get("model"), dict) else None
         d = {k: v for k, v in d.items() if k != "family"}
         if config_class is not None:
+            _check_written_for_the_family(d["model"], config_class)
             d["model"] = _from_dict(config_class, d["model"], "model.")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}

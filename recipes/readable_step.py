@@ -39,8 +39,12 @@ def saved_recipe(step_dir) -> Recipe:
     except json.JSONDecodeError as error:
         raise CorruptCheckpointError(f"{where}: not valid JSON (line {error.lineno}, column {error.colno}: "
                                      f"{error.msg}), the step is corrupt") from None
+    from spillway.recipes.blocks import ModuleNotHere, where_the_block_is_needed
+
     try:
         return Recipe.from_dict(tree)
+    except ModuleNotHere as error:
+        raise ConfigError(where_the_block_is_needed(where, error)) from None
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{where}: the saved recipe cannot be read by this version of spillway ({error}); "
                           f"read it with the version that wrote it") from None

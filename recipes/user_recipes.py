@@ -7,7 +7,8 @@
 `load_recipe(spec, overrides)` reads any of the three kinds of name:
 
 * a registered name (`tiny`, `llama3_8b`: recipes/registry.py);
-* a file: a name ending in `.json`, or any existing file: the JSON a
+* a file: a name ending in `.json`, or any existing file (a registered name
+  wins over a file of that name in the current directory: `./tiny` reads the file): the JSON a
   checkpoint saves as `recipe/recipe.json` (`Recipe.to_json`), so a run can be
   reproduced elsewhere (mind its `checkpoint.dir`, which names the run it came
   from: `--set checkpoint.dir=...`);
@@ -28,6 +29,7 @@ import json
 from pathlib import Path
 
 from spillway.layers.errors import ConfigError
+from spillway.recipes.blocks import ModuleNotHere, where_the_block_is_needed
 from spillway.recipes.config import Recipe, apply_overrides
 
 
@@ -57,6 +59,8 @@ def recipe_from_file(spec: str) -> Recipe:
                           f"recipe/recipe.json beside every checkpoint holds)")
     try:
         return Recipe.from_dict(tree)
+    except ModuleNotHere as error:
+        raise ConfigError(where_the_block_is_needed(f"recipe file {path}", error)) from None
     except (ValueError, TypeError, KeyError) as error:
         raise ConfigError(f"recipe file {path}: not a spillway recipe: {error}") from None
 

@@ -47,6 +47,7 @@ from spillway.recipes.config import Recipe
 from spillway.recipes.train import distributed
 from spillway.recipes.train.checkpoint import CheckpointError, CorruptCheckpointError, RunCheckpointer
 from spillway.recipes.train.checkpoint_dirs import finalised_step_dirs
+from spillway.recipes.train.checkpoint_restore import check_meta_names_its_step
 from spillway.recipes.train.checkpoint_items import CHECKPOINTS_DIRNAME
 from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import NonFiniteLossError
@@ -208,8 +209,12 @@ def saved_recipe_changes(checkpointer: RunCheckpointer, step: int, recipe: Recip
         saved_tree = json.loads(text)
     except json.JSONDecodeError as e:
         raise CorruptCheckpointError(f"{where}: the saved recipe is not JSON, the checkpoint is corrupt: {e}") from e
+    from spillway.recipes.blocks import ModuleNotHere, where_the_block_is_needed
+
     try:
         saved = Recipe.from_dict(saved_tree).to_dict()
+    except ModuleNotHere as e:
+        raise RecipeMismatchError(where_the_block_is_needed(where, e)) from None
     except (ValueError, TypeError) as e:
         raise RecipeMismatchError(f"{where}: the saved recipe cannot be read by this version of spillway "
                                   f"({e}); resume it with the version that wrote it") from e
@@ -265,15 +270,6 @@ class Resumed:
     set_aside: list[str]                         # step folders renamed: "<step>.<reason>"
 
 
-def _check_saved_step(where, step: int, meta) -> None:
-    """CorruptCheckpointError where the step's meta record does not name the step of its folder: resumed, it
-    trained from that step's weights on another step's schedule and data position."""
-    saved = meta.get("step") if isinstance(meta, dict) else None
-    if saved != step or isinstance(saved, bool):
-        raise CorruptCheckpointError(f"{where}: its meta record says step {saved!r}, its folder step {step}: "
-                                     f"the record is damaged")
-
-
 def restore_for_resume(checkpointer: RunCheckpointer, recipe: Recipe, candidates: list[int], *, abstract_params,
                        abstract_opt_state, weights_problem: Callable[[dict], str | None], say=print) -> Resumed:
     """Restores the first intact candidate whose weights are sound (`weights_problem` returns None).
@@ -290,7 +286,7 @@ def restore_for_resume(checkpointer: RunCheckpointer, recipe: Recipe, candidates
             changed = saved_recipe_changes(checkpointer, step, recipe)
             restored = checkpointer.restore(step, abstract_params=abstract_params,
                                             abstract_opt_state=abstract_opt_state)
-            _check_saved_step(where, step, restored["meta"])
+            check_meta_names_its_step(where, step, restored["meta"])
             damage = None
         except CorruptCheckpointError as e:
             damage = str(e)

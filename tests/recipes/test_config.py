@@ -216,3 +216,19 @@ def test_a_tilde_in_the_run_and_cache_folders_is_the_home_folder(tmp_path, monke
     assert recipe.run_dir == str(tmp_path / "ft")
     assert recipe.data.cache_path == tmp_path / "cache"
     assert Path(str(checkpoint_dir_of("~/ft"))) == tmp_path / "ft"   # expanded, not <cwd>/~/ft
+
+
+def test_a_model_section_written_for_another_family_is_refused():
+    """A new user's finding: "family": "mixtral" (for "mistral") over a Llama model section built an 8-expert MoE
+    model from the defaults, described as a 4-layer Llama; a section with none of the family's own fields is
+    refused, naming them. A whole recipe of every family still reads back."""
+    import json
+
+    from spillway.recipes.registry import recipe_names
+
+    tree = get_recipe("tiny").to_dict()
+    with pytest.raises(ConfigError, match=r"the model section has none of the mixtral family's own fields \(.*"
+                                          r"num_experts.*\): it is written for another family"):
+        Recipe.from_dict({**tree, "family": "mixtral"})
+    for name in recipe_names():
+        assert Recipe.from_dict(json.loads(get_recipe(name).to_json())) == get_recipe(name)

@@ -11,6 +11,7 @@ import re
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -170,3 +171,44 @@ def test_the_planner_offers_a_users_block_the_plans_it_tags(user_folder):
     # a dense block of the user's that tags what the zoo's do keeps every dense plan
     parallel = get_recipe("tiny", [f"block={MODULE}:ParallelBlock"])
     assert plan_candidates.preset_plans(parallel) == (plan_candidates.PRESET_PLANS, plan_candidates.HOST_COMPUTE_PLANS)
+
+
+def test_a_saved_recipe_whose_block_module_is_elsewhere_says_where_to_run_from(user_folder, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A new user's finding: a run trained with its own block, used from another folder, was "cannot be read by
+    this version of spillway ... read it with the version that wrote it" (generate) and "not a spillway recipe"
+    (a recipe.json): the module is what is missing, not a version."""
+    from spillway.recipes.readable_step import saved_recipe
+    from spillway.recipes.train import checkpoint
+
+    sys.path.insert(0, str(user_folder))
+    recipe = get_recipe("tiny", MICRO + [f"block={MODULE}:ParallelBlock"])
+    step = tmp_path / "run" / "checkpoints" / "4"
+    (step / "recipe").mkdir(parents=True)
+    (step / "recipe" / "recipe.json").write_text(recipe.to_json())
+    # the step's recipe as a step folder holds it (its arrays are never read for this)
+    monkeypatch.setattr(checkpoint, "read_recipe_json", lambda step_dir: (step / "recipe" / "recipe.json").read_text())
+    sys.path.remove(str(user_folder))
+    sys.modules.pop(MODULE, None)
+    monkeypatch.chdir(tmp_path)   # not the module's folder
+    with pytest.raises(ValueError, match=rf"recipe.json: the run was trained with its own block, and block: no "
+                                         rf"module '{MODULE}' .*: run this from the folder that holds that module, or "
+                                         rf"put that folder on PYTHONPATH$"):
+        saved_recipe(step)
+    assert cli.main(["train", str(step / "recipe" / "recipe.json")]) == 2
+    err = capsys.readouterr().err
+    assert "the run was trained with its own block" in err and "not a spillway recipe" not in err
+
+
+def test_a_users_block_is_counted_as_the_model_it_builds(tmp_path, monkeypatch):
+    """A new user's finding: a recipe with the README's MoE block said "2.36M parameters" (the family's dense
+    count) for a model of 5.9M, in the run's first line, the plan, and the update-on-host plans' pricing."""
+    (tmp_path / "moe_blocks.py").write_text(
+        "from spillway.layers.moe import MoEConfig\nfrom spillway.layers.moe_block import moe_block\n"
+        "MoEBlock = moe_block(MoEConfig(d_model=192, num_experts=8, top_k=2, expert_hidden=256))\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    recipe = get_recipe("tiny", ["block=moe_blocks:MoEBlock"])
+    model = nnx.eval_shape(lambda: recipe.build_model(nnx.Rngs(0)))
+    built = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert recipe.num_params() == built != get_recipe("tiny").num_params()
+    sys.modules.pop("moe_blocks", None)
