@@ -20,6 +20,10 @@ from spillway.recipes.targets import DEFAULT_GPU, HBM_HEADROOM
 from spillway.recipes.user_recipes import load_recipe
 
 
+# `--set` lines naming a placement the user wants priced: the table holds it beside the candidates.
+OWN_PLAN_SETTINGS = ("offload.", "optimizer.update_on_host")
+
+
 def plan_command(args) -> int:
     """`spillway plan`: print the table (or --json), and draw it with --png.
 
@@ -33,7 +37,8 @@ def plan_command(args) -> int:
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,
                   hbm_budget_gib=budget, host_update_rate=getattr(args, "host_update_rate", None),
                   host_cores_per_gpu=getattr(args, "host_cores", None), search=args.search, workers=args.workers,
-                  prune=not getattr(args, "all_plans", False), cache=not getattr(args, "no_cache", False))
+                  prune=not getattr(args, "all_plans", False), cache=not getattr(args, "no_cache", False),
+                  with_own=any(item.strip().startswith(OWN_PLAN_SETTINGS) for item in args.set))
     result.recipe_ref, result.user_sets = args.recipe, list(args.set)   # for the command that trains the pick
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)

@@ -52,10 +52,28 @@ def host_peak(report: dict, devices: int) -> tuple[str, float]:
     return phases.peak()
 
 
+def apart(value: float, limit: float, *, mib: bool = True) -> tuple[str, str, str]:
+    """(value, limit, unit) as text with as many decimals as it takes for the two to read apart (0.09 and 0.05
+    GiB, where one decimal said 0.1 and 0.1); MiB below a hundredth of a GiB (unless not `mib`)."""
+    unit, scale = ("GiB", GiB) if limit >= 0.01 * GiB or not mib else ("MiB", 2**20)
+    for decimals in range(1, 4):
+        a, b = f"{value / scale:.{decimals}f}", f"{limit / scale:.{decimals}f}"
+        if a != b:
+            break
+    return a, b, unit
+
+
+def over(value: float, limit: float) -> str:
+    """"value > limit GiB", the two told apart (`apart`)."""
+    a, b, unit = apart(value, limit)
+    return f"{a} > {b} {unit}"
+
+
 def describe_refusal(report: dict, devices: int, host_ram_bytes: float) -> str | None:
     """Why the host's RAM does not hold this candidate ("host 292.1 GiB at checkpoint save > 128.0 GiB"),
     or None when it does."""
     phase, peak = host_peak(report, devices)
     if peak <= host_ram_bytes:
         return None
-    return f"host {peak / GiB:.1f} GiB at {phase} > {host_ram_bytes / GiB:.1f} GiB"
+    a, b, unit = apart(peak, host_ram_bytes, mib=False)
+    return f"host {a} {unit} at {phase} > {b} {unit}"

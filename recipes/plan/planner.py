@@ -61,7 +61,8 @@ def _refuse_a_shape_no_plan_compiles(rows: list[PlanRow]) -> None:
     if len(firsts) == 1:
         shown = " ".join(rows[0].error.split())[:300]
         raise ValueError(f"every plan compiled ({len(rows)}) failed with the same compiler error, which no offload "
-                         f"plan changes (the model's shape, most likely): {shown}")
+                         f"plan changes (the model's shape or the batch's, most likely: the instruction's shape "
+                         f"below): {shown}")
 
 
 def _search_request(recipe: Recipe, axis: str, mesh: dict, hbm_limit: float, host_ram: float,
@@ -217,12 +218,26 @@ def _searches(current_rows, judged, compile_more, compiled_recipe: Recipe, mesh:
     return split, kept
 
 
+def _candidates_to_compile(recipe: Recipe, compiled_recipe: Recipe, plans: list[Candidate] | None,
+                           with_own: bool) -> tuple[list[Candidate], set[int]]:
+    """(the candidates, the indices of those compiled even where a plan that fits beats them): `plans`, else
+    `candidates`, and with `with_own` the recipe's own placement among them (`spillway plan` with `--set
+    offload.*`: the user asks for that placement, priced even where a faster plan fits)."""
+    todo = list(plans) if plans is not None else candidates(compiled_recipe)
+    if not with_own or plans is not None:
+        return todo, set()
+    own = Candidate.of_recipe(recipe)
+    if own not in todo:
+        todo.append(own)
+    return todo, {todo.index(own)}
+
+
 def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: float = HBM_HEADROOM,
          host_ram_gb: float | None = None, hbm_budget_gib: float | None = None,
          host_update_rate: float | None = None, host_cores_per_gpu: float | None = None, search: str | None = None,
          plans: list[Candidate] | None = None, verify_full_codegen: int = 0,
          workers: int | None = None, prune: bool = True, cache: bool = True, turn: bool | None = None,
-         progress_write: Callable[[str], None] | None = write_to_stderr) -> Plan:
+         with_own: bool = False, progress_write: Callable[[str], None] | None = write_to_stderr) -> Plan:
     """Compile the recipe's train step for every candidate on `devices` x `gpu`; rows and the pick.
 
     host_ram_gb: RAM of the host for pinned memory, in GB (10^9 bytes); default
@@ -241,8 +256,8 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     Plan.skipped), and one its bounds rule out (recipes/plan/scheduler.py); not with `plans` or `search`.
     cache: answer earlier compiles from recipes/plan/compile_cache.py. turn: when the pick streams block
     weights, also compile it with some of them kept across the turn (recipes/plan/turn_search.py; default:
-    when compiling in stages). progress_write: where the line per
-    finished compile goes (default stderr; None: nowhere). ValueError for bad inputs
+    when compiling in stages). with_own: the recipe's own placement too (`_candidates_to_compile`). progress_write:
+    where the line per finished compile goes (default stderr; None: nowhere). ValueError for bad inputs
     (unknown GPU, mesh not matching, toolchain missing), saying what to do.
     """
     started = time.perf_counter()
@@ -259,7 +274,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     hbm_limit = headroom * target.hbm_bytes if hbm_budget is None else min(headroom * target.hbm_bytes, hbm_budget)
     search_request = None if search is None else _search_request(
         compiled_recipe, search, mesh, hbm_limit, host_ram, devices)
-    todo = list(plans) if plans is not None else candidates(compiled_recipe)
+    todo, wanted = _candidates_to_compile(recipe, compiled_recipe, plans, with_own)
     for candidate in todo:   # a bad spec is an error here, before any compile
         RematPlan.parse(candidate.activations).resolve(compiled_recipe.model.num_layers)
     check_toolchain()
@@ -273,6 +288,7 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
                               compiled_recipe, target, devices, options, recipe)
     progress = CompileProgress(len(todo), hbm_limit, devices, host_ram, write=progress_write)
     compiles = CandidateCompiles(todo, request, progress, cache=store, request_keys=keys, workers=workers)
+    compiles.wanted = wanted
 
     def judged(rows: list[PlanRow], mesh_answer: dict | None) -> Plan:
         return Plan(compiled_recipe, target, devices, mesh_answer or mesh, headroom, host_ram, rows, warnings, None,

@@ -16,7 +16,7 @@ from spillway.layers.residency import is_split
 from spillway.recipes.config import NEXT_FORWARD, PENDING_DEVICE, PENDING_HOST
 from spillway.recipes.plan import host_peak
 from spillway.recipes.plan.candidates import Candidate
-from spillway.recipes.plan.result import GiB, PlanRow
+from spillway.recipes.plan.result import PlanRow
 
 
 def refusal_before_compile(bounds: dict, hbm_limit: float, devices: int, host_ram: float) -> str | None:
@@ -25,9 +25,9 @@ def refusal_before_compile(bounds: dict, hbm_limit: float, devices: int, host_ra
     The HBM figure (argument + output - alias + temp) is at least the device-resident arguments; the host's
     peak over a run's phases is at least the peak of its phases with the step's own host bytes at 0 (the
     step phase only grows with them, the others do not depend on them: recipes/train/host_memory.py)."""
-    if bounds["device_argument_bytes"] > hbm_limit:
-        return (f"cannot fit: its weights and optimizer state in HBM alone are "
-                f"{bounds['device_argument_bytes'] / GiB:.1f} GiB > {hbm_limit / GiB:.1f} GiB")
+    if bounds["device_argument_bytes"] > hbm_limit:   # as many decimals as tell the two apart
+        held, limit, unit = host_peak.apart(bounds["device_argument_bytes"], hbm_limit)
+        return f"cannot fit: its weights and optimizer state in HBM alone are {held} {unit} > {limit} {unit}"
     host = host_peak.describe_refusal({"host_phases": bounds["host_phases"], "host_bytes": 0}, devices, host_ram)
     return None if host is None else f"cannot fit: {host}, whatever the step holds"
 

@@ -38,24 +38,13 @@ def refusals(candidate: Candidate, report: dict, hbm_limit: float, devices: int,
     offload."""
     reasons = []
     if report["hbm_bytes"] > hbm_limit:
-        reasons.append(f"HBM {over(report['hbm_bytes'], hbm_limit)}")
+        reasons.append(f"HBM {host_peak.over(report['hbm_bytes'], hbm_limit)}")
     host_refusal = host_peak.describe_refusal(report, devices, host_ram)
     if host_refusal:
         reasons.append(host_refusal)
     if dropped_offload(candidate, report):
         reasons.append("offload dropped: no activation in host memory in the compiled step")
     return reasons
-
-
-def over(value: float, limit: float) -> str:
-    """"value > limit GiB" with as many decimals as it takes for the two to read apart (0.09 > 0.05 GiB, where
-    one decimal said 0.1 > 0.1); MiB below a hundredth of a GiB."""
-    unit, scale = ("GiB", GiB) if limit >= 0.01 * GiB else ("MiB", 2**20)
-    for decimals in range(1, 4):
-        a, b = f"{value / scale:.{decimals}f}", f"{limit / scale:.{decimals}f}"
-        if a != b:
-            break
-    return f"{a} > {b} {unit}"
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ class CandidateCompiles:
         self.groups: list[list[int]] = []
         self.used_workers = 0
         self.warnings: list[str] = []
+        self.wanted: set[int] = set()           # indices the user asked for: compiled even where beaten
 
     # -- the cache --------------------------------------------------------------------------------------
     def _from_cache(self, index: int) -> None:
@@ -122,8 +123,8 @@ class CandidateCompiles:
             for index in stage:
                 if index in refused or index in self.results:
                     continue
-                faster = pruning.faster_plan_that_fits(self.todo[index], self.todo, rows, self.skipped,
-                                                       host_update_floor_s)
+                faster = None if index in self.wanted else pruning.faster_plan_that_fits(
+                    self.todo[index], self.todo, rows, self.skipped, host_update_floor_s)
                 if faster is None:
                     run.append(index)
                 else:

@@ -230,3 +230,21 @@ def test_the_command_says_what_each_compile_gave_on_stderr_when_it_is_not_a_term
     assert cli.main(["plan", "tiny", *[f"--set={s}" for s in SMALL], "--gpu", "h100", "--no-cache"]) == 0
     assert len(fake.compiled) == 2 * len(compiled)   # --no-cache: compiled again although cached
     assert "from the compile cache" not in capsys.readouterr().err
+
+
+def test_a_placement_the_user_sets_is_priced_though_no_candidate_and_beaten(fake, capsys):
+    """A new user's finding: `spillway plan --set offload.optimizer_state=host:2` was validated, then replaced by
+    the candidates without a word (no host:2 among them; the pruning would skip it beside a plan that fits)."""
+    from spillway.recipes import cli
+
+    own = ["offload.optimizer_state=host:2", "offload.activations=recompute_all"]
+    assert Candidate.of_recipe(get_recipe("tiny", [*SMALL, *own])) not in planner.candidates(get_recipe("tiny", SMALL))
+    assert cli.main(["plan", "tiny", *[f"--set={s}" for s in [*SMALL, *own]], "--gpu", "h100", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["plans"]
+    mine = [row for row in rows if row["optimizer_state"] == "host:2" and row["plan"] == "recompute_all"]
+    assert len(mine) == 1 and mine[0]["hbm_bytes"] > 0
+    assert any(c.optimizer_state == "host:2" for c in fake.compiled)
+    # without such a --set, the candidates alone, as before
+    fake.compiled.clear()
+    assert cli.main(["plan", "tiny", *[f"--set={s}" for s in SMALL], "--gpu", "h100", "--json"]) == 0
+    assert not any(row["optimizer_state"] == "host:2" for row in json.loads(capsys.readouterr().out)["plans"])

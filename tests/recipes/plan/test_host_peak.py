@@ -122,7 +122,8 @@ def test_nothing_fits_exits_2_after_the_table_and_names_the_hosts_ram_where_hbm_
 
     from spillway.recipes import cli
     from spillway.recipes.plan import commands
-    from spillway.recipes.plan.result import nothing_fits_numbers, over
+    from spillway.recipes.plan.host_peak import over
+    from spillway.recipes.plan.result import nothing_fits_numbers
 
     because = "cannot fit: host 6.5 GiB at checkpoint save > 0.0 GiB, whatever the step holds"
     refused = [{**Candidate.of("save_all", "host").to_dict(), "label": "save_all / optimizer_state=host",
@@ -185,3 +186,12 @@ def test_a_shape_the_compiler_rejects_in_every_plan_stops_the_plan_in_one_line()
     _refuse_a_shape_no_plan_compiles([failed(n) for n in range(SAME_FAILURE_ROWS - 1)])   # too few to tell
     _refuse_a_shape_no_plan_compiles([failed(1), failed(2), failed(3), SimpleNamespace(error=None)])   # one compiled
     _refuse_a_shape_no_plan_compiles([failed(1), failed(2), failed(3), SimpleNamespace(error="out of memory")])
+
+
+def test_a_refusal_before_compiling_tells_its_two_sizes_apart():
+    """A new user's finding: --hbm-budget 0.01 on the tiny recipe said "in HBM alone are 0.0 GiB > 0.0 GiB"."""
+    from spillway.recipes.plan.pruning import refusal_before_compile
+
+    bounds = {"device_argument_bytes": 0.0123 * GiB, "host_phases": None}
+    assert refusal_before_compile(bounds, 0.01 * GiB, 1, 100 * GiB) == \
+        "cannot fit: its weights and optimizer state in HBM alone are 0.012 GiB > 0.010 GiB"
