@@ -79,6 +79,10 @@ class TrainingData:
                                    f"data.seq_len to keep them)")
                 skipped += (f" ({packed.num_documents} examples, {packed.target_tokens} target tokens; "
                             f"{packed.overlong_examples} longer than a row {done}{unanswered})")
+            if packed.val.shape[0] > packed.train.shape[0] and packed.overlong_policy is None:
+                # documents are held out whole: a corpus of a few long ones can give validation most rows
+                skipped += (" (more val rows than train rows: the corpus is a few long documents, each held out "
+                            "whole; add documents, or set data.val_fraction=0)")
             return f"{packed.train.shape[0]} train rows, {packed.val.shape[0]} val rows{skipped}"
 
         if not self.is_mixture:

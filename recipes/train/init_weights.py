@@ -265,8 +265,10 @@ def _named_checkpoint_tokenizer(recipe: Recipe, directory: Path) -> Recipe:
     return recipe
 
 
-def load_init_weights(recipe: Recipe, abstract_params, say=print):
+def load_init_weights(recipe: Recipe, abstract_params, say=print, *, resuming: bool = False):
     """The parameters `checkpoint.init_from` names, placed in the shardings `abstract_params` carry.
+    `resuming`: a LoRA run's base read for a resume (its adapters, optimizer state and schedule come from its
+    step), which its line says instead of a fresh start.
 
     abstract_params: the run's parameter state as ShapeDtypeStructs with shardings
     (recipes/train/step.py abstract_with_shardings), and the form the result comes in: split weights
@@ -278,11 +280,17 @@ def load_init_weights(recipe: Recipe, abstract_params, say=print):
     directory = hf_checkpoint_dir(init_from)
     if directory is None:
         params, meta = restore_params_only(init_from, abstract_params)
-        say(f"fine-tuning from {init_from} (weights of step {meta.get('step')}); fresh optimizer state and schedule")
+        say(_fine_tuning_line(f"{init_from} (weights of step {meta.get('step')})", resuming))
         return params
     whole = placement.saved_structs(abstract_params)
     shardings = jax.tree.map(lambda leaf: leaf.sharding, whole)
     params = placement.params_from_saved(
         load_hf_weights(directory, get_family(recipe.family), recipe.model, whole, shardings), abstract_params)
-    say(f"fine-tuning from the Hugging Face checkpoint {directory}; fresh optimizer state and schedule")
+    say(_fine_tuning_line(f"the Hugging Face checkpoint {directory}", resuming))
     return params
+
+
+def _fine_tuning_line(source: str, resuming: bool) -> str:
+    if resuming:
+        return f"LoRA base: {source}, read at every start (steps hold the adapters, which resume)"
+    return f"fine-tuning from {source}; fresh optimizer state and schedule"

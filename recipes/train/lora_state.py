@@ -132,15 +132,16 @@ def initial_adapters(recipe: Recipe, param_shardings):
     return jax.jit(lambda: adapters_of(nnx.split(make())[1]), out_shardings=adapters_of(param_shardings))()
 
 
-def load_base(recipe: Recipe, params, param_shardings, say=print):
+def load_base(recipe: Recipe, params, param_shardings, say=print, *, resuming: bool = False):
     """`params` with the base weights of `checkpoint.init_from` (the adapters as they are): a LoRA run
-    reads its base this way at every start, a resume too, since checkpoints hold only the adapters."""
+    reads its base this way at every start, a resume too (`resuming`), since checkpoints hold only the
+    adapters."""
     from spillway.recipes.train.init_weights import load_init_weights
 
     adapters, base = split(params)
     _, base_shardings = split(param_shardings)
     abstract_base = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), base, base_shardings)
-    loaded = load_init_weights(recipe, abstract_base, say)
+    loaded = load_init_weights(recipe, abstract_base, say, resuming=resuming)
     return join(adapters, loaded)
 
 

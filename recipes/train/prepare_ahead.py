@@ -32,11 +32,13 @@ def prepare_ahead(recipe: Recipe, *, echo=print):
 
     recipe, _, say = run_checks(recipe, echo, host_ram_gb=None)
     checkpoints = Path(recipe.run_dir) / CHECKPOINTS_DIRNAME
-    if recipe.train.resume and checkpoints.is_dir() and finalised_step_dirs(checkpoints):   # resume=false: afresh
+    if checkpoints.is_dir() and finalised_step_dirs(checkpoints):
+        # with train.resume=false too: `spillway train` then refuses a folder that holds steps (resume.py)
         raise RunAlreadyStartedError(
             f"{recipe.run_dir} holds a run that has started (checkpoints in {checkpoints}): its data was prepared "
             f"when it started, with its own copy of the tokenizer, and `spillway train` resumes it; to prepare "
-            f"the data of a new run, set checkpoint.dir to a folder without one (or train.resume=false)")
+            f"the data of a new run, set checkpoint.dir to a folder without one (or delete its steps to start "
+            f"over there)")
     _refuse_a_live_run(Path(recipe.run_dir))
     with tempfile.TemporaryDirectory(prefix="spillway-prepare-") as scratch:
         init_from = recipe.checkpoint.init_from

@@ -105,7 +105,7 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
             params = lora_state.join(lora_state.initial_adapters(recipe, s.param_shardings),
                                      lora_state.split(params)[1])
         # Checkpoints hold only the adapters: the frozen base is read from init_from at every start.
-        params = lora_state.load_base(recipe, params, s.param_shardings, say)
+        params = lora_state.load_base(recipe, params, s.param_shardings, say, resuming=bool(candidates))
     elif not candidates and recipe.checkpoint.init_from:
         # Before the optimizer state: its fp32 master copies of low-precision weights are made from these.
         placed = abstract_with_shardings(params, s.param_shardings)   # split weights: read into their parts

@@ -36,7 +36,11 @@ def test_a_lora_run_keeps_its_base_step_and_resumes_by_the_same_command(micro_da
 
     capsys.readouterr()
     assert _train(micro_data_cache, lora, *lora_sets, "train.steps=3") == 0   # the command that started it
-    assert f"resumed from {lora / 'checkpoints' / '2'} at step 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"resumed from {lora / 'checkpoints' / '2'} at step 2" in out
+    # the base is read again, but nothing starts afresh (it said "fresh optimizer state and schedule")
+    assert f"LoRA base: {base / 'checkpoints' / '2'} (weights of step 2), read at every start" in out
+    assert "fresh optimizer state" not in out
     resumed = json.loads((lora / "checkpoints" / "3" / "recipe" / "recipe.json").read_text())["checkpoint"]
     assert resumed["init_from"] == pinned["init_from"]   # still the step it started on, not the base's newest
 

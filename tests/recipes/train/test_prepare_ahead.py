@@ -36,8 +36,14 @@ def test_prepare_fills_the_cache_a_chat_run_reads_and_refuses_a_started_run(tmp_
     assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir)]) == cli.EXIT_USER_ERROR
     (line,) = capsys.readouterr().err.splitlines()
     assert f"{tmp_path / 'run'} holds a run that has started" in line and "set checkpoint.dir" in line
-    assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir), "--set", "train.resume=false"]) == 0
-    assert "(cached, " in capsys.readouterr().out   # a run that starts afresh there reads what a new one does
+    # train.resume=false is no way round: `spillway train` refuses a folder holding steps with it
+    assert cli.main(["prepare", "tiny", *sets(tmp_path, tokenizer_dir), "--set", "train.resume=false"]) == \
+        cli.EXIT_USER_ERROR
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "holds a run that has started" in line and "resume=false" not in line
+    assert cli.main(["train", "tiny", *sets(tmp_path, tokenizer_dir), "--set", "train.resume=false"]) == \
+        cli.EXIT_USER_ERROR
+    assert "train.resume is false, but this directory holds steps" in capsys.readouterr().err
 
 
 def test_prepare_refuses_a_folder_a_live_run_holds(tmp_path, capsys):
