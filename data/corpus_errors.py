@@ -49,6 +49,8 @@ def parse_jsonl_line(raw: bytes, expected: str = "an object with a text field") 
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as error:
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            return None, "not UTF-8 but UTF-16 (its byte order mark, 0xff 0xfe or 0xfe 0xff, opens the file)"
         return None, f"not UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
     if not line.strip():
         return None, None
@@ -68,6 +70,8 @@ def parse_jsonl_line(raw: bytes, expected: str = "an object with a text field") 
 def _what_to_do(problem: str, last: bool) -> str:
     """The advice after a .jsonl line's problem: a last line without its newline that does not parse is a
     file cut short; bytes that are not UTF-8 are another encoding."""
+    if problem.startswith("not UTF-8 but UTF-16"):
+        return "; re-encode the file to UTF-8 (iconv -f utf-16 -t utf-8 FILE > NEW)"
     if problem.startswith("not UTF-8"):
         return "; re-encode the file to UTF-8 (for cp1252/Latin-1: iconv -f cp1252 -t utf-8)"
     if last and problem.startswith("not valid JSON"):

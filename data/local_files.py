@@ -147,7 +147,7 @@ def read_bytes(path: Path) -> bytes:
 
 
 def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """(every visible file under `folder`, each read once; [(a file not read, why)]).
+    """(every visible file under `folder`, each read once; [(a file or hidden folder not read, why)]).
 
     Symlinked folders are followed, each real folder walked once, under its own name where it is inside
     `folder` (in sorted order otherwise: the name a folder outside it is read under does not depend on the
@@ -163,6 +163,9 @@ def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
             dirs[:] = []
             continue
         seen.add(real)
+        # hidden files and folders are not read (as `datasets` reads none), but named: a user's `.notes.txt`
+        # left out of the corpus without a word was a finding
+        skipped += [(Path(root) / name, "a hidden folder, not read") for name in sorted(dirs) if name.startswith(".")]
         dirs[:] = sorted(name for name in dirs if not name.startswith("."))
         # a link to a folder of the corpus is not walked: the folder is, under its own name (walked under the
         # link's, it moved in the order, or out of its split, as the link's name sorted)
@@ -172,6 +175,7 @@ def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
         dirs[:] = [name for name in dirs if name not in inside]
         for name in names:
             if name.startswith("."):
+                skipped.append((Path(root) / name, "hidden, not read"))
                 continue
             path = Path(root) / name
             if path.is_file():

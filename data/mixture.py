@@ -32,6 +32,7 @@ import numpy as np
 from .cache import stable_key
 from .loader import DamagedLoaderState, local_batch_size, rows_changed_hint, saved_count
 from .packing import PackedData, prepare_tokens
+from .sources import parse_hub_spec, parse_local_spec
 from .tokenizer import Tokenizer
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -68,6 +69,31 @@ def parse_mixture(spec: str) -> tuple[MixtureComponent, ...]:
     if duplicates:
         raise ValueError(f"mixture {spec!r} names {', '.join(duplicates)} more than once")
     return tuple(components)
+
+
+def shared_files_notes(components: tuple[MixtureComponent, ...], split: str = "train") -> list[str]:
+    """A warning for each pair of local sources that read the same files (a folder and its subfolder, one
+    folder twice): those documents are drawn under both weights, so the mixture is not the one its weights
+    say. A source that cannot be read is left to the preparation, which names what is wrong with it."""
+    files = {}
+    for component in components:
+        if parse_hub_spec(component.source) is not None:
+            continue
+        try:
+            files[component.name] = {path.resolve() for path in parse_local_spec(component.source, split).files}
+        except (OSError, ValueError):
+            continue
+    notes = []
+    names = list(files)
+    for k, first in enumerate(names):
+        for second in names[k + 1:]:
+            shared = files[first] & files[second]
+            if shared:
+                example = min(shared)
+                notes.append(f"warning: data.mixture sources {first!r} and {second!r} read {len(shared)} of the same "
+                             f"files (e.g. {example}): their documents are drawn under both weights, more often "
+                             f"than either weight says; give sources that do not overlap")
+    return notes
 
 
 def prepare_mixture(

@@ -128,16 +128,20 @@ def _split_sizes(
     if train_rows < 1 or (val_fraction > 0 and val_rows < 1):
         wanted = "one training row and one validation row" if val_fraction > 0 else "one training row"
         enough = shards.num_tokens >= 2 * row_len   # long enough, but in too few documents to split in two
-        advice = ("its tokens are in too few documents to split: the validation set takes whole documents (a "
-                  ".txt file is one document; a .jsonl or .parquet file one a record), so split it into "
-                  "several files" if enough and val_fraction > 0 else "use a larger corpus or a shorter seq_len")
+        documents = f"{shards.num_documents} document{'' if shards.num_documents == 1 else 's'}"
+        counted = f"({train_tokens} tokens train, {val_tokens} validation)"
+        no_validation = " or set val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
+        if enough and val_fraction > 0:
+            # not short at all: a single file of a million tokens met "too short" and deleted nothing to fix it
+            raise ValueError(
+                f"corpus {description!r} cannot be split into training and validation rows: its "
+                f"{shards.num_tokens} tokens are in {documents} {counted}, and the validation set takes whole "
+                f"documents (a .txt file is one document; a .jsonl or .parquet file one a record), so that "
+                f"{wanted} of seq_len={seq_len} cannot both be filled; split it into several files,{no_validation}")
         raise ValueError(
-            f"corpus {description!r} is too short: it has {shards.num_tokens} tokens in "
-            f"{shards.num_documents} document{'' if shards.num_documents == 1 else 's'}, and {wanted} of seq_len={seq_len} need {row_len} tokens "
-            f"each, from whole documents ({train_tokens} tokens train, {val_tokens} validation); "
-            f"{advice}" + (" or set val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
-                           if val_fraction > 0 else "")
-        )
+            f"corpus {description!r} is too short: it has {shards.num_tokens} tokens in {documents}, and {wanted} "
+            f"of seq_len={seq_len} need {row_len} tokens each, from whole documents {counted}; use a larger corpus "
+            f"or a shorter seq_len" + (no_validation if val_fraction > 0 else ""))
     return holdout, train_rows, val_rows, shards.num_documents - val_documents, val_documents
 
 

@@ -301,6 +301,33 @@ def load_local_files(local: LocalSpec, streaming: bool,
     return dataset.map(_without_bom, batched=True) if local.builder == "text" else dataset
 
 
+def _text_files_dataset(local: LocalSpec, streaming: bool,
+                        cache: str | None) -> datasets.Dataset | datasets.IterableDataset:
+    """A text source's documents read as a run reads them (`TextFileDocuments`: a binary or UTF-16 file refused
+    in one line, a few bytes not UTF-8 warned of), into a `datasets` dataset; the text builder read UTF-16 as
+    mojibake without a word. The Arrow cache is keyed by the files' paths, sizes and times."""
+    files = [str(path) for path in local.files]
+    key = stable_key("text files", [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns)
+                                    for path in local.files])
+    options = {"gen_kwargs": {"files": files, "key": key},
+               "features": datasets.Features({"text": datasets.Value("string")})}   # all empty: no rows to infer
+    if streaming:
+        return datasets.IterableDataset.from_generator(_text_rows, **options)
+    try:
+        return datasets.Dataset.from_generator(_text_rows, cache_dir=cache, **options)
+    except datasets.exceptions.DatasetGenerationError as error:   # it wraps the reader's own one-line error
+        if isinstance(error.__cause__, (DataError, ValueError, OSError)):
+            raise error.__cause__ from None
+        raise
+
+
+def _text_rows(files: list[str], key: str) -> Iterator[dict[str, str]]:
+    del key   # in the arguments only for the cache's fingerprint: the files' contents, not just their names
+    # empty ones too: a dataset of no rows is an error of `datasets`' own; load_documents drops and names them
+    for text in TextFileDocuments(tuple(Path(file) for file in files))._texts(keep_empty=True):
+        yield {"text": text}
+
+
 def _without_bom(batch: dict[str, list]) -> dict[str, list]:
     return {"text": [text.removeprefix("\ufeff") for text in batch["text"]]}
 
@@ -331,7 +358,8 @@ def load_documents(
             raise _hub_failure(source, hub, error) from error
     else:
         local = parse_local_spec(source, split)
-        dataset = load_local_files(local, bool(streaming), cache)
+        dataset = (_text_files_dataset(local, bool(streaming), cache) if local.builder == "text"
+                   else load_local_files(local, bool(streaming), cache))
     try:
         dataset = select_text_column(dataset, text_field, source)
         # several files: a later file's non-string values were cast to JSON text, the column's type is string
@@ -401,9 +429,9 @@ class TextFileDocuments:
         self.records_without_text.empty = 0   # counted again by each read
         return batches(self._texts(), self.start, batch_size)
 
-    def _texts(self) -> Generator[str, None, None]:
-        """Each file's text that holds text (an empty file counted), with one warning for the files that are not
-        all UTF-8 once the reading ends."""
+    def _texts(self, keep_empty: bool = False) -> Generator[str, None, None]:
+        """Each file's text that holds text (an empty file counted; `keep_empty`: yielded too), with one warning
+        for the files that are not all UTF-8 once the reading ends."""
         not_utf8: dict[Path, int] = {}
         try:
             for path in self.files:
@@ -411,7 +439,8 @@ class TextFileDocuments:
                 check_is_text(path, text)
                 if not text or text.isspace():
                     self.records_without_text.empty += 1
-                    continue
+                    if not keep_empty:
+                        continue
                 yield text
         except GeneratorExit:   # the reader stopped early (a tokenizer trains on the head of the corpus)
             warn_not_utf8(not_utf8)
@@ -464,6 +493,9 @@ def check_is_text(path: Path, text: str) -> None:
     nul = text.count("\x00")
     undecodable = text.count("\ufffd")
     if nul or undecodable > max(16, BINARY_SHARE * len(text)):
+        if _reads_as_utf16(text):   # Windows' "Unicode" text: a good file in another encoding, not binary
+            raise DataError(f"corpus file {path} is UTF-16 text, not UTF-8: re-encode it (iconv -f utf-16 -t utf-8 "
+                            f"FILE > NEW), or remove it from the corpus")
         if nul:
             raise DataError(f"corpus file {path} is not text ({nul} NUL bytes): a text corpus holds UTF-8 "
                             f".txt/.py/.md files; remove it from the corpus, or point data.source at a folder "
@@ -472,6 +504,15 @@ def check_is_text(path: Path, text: str) -> None:
         raise DataError(f"corpus file {path}: {undecodable} of its {len(text)} characters are not UTF-8 (binary, or "
                         f"text in a legacy encoding such as cp1252/Latin-1?); re-encode it to UTF-8 (iconv -f cp1252 "
                         f"-t utf-8), or remove it from the corpus")
+
+
+def _reads_as_utf16(text: str) -> bool:
+    """Whether a file's text, decoded as UTF-8 with replacements, was UTF-16: its byte order mark (0xff 0xfe or
+    0xfe 0xff, two replacements), or Latin text whose every other byte is NUL."""
+    head = text[:4096]
+    if head.startswith("\ufffd\ufffd") and "\x00" in head:
+        return True
+    return len(head) >= 8 and any(head[k::2].count("\x00") >= 0.9 * len(head[k::2]) for k in (0, 1))
 
 
 def stream_documents(

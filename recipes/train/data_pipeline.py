@@ -31,6 +31,7 @@ import numpy as np
 
 from spillway.data import (BatchLoader, MixtureLoader, PackedData, Tokenizer, check_vocab, interleave_documents,
                            load_tokenizer, parse_mixture, prepare_tokens, stream_documents, train_tokenizer)
+from spillway.data.mixture import shared_files_notes
 from spillway.data.sources import source_notes
 from spillway.data.spm_tokenizer import NoTextError
 from spillway.layers.errors import DataError
@@ -117,8 +118,10 @@ class TrainingData:
 
 def source_notes_of(recipe: Recipe) -> list[str]:
     """What reading each source leaves out (data/sources.py `source_notes`): the other splits, skipped files."""
-    sources = [c.source for c in parse_mixture(recipe.data.mixture)] if recipe.data.mixture else [recipe.data.source]
-    return [line for source in sources for line in source_notes(source, recipe.data.split)]
+    components = parse_mixture(recipe.data.mixture) if recipe.data.mixture else ()
+    sources = [c.source for c in components] or [recipe.data.source]
+    notes = [line for source in sources for line in source_notes(source, recipe.data.split)]
+    return notes + shared_files_notes(components, recipe.data.split)
 
 
 def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:

@@ -218,14 +218,13 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say, named_base: s
     checkpoint.init_from the command named, before a LoRA run's pin (lora_state.keep_started_base)."""
     # Imported here, not at module level: the train step (setup, make_train_step) must stay importable
     # where `datasets` or orbax are missing, e.g. by the GPU benchmark and the planner's compile process.
-    from spillway.data import tokenizer_file_in
     from spillway.recipes.train import lora_state
     from spillway.recipes.train.checkpoint import CorruptCheckpointError
     from spillway.recipes.train.corpus_record import check_corpus
     from spillway.recipes.train.finetune import with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
     from spillway.recipes.train.resume import steps_to_try
-    from spillway.recipes.train.tokenization_record import recorded_bos
+    from spillway.recipes.train.tokenization_record import kept_tokenizer_file, recorded_bos
 
     if recipe.checkpoint.init_from and hf_checkpoint_dir(recipe.checkpoint.init_from) is None:
         recipe = with_source_tokenizer(recipe, run_dir, resuming=recipe.train.resume and bool(checkpointer.all_steps()),
@@ -246,9 +245,7 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say, named_base: s
     record_corpus_now = check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py): its
     # copy in the run folder, also where the tokenizer it names is gone (an hf: base removed: preflight.py).
-    named = recipe.data.tokenizer
-    own_tokenizer = (tokenizer_file_in(run_dir) if candidates and (not named or not Path(named).expanduser().exists())
-                     else None)
+    own_tokenizer = kept_tokenizer_file(run_dir, recipe.data.tokenizer) if candidates else None
     # ... and with or without a BOS before each document, as it started (tokenization_record.py).
     kept_bos = recorded_bos(run_dir) if candidates else None
     return recipe, candidates, own_tokenizer, kept_bos, record_corpus_now

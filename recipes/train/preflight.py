@@ -110,13 +110,22 @@ def _tokenizer_problem(path_text: str, origin: str | None) -> str | None:
     path = Path(path_text).expanduser()
     if path.is_file() or (path.is_dir() and tokenizer_file_in(path) is not None):
         return None
-    what = (f"data.tokenizer {path_text!r} holds neither {' nor '.join(TOKENIZER_FILES)}" if path.is_dir()
-            else f"data.tokenizer {path_text!r} does not exist")
+    if path.is_dir():
+        slow = [name for name in ("vocab.json", "merges.txt", "vocab.txt") if (path / name).is_file()]
+        # a "slow" transformers tokenizer's files: transformers converts them, spillway reads the fast file only
+        read_by = (f" ({' and '.join(slow)} are a slow tokenizer's files, which spillway does not read: save the "
+                   f"fast one with transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"
+                   if slow else "")
+        what = f"data.tokenizer {path_text!r} holds neither {' nor '.join(TOKENIZER_FILES)}{read_by}"
+    else:
+        what = f"data.tokenizer {path_text!r} does not exist"
     fetch = ""
     if origin:
         folder = path.parent if path.suffix in (".json", ".model") else path
         fetch = (f" (it is {origin}'s tokenizer: fetch it with `hf download {origin} --include '*.json' "
                  f"tokenizer.model --local-dir {folder}`)")
+    if not origin:
+        return f"{what}: point it at {LOCAL_TOKENIZER} (--set data.tokenizer=PATH)"
     return f"{what}{fetch}; or point at a local copy with --set data.tokenizer=PATH ({LOCAL_TOKENIZER})"
 
 

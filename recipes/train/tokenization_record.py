@@ -21,6 +21,7 @@ from pathlib import Path
 
 from spillway.data import Tokenizer
 from spillway.data.tokenizer import TOKENIZER_CONFIG_FILE
+from spillway.recipes.train.errors import RunError
 
 
 def recorded_bos(run_dir: str | os.PathLike) -> bool | None:
@@ -33,6 +34,35 @@ def recorded_bos(run_dir: str | os.PathLike) -> bool | None:
     if not isinstance(saved, dict):
         return None
     return bool(saved.get("add_bos_token", False))   # absent: from before spillway added BOS, so none
+
+
+class TokenizerChangedError(RunError):
+    """The tokenizer a resumed run names is no longer the one it trained with."""
+
+
+def kept_tokenizer_file(run_dir: str | os.PathLike, named: str | None) -> Path | None:
+    """The tokenizer file a resumed run tokenizes with: its own copy in RUN_DIR (None: it saved none, and the
+    named tokenizer is read). The tokenizer it names, where there, must still give the same ids: one edited or
+    retrained in place since the run started (same path, other ids) raises TokenizerChangedError; before, the
+    resume read the new one without a word and overwrote the run's copy with it. BOS are compared apart
+    (`recorded_bos`): here the vocabulary, the rules and the EOS."""
+    from spillway.data import load_tokenizer, tokenizer_file_in
+
+    own = tokenizer_file_in(run_dir)
+    if own is None or not named or not Path(named).expanduser().exists():
+        return own
+    try:
+        changed = (load_tokenizer(named).with_bos(False).fingerprint !=
+                   load_tokenizer(own).with_bos(False).fingerprint)
+        why = "gives other ids than"
+    except (OSError, ValueError) as error:
+        changed, why = True, f"cannot be read ({' '.join(str(error).split())}), unlike"
+    if changed:
+        raise TokenizerChangedError(
+            f"{run_dir}: cannot resume: data.tokenizer {named!r} {why} the copy this run trained with ({own}): it "
+            f"was edited or retrained since the run started. Restore it (or set data.tokenizer={own}) to go on; "
+            f"to train on with the new tokenizer, fine-tune into another checkpoint.dir (checkpoint.init_from)")
+    return own
 
 
 def run_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:

@@ -204,10 +204,11 @@ def test_one_document_cannot_be_split(tokenizer, tmp_path):
                                          f"0 tokens train, {num_tokens} validation.*val_fraction=0"):
         prepare_tokens(str(path), tokenizer, seq_len=seq_len, val_fraction=0.1, cache_dir=cache)
     # One long file: plenty of tokens, one document. "Use a larger corpus" sent the user the wrong way.
-    with pytest.raises(ValueError, match="in too few documents to split.*a .txt file is one document.*split it into "
-                                         "several files or set val_fraction=0") as refused:
+    with pytest.raises(ValueError, match="short.txt' cannot be split into training and validation rows: its .* "
+                                         "tokens are in 1 document.*a .txt file is one document.*split it into "
+                                         "several files, or set val_fraction=0") as refused:
         prepare_tokens(str(path), tokenizer, seq_len=4, val_fraction=0.1, cache_dir=cache)
-    assert "larger corpus" not in str(refused.value)
+    assert "larger corpus" not in str(refused.value) and "too short" not in str(refused.value)
 
 
 def test_empty_stream_is_named(tokenizer, tmp_path, monkeypatch):

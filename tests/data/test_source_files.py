@@ -237,3 +237,53 @@ def test_validation_larger_than_training_is_said(tokenizer, tmp_path):
             break
     assert packed.val.shape[0] > packed.train.shape[0]
     assert "more val rows than train rows" in TrainingData({CORPUS: packed}, None).describe()
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le"])   # Notepad's "Unicode" (with its BOM), and without
+def test_utf16_text_is_named_as_utf16_not_binary(tmp_path, encoding):
+    """A new user's finding: a UTF-16 file was "not text (102 NUL bytes)", and the advice was to delete a good
+    file; a UTF-16 .jsonl got the cp1252 advice."""
+    (tmp_path / "a.txt").write_bytes(("hello café, a whole line of text\n" * 20).encode(encoding))
+    with pytest.raises(DataError, match=r"a.txt is UTF-16 text, not UTF-8: re-encode it \(iconv -f utf-16"):
+        list(stream_documents(str(tmp_path)).iter(10))
+    records = tmp_path / "r.jsonl"
+    records.write_bytes((json.dumps({"text": "hello"}) + "\n").encode("utf-16"))
+    with pytest.raises(DataError, match=r"r.jsonl.*line 1.*UTF-16.*iconv -f utf-16 -t utf-8"):
+        list(stream_documents(str(records)).iter(10))
+
+
+def test_hidden_files_and_folders_are_named_where_the_run_lists_what_it_skips(tmp_path):
+    """A new user's finding: `.notes.txt` and `.drafts/` were left out of the corpus without a word, where other
+    files a run does not read are named."""
+    from spillway.data.sources import source_notes
+
+    (tmp_path / "a.txt").write_text("read " * 9)
+    (tmp_path / ".notes.txt").write_text("hidden " * 9)
+    (tmp_path / ".drafts").mkdir()
+    (tmp_path / ".drafts" / "x.txt").write_text("hidden too " * 9)
+    assert read_texts(tmp_path) == ["read " * 9]
+    (line,) = source_notes(str(tmp_path))
+    assert ".notes.txt (hidden, not read)" in line and ".drafts (a hidden folder, not read)" in line
+
+
+def test_load_documents_reads_text_files_as_a_run_does(tmp_path, capsys):
+    """A new user's finding: the public load_documents read UTF-16 as mojibake, a NUL file as text, and Latin-1
+    bytes without the warning that `spillway train` gives: the documents the package's example trains on."""
+    from spillway.data import load_documents
+
+    (tmp_path / "u16").mkdir()
+    (tmp_path / "u16" / "a.txt").write_bytes("hello café\n".encode("utf-16"))
+    with pytest.raises(DataError, match="UTF-16"):
+        load_documents(str(tmp_path / "u16"), cache_dir=tmp_path / "hf")
+    (tmp_path / "nul").mkdir()
+    (tmp_path / "nul" / "a.txt").write_bytes(b"text\x00more text")
+    with pytest.raises(DataError, match="is not text"):
+        list(load_documents(str(tmp_path / "nul"), streaming=True))
+    (tmp_path / "latin").mkdir()
+    (tmp_path / "latin" / "a.txt").write_bytes(("the cafe " * 400 + "caf\xe9").encode("latin-1"))
+    (tmp_path / "latin" / "b.txt").write_text("second document")
+    documents = load_documents(str(tmp_path / "latin"), cache_dir=tmp_path / "hf")
+    assert documents["text"] == [("the cafe " * 400 + "caf\ufffd"), "second document"]
+    assert "not all UTF-8" in capsys.readouterr().err
+    (tmp_path / "latin" / "b.txt").write_text("second document, edited")   # the Arrow cache follows the file
+    assert load_documents(str(tmp_path / "latin"), cache_dir=tmp_path / "hf")["text"][1] == "second document, edited"

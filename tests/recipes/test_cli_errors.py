@@ -155,3 +155,17 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_unfinished_folder(t
     assert "2.orbax-checkpoint-tmp was removed" in last and "No space left on device in" in last
     assert "free space there and a rerun starts over" in last
     assert list((run_dir / "checkpoints").iterdir()) == []
+
+
+def test_a_slow_tokenizers_folder_is_named_as_one(tmp_path, capsys):
+    """A new user's finding: a folder of a slow GPT-2 tokenizer (vocab.json, merges.txt) got "holds neither
+    tokenizer.json nor tokenizer.model; or point at a local copy", a dangling "or" that named nothing wrong."""
+    folder = tmp_path / "slow"
+    folder.mkdir()
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    code = cli.main(["train", "tiny", "--set", f"data.tokenizer={folder}", "--set", f"checkpoint.dir={tmp_path / 'r'}"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_USER_ERROR
+    assert "holds neither tokenizer.json nor tokenizer.model (vocab.json and merges.txt are a slow tokenizer's" in line
+    assert "save_pretrained" in line and "; or point" not in line

@@ -128,3 +128,31 @@ def test_an_accepted_edited_corpus_keeps_the_run_tokenizer_and_a_new_row_count_s
     for path, content in kept.items():
         path.write_bytes(content)
     assert resume(cache_dir, run_dir, corpus, steps=5).final_step == 5
+
+
+def test_a_tokenizer_edited_in_place_since_the_run_started_is_refused_at_resume(tmp_path):
+    """A new user's finding: the tokenizer a run names, edited where it lies (its EOS renamed, or retrained with
+    pieces swapped), was read by the resume without a word (same path, so the recipe compared equal), trained on
+    under other ids, and overwrote the run's own copy. The resume reads the run's copy, and a named tokenizer
+    that gives other ids is refused in one line."""
+    import json
+
+    from spillway.recipes.train.tokenization_record import TokenizerChangedError, kept_tokenizer_file
+
+    named = write_hf_tokenizer(tmp_path / "mytok")
+    run_dir = tmp_path / "run"
+    load_tokenizer(named).save_to_directory(run_dir)   # what a run keeps when it starts
+    own = run_dir / "tokenizer.json"
+    assert kept_tokenizer_file(run_dir, str(named)) == own
+    assert kept_tokenizer_file(run_dir, str(tmp_path / "gone")) == own   # a named tokenizer removed since
+    assert kept_tokenizer_file(tmp_path / "no-copy", str(named)) is None  # a run that saved none reads the named
+    config = named / "tokenizer_config.json"
+    config.write_text(json.dumps({"eos_token": BOS, "bos_token": BOS}))   # the EOS renamed in place
+    with pytest.raises(TokenizerChangedError, match=r"cannot resume: data.tokenizer .*mytok' gives other ids than "
+                                                    r"the copy this run trained with .*run/tokenizer.json"):
+        kept_tokenizer_file(run_dir, str(named))
+    config.write_text(json.dumps({"eos_token": EOS, "bos_token": BOS, "add_bos_token": True}))
+    assert kept_tokenizer_file(run_dir, str(named)) == own   # a BOS is the BOS record's to compare, not this
+    (named / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerChangedError, match="cannot be read"):
+        kept_tokenizer_file(run_dir, str(named))
