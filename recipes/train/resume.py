@@ -102,10 +102,17 @@ def resume_rule(path: str) -> str:
 def _same_tokenizer_file(before: Any, after: Any) -> bool:
     """Two tokenizer paths name the same tokenizer if both files hold the same bytes (a run directory moved
     or reached by another path keeps its tokenizer.model)."""
+    from spillway.data import tokenizer_file_in
+
     if not (isinstance(before, str) and isinstance(after, str)):
         return False
+
+    def file_of(path: str) -> Path:   # a folder names the tokenizer file it holds
+        given = Path(path).expanduser()
+        return (tokenizer_file_in(given) or given) if given.is_dir() else given
+
     try:
-        return Path(before).read_bytes() == Path(after).read_bytes()
+        return file_of(before).read_bytes() == file_of(after).read_bytes()
     except OSError:
         return False
 

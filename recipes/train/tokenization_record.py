@@ -60,8 +60,9 @@ def kept_tokenizer_file(run_dir: str | os.PathLike, named: str | None) -> Path |
     if changed:
         raise TokenizerChangedError(
             f"{run_dir}: cannot resume: data.tokenizer {named!r} {why} the copy this run trained with ({own}): it "
-            f"was edited or retrained since the run started. Restore it (or set data.tokenizer={own}) to go on; "
-            f"to train on with the new tokenizer, fine-tune into another checkpoint.dir (checkpoint.init_from)")
+            f"was edited or retrained since the run started. Restore it to go on (the run's copy is the tokenizer "
+            f"it trained with: copy it back, with its {TOKENIZER_CONFIG_FILE}); to train on with the new tokenizer, "
+            f"fine-tune into another checkpoint.dir (checkpoint.init_from)")
     return own
 
 

@@ -96,6 +96,10 @@ def test_a_tokenizer_reached_by_another_path_is_the_same_tokenizer(tmp_path):
         "data.tokenizer": [str(tmp_path / "a.model"), str(tmp_path / "b.model")]}
     with pytest.raises(RecipeMismatchError, match="data.tokenizer was"):
         compare_recipes(saved, tiny(f"data.tokenizer={tmp_path / 'c.model'}"), where="x")
+    # a folder names the tokenizer file it holds (a run started on a folder, resumed on the file, or back)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "tokenizer.model").write_bytes(b"sentencepiece bytes")
+    assert "data.tokenizer" in compare_recipes(saved, tiny(f"data.tokenizer={tmp_path / 'folder'}"), where="x")
 
 
 def test_a_mixture_written_another_way_resumes_a_reordered_or_reweighted_one_does_not():
