@@ -313,8 +313,10 @@ def _run_steps(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, fe
             stopping.after_step(state.step)
             saving.after_step(state, metrics, stopping=stopping.requested)
             bar.update(1)
-            if stopping.leave(state.step, checkpointer, say, write):
+            if stopping.leave(state.step, checkpointer, write):
                 break
+    if (line := stopping.left_early_line(state.step)) is not None:
+        say(line)
 
 
 @contextlib.contextmanager

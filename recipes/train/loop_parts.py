@@ -173,17 +173,24 @@ class Stopping:
     def requested(self) -> bool:
         return bool(self.status) or self.leave_early
 
-    def leave(self, step: int, checkpointer, say, write) -> bool:
-        """True to leave the loop now (stop_after); raises SystemExit on a signal, once its save is written."""
+    def leave(self, step: int, checkpointer, write) -> bool:
+        """True to leave the loop now (stop_after: `left_early_line` says so once the progress bar is closed,
+        else it was glued to the bar's last line in a log); raises SystemExit on a signal, once its save is
+        written."""
         if self.leave_early:
-            say(f"stopping after {self._stop_after} steps at step {step} of {self._last_step} (checkpoint saved; "
-                f"the same command resumes from it)")
             return True
         if self.status:
             checkpointer.wait()
             write(f"{signal_name(self.status)}: saved step {step} ({checkpointer.step_dir(step)}), stopping")
             raise SystemExit(self.status)
         return False
+
+    def left_early_line(self, step: int) -> str | None:
+        """What a run that left early (stop_after) says once its bar is closed; None for one that did not."""
+        if not self.leave_early:
+            return None
+        return (f"stopping after {self._stop_after} steps at step {step} of {self._last_step} (checkpoint saved; "
+                f"the same command resumes from it)")
 
 
 class Saving:
