@@ -80,9 +80,32 @@ def _what_to_do(problem: str, last: bool) -> str:
     return ""
 
 
+def json_kind(path: Path) -> str | None:
+    """How a `.json` file holds its records: "array" (one JSON array), "lines" (an object a line, as many
+    `.json` files on the Hub do), or None (anything else, told by its first line: one object, pretty-printed
+    or of columns). The first line is read whole: a first record over a fixed limit was read as "not lines"."""
+    try:
+        with open_binary(path) as file:
+            head = file.read(1 << 16).removeprefix(UTF8_BOM)
+            if head.lstrip().startswith(b"["):
+                return "array"
+            rest = head.lstrip(b" \t\r\n")
+            first = rest.split(b"\n", 1)[0] if b"\n" in rest else rest + file.readline()
+    except (OSError, DataError):
+        return None   # named where it is read
+    record, problem = parse_jsonl_line(first.rstrip(b"\r\n"))
+    return "lines" if record is not None and problem is None else None
+
+
+def read_as_lines(path: Path) -> bool:
+    """Whether a record file is read line by line: `.jsonl`, and a `.json` of an object a line."""
+    suffix = corpus_suffix(path)
+    return suffix == ".jsonl" or (suffix == ".json" and json_kind(path) == "lines")
+
+
 def first_json_error(path: Path) -> str | None:
-    """Where `path` (.jsonl: one object per line; .json: one document) stops being readable JSON, or None."""
-    if corpus_suffix(path) == ".jsonl":
+    """Where `path` (JSON lines: one object per line; .json: one document) stops being readable JSON, or None."""
+    if read_as_lines(path):
         with open_binary(path) as f:
             for number, raw in enumerate(f, start=1):
                 _, problem = parse_jsonl_line(raw.rstrip(b"\r\n"))
@@ -110,7 +133,7 @@ def first_non_text_record(files, text_field: str) -> str | None:
         return None if value is None or isinstance(value, str) else type(value).__name__
 
     for path in files:
-        if corpus_suffix(path) == ".jsonl":
+        if read_as_lines(path):
             with open_binary(path) as f:
                 for number, raw in enumerate(f, start=1):
                     line = raw.removeprefix(UTF8_BOM).decode("utf-8", errors="replace")
@@ -128,7 +151,8 @@ def first_non_text_record(files, text_field: str) -> str | None:
                 records = json.loads(read_bytes(path).removeprefix(UTF8_BOM).decode("utf-8", errors="replace"))
             except json.JSONDecodeError:
                 continue
-            for index, record in enumerate(records if isinstance(records, list) else []):
+            # one object (pretty-printed) is one record: its number in a text field was read as a document
+            for index, record in enumerate(records if isinstance(records, list) else [records]):
                 found = kind(record.get(text_field)) if isinstance(record, dict) else None
                 if found:
                     return f"{path}, record {index} (a JSON {found})"

@@ -122,6 +122,50 @@ class _Decompressing(io.RawIOBase):
         super().close()
 
 
+class _ZstdFrames(io.RawIOBase):
+    """A .zst file's bytes, every frame in turn, and an EOFError where the file ends inside a frame: zstandard's
+    own reader returned a cut-short file's decompressed part as if whole (an interrupted download read as a
+    smaller corpus, without a word), where gzip, bz2 and lzma raise."""
+
+    def __init__(self, path: Path):
+        import zstandard
+
+        super().__init__()
+        self._file, self._zstd = open(path, "rb"), zstandard.ZstdDecompressor()
+        self._frame, self._in_frame, self._pending = self._zstd.decompressobj(), False, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            out.append(self._frame.decompress(data))
+            self._in_frame = True
+            if not self._frame.eof:
+                break
+            data = self._frame.unused_data   # the next frame's first bytes, if any
+            self._frame, self._in_frame = self._zstd.decompressobj(), False
+        return b"".join(out)
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            self._pending = self._decompress(chunk)
+        size = min(len(buffer), len(self._pending))
+        buffer[:size], self._pending = self._pending[:size], self._pending[size:]
+        return size
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+
 def open_binary(path: Path) -> IO[bytes]:
     """The file's bytes, decompressed as its suffix says (a failure to decompress: one DataError naming it)."""
     compression = compression_of(path)
@@ -135,9 +179,7 @@ def open_binary(path: Path) -> IO[bytes]:
         compressed = lzma.open(path, "rb")
     else:
         check_codec([path])
-        import zstandard
-
-        compressed = zstandard.open(path, "rb")
+        compressed = _ZstdFrames(path)
     return io.BufferedReader(_Decompressing(path, compressed), buffer_size=1 << 20)
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
-from .corpus_errors import (first_json_error, first_non_text_record, is_text_type, missing_text_field,
-                            parse_jsonl_line, record_fields, unreadable_corpus)
+from .corpus_errors import (first_json_error, first_non_text_record, is_text_type, json_kind,
+                            missing_text_field, parse_jsonl_line, record_fields, read_as_lines, unreadable_corpus)
 from .local_files import UTF8_BOM, compression_of, corpus_suffix, open_binary, read_bytes
 
 # pyarrow's JSON reader needs each record inside one block: it starts at this size and grows fourfold for a
@@ -39,22 +39,6 @@ def readable_by_field(files) -> bool:
     columns, is left to `datasets`, with its folder)."""
     return bool(files) and all(corpus_suffix(path) in (".jsonl", ".parquet") or
                                (corpus_suffix(path) == ".json" and json_kind(path) is not None) for path in files)
-
-
-def json_kind(path: Path) -> str | None:
-    """How a `.json` file holds its records: "array" (one JSON array), "lines" (an object a line, as many
-    `.json` files on the Hub do), or None (anything else, told by its first line)."""
-    try:
-        with open_binary(path) as file:
-            first = file.readline(1 << 20).removeprefix(UTF8_BOM)
-            while first and not first.strip():
-                first = file.readline(1 << 20)
-    except (OSError, DataError):
-        return None   # named where it is read
-    if first.lstrip().startswith(b"["):
-        return "array"
-    record, problem = parse_jsonl_line(first.rstrip(b"\r\n"))
-    return "lines" if record is not None and problem is None else None
 
 
 def batches(documents: Generator[str, None, None], start: int, batch_size: int) -> Iterator[dict[str, list[str]]]:
@@ -157,7 +141,7 @@ class RecordFileDocuments:
             raise self._unreadable(path, error) from None
 
     def _unreadable(self, path: Path, error: BaseException) -> DataError:
-        if corpus_suffix(path) == ".jsonl":
+        if read_as_lines(path):
             where = first_json_error(path)
             if where is not None:
                 return DataError(f"corpus file {str(path)!r}, {where}")

@@ -187,3 +187,55 @@ def test_a_lone_surrogate_in_a_json_array_is_named(tmp_path):
     (tmp_path / "lone.json").write_text('[{"text": "fine"}, {"text": "lone \\ud800 x"}]')
     with pytest.raises(DataError, match=r"lone.json, record 1: a string holds a lone UTF-16 surrogate escape"):
         texts_of(tmp_path / "lone.json")
+
+
+def test_a_number_in_a_pretty_printed_json_beside_json_lines_is_refused(tmp_path):
+    """A new user's finding: a `.json` holding one pretty-printed object whose text is a number (or an object)
+    was read through `datasets`, which made `12345` a document; the check scanned arrays only."""
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"document {i}"} for i in range(30)])
+    (tmp_path / "b.json").write_text('{\n  "text": 12345\n}\n')
+    with pytest.raises(DataError, match=r"b.json, record 0 \(a JSON int\): field 'text' is not a string"):
+        texts_of(tmp_path)
+
+
+def test_a_json_of_lines_names_its_bad_line_and_a_long_first_record_is_still_lines(tmp_path):
+    """A new user's finding: a bad line of a JSON-lines `.json` was "line 2, column 1: not valid JSON (Extra
+    data)" whatever was wrong (the whole file parsed as one document); a first record over 1 MiB made the file
+    "not lines", so its folder went to `datasets` and was refused over its fields."""
+    (tmp_path / "x.json").write_text('{"text": "a"}\n{"text": 7}\n')
+    with pytest.raises(DataError, match=r"x.json, line 2 \(a JSON int\): field 'text' is not a string"):
+        texts_of(tmp_path / "x.json")
+    (tmp_path / "x.json").write_text('{"text": "a"}\n{"text": "b"},\n')
+    with pytest.raises(DataError, match=r"x.json', line 2: not valid JSON"):
+        texts_of(tmp_path / "x.json")
+    (tmp_path / "x.json").unlink()
+    long = "word " * 300_000
+    (tmp_path / "a.json").write_text(json.dumps({"text": long, "id": 1}) + "\n" + json.dumps({"text": "a2"}) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps({"text": "b1", "meta": {"url": "x"}}) + "\n")
+    assert record_documents.json_kind(tmp_path / "a.json") == "lines"
+    assert texts_of(tmp_path)[0] == [long, "a2", "b1"]
+
+
+def test_a_zstd_file_cut_short_is_refused_and_frames_are_all_read(tmp_path):
+    """A new user's finding: a .jsonl.zst cut mid-way (an interrupted download) was read as a smaller corpus
+    without a word (zstandard's reader stops at the cut), where .gz, .bz2 and .xz are refused."""
+    import io
+
+    zstandard = pytest.importorskip("zstandard")
+    first = "".join(json.dumps({"text": f"first {i}"}) + "\n" for i in range(100)).encode()
+    second = "".join(json.dumps({"text": f"second {i}"}) + "\n" for i in range(100)).encode()
+    out = io.BytesIO()
+    writer = zstandard.ZstdCompressor().stream_writer(out, closefd=False)
+    writer.write(first)
+    writer.flush(zstandard.FLUSH_BLOCK)
+    cut = out.tell()
+    writer.write(second)
+    writer.flush(zstandard.FLUSH_FRAME)
+    (tmp_path / "cut.jsonl.zst").write_bytes(out.getvalue()[:cut])
+    with pytest.raises(DataError, match=r"cut.jsonl.zst cannot be read as zstd: .*cut short"):
+        texts_of(tmp_path / "cut.jsonl.zst")
+    (tmp_path / "cut.jsonl.zst").write_bytes(out.getvalue())
+    assert len(texts_of(tmp_path / "cut.jsonl.zst")[0]) == 200
+    frames = zstandard.ZstdCompressor()   # two frames one after the other, as pzstd or `cat a.zst b.zst` write
+    (tmp_path / "cut.jsonl.zst").write_bytes(frames.compress(first) + frames.compress(second))
+    assert texts_of(tmp_path / "cut.jsonl.zst")[0][-1] == "second 99"
