@@ -41,8 +41,8 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
-from .corpus_errors import parse_jsonl_line, unreadable_corpus
-from .local_files import SAVED, corpus_suffix, open_binary
+from .corpus_errors import first_json_error, json_kind, parse_jsonl_line, unreadable_corpus
+from .local_files import SAVED, UTF8_BOM, corpus_suffix, open_binary, read_bytes
 from .sources import TEXT_SUFFIXES, load_local_files, parse_hub_spec, parse_local_spec
 
 FORMATS = ("text", "chat", "instruct")
@@ -265,6 +265,34 @@ def conversation_of(record: Record, data_format: str) -> Conversation:
     return Conversation(messages_of(record, data_format), _json_list(record, '"tools"', record.fields.get("tools")))
 
 
+def _read_by_us(path: Path) -> bool:
+    """JSON lines, parquet, and `.json` files of lines or of one array: read here, record by record as they
+    are. Through `datasets`, a `.json` array whose messages differ in their keys (a `name` on one) came back
+    with every message a JSON string, refused as "not an object" at a record that was fine."""
+    return corpus_suffix(path) in (".jsonl", ".parquet") or (corpus_suffix(path) == ".json" and
+                                                              json_kind(path) is not None)
+
+
+def _file_records(path: Path) -> Iterator[Record]:
+    if corpus_suffix(path) == ".parquet":
+        return _parquet_records(path)
+    if corpus_suffix(path) == ".json" and json_kind(path) == "array":
+        return _json_array_records(path)
+    return _jsonl_records(path)
+
+
+def _json_array_records(path: Path) -> Iterator[Record]:
+    where = first_json_error(path)
+    if where is not None:
+        raise DataError(f"corpus file {str(path)!r}, {where}")
+    records = json.loads(read_bytes(path).removeprefix(UTF8_BOM).decode("utf-8"))
+    for number, fields in enumerate(records, start=1):
+        if not isinstance(fields, dict):
+            raise DataError(f"corpus file {str(path)!r}, record {number}: a JSON {type(fields).__name__}, not an "
+                            f"object")
+        yield Record(fields, f"{path}, record {number}")
+
+
 def _jsonl_records(path: Path) -> Iterator[Record]:
     # read as bytes and judged as the text corpus's lines are (corpus_errors.py): a byte that is not UTF-8
     # is named with its line, never replaced inside a conversation
@@ -310,9 +338,9 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
     if hub is None:
         local = parse_local_spec(source, split)
         # file by file: files whose other columns differ (a `source` in one shard) are read all the same
-        if local.builder != SAVED and all(corpus_suffix(path) in (".jsonl", ".parquet") for path in local.files):
+        if local.builder != SAVED and all(_read_by_us(path) for path in local.files):
             for path in local.files:
-                yield from (_jsonl_records(path) if corpus_suffix(path) == ".jsonl" else _parquet_records(path))
+                yield from _file_records(path)
             return
         # the reader of a text corpus's files: a file that fails is named (its line, its fields)
         stream = load_local_files(local, True, None if cache_dir is None else str(cache_dir))

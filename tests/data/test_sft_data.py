@@ -212,10 +212,10 @@ def test_a_chat_folder_as_a_hub_download_leaves_it_reads_past_its_card_and_names
     assert len(list(iter_records(str(folder)))) == 4
     (folder / "config.json").write_text(json.dumps({"vocab_size": 3}))   # a metadata file datasets never reads
     assert len(list(iter_records(str(folder)))) == 4
-    (folder / "stray.json").write_text(json.dumps({"vocab_size": 3}))   # read through datasets' stream
-    with pytest.raises(DataError, match=r"stray\.json' holds records with fields \['vocab_size'\], the other files "
-                                        r"\['messages'\]"):
-        list(iter_records(str(folder)))
+    (folder / "stray.json").write_text(json.dumps({"vocab_size": 3}))   # a record like any other: named as one
+    with pytest.raises(DataError, match=r"record .*stray\.json, line 1 \(fields found: vocab_size\) has no "
+                                        r"\"messages\""):
+        [chat_messages(record) for record in iter_records(str(folder))]
 
 
 def test_chat_records_with_a_bom_compressed_or_saved_to_disk_are_read(tmp_path):
@@ -428,3 +428,18 @@ def test_content_as_a_list_of_text_parts_is_their_text_and_other_parts_are_named
     with pytest.raises(DataError, match=r"f, line 2, message 0, content part 0: of type 'image_url'; the models here "
                                         r"read text only"):
         chat_messages(Record(image, "f, line 2"))
+
+
+def test_chat_records_in_a_json_array_whose_messages_differ_in_keys_are_read_as_they_are(tmp_path):
+    """A new user's finding: a `.json` array of chat records, one of whose messages carried a "name" key, came
+    back from `datasets` with every message a JSON string, refused at record 1 as "not an object"."""
+    conversations = [{"messages": [{"role": "user", "content": f"question {i}"},
+                                   {"role": "assistant", "content": f"answer {i}"}]} for i in range(5)]
+    conversations[3]["messages"][0]["name"] = "alice"
+    (tmp_path / "chat.json").write_text(json.dumps(conversations, indent=1))
+    records = list(iter_records(str(tmp_path / "chat.json")))
+    assert [record.fields for record in records] == conversations
+    assert records[-1].where == f"{tmp_path / 'chat.json'}, record 5"
+    (tmp_path / "chat.json").write_text(json.dumps(conversations)[:-5])   # cut short
+    with pytest.raises(DataError, match=r"chat.json', line 1, column \d+: not valid JSON"):
+        list(iter_records(str(tmp_path / "chat.json")))
