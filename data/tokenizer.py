@@ -134,6 +134,23 @@ def _added_tokens(config: dict) -> list[dict]:
     return [entry for entry in (decoder.values() if isinstance(decoder, dict) else []) if isinstance(entry, dict)]
 
 
+def added_token_ids(directory: str | os.PathLike) -> dict[str, int]:
+    """{text: id} of the tokens transformers adds to a tokenizer from the files beside it: tokenizer_config.json's
+    added_tokens_decoder (keyed by id) and added_tokens.json (text to id)."""
+    directory = Path(directory)
+    added: dict[str, int] = {}
+    config_path = directory / TOKENIZER_CONFIG_FILE
+    decoder = _read_json(config_path).get("added_tokens_decoder") if config_path.is_file() else None
+    for key, entry in (decoder.items() if isinstance(decoder, dict) else []):
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and str(key).isdigit():
+            added[entry["content"]] = int(key)
+    listed = directory / "added_tokens.json"
+    if listed.is_file():
+        added.update({text: token_id for text, token_id in _read_json(listed).items()
+                      if isinstance(token_id, int) and not isinstance(token_id, bool)})
+    return added
+
+
 def _other_specials(config: dict) -> tuple[str, ...]:
     """The texts of the special tokens a tokenizer_config.json names beyond BOS/EOS, in its order."""
     entries = [entry for entry in _added_tokens(config) if entry.get("special")]

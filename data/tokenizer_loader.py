@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .hf_tokenizer import HFTokenizer
 from .spm_tokenizer import SentencePieceTokenizer
-from .tokenizer import TOKENIZER_FILES, Tokenizer, read_special_tokens, tokenizer_file_in
+from .tokenizer import TOKENIZER_FILES, Tokenizer, added_token_ids, read_special_tokens, tokenizer_file_in
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -28,4 +28,24 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     special = read_special_tokens(path.parent)
     if path.suffix == ".json":
         return HFTokenizer.from_file(path, special)
-    return SentencePieceTokenizer.from_file(path, special)
+    tokenizer = SentencePieceTokenizer.from_file(path, special)
+    _check_no_tokens_added(tokenizer, path)
+    return tokenizer
+
+
+def _check_no_tokens_added(tokenizer: SentencePieceTokenizer, path: Path) -> None:
+    """ValueError for a sentencepiece model whose folder adds tokens that are not its pieces (a ChatML
+    `<|im_end|>` after a Llama 2 vocabulary): transformers matches them in every text and gives them their own
+    ids; read as the model alone, they were split into characters, and a chat template's turns trained on
+    other ids than transformers gives."""
+    processor = tokenizer.processor
+    added = {text: token_id for text, token_id in added_token_ids(path.parent).items()
+             if not (0 <= token_id < processor.get_piece_size() and processor.id_to_piece(token_id) == text)}
+    if added:
+        named = ", ".join(f"{text!r} as {token_id}" for text, token_id in sorted(added.items(), key=lambda kv: kv[1]))
+        raise ValueError(
+            f"{path}: the files beside it add tokens that are not pieces of the sentencepiece model ({named}; the "
+            f"model has {processor.get_piece_size()} pieces): spillway reads a sentencepiece tokenizer's own pieces "
+            f"only, so their ids would differ from transformers'. Point data.tokenizer at the tokenizer.json "
+            f"transformers writes for this folder (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) writes "
+            f"one; a folder holding both is read through tokenizer.json)")

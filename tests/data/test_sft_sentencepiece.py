@@ -136,3 +136,21 @@ def test_documents_are_encoded_as_transformers_encodes_them(tokenizer_dir):
     for text in ("Write code that adds two numbers.", "café naïve ✓\nreturn a + b"):
         (ids,) = tokenizer.encode([text])
         assert tokenizer.document_prefix() + ids == reference(text)["input_ids"]
+
+
+def test_tokens_added_beside_a_sentencepiece_model_are_refused_not_split_into_characters(tmp_path):
+    """A new user's finding: a Llama 2 tokenizer.model with ChatML's <|im_start|>/<|im_end|> added in
+    tokenizer_config.json (ids 390 and 391, past the model's pieces) was read as the model alone: the template's
+    turn markers became characters, where transformers gives each its own id. Refused in one line, naming them;
+    the model's own pieces named as added tokens (Llama 2's <unk>, <s>, </s>) are fine."""
+    own = {"0": {"content": "<unk>", "special": True}, "2": {"content": "</s>", "special": True}}
+    assert load_tokenizer(llama2_like(tmp_path / "own", added_tokens_decoder=own)).vocab_size == 390
+    added = {**own, "390": {"content": "<|im_end|>", "special": True}, "391": {"content": "<|im_start|>"}}
+    folder = llama2_like(tmp_path / "chatml", added_tokens_decoder=added)
+    with pytest.raises(ValueError, match=r"add tokens that are not pieces of the sentencepiece model \('<\|im_end\|>' "
+                                         r"as 390, '<\|im_start\|>' as 391; the model has 390 pieces\).*tokenizer.json"):
+        load_tokenizer(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (folder / "added_tokens.json").write_text(json.dumps({"<|im_end|>": 390}))   # the older file, alone
+    with pytest.raises(ValueError, match="'<\\|im_end\\|>' as 390"):
+        load_tokenizer(folder)
