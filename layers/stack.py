@@ -145,6 +145,7 @@ class BlockStack(nnx.Module):
         if layer_settings is not None and len(layer_settings) != num_layers:
             raise ConfigError(f"{len(layer_settings)} per-layer settings for a stack of {num_layers} layers")
         self.num_layers = num_layers
+        self.block_classes = classes   # each run's block class: an export refuses those no HF class computes
         self.plan = RematPlan.parse(remat)
         self.segments = tuple(self.plan.resolve(num_layers))  # hashable: graphdefs are jit static args
         self.run_bounds = run_bounds(runs)

@@ -479,6 +479,7 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None, *, config_name
     from spillway.models.registry import family_of_config
 
     family = family_of_config(model.config)
+    _check_the_familys_own_blocks(model, family)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     others = sorted(p for p in directory.glob("*.safetensors") if p.name != SAFETENSORS_FILE)
@@ -496,6 +497,23 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None, *, config_name
     config.write_text(json.dumps(hf_config, indent=2) + "\n")
     config.replace(directory / config_name)
     return directory
+
+
+def _check_the_familys_own_blocks(model, family) -> None:
+    """HFCheckpointError for a model built with a block class of its own (a user's block): the weights would
+    load into the family's own layers in transformers, a different network. A block with no parameters of its
+    own (the README's ParallelBlock) was written as a plain checkpoint that loaded without a word."""
+    built = getattr(model.layers, "block_classes", None)
+    if built is None:
+        return
+    runs = model.spec.runs or (None,)
+    expected = tuple(getattr(run, "block_cls", None) or family.block_cls for run in runs)
+    odd = sorted({f"{cls.__module__}:{cls.__qualname__}" for cls, own in zip(built, expected) if cls is not own})
+    if odd:
+        raise HFCheckpointError(f"the model's blocks are {', '.join(odd)}, not {family.name}'s own, and no Hugging "
+                                f"Face model class computes them (transformers would load the weights into "
+                                f"{family.name}'s own layers, a different model): to_hf writes models of the zoo's "
+                                f"own blocks only")
 
 
 def save_safetensors(tensors: dict, final: Path) -> None:
