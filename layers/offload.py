@@ -30,6 +30,7 @@ import enum
 from collections.abc import Mapping
 
 import jax
+from jax.ad_checkpoint import Offloadable
 
 from spillway.layers import names
 from spillway.layers.memory import PINNED_HOST, Memory
@@ -106,7 +107,14 @@ class OffloadPolicy:
             offload = cp.save_and_offload_only_these_names(
                 names_which_can_be_saved=[], names_which_can_be_offloaded=offloaded,
                 offload_src=Memory.DEVICE.value, offload_dst=PINNED_HOST)
-            return cp.save_from_both_policies(base, offload)
+
+            def save_or_offload(prim, *args, **params):
+                # the offloaded names go to host, the rest as `base` says; jax's save_from_both_policies takes
+                # booleans only, and the first gradient of such a policy was a ValueError from inside the scan
+                placed = offload(prim, *args, **params)
+                return placed if isinstance(placed, Offloadable) else base(prim, *args, **params)
+
+            return save_or_offload
         if offloaded:
             return cp.save_and_offload_only_these_names(
                 names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
