@@ -69,6 +69,17 @@ def batch_ways(sizes: dict[str, int]) -> int:
     return sizes["data"] * sizes["fsdp"]
 
 
+def replicated_micro_batch(sizes: dict[str, int], global_batch: int, grad_accum: int) -> str | None:
+    """The warning for a micro-batch the batch axes do not divide (which a run allows: it is replicated over
+    them, every device computing the same rows); None when they divide it."""
+    ways, micro_batch = batch_ways(sizes), global_batch // grad_accum
+    if math.prod(sizes.values()) == 1 or micro_batch % ways == 0:
+        return None
+    return (f"warning: a micro-batch of {micro_batch} sequences (train.global_batch {global_batch} / "
+            f"train.grad_accum {grad_accum}) is not split over the data x fsdp mesh size ({ways}): it is replicated, "
+            f"every device computing the same rows; raise train.global_batch or lower train.grad_accum to split it")
+
+
 def check_batch_split(sizes: dict[str, int], global_batch: int, grad_accum: int, *,
                       micro_batches_too: bool) -> None:
     """ValueError when the global batch (and, with `micro_batches_too`, each micro-batch) does not divide

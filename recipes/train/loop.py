@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import jax
 from flax import nnx
 
 from spillway.layers.memory import Memory
+from spillway.layers.mesh import replicated_micro_batch
 from spillway.layers.residency import memory_of
 from spillway.layers.sharding import make_mesh
 from spillway.recipes.config import Recipe
@@ -51,7 +53,7 @@ from spillway.recipes.train.run_data import prepare_run_data
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.run_state import (RunState, StepPrograms, initial_state, step_programs,
                                               weights_from_elsewhere)
-from spillway.recipes.train.step import TrainSetup, abstract_setup, pinned_bytes_of_setup, setup
+from spillway.recipes.train.step import MeshWarning, TrainSetup, abstract_setup, pinned_bytes_of_setup, setup
 
 
 @dataclasses.dataclass
@@ -270,9 +272,18 @@ def _host_checks(recipe: Recipe, checkpointer, host_ram_gb: float | None, say):
 def _build_setup(recipe: Recipe, mesh, say, initialise: bool = True) -> TrainSetup:
     """The model in its shards (or, `initialise=False`, its targets only) and the step, on `mesh` (checked by
     `_host_checks`)."""
-    s = setup(recipe, mesh, initialise=initialise)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = setup(recipe, mesh, initialise=initialise)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
+    for warning in caught:   # the mesh's own warning said as the run's other lines are, not with a source line
+        if issubclass(warning.category, MeshWarning):
+            say(f"warning: {warning.message}")
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    if (line := replicated_micro_batch(dict(s.mesh.shape), recipe.train.global_batch, recipe.train.grad_accum)):
+        say(line)
     return s
 
 

@@ -389,6 +389,10 @@ def check_attention_backend(attention_impl: str, backend: str) -> None:
                           f"{backend}: --set execution.attention_impl=flash (the same memory, written in JAX)")
 
 
+class MeshWarning(UserWarning):
+    """A mesh that runs but does not split what it was meant to (weights it replicates)."""
+
+
 def _warn_if_replicated(params, mesh) -> None:
     """A mesh axis that does not divide a weight dimension replicates it (layers/sharding.py): it runs,
     but costs memory and compute the mesh was meant to split, so say so (the planner refuses it)."""
@@ -396,9 +400,10 @@ def _warn_if_replicated(params, mesh) -> None:
     if undivided:
         nbytes = sum({dim.path: dim.nbytes for dim in undivided}.values())
         listed = "; ".join(dim.describe() for dim in undivided[:4]) + (" ..." if len(undivided) > 4 else "")
+        size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
         warnings.warn(f"the mesh {dict(mesh.shape)} does not divide {len(undivided)} weight dimension(s), "
-                      f"which are replicated instead of sharded ({nbytes / 2**30:.2f} GiB of weights): {listed}",
-                      stacklevel=3)
+                      f"which are replicated instead of sharded ({size} of weights): {listed}",
+                      MeshWarning, stacklevel=3)
 
 
 def abstract_setup(recipe: Recipe, mesh, *, platform: str = "cuda") -> TrainSetup:
