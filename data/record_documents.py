@@ -24,7 +24,7 @@ from pathlib import Path
 from spillway.layers.errors import DataError
 
 from .corpus_errors import (first_json_error, first_non_text_record, is_text_type, json_kind,
-                            missing_text_field, parse_jsonl_line, record_fields, read_as_lines, unreadable_corpus)
+                            missing_text_field, record_fields, read_as_lines, unreadable_corpus)
 from .local_files import UTF8_BOM, compression_of, corpus_suffix, open_binary, read_bytes
 
 # pyarrow's JSON reader needs each record inside one block: it starts at this size and grows fourfold for a

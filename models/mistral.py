@@ -73,9 +73,9 @@ def _window_of(hf_config: Mapping[str, Any]) -> int | None:
     if kinds == {"full_attention"}:
         return None
     hf.refuse(window is not None and len(kinds) > 1,
-              f"layer_types mixes full and sliding-window attention layers (a Ministral checkpoint, which "
-              f"transformers loads as MinistralForCausalLM): spillway's mistral family windows every layer alike, "
-              f"so it cannot load this model without changing its logits")
+              "layer_types mixes full and sliding-window attention layers (a Ministral checkpoint, which "
+              "transformers loads as MinistralForCausalLM): spillway's mistral family windows every layer alike, "
+              "so it cannot load this model without changing its logits")
     return None if window is None else int(window)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spillway.layers.errors import ConfigError, require_non_negative, require_positive, require_positive_finite
+from spillway.layers.errors import ConfigError, require_non_negative, require_positive_finite
 
 # What optimizer.moment_dtype may name. float16 is left out: the second moment (squared gradients) underflows
 # its range; 8-bit moments would need a per-block scale (docs/DESIGN.md section 6).

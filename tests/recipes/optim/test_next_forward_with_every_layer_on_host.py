@@ -36,8 +36,8 @@ def test_a_split_with_every_block_layer_on_host_is_accepted(state):
 
 
 @pytest.mark.parametrize("state,message", [
-    (f"offload.optimizer_state=host:{LAYERS - 1}", rf"updates the 1 resident block layers in HBM in the forward pass.* "
-                                                   rf"offload.pending_gradients=host puts them in host memory"),
+    (f"offload.optimizer_state=host:{LAYERS - 1}", r"updates the 1 resident block layers in HBM in the forward pass.* "
+                                                   r"offload.pending_gradients=host puts them in host memory"),
     ("offload.optimizer_state=host:0.5", rf"or offload.optimizer_state=host:{LAYERS}$"),
     ("offload.optimizer_state=host:0", r"needs offload.optimizer_state=host \(or a split host:N with N >= 1\) and "
                                        r"offload.params=device \(got optimizer_state=host:0"),
