@@ -159,6 +159,16 @@ def first_non_text_record(files, text_field: str) -> str | None:
     return None
 
 
+def non_text_field(where: str, text_field: str) -> DataError:
+    """The one line for a record whose text field is not a string (`where` from first_non_text_record). A first
+    record whose text is an object is most likely a file of columns (pandas' default `to_json`), not of records."""
+    columns = (" (the file looks like one object of columns, as pandas' DataFrame.to_json writes by default: write "
+               "records, df.to_json(path, orient=\"records\", lines=True))"
+               if where.endswith(("line 1 (a JSON dict)", "record 0 (a JSON dict)")) else "")
+    return DataError(f"corpus file {where}: field {text_field!r} is not a string; every record's {text_field!r} "
+                     f"must be text (or null, to skip the record){columns}")
+
+
 def is_text_type(kind) -> bool:
     """Whether an Arrow column type holds text (or nothing): string, large_string, string_view (newer writers),
     either dictionary-encoded, or null."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from spillway.layers.errors import DataError
 
 from .corpus_errors import (first_json_error, first_non_text_record, is_text_type, json_kind,
-                            missing_text_field, record_fields, read_as_lines, unreadable_corpus)
+                            missing_text_field, non_text_field, record_fields, read_as_lines, unreadable_corpus)
 from .local_files import UTF8_BOM, compression_of, corpus_suffix, open_binary, read_bytes
 
 # pyarrow's JSON reader needs each record inside one block: it starts at this size and grows fourfold for a
@@ -147,8 +147,7 @@ class RecordFileDocuments:
                 return DataError(f"corpus file {str(path)!r}, {where}")
             where = first_non_text_record([path], self.text_field)
             if where is not None:
-                return DataError(f"corpus file {where}: field {self.text_field!r} is not a string; every record's "
-                                 f"{self.text_field!r} must be text (or null, to skip the record)")
+                return non_text_field(where, self.text_field)
         return unreadable_corpus(self._builder(path), [path], error)
 
     @staticmethod

@@ -43,8 +43,8 @@ from spillway.layers.errors import DataError
 
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
-from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, non_text_in_a_later_file,
-                            normalization_hint, quiet_builders, unreadable_corpus)
+from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, non_text_field,
+                            non_text_in_a_later_file, normalization_hint, quiet_builders, unreadable_corpus)
 from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
                           TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, corpus_suffix, data_splits,
                           documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
@@ -375,8 +375,7 @@ def load_documents(
         if where is None:
             raise
     if where is not None:
-        raise DataError(f"corpus file {where}: field {text_field!r} is not a string; every record's "
-                        f"{text_field!r} must be text (or null, to skip the record)")
+        raise non_text_field(where, text_field)
     streamed = isinstance(dataset, datasets.IterableDataset)
     counter = RecordsWithoutText() if streamed else None   # a stream is filtered here, as it is read
     dataset = dataset.filter(counter or has_text, batched=True)

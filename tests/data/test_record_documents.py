@@ -239,3 +239,12 @@ def test_a_zstd_file_cut_short_is_refused_and_frames_are_all_read(tmp_path):
     frames = zstandard.ZstdCompressor()   # two frames one after the other, as pzstd or `cat a.zst b.zst` write
     (tmp_path / "cut.jsonl.zst").write_bytes(frames.compress(first) + frames.compress(second))
     assert texts_of(tmp_path / "cut.jsonl.zst")[0][-1] == "second 99"
+
+
+def test_a_file_of_columns_as_pandas_writes_it_is_named_as_one(tmp_path):
+    """A new user's finding: pandas' default DataFrame.to_json ({"text": {"0": ..., "1": ...}}) was refused with
+    pyarrow's "Column(/text) changed from string to object in row 0"."""
+    (tmp_path / "frame.json").write_text(json.dumps({"text": {"0": "first", "1": "second"}, "id": {"0": 1, "1": 2}}))
+    with pytest.raises(DataError, match=r"frame.json, line 1 \(a JSON dict\): field 'text' is not a string.*one "
+                                        r"object of columns.*orient=\"records\", lines=True"):
+        texts_of(tmp_path / "frame.json")
