@@ -41,9 +41,10 @@ from .tokenizer import (
     padded_vocab_size,
     tokenizer_file_in,
 )
-from .tokenizer_loader import load_tokenizer
+from .tokenizer_loader import check_no_tokens_added, load_tokenizer
 
 __all__ = [
+    "check_no_tokens_added",
     "BOS_ID",
     "BUILTIN_STDLIB",
     "DEFAULT_MAX_BYTES",

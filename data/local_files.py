@@ -125,14 +125,20 @@ class _Decompressing(io.RawIOBase):
 class _ZstdFrames(io.RawIOBase):
     """A .zst file's bytes, every frame in turn, and an EOFError where the file ends inside a frame: zstandard's
     own reader returned a cut-short file's decompressed part as if whole (an interrupted download read as a
-    smaller corpus, without a word), where gzip, bz2 and lzma raise."""
+    smaller corpus, without a word), where gzip, bz2 and lzma raise. The compressed bytes go in 4 KiB at a time:
+    what one piece decompresses to is bounded (zstd's ratio is at most about 32,000), so memory stays flat on a
+    file of one repeated line."""
+
+    _PIECE = 1 << 12
 
     def __init__(self, path: Path):
         import zstandard
 
         super().__init__()
         self._file, self._zstd = open(path, "rb"), zstandard.ZstdDecompressor()
-        self._frame, self._in_frame, self._pending = self._zstd.decompressobj(), False, b""
+        self._frame, self._in_frame = self._zstd.decompressobj(), False
+        self._input, self._input_at = b"", 0
+        self._output, self._output_at = memoryview(b""), 0
 
     def readable(self) -> bool:
         return True
@@ -148,16 +154,27 @@ class _ZstdFrames(io.RawIOBase):
             self._frame, self._in_frame = self._zstd.decompressobj(), False
         return b"".join(out)
 
+    def _next_output(self) -> bytes:
+        """The next decompressed bytes; b"" at the end of the file (an EOFError where a frame is unfinished)."""
+        while True:
+            if self._input_at >= len(self._input):
+                self._input, self._input_at = self._file.read(1 << 20), 0
+                if not self._input:
+                    if self._in_frame:
+                        raise EOFError("the file ends inside a zstd frame")
+                    return b""
+            piece = self._input[self._input_at:self._input_at + self._PIECE]
+            self._input_at += len(piece)
+            data = self._decompress(piece)
+            if data:
+                return data
+
     def readinto(self, buffer) -> int:
-        while not self._pending:
-            chunk = self._file.read(1 << 20)
-            if not chunk:
-                if self._in_frame:
-                    raise EOFError("the file ends inside a zstd frame")
-                return 0
-            self._pending = self._decompress(chunk)
-        size = min(len(buffer), len(self._pending))
-        buffer[:size], self._pending = self._pending[:size], self._pending[size:]
+        if self._output_at >= len(self._output):
+            self._output, self._output_at = memoryview(self._next_output()), 0
+        size = min(len(buffer), len(self._output) - self._output_at)
+        buffer[:size] = self._output[self._output_at:self._output_at + size]
+        self._output_at += size
         return size
 
     def close(self) -> None:
@@ -188,6 +205,9 @@ def read_bytes(path: Path) -> bytes:
         return file.read()
 
 
+HIDDEN_FOLDER = "a hidden folder, not read"   # why a skipped entry is a folder: counted apart from files
+
+
 def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     """(every visible file under `folder`, each read once; [(a file or hidden folder not read, why)]).
 
@@ -207,7 +227,7 @@ def walk_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
         seen.add(real)
         # hidden files and folders are not read (as `datasets` reads none), but named: a user's `.notes.txt`
         # left out of the corpus without a word was a finding
-        skipped += [(Path(root) / name, "a hidden folder, not read") for name in sorted(dirs) if name.startswith(".")]
+        skipped += [(Path(root) / name, HIDDEN_FOLDER) for name in sorted(dirs) if name.startswith(".")]
         dirs[:] = sorted(name for name in dirs if not name.startswith("."))
         # a link to a folder of the corpus is not walked: the folder is, under its own name (walked under the
         # link's, it moved in the order, or out of its split, as the link's name sorted)

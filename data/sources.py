@@ -45,8 +45,8 @@ from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
 from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, non_text_field,
                             non_text_in_a_later_file, normalization_hint, quiet_builders, unreadable_corpus)
-from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, JSON_SUFFIXES, PARQUET_SUFFIXES, SAVED,  # noqa: F401
-                          TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, corpus_suffix, data_splits,
+from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, HIDDEN_FOLDER, JSON_SUFFIXES, PARQUET_SUFFIXES,  # noqa: F401
+                          SAVED, TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, corpus_suffix, data_splits,
                           documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
                           walk_files)
 from .record_documents import RecordFileDocuments, RecordsWithoutText, batches, has_text, readable_by_field
@@ -90,12 +90,19 @@ class LocalSpec:
             lines.append(f"data: {source}: reading split {self.split!r} ({_files(len(self.files))}); left out: "
                          f"{', '.join(others)} (data.split chooses)")
         if self.skipped:
-            lines.append(f"data: {source}: skipped {_files(len(self.skipped))}: {named(list(self.skipped))}")
+            folders = sum(why == HIDDEN_FOLDER for _, why in self.skipped)
+            counted = " and ".join(part for part in (_files(len(self.skipped) - folders) if len(self.skipped) > folders
+                                                     else "", _folders(folders) if folders else "") if part)
+            lines.append(f"data: {source}: skipped {counted}: {named(list(self.skipped))}")
         return lines
 
 
 def _files(count: int) -> str:
     return f"{count} file{'s' if count != 1 else ''}"
+
+
+def _folders(count: int) -> str:
+    return f"{count} folder{'s' if count != 1 else ''}"
 
 
 def parse_hub_spec(source: str) -> HubSpec | None:

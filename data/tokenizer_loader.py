@@ -28,17 +28,18 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     special = read_special_tokens(path.parent)
     if path.suffix == ".json":
         return HFTokenizer.from_file(path, special)
-    tokenizer = SentencePieceTokenizer.from_file(path, special)
-    _check_no_tokens_added(tokenizer, path)
-    return tokenizer
+    return SentencePieceTokenizer.from_file(path, special)
 
 
-def _check_no_tokens_added(tokenizer: SentencePieceTokenizer, path: Path) -> None:
+def check_no_tokens_added(tokenizer: Tokenizer) -> None:
     """ValueError for a sentencepiece model whose folder adds tokens that are not its pieces (a ChatML
     `<|im_end|>` after a Llama 2 vocabulary): transformers matches them in every text and gives them their own
     ids; read as the model alone, they were split into characters, and a chat template's turns trained on
-    other ids than transformers gives."""
-    processor = tokenizer.processor
+    other ids than transformers gives. For a tokenizer a new run is given: a run that started before this check
+    goes on (resumes, samples, exports) with the tokenization it trained with."""
+    if not isinstance(tokenizer, SentencePieceTokenizer) or tokenizer.path is None:
+        return
+    path, processor = tokenizer.path, tokenizer.processor
     added = {text: token_id for text, token_id in added_token_ids(path.parent).items()
              if not (0 <= token_id < processor.get_piece_size() and processor.id_to_piece(token_id) == text)}
     if added:

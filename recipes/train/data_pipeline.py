@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from spillway.data import (BatchLoader, MixtureLoader, PackedData, Tokenizer, check_vocab, interleave_documents,
-                           load_tokenizer, parse_mixture, prepare_tokens, stream_documents, train_tokenizer)
+from spillway.data import (BatchLoader, MixtureLoader, PackedData, Tokenizer, check_no_tokens_added, check_vocab,
+                           interleave_documents, load_tokenizer, parse_mixture, prepare_tokens, stream_documents,
+                           train_tokenizer)
 from spillway.data.mixture import shared_files_notes
 from spillway.data.sources import source_notes
 from spillway.data.spm_tokenizer import NoTextError
@@ -127,7 +128,10 @@ def source_notes_of(recipe: Recipe) -> list[str]:
 def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:
     cfg = recipe.data
     if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        if tokenizer.path is None or not (tokenizer.path.parent / "checkpoints").is_dir():
+            check_no_tokens_added(tokenizer)   # (a run's own copy, a fine-tune's source: read as it trained)
+        return tokenizer
     if cfg.format != "text":
         raise DataError(f"data.format={cfg.format} needs a tokenizer (data.tokenizer, or the one of "
                         f"checkpoint.init_from): a tokenizer trained on chat records would not know the model's")

@@ -141,16 +141,26 @@ def test_documents_are_encoded_as_transformers_encodes_them(tokenizer_dir):
 def test_tokens_added_beside_a_sentencepiece_model_are_refused_not_split_into_characters(tmp_path):
     """A new user's finding: a Llama 2 tokenizer.model with ChatML's <|im_start|>/<|im_end|> added in
     tokenizer_config.json (ids 390 and 391, past the model's pieces) was read as the model alone: the template's
-    turn markers became characters, where transformers gives each its own id. Refused in one line, naming them;
-    the model's own pieces named as added tokens (Llama 2's <unk>, <s>, </s>) are fine."""
+    turn markers became characters, where transformers gives each its own id. A new run given it is refused in
+    one line, naming them; the model's own pieces named as added tokens (Llama 2's <unk>, <s>, </s>) are fine,
+    and a run that trained with such a folder before goes on reading it (its copy loads)."""
+    from spillway.data import check_no_tokens_added
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.data_pipeline import load_or_train_tokenizer
+
     own = {"0": {"content": "<unk>", "special": True}, "2": {"content": "</s>", "special": True}}
-    assert load_tokenizer(llama2_like(tmp_path / "own", added_tokens_decoder=own)).vocab_size == 390
+    check_no_tokens_added(load_tokenizer(llama2_like(tmp_path / "own", added_tokens_decoder=own)))
     added = {**own, "390": {"content": "<|im_end|>", "special": True}, "391": {"content": "<|im_start|>"}}
     folder = llama2_like(tmp_path / "chatml", added_tokens_decoder=added)
-    with pytest.raises(ValueError, match=r"add tokens that are not pieces of the sentencepiece model \('<\|im_end\|>' "
-                                         r"as 390, '<\|im_start\|>' as 391; the model has 390 pieces\).*tokenizer.json"):
-        load_tokenizer(folder)
+    assert load_tokenizer(folder).vocab_size == 390   # readable: a run that trained with it samples and exports
+    refused = (r"add tokens that are not pieces of the sentencepiece model \('<\|im_end\|>' as 390, '<\|im_start\|>' "
+               r"as 391; the model has 390 pieces\).*tokenizer.json")
+    with pytest.raises(ValueError, match=refused):
+        load_or_train_tokenizer(get_recipe("tiny", [f"data.tokenizer={folder}"]))
+    (folder / "checkpoints").mkdir()   # the folder is a run's: its copy is what it trained with
+    assert load_or_train_tokenizer(get_recipe("tiny", [f"data.tokenizer={folder}"])).vocab_size == 390
+    (folder / "checkpoints").rmdir()
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     (folder / "added_tokens.json").write_text(json.dumps({"<|im_end|>": 390}))   # the older file, alone
     with pytest.raises(ValueError, match="'<\\|im_end\\|>' as 390"):
-        load_tokenizer(folder)
+        check_no_tokens_added(load_tokenizer(folder))

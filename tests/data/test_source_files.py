@@ -264,6 +264,7 @@ def test_hidden_files_and_folders_are_named_where_the_run_lists_what_it_skips(tm
     assert read_texts(tmp_path) == ["read " * 9]
     (line,) = source_notes(str(tmp_path))
     assert ".notes.txt (hidden, not read)" in line and ".drafts (a hidden folder, not read)" in line
+    assert "skipped 1 file and 1 folder: " in line
 
 
 def test_load_documents_reads_text_files_as_a_run_does(tmp_path, capsys):
