@@ -105,18 +105,48 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _users(block_cls: type) -> bool:
+    return block_cls.__module__.split(".")[0] != "spillway"
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}{' ...' if len(text) > 300 else ''}"
+
+
 def _build_block(block_cls: type, cfg: BlockConfig, rngs: nnx.Rngs):
-    """block_cls(cfg, rngs=rngs); a user's block whose constructor does not take that is named as such."""
+    """block_cls(cfg, rngs=rngs); a user's block whose constructor does not take that, or fails, is named as
+    such (its own error was "internal error, please report it")."""
     try:
         block = block_cls(cfg, rngs=rngs)
     except TypeError as error:
-        if block_cls.__module__.split(".")[0] == "spillway":
+        if not _users(block_cls):
             raise
         raise ConfigError(f"block {_class_path(block_cls)}: building it as {block_cls.__name__}(cfg, rngs=rngs) "
                           f"failed ({error}); a block's __init__ takes (cfg, *, rngs) and passes both to "
                           f"TransformerBlock.__init__") from None
+    except Exception as error:   # noqa: BLE001 (whatever the user's __init__ raises is named with the block)
+        if not _users(block_cls):
+            raise
+        raise ConfigError(f"block {_class_path(block_cls)}: its __init__ raised {_one_line(error)}") from None
     lora.attach(block, rngs)   # the LoRA adapters a recipe asks for (layers/lora.py); none outside one
     return block
+
+
+def _check_only_params(blocks) -> None:
+    """ConfigError for a block holding variables that are not nnx.Param (a frozen nnx.Variable, a BatchStat
+    counter, a Dropout's RNG state): the train step trains every variable of the model and carries no block
+    state from one step to the next, so a frozen buffer was trained by AdamW without a word, a counter's
+    updates were dropped, and a Dropout's key was an internal error."""
+    others = [(path, type(value).__name__) for path, value in nnx.iter_graph(blocks)
+              if isinstance(value, nnx.Variable) and not isinstance(value, nnx.Param)]
+    if others:
+        named = ", ".join(f"{'.'.join(str(part) for part in path)} ({kind})" for path, kind in others[:4])
+        more = f" and {len(others) - 4} more" if len(others) > 4 else ""
+        raise ConfigError(f"block {_class_path(type(blocks))} holds variables that are not nnx.Param: {named}{more}; "
+                          f"spillway trains every variable of a model and keeps no other state between steps: "
+                          f"make a fixed value a constant (a Python number, or an array computed in forward), "
+                          f"a trained one an nnx.Param; no dropout (no RNG state in a block)")
 
 
 class BlockStack(nnx.Module):
@@ -154,6 +184,8 @@ class BlockStack(nnx.Module):
         self.layer_settings = tuple(layer_settings) if needs_values(layer_settings, runs) else None
 
         stacks = [self._make_blocks(run.block, run.num_layers, cls, rngs) for run, cls in zip(runs, classes)]
+        for stack in stacks:
+            _check_only_params(stack)
         for stack in stacks:
             for _, var in nnx.iter_graph(stack):
                 if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
@@ -223,7 +255,16 @@ class BlockStack(nnx.Module):
             positions_bt = jnp.arange(x_btd.shape[1])[None]
             return nnx.merge(graphdef, layer_state)(x_btd, BlockContext(positions_bt))
 
-        jaxpr, returned = jax.make_jaxpr(one_block, return_shape=True)(layer_state, x)
+        try:
+            jaxpr, returned = jax.make_jaxpr(one_block, return_shape=True)(layer_state, x)
+        except Exception as error:   # noqa: BLE001 (a user's forward: its error named with the block)
+            if not _users(type(blocks)):
+                raise
+            hint = (" (a Python `if` on a traced value: use jnp.where or lax.cond)"
+                    if "TracerBoolConversion" in type(error).__name__ else "")
+            raise ConfigError(f"block {_class_path(type(blocks))}: calling it as block(x_btd, ctx) raised "
+                              f"{_one_line(error)}{hint}; a block's forward(x_btd, ctx, cache) returns "
+                              f"(x_btd, cache)") from None
         if not isinstance(returned, (tuple, list)) or len(returned) != 2:
             if hasattr(returned, "shape"):
                 what = f"an array of shape {returned.shape}"
