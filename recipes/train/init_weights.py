@@ -155,6 +155,13 @@ def check_source_run_family(recipe: Recipe, init_from: str) -> None:
         raise ValueError(f"checkpoint.init_from={init_from}: that run trained a {family} model (recipe "
                          f"{saved.get('name')!r}), but recipe {recipe.name!r} builds a {recipe.family} model; "
                          f"fine-tune it with a {family} recipe, or start from a {recipe.family} run")
+    block = saved.get("block") if isinstance(saved, dict) else None
+    if isinstance(block, str) and recipe.block is None:
+        # else the weights went into the family's own block without a word, and the export of the fine-tune
+        # (the family's block) shipped them as the family's model, computing another network
+        raise ValueError(f"checkpoint.init_from={init_from}: that run trained the block {block}, and this recipe "
+                         f"builds {recipe.family}'s own: set block={block} to fine-tune it (or a block of your "
+                         f"choice, set on purpose)")
     lora = saved.get("lora") if isinstance(saved, dict) else None
     if isinstance(lora, dict) and isinstance(lora.get("rank"), int) and lora["rank"] > 0:
         raise ValueError(f"checkpoint.init_from={init_from}: that run trained LoRA adapters, and its steps hold "

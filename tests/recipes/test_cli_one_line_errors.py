@@ -80,6 +80,30 @@ def test_finetuning_from_a_run_of_another_family_names_both_families(tmp_path, c
     assert "data:" not in out
 
 
+def test_finetuning_a_run_of_a_users_block_with_the_block_unset_is_refused(tmp_path, capsys):
+    """A new user's finding: the weights of a run of `ParallelBlock` went into Llama's own block without a word,
+    and the export of that fine-tune shipped them as a Llama computing another network."""
+    import json
+
+    import jax.numpy as jnp
+
+    from spillway.recipes.train.checkpoint import RunCheckpointer
+
+    saved = get_recipe("tiny").to_dict()
+    saved["block"] = "my_blocks:ParallelBlock"
+    source = tmp_path / "runs" / "par"
+    with RunCheckpointer(source / "checkpoints", keep=1, every_steps=1, async_save=False) as checkpointer:
+        checkpointer.save(1, params={"w": jnp.zeros(2)}, opt_state={"m": jnp.zeros(2)}, loader_state={},
+                          meta={"step": 1}, recipe_json=json.dumps(saved), force=True)
+    status, err, out = run_cli("tiny", "--set", f"checkpoint.init_from={source}",
+                               "--set", f"checkpoint.dir={tmp_path / 'runs' / 'ft'}", capsys=capsys)
+    assert status == 2
+    assert err == [f"spillway train: error: checkpoint.init_from={source}: that run trained the block "
+                   f"my_blocks:ParallelBlock, and this recipe builds llama's own: set block=my_blocks:ParallelBlock "
+                   f"to fine-tune it (or a block of your choice, set on purpose)"]
+    assert "data:" not in out
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The micro recipe's model exported as a Hugging Face folder, with a tokenizer.json."""
