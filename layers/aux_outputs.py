@@ -76,8 +76,20 @@ def collecting() -> Iterator[AuxCollector]:
         _COLLECTOR.reset(token)
 
 
+# The names a train step's own metrics take in metrics.jsonl and TensorBoard, where emitted values are logged
+# beside them under their keys (recipes/train/loop_parts.py): an emitted "loss" overwrote the loss logged, an
+# emitted "step" the row's step (a resume then dropped rows).
+RESERVED_KEYS = frozenset({"step", "loss", "grad_norm", "learning_rate", "tokens_per_s", "step_time_s", "mfu",
+                           "memory_gib", "val_loss"})
+RESERVED_PREFIXES = ("tokens/", "val_loss/")
+
+
 def emit(key: str, value: Any) -> None:
     """Hand `value` (a pytree of arrays) to the collector in force; dropped when none is."""
+    if not isinstance(key, str) or key in RESERVED_KEYS or key.startswith(RESERVED_PREFIXES):
+        raise ValueError(f"auxiliary output {key!r}: a key is a string other than the run's own metric names "
+                         f"({', '.join(sorted(RESERVED_KEYS))}, tokens/..., val_loss/...); emit it under a name of "
+                         f"the block's, such as 'myblock/{key}'")
     collector = _COLLECTOR.get()
     if collector is not None:
         collector.add(key, value)

@@ -65,3 +65,21 @@ def test_a_users_block_with_a_bug_or_state_is_named_in_one_line(block_cls, messa
         nnx.eval_shape(lambda: llama.build(llama.config("tiny", num_layers=2), Execution(), block_cls=block_cls,
                                            rngs=nnx.Rngs(0)))
     assert "\n" not in str(refused.value) and len(str(refused.value)) < 900
+
+
+class EmitsLoss(TransformerBlock):
+    def forward(self, x, ctx, cache):
+        from spillway.layers import aux_outputs
+
+        aux_outputs.emit("loss", jnp.mean(jnp.square(x)))
+        return super().forward(x, ctx, cache)
+
+
+def test_an_emitted_key_that_is_a_metric_of_the_run_is_refused():
+    """A new user's finding: a block emitting "loss" overwrote the loss in metrics.jsonl and TensorBoard; one
+    emitting "step" overwrote the row's step, and a resume then dropped rows."""
+    llama = get_family("llama")
+    with pytest.raises(ConfigError, match=r"EmitsLoss: calling it .* raised ValueError: auxiliary output 'loss': a "
+                                          r"key is a string other than the run's own metric names.*'myblock/loss'"):
+        nnx.eval_shape(lambda: llama.build(llama.config("tiny", num_layers=2), Execution(), block_cls=EmitsLoss,
+                                           rngs=nnx.Rngs(0)))
