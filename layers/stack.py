@@ -377,8 +377,15 @@ class BlockStack(nnx.Module):
             # Host-resident weights (offload.params=host) come into HBM one layer per iteration.
             layer_state = host_weights.layer_to_device(layer_state, kept_rows, layer_index)
             layer_ctx = ctx if layer_values is None else ctx._replace(layer_values=layer_values)
-            x_btd, layer_cache = nnx.merge(graphdef, layer_state)(constrain(x_btd, names.RESIDUAL_AXES), layer_ctx,
-                                                                  layer_cache)
+            block = nnx.merge(graphdef, layer_state)
+            given = layer_cache
+            x_btd, layer_cache = block(constrain(x_btd, names.RESIDUAL_AXES), layer_ctx, layer_cache)
+            if given is not None and jax.tree.structure(layer_cache) != jax.tree.structure(given):
+                # else decoding failed later with "not enough values to unpack", naming no block
+                raise ConfigError(f"block {_class_path(type(block))}: forward() given a decoding cache returned "
+                                  f"{type(layer_cache).__name__} in its place; a block returns the cache its "
+                                  f"attention updated: `x_btd, cache = super().forward(x_btd, ctx, cache)` ... "
+                                  f"`return x_btd, cache`")
             return constrain(x_btd, names.RESIDUAL_AXES), layer_cache
 
         # Inside the checkpoint: the emitted values are ordinary outputs of the rematerialised body.

@@ -83,3 +83,21 @@ def test_an_emitted_key_that_is_a_metric_of_the_run_is_refused():
                                           r"key is a string other than the run's own metric names.*'myblock/loss'"):
         nnx.eval_shape(lambda: llama.build(llama.config("tiny", num_layers=2), Execution(), block_cls=EmitsLoss,
                                            rngs=nnx.Rngs(0)))
+
+
+class DropsCache(TransformerBlock):
+    def forward(self, x, ctx, cache):
+        out, _ = super().forward(x, ctx, cache)
+        return out, None
+
+
+def test_a_block_that_drops_the_decoding_cache_is_named_when_decoding():
+    """A new user's finding: training passed, and the closing sample (and `spillway generate`) said only "not
+    enough values to unpack (expected 2, got 1)"."""
+    from spillway.recipes.sampling import generate
+
+    llama = get_family("llama")
+    model = llama.build(llama.config("tiny", num_layers=2), Execution(), block_cls=DropsCache, rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=r"DropsCache: forward\(\) given a decoding cache returned NoneType in its "
+                                          r"place"):
+        generate(model, [1, 2, 3], max_new_tokens=2)
