@@ -1,6 +1,7 @@
-"""What a run says of a mesh that runs but does not split what it should: as the run's own lines.
+"""What a run warns of that would otherwise go unsaid: a mesh that does not split what it should, a step that
+trains nothing, each as a line of the run's own.
 
-A new user's finding: weights the mesh cannot divide were a raw Python warning (a file path and a source line
+New users' findings: weights the mesh cannot divide were a raw Python warning (a file path and a source line
 among the run's lines, "0.00 GiB" for a small model), and a micro-batch the batch axes do not divide, which
 every device then computes whole, was not said at all.
 """
@@ -43,3 +44,24 @@ def test_the_runs_mesh_warnings_are_its_own_lines(tmp_path):
     said.clear()
     _build_setup(recipe, make_mesh(recipe.mesh), said.append, initialise=False)
     assert any(line.startswith("warning: a micro-batch of 2 sequences") for line in said)
+
+
+def test_a_step_whose_gradient_is_exactly_zero_is_warned_of_once(tmp_path):
+    """A new user's finding: LoRA adapters on weights a user's block never calls trained nothing (grad_norm 0.0
+    every step, an MFU of 97% as XLA dropped the backward pass), without a word."""
+    from types import SimpleNamespace
+
+    from spillway.recipes.train.loop_parts import Progress
+
+    written = []
+    recipe = micro(tmp_path / "cache", tmp_path / "run", "lora.rank=4", f"checkpoint.init_from={tmp_path / 'base'}")
+    feed = SimpleNamespace(data=SimpleNamespace(seq_len=32, is_mixture=False))
+    logger = SimpleNamespace(log=lambda step, row: None)
+    bar = SimpleNamespace(write=written.append, set_postfix=lambda values: None)
+    progress = Progress(recipe, feed, logger, bar, checkpointer=SimpleNamespace(all_steps=list), main=True)
+    for step in (1, 2):
+        progress.after_step(step, {"loss": 3.0, "grad_norm": 0.0, "learning_rate": 1e-3})
+    assert written == ["warning: step 1's gradient is exactly zero: no trained weight reaches the loss, so nothing "
+                       "trains (lora.targets ['q_proj', 'v_proj']: are they weights the blocks' forward uses?)"]
+    progress.after_step(3, {"loss": 3.0, "grad_norm": 0.5, "learning_rate": 1e-3})
+    assert len(written) == 1
