@@ -513,11 +513,9 @@ def check_is_text(path: Path, text: str) -> None:
 
 
 def _reads_as_utf16(text: str) -> bool:
-    """Whether a file's text, decoded as UTF-8 with replacements, was UTF-16: its byte order mark (0xff 0xfe or
-    0xfe 0xff, two replacements), or Latin text whose every other byte is NUL."""
-    head = text[:4096]
-    if head.startswith("\ufffd\ufffd") and "\x00" in head:
-        return True
+    """Whether a file's text, decoded as UTF-8 with replacements, was UTF-16: Latin text whose every other byte is
+    NUL, after a byte order mark (0xff 0xfe or 0xfe 0xff, two replacements) if one opens it."""
+    head = text[:4096].removeprefix("\ufffd\ufffd")   # the byte order mark alone says nothing: random bytes too
     return len(head) >= 8 and any(head[k::2].count("\x00") >= 0.9 * len(head[k::2]) for k in (0, 1))
 
 
