@@ -272,8 +272,8 @@ def _host_checks(recipe: Recipe, checkpointer, host_ram_gb: float | None, say):
 def _build_setup(recipe: Recipe, mesh, say, initialise: bool = True) -> TrainSetup:
     """The model in its shards (or, `initialise=False`, its targets only) and the step, on `mesh` (checked by
     `_host_checks`)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:   # (the others as the filters in force say)
+        warnings.simplefilter("always", MeshWarning)
         s = setup(recipe, mesh, initialise=initialise)
     say(f"mesh: {dict(s.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)")
