@@ -93,8 +93,18 @@ class LocalSpec:
             folders = sum(why == HIDDEN_FOLDER for _, why in self.skipped)
             counted = " and ".join(part for part in (_files(len(self.skipped) - folders) if len(self.skipped) > folders
                                                      else "", _folders(folders) if folders else "") if part)
-            lines.append(f"data: {source}: skipped {counted}: {named(list(self.skipped))}")
+            unsplit = [path for path, why in self.skipped if why == IN_NO_SPLIT]
+            hint = ""
+            if len(unsplit) >= len(self.files):   # most of a folder left out by other files' names
+                named_for = ", ".join(f"{path.name} -> {self.split}" for path in self.files[:2])
+                hint = (f" (files named for a split, {named_for}, make the folder a dataset of splits, as `datasets` "
+                        f"reads one, and the {len(unsplit)} named for none are left out: rename those named for a "
+                        f"split, or give data.source the files' own folder)")
+            lines.append(f"data: {source}: skipped {counted}: {named(list(self.skipped))}{hint}")
         return lines
+
+
+IN_NO_SPLIT = "in no split"
 
 
 def _files(count: int) -> str:
@@ -213,7 +223,7 @@ def _folder_spec(folder: Path, split: str) -> LocalSpec:
     splits = data_splits(folder, corpus) or {"train": corpus}
     _check_split(str(folder), split, sorted(splits))
     in_splits = {path for paths in splits.values() for path in paths}
-    skipped += [(path, "in no split") for path in corpus if path not in in_splits]
+    skipped += [(path, IN_NO_SPLIT) for path in corpus if path not in in_splits]
     files = splits[split]
     empty = [path for path in files if builder_for(path) == "parquet" and empty_parquet(path)]
     skipped += [(path, "empty parquet, 0 rows") for path in empty]

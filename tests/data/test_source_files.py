@@ -288,3 +288,15 @@ def test_load_documents_reads_text_files_as_a_run_does(tmp_path, capsys):
     assert "not all UTF-8" in capsys.readouterr().err
     (tmp_path / "latin" / "b.txt").write_text("second document, edited")   # the Arrow cache follows the file
     assert load_documents(str(tmp_path / "latin"), cache_dir=tmp_path / "hf")["text"][1] == "second document, edited"
+
+
+def test_a_folder_whose_few_files_are_named_for_a_split_says_why_the_rest_are_left_out(tmp_path):
+    """A new user's finding: `training_manual.txt` among seven chapters made the folder a dataset of splits, and
+    the chapters, named for none, were left out with only "(in no split)" to say why."""
+    from spillway.data.sources import source_notes
+
+    for name in ("chapter1.txt", "chapter2.txt", "chapter3.txt", "training_manual.txt", "test_results.txt"):
+        (tmp_path / name).write_text(f"the text of {name} " * 9)
+    notes = source_notes(str(tmp_path))
+    assert any("(in no split)" in line and "training_manual.txt -> train" in line and "rename those named for a "
+               "split" in line for line in notes), notes
