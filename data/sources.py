@@ -99,7 +99,7 @@ class LocalSpec:
                 named_for = ", ".join(f"{path.name} -> {self.split}" for path in self.files[:2])
                 hint = (f" (files named for a split, {named_for}, make the folder a dataset of splits, as `datasets` "
                         f"reads one, and the {len(unsplit)} named for none are left out: rename those named for a "
-                        f"split, or give data.source the files' own folder)")
+                        f"split, or move the others into a folder of their own and point data.source there)")
             lines.append(f"data: {source}: skipped {counted}: {named(list(self.skipped))}{hint}")
         return lines
 
