@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spillway.layers import aux_outputs, host_weights, layer_hook, lora, names
@@ -129,8 +130,22 @@ def _build_block(block_cls: type, cfg: BlockConfig, rngs: nnx.Rngs):
         if not _users(block_cls):
             raise
         raise ConfigError(f"block {_class_path(block_cls)}: its __init__ raised {_one_line(error)}") from None
+    if _users(block_cls):
+        _check_no_bare_arrays(block)
     lora.attach(block, rngs)   # the LoRA adapters a recipe asks for (layers/lora.py); none outside one
     return block
+
+
+def _check_no_bare_arrays(block) -> None:
+    """ConfigError for an array a block keeps as a plain attribute (`self.slopes = jnp.linspace(...)`): nnx takes
+    it for static metadata, and the run failed later with flax's "arrays cannot be passed as metadata fields",
+    naming neither the block nor the attribute."""
+    bare = [".".join(str(part) for part in path) for path, value in nnx.iter_graph(block)
+            if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, nnx.Variable)]
+    if bare:
+        raise ConfigError(f"block {_class_path(type(block))} keeps arrays as plain attributes ({', '.join(bare[:4])}): "
+                          f"make a trained one an nnx.Param, and compute a fixed one in forward (or keep it as "
+                          f"Python numbers)")
 
 
 def _check_only_params(blocks) -> None:

@@ -101,3 +101,18 @@ def test_a_block_that_drops_the_decoding_cache_is_named_when_decoding():
     with pytest.raises(ConfigError, match=r"DropsCache: forward\(\) given a decoding cache returned NoneType in its "
                                           r"place"):
         generate(model, [1, 2, 3], max_new_tokens=2)
+
+
+class KeepsAnArray(TransformerBlock):
+    def __init__(self, cfg, *, rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.slopes = jnp.linspace(0, 1, cfg.d_model)
+
+
+def test_an_array_kept_as_a_plain_attribute_is_named():
+    """A new user's finding: flax's "arrays cannot be passed as metadata fields", naming neither block nor
+    attribute, came only once the run compiled."""
+    llama = get_family("llama")
+    with pytest.raises(ConfigError, match=r"KeepsAnArray keeps arrays as plain attributes \(slopes\)"):
+        nnx.eval_shape(lambda: llama.build(llama.config("tiny", num_layers=2), Execution(), block_cls=KeepsAnArray,
+                                           rngs=nnx.Rngs(0)))
