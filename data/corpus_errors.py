@@ -126,6 +126,27 @@ def first_json_error(path: Path) -> str | None:
     return None
 
 
+def first_duplicate_key(path: Path) -> str | None:
+    """'line N: the key K twice' for the first record of a JSON lines file that holds a key twice (pyarrow refuses
+    it as "Column(/K) was specified twice in row R", naming no line; Python's json keeps the last), else None."""
+    def pairs(items):
+        keys = [key for key, _ in items]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            raise KeyError(twice)
+        return dict(items)
+
+    with open_binary(path) as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                json.loads(raw.removeprefix(UTF8_BOM).decode("utf-8", errors="replace"), object_pairs_hook=pairs)
+            except KeyError as twice:
+                return f"line {number}: the key {twice.args[0]!r} twice in one record; keep one"
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def first_non_text_record(files, text_field: str) -> str | None:
     """'FILE, line N (a JSON int)' for the first .jsonl record (or .json array item) whose `text_field` is
     present and neither a string nor null, else None."""

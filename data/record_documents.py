@@ -23,7 +23,7 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
-from .corpus_errors import (first_json_error, first_non_text_record, is_text_type, json_kind,
+from .corpus_errors import (first_duplicate_key, first_json_error, first_non_text_record, is_text_type, json_kind,
                             missing_text_field, non_text_field, record_fields, read_as_lines, unreadable_corpus)
 from .local_files import UTF8_BOM, compression_of, corpus_suffix, open_binary, read_bytes
 
@@ -148,6 +148,9 @@ class RecordFileDocuments:
             where = first_non_text_record([path], self.text_field)
             if where is not None:
                 return non_text_field(where, self.text_field)
+            where = first_duplicate_key(path) if "specified twice" in str(error) else None
+            if where is not None:
+                return DataError(f"corpus file {str(path)!r}, {where}")
         return unreadable_corpus(self._builder(path), [path], error)
 
     @staticmethod

@@ -248,3 +248,10 @@ def test_a_file_of_columns_as_pandas_writes_it_is_named_as_one(tmp_path):
     with pytest.raises(DataError, match=r"frame.json, line 1 \(a JSON dict\): field 'text' is not a string.*one "
                                         r"object of columns.*orient=\"records\", lines=True"):
         texts_of(tmp_path / "frame.json")
+
+
+def test_a_record_holding_its_text_key_twice_is_named_by_its_line(tmp_path):
+    """A new user's finding: pyarrow's "Column(/text) was specified twice in row 0" named no line of the file."""
+    (tmp_path / "dup.jsonl").write_text('{"text": "a"}\n{"text": "first", "text": "second"}\n')
+    with pytest.raises(DataError, match=r"dup.jsonl', line 2: the key 'text' twice in one record; keep one"):
+        texts_of(tmp_path / "dup.jsonl")
