@@ -62,15 +62,20 @@ def test_an_empty_jsonl_corpus_is_named_not_a_stopiteration(tmp_path, monkeypatc
     assert err == [f"spillway train: error: {message}"]
 
 
-def test_finetuning_from_a_run_of_another_family_names_both_families(tmp_path, capsys):
+def saved_source_run(source, recipe_json: str):
+    """A run folder whose one step holds `recipe_json` (its weights a stand-in): what a fine-tune's checks read."""
     import jax.numpy as jnp
 
     from spillway.recipes.train.checkpoint import RunCheckpointer
 
-    source = tmp_path / "runs" / "tiny"   # a llama run's checkpoint: its saved recipe says the family
     with RunCheckpointer(source / "checkpoints", keep=1, every_steps=1, async_save=False) as checkpointer:
         checkpointer.save(1, params={"w": jnp.zeros(2)}, opt_state={"m": jnp.zeros(2)}, loader_state={},
-                          meta={"step": 1}, recipe_json=get_recipe("tiny").to_json(), force=True)
+                          meta={"step": 1}, recipe_json=recipe_json, force=True)
+
+
+def test_finetuning_from_a_run_of_another_family_names_both_families(tmp_path, capsys):
+    source = tmp_path / "runs" / "tiny"   # a llama run's checkpoint: its saved recipe says the family
+    saved_source_run(source, get_recipe("tiny").to_json())
     status, err, out = run_cli("gemma2_tiny", "--set", f"checkpoint.init_from={source}",
                                "--set", f"checkpoint.dir={tmp_path / 'runs' / 'gemma'}", capsys=capsys)
     assert status == 2
@@ -85,16 +90,10 @@ def test_finetuning_a_run_of_a_users_block_with_the_block_unset_is_refused(tmp_p
     and the export of that fine-tune shipped them as a Llama computing another network."""
     import json
 
-    import jax.numpy as jnp
-
-    from spillway.recipes.train.checkpoint import RunCheckpointer
-
     saved = get_recipe("tiny").to_dict()
     saved["block"] = "my_blocks:ParallelBlock"
     source = tmp_path / "runs" / "par"
-    with RunCheckpointer(source / "checkpoints", keep=1, every_steps=1, async_save=False) as checkpointer:
-        checkpointer.save(1, params={"w": jnp.zeros(2)}, opt_state={"m": jnp.zeros(2)}, loader_state={},
-                          meta={"step": 1}, recipe_json=json.dumps(saved), force=True)
+    saved_source_run(source, json.dumps(saved))
     status, err, out = run_cli("tiny", "--set", f"checkpoint.init_from={source}",
                                "--set", f"checkpoint.dir={tmp_path / 'runs' / 'ft'}", capsys=capsys)
     assert status == 2
