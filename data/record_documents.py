@@ -36,7 +36,8 @@ MAX_BLOCK_BYTES = 1 << 34   # a record of a compressed file larger than this (16
 def readable_by_field(files) -> bool:
     """Whether every file is one this module reads: JSON lines (maybe compressed), parquet, and `.json` files
     that hold JSON lines or one array of records (`json_kind`; another `.json`, such as one object of
-    columns, is left to `datasets`, with its folder)."""
+    columns, is left to `datasets`, with its folder). The chat records' reader reads the same files
+    (data/sft_formats.py `iter_records`)."""
     return bool(files) and all(corpus_suffix(path) in (".jsonl", ".parquet") or
                                (corpus_suffix(path) == ".json" and json_kind(path) is not None) for path in files)
 

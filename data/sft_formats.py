@@ -25,11 +25,12 @@ renders them as is its business), and the record's `tools`.
 
 Records are read as a stream (`iter_records`) of one split (`data.split`;
 data/local_files.py names a folder's splits): local `.jsonl` files (also
-compressed) line by line (so a bad record is named by file and line) and
-`.parquet` files row by row, each file by itself (a shard may have columns
-the others lack); everything else (`.json`, `save_to_disk` folders, Hub
+compressed) line by line (so a bad record is named by file and line),
+`.parquet` files row by row and `.json` files (JSON lines, or one array) record
+by record, each file by itself (a shard may have columns the others lack);
+everything else (`save_to_disk` folders, a `.json` of another shape, Hub
 datasets) through a `datasets` stream (named by record number). Nothing is
-held beyond the record being converted.
+held beyond the record being converted (a `.json` array is read whole).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from spillway.layers.errors import DataError
 
 from .corpus_errors import first_json_error, json_kind, parse_jsonl_line, unreadable_corpus
 from .local_files import SAVED, UTF8_BOM, corpus_suffix, open_binary, read_bytes
+from .record_documents import readable_by_field
 from .sources import TEXT_SUFFIXES, load_local_files, parse_hub_spec, parse_local_spec
 
 FORMATS = ("text", "chat", "instruct")
@@ -265,14 +267,6 @@ def conversation_of(record: Record, data_format: str) -> Conversation:
     return Conversation(messages_of(record, data_format), _json_list(record, '"tools"', record.fields.get("tools")))
 
 
-def _read_by_us(path: Path) -> bool:
-    """JSON lines, parquet, and `.json` files of lines or of one array: read here, record by record as they
-    are. Through `datasets`, a `.json` array whose messages differ in their keys (a `name` on one) came back
-    with every message a JSON string, refused as "not an object" at a record that was fine."""
-    return corpus_suffix(path) in (".jsonl", ".parquet") or (corpus_suffix(path) == ".json" and
-                                                              json_kind(path) is not None)
-
-
 def _file_records(path: Path) -> Iterator[Record]:
     if corpus_suffix(path) == ".parquet":
         return _parquet_records(path)
@@ -337,8 +331,10 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
     hub = parse_hub_spec(source)
     if hub is None:
         local = parse_local_spec(source, split)
-        # file by file: files whose other columns differ (a `source` in one shard) are read all the same
-        if local.builder != SAVED and all(_read_by_us(path) for path in local.files):
+        # file by file, record by record as they are: files whose other columns differ (a `source` in one shard)
+        # are read all the same, and a `.json` array whose messages differ in their keys (a `name` on one), which
+        # `datasets` gave back with every message a JSON string, refused at a record that was fine
+        if local.builder != SAVED and readable_by_field(local.files):
             for path in local.files:
                 yield from _file_records(path)
             return
