@@ -26,13 +26,13 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from .cache import stable_key
 from .loader import DamagedLoaderState, local_batch_size, rows_changed_hint, saved_count
 from .packing import PackedData, prepare_tokens
-from .sources import parse_hub_spec, parse_local_spec
 from .tokenizer import Tokenizer
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -71,18 +71,11 @@ def parse_mixture(spec: str) -> tuple[MixtureComponent, ...]:
     return tuple(components)
 
 
-def shared_files_notes(components: tuple[MixtureComponent, ...], split: str = "train") -> list[str]:
-    """A warning for each pair of local sources that read the same files (a folder and its subfolder, one
-    folder twice): those documents are drawn under both weights, so the mixture is not the one its weights
-    say. A source that cannot be read is left to the preparation, which names what is wrong with it."""
-    files = {}
-    for component in components:
-        if parse_hub_spec(component.source) is not None:
-            continue
-        try:
-            files[component.name] = {path.resolve() for path in parse_local_spec(component.source, split).files}
-        except (OSError, ValueError):
-            continue
+def shared_files_notes(files_by_source: Mapping[str, Iterable[Path]]) -> list[str]:
+    """A warning for each pair of a mixture's local sources (by name, the files each reads) that read the same
+    files (a folder and its subfolder, one folder twice): those documents are drawn under both weights, so the
+    mixture is not the one its weights say."""
+    files = {name: {Path(path).resolve() for path in paths} for name, paths in files_by_source.items()}
     notes = []
     names = list(files)
     for k, first in enumerate(names):

@@ -33,7 +33,7 @@ from spillway.data import (BatchLoader, MixtureLoader, PackedData, Tokenizer, ch
                            interleave_documents, load_tokenizer, parse_mixture, prepare_tokens, stream_documents,
                            train_tokenizer)
 from spillway.data.mixture import shared_files_notes
-from spillway.data.sources import source_notes
+from spillway.data.sources import parse_hub_spec, parse_local_spec
 from spillway.data.spm_tokenizer import NoTextError
 from spillway.layers.errors import DataError
 from spillway.recipes.config import Recipe
@@ -118,11 +118,17 @@ class TrainingData:
 
 
 def source_notes_of(recipe: Recipe) -> list[str]:
-    """What reading each source leaves out (data/sources.py `source_notes`): the other splits, skipped files."""
+    """What reading each source leaves out (data/sources.py `LocalSpec.notes`: the other splits, skipped files),
+    and a mixture's sources that read the same files."""
     components = parse_mixture(recipe.data.mixture) if recipe.data.mixture else ()
-    sources = [c.source for c in components] or [recipe.data.source]
-    notes = [line for source in sources for line in source_notes(source, recipe.data.split)]
-    return notes + shared_files_notes(components, recipe.data.split)
+    sources = {c.name: c.source for c in components} or {CORPUS: recipe.data.source}
+    notes, files = [], {}
+    for name, source in sources.items():   # each local source's folder walked once, for both kinds of line
+        if parse_hub_spec(source) is None:
+            local = parse_local_spec(source, recipe.data.split)
+            notes += local.notes(source)
+            files[name] = local.files
+    return notes + shared_files_notes(files)   # (one source shares with none)
 
 
 def load_or_train_tokenizer(recipe: Recipe) -> Tokenizer:

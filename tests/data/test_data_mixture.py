@@ -167,14 +167,16 @@ def test_sources_that_read_the_same_files_are_warned_of(tmp_path):
     """A folder beside its own subfolder (or one folder twice) draws the shared documents under both weights:
     the mixture is then not what its weights say, which nothing told the user."""
     from spillway.data.mixture import shared_files_notes
+    from spillway.data.sources import parse_local_spec
 
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "a.txt").write_text("alpha")
     (tmp_path / "code" / "b.txt").write_text("beta")
     (tmp_path / "web.txt").write_text("gamma")
-    overlapping = parse_mixture(f"all=0.5:{tmp_path},code=0.5:{tmp_path / 'code'}")
-    (note,) = shared_files_notes(overlapping)
+
+    def files(**sources):
+        return {name: parse_local_spec(str(path)).files for name, path in sources.items()}
+
+    (note,) = shared_files_notes(files(all=tmp_path, code=tmp_path / "code"))
     assert "'all' and 'code' read 2 of the same files" in note and str(tmp_path / "code" / "a.txt") in note
-    apart = parse_mixture(f"web=0.5:{tmp_path / 'web.txt'},code=0.5:{tmp_path / 'code'},hub=1:hf:o/n,"
-                          f"gone=1:{tmp_path / 'missing'}")
-    assert shared_files_notes(apart) == []   # the missing source is left to its preparation's own error
+    assert shared_files_notes(files(web=tmp_path / "web.txt", code=tmp_path / "code")) == []

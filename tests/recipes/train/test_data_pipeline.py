@@ -83,3 +83,18 @@ def test_chat_settings_given_to_a_text_run_are_named_as_not_read():
     assert _chat_settings_unread(DataConfig(chat_template="missing.jinja", packing="pad")) == [
         "data.chat_template=missing.jinja", "data.packing=pad"]
     assert _chat_settings_unread(DataConfig(format="chat", chat_template="chatml", packing="pad")) == []
+
+
+def test_a_mixture_whose_sources_read_the_same_files_is_warned_of_with_the_runs_notes(tmp_path):
+    """The run's data lines: each source's own notes, and the pair of sources that read the same files (the
+    shared documents are drawn under both weights)."""
+    from spillway.recipes.train.data_pipeline import source_notes_of
+
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "a.txt").write_text("alpha")
+    (tmp_path / "web.txt").write_text("gamma")
+    (tmp_path / "notes.rst").write_text("not read")
+    recipe = get_recipe("tiny", [f"data.mixture=all=0.5:{tmp_path},code=0.5:{tmp_path / 'code'},hub=1:hf:o/n"])
+    notes = source_notes_of(recipe)
+    assert any("notes.rst (not a corpus file type)" in line for line in notes)
+    assert notes[-1].startswith("warning: data.mixture sources 'all' and 'code' read 1 of the same files")
