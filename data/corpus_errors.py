@@ -126,24 +126,23 @@ def first_json_error(path: Path) -> str | None:
     return None
 
 
-def first_duplicate_key(path: Path) -> str | None:
-    """'line N: the key K twice' for the first record of a JSON lines file that holds a key twice (pyarrow refuses
-    it as "Column(/K) was specified twice in row R", naming no line; Python's json keeps the last), else None."""
-    def pairs(items):
-        keys = [key for key, _ in items]
-        twice = next((key for key in keys if keys.count(key) > 1), None)
-        if twice is not None:
-            raise KeyError(twice)
-        return dict(items)
+def first_duplicate_key(path: Path, key: str) -> str | None:
+    """'line N: the key K twice' for the first record of a JSON lines file that holds `key` twice (pyarrow refuses
+    it as "Column(/K) was specified twice in row R", naming no line; Python's json keeps the last), else None.
+    Only a record's own `key` counts: a nested object's repeated keys are nothing pyarrow reads."""
+    def twice_at_the_top(items):
+        return [name for name, _ in items].count(key) > 1
 
     with open_binary(path) as f:
         for number, raw in enumerate(f, start=1):
+            hooked: list = []   # the innermost objects come first, the record itself last
             try:
-                json.loads(raw.removeprefix(UTF8_BOM).decode("utf-8", errors="replace"), object_pairs_hook=pairs)
-            except KeyError as twice:
-                return f"line {number}: the key {twice.args[0]!r} twice in one record; keep one"
+                json.loads(raw.removeprefix(UTF8_BOM).decode("utf-8", errors="replace"),
+                           object_pairs_hook=lambda items: hooked.append(items) or dict(items))
             except json.JSONDecodeError:
                 continue
+            if hooked and raw.lstrip(UTF8_BOM + b" \t").startswith(b"{") and twice_at_the_top(hooked[-1]):
+                return f"line {number}: the key {key!r} twice in one record; keep one"
     return None
 
 

@@ -149,7 +149,7 @@ class RecordFileDocuments:
             where = first_non_text_record([path], self.text_field)
             if where is not None:
                 return non_text_field(where, self.text_field)
-            where = first_duplicate_key(path) if "specified twice" in str(error) else None
+            where = first_duplicate_key(path, self.text_field) if "specified twice" in str(error) else None
             if where is not None:
                 return DataError(f"corpus file {str(path)!r}, {where}")
         return unreadable_corpus(self._builder(path), [path], error)
