@@ -264,8 +264,13 @@ def source_fingerprint(source: str, *, text_field: str = "text", split: str = "t
     if hub is not None:
         return stable_key("hub", hub.repo_id, hub.config, split, text_field)
     local = parse_local_spec(source, split)   # the split's files: another split's corpus is another key
-    stats = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in local.files]
-    return stable_key("local", local.builder, stats, split, text_field)
+    return stable_key("local", local.builder, file_stats(local.files), split, text_field)
+
+
+def file_stats(files) -> list[tuple[str, int, int]]:
+    """(resolved path, size, modification time) of each file: what a key of their contents is made of, as `make`
+    judges a file changed."""
+    return [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files]
 
 
 def select_text_column(
@@ -324,8 +329,7 @@ def _text_files_dataset(local: LocalSpec, streaming: bool,
     in one line, a few bytes not UTF-8 warned of), into a `datasets` dataset; the text builder read UTF-16 as
     mojibake without a word. The Arrow cache is keyed by the files' paths, sizes and times."""
     files = [str(path) for path in local.files]
-    key = stable_key("text files", [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns)
-                                    for path in local.files])
+    key = stable_key("text files", file_stats(local.files))
     options = {"gen_kwargs": {"files": files, "key": key},
                "features": datasets.Features({"text": datasets.Value("string")})}   # all empty: no rows to infer
     if streaming:
