@@ -5,7 +5,9 @@ Rendering follows transformers' `apply_chat_template`: an
 `loopcontrols` extension, a `tojson` filter that does not escape HTML, the
 globals `raise_exception` and `strftime_now`, and the special tokens
 (`bos_token`, `eos_token`, ...) from the same `tokenizer_config.json` as the
-template. `{% generation %} ... {% endgeneration %}` marks the text the model
+template; a message's reasoning under any of its dataset names is given as
+`reasoning_content` (and `thinking`), as transformers 5 gives it.
+`{% generation %} ... {% endgeneration %}` marks the text the model
 is trained to write (the assistant's answers); a template without such blocks
 has its answers found by rendering the conversation turn by turn
 (data/sft_targets.py).
@@ -17,7 +19,9 @@ Where the template comes from (`resolve_chat_template`):
   `chat_template`);
 * unset: the tokenizer's own, from the `chat_template.jinja` beside it, else
   its `tokenizer_config.json` (transformers reads them in that order: the
-  file takes priority over the config's entry).
+  file takes priority over the config's entry). A tokenizer with named
+  templates (data/chat_template_files.py) renders with its default, and a
+  conversation given tools with its "tool_use" one, as transformers does.
 
 A tokenizer with no template and none named is a DataError saying what to set.
 """
@@ -34,11 +38,11 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from spillway.layers.errors import DataError
+from .chat_template_files import (CHAT_TEMPLATE_FILE, DEFAULT, TOKENIZER_CONFIG_FILE, TOOL_USE, ChatTemplateError,
+                                  read_config, templates_in_config, tokenizer_templates)
 
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"   # transformers >= 4.43 may save the template beside the config
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # transformers 5's order
 
 # Built-in templates for tokenizers that have none (a sentencepiece model spillway trained). Their
 # end-of-turn token is the tokenizer's EOS; `{% generation %}` marks each answer and that EOS.
@@ -76,10 +80,6 @@ BUILTIN_TEMPLATES = {
 # conversation, ends with the assistant's marker (two user turns in a row have none between them). (Newlines
 # after a block tag are written as expressions: trim_blocks, as transformers renders, drops the first one.)
 _ROLES_OF_BUILTINS = {"spillway": ("system", "user", "assistant"), "chatml": ("system", "user", "assistant")}
-
-
-class ChatTemplateError(DataError):
-    """A chat template that cannot be found, compiled or rendered: one line naming it and why."""
 
 
 class _GenerationBlocks(Extension):
@@ -133,21 +133,41 @@ class Rendered:
 class ChatTemplate:
     """One compiled chat template, its special tokens, and where it came from (for messages)."""
 
-    def __init__(self, source: str, *, origin: str, special_tokens: dict[str, str] | None = None):
+    def __init__(self, source: str, *, origin: str, special_tokens: dict[str, str] | None = None,
+                 named: dict[str, str] | None = None):
+        """`named`: the tokenizer's other named templates beside this default one (chat_template_files.py);
+        a conversation given tools renders with its "tool_use" one, as transformers does (`for_tools`)."""
         self.source = source
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
+        self.named = {name: text for name, text in (named or {}).items() if name != DEFAULT}
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                     extensions=[_GenerationBlocks, jinja2.ext.loopcontrols])
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_exception
         environment.globals["strftime_now"] = _strftime_now
         self._tracker = next(e for e in environment.extensions.values() if isinstance(e, _GenerationBlocks))
+        self._tool_use: ChatTemplate | None = None
         try:
             self._template = environment.from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as error:
             raise ChatTemplateError(f"chat template {origin} does not compile (line {error.lineno}: "
                                     f"{error.message})") from None
+
+    @property
+    def all_named(self) -> dict[str, str]:
+        """Every template of the set, the default first: what a run saves and exports."""
+        return {DEFAULT: self.source, **self.named}
+
+    def for_tools(self, tools) -> ChatTemplate:
+        """The template a conversation renders with: the "tool_use" one where it is given tools and the set has
+        one (transformers' `get_chat_template`), else this one."""
+        if tools is None or TOOL_USE not in self.named:
+            return self
+        if self._tool_use is None:
+            self._tool_use = ChatTemplate(self.named[TOOL_USE], origin=f"{self.origin} ({TOOL_USE})",
+                                          special_tokens=self.special_tokens)
+        return self._tool_use
 
     @property
     def has_generation_blocks(self) -> bool:
@@ -166,7 +186,8 @@ class ChatTemplate:
         `documents` is None, as transformers passes both to every template it renders."""
         self._tracker.emitted, self._tracker.spans = [], []
         try:
-            for piece in self._template.generate(messages=messages, tools=tools, documents=None,
+            for piece in self._template.generate(messages=_with_reasoning_aliases(messages), tools=tools,
+                                                 documents=None,
                                                  add_generation_prompt=add_generation_prompt,
                                                  **self.special_tokens):
                 self._tracker.emitted.append(piece)
@@ -182,56 +203,32 @@ class ChatTemplate:
             self._tracker.emitted = None
 
 
+def _with_reasoning_aliases(messages: list[dict]) -> list[dict]:
+    """Messages as transformers 5 gives them to a template: a message's reasoning, under any of the names datasets
+    give it (`reasoning_content`, `thinking`, `reasoning`: the first set), is also its `reasoning_content` and,
+    unless it has one, its `thinking`, so a template reading either (Qwen3's, gpt-oss') writes it."""
+    aliased = []
+    for message in messages:
+        if isinstance(message, dict):
+            reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        aliased.append(message)
+    return aliased
+
+
 def _token_text(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _read_config(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ChatTemplateError(f"{path} is not readable JSON: {error}; fix it, or copy it again from where "
-                                f"the tokenizer came from (the checkpoint or run it belongs to)") from None
-    return data if isinstance(data, dict) else {}
-
-
-def _template_in_config(config: dict) -> str | None:
-    """The `chat_template` of a tokenizer_config.json: a string, or the "default" of a list of named ones."""
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) and template else None
-
-
 def special_tokens_of(directory: Path | None) -> dict[str, str]:
     """bos_token, eos_token, ... as the tokenizer_config.json in `directory` names them."""
     if directory is None or not (directory / TOKENIZER_CONFIG_FILE).is_file():
         return {}
-    config = _read_config(directory / TOKENIZER_CONFIG_FILE)
+    config = read_config(directory / TOKENIZER_CONFIG_FILE)
     return {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
-
-
-def tokenizer_template_file(directory: Path) -> tuple[str, Path] | None:
-    """(the tokenizer's own chat template in `directory`, the file holding it): chat_template.jinja, else
-    tokenizer_config.json's entry, the order transformers reads them in; None when neither has one."""
-    jinja_path = directory / CHAT_TEMPLATE_FILE
-    if jinja_path.is_file():
-        return jinja_path.read_text(encoding="utf-8"), jinja_path
-    config_path = directory / TOKENIZER_CONFIG_FILE
-    if config_path.is_file():
-        template = _template_in_config(_read_config(config_path))
-        if template:
-            return template, config_path
-    return None
-
-
-def tokenizer_template(directory: Path) -> str | None:
-    """The tokenizer's own chat template in `directory` (`tokenizer_template_file`), or None."""
-    found = tokenizer_template_file(directory)
-    return found[0] if found is not None else None
 
 
 def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
@@ -259,17 +256,24 @@ def resolve_chat_template(named: str | None, tokenizer_dir: Path | None,
             raise ChatTemplateError(f"data.chat_template {named!r}: neither a built-in template "
                                     f"({', '.join(BUILTIN_TEMPLATES)}) nor a file that exists")
         if path.suffix == ".json":
-            template = _template_in_config(_read_config(path))
-            if template is None:
-                raise ChatTemplateError(f"data.chat_template {named!r}: the file has no \"chat_template\"")
-            return ChatTemplate(template, origin=str(path), special_tokens=special)
+            return _template_set(templates_in_config(read_config(path)), str(path), special,
+                                 f"data.chat_template {named!r}: the file has no \"chat_template\"")
         return ChatTemplate(path.read_text(encoding="utf-8"), origin=str(path), special_tokens=special)
-    found = tokenizer_template_file(tokenizer_dir) if tokenizer_dir is not None else None
-    if found is None:
-        where = f"the tokenizer in {tokenizer_dir}" if tokenizer_dir is not None else "the tokenizer"
-        raise ChatTemplateError(f"{where} has no chat template (no {CHAT_TEMPLATE_FILE}, no \"chat_template\" "
-                                f"in its {TOKENIZER_CONFIG_FILE}) and data.chat_template names none: set "
-                                f"data.chat_template to a built-in ({', '.join(BUILTIN_TEMPLATES)}) or a "
-                                f".jinja file")
-    template, path = found
-    return ChatTemplate(template, origin=f"of {path}", special_tokens=special)
+    found = tokenizer_templates(tokenizer_dir) if tokenizer_dir is not None else None
+    where = f"the tokenizer in {tokenizer_dir}" if tokenizer_dir is not None else "the tokenizer"
+    return _template_set(found[0] if found else {}, f"of {found[1]}" if found else where, special,
+                         f"{where} has no chat template (no {CHAT_TEMPLATE_FILE}, no \"chat_template\" in its "
+                         f"{TOKENIZER_CONFIG_FILE}) and data.chat_template names none: set data.chat_template to a "
+                         f"built-in ({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
+
+
+def _template_set(named: dict[str, str], origin: str, special: dict[str, str], none_said: str) -> ChatTemplate:
+    """The default of a folder's or file's named templates, the others beside it; ChatTemplateError saying
+    `none_said` where there are none, and naming them where none is the default (transformers then renders
+    only with a name given, which a run does not give)."""
+    if not named:
+        raise ChatTemplateError(none_said)
+    if DEFAULT not in named:
+        raise ChatTemplateError(f"the chat templates {origin} are named {', '.join(sorted(named))}, none "
+                                f"{DEFAULT!r}: name the one to train with in data.chat_template (its .jinja file)")
+    return ChatTemplate(named[DEFAULT], origin=origin, special_tokens=special, named=named)

@@ -53,6 +53,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .cache import atomic_write_bytes
+from .chat_template_files import CHAT_TEMPLATE_DIR   # its .jinja files are kept beside too
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 SPM_TOKENIZER_FILE = "tokenizer.model"
@@ -299,8 +300,8 @@ class Tokenizer(abc.ABC):
         """`file_name` and a tokenizer_config.json naming EOS/BOS in `directory`; load_tokenizer reads it back.
 
         What the files beside the tokenizer said is kept (a Hugging Face checkpoint's tokenizer_class,
-        pad_token, added tokens, chat template; its special_tokens_map.json and chat_template.jinja are
-        copied): transformers loads the folder, or an export of it, as the tokenizer it was, and a model
+        pad_token, added tokens, chat template; its special_tokens_map.json, chat_template.jinja and named
+        templates are copied): transformers loads the folder, or an export of it, as the tokenizer it was, and a model
         fine-tuned on text keeps its chat template. Only EOS, BOS and add_bos_token are this tokenizer's."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -313,8 +314,12 @@ class Tokenizer(abc.ABC):
                 config = {}   # unreadable: load_tokenizer said so already where it mattered
         kept = {name: (beside / name).read_bytes() for name in KEPT_BESIDE
                 if beside is not None and (beside / name).is_file()}
+        if beside is not None and (beside / CHAT_TEMPLATE_DIR).is_dir():   # transformers 5's named templates
+            kept.update({f"{CHAT_TEMPLATE_DIR}/{path.name}": path.read_bytes()
+                         for path in sorted((beside / CHAT_TEMPLATE_DIR).glob("*.jinja")) if path.is_file()})
         path = self.save(directory / self.file_name)
         for name, data in kept.items():
+            (directory / name).parent.mkdir(exist_ok=True)
             atomic_write_bytes(directory / name, data)
         config["eos_token"] = self.token_text(self.eos_id)
         if self.bos_id is not None:

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spillway.data.chat_template_files import CHAT_TEMPLATE_DIR
 from spillway.layers.errors import ConfigError
 from spillway.layers.lora import ADAPTER_PREFIX, fused_adapter_name
 from spillway.layers.mesh import MeshConfig
@@ -68,6 +69,7 @@ CONFIG = "config.json"
 STAGED_CONFIG = "config.json.partial"   # the merged export's config.json until its last field is in
 GENERATION_CONFIG = "generation_config.json"   # the merged export's stop ids (_write_generation_ids)
 PEFT_PREFIX = "base_model.model."
+# (and additional_chat_templates/*.jinja, transformers 5's named chat templates: data/chat_template_files.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 # Files of a Hugging Face checkpoint that transformers reads beside the weights and an export never writes.
@@ -89,6 +91,8 @@ def _check_out_dir(out_dir: Path, own: str, tokenizer_files: list[str]) -> None:
     others += sorted(out_dir.glob("*.safetensors.index.json"))
     others += [out_dir / name for name in (*TOKENIZER_FILES, *READ_BESIDE)
                if name not in tokenizer_files and (out_dir / name).is_file()]
+    others += [path for path in _named_template_files(out_dir)
+               if f"{CHAT_TEMPLATE_DIR}/{path.name}" not in tokenizer_files]
     if others:
         raise HFCheckpointError(f"{out_dir} already holds another checkpoint ({listed(others)}): export into "
                                 f"an empty folder, or delete those files first")
@@ -364,8 +368,15 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _tokenizer_files(run_dir) -> list[str]:
-    """The tokenizer files the run holds, which the export copies."""
-    return [] if run_dir is None else [name for name in TOKENIZER_FILES if (Path(run_dir) / name).is_file()]
+    """The tokenizer files the run holds, which the export copies (its named chat templates' files too)."""
+    if run_dir is None:
+        return []
+    return ([name for name in TOKENIZER_FILES if (Path(run_dir) / name).is_file()]
+            + [f"{CHAT_TEMPLATE_DIR}/{path.name}" for path in _named_template_files(Path(run_dir))])
+
+
+def _named_template_files(folder: Path) -> list[Path]:
+    return sorted(path for path in (folder / CHAT_TEMPLATE_DIR).glob("*.jinja") if path.is_file())
 
 
 def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
@@ -374,6 +385,7 @@ def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
 
     copied = _tokenizer_files(run_dir)
     for name in copied:
+        (out / name).parent.mkdir(exist_ok=True)
         atomic_write_bytes(out / name, (run_dir / name).read_bytes())
     return copied
 

@@ -16,7 +16,7 @@ from spillway.recipes.config import Recipe
 def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple[list[int], list[int]]:
     """(prompt ids, end-of-turn ids) of one user message under the run's chat template (data/chat_template.py):
     the template saved in the run directory, else the recipe's data.chat_template; none is a DataError."""
-    from spillway.data.chat_template import tokenizer_template
+    from spillway.data.chat_template_files import tokenizer_template
     from spillway.data.sft_targets import prompt_tokens, special_token_texts
 
     named = None if tokenizer_template(Path(run_dir)) is not None else recipe.data.chat_template
@@ -35,7 +35,7 @@ def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple
 def end_of_turn_in_run(run_dir: Path, tokenizer) -> list[int]:
     """The ids that end an answer under the chat template saved in the run directory: the tokenizer's EOS and
     the special tokens the template writes after an answer; the EOS alone where the run holds no template."""
-    from spillway.data.chat_template import tokenizer_template
+    from spillway.data.chat_template_files import tokenizer_template
 
     if tokenizer_template(Path(run_dir)) is None:
         return [tokenizer.eos_id]

@@ -86,7 +86,9 @@ def _template_file(recipe: Recipe) -> dict | None:
     if named in BUILTIN_TEMPLATES:   # by name: a built-in's text is the code's, not the user's
         return {"name": named}
     try:
-        text = resolve_chat_template(named, None).source
+        template = resolve_chat_template(named, None)
+        # a file's named templates beside its default (a tokenizer_config.json's list) are rendered with too
+        text = template.source if not template.named else json.dumps(template.all_named, sort_keys=True)
     except (ChatTemplateError, OSError, ValueError):
         text = None
     digest = None if text is None else hashlib.sha256(text.encode()).hexdigest()

@@ -191,20 +191,10 @@ def save_run_tokenizer(tokenizer: Tokenizer, run_dir: Path, recipe: Recipe) -> N
     # no template, while the one the rows were rendered with sits beside the source file (or is named).
     template = run_chat_template(recipe, tokenizer) if recipe.data.format != "text" else None
     tokenizer.save_to_directory(run_dir)
-    if template is None:
-        return
-    import json
+    if template is not None:
+        from spillway.data.chat_template_files import write_templates
 
-    from spillway.data.cache import atomic_write_bytes
-    from spillway.data.chat_template import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
-
-    path = Path(run_dir) / TOKENIZER_CONFIG_FILE
-    config = json.loads(path.read_text())
-    config.update({"chat_template": template.source, **template.special_tokens})
-    atomic_write_bytes(path, (json.dumps(config, indent=2) + "\n").encode())
-    jinja = Path(run_dir) / CHAT_TEMPLATE_FILE   # copied from the tokenizer's folder: transformers reads it first
-    if jinja.is_file():
-        atomic_write_bytes(jinja, template.source.encode())
+        write_templates(Path(run_dir), template.all_named, template.special_tokens)
 
 
 def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:

@@ -98,17 +98,11 @@ def _keep_chat_template(source_dir: Path, run_dir: Path) -> None:
     """The source run's chat template (a chat/instruct run keeps it in its tokenizer_config.json) into the copy's
     tokenizer_config.json, which save_to_directory wrote without one: a fine-tune of a fine-tune renders its
     conversations as the source did unless data.chat_template says otherwise."""
-    import json
+    from spillway.data.chat_template_files import tokenizer_templates, write_templates
 
-    from spillway.data.cache import atomic_write_bytes
-    from spillway.data.chat_template import TOKENIZER_CONFIG_FILE, tokenizer_template
-
-    template = tokenizer_template(source_dir)
-    if template is None:
-        return
-    path = run_dir / TOKENIZER_CONFIG_FILE
-    config = json.loads(path.read_text())
-    atomic_write_bytes(path, (json.dumps({**config, "chat_template": template}, indent=2) + "\n").encode())
+    found = tokenizer_templates(source_dir)
+    if found is not None:
+        write_templates(run_dir, found[0])
 
 
 def _check_same_vocabulary(given_path: Path, source_path: Path, init_from: str, say) -> None:

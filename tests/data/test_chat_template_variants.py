@@ -1,0 +1,160 @@
+"""Chat templates as real checkpoints ship them, against transformers' `apply_chat_template`.
+
+A tokenizer with named templates (a "tool_use" one beside the default, saved as
+transformers 5 saves them or in an older tokenizer_config.json list) renders a
+conversation given tools with the tool_use one; a run's tokenizer copy and its
+export keep them. A message's reasoning under a dataset's name for it reaches a
+template reading `reasoning_content`. A template that rewrites the assistant's
+content (DeepSeek-R1's drops the reasoning before "</think>") trains the answer
+it writes. A template error that has nothing to do with a null tool-call content
+is not given that hint.
+"""
+
+import json
+
+import pytest
+
+from spillway.data import load_tokenizer
+from spillway.data.chat_template import ChatTemplateError, resolve_chat_template
+from spillway.data.chat_template_files import CHAT_TEMPLATE_DIR, tokenizer_templates, write_templates
+from spillway.data.sft_targets import conversation_tokens, special_token_texts
+from spillway.layers.errors import DataError
+from tests.data.test_chat_template import CHATML, TOOL_CONVERSATION, TOOLS, TOOLS_CHATML, saved_tokenizer
+
+NAMED = {"default": CHATML, "tool_use": TOOLS_CHATML}
+ASKED = [{"role": "user", "content": "weather in Paris?"}, {"role": "assistant", "content": "It is sunny."}]
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def _ids(directory, messages, tools=None):
+    tokenizer = load_tokenizer(directory)
+    chat = resolve_chat_template(None, directory)
+    ids, flags = conversation_tokens(chat, tokenizer, messages, special_token_texts(tokenizer), "r", tools=tools)
+    return ids.tolist(), flags
+
+
+def _config_list_folder(transformers, directory):
+    """The older form: both templates in tokenizer_config.json's list, no .jinja files."""
+    saved_tokenizer(transformers, directory, CHATML)
+    (directory / "chat_template.jinja").unlink()
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": name, "template": text} for name, text in NAMED.items()]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("form", ["jinja_files", "config_list"])
+def test_a_conversation_given_tools_renders_with_the_tool_use_template(transformers, tmp_path, form):
+    if form == "jinja_files":
+        reference = saved_tokenizer(transformers, tmp_path, NAMED)
+        assert (tmp_path / CHAT_TEMPLATE_DIR / "tool_use.jinja").is_file()   # transformers 5's layout
+    else:
+        reference = _config_list_folder(transformers, tmp_path)
+    for messages, tools in ((ASKED, TOOLS), (TOOL_CONVERSATION, TOOLS), (ASKED, None)):
+        expected = reference.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)
+        assert _ids(tmp_path, messages, tools)[0] == list(expected["input_ids"])
+    assert "Tools: get_weather" in reference.decode(_ids(tmp_path, ASKED, TOOLS)[0])
+
+
+def test_a_run_copy_and_its_templates_load_in_transformers_as_the_source(transformers, tmp_path):
+    """save_to_directory keeps the named files; write_templates writes them where transformers reads them and
+    drops a copied one the run does not render with."""
+    saved_tokenizer(transformers, tmp_path / "source", NAMED)
+    run = tmp_path / "run"
+    load_tokenizer(tmp_path / "source").save_to_directory(run)
+    chat = resolve_chat_template(None, tmp_path / "source")
+    write_templates(run, chat.all_named, chat.special_tokens)
+    copy = transformers.AutoTokenizer.from_pretrained(run)
+    assert copy.chat_template == NAMED
+    expected = copy.apply_chat_template(ASKED, tools=TOOLS, tokenize=True, return_dict=True)
+    assert _ids(run, ASKED, TOOLS)[0] == list(expected["input_ids"])
+    write_templates(run, {"default": CHATML})   # a run rendering with one template: no tool_use left behind
+    assert not (run / CHAT_TEMPLATE_DIR / "tool_use.jinja").exists()
+    assert tokenizer_templates(run)[0] == {"default": CHATML}
+    assert transformers.AutoTokenizer.from_pretrained(run).chat_template == CHATML
+
+
+def test_an_export_copies_the_named_template_files_and_refuses_a_stranger(transformers, tmp_path):
+    from spillway.recipes.export import _check_out_dir, _copy_tokenizer, _tokenizer_files
+
+    saved_tokenizer(transformers, tmp_path / "run", NAMED)
+    (tmp_path / "out").mkdir()
+    copied = _copy_tokenizer(tmp_path / "run", tmp_path / "out")
+    assert f"{CHAT_TEMPLATE_DIR}/tool_use.jinja" in copied
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == NAMED
+    # another checkpoint's named template in the folder would be read beside the export's default
+    (tmp_path / "run" / CHAT_TEMPLATE_DIR / "tool_use.jinja").unlink()
+    with pytest.raises(Exception, match=r"already holds another checkpoint .*tool_use.jinja"):
+        _check_out_dir(tmp_path / "out", "model.safetensors", _tokenizer_files(tmp_path / "run"))
+
+
+def test_named_templates_without_a_default_or_with_a_path_for_a_name_are_refused(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": TOOLS_CHATML}, {"name": "rag", "template": CHATML}]}))
+    with pytest.raises(ChatTemplateError, match=r"the chat templates of .*tokenizer_config.json are named rag, "
+                                                 r"tool_use, none 'default': name the one to train with"):
+        resolve_chat_template(None, tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": CHATML}, {"name": "../../evil", "template": CHATML}]}))
+    with pytest.raises(ChatTemplateError, match=r"chat template name '../../evil' is not a plain file name"):
+        resolve_chat_template(None, tmp_path)
+
+
+REASONING_CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' }}{% if m.role == 'assistant' and m.reasoning_content %}"
+    "{{ '<think>' + m.reasoning_content + '</think>' }}{% endif %}{{ m.content + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("field", ["reasoning", "thinking", "reasoning_content"])
+def test_a_messages_reasoning_under_any_of_its_names_is_rendered(transformers, tmp_path, field):
+    reference = saved_tokenizer(transformers, tmp_path, REASONING_CHATML)
+    messages = [{"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "forty two", field: "the answer is"}]
+    ids, flags = _ids(tmp_path, messages)
+    assert ids == list(reference.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
+        "<think>the answer is</think>forty two<|im_end|>"
+
+
+R1_LIKE = ("{% for m in messages %}{% set content = m.content %}"
+           "{% if m.role == 'assistant' and '</think>' in content %}{% set content = content.split('</think>')[-1] %}"
+           "{% endif %}{{ '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_template_that_rewrites_the_answer_trains_what_it_writes(transformers, tmp_path):
+    """Said before: 'does not render role assistant (its message is missing from the text)'."""
+    reference = saved_tokenizer(transformers, tmp_path, R1_LIKE)
+    messages = [{"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "<think>\nthe answer is\n</think>\n\nforty two"}]
+    ids, flags = _ids(tmp_path, messages)
+    assert ids == list(reference.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == "\n\nforty two<|im_end|>"
+
+
+def test_a_missing_role_is_still_named_when_contents_are_rewritten(tmp_path):
+    """The probe that lets a rewritten content through still finds a role the template leaves out."""
+    drops_tool = tmp_path / "t.jinja"
+    drops_tool.write_text("{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}<|im_end|>{% endif %}"
+                          "{% endfor %}")
+    messages = [{"role": "user", "content": "hello"}, {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "today"}]
+    with pytest.raises(DataError, match=r"does not render role 'tool'"):
+        conversation_tokens(resolve_chat_template(str(drops_tool), None), None, messages, {"<|im_end|>": 2}, "r")
+
+
+def test_the_null_content_hint_is_given_only_for_a_none_error(tmp_path):
+    """A template refusing the tool role said 'a message has tool_calls and a null content' as well."""
+    alternating = tmp_path / "t.jinja"
+    alternating.write_text("{% for m in messages %}{% if m.role not in ('user', 'assistant') %}"
+                           "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                           "{{ m.content or '' }}<|im_end|>{% endfor %}")
+    chat = resolve_chat_template(str(alternating), None)
+    with pytest.raises(ChatTemplateError, match=r"roles must alternate user/assistant$"):
+        conversation_tokens(chat, None, TOOL_CONVERSATION, {"<|im_end|>": 2}, "r")
+
