@@ -91,8 +91,9 @@ def _render(template: ChatTemplate, messages: list[dict], where: str, **options)
         return template.render(messages, **options)
     except ChatTemplateError as error:
         # a template written without tool calls meets a null content (OpenAI's form of a call) as `None + str`
+        null_call = any(_call_names(message) and message.get("content") is None for message in messages)
         hint = ("; a message has tool_calls and a null content: use a chat template that renders \"tool_calls\""
-                if any(_call_names(message) and message.get("content") is None for message in messages) else "")
+                if null_call and "NoneType" in str(error) else "")
         raise ChatTemplateError(f"record {where}: {error}{hint}") from None
 
 
@@ -104,10 +105,19 @@ def _call_names(message: dict) -> list[str]:
     return [f["name"] for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]]
 
 
-def _check_rendered(template: ChatTemplate, messages: list[dict], text: str, where: str) -> None:
-    for message in messages:
+_PROBE = "spillway-probe-7f3a"   # a content no template rewrites (no "</think>", no markup to strip)
+
+
+def _check_rendered(template: ChatTemplate, messages: list[dict], text: str, where: str, tools) -> None:
+    """DataError when a message is missing from the text: a role the template does not know, or a variable it
+    misspells. A content the template rewrites (DeepSeek-R1's keeps only what follows "</think>") is told apart
+    by rendering a probe in its place: the role is rendered when the probe is."""
+    for index, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str) and content.strip() and content.strip() not in text:
+            probe = [*messages[:index], {**message, "content": _PROBE}, *messages[index + 1:]]
+            if _PROBE in _render(template, probe, where, tools=tools).text:
+                continue
             said = "an empty template" if not text.strip() else (
                 "a role the template does not know, or a misspelled variable, which Jinja writes as nothing "
                 "(message.contnt)")
@@ -143,10 +153,11 @@ def _answer_end(text: str, content_end: int, limit: int, specials: dict[str, int
 def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[str, int],
                  where: str, tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, character spans of the answers and their end-of-turn tokens): module docstring."""
+    template = template.for_tools(tools)
     _check_roles(template, messages, where)
     rendered = _render(template, messages, where, tools=tools)
     text = rendered.text
-    _check_rendered(template, messages, text, where)
+    _check_rendered(template, messages, text, where, tools)
     if template.has_generation_blocks:
         _check_calls_trained(template, messages, text, rendered.generation_spans, where)
         return text, rendered.generation_spans
@@ -163,8 +174,9 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
         content = (message.get("content") or "").strip()
         found = text.find(content, len(prompt), len(through)) if content else len(prompt)
         content_end = (found + len(content)) if found >= 0 else len(prompt)
+        # a content the template rewrote (found nowhere) runs, as a turn with tool calls, to its turn's end
         spans.append((len(prompt), _answer_end(text, content_end, len(through), specials,
-                                               bool(_call_names(message)))))
+                                               bool(_call_names(message)) or found < 0)))
     _check_calls_trained(template, messages, text, spans, where)
     return text, spans
 
