@@ -120,7 +120,9 @@ def _bad_message(record: Record, index: int, message, role_key: str, text_key: s
     else:
         found = f"fields found: {', '.join(sorted(message))}{_not_text(message, (role_key, text_key))}"
     null = (f': a null "{text_key}" is read only beside "tool_calls" (an assistant calling a tool)'
-            if isinstance(message, dict) and text_key in message and message[text_key] is None else "")
+            if isinstance(message, dict) and text_key in message and message[text_key] is None else
+            ': an empty list of parts; write "" for a message with no text'
+            if isinstance(message, dict) and message.get(text_key) == [] else "")
     return DataError(f"data.format=chat: record {record.where}, message {index}: needs string "
                      f"\"{role_key}\" and \"{text_key}\" ({found}){null}")
 

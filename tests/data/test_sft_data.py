@@ -123,6 +123,9 @@ def test_an_instruct_field_that_is_there_but_not_a_string_says_what_it_is(fields
 @pytest.mark.parametrize("message, says", [
     ({"role": "assistant", "content": None}, r'\(fields found: content, role; "content" is null\)'),
     ("hello", r"\(it is a string, not an object\)"),
+    # lists of parts are read: an empty one is not "a list" as if lists were refused
+    ({"role": "assistant", "content": []}, r'\(fields found: content, role; "content" is a list.*\): an empty list '
+                                           r'of parts; write "" for a message with no text$'),
 ])
 def test_a_chat_message_that_is_not_role_and_content_strings_says_what_it_is(message, says):
     with pytest.raises(DataError, match=r"message 1: needs string \"role\" and \"content\" " + says):
