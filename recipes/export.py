@@ -58,6 +58,7 @@ from spillway.layers.lora import ADAPTER_PREFIX, fused_adapter_name
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import HFCheckpointError, listed, save_safetensors
+from spillway.recipes.train.base_generation import GENERATION_CONFIG, base_generation_config, hf_base_json
 from spillway.recipes.config import LoraConfig, Recipe
 from spillway.recipes.readable_step import restore_readable, saved_recipe
 
@@ -67,7 +68,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED_WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 STAGED_CONFIG = "config.json.partial"   # the merged export's config.json until its last field is in
-GENERATION_CONFIG = "generation_config.json"   # the merged export's stop ids (_write_generation_ids)
 PEFT_PREFIX = "base_model.model."
 # (and additional_chat_templates/*.jinja, transformers 5's named chat templates: data/chat_template_files.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -281,39 +281,6 @@ def _write_record(out: Path, source: str, step_dir, adapter: bool, *, finished: 
                                       "step": Path(step_dir).name, "adapter": adapter, "finished": finished})
 
 
-_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def _hf_base_json(recipe: Recipe, name: str) -> tuple[Path, dict] | None:
-    """(the run's hf: base folder, its JSON file `name`), or None where the run has no hf: base or the file is
-    not there or not a JSON object (the base may have been removed since the run trained)."""
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
-
-    try:
-        folder = hf_checkpoint_dir(recipe.checkpoint.init_from)
-        value = None if folder is None else json.loads((folder / name).read_text())
-    except (OSError, ValueError):
-        return None
-    return (folder, value) if isinstance(value, dict) else None
-
-
-def _base_generation_config(recipe: Recipe, run_dir: Path) -> tuple[dict, list[int]]:
-    """(the hf: base's generation_config.json without its token ids, the base's stop ids where the run tokenizes
-    with the base's own tokenizer file): a fine-tune of Llama 3.1 Instruct keeps its sampling defaults and its
-    three stop tokens (<|eom_id|> among them), which the export had replaced with the run's EOS alone.
-    ({}, []) where the run has no hf: base or the base has no readable generation_config.json."""
-    found = _hf_base_json(recipe, GENERATION_CONFIG)
-    if found is None:
-        return {}, []
-    folder, base = found
-    same_tokenizer = any((folder / name).is_file() and (run_dir / name).is_file()
-                         and (folder / name).read_bytes() == (run_dir / name).read_bytes()
-                         for name in ("tokenizer.json", "tokenizer.model"))
-    eos = base.get("eos_token_id")
-    stops = [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)] if same_tokenizer else []
-    return {k: v for k, v in base.items() if k not in _TOKEN_ID_FIELDS}, stops
-
-
 def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe, config_name: str = CONFIG) -> str:
     """The run's BOS, EOS and pad ids into config.json, and a generation_config.json whose eos_token_id lists
     every token that ends an answer (a chat run's end-of-turn tokens too, as `spillway generate --chat` stops):
@@ -332,8 +299,11 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe, config_name:
     except Exception as error:   # noqa: BLE001 - a template kept from a base, which this run never rendered
         # (a text fine-tune of an instruct model): its end of turn is a refinement, not worth the export
         unread = f" (the chat template's end of turn not read: {' '.join(str(error).split())[:120]})"
-    base_settings, base_stops = _base_generation_config(recipe, run_dir)
+    base_settings, base_stops, past_vocab = base_generation_config(recipe, run_dir, tokenizer.vocab_size)
     stops += [i for i in base_stops if i not in stops]
+    if past_vocab:   # transformers would warn of them at every load; they can never be generated
+        unread += (f" (the base's stop id{'s' if len(past_vocab) > 1 else ''} "
+                   f"{', '.join(map(str, past_vocab))} left out: past the tokenizer's {tokenizer.vocab_size} ids)")
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
            "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
     ids = {name: value for name, value in ids.items() if value is not None}
@@ -353,7 +323,7 @@ def _keep_base_context(recipe: Recipe, out: Path, config_name: str = CONFIG) -> 
     """config.json's max_position_embeddings as the `hf:` base's where the run fine-tuned at a shorter
     model.max_seq_len (RoPE positions are computed: the weights serve the base's length; the export said the
     fine-tune's, and transformers warned past it). Left as written where the base folder is not found."""
-    found = _hf_base_json(recipe, "config.json")
+    found = hf_base_json(recipe, "config.json")
     base = found[1].get("max_position_embeddings") if found is not None else None
     if recipe.decoder_spec().learned_positions or not isinstance(base, int) or base <= recipe.model.max_seq_len:
         return

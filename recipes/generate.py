@@ -24,6 +24,7 @@ from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import is_hf_checkpoint_folder, peft_adapter_base
+from spillway.recipes.train.base_generation import base_stop_ids
 from spillway.recipes.config import Recipe
 from spillway.recipes.readable_step import restore_readable
 from spillway.recipes.sampling import generate
@@ -89,6 +90,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     if max_new_tokens > room:
         warn(f"warning: --tokens {max_new_tokens} capped at {room}: the prompt is {_tokens(len(prompt_ids))} and the "
              f"model's max_seq_len is {recipe.model.max_seq_len}")
+    stop_ids = (*stop_ids, *base_stop_ids(recipe, run_dir, tokenizer))   # where the run's export stops too
     new_ids = generate(model, prompt_ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
                        top_p=top_p, seed=seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids,
                        vocab_limit=tokenizer.vocab_size)

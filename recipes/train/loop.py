@@ -41,6 +41,7 @@ from spillway.layers.memory import Memory
 from spillway.layers.mesh import replicated_micro_batch
 from spillway.layers.residency import memory_of
 from spillway.layers.sharding import make_mesh
+from spillway.recipes.train.base_generation import base_stop_ids
 from spillway.recipes.config import Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
@@ -379,6 +380,7 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
             say(f"sample: none, train.sample_prompt is {len(prompt_ids)} tokens and model.max_seq_len "
                 f"{recipe.model.max_seq_len}")
         else:
+            stop_ids = (*stop_ids, *base_stop_ids(recipe, run_dir, tokenizer))   # as its export stops
             new_ids = generate(model, prompt_ids, max_new_tokens=min(cfg.sample_tokens, room), temperature=0.8,
                                top_p=0.95, seed=cfg.seed, stop_id=tokenizer.eos_id, stop_ids=stop_ids,
                                vocab_limit=tokenizer.vocab_size)

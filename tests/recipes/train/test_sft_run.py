@@ -372,18 +372,24 @@ def test_the_export_keeps_an_hf_bases_generation_config_under_the_runs_ids(token
     from spillway.data import load_tokenizer
     from spillway.recipes.export import _write_generation_ids
     from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.base_generation import base_stop_ids
 
     base, run, out = tmp_path / "base", tmp_path / "run", tmp_path / "out"
     for folder in (base, run):
         shutil.copytree(tokenizer_dir, folder, ignore=shutil.ignore_patterns("cache"))
     eos = load_tokenizer(run).eos_id
     (base / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 0, "eos_token_id": [eos, 5, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+        {"bos_token_id": 0, "eos_token_id": [eos, 5, 7, 50256], "do_sample": True, "temperature": 0.6,
+         "top_p": 0.9}))
     out.mkdir()
     (out / "config.json").write_text("{}")
     recipe = get_recipe("tiny", [f"checkpoint.init_from=hf:{base}"])
+    vocab = load_tokenizer(run).vocab_size   # 50256, GPT-2's default id in a config of a smaller vocabulary: left out
     assert _write_generation_ids(run, out, recipe).startswith(
-        f"; generation_config.json: generation stops at token {eos} or 5 or 7")
+        f"; generation_config.json: generation stops at token {eos} or 5 or 7 (the base's stop id 50256 left "
+        f"out: past the tokenizer's {vocab} ids)")
+    # spillway generate and the closing sample stop where the export does (they stopped at the EOS alone)
+    assert set(base_stop_ids(recipe, run, load_tokenizer(run))) == {eos, 5, 7}
     written = json.loads((out / "generation_config.json").read_text())
     assert (written["eos_token_id"], written["do_sample"], written["temperature"], written["top_p"]) == \
         ([eos, 5, 7], True, 0.6, 0.9)
