@@ -212,6 +212,9 @@ def _resolve(source, config) -> tuple[Any, Any]:
         except FileNotFoundError as error:   # in Python, the config may also be given
             raise FileNotFoundError(f"{error}, or pass config= (a Hugging Face config dict or a spillway family "
                                     f"config)") from None
+    # a transformers config object is read as its dict: transformers 5's config classes are dataclasses too
+    if callable(getattr(config, "to_dict", None)) or isinstance(config, Mapping):
+        return family_config_from_hf(config)
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return family_of_config(config), config
     return family_config_from_hf(config)

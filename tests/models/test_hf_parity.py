@@ -154,6 +154,18 @@ def test_export_inverts_import(tie):
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
 
 
+def test_a_transformers_config_object_is_read_as_its_dict():
+    """from_hf's docstring takes one; transformers 5's config classes are dataclasses, which read as a
+    spillway family config: 'LlamaConfig is no registered family's config'."""
+    transformers = pytest.importorskip("transformers")
+    state_dict = random_state_dict()
+    config = transformers.LlamaConfig(**hf_config())
+    model = from_hf(state_dict, config=config, **FLOAT32)
+    expected = from_hf(state_dict, config=hf_config(), **FLOAT32)
+    tokens = jnp.arange(12, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(np.asarray(forward(model, tokens)), np.asarray(forward(expected, tokens)))
+
+
 def test_tied_checkpoint_may_list_the_head_only_as_the_embedding():
     state_dict = random_state_dict(tie=True)
     config = hf_config(tie=True)
