@@ -52,6 +52,10 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         for signum in (signal.SIGTERM, signal.SIGINT):
+            if signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+                # inherited ignored (a background job of a script, nohup): a terminal's Ctrl-C is not meant for
+                # it, and it ignored one while it prepared its data too (Python's own convention; SIGTERM stops it)
+                continue
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread: signals keep their previous handling

@@ -48,6 +48,21 @@ def test_sigterm_and_ctrl_c_set_the_exit_status_and_handlers_are_restored():
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+def test_an_inherited_ignored_ctrl_c_stays_ignored_and_sigterm_still_stops():
+    """A script's background job (or nohup) starts with SIGINT ignored: it ignored Ctrl-C while preparing its
+    data, then took one as 'save and stop' once its steps began, and left SIG_IGN behind it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals(echo=lambda text: None) as signals:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert wait_for(lambda: signals.exit_status == SIGTERM_EXIT_STATUS)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 CHILD = textwrap.dedent("""
     import sys, time
     from spillway.recipes.train.preemption import StopSignals
