@@ -14,6 +14,10 @@ import jax.numpy as jnp
 from spillway.layers.errors import ConfigError, require_positive
 
 ATTENTION_IMPLS = ("xla", "cudnn", "flash")   # what each one is: layers/attention.py
+# The float dtypes a model computes in and stores its weights in. float64 is left out: JAX computes in 32 bits
+# at most unless jax_enable_x64 is set (it would truncate to float32 with a warning, the recipe saying float64);
+# integer dtypes cannot be trained.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,11 +30,14 @@ class Execution:
 
     def __post_init__(self):
         for field in ("dtype", "param_dtype"):
+            value = getattr(self, field)
             try:
-                jnp.dtype(getattr(self, field))
+                name = jnp.dtype(value).name
             except TypeError:
-                raise ConfigError(f"execution.{field}: {getattr(self, field)!r} is not a dtype "
-                                 f"(e.g. float32, bfloat16)") from None
+                name = None
+            if name not in FLOAT_DTYPES:
+                what = "is not a dtype" if name is None else "is not a dtype a model trains in"
+                raise ConfigError(f"execution.{field}: {value!r} {what} (one of {', '.join(FLOAT_DTYPES)})")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"execution.attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")

@@ -135,6 +135,12 @@ def test_recipe_json_errors_name_the_field():
     ("execution.flash_block_size=0", "execution.flash_block_size must be positive"),
     ("execution.init_std=0", "execution.init_std must be positive"),
     ("execution.dtype=float33", "execution.dtype: 'float33' is not a dtype"),
+    # float64 was accepted and trained as float32 (jax truncates without x64), the recipe saying float64
+    ("execution.param_dtype=float64", "execution.param_dtype: 'float64' is not a dtype a model trains in"),
+    ("execution.dtype=int32", "execution.dtype: 'int32' is not a dtype a model trains in"),
+    ("name=", "name must be a folder name inside runs/"),
+    ("name=../../etc", "name must be a folder name inside runs/"),
+    ("name=/etc", "name must be a folder name inside runs/"),
     ("model.d_model=0", "d_model must be positive"),
     ("model.vocab_size=-5", "vocab_size must be positive"),
     ("model.max_seq_len=0", "max_seq_len must be positive"),
