@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"target GPU for --plan auto (default: the recipe's offload.target_gpu, else {DEFAULT_GPU})")
     p.add_argument("--devices", type=int, default=None, help="GPUs for --plan auto (default: the mesh's)")
     p.add_argument("--host-ram-gb", type=float, default=None,
-                   help="host RAM to check the run's host memory peak against (default: this machine's)")
+                   help="host RAM to check the run's host memory peak against, in GB (10^9 bytes; "
+                        "the plan shows GiB) (default: this machine's)")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="save and leave after N steps of this invocation (time-limited jobs); rerun to resume")
     p.set_defaults(fn=_cmd_train)
@@ -250,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None,
                    help="GPUs on one host (default: the recipe's offload.target_devices, else 1)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
-    p.add_argument("--host-ram-gb", type=float, default=None, help="host RAM available for pinned memory")
+    p.add_argument("--host-ram-gb", type=float, default=None,
+                   help="host RAM available for pinned memory, in GB (10^9 bytes; the plan shows GiB)")
     p.add_argument("--headroom", type=float, default=HBM_HEADROOM, help="fraction of HBM a plan may use")
     p.add_argument("--hbm-budget", type=float, default=None, metavar="GIB",
                    help="HBM per GPU a plan may use, in GiB (with the headroom, the lower limit wins); "

@@ -31,7 +31,7 @@ def plan_command(args) -> int:
     asks for a plan, the same.
     """
     recipe = load_recipe(args.recipe, args.set)   # a registered name, a recipe.json, or module:function
-    if getattr(args, "png", None):
+    if getattr(args, "png", None) is not None:   # (an empty one too: an unset shell variable, said)
         check_image_path(args.png, "--png")   # its folder and its format, before minutes of compiles
     budget = getattr(args, "hbm_budget", None)
     result = plan(recipe, args.gpu, args.devices, headroom=args.headroom, host_ram_gb=args.host_ram_gb,

@@ -52,15 +52,17 @@ def host_peak(report: dict, devices: int) -> tuple[str, float]:
     return phases.peak()
 
 
-def apart(value: float, limit: float, *, mib: bool = True) -> tuple[str, str, str]:
-    """(value, limit, unit) as text with as many decimals as it takes for the two to read apart (0.09 and 0.05
-    GiB, where one decimal said 0.1 and 0.1); MiB below a hundredth of a GiB (unless not `mib`)."""
+def apart(value: float, limit: float, *, mib: bool = True, decimals: int = 2) -> tuple[str, str, str]:
+    """(value, limit, unit) as text with `decimals`, as the plan table shows the column (HBM: two, the host
+    peak: one), or as many more as it takes for the two to read apart (0.1003 and 0.1000 GiB, where three
+    decimals said 0.100 and 0.100); bytes where six do not tell them apart. MiB below a hundredth of a GiB
+    (unless not `mib`)."""
     unit, scale = ("GiB", GiB) if limit >= 0.01 * GiB or not mib else ("MiB", 2**20)
-    for decimals in range(1, 4):
+    for decimals in range(decimals, 7):
         a, b = f"{value / scale:.{decimals}f}", f"{limit / scale:.{decimals}f}"
         if a != b:
-            break
-    return a, b, unit
+            return a, b, unit
+    return f"{value:.0f}", f"{limit:.0f}", "bytes"
 
 
 def over(value: float, limit: float) -> str:
@@ -75,5 +77,5 @@ def describe_refusal(report: dict, devices: int, host_ram_bytes: float) -> str |
     phase, peak = host_peak(report, devices)
     if peak <= host_ram_bytes:
         return None
-    a, b, unit = apart(peak, host_ram_bytes, mib=False)
+    a, b, unit = apart(peak, host_ram_bytes, mib=False, decimals=1)
     return f"host {a} {unit} at {phase} > {b} {unit}"

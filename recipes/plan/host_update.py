@@ -17,6 +17,7 @@ machine's figure, so measure the training host before trusting the plan.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -37,8 +38,9 @@ def rate_file() -> Path:
 def host_update_rate(override: float | None = None) -> tuple[float, str]:
     """(parameters per second per core, where the figure came from)."""
     if override is not None:
-        if not override > 0:
-            raise ValueError(f"--host-update-rate must be positive (parameters/s per core), got {override}")
+        if not 0 < override < math.inf:
+            raise ValueError(f"--host-update-rate must be a positive finite number (parameters/s per core), got "
+                             f"{override}")
         return float(override), "--host-update-rate"
     path = rate_file()
     if path.exists():
@@ -47,7 +49,7 @@ def host_update_rate(override: float | None = None) -> tuple[float, str]:
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"{path}: not a host update rate written by benchmarks/host_update_rate.py "
                              f"({type(error).__name__}: {error}); rerun the benchmark or delete the file") from None
-        if not rate > 0:
-            raise ValueError(f"{path}: params_per_s_per_core must be positive, got {rate}")
+        if not 0 < rate < math.inf:
+            raise ValueError(f"{path}: params_per_s_per_core must be a positive finite number, got {rate}")
         return rate, str(path)
     return DEFAULT_PARAMS_PER_S_PER_CORE, "default (benchmarks/host_update_rate.py not run on this machine)"

@@ -193,8 +193,8 @@ def _host_pricing(host_update_rate: float | None, host_cores_per_gpu: float | No
     """How the host-compute plans are priced: parameters/s per core (measured file or default), cores a GPU."""
     per_core, rate_source = host_update.host_update_rate(host_update_rate)
     cores = host_update.DEFAULT_HOST_CORES_PER_GPU if host_cores_per_gpu is None else host_cores_per_gpu
-    if not cores > 0:
-        raise ValueError(f"--host-cores must be positive, got {host_cores_per_gpu}")
+    if not 0 < cores < math.inf:
+        raise ValueError(f"--host-cores must be a positive finite number, got {host_cores_per_gpu}")
     return {"params_per_s_per_core": per_core, "cores_per_gpu": cores, "source": rate_source}
 
 
@@ -292,7 +292,8 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
 
     def judged(rows: list[PlanRow], mesh_answer: dict | None) -> Plan:
         return Plan(compiled_recipe, target, devices, mesh_answer or mesh, headroom, host_ram, rows, warnings, None,
-                    {}, hbm_budget_bytes=hbm_budget, host_update=host_pricing).judge()
+                    {}, hbm_budget_bytes=hbm_budget, host_update=host_pricing,
+                    host_ram_given=host_ram_gb is not None).judge()
 
     rows_by_index: dict[int, PlanRow] = {}
 

@@ -39,6 +39,8 @@ def check_image_path(path: str | os.PathLike, flag: str) -> Path:
     a suffix is refused too: matplotlib would write another file (`plan` becomes `plan.png`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    if not str(path).strip():   # an unset shell variable: drawing nothing would go unsaid
+        raise ConfigError(f"{flag} is empty: give the image file to write (e.g. {flag} plan.png)")
     path = Path(path)
     formats = sorted(FigureCanvasAgg.get_supported_filetypes())
     suffix = path.suffix.removeprefix(".").lower()

@@ -115,6 +115,7 @@ class Plan:
     full_codegen_check: list[dict] = dataclasses.field(default_factory=list)
     hbm_budget_bytes: float | None = None   # --hbm-budget: a user's own HBM limit per GPU
     host_update: dict | None = None   # host-compute pricing: params_per_s_per_core, cores_per_gpu, source
+    host_ram_given: bool = False   # host_ram_bytes came from --host-ram-gb (else: the GPU's default host share)
     # What the compute column is: counted FLOPs at which fraction of peak (recipes/plan/compute_model.py).
     compute_basis: str = ""
     # Candidates not compiled because a plan with less in host memory fits (planner.plan(prune=True)):
@@ -178,6 +179,7 @@ class Plan:
         other = dataclasses.replace(
             self, headroom=self.headroom if headroom is None else headroom,
             host_ram_bytes=self.host_ram_bytes if host_ram_bytes is None else host_ram_bytes,
+            host_ram_given=self.host_ram_given or host_ram_bytes is not None,
             hbm_budget_bytes=self.hbm_budget_bytes if hbm_budget_bytes is None else hbm_budget_bytes,
             rows=[dataclasses.replace(row) for row in self.rows])
         return other.judge()
@@ -263,9 +265,11 @@ def nothing_fits_numbers(p: Plan) -> str:
         in_hbm = [row for row in compiled if row.report["hbm_bytes"] <= p.hbm_limit_bytes]
         least = min(in_hbm, key=lambda row: host_peak.host_peak(row.report, p.devices)[1])
         phase, peak = host_peak.host_peak(least.report, p.devices)
+        advice = ("plan for a host with more" if p.host_ram_given else
+                  "give the machine's RAM with --host-ram-gb, or plan for a host with more")
         return (f"{len(in_hbm)} plan(s) fit HBM, but none the host's RAM: the least host memory is "
                 f"{peak / GiB:.2f} GiB at {phase} ({least.candidate.label}) against {p.host_ram_bytes / GiB:.2f} GiB "
-                f"of host RAM; give the machine's RAM with --host-ram-gb, or plan for a host with more")
+                f"of host RAM{' (--host-ram-gb)' if p.host_ram_given else ''}; {advice}")
     return (f"the smallest HBM is {smallest.report['hbm_bytes'] / GiB:.2f} GiB ({smallest.candidate.label}, "
             f"host {smallest.report['host_bytes'] * p.devices / GiB:.2f} GiB) against a limit of "
             f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({hbm_limit_words(p)}, "

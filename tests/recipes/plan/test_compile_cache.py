@@ -151,7 +151,7 @@ def test_candidates_their_bounds_rule_out_are_not_compiled_and_all_plans_compile
     result = plan(cache=False)
     refused = [entry for entry in result.skipped if entry.get("cannot_fit")]
     assert {Candidate.from_dict(entry).optimizer_state for entry in refused} == {"device"}
-    assert all("weights and optimizer state in HBM alone are 200.0 GiB > 71.2 GiB" in entry["because"]
+    assert all("weights and optimizer state in HBM alone are 200.00 GiB > 71.20 GiB" in entry["because"]
                for entry in refused)
     assert not any(c.optimizer_state == "device" for c in fake.compiled)
     assert result.picked is not None and result.picked.candidate.optimizer_state == "host"

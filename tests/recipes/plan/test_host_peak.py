@@ -140,13 +140,20 @@ def test_nothing_fits_exits_2_after_the_table_and_names_the_hosts_ram_where_hbm_
     def row(label, hbm, host):
         return SimpleNamespace(report={"hbm_bytes": hbm, "host_bytes": host}, candidate=SimpleNamespace(label=label))
     fake = SimpleNamespace(rows=[row("save_all", 0.2 * GiB, 9 * GiB), row("recompute_all", 0.1 * GiB, 7 * GiB)],
-                           skipped=[], hbm_limit_bytes=100 * GiB, devices=1, host_ram_bytes=1 * GiB)
+                           skipped=[], hbm_limit_bytes=100 * GiB, devices=1, host_ram_bytes=1 * GiB,
+                           host_ram_given=False)
     said = nothing_fits_numbers(fake)
     assert said.startswith("2 plan(s) fit HBM, but none the host's RAM: the least host memory is 7.00 GiB at step "
-                           "(recompute_all) against 1.00 GiB") and "--host-ram-gb" in said
+                           "(recompute_all) against 1.00 GiB") and "give the machine's RAM with --host-ram-gb" in said
+    fake.host_ram_given = True   # given already: the advice to give it misled
+    assert nothing_fits_numbers(fake).endswith("against 1.00 GiB of host RAM (--host-ram-gb); plan for a host "
+                                               "with more")
     assert over(0.0867 * GiB, 0.05 * GiB) == "0.09 > 0.05 GiB"   # one decimal said "0.1 > 0.1 GiB"
-    assert over(1.25 * GiB, 1.2 * GiB) == "1.25 > 1.20 GiB" and over(80 * GiB, 71.2 * GiB) == "80.0 > 71.2 GiB"
-    assert over(2**20, 1000) == "1.0 > 0.0 MiB"
+    assert over(1.25 * GiB, 1.2 * GiB) == "1.25 > 1.20 GiB" and over(80 * GiB, 71.2 * GiB) == "80.00 > 71.20 GiB"
+    assert over(0.27 * GiB, 0.1 * GiB) == "0.27 > 0.10 GiB"   # as the table shows it (it said "0.3 > 0.1")
+    assert over(0.10003 * GiB, 0.1 * GiB) == "0.10003 > 0.10000 GiB"   # three decimals said "0.100 > 0.100"
+    assert over(GiB + 1, GiB) == f"{GiB + 1} > {GiB} bytes"
+    assert over(2**20, 1000) == "1.00 > 0.00 MiB"
 
 
 def test_the_search_table_says_which_plans_had_their_offload_dropped():

@@ -22,7 +22,7 @@ def test_flag_beats_file_beats_default(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text,message", [("{}", "not a host update rate"), ("nonsense", "not a host update rate"),
-                                          ('{"params_per_s_per_core": -1}', "must be positive")])
+                                          ('{"params_per_s_per_core": -1}', "must be a positive finite number")])
 def test_a_bad_rate_file_names_itself(tmp_path, monkeypatch, text, message):
     path = tmp_path / "rate.json"
     path.write_text(text)
@@ -32,9 +32,19 @@ def test_a_bad_rate_file_names_itself(tmp_path, monkeypatch, text, message):
     assert str(path) in str(error.value)
 
 
-def test_nonpositive_flag_is_refused():
-    with pytest.raises(ValueError, match="--host-update-rate must be positive"):
-        host_update.host_update_rate(0)
+@pytest.mark.parametrize("rate", [0, float("inf"), float("nan")])
+def test_a_flag_that_is_not_a_positive_finite_rate_is_refused(rate):
+    """inf was accepted, and every host-CPU update priced as taking no time."""
+    with pytest.raises(ValueError, match="--host-update-rate must be a positive finite number"):
+        host_update.host_update_rate(rate)
+
+
+@pytest.mark.parametrize("cores", [0, float("inf")])
+def test_host_cores_that_are_not_a_positive_finite_count_are_refused(cores):
+    from spillway.recipes.plan.planner import _host_pricing
+
+    with pytest.raises(ValueError, match="--host-cores must be a positive finite number"):
+        _host_pricing(None, cores)
 
 
 def test_benchmark_writes_a_file_the_planner_reads(tmp_path, monkeypatch):

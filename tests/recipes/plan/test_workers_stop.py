@@ -104,6 +104,9 @@ def test_an_unwritable_png_path_fails_before_compiling(tmp_path, capsys, monkeyp
     assert cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png",
                      str(tmp_path / "nowhere" / "plan.png")]) == cli.EXIT_USER_ERROR
     assert "does not exist" in capsys.readouterr().err
+    # an empty --png (an unset shell variable) drew nothing and said nothing
+    assert cli.main(["plan", "tiny", "--gpu", "h100", "--devices", "1", "--png", ""]) == cli.EXIT_USER_ERROR
+    assert "--png is empty: give the image file to write" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, says", [("plan.txt", "'txt' is not an image format matplotlib writes"),
