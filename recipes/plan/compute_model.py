@@ -59,6 +59,16 @@ def efficiency(attention_impl: str) -> Efficiency:
                          f"known: {sorted(EFFICIENCY)}") from None
 
 
+def peak_flops(target, compute_dtype: str) -> tuple[float, str]:
+    """(the dense peak FLOP/s a step's matmuls run at, its name): the GPU's bf16 peak for bfloat16 and float16
+    compute; for float32 compute TF32's, half the bf16 rate on every GPU in recipes/targets.py (XLA computes a
+    float32 matmul in TF32 at JAX's default precision). The efficiencies above were measured in bfloat16; a
+    float32 run is assumed to reach the same fraction of its own peak."""
+    if str(compute_dtype) == "float32":
+        return target.peak_bf16_flops / 2, "tf32 (float32 compute)"
+    return target.peak_bf16_flops, "bf16"
+
+
 def effective_flops_per_s(peak_flops_per_s: float, attention_impl: str) -> float:
     """The FLOP/s a step's counted FLOPs are divided by."""
     return peak_flops_per_s * efficiency(attention_impl).fraction

@@ -250,7 +250,8 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
     impl = recipe.execution.attention_impl
     counted = step_flops(recipe, candidate.activations)
     # Compute at the efficiency measured for the kernel the run uses (cuDNN plans compile as flash).
-    rate = compute_model.effective_flops_per_s(compute_ways(mesh) * target.peak_bf16_flops, run_attention_impl or impl)
+    peak, _ = compute_model.peak_flops(target, recipe.execution.dtype)   # float32 runs at TF32's, not bf16's
+    rate = compute_model.effective_flops_per_s(compute_ways(mesh) * peak, run_attention_impl or impl)
     row = PlanRow(candidate, impl, result.get("report"), result.get("error"), counted.to_dict(),
                   compute_s=counted.total / rate, compile_s=result.get("seconds", 0.0))
     if row.report is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spillway.recipes.config import PENDING_HOST
-from spillway.recipes.plan import host_peak, split_search, turn_search
+from spillway.recipes.plan import compute_model, host_peak, split_search, turn_search
 from spillway.recipes.plan.candidates import Candidate
 from spillway.recipes.plan.result import (ASSUMPTIONS, Plan, PlanRow, dropped_offload, hbm_limit_words,
                                          nothing_fits_numbers)
@@ -18,6 +18,11 @@ def _host_peak_cell(report: dict, devices: int) -> str:
         return "-"
     phase, peak = host_peak.host_peak(report, devices)
     return f"{peak / GiB:.1f} {phase.removeprefix('checkpoint ')}"
+
+
+def _peak(target, compute_dtype: str) -> tuple[float, str]:
+    flops, name = compute_model.peak_flops(target, compute_dtype)
+    return flops / 1e12, name
 
 
 def _gib(n) -> str:
@@ -82,7 +87,7 @@ def render(p: Plan) -> str:
         f"host RAM {p.host_ram_bytes / GiB:.1f} GiB for {p.devices} GPU(s)",
         f"  rates      {t.host_link} {t.host_link_bytes_per_s / GB:.0f} GB/s per direction"
         f"{', both at once' if t.host_link_duplex else ', directions taking turns'}; "
-        f"{t.peak_bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
+        "{:.0f} TFLOP/s dense {}".format(*_peak(t, s["dtype"])),
     ]
     if p.compute_basis:
         lines.append(f"  compute    counted FLOPs at {p.compute_basis}")

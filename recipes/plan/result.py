@@ -220,7 +220,7 @@ ASSUMPTIONS = ("HBM and host bytes are per GPU, from XLA's buffer assignment of 
                "moves while the other direction is busy too). Compute time: "
                "models/flops.py's count (a LoRA recipe: models/lora_flops.py's, the frozen base's input gradients "
                "and the adapters' products, no weight gradient of the base) at the fraction of the GPU's peak dense "
-               "bf16 rate measured for the run's attention kernel (recipes/plan/compute_model.py; the summary's compute_basis says which). Step time = "
+               "bf16 rate (TF32's, half of it, for float32 compute) measured for the run's attention kernel (recipes/plan/compute_model.py; the summary's compute_basis says which). Step time = "
                "forward + backward + update: offloaded activations go to host during the forward and come "
                "back during the backward, each hidden under that phase's compute if it is shorter; "
                "host-resident optimizer state crosses the link both ways during the update with no compute to "

@@ -65,3 +65,19 @@ def cudnn_percent(rows) -> str:
 def test_an_unknown_kernel_is_one_error():
     with pytest.raises(ValueError, match=r"no compute efficiency for attention_impl 'magic'; known: "):
         compute_model.efficiency("magic")
+
+
+def test_float32_compute_is_priced_at_tf32s_peak_half_of_bf16s():
+    """A float32 recipe's step was counted at the bf16 peak the table showed beside 'float32 compute'."""
+    from spillway.recipes.plan import cost_model
+    from spillway.recipes.plan.candidates import Candidate
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.targets import get_target
+
+    h100 = get_target("h100")
+    assert compute_model.peak_flops(h100, "float32") == (989e12 / 2, "tf32 (float32 compute)")
+    assert compute_model.peak_flops(h100, "bfloat16") == (989e12, "bf16")
+    compute_s = {dtype: cost_model.plan_row(Candidate.of("save_all", "device"), {}, get_recipe(
+        "tiny", [f"execution.dtype={dtype}"]), h100, {"data": 1, "fsdp": 1, "tensor": 1}).compute_s
+        for dtype in ("float32", "bfloat16")}
+    assert compute_s["float32"] == pytest.approx(2 * compute_s["bfloat16"])

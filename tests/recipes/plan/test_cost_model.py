@@ -24,7 +24,8 @@ GB = 1e9
 
 
 def small_recipe():
-    return get_recipe("tiny", ["train.global_batch=4"])
+    # bfloat16 compute: the compute figures below are priced at the target's bf16 peak (float32's is TF32's)
+    return get_recipe("tiny", ["train.global_batch=4", "execution.dtype=bfloat16"])
 
 
 # 5 GB out, 6 GB in, 4 GB of host argument (the optimizer state), 3 GB of it moved with both directions busy:
@@ -160,7 +161,8 @@ def test_with_micro_batches_the_update_in_the_next_forward_hides_under_the_first
     candidate = Candidate.of("recompute_all", "host", "device", NEXT_FORWARD, pending_gradients="device")
     forward_s = {}
     for (grad_accum, where), report in reports.items():
-        recipe = get_recipe("tiny", ["train.global_batch=4", f"train.grad_accum={grad_accum}"])
+        recipe = get_recipe("tiny", ["train.global_batch=4", f"train.grad_accum={grad_accum}",
+                                     "execution.dtype=bfloat16"])
         forward_flops = cost_model.flop_count.train_step_flops(recipe.decoder_spec(), recipe.train.global_batch,
                                                                recipe.data.seq_len, remat="recompute_all").forward
         fraction = compute_model.efficiency(recipe.execution.attention_impl).fraction
