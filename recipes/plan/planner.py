@@ -291,9 +291,8 @@ def plan(recipe: Recipe, gpu: str = DEFAULT_GPU, devices: int = 1, *, headroom: 
     compiles.wanted = wanted
 
     def judged(rows: list[PlanRow], mesh_answer: dict | None) -> Plan:
-        return Plan(compiled_recipe, target, devices, mesh_answer or mesh, headroom, host_ram, rows, warnings, None,
-                    {}, hbm_budget_bytes=hbm_budget, host_update=host_pricing,
-                    host_ram_given=host_ram_gb is not None).judge()
+        return Plan(compiled_recipe, target, devices, mesh_answer or mesh, headroom, host_ram, rows, warnings, None, {},
+                    hbm_budget_bytes=hbm_budget, host_update=host_pricing, host_ram_given=host_ram_gb is not None).judge()
 
     rows_by_index: dict[int, PlanRow] = {}
 
