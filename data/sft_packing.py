@@ -61,8 +61,10 @@ PACKINGS = ("pack", "pad")
 OVERLONG_POLICIES = ("truncate", "drop")
 # 2: messages keep their tool calls (and other keys), records their tools and system prompt; examples without
 # an answer skipped; data.max_tokens. 3: examples whose truncation cut their whole answer skipped (they were kept,
-# rows with nothing to train on), and examples whose answers are all empty (they trained the end of turn alone)
-_SFT_PACKING_VERSION = 3
+# rows with nothing to train on), and examples whose answers are all empty (they trained the end of turn alone).
+# 4: a message's reasoning under its dataset names reaches the template, and a record with tools renders with the
+# tokenizer's tool_use template (data/chat_template.py): rows of such records changed
+_SFT_PACKING_VERSION = 4
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096
@@ -239,9 +241,10 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
     """Tokenize, pack and cache a chat/instruct source (module docstring); a second call only loads, a call
     after a killed one resumes it."""
     encoding = [tokenizer.chat_encoding] if getattr(tokenizer, "chat_encoding", None) else []   # (keys kept)
+    named = [sorted(template.named.items())] if template.named else []   # the tool_use template renders rows too
     key = stable_key("sft", _SFT_PACKING_VERSION, source_fingerprint(source, split=options.split),
                      tokenizer.fingerprint, template.source, sorted(template.special_tokens.items()), options.key_parts(),
-                     *encoding)
+                     *encoding, *named)
     final = Path(cache_dir) / "sft" / f"{_readable(source)}-{options.seq_len}-{key[:16]}"
     partial = final.with_name(f".{final.name}.partial")
     with exclusive_lock(final.with_name(f".{final.name}.lock")):

@@ -87,12 +87,12 @@ def _template_file(recipe: Recipe) -> dict | None:
         return {"name": named}
     try:
         template = resolve_chat_template(named, None)
-        # a file's named templates beside its default (a tokenizer_config.json's list) are rendered with too
-        text = template.source if not template.named else json.dumps(template.all_named, sort_keys=True)
     except (ChatTemplateError, OSError, ValueError):
-        text = None
-    digest = None if text is None else hashlib.sha256(text.encode()).hexdigest()
-    return {"name": named, "sha256": digest}
+        return {"name": named, "sha256": None}
+    record = {"name": named, "sha256": hashlib.sha256(template.source.encode()).hexdigest()}
+    if template.named:   # a file's named templates beside its default (a tokenizer_config.json's list) render too
+        record["named_sha256"] = hashlib.sha256(json.dumps(template.named, sort_keys=True).encode()).hexdigest()
+    return record
 
 
 def _names(paths: list[str]) -> str:
@@ -108,6 +108,8 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
     if saved.get("split", "train") != now.get("split", "train"):   # a record from before data.split: train
         phrases.append(f"data.split was {saved.get('split', 'train')!r}, now {now.get('split', 'train')!r}")
     before, after = saved.get("chat_template"), now.get("chat_template")
+    if before is not None and after is not None and "named_sha256" not in before:
+        after = {key: value for key, value in after.items() if key != "named_sha256"}   # recorded before they were
     if before is not None and before != after:   # a record from before templates were recorded: not compared
         if after is None or before.get("name") != after.get("name"):
             now_named = repr(after.get("name")) if after else "the tokenizer's own template"
