@@ -123,11 +123,13 @@ def write_templates(directory: Path, named: dict[str, str], special_tokens: dict
     if not kept:
         return
     for name, text in named.items():
-        if name == DEFAULT:
+        if name == DEFAULT:   # (an additional_chat_templates/default.jinja, which would win over it, goes below)
             atomic_write_bytes(directory / CHAT_TEMPLATE_FILE, text.encode())
         else:
             (directory / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
             atomic_write_bytes(directory / CHAT_TEMPLATE_DIR / f"{name}.jinja", text.encode())
     for name, path in kept.items():
-        if name not in named:   # a copied folder's template the run does not render with: transformers would
-            path.unlink()       # read it beside the run's own
+        # a copied folder's template the run does not render with, which transformers would read beside (or, a
+        # default among the named files, instead of) the run's own
+        if name not in named or (name == DEFAULT and path != directory / CHAT_TEMPLATE_FILE):
+            path.unlink()

@@ -34,6 +34,7 @@ No BOS is added here: the template writes it when the model wants one.
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -93,7 +94,7 @@ def _render(template: ChatTemplate, messages: list[dict], where: str, **options)
         # a template written without tool calls meets a null content (OpenAI's form of a call) as `None + str`
         null_call = any(_call_names(message) and message.get("content") is None for message in messages)
         hint = ("; a message has tool_calls and a null content: use a chat template that renders \"tool_calls\""
-                if null_call and "NoneType" in str(error) else "")
+                if null_call and ("NoneType" in str(error) or "'None'" in str(error)) else "")
         raise ChatTemplateError(f"record {where}: {error}{hint}") from None
 
 
@@ -167,10 +168,12 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
             continue
         prompt = _render(template, messages[:index], where, add_generation_prompt=True, tools=tools).text
         through = _render(template, messages[: index + 1], where, tools=tools).text
-        if not (text.startswith(prompt) and text.startswith(through)):
+        if not text.startswith(through):
             raise ChatTemplateError(f"chat template {template.origin} renders earlier turns differently once "
                                     f"later ones follow, so its answers cannot be found turn by turn (record "
                                     f"{where}); use a template with {{% generation %}} blocks (data.chat_template)")
+        if not text.startswith(prompt):
+            prompt = _answer_opening(template, messages, index, prompt, text, where, tools)
         content = (message.get("content") or "").strip()
         found = text.find(content, len(prompt), len(through)) if content else len(prompt)
         content_end = (found + len(content)) if found >= 0 else len(prompt)
@@ -179,6 +182,21 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
                                                bool(_call_names(message)) or found < 0)))
     _check_calls_trained(template, messages, text, spans, where)
     return text, spans
+
+
+def _answer_opening(template: ChatTemplate, messages: list[dict], index: int, prompt: str, text: str, where: str,
+                    tools) -> str:
+    """The text before assistant message `index` where the generation prompt opens the answer with more than the
+    conversation writes (DeepSeek-R1's ends with "<think>\n", its answers keep only what follows "</think>"):
+    the answer starts where the two part, which must be past everything before the turn; else ChatTemplateError."""
+    before = _render(template, messages[:index], where, tools=tools).text
+    common = len(os.path.commonprefix([prompt, text]))
+    if not (text.startswith(before) and prompt.startswith(before) and common >= len(before)):
+        raise ChatTemplateError(f"chat template {template.origin} writes the conversation before assistant message "
+                                f"{index} otherwise than its generation prompt does, so its answers cannot be found "
+                                f"turn by turn (record {where}); use a template with {{% generation %}} blocks "
+                                f"(data.chat_template)")
+    return text[:common]
 
 
 def _flags_from_offsets(offsets, spans) -> np.ndarray:

@@ -127,14 +127,25 @@ R1_LIKE = ("{% for m in messages %}{% set content = m.content %}"
            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def test_a_template_that_rewrites_the_answer_trains_what_it_writes(transformers, tmp_path):
-    """Said before: 'does not render role assistant (its message is missing from the text)'."""
-    reference = saved_tokenizer(transformers, tmp_path, R1_LIKE)
+# DeepSeek-R1's later template: its generation prompt opens the answer with "<think>\n", which the conversation
+# (the answer after "</think>") does not write
+R1_THINK_PROMPT = R1_LIKE.replace("{{ '<|im_start|>assistant\n' }}{% endif %}",
+                                  "{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", [R1_LIKE, R1_THINK_PROMPT], ids=["r1", "r1_think_prompt"])
+def test_a_template_that_rewrites_the_answer_trains_what_it_writes(transformers, tmp_path, template):
+    """Said before: 'does not render role assistant (its message is missing from the text)', and for the
+    later template 'renders earlier turns differently once later ones follow'."""
+    assert ("<think>" in template) == (template is R1_THINK_PROMPT)   # the replace took
+    reference = saved_tokenizer(transformers, tmp_path, template)
     messages = [{"role": "user", "content": "hello world"},
-                {"role": "assistant", "content": "<think>\nthe answer is\n</think>\n\nforty two"}]
+                {"role": "assistant", "content": "<think>\nthe answer is\n</think>\n\nforty two"},
+                {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "hello today"}]
     ids, flags = _ids(tmp_path, messages)
     assert ids == list(reference.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
-    assert reference.decode([i for i, f in zip(ids, flags) if f]) == "\n\nforty two<|im_end|>"
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
+        "\n\nforty two<|im_end|>hello today<|im_end|>"
 
 
 def test_a_missing_role_is_still_named_when_contents_are_rewritten(tmp_path):
@@ -157,4 +168,45 @@ def test_the_null_content_hint_is_given_only_for_a_none_error(tmp_path):
     chat = resolve_chat_template(str(alternating), None)
     with pytest.raises(ChatTemplateError, match=r"roles must alternate user/assistant$"):
         conversation_tokens(chat, None, TOOL_CONVERSATION, {"<|im_end|>": 2}, "r")
+    strips = tmp_path / "s.jinja"   # the sandbox's own words for a null content: "'None' has no attribute"
+    strips.write_text("{% for m in messages %}{{ m.content.strip() }}<|im_end|>{% endfor %}")
+    with pytest.raises(ChatTemplateError, match=r"has no attribute 'strip'; a message has tool_calls and a null"):
+        conversation_tokens(resolve_chat_template(str(strips), None), None, TOOL_CONVERSATION, {"<|im_end|>": 2}, "r")
+
+
+def test_a_copied_named_default_does_not_outlive_the_runs_own(transformers, tmp_path):
+    """additional_chat_templates/default.jinja wins over chat_template.jinja in transformers' reading: one copied
+    from a base was exported as the run's template although the run trained with another."""
+    saved_tokenizer(transformers, tmp_path, NAMED)
+    (tmp_path / CHAT_TEMPLATE_DIR / "default.jinja").write_text("DD")
+    assert tokenizer_templates(tmp_path)[0]["default"] == "DD"   # as transformers reads it
+    write_templates(tmp_path, {"default": CHATML})
+    assert not (tmp_path / CHAT_TEMPLATE_DIR / "default.jinja").exists()
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).chat_template == CHATML
+
+
+def test_named_templates_key_the_rows_and_a_runs_record_of_them_keeps_old_runs_resumable(tmp_path):
+    from spillway.data.sft_packing import SftOptions, prepare_sft_rows
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.corpus_record import _template_file, corpus_differences
+    from tests.data.test_sft_resume import CharTokenizer
+
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"messages": ASKED, "tools": TOOLS}) + "\n" for _ in range(8)))
+    config = tmp_path / "tokenizer_config.json"
+
+    def prepared(tool_use: str):
+        config.write_text(json.dumps({"chat_template": [{"name": "default", "template": CHATML},
+                                                        {"name": "tool_use", "template": tool_use}]}))
+        template = resolve_chat_template(str(config), None, {"eos_token": "<|im_end|>"})
+        rows = prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("chat", 256, val_fraction=0),
+                                cache_dir=tmp_path / "cache")
+        return rows, _template_file(get_recipe("tiny", ["data.format=chat", f"data.chat_template={config}"]))
+
+    (rows, record), (edited_rows, edited) = prepared(TOOLS_CHATML), prepared(TOOLS_CHATML.replace("Tools:", "T:"))
+    assert rows.path != edited_rows.path   # the rows of the other tool_use template were reused
+    assert record["sha256"] == edited["sha256"] and corpus_differences({"chat_template": record},
+                                                                     {"chat_template": edited})
+    before_named = {key: value for key, value in record.items() if key != "named_sha256"}   # a run of yesterday
+    assert corpus_differences({"chat_template": before_named}, {"chat_template": record}) == []
 
