@@ -303,7 +303,7 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe, config_name:
     stops += [i for i in base_stops if i not in stops]
     if past_vocab:   # transformers would warn of them at every load; they can never be generated
         unread += (f" (the base's stop id{'s' if len(past_vocab) > 1 else ''} "
-                   f"{', '.join(map(str, past_vocab))} left out: past the tokenizer's {tokenizer.vocab_size} ids)")
+                   f"{', '.join(map(str, past_vocab))} left out: not among the tokenizer's {tokenizer.vocab_size} ids)")
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
            "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
     ids = {name: value for name, value in ids.items() if value is not None}

@@ -41,7 +41,7 @@ from spillway.layers.memory import Memory
 from spillway.layers.mesh import replicated_micro_batch
 from spillway.layers.residency import memory_of
 from spillway.layers.sharding import make_mesh
-from spillway.recipes.train.base_generation import base_stop_ids
+from spillway.recipes.train.base_generation import base_stop_ids, keep_base_generation
 from spillway.recipes.config import Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
@@ -207,6 +207,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     logger = RunLogger(run_dir, start_step=state.step, enabled=main)
     if main:
         save_run_tokenizer(tokenizer, run_dir, recipe)  # `spillway generate RUN_DIR` needs it (and the chat template)
+        keep_base_generation(recipe, run_dir, tokenizer.vocab_size)   # the base's stop ids, kept with the run
     _run_steps(recipe, run_dir, s, state, feed, checkpointer, logger, lock, main=main, say=say, progress=progress,
                stop_after=stop_after)
     checkpointer.wait()

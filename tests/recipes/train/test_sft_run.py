@@ -11,6 +11,7 @@ is the slow test.
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -387,7 +388,7 @@ def test_the_export_keeps_an_hf_bases_generation_config_under_the_runs_ids(token
     vocab = load_tokenizer(run).vocab_size   # 50256, GPT-2's default id in a config of a smaller vocabulary: left out
     assert _write_generation_ids(run, out, recipe).startswith(
         f"; generation_config.json: generation stops at token {eos} or 5 or 7 (the base's stop id 50256 left "
-        f"out: past the tokenizer's {vocab} ids)")
+        f"out: not among the tokenizer's {vocab} ids)")
     # spillway generate and the closing sample stop where the export does (they stopped at the EOS alone)
     assert set(base_stop_ids(recipe, run, load_tokenizer(run))) == {eos, 5, 7}
     written = json.loads((out / "generation_config.json").read_text())
@@ -398,6 +399,32 @@ def test_the_export_keeps_an_hf_bases_generation_config_under_the_runs_ids(token
     _write_generation_ids(run, out, recipe)
     written = json.loads((out / "generation_config.json").read_text())
     assert (written["eos_token_id"], written["temperature"]) == (eos, 0.6)
+
+
+def test_the_bases_stop_ids_are_kept_with_the_run_and_its_fine_tunes(tokenizer_dir, tmp_path, monkeypatch):
+    """The base's stop ids were read from its folder at every export and generate: a base moved since, a
+    relative hf: path read from elsewhere, a fine-tune of the run lost them (generate ran past <|eom|>)."""
+    import shutil
+
+    from spillway.data import load_tokenizer
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.base_generation import base_stop_ids, keep_base_generation
+
+    base, run, tuned = tmp_path / "base", tmp_path / "run", tmp_path / "tuned"
+    for folder in (base, run, tuned):
+        shutil.copytree(tokenizer_dir, folder, ignore=shutil.ignore_patterns("cache"))
+    eos = load_tokenizer(run).eos_id
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 5], "temperature": 0.6}))
+    recipe = get_recipe("tiny", [f"checkpoint.init_from=hf:{base}"])
+    keep_base_generation(recipe, run, load_tokenizer(run).vocab_size)   # when the run starts
+    shutil.rmtree(base)
+    assert set(base_stop_ids(recipe, run, load_tokenizer(run))) == {eos, 5}
+    from spillway.recipes.train import checkpoint   # a step of the run, which a fine-tune starts from
+    monkeypatch.setattr(checkpoint, "resolve_step_dir", lambda path: Path(path))
+    monkeypatch.setattr(checkpoint, "run_dir_of", lambda step: run)
+    fine_tune = get_recipe("tiny", [f"checkpoint.init_from={run / 'checkpoints' / '3'}"])
+    keep_base_generation(fine_tune, tuned, load_tokenizer(tuned).vocab_size)
+    assert set(base_stop_ids(fine_tune, tuned, load_tokenizer(tuned))) == {eos, 5}
 
 
 def test_max_tokens_caps_a_fine_tune_and_keys_its_rows(tmp_path, tokenizer_dir):
