@@ -280,8 +280,16 @@ def _after_answer(template: ChatTemplate, specials: dict[str, int]) -> list[str]
 
 
 def end_of_turn_ids(template: ChatTemplate, tokenizer, specials: dict[str, int]) -> list[int]:
-    """The ids that end an answer: the tokenizer's EOS and the special tokens the template writes after one."""
-    return sorted({tokenizer.eos_id} | {specials[special] for special in _after_answer(template, specials)})
+    """The ids that end an answer: the tokenizer's EOS and the special tokens the template writes after one, or
+    its tool_use template after one (the answers of records with tools trained with that one's)."""
+    after = set(_after_answer(template, specials))
+    tool_use = template.for_tools([])
+    if tool_use is not template:
+        try:
+            after |= set(_after_answer(tool_use, specials))
+        except ChatTemplateError:   # a tool_use template that needs tools to render a turn: its default's only
+            pass
+    return sorted({tokenizer.eos_id} | {specials[special] for special in after})
 
 
 def answer_end_warning(template: ChatTemplate, specials: dict[str, int]) -> str | None:

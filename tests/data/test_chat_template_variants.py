@@ -92,6 +92,19 @@ def test_an_export_copies_the_named_template_files_and_refuses_a_stranger(transf
         _check_out_dir(tmp_path / "out", "model.safetensors", _tokenizer_files(tmp_path / "run"))
 
 
+def test_the_tool_use_templates_end_of_turn_ends_an_answer_too(transformers, tmp_path):
+    """A tool_use template ending its turns with another special token trained that token as the end of its
+    answers, but generation stopped at the default's only."""
+    from spillway.data.sft_targets import end_of_turn_ids
+
+    saved_tokenizer(transformers, tmp_path, {"default": CHATML,
+                                             "tool_use": TOOLS_CHATML.replace("<|im_end|>", "<|endoftext|>")})
+    tokenizer = load_tokenizer(tmp_path)
+    specials = special_token_texts(tokenizer)
+    ids = end_of_turn_ids(resolve_chat_template(None, tmp_path), tokenizer, specials)
+    assert {specials["<|im_end|>"], specials["<|endoftext|>"]} <= set(ids)
+
+
 def test_named_templates_without_a_default_or_with_a_path_for_a_name_are_refused(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "tool_use", "template": TOOLS_CHATML}, {"name": "rag", "template": CHATML}]}))
