@@ -34,7 +34,6 @@ No BOS is added here: the template writes it when the model wants one.
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -173,7 +172,7 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
                                     f"later ones follow, so its answers cannot be found turn by turn (record "
                                     f"{where}); use a template with {{% generation %}} blocks (data.chat_template)")
         if not text.startswith(prompt):
-            prompt = _answer_opening(template, messages, index, prompt, text, where, tools)
+            prompt = _answer_opening(template, messages, index, text, where, tools)
         content = (message.get("content") or "").strip()
         found = text.find(content, len(prompt), len(through)) if content else len(prompt)
         content_end = (found + len(content)) if found >= 0 else len(prompt)
@@ -184,19 +183,23 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
     return text, spans
 
 
-def _answer_opening(template: ChatTemplate, messages: list[dict], index: int, prompt: str, text: str, where: str,
+def _answer_opening(template: ChatTemplate, messages: list[dict], index: int, text: str, where: str,
                     tools) -> str:
-    """The text before assistant message `index` where the generation prompt opens the answer with more than the
-    conversation writes (DeepSeek-R1's ends with "<think>\n", its answers keep only what follows "</think>"):
-    the answer starts where the two part, which must be past everything before the turn; else ChatTemplateError."""
+    """The text before assistant message `index` where the generation prompt writes the turn's opening otherwise
+    than the conversation does (DeepSeek-R1's prompt ends with "<think>\n", which its conversations do not
+    write; a prompt that adds a system line or prefills the answer): the turns before it, and the opening the
+    template writes before the message's content, found by rendering a probe in its place. ChatTemplateError
+    where the conversation does not start so."""
     before = _render(template, messages[:index], where, tools=tools).text
-    common = len(os.path.commonprefix([prompt, text]))
-    if not (text.startswith(before) and prompt.startswith(before) and common >= len(before)):
+    probe = _render(template, [*messages[:index], {**messages[index], "content": _PROBE}], where, tools=tools).text
+    at = probe.find(_PROBE, len(before))
+    opening = before + probe[len(before):at] if at >= 0 and probe.startswith(before) else None
+    if opening is None or not text.startswith(opening):
         raise ChatTemplateError(f"chat template {template.origin} writes the conversation before assistant message "
                                 f"{index} otherwise than its generation prompt does, so its answers cannot be found "
                                 f"turn by turn (record {where}); use a template with {{% generation %}} blocks "
                                 f"(data.chat_template)")
-    return text[:common]
+    return opening
 
 
 def _flags_from_offsets(offsets, spans) -> np.ndarray:
@@ -271,10 +274,15 @@ def prompt_tokens(template: ChatTemplate, tokenizer, messages: list[dict], speci
     return [int(i) for i in ids]
 
 
-def _after_answer(template: ChatTemplate, specials: dict[str, int]) -> list[str]:
+# A tool for the end-of-turn probe of a tool_use template, which may read the tools it is given (tools[0]...).
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "a probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _after_answer(template: ChatTemplate, specials: dict[str, int], tools: list | None = None) -> list[str]:
     """The special tokens the template writes right after an answer (in its answer span): one probe turn."""
     probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
-    text, spans = answer_spans(template, probe, specials, "(end-of-turn probe)")
+    text, spans = answer_spans(template, probe, specials, "(end-of-turn probe)", tools)
     tail = text[text.find("pong") + len("pong"):spans[-1][1]] if spans else ""
     return [special for special in specials if special and special in tail]
 
@@ -283,12 +291,8 @@ def end_of_turn_ids(template: ChatTemplate, tokenizer, specials: dict[str, int])
     """The ids that end an answer: the tokenizer's EOS and the special tokens the template writes after one, or
     its tool_use template after one (the answers of records with tools trained with that one's)."""
     after = set(_after_answer(template, specials))
-    tool_use = template.for_tools([])
-    if tool_use is not template:
-        try:
-            after |= set(_after_answer(tool_use, specials))
-        except ChatTemplateError:   # a tool_use template that needs tools to render a turn: its default's only
-            pass
+    if template.for_tools(_PROBE_TOOLS) is not template:   # rendered as a record with tools renders
+        after |= set(_after_answer(template, specials, _PROBE_TOOLS))
     return sorted({tokenizer.eos_id} | {specials[special] for special in after})
 
 
