@@ -92,12 +92,19 @@ def _template_file(recipe: Recipe) -> dict | None:
     record = {"name": named, "sha256": hashlib.sha256(template.source.encode()).hexdigest()}
     if template.named:   # a file's named templates beside its default (a tokenizer_config.json's list) render too
         record["named_sha256"] = hashlib.sha256(json.dumps(template.named, sort_keys=True).encode()).hexdigest()
+        record["named"] = sorted(template.named)
     return record
 
 
 def _names(paths: list[str]) -> str:
     shown = ", ".join(paths[:_NAMED])
     return shown + (f" and {len(paths) - _NAMED} more" if len(paths) > _NAMED else "")
+
+
+# A run whose data.chat_template file holds a tool_use template, started before spillway rendered records with
+# tools with it: its rows would now render otherwise (data/chat_template.py), mid-run.
+_TOOL_USE_SINCE = ("data.chat_template {name!r} holds a tool_use template, which this run (started before spillway "
+                   "rendered records with tools with it) did not use: its rows would change")
 
 
 def corpus_differences(saved: dict, now: dict) -> list[str]:
@@ -108,8 +115,10 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
     if saved.get("split", "train") != now.get("split", "train"):   # a record from before data.split: train
         phrases.append(f"data.split was {saved.get('split', 'train')!r}, now {now.get('split', 'train')!r}")
     before, after = saved.get("chat_template"), now.get("chat_template")
-    if before is not None and after is not None and "named_sha256" not in before:
-        after = {key: value for key, value in after.items() if key != "named_sha256"}   # recorded before they were
+    if before is not None and after is not None and "named_sha256" not in before:   # recorded before they were
+        if "tool_use" in after.get("named", ()) and before.get("sha256") == after.get("sha256"):
+            phrases.append(_TOOL_USE_SINCE.format(name=before.get("name")))
+        after = {key: value for key, value in after.items() if key not in ("named_sha256", "named")}
     if before is not None and before != after:   # a record from before templates were recorded: not compared
         if after is None or before.get("name") != after.get("name"):
             now_named = repr(after.get("name")) if after else "the tokenizer's own template"
@@ -117,6 +126,9 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
         elif after.get("sha256") is None:
             phrases.append(f"data.chat_template {before.get('name')!r} is gone or unreadable (the template the run "
                            f"trained with is kept in its tokenizer_config.json: point data.chat_template there)")
+        elif before.get("sha256") == after.get("sha256"):
+            phrases.append(f"data.chat_template {before.get('name')!r}: its named templates (beside the default) "
+                           f"were edited")
         else:
             phrases.append(f"data.chat_template {before.get('name')!r}: its template text was edited")
     saved_sources, now_sources = saved.get("sources", {}), now.get("sources", {})

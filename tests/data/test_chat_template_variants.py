@@ -97,8 +97,9 @@ def test_the_tool_use_templates_end_of_turn_ends_an_answer_too(transformers, tmp
     answers, but generation stopped at the default's only."""
     from spillway.data.sft_targets import end_of_turn_ids
 
-    saved_tokenizer(transformers, tmp_path, {"default": CHATML,
-                                             "tool_use": TOOLS_CHATML.replace("<|im_end|>", "<|endoftext|>")})
+    reads_its_tools = "{{ tools[0].function.name }}"   # a template that cannot render without tools
+    saved_tokenizer(transformers, tmp_path, {"default": CHATML, "tool_use": reads_its_tools + TOOLS_CHATML.replace(
+        "<|im_end|>", "<|endoftext|>")})
     tokenizer = load_tokenizer(tmp_path)
     specials = special_token_texts(tokenizer)
     ids = end_of_turn_ids(resolve_chat_template(None, tmp_path), tokenizer, specials)
@@ -161,6 +162,29 @@ def test_a_template_that_rewrites_the_answer_trains_what_it_writes(transformers,
         "\n\nforty two<|im_end|>hello today<|im_end|>"
 
 
+_GENERATION_PROMPT = "{{ '<|im_start|>assistant\n' }}{% endif %}"
+SYSTEM_LINE_PROMPT = CHATML.replace(_GENERATION_PROMPT, "{{ '<|im_start|>system\nbe brief<|im_end|>\n"
+                                                        "<|im_start|>assistant\n' }}{% endif %}")
+PREFILLED_PROMPT = CHATML.replace(_GENERATION_PROMPT, "{{ '<|im_start|>assistant\nthe ' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template, answer, trained", [
+    (SYSTEM_LINE_PROMPT, "forty two", "forty two"),           # the role header was trained ('assistant\nforty two')
+    (R1_THINK_PROMPT, "<think>forty two", "<think>forty two"),  # the answer's '<t' was not (the prompt's '<think>')
+    # a prompt the conversation continues: the answer is what generation writes after it (TRL's split)
+    (PREFILLED_PROMPT, "the answer is", " answer is"),
+], ids=["system_line", "r1_answer_opening_like_the_prompt", "prefilled"])
+def test_an_answer_starts_where_the_conversation_opens_the_turn_whatever_the_prompt_adds(
+        transformers, tmp_path, template, answer, trained):
+    assert template != CHATML   # the replace took
+    reference = saved_tokenizer(transformers, tmp_path, template)
+    messages = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "hello today"}]
+    ids, flags = _ids(tmp_path, messages)
+    assert ids == list(reference.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == f"{trained}<|im_end|>hello today<|im_end|>"
+
+
 def test_a_missing_role_is_still_named_when_contents_are_rewritten(tmp_path):
     """The probe that lets a rewritten content through still finds a role the template leaves out."""
     drops_tool = tmp_path / "t.jinja"
@@ -218,8 +242,13 @@ def test_named_templates_key_the_rows_and_a_runs_record_of_them_keeps_old_runs_r
 
     (rows, record), (edited_rows, edited) = prepared(TOOLS_CHATML), prepared(TOOLS_CHATML.replace("Tools:", "T:"))
     assert rows.path != edited_rows.path   # the rows of the other tool_use template were reused
-    assert record["sha256"] == edited["sha256"] and corpus_differences({"chat_template": record},
-                                                                     {"chat_template": edited})
-    before_named = {key: value for key, value in record.items() if key != "named_sha256"}   # a run of yesterday
-    assert corpus_differences({"chat_template": before_named}, {"chat_template": record}) == []
+    assert record["sha256"] == edited["sha256"]
+    assert corpus_differences({"chat_template": record}, {"chat_template": edited}) == [
+        f"data.chat_template {str(config)!r}: its named templates (beside the default) were edited"]
+    # a run started before named templates were read rendered records with tools with the default: its rows
+    # would change mid-run (the rows' count alone guarded it); one without a tool_use template is unchanged
+    before_named = {key: value for key, value in record.items() if key not in ("named_sha256", "named")}
+    said = corpus_differences({"chat_template": before_named}, {"chat_template": record})
+    assert len(said) == 1 and "holds a tool_use template, which this run (started before" in said[0]
+    assert corpus_differences({"chat_template": before_named}, {"chat_template": {**record, "named": ["rag"]}}) == []
 
