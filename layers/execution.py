@@ -38,6 +38,8 @@ class Execution:
             if name not in FLOAT_DTYPES:
                 what = "is not a dtype" if name is None else "is not a dtype a model trains in"
                 raise ConfigError(f"execution.{field}: {value!r} {what} (one of {', '.join(FLOAT_DTYPES)})")
+            # by its name: an alias ("f4", "single") priced and recorded as what it is
+            object.__setattr__(self, field, name)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"execution.attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")

@@ -182,7 +182,7 @@ def _check_limits(headroom: float, host_ram_gb: float | None, hbm_budget_gib: fl
         raise ValueError(f"--headroom must be in (0, 1], got {headroom}")
     # written as `not 0 < x < inf`: a NaN fails every comparison, so `x <= 0` let it through as no limit
     if host_ram_gb is not None and not 0 < host_ram_gb < math.inf:
-        raise ValueError(f"--host-ram-gb must be a positive number, got {host_ram_gb}")
+        raise ValueError(f"--host-ram-gb must be a positive finite number (GB), got {host_ram_gb}")
     if hbm_budget_gib is not None and not 0 < hbm_budget_gib < math.inf:
         raise ValueError(f"--hbm-budget must be a positive number (GiB), got {hbm_budget_gib}")
     if workers is not None and workers < 1:

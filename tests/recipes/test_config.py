@@ -238,3 +238,9 @@ def test_a_model_section_written_for_another_family_is_refused():
         Recipe.from_dict({**tree, "family": "mixtral"})
     for name in recipe_names():
         assert Recipe.from_dict(json.loads(get_recipe(name).to_json())) == get_recipe(name)
+
+
+def test_a_dtype_alias_is_recorded_by_its_name():
+    """'f4' passed the dtype check and was priced at the bf16 peak, the planner reading 'float32' only."""
+    assert tiny("execution.dtype=f4").execution.dtype == "float32"
+    assert tiny("execution.param_dtype=half").execution.param_dtype == "float16"
