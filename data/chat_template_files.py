@@ -61,13 +61,17 @@ def _check_name(name: str) -> None:
                                 f"named template as {CHAT_TEMPLATE_DIR}/<name>.jinja): rename it")
 
 
-def template_files(directory: Path) -> dict[str, Path]:
-    """The template files in `directory`, by name: chat_template.jinja is the default."""
-    files = {DEFAULT: directory / CHAT_TEMPLATE_FILE} if (directory / CHAT_TEMPLATE_FILE).is_file() else {}
+def named_template_files(directory: Path) -> list[Path]:
+    """The named templates' files in `directory` (additional_chat_templates/*.jinja), sorted."""
     extra = directory / CHAT_TEMPLATE_DIR
-    if extra.is_dir():
-        files.update({path.name.removesuffix(".jinja"): path for path in sorted(extra.glob("*.jinja"))
-                      if path.is_file()})
+    return sorted(path for path in extra.glob("*.jinja") if path.is_file()) if extra.is_dir() else []
+
+
+def template_files(directory: Path) -> dict[str, Path]:
+    """The template files in `directory`, by name: chat_template.jinja is the default (a named default.jinja
+    wins over it, as in transformers' reading)."""
+    files = {DEFAULT: directory / CHAT_TEMPLATE_FILE} if (directory / CHAT_TEMPLATE_FILE).is_file() else {}
+    files.update({path.name.removesuffix(".jinja"): path for path in named_template_files(directory)})
     return files
 
 
@@ -86,18 +90,10 @@ def tokenizer_templates(directory: Path) -> tuple[dict[str, str], Path] | None:
     return None
 
 
-def tokenizer_template_file(directory: Path) -> tuple[str, Path] | None:
-    """(the folder's default template, where it is kept); None when it has none, or names no default."""
-    found = tokenizer_templates(directory)
-    if found is None or DEFAULT not in found[0]:
-        return None
-    return found[0][DEFAULT], found[1]
-
-
 def tokenizer_template(directory: Path) -> str | None:
-    """The folder's default chat template (`tokenizer_template_file`), or None."""
-    found = tokenizer_template_file(directory)
-    return found[0] if found is not None else None
+    """The folder's default chat template; None when it has none, or names no default."""
+    found = tokenizer_templates(directory)
+    return found[0].get(DEFAULT) if found is not None else None
 
 
 def config_entry(named: dict[str, str]):

@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .cache import atomic_write_bytes
-from .chat_template_files import CHAT_TEMPLATE_DIR   # its .jinja files are kept beside too
+from .chat_template_files import CHAT_TEMPLATE_DIR, named_template_files   # kept beside too
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 SPM_TOKENIZER_FILE = "tokenizer.model"
@@ -314,9 +314,9 @@ class Tokenizer(abc.ABC):
                 config = {}   # unreadable: load_tokenizer said so already where it mattered
         kept = {name: (beside / name).read_bytes() for name in KEPT_BESIDE
                 if beside is not None and (beside / name).is_file()}
-        if beside is not None and (beside / CHAT_TEMPLATE_DIR).is_dir():   # transformers 5's named templates
+        if beside is not None:   # transformers 5's named templates
             kept.update({f"{CHAT_TEMPLATE_DIR}/{path.name}": path.read_bytes()
-                         for path in sorted((beside / CHAT_TEMPLATE_DIR).glob("*.jinja")) if path.is_file()})
+                         for path in named_template_files(beside)})
         path = self.save(directory / self.file_name)
         for name, data in kept.items():
             (directory / name).parent.mkdir(exist_ok=True)

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spillway.data.chat_template_files import CHAT_TEMPLATE_DIR
+from spillway.data.chat_template_files import CHAT_TEMPLATE_DIR, named_template_files
 from spillway.layers.errors import ConfigError
 from spillway.layers.lora import ADAPTER_PREFIX, fused_adapter_name
 from spillway.layers.mesh import MeshConfig
@@ -91,7 +91,7 @@ def _check_out_dir(out_dir: Path, own: str, tokenizer_files: list[str]) -> None:
     others += sorted(out_dir.glob("*.safetensors.index.json"))
     others += [out_dir / name for name in (*TOKENIZER_FILES, *READ_BESIDE)
                if name not in tokenizer_files and (out_dir / name).is_file()]
-    others += [path for path in _named_template_files(out_dir)
+    others += [path for path in named_template_files(out_dir)
                if f"{CHAT_TEMPLATE_DIR}/{path.name}" not in tokenizer_files]
     if others:
         raise HFCheckpointError(f"{out_dir} already holds another checkpoint ({listed(others)}): export into "
@@ -342,11 +342,7 @@ def _tokenizer_files(run_dir) -> list[str]:
     if run_dir is None:
         return []
     return ([name for name in TOKENIZER_FILES if (Path(run_dir) / name).is_file()]
-            + [f"{CHAT_TEMPLATE_DIR}/{path.name}" for path in _named_template_files(Path(run_dir))])
-
-
-def _named_template_files(folder: Path) -> list[Path]:
-    return sorted(path for path in (folder / CHAT_TEMPLATE_DIR).glob("*.jinja") if path.is_file())
+            + [f"{CHAT_TEMPLATE_DIR}/{path.name}" for path in named_template_files(Path(run_dir))])
 
 
 def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:

@@ -19,8 +19,9 @@ def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple
     from spillway.data.chat_template_files import tokenizer_template
     from spillway.data.sft_targets import prompt_tokens, special_token_texts
 
-    named = None if tokenizer_template(Path(run_dir)) is not None else recipe.data.chat_template
-    if named is None and tokenizer_template(Path(run_dir)) is None:
+    kept = tokenizer_template(Path(run_dir)) is not None   # the template saved with the run comes first
+    named = None if kept else recipe.data.chat_template
+    if named is None and not kept:
         # resolve_chat_template would advise data.chat_template, a training setting generate does not take
         raise ConfigError(f"--chat: the run at {run_dir} has no chat template (it trained on data.format="
                           f"{recipe.data.format} and its tokenizer_config.json holds none), so a message cannot be "
