@@ -212,10 +212,10 @@ def _resolve(source, config) -> tuple[Any, Any]:
         except FileNotFoundError as error:   # in Python, the config may also be given
             raise FileNotFoundError(f"{error}, or pass config= (a Hugging Face config dict or a spillway family "
                                     f"config)") from None
-    # a transformers config object is read as its dict: transformers 5's config classes are dataclasses too
-    if callable(getattr(config, "to_dict", None)) or isinstance(config, Mapping):
-        return family_config_from_hf(config)
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+    # a transformers config object is read as its dict (family_config_from_hf): transformers 5's config classes
+    # are dataclasses too, with a to_dict that a spillway family config has not
+    if (dataclasses.is_dataclass(config) and not isinstance(config, type)
+            and not callable(getattr(config, "to_dict", None))):
         return family_of_config(config), config
     return family_config_from_hf(config)
 

@@ -353,10 +353,8 @@ class Recipe:
         family_of_config(self.model)   # a ConfigError unless the model is a registered family's config
         # the run's folder is runs/<name> unless checkpoint.dir says otherwise: "" trained into runs/ itself,
         # among the other runs, and "../x" outside it ("team/x", a folder in runs/, stays allowed)
-        parts = pathlib.PurePosixPath(self.name).parts if isinstance(self.name, str) else ()
-        if (not isinstance(self.name, str) or not self.name.strip() or "\0" in self.name
-                or self.name.startswith("/") or any(part in (".", "..") for part in parts)
-                or all(part == "." for part in parts)):
+        parts = pathlib.PurePosixPath(self.name).parts if isinstance(self.name, str) else ()   # ("." dropped)
+        if not parts or not self.name.strip() or "\0" in self.name or self.name.startswith("/") or ".." in parts:
             raise ConfigError(f"name must be a folder name inside runs/ (the run trains into runs/<name> unless "
                               f"checkpoint.dir is set), got {self.name!r}")
         sections = {"execution": Execution, "data": DataConfig, "optimizer": OptimizerConfig,

@@ -34,6 +34,7 @@ import os
 from pathlib import Path
 
 from spillway.data import parse_hub_spec, parse_local_spec, parse_mixture
+from spillway.data.chat_template_files import TOOL_USE
 from spillway.recipes.config import Recipe
 from spillway.recipes.train import distributed
 from spillway.recipes.train.errors import RunError
@@ -116,7 +117,7 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
         phrases.append(f"data.split was {saved.get('split', 'train')!r}, now {now.get('split', 'train')!r}")
     before, after = saved.get("chat_template"), now.get("chat_template")
     if before is not None and after is not None and "named_sha256" not in before:   # recorded before they were
-        if "tool_use" in after.get("named", ()) and before.get("sha256") == after.get("sha256"):
+        if TOOL_USE in after.get("named", ()) and before.get("sha256") == after.get("sha256"):
             phrases.append(_TOOL_USE_SINCE.format(name=before.get("name")))
         after = {key: value for key, value in after.items() if key not in ("named_sha256", "named")}
     if before is not None and before != after:   # a record from before templates were recorded: not compared

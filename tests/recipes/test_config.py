@@ -141,6 +141,7 @@ def test_recipe_json_errors_name_the_field():
     ("name=", "name must be a folder name inside runs/"),
     ("name=../../etc", "name must be a folder name inside runs/"),
     ("name=/etc", "name must be a folder name inside runs/"),
+    ("name=//etc", "name must be a folder name inside runs/"),
     ("model.d_model=0", "d_model must be positive"),
     ("model.vocab_size=-5", "vocab_size must be positive"),
     ("model.max_seq_len=0", "max_seq_len must be positive"),
