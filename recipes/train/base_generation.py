@@ -78,13 +78,14 @@ def _from_source_run(recipe: Recipe, run_dir: Path) -> tuple[dict, list[int], li
     """What the spillway run `checkpoint.init_from` is in kept of its base, where this run tokenizes with that
     run's tokenizer file (a fine-tune's own copy of it)."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
+    from spillway.recipes.train.errors import RunError
 
     init_from = recipe.checkpoint.init_from
     if not init_from or init_from.startswith("hf:"):
         return {}, [], []
     try:
         source = run_dir_of(resolve_step_dir(init_from))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RunError):   # the source run removed since: a resume needs nothing of it
         return {}, [], []
     kept = _kept(Path(source)) if source is not None else None
     if kept is None or not _same_tokenizer_file(Path(source), run_dir):

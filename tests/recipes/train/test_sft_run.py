@@ -427,6 +427,22 @@ def test_the_bases_stop_ids_are_kept_with_the_run_and_its_fine_tunes(tokenizer_d
     assert set(base_stop_ids(fine_tune, tuned, load_tokenizer(tuned))) == {eos, 5}
 
 
+def test_a_fine_tune_resumes_after_its_source_run_was_removed(tokenizer_dir, tmp_path):
+    """A resumed fine-tune looked for the base's stop ids in its source run and stopped with "no such
+    checkpoint directory" where that run had been removed (a fine-tune needs nothing of it once started)."""
+    import shutil
+
+    from spillway.data import load_tokenizer
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.base_generation import BASE_GENERATION_FILE, keep_base_generation
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tokenizer_dir, tuned, ignore=shutil.ignore_patterns("cache"))
+    fine_tune = get_recipe("tiny", [f"checkpoint.init_from={tmp_path / 'removed-source'}"])
+    keep_base_generation(fine_tune, tuned, load_tokenizer(tuned).vocab_size)
+    assert not (tuned / BASE_GENERATION_FILE).exists()
+
+
 def test_max_tokens_caps_a_fine_tune_and_keys_its_rows(tmp_path, tokenizer_dir):
     """data.max_tokens was ignored for chat/instruct data, the uncapped rows reused (README: any source)."""
     from spillway.recipes.config import DataConfig
