@@ -84,13 +84,16 @@ def pin_base(recipe: Recipe) -> Recipe:
     if not recipe.lora.enabled or not init_from:
         return recipe
     from spillway.recipes.train.base_digest import base_digest
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+    from spillway.recipes.train.init_weights import HF_PREFIX, hf_checkpoint_dir
 
     folder = hf_checkpoint_dir(init_from)
     if folder is None:
         from spillway.recipes.train.checkpoint import resolve_step_dir
         folder = resolve_step_dir(init_from)
         init_from = str(folder)
+    else:   # a relative hf: path, which generate and export read from other directories too
+        folder = folder.absolute()
+        init_from = HF_PREFIX + str(folder)
     digest = base_digest(folder) if folder.exists() else None   # a missing base is named by the preflight
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
         recipe.checkpoint, init_from=init_from, init_from_digest=digest))
@@ -195,6 +198,20 @@ def _other_base(init_from: str, where: str = ""):
                            f"in a new checkpoint.dir")
 
 
+def _same_base_path(saved, pinned: str) -> bool:
+    """Whether a saved step's init_from names the pinned base: the same text, or a relative hf: path (as runs
+    started before pin_base made it absolute saved it) naming the same folder from this directory."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    if saved == pinned:
+        return True
+    try:
+        saved_folder = hf_checkpoint_dir(saved) if isinstance(saved, str) else None
+        return saved_folder is not None and saved_folder.absolute() == hf_checkpoint_dir(pinned)
+    except ValueError:   # an empty hf: path
+        return False
+
+
 def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
     """A LoRA run resumes on the base its adapters were trained on: the saved step's checkpoint.init_from
     must be the one this run resolves now (a ConfigError naming both otherwise: adapters on another base
@@ -208,7 +225,7 @@ def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
         return
     saved_checkpoint = json.loads(saved_recipe_json).get("checkpoint") or {}
     saved = saved_checkpoint.get("init_from")
-    if saved != recipe.checkpoint.init_from:
+    if not _same_base_path(saved, recipe.checkpoint.init_from):
         raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
                           f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "
                           f"into a new checkpoint.dir)")

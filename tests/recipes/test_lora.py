@@ -319,6 +319,26 @@ def test_a_base_replaced_under_the_adapters_is_refused_a_copy_of_it_is_not(tmp_p
     check_same_base(resumed, json.dumps(saved_before_digests), "runs/x/checkpoints/2")   # not checked
 
 
+def test_a_relative_hf_base_is_pinned_by_its_absolute_path(tmp_path, monkeypatch):
+    """A LoRA run started with checkpoint.init_from=hf:<relative path> saved that path as named: generate and
+    export from another directory looked for the base there. Runs that saved it so still resume."""
+    from spillway.models.hf import to_hf
+    from spillway.recipes.train.lora_state import check_same_base, pin_base
+
+    to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(0)), tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    pinned = pin_base(lora_recipe("checkpoint.init_from=hf:base"))
+    assert pinned.checkpoint.init_from == f"hf:{tmp_path / 'base'}"
+    saved_relative = json.loads(pinned.to_json())
+    saved_relative["checkpoint"]["init_from"] = "hf:base"   # as a run started before this saved it
+    check_same_base(pinned, json.dumps(saved_relative), "runs/x/checkpoints/2")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")   # the same relative path names another folder from here
+    with pytest.raises(ConfigError, match=r"trained on checkpoint.init_from=hf:base, but the run now names"):
+        check_same_base(pin_base(lora_recipe("checkpoint.init_from=hf:../elsewhere")), json.dumps(saved_relative),
+                        "runs/x/checkpoints/2")
+
+
 def test_the_adapters_share_benchmark_counts_r_times_in_plus_out_per_layer():
     from benchmarks.lora_share import share
 
