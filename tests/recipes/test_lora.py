@@ -319,6 +319,19 @@ def test_a_base_replaced_under_the_adapters_is_refused_a_copy_of_it_is_not(tmp_p
     check_same_base(resumed, json.dumps(saved_before_digests), "runs/x/checkpoints/2")   # not checked
 
 
+def test_a_run_with_its_base_in_host_memory_exports_merged():
+    """offload.params=host with the adapters' state on device (the README's LoRA setup) made the merged export
+    fail: the recipe without adapters refused that placement, after the export had begun writing."""
+    from spillway.recipes.export import merged_state
+
+    on_host, on_device = lora_recipe("offload.params=host"), lora_recipe()
+    params = _with_random_b(nnx.split(on_device.build_model(nnx.Rngs(0)))[1])
+    _, merged_on_host = merged_state(on_host, params)
+    _, merged_on_device = merged_state(on_device, params)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(merged_on_host), nnx.to_flat_state(merged_on_device), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
+
+
 def test_a_relative_hf_base_is_pinned_by_its_absolute_path(tmp_path, monkeypatch):
     """A LoRA run started with checkpoint.init_from=hf:<relative path> saved that path as named: generate and
     export from another directory looked for the base there. Runs that saved it so still resume."""
