@@ -482,6 +482,15 @@ class Recipe:
             raise ConfigError("offload.update=next_forward defers the update of streamed host state; LoRA's "
                               "adapters have no host state to stream: use offload.update=after_backward")
 
+    def without_adapters(self) -> Recipe:
+        """The recipe's model without LoRA adapters (a merged export's; the base an hf: checkpoint is checked
+        against), placed by default: a LoRA run's frozen base in host memory with the adapters' state on device
+        is a placement only a LoRA run may take."""
+        if not self.lora.enabled:
+            return self
+        return dataclasses.replace(self, lora=LoraConfig(), offload=OffloadConfig(activations=self.offload.activations),
+                                   optimizer=dataclasses.replace(self.optimizer, update_on_host=False))
+
     def lora_spec(self):
         """The LoRA adapters' layers/lora.py LoraSpec, or None without LoRA (lora.rank 0)."""
         if not self.lora.enabled:

@@ -59,7 +59,7 @@ from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import HFCheckpointError, listed, save_safetensors
 from spillway.recipes.train.base_generation import GENERATION_CONFIG, base_generation_config, hf_base_json
-from spillway.recipes.config import LoraConfig, OffloadConfig, Recipe
+from spillway.recipes.config import LoraConfig, Recipe
 from spillway.recipes.readable_step import restore_readable, saved_recipe
 
 EXPORT_RECORD = "spillway_export.json"   # which run an export folder holds: a later export replaces only its own
@@ -166,7 +166,7 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
                           f"computes (transformers would load its weights into {recipe.family}'s own layers, a "
                           f"different model): export writes runs of the zoo's own blocks only")
     if not adapter:
-        without_adapters(recipe)   # a recipe the merged model cannot take is refused before anything is written
+        recipe.without_adapters()   # a recipe the merged model cannot take is refused before anything is written
     out = Path(out_dir)
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)
@@ -375,20 +375,12 @@ def _adapters(recipe: Recipe, params) -> list[tuple[tuple[tuple, ...], np.ndarra
     return found
 
 
-def without_adapters(recipe: Recipe) -> Recipe:
-    """The recipe's model without its adapters, the model a merged export holds. Its placements are reset: a
-    LoRA run's frozen base in host memory with the adapters' state on device (the README's LoRA setup) is a
-    placement only a LoRA run may take, and an export places nothing."""
-    return dataclasses.replace(recipe, lora=LoraConfig(), offload=OffloadConfig(activations=recipe.offload.activations),
-                               optimizer=dataclasses.replace(recipe.optimizer, update_on_host=False))
-
-
 def merged_state(recipe: Recipe, params):
     """(graphdef, state) of the recipe's model without adapters, each adapted weight W + (alpha / r) B A."""
     from spillway.recipes.train.lora_step import split
     from spillway.recipes.train.step import abstract_model
 
-    graphdef, _ = abstract_model(without_adapters(recipe))
+    graphdef, _ = abstract_model(recipe.without_adapters())
     if not recipe.lora.enabled:
         return graphdef, params
     scale = recipe.lora.alpha / recipe.lora.rank

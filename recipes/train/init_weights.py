@@ -108,7 +108,7 @@ def _check_weights_agree_with_their_config(recipe: Recipe, directory: Path, fami
     from spillway.models.hf import HFCheckpointError, check_checkpoint_tensors
     from spillway.recipes.train.step import abstract_model
 
-    _, abstract_state = abstract_model(dataclasses.replace(recipe, model=checkpoint_model))
+    _, abstract_state = abstract_model(dataclasses.replace(recipe.without_adapters(), model=checkpoint_model))
     try:
         check_checkpoint_tensors(directory, family, checkpoint_model, abstract_state)
     except HFCheckpointError as error:

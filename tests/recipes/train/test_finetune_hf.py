@@ -184,8 +184,11 @@ def test_bfloat16_run_updates_from_the_loaded_weights_not_from_its_random_init(h
                                rtol=1e-4, atol=1e-4)
 
 
-def test_a_recipe_whose_model_differs_fails_naming_the_field(hf_checkpoint, data_cache, tmp_path, capsys):
-    sets = overrides(hf_checkpoint, data_cache, tmp_path / "bad", "model.num_layers=3")
+@pytest.mark.parametrize("lora", [[], ["lora.rank=4"]], ids=["full", "lora"])
+def test_a_recipe_whose_model_differs_fails_naming_the_field(hf_checkpoint, data_cache, tmp_path, capsys, lora):
+    """With LoRA on, the adapters' own weights were read as the checkpoint's: "its config.json does not describe
+    its own weights (... lora_wq/a ...)" instead of the field that differs."""
+    sets = overrides(hf_checkpoint, data_cache, tmp_path / "bad", "model.num_layers=3", *lora)
     assert cli.main(cli_args(sets)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
