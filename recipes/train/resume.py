@@ -99,7 +99,7 @@ def resume_rule(path: str) -> str:
     return MUST_MATCH
 
 
-def _same_tokenizer_file(before: Any, after: Any) -> bool:
+def _same_tokenizer_file(before: Any, after: Any, _new: dict) -> bool:
     """Two tokenizer paths name the same tokenizer if both files hold the same bytes (a run directory moved
     or reached by another path keeps its tokenizer.model)."""
     from spillway.data import tokenizer_file_in
@@ -117,7 +117,7 @@ def _same_tokenizer_file(before: Any, after: Any) -> bool:
         return False
 
 
-def _same_mixture(before: Any, after: Any) -> bool:
+def _same_mixture(before: Any, after: Any, _new: dict) -> bool:
     """Two data.mixture texts name the same mixture if they parse to the same sources, names and order, with
     weights equal once normalised (a space added, 7:3 for 0.7:0.3): the loader draws the same batches. The
     order stays part of it (the loader breaks ties between sources in that order)."""
@@ -133,8 +133,28 @@ def _same_mixture(before: Any, after: Any) -> bool:
         return False
 
 
+def _same_lora_targets(before: Any, after: Any, new: dict) -> bool:
+    """Two lora.targets name the same adapters where they resolve to the same projections of the run's model:
+    another order, a module's whole name for its last part, or GPT-2's c_attn for the default (q_proj, v_proj)
+    that PEFT's rule turns into it (recipes/lora_targets.py)."""
+    from spillway.layers.errors import ConfigError
+
+    if not (isinstance(before, list) and isinstance(after, list)):
+        return False
+    try:
+        recipe = Recipe.from_dict(new)
+        if not recipe.lora.enabled:
+            return False
+        adapting = lambda targets: dataclasses.replace(  # noqa: E731
+            recipe, lora=dataclasses.replace(recipe.lora, targets=tuple(targets))).lora_spec()
+        return adapting(before) == adapting(after)
+    except (ConfigError, ValueError, TypeError):   # a saved target this model lacks: not the same adapters
+        return False
+
+
 # fields whose saved and new values may differ as text and still mean the same thing
-_EQUIVALENT = {"data.tokenizer": _same_tokenizer_file, "data.mixture": _same_mixture}
+_EQUIVALENT = {"data.tokenizer": _same_tokenizer_file, "data.mixture": _same_mixture,
+               "lora.targets": _same_lora_targets}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -168,7 +188,7 @@ def compare_recipes(saved: dict, new: dict, *, where: str) -> dict[str, list]:
         before, after = saved_flat.get(path, missing), new_flat.get(path, missing)
         if before == after:
             continue
-        if resume_rule(path) == MUST_MATCH and not _EQUIVALENT.get(path, lambda *_: False)(before, after):
+        if resume_rule(path) == MUST_MATCH and not _EQUIVALENT.get(path, lambda *_: False)(before, after, new):
             refused.append(path)
             continue
         changed[path] = [None if before is missing else before, None if after is missing else after]
@@ -181,8 +201,16 @@ def compare_recipes(saved: dict, new: dict, *, where: str) -> dict[str, list]:
             f"{where}: cannot resume: {first} was {show(saved_flat.get(first, missing))} in the saved run and is "
             f"{show(new_flat.get(first, missing))} now{more}. A resumed run keeps its model, data, tokenizer, data "
             f"order (train.seed), global batch and optimizer state layout; to change them, train into another "
-            f"checkpoint.dir (fine-tune from this run with checkpoint.init_from).")
+            f"checkpoint.dir ({_fine_tune_from_it(new)}).")
     return changed
+
+
+def _fine_tune_from_it(new: dict) -> str:
+    """How a new run starts from this one: a LoRA run's steps hold its adapters alone (README: LoRA)."""
+    if ((new.get("lora") or {}).get("rank") or 0) > 0:
+        return "a LoRA run's steps hold its adapters alone: export it merged, and fine-tune from the export with " \
+               "checkpoint.init_from=hf:DIR"
+    return "fine-tune from this run with checkpoint.init_from"
 
 
 def record_history(run_dir: str | os.PathLike, event: str, *, step: int, changed: dict | None = None,

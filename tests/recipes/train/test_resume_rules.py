@@ -57,6 +57,23 @@ def test_changes_made_on_purpose_are_returned():
     assert compare_recipes(tiny(), tiny(), where="x") == {}
 
 
+def test_lora_targets_that_name_the_same_adapters_resume():
+    """Another order of lora.targets, or GPT-2's c_attn for the default (q_proj, v_proj) that PEFT's rule turns
+    into it (what the run trained, its header says), was refused as a change of targets."""
+    lora = ["lora.rank=4", "checkpoint.init_from=/base"]
+    saved = tiny(*lora, "lora.targets=q_proj,v_proj,down_proj")
+    assert compare_recipes(saved, tiny(*lora, "lora.targets=down_proj,v_proj,q_proj"), where="x") == {
+        "lora.targets": [["q_proj", "v_proj", "down_proj"], ["down_proj", "v_proj", "q_proj"]]}
+    gpt2 = lambda *more: get_recipe("gpt2_tiny", [*lora, *more]).to_dict()  # noqa: E731
+    assert compare_recipes(gpt2(), gpt2("lora.targets=c_attn"), where="x") == {
+        "lora.targets": [["q_proj", "v_proj"], ["c_attn"]]}
+    with pytest.raises(RecipeMismatchError, match=r'lora.targets was \["q_proj", "v_proj", "down_proj"\] .* '
+                                                  r"export it merged, and fine-tune from the export"):
+        compare_recipes(saved, tiny(*lora, "lora.targets=q_proj,v_proj"), where="x")
+    with pytest.raises(RecipeMismatchError, match=r"lora.targets .* \(fine-tune from this run with"):
+        compare_recipes(tiny("lora.targets=q_proj"), tiny("lora.targets=k_proj"), where="x")   # no LoRA
+
+
 def test_a_field_no_rule_names_must_match():
     assert resume_rule("train.some_field_added_later") == MAY_CHANGE  # inside a group that may change
     assert resume_rule("data.some_field_added_later") == MUST_MATCH
