@@ -585,9 +585,16 @@ def rope_settings(hf_config: Mapping[str, Any]) -> tuple[float, dict | None]:
 
 
 def require(hf_config: Mapping[str, Any], keys: Sequence[str], family: str) -> None:
+    """The numbers (sizes, counts, factors) a family's config must give; one line naming any missing or not a
+    number (a config.json edited by hand: "hidden_size": "192")."""
     missing = [k for k in keys if hf_config.get(k) is None]
     if missing:
         raise HFCheckpointError(f"the Hugging Face {family} config lacks {missing}")
+    not_numbers = [f"{k}={hf_config[k]!r}" for k in keys
+                   if isinstance(hf_config[k], bool) or not isinstance(hf_config[k], (int, float))]
+    if not_numbers:
+        raise HFCheckpointError(f"the Hugging Face {family} config's {', '.join(not_numbers)} "
+                                f"{'are' if len(not_numbers) > 1 else 'is'} not a number")
 
 
 def refuse(condition: bool, message: str) -> None:

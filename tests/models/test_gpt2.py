@@ -161,6 +161,7 @@ def test_config_round_trips():
     ({"activation_function": "gelu"}, "activation_function 'gelu' is not supported"),
     ({"activation_function": "relu"}, "activation_function 'relu' is not supported"),
     ({"n_head": None}, "lacks ['n_head']"),
+    ({"n_embd": "768"}, "GPT-2 config's n_embd='768' is not a number"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_configs_fail_by_name(change, message):
     """Through the dispatch on model_type, as from_hf reads a config.json."""

@@ -135,6 +135,8 @@ def test_config_round_trips_and_defaults():
     ({"model_type": "falcon"}, "model_type 'falcon' is not supported"),
     ({"model_type": None}, "has no model_type"),
     ({"vocab_size": None}, "lacks ['vocab_size']"),
+    ({"hidden_size": "4096"}, "Llama config's hidden_size='4096' is not a number"),   # was a TypeError
+    ({"num_hidden_layers": True, "vocab_size": [1]}, "vocab_size=[1], num_hidden_layers=True are not a number"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_configs_fail_by_name(change, message):
     """Through the dispatch on model_type, as from_hf reads a config.json."""
