@@ -166,11 +166,16 @@ def restore_run_params(step_dir, recipe: Recipe, abstract_params, with_base: boo
 def _load_base_weights(recipe: Recipe, abstract_base):
     from spillway.recipes.train.init_weights import load_init_weights
 
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
     init_from = recipe.checkpoint.init_from
-    if init_from and not init_from.startswith("hf:") and not Path(init_from).expanduser().exists():
+    if init_from and not (hf_checkpoint_dir(init_from) or Path(init_from).expanduser()).exists():
         from spillway.recipes.train.checkpoint import CheckpointError
         raise CheckpointError(f"the LoRA run's base checkpoint.init_from={init_from} does not exist any more: "
-                              f"its adapters need it (put it back, or point the saved recipe at a copy)")
+                              f"its adapters need it. Put it back; or, where it moved, train the run on a step "
+                              f"naming its new place (--set checkpoint.init_from=... --set train.steps=<one more>: "
+                              f"the same files are accepted, and later steps name it); `spillway export --adapter` "
+                              f"needs no base")
     check_base_unchanged(recipe)
     return load_init_weights(recipe, abstract_base, say=lambda *_: None)
 
@@ -214,9 +219,10 @@ def _same_base_path(saved, pinned: str) -> bool:
 
 def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
     """A LoRA run resumes on the base its adapters were trained on: the saved step's checkpoint.init_from
-    must be the one this run resolves now (a ConfigError naming both otherwise: adapters on another base
-    are another model, and `checkpoint.*` may otherwise change on a resume), holding the same files (its
-    digest, a CheckpointError otherwise). `recipe` is pinned (`pin_base`)."""
+    must be the one this run resolves now, or another path holding the same files (a base moved or copied;
+    a ConfigError naming both otherwise: adapters on another base are another model, and `checkpoint.*` may
+    otherwise change on a resume), holding the same files (its digest, a CheckpointError otherwise). `recipe`
+    is pinned (`pin_base`)."""
     import json
 
     from spillway.layers.errors import ConfigError
@@ -225,11 +231,12 @@ def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
         return
     saved_checkpoint = json.loads(saved_recipe_json).get("checkpoint") or {}
     saved = saved_checkpoint.get("init_from")
-    if not _same_base_path(saved, recipe.checkpoint.init_from):
+    digest, now = saved_checkpoint.get("init_from_digest"), recipe.checkpoint.init_from_digest
+    moved = digest is not None and digest == now   # the same files at another path: a moved or copied base
+    if not (_same_base_path(saved, recipe.checkpoint.init_from) or moved):
         raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
                           f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "
                           f"into a new checkpoint.dir)")
     # the pinned recipe's digest is the base's files as they are now, read once at this start
-    digest, now = saved_checkpoint.get("init_from_digest"), recipe.checkpoint.init_from_digest
     if digest is not None and now is not None and digest != now:   # None: saved before digests, or base missing
         raise _other_base(recipe.checkpoint.init_from, f"{where}: ")

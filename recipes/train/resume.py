@@ -99,20 +99,24 @@ def resume_rule(path: str) -> str:
     return MUST_MATCH
 
 
-def _same_tokenizer_file(before: Any, after: Any, _new: dict) -> bool:
+def _same_tokenizer_file(before: Any, after: Any, new: dict) -> bool:
     """Two tokenizer paths name the same tokenizer if both files hold the same bytes (a run directory moved
-    or reached by another path keeps its tokenizer.model)."""
+    or reached by another path keeps its tokenizer.model). Where the saved one is gone (a fine-tune's base
+    moved, named by its new place), the run's own copy of it stands in: the tokenizer a resumed run reads."""
     from spillway.data import tokenizer_file_in
 
     if not (isinstance(before, str) and isinstance(after, str)):
         return False
 
-    def file_of(path: str) -> Path:   # a folder names the tokenizer file it holds
+    def file_of(path: str | os.PathLike) -> Path:   # a folder names the tokenizer file it holds
         given = Path(path).expanduser()
         return (tokenizer_file_in(given) or given) if given.is_dir() else given
 
+    saved = file_of(before)
+    if not saved.exists():
+        saved = file_of(Recipe.from_dict(new).run_dir)
     try:
-        return file_of(before).read_bytes() == file_of(after).read_bytes()
+        return saved.read_bytes() == file_of(after).read_bytes()
     except OSError:
         return False
 

@@ -74,6 +74,20 @@ def test_lora_targets_that_name_the_same_adapters_resume():
         compare_recipes(tiny("lora.targets=q_proj"), tiny("lora.targets=k_proj"), where="x")   # no LoRA
 
 
+def test_a_tokenizer_moved_with_its_base_is_the_runs_own_copy(tmp_path):
+    """A fine-tune whose hf: base moved, resumed naming its new place, was refused: data.tokenizer (set from the
+    base) named a folder that is gone. The run's own copy of the tokenizer, which a resume reads, stands in."""
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    for folder, text in ((run, "spm"), (moved, "spm"), (tmp_path / "other", "other")):
+        folder.mkdir()
+        (folder / "tokenizer.model").write_text(text)
+    at = lambda folder: tiny(f"checkpoint.dir={run}", f"data.tokenizer={folder}")  # noqa: E731
+    assert compare_recipes(at(tmp_path / "gone"), at(moved), where="x") == {   # recorded in history.jsonl
+        "data.tokenizer": [str(tmp_path / "gone"), str(moved)]}
+    with pytest.raises(RecipeMismatchError, match="data.tokenizer was"):
+        compare_recipes(at(tmp_path / "gone"), at(tmp_path / "other"), where="x")
+
+
 def test_a_field_no_rule_names_must_match():
     assert resume_rule("train.some_field_added_later") == MAY_CHANGE  # inside a group that may change
     assert resume_rule("data.some_field_added_later") == MUST_MATCH
