@@ -276,10 +276,13 @@ class BlockStack(nnx.Module):
             if not _users(type(blocks)):
                 raise
             hint = (" (a Python `if` on a traced value: use jnp.where or lax.cond)"
-                    if "TracerBoolConversion" in type(error).__name__ else "")
+                    if "TracerBoolConversion" in type(error).__name__ else
+                    # a TypeError is often the call itself (another signature, another return); the rest are
+                    # the forward's own, which the contract would only send looking elsewhere
+                    "; a block's forward(x_btd, ctx, cache) returns (x_btd, cache)" if isinstance(error, TypeError)
+                    else "")
             raise ConfigError(f"block {_class_path(type(blocks))}: calling it as block(x_btd, ctx) raised "
-                              f"{_one_line(error)}{hint}; a block's forward(x_btd, ctx, cache) returns "
-                              f"(x_btd, cache)") from None
+                              f"{_one_line(error)}{hint}") from None
         if not isinstance(returned, (tuple, list)) or len(returned) != 2:
             if hasattr(returned, "shape"):
                 what = f"an array of shape {returned.shape}"

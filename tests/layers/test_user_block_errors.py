@@ -44,6 +44,11 @@ class BranchesOnAValue(TransformerBlock):
         return out, cache
 
 
+class TakesOtherArguments(TransformerBlock):
+    def forward(self, x, cache):
+        return super().forward(x, None, cache)
+
+
 class RaisesInInit(TransformerBlock):
     def __init__(self, cfg, *, rngs):
         super().__init__(cfg, rngs=rngs)
@@ -58,6 +63,7 @@ class RaisesInInit(TransformerBlock):
     (BranchesOnAValue, r"BranchesOnAValue: calling it as block\(x_btd, ctx\) raised TracerBoolConversionError.*"
                        r"a Python `if` on a traced value: use jnp.where or lax.cond"),
     (RaisesInInit, r"RaisesInInit: its __init__ raised RuntimeError: my bug in __init__"),
+    (TakesOtherArguments, r"TakesOtherArguments: calling it as block\(x_btd, ctx\) raised TypeError"),
 ], ids=lambda value: getattr(value, "__name__", ""))
 def test_a_users_block_with_a_bug_or_state_is_named_in_one_line(block_cls, message):
     llama = get_family("llama")
@@ -65,6 +71,8 @@ def test_a_users_block_with_a_bug_or_state_is_named_in_one_line(block_cls, messa
         nnx.eval_shape(lambda: llama.build(llama.config("tiny", num_layers=2), Execution(), block_cls=block_cls,
                                            rngs=nnx.Rngs(0)))
     assert "\n" not in str(refused.value) and len(str(refused.value)) < 900
+    # the return contract is named where the call itself may be at fault, not beside the forward's own error
+    assert ("returns (x_btd, cache)" in str(refused.value)) == (block_cls is TakesOtherArguments)
 
 
 class EmitsLoss(TransformerBlock):
