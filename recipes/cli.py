@@ -223,10 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="a text to continue")
     p.add_argument("--chat", metavar="MESSAGE",
                    help="a user message: rendered through the run's chat template, answered until the end of turn")
-    p.add_argument("--tokens", type=int, default=100, help="new tokens to generate (> 0)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy; > 0: sampling")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=100, help="new tokens to generate (> 0; default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="0: greedy (the tokens transformers' generate() gives on the export); > 0: sampling "
+                        "(default %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1] (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default %(default)s)")
     p.set_defaults(fn=_cmd_generate)
 
     p = sub.add_parser("export", help="write a run as a Hugging Face folder (LoRA merged), or its PEFT adapter",

@@ -46,7 +46,8 @@ def plan_command(args) -> int:
     else:
         print(render(result))
     if getattr(args, "png", None):
-        draw_plan(result, args.png)
+        drawn = draw_plan(result, args.png)
+        print(f"plan chart: {drawn}", file=sys.stderr if args.json else sys.stdout)   # --json: stdout is JSON
     choose(result)   # no pick (under a budget, or at all) is an error naming why, after the table
     return 0
 

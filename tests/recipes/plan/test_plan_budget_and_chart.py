@@ -95,9 +95,10 @@ def test_png_draws_every_compiled_plan(tmp_path, monkeypatch, capsys):
         assert len(image.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 10
 
     monkeypatch.setattr(commands, "plan", lambda *args, **kwargs: fake_plan())
+    capsys.readouterr()
     assert cli.main(["plan", "tiny", "--png", str(tmp_path / "cli.png")]) == 0
     assert (tmp_path / "cli.png").stat().st_size > 10_000
-    capsys.readouterr()
+    assert f"plan chart: {tmp_path / 'cli.png'}" in capsys.readouterr().out   # where it went, as train says
 
 
 def test_png_of_a_plan_where_nothing_compiled_says_so(tmp_path):
