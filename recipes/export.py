@@ -59,7 +59,7 @@ from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import HFCheckpointError, listed, save_safetensors
 from spillway.recipes.train.base_generation import GENERATION_CONFIG, base_generation_config, hf_base_json
-from spillway.recipes.config import LoraConfig, Recipe
+from spillway.recipes.config import Recipe
 from spillway.recipes.readable_step import restore_readable, saved_recipe
 
 EXPORT_RECORD = "spillway_export.json"   # which run an export folder holds: a later export replaces only its own
