@@ -277,10 +277,11 @@ class BlockStack(nnx.Module):
                 raise
             hint = (" (a Python `if` on a traced value: use jnp.where or lax.cond)"
                     if "TracerBoolConversion" in type(error).__name__ else
-                    # a TypeError is often the call itself (another signature, another return); the rest are
-                    # the forward's own, which the contract would only send looking elsewhere
-                    "; a block's forward(x_btd, ctx, cache) returns (x_btd, cache)" if isinstance(error, TypeError)
-                    else "")
+                    # a TypeError or AttributeError is often the call itself (another signature, the arguments in
+                    # another order, another return); the rest are the forward's own, which the contract would
+                    # only send looking elsewhere
+                    "; a block's forward(x_btd, ctx, cache) returns (x_btd, cache)"
+                    if isinstance(error, (TypeError, AttributeError)) else "")
             raise ConfigError(f"block {_class_path(type(blocks))}: calling it as block(x_btd, ctx) raised "
                               f"{_one_line(error)}{hint}") from None
         if not isinstance(returned, (tuple, list)) or len(returned) != 2:

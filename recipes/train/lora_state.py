@@ -217,10 +217,19 @@ def _same_base_path(saved, pinned: str) -> bool:
         return False
 
 
+def _base_exists(init_from) -> bool:
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    try:
+        return isinstance(init_from, str) and (hf_checkpoint_dir(init_from) or Path(init_from).expanduser()).exists()
+    except ValueError:   # an empty hf: path
+        return False
+
+
 def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
     """A LoRA run resumes on the base its adapters were trained on: the saved step's checkpoint.init_from
-    must be the one this run resolves now, or another path holding the same files (a base moved or copied;
-    a ConfigError naming both otherwise: adapters on another base are another model, and `checkpoint.*` may
+    must be the one this run resolves now, or, where that base is gone, another path holding the same files (a
+    base moved; a ConfigError naming both otherwise: adapters on another base are another model, and `checkpoint.*` may
     otherwise change on a resume), holding the same files (its digest, a CheckpointError otherwise). `recipe`
     is pinned (`pin_base`)."""
     import json
@@ -232,7 +241,10 @@ def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
     saved_checkpoint = json.loads(saved_recipe_json).get("checkpoint") or {}
     saved = saved_checkpoint.get("init_from")
     digest, now = saved_checkpoint.get("init_from_digest"), recipe.checkpoint.init_from_digest
-    moved = digest is not None and digest == now   # the same files at another path: a moved or copied base
+    # A base moved (gone from where the run started) and named at its new place: the same files by the digest.
+    # Where the old place still holds a base, that one stays the run's: the digest samples files, not every
+    # byte, and is no proof that another folder holds the same weights.
+    moved = digest is not None and digest == now and not _base_exists(saved)
     if not (_same_base_path(saved, recipe.checkpoint.init_from) or moved):
         raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
                           f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "

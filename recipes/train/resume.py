@@ -205,13 +205,13 @@ def compare_recipes(saved: dict, new: dict, *, where: str) -> dict[str, list]:
             f"{where}: cannot resume: {first} was {show(saved_flat.get(first, missing))} in the saved run and is "
             f"{show(new_flat.get(first, missing))} now{more}. A resumed run keeps its model, data, tokenizer, data "
             f"order (train.seed), global batch and optimizer state layout; to change them, train into another "
-            f"checkpoint.dir ({_fine_tune_from_it(new)}).")
+            f"checkpoint.dir ({_fine_tune_from_it(saved)}).")
     return changed
 
 
-def _fine_tune_from_it(new: dict) -> str:
-    """How a new run starts from this one: a LoRA run's steps hold its adapters alone (README: LoRA)."""
-    if ((new.get("lora") or {}).get("rank") or 0) > 0:
+def _fine_tune_from_it(saved: dict) -> str:
+    """How a new run starts from the saved one: a LoRA run's steps hold its adapters alone (README: LoRA)."""
+    if ((saved.get("lora") or {}).get("rank") or 0) > 0:
         return "a LoRA run's steps hold its adapters alone: export it merged, and fine-tune from the export with " \
                "checkpoint.init_from=hf:DIR"
     return "fine-tune from this run with checkpoint.init_from"

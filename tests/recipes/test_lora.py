@@ -306,7 +306,11 @@ def test_a_base_replaced_under_the_adapters_is_refused_a_copy_of_it_is_not(tmp_p
     shutil.copytree(tmp_path / "base", tmp_path / "copy")   # a copy elsewhere reads alike
     moved = pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'copy'}"))
     assert moved.checkpoint.init_from_digest == recipe.checkpoint.init_from_digest
-    check_same_base(moved, recipe.to_json(), "runs/x/checkpoints/2")   # a moved base resumes where it is now
+    with pytest.raises(ConfigError, match="now names hf:.*copy"):   # the first still there: the digest, which
+        check_same_base(moved, recipe.to_json(), "runs/x/checkpoints/2")   # samples files, proves nothing more
+    shutil.move(tmp_path / "base", tmp_path / "moved-away")
+    check_same_base(moved, recipe.to_json(), "runs/x/checkpoints/2")   # a base moved resumes at its new place
+    shutil.move(tmp_path / "moved-away", tmp_path / "base")
     shutil.rmtree(tmp_path / "base")
     save_base(tmp_path / "base", 7)   # another model where the base was
     with pytest.raises(CheckpointError, match=r"base checkpoint.init_from=hf:.*base holds other weights than those "

@@ -72,6 +72,8 @@ def test_lora_targets_that_name_the_same_adapters_resume():
         compare_recipes(saved, tiny(*lora, "lora.targets=q_proj,v_proj"), where="x")
     with pytest.raises(RecipeMismatchError, match=r"lora.targets .* \(fine-tune from this run with"):
         compare_recipes(tiny("lora.targets=q_proj"), tiny("lora.targets=k_proj"), where="x")   # no LoRA
+    with pytest.raises(RecipeMismatchError, match=r"lora.rank was 4 .* export it merged"):   # the saved run's
+        compare_recipes(tiny(*lora), tiny(), where="x")
 
 
 def test_a_tokenizer_moved_with_its_base_is_the_runs_own_copy(tmp_path):
