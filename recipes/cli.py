@@ -133,8 +133,8 @@ def _cmd_generate(args) -> int:
     if args.tokens <= 0:
         raise ConfigError(f"--tokens must be positive, got {args.tokens}")
     from spillway.recipes.config import MAX_SEED   # here: it imports jax, and `spillway --help` should not
-    if not 0 <= args.seed <= MAX_SEED:   # JAX reads it as a 64-bit integer: larger was an OverflowError
-        raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+    if not 0 <= args.seed <= MAX_SEED:   # JAX keeps a seed's low 32 bits: larger ones repeat smaller ones
+        raise ConfigError(f"--seed must be in [0, {MAX_SEED}] (JAX keeps a seed's low 32 bits), got {args.seed}")
     if not args.temperature >= 0:
         raise ConfigError(f"--temperature must be zero (greedy) or positive, got {args.temperature}")
     if not args.temperature <= MAX_TEMPERATURE:   # inf, or past float32 (1e300 became inf): uniform draws, unsaid

@@ -39,7 +39,9 @@ from spillway.recipes.blocks import resolve_block_class
 from spillway.recipes.optim.config import OptimizerConfig
 from spillway.recipes.targets import get_target
 
-MAX_SEED = 2**63 - 1   # the largest seed jax.random.key takes (a 64-bit integer)
+# The largest seed that draws its own numbers: jax.random.key keeps a seed's low 32 bits in JAX's default
+# 32-bit mode (seeds 2**32 apart drew the same init, dropout and samples; larger than 2**63 - 1 overflowed)
+MAX_SEED = 2**32 - 1
 
 
 TOKENIZER_TYPES = ("bpe", "unigram")
@@ -305,8 +307,9 @@ class TrainConfig:
                          log_every=self.log_every, eval_batches=self.eval_batches)
         require_non_negative("train", loss_chunk=self.loss_chunk, seed=self.seed, eval_every=self.eval_every,
                              sample_tokens=self.sample_tokens)
-        if isinstance(self.seed, int) and self.seed > MAX_SEED:   # JAX reads a seed as a 64-bit integer
-            raise ConfigError(f"train.seed must be at most {MAX_SEED} (2**63 - 1), got {self.seed}")
+        if isinstance(self.seed, int) and self.seed > MAX_SEED:   # JAX keeps a seed's low 32 bits (MAX_SEED)
+            raise ConfigError(f"train.seed must be at most {MAX_SEED} (2**32 - 1: JAX keeps a seed's low 32 "
+                              f"bits, so larger seeds repeat smaller ones), got {self.seed}")
         if self.global_batch % self.grad_accum:
             raise ConfigError(f"train.grad_accum ({self.grad_accum}) does not divide "
                               f"train.global_batch ({self.global_batch})")

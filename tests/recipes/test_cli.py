@@ -38,7 +38,8 @@ def fake_run_dir(tmp_path):
     (["train", "tiny", "--set", "train.loss_chunk=48"], 2, "train.loss_chunk (48) must divide data.seq_len (128)"),
     (["generate", "RUN", "--prompt", "x", "--tokens", "0"], 2, "spillway generate: error: --tokens must be positive"),
     (["generate", "RUN", "--prompt", "x", "--temperature", "-1"], 2, "--temperature must be zero (greedy) or positive"),
-    (["generate", "RUN", "--prompt", "x", "--seed", str(2**70)], 2, "--seed must be in [0, 9223372036854775807]"),
+    (["generate", "RUN", "--prompt", "x", "--seed", str(2**70)], 2, "--seed must be in [0, 4294967295]"),
+    (["generate", "RUN", "--prompt", "x", "--seed", str(2**32)], 2, "--seed must be in [0, 4294967295] (JAX keeps"),
     (["generate", "RUN", "--prompt", "x"], 2, "spillway generate: error: "),   # the checkpoint error, below
     (["train"], 2, "spillway train: error: the following arguments are required: recipe"),
     (["plan", "tiny", "--devices", "0"], 2, "--devices must be at least 1"),
