@@ -53,7 +53,7 @@ def _import_raising_only_not_found(module_name: str, label: str):
         return importlib.import_module(module_name)
     except ModuleNotFoundError:
         raise
-    except Exception as error:   # the user's module raised while importing
+    except (Exception, SystemExit) as error:   # the user's module raised (or called sys.exit) while importing
         raise ValueError(f"{label}: importing {module_name!r} failed: {type(error).__name__}: {error}") from None
 
 

@@ -87,7 +87,8 @@ def recipe_from_function(spec: str) -> Recipe:
                           f"returning a Recipe")
     try:
         recipe = function()
-    except Exception as error:   # the user's function raised: name it, not "internal error"
+    except (Exception, SystemExit) as error:   # the user's function raised: name it, not "internal error"; a
+        # SystemExit (a script's sys.exit reached on import-time use) would end spillway with its code, 0 too
         raise ConfigError(f"recipe {spec}: calling {function_name}() failed: {type(error).__name__}: "
                           f"{error}") from None
     if not isinstance(recipe, Recipe):

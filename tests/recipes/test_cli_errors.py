@@ -23,6 +23,7 @@ BLOCKS = {
             def __init__(self, cfg):
                 super().__init__(cfg)
     """),
+    "nu_exiting_block": "import sys\nsys.exit(0)   # a script's exit reached at import: spillway exited 0\n",
     "nu_wrong_shape_block": textwrap.dedent("""
         from spillway.layers.block import TransformerBlock
         class Block(TransformerBlock):
@@ -38,6 +39,7 @@ BLOCKS = {
 }
 EXPECTED = {
     "nu_raising_block": r"block: importing 'nu_raising_block' failed: RuntimeError: boom at import",
+    "nu_exiting_block": r"block: importing 'nu_exiting_block' failed: SystemExit: 0",
     "nu_wrong_init_block": r"block nu_wrong_init_block:Block: building it as Block\(cfg, rngs=rngs\) failed "
                            r"\(.*unexpected keyword argument 'rngs'\); a block's __init__ takes \(cfg, \*, rngs\)",
     "nu_wrong_shape_block": r"block nu_wrong_shape_block:Block: forward\(\) returns an array of shape \(1, 8, 3\) "

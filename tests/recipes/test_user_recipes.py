@@ -29,6 +29,9 @@ MODULE = textwrap.dedent("""
     def raises():
         raise KeyError("no such corpus")
 
+    def exits():   # a script's sys.exit(0) reached: spillway ended "successfully", having done nothing
+        raise SystemExit(0)
+
     NUMBER = 3
 """)
 
@@ -103,6 +106,7 @@ def test_train_and_plan_a_recipe_function_with_set_on_top(user_dir, capsys, monk
     ("nu_my_recipes:not_a_recipe", "", r"recipe nu_my_recipes:not_a_recipe: not_a_recipe\(\) returned an object of "
                                        r"type dict, not a spillway.recipes.config.Recipe"),
     ("nu_my_recipes:raises", "", r"recipe nu_my_recipes:raises: calling raises\(\) failed: KeyError"),
+    ("nu_my_recipes:exits", "", r"recipe nu_my_recipes:exits: calling exits\(\) failed: SystemExit"),
     ("nu_my_recipes:absent", "", r"recipe nu_my_recipes:absent: module 'nu_my_recipes' .* has no 'absent'"),
     ("nu_my_recipes:NUMBER", "", r"recipe nu_my_recipes:NUMBER: 'NUMBER' is of type int, not a function"),
     ("nu_no_such_module:fn", "", r"recipe nu_no_such_module:fn: no module 'nu_no_such_module'"),
