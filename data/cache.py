@@ -33,7 +33,7 @@ def stable_key(*parts: object) -> str:
 # is renamed into place whole), so the same command goes on from there.
 DISK_FULL_ADVICE = ("free space on that disk, or write to another (the data cache: data.cache_dir, --cache-dir for "
                     "python -m spillway.data; a run: checkpoint.dir; an export: another folder), and run the same "
-                    "command again: what is finished is kept")
+                    "command again: what is finished is kept (an export's folder loads again once one finishes)")
 
 
 @contextlib.contextmanager

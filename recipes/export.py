@@ -141,6 +141,9 @@ def _check_not_a_run(out_dir: Path) -> None:
     from spillway.recipes.train.run_lock import LOCK_FILENAME
 
     out = out_dir.absolute()
+    if out.resolve() in (Path("/"), Path.home().resolve()):   # files among everything else there, `/` as root
+        what = "the filesystem's root" if out.resolve() == Path("/") else "your home folder"
+        raise HFCheckpointError(f"{out_dir} is {what}: export into a folder of its own, e.g. {out_dir / 'hf'}")
     if out.is_dir() and ((out / CHECKPOINTS_DIRNAME).is_dir() or (out / LOCK_FILENAME).exists()):
         raise HFCheckpointError(f"{out_dir} is a training run's directory (it holds {CHECKPOINTS_DIRNAME}/ or "
                                 f"{LOCK_FILENAME}): an export there would overwrite the run's tokenizer files; "

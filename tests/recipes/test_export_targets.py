@@ -57,6 +57,20 @@ def test_a_new_folder_inside_a_run_directory_is_a_fine_target(tmp_path):
     _check_not_a_run(tmp_path / "elsewhere")
 
 
+def test_the_filesystem_root_and_the_home_folder_are_no_export_targets(tmp_path, monkeypatch):
+    """`spillway export runs/t /` wrote config.json, model.safetensors and the tokenizer files into `/`."""
+    from spillway.models.hf import HFCheckpointError
+    from spillway.recipes.export import _check_not_a_run
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    with pytest.raises(HFCheckpointError, match="^/ is the filesystem's root: export into a folder of its own"):
+        _check_not_a_run(Path("/"))
+    with pytest.raises(HFCheckpointError, match="is your home folder: export into a folder of its own, e.g. "):
+        _check_not_a_run(tmp_path / "home")
+    _check_not_a_run(tmp_path / "home" / "hf")
+
+
 @pytest.mark.parametrize("left", ["tokenizer.json", "chat_template.jinja", "added_tokens.json"])
 def test_another_checkpoints_files_that_transformers_would_read_beside_the_export_are_refused(tmp_path, capsys,
                                                                                               left):
