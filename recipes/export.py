@@ -168,8 +168,6 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
         raise ConfigError(f"the run at {path} trains the block {recipe.block}, which no Hugging Face model class "
                           f"computes (transformers would load its weights into {recipe.family}'s own layers, a "
                           f"different model): export writes runs of the zoo's own blocks only")
-    if not adapter:
-        recipe.without_adapters()   # a recipe the merged model cannot take is refused before anything is written
     out = Path(out_dir)
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)

@@ -166,10 +166,8 @@ def restore_run_params(step_dir, recipe: Recipe, abstract_params, with_base: boo
 def _load_base_weights(recipe: Recipe, abstract_base):
     from spillway.recipes.train.init_weights import load_init_weights
 
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
-
     init_from = recipe.checkpoint.init_from
-    if init_from and not (hf_checkpoint_dir(init_from) or Path(init_from).expanduser()).exists():
+    if init_from and not _base_folder(init_from).exists():
         from spillway.recipes.train.checkpoint import CheckpointError
         raise CheckpointError(f"the LoRA run's base checkpoint.init_from={init_from} does not exist any more: "
                               f"its adapters need it. Put it back; or, where it moved, train the run on a step "
@@ -187,11 +185,17 @@ def check_base_unchanged(recipe: Recipe) -> None:
     if not recipe.lora.enabled or expected is None:
         return
     from spillway.recipes.train.base_digest import base_digest
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
 
-    folder = hf_checkpoint_dir(recipe.checkpoint.init_from) or Path(recipe.checkpoint.init_from).expanduser()
+    folder = _base_folder(recipe.checkpoint.init_from)
     if folder.exists() and base_digest(folder) != expected:   # a missing one: the load names it
         raise _other_base(recipe.checkpoint.init_from)
+
+
+def _base_folder(init_from: str) -> Path:
+    """The folder a LoRA run's base is read from: an hf: folder, or a spillway step folder."""
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    return hf_checkpoint_dir(init_from) or Path(init_from).expanduser()
 
 
 def _other_base(init_from: str, where: str = ""):
@@ -218,10 +222,8 @@ def _same_base_path(saved, pinned: str) -> bool:
 
 
 def _base_exists(init_from) -> bool:
-    from spillway.recipes.train.init_weights import hf_checkpoint_dir
-
     try:
-        return isinstance(init_from, str) and (hf_checkpoint_dir(init_from) or Path(init_from).expanduser()).exists()
+        return isinstance(init_from, str) and _base_folder(init_from).exists()
     except ValueError:   # an empty hf: path
         return False
 
