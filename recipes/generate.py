@@ -40,15 +40,16 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     chat template (the one it trained with, kept in RUN_DIR/tokenizer_config.json), sampled until the
     end-of-turn token, and only the answer returned."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
+    from spillway.recipes.train.checkpoint_dirs import steps_beside
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
-    from spillway.recipes.train.tokenization_record import run_tokenizer
+    from spillway.recipes.train.tokenization_record import lost_tokenizer_error, run_tokenizer
 
     warn = warn or (lambda line: print(line, file=sys.stderr))
     if path.startswith("hf:") and is_hf_checkpoint_folder(Path(path[3:])):   # as train's init_from spells it
         path = path[3:]
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+        raise FileNotFoundError(f"checkpoint path {path} does not exist{steps_beside(path)}")
     if is_hf_checkpoint_folder(path):   # an export, or a download: "no finalised step folder" said nothing of it
         raise ConfigError(f"{path} is a Hugging Face checkpoint (config.json and *.safetensors), not a spillway "
                           f"run: generate samples a run's steps; load this folder with transformers "
@@ -60,9 +61,11 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
                           f"its base")
     ckpt = resolve_step_dir(path)  # one step: the recipe, weights and tokenizer all come from the same run
     run_dir = run_dir_of(ckpt)
-    if run_dir is None or tokenizer_file_in(run_dir) is None:
-        raise FileNotFoundError(f"{path} is not inside a spillway run directory (no tokenizer.json or "
-                                f"tokenizer.model beside its checkpoints/ folder)")
+    if run_dir is None:
+        raise FileNotFoundError(f"{path} is not inside a spillway run directory (a step folder's parent is a "
+                                f"run's checkpoints/ folder)")
+    if tokenizer_file_in(run_dir) is None:   # before the weights are read
+        raise lost_tokenizer_error(run_dir)
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     built = {}
 

@@ -97,12 +97,39 @@ def recipe_from_function(spec: str) -> Recipe:
     return recipe
 
 
+def _folder_is_no_recipe(spec: str) -> str:
+    """What a folder given where a recipe goes is, and what to give instead: a run's folder (`spillway train
+    runs/tiny` to go on with it) names the recipe file it trained with; "unknown recipe 'runs/tiny'; did you mean
+    'tiny'?" sent users to another run."""
+    from spillway.models.hf import is_hf_checkpoint_folder
+    from spillway.recipes.train.checkpoint_dirs import CheckpointError, resolve_step_dir, run_dir_of
+    from spillway.recipes.train.checkpoint_items import RECIPE, RECIPE_FILENAME
+
+    path = Path(spec).expanduser()
+    if is_hf_checkpoint_folder(path):
+        return (f"{spec} is a Hugging Face checkpoint folder, not a recipe: fine-tune from it with a recipe of its "
+                f"family and --set checkpoint.init_from=hf:{spec} (README, \"Fine-tune\")")
+    try:
+        step = resolve_step_dir(path)
+    except CheckpointError:
+        step = None
+    if step is None or not (recipe_file := step / RECIPE / RECIPE_FILENAME).is_file():
+        return (f"recipe {spec!r} is a folder, not a recipe: give a registered name (`spillway recipes` lists them), "
+                f"a recipe .json file or 'module:function'")
+    run = run_dir_of(step) or path
+    what = "a step folder of a spillway run" if Path(step).samefile(path) else "a spillway run's folder"
+    return (f"{spec} is {what}, not a recipe: the recipe it trained with is {recipe_file} (`spillway train` that "
+            f"file with --set checkpoint.dir={run} goes on with the run; generate and export take the run's folder)")
+
+
 def load_recipe(spec: str, overrides: list[str] = ()) -> Recipe:
     """The recipe `spec` names (module docstring), with `overrides` ("a.b=value") applied."""
     from spillway.recipes.registry import get_recipe, recipe_names
 
     if spec in recipe_names():
         return get_recipe(spec, list(overrides))
+    if Path(spec).expanduser().is_dir() and not spec.lower().rstrip("/").endswith(".json"):
+        raise ConfigError(_folder_is_no_recipe(spec))
     if is_recipe_file(spec):
         recipe = recipe_from_file(spec)
     elif ":" in spec or "." in spec:

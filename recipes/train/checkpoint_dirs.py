@@ -51,6 +51,20 @@ def check_not_inside_a_runs_steps(run_dir: str | os.PathLike) -> None:
                                   f"checkpoint.init_from={folder} and checkpoint.dir to a new folder")
 
 
+def steps_beside(missing: str | os.PathLike) -> str:
+    """"; the steps in DIR: 2, 4 (...)" where `missing` (a path that does not exist) names a step of a checkpoints
+    folder that has others, or a run's checkpoints folder that is not there; "" otherwise. A step removed by the
+    run's retention (checkpoint.keep) is the usual cause: the user needs the steps that are there."""
+    path = _absolute(missing)
+    if path.name == CHECKPOINTS_DIRNAME or not path.parent.is_dir():   # `RUN/checkpoints` of a run that wrote none
+        return ""
+    folder = checkpoint_dir_of(path.parent)   # `RUN/7` for `RUN/checkpoints/7` too
+    if not (steps := _finalised_steps(folder)):
+        return ""
+    return (f"; the steps in {folder}: {', '.join(map(str, steps))} (name one, or the run directory for the "
+            f"newest; a run keeps its checkpoint.keep newest steps)")
+
+
 def checkpoint_dir_of(path: str | os.PathLike) -> epath.Path:
     """The folder holding the step folders, given it or the run directory above it (`<run>/checkpoints`)."""
     path = _absolute(path)
@@ -63,7 +77,7 @@ def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
     """A step folder, given a step folder, a checkpoint directory or a run directory (newest step)."""
     path = _absolute(path)
     if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+        raise CheckpointError(f"{path}: no such checkpoint directory{steps_beside(path)}")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory (expected a run directory, its checkpoints "
                               f"directory or a step folder)")

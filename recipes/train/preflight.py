@@ -133,6 +133,7 @@ def _base_model_problem(recipe: Recipe) -> str | None:
     """The phrase for an `hf:` checkpoint.init_from whose folder does not exist; None otherwise (a folder that is
     there but wrong is init_weights.py's to name, file by file)."""
     from spillway.recipes.train.init_weights import hf_checkpoint_dir   # here: it imports jax and the models
+    from spillway.recipes.train.checkpoint_dirs import steps_beside
     from spillway.recipes.train.resume import resumes_from_own_step
 
     init_from, origin = recipe.checkpoint.init_from, recipe.checkpoint.init_from_origin
@@ -141,6 +142,8 @@ def _base_model_problem(recipe: Recipe) -> str | None:
         # A spillway run or step folder (a fine-tune of one's own pretraining run): it must be there too.
         if not init_from or Path(init_from).expanduser().exists() or resumes_from_own_step(recipe):
             return None
+        if steps := steps_beside(init_from):   # a step the source run's retention removed, or a typo
+            return f"checkpoint.init_from {init_from!r} does not exist{steps}"
         return (f"checkpoint.init_from {init_from!r} does not exist: train that run first{_run_of(init_from)}, or "
                 f"point at a run directory or step folder with --set checkpoint.init_from=DIR")
     if folder.exists():

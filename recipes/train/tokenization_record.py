@@ -66,11 +66,32 @@ def kept_tokenizer_file(run_dir: str | os.PathLike, named: str | None) -> Path |
     return own
 
 
+def lost_tokenizer_error(run_dir: str | os.PathLike) -> RunError:
+    """A run folder whose tokenizer copy was removed: which tokenizer to copy back. It was "not inside a spillway
+    run directory" or "holds no tokenizer", which sent users looking for another folder."""
+    from spillway.data.tokenizer import TOKENIZER_FILES
+    from spillway.recipes.train.checkpoint_dirs import CheckpointError, resolve_step_dir
+    from spillway.recipes.train.checkpoint_items import RECIPE, RECIPE_FILENAME
+
+    named = ""
+    try:
+        recipe = json.loads((Path(resolve_step_dir(run_dir)) / RECIPE / RECIPE_FILENAME).read_text())
+        if recipe["data"]["tokenizer"]:   # None: it trained its own on its corpus
+            named = f" (its recipe's data.tokenizer: {recipe['data']['tokenizer']})"
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        pass   # no step, or no recipe to read: the advice without the name
+    return RunError(f"{run_dir} is a spillway run whose copy of its tokenizer is gone (neither "
+                    f"{' nor '.join(TOKENIZER_FILES)} there, written when it started): copy the tokenizer it "
+                    f"trained with back into it{named}, with its {TOKENIZER_CONFIG_FILE} if that is gone too")
+
+
 def run_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:
     """The tokenizer a run trained with: its file in RUN_DIR, with or without a BOS as its documents started
     (a run from before BOS were recorded: as the files say)."""
-    from spillway.data import load_tokenizer
+    from spillway.data import load_tokenizer, tokenizer_file_in
 
+    if tokenizer_file_in(run_dir) is None:
+        raise lost_tokenizer_error(run_dir)
     tokenizer = load_tokenizer(run_dir)
     kept = recorded_bos(run_dir)
     return tokenizer if kept is None else tokenizer.with_bos(kept)
