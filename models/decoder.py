@@ -90,7 +90,8 @@ class DecoderSpec:
                 raise ConfigError(
                     f"the layer pattern mixes windowed and global layers, but its window ({widest}) is larger "
                     f"than max_seq_len ({self.max_seq_len}): every windowed layer would attend globally; "
-                    f"shrink the window or give every layer global attention")
+                    f"shrink the window or give every layer global attention (to train a checkpoint on shorter "
+                    f"sequences, keep its max_seq_len and set data.seq_len alone)")
         if self.block.execution.attention_impl == "cudnn" and needs_values(self.layer_settings, self.stack_runs()):
             raise ConfigError("attention_impl='cudnn' takes one static window for every layer; this model's "
                               "layers differ in their window or RoPE (a layer pattern): use attention_impl=flash")

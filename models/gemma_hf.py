@@ -95,9 +95,21 @@ def _common_fields(hf_config: Mapping[str, Any], family: str, pattern: str) -> d
         max_seq_len=int(hf_config["max_position_embeddings"]), layer_pattern=pattern)
 
 
-def _integral(value: float) -> int | float:
-    """transformers types query_pre_attn_scalar as an int: whole numbers are written as one."""
-    return int(value) if float(value).is_integer() else value
+def _with_defaults(defaults: Mapping[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """`hf_config` over the family's defaults. A null stands for the default, except where null is a value: no
+    cap, or no window (refused with sliding layers, which transformers cannot build either; read as the default
+    4096, the refusal named a window the file does not hold)."""
+    return {**defaults, **{k: v for k, v in hf_config.items()
+                           if v is not None or k == "sliding_window" or k.endswith("capping")}}
+
+
+def _integral(value: float) -> int:
+    """transformers types query_pre_attn_scalar as an int (and refuses a config.json holding 12.5): whole numbers
+    are written as one, and another number has no config.json that loads."""
+    hf.refuse(not float(value).is_integer(),
+              f"model.query_pre_attn_scalar={value} is not a whole number, which transformers' Gemma configs hold "
+              f"(it refuses the config.json): no Hugging Face folder computes this model")
+    return int(value)
 
 
 def _cap(value) -> float | None:
@@ -106,7 +118,7 @@ def _cap(value) -> float | None:
 
 def gemma2_fields_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """Gemma2Config's fields from a gemma2 config (models/gemma.py builds the class from them)."""
-    hf_config = {**_GEMMA2_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k.endswith("capping")}}
+    hf_config = _with_defaults(_GEMMA2_DEFAULTS, hf_config)
     fields = _common_fields(hf_config, "Gemma 2", layer_pattern_from_hf(hf_config, "Gemma 2", 2))
     theta, scaling = hf.rope_settings(hf_config)
     hf.refuse(scaling is not None, f"rope scaling {scaling} is not supported for Gemma 2 (it has none)")
@@ -120,6 +132,13 @@ def _gemma3_rope(hf_config: Mapping[str, Any]) -> dict[str, float]:
         full, sliding = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
     else:                                                                      # rope_theta, rope_local_base_freq
         full = dict(hf_config.get("rope_scaling") or {})
+        older = full.get("type", "default")
+        # transformers 5 lays rope_scaling over {"rope_type": "default"}: an older "type" key is then not read
+        # (the model without scaling); transformers 4 read it. Two readings of one file: neither is taken.
+        hf.refuse("rope_type" not in full and older != "default",
+                  f"rope_scaling names its kind with the older key \"type\" ({older!r}), which transformers 5 does "
+                  f"not read for Gemma 3 (no scaling) and transformers 4 did: rename it to \"rope_type\" in "
+                  f"config.json, as Google's Gemma 3 configs spell it, so that both read the model you mean")
         full.setdefault("rope_theta", hf_config.get("rope_theta", 1_000_000.0))
         sliding = {"rope_type": "default", "rope_theta": hf_config.get("rope_local_base_freq", 10_000.0)}
     out = {"rope_theta": float(full.get("rope_theta", 1_000_000.0)),
@@ -144,7 +163,7 @@ def gemma3_fields_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         # text_config says (save_pretrained of an untied model writes false there and true in text_config)
         tied = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
         hf_config = {**text, "tie_word_embeddings": tied}
-    hf_config = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k.endswith("capping")}}
+    hf_config = _with_defaults(_GEMMA3_DEFAULTS, hf_config)
     fields = _common_fields(hf_config, "Gemma 3", layer_pattern_from_hf(hf_config, "Gemma 3", 6))
     # transformers' Gemma 3 attention keeps attn_logit_softcapping but never applies it (Gemma 2's does), and
     # no Gemma 3 sets it: read as transformers computes, a config that names a cap is the model without one

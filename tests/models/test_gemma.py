@@ -200,7 +200,12 @@ def test_layer_types_become_the_shortest_period():
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention=True is not supported"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 8.0}), "rope_type 'yarn' on the full_attention layers"),
     (dict(sliding_window=65536), "its window (65536) is larger than max_seq_len (32768)"),
-], ids=["unknown layer type", "layer count", "activation", "bidirectional", "yarn", "window beyond max"])
+    # transformers 5 reads the older key as no scaling, transformers 4 as linear: the two differed by 2.7 logits
+    (dict(rope_scaling={"type": "linear", "factor": 8.0}), 'older key "type" (\'linear\'), which transformers 5'),
+    # a null window was read as the default 4096, and the refusal named a window the file does not hold
+    (dict(sliding_window=None), "has sliding_attention layers but sliding_window=None"),
+], ids=["unknown layer type", "layer count", "activation", "bidirectional", "yarn", "window beyond max",
+        "older rope key", "null window"])
 def test_hf_configs_spillway_cannot_express_are_one_line_errors(change, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         family_config_from_hf(dict(GEMMA3_1B_HF, **change))
@@ -215,6 +220,14 @@ def test_gemma3_reads_attn_logit_softcapping_as_transformers_computes_it_and_doe
     with pytest.raises(ValueError, match=r"model.attn_softcap=3.0 has no Hugging Face gemma3_text config: "
                                          r"transformers' Gemma 3 does not apply attn_logit_softcapping"):
         GEMMA3.hf.config_to_hf(capped)
+
+
+def test_a_query_scale_transformers_cannot_hold_has_no_config_json():
+    """transformers types query_pre_attn_scalar as an int and refused the export's 12.5 at from_pretrained."""
+    with pytest.raises(ValueError, match=r"model.query_pre_attn_scalar=12.5 is not a whole number"):
+        GEMMA2.hf.config_to_hf(preset_config("gemma2", "tiny", query_pre_attn_scalar=12.5))
+    assert GEMMA2.hf.config_to_hf(preset_config("gemma2", "tiny", query_pre_attn_scalar=12.0))[
+        "query_pre_attn_scalar"] == 12
 
 
 def test_a_multimodal_gemma3_is_tied_as_its_top_level_config_says():
