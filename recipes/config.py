@@ -753,13 +753,25 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
             raise ConfigError(f"--set {item}: {path} cannot be set: {DERIVED_FIELDS[path]}")
         _set_path(tree, Recipe, path.split("."), raw.strip(), path)
     try:
-        return Recipe.from_dict(tree)
+        recipe = Recipe.from_dict(tree)
     except (ValueError, TypeError) as err:
         # Name the settings the message is about (the validation names its fields), not every --set given.
         named = ([item for item in overrides if item.partition("=")[0].strip() in str(err)]
                  or [item for item in overrides   # "MistralConfig.sliding_window must be positive": by field
                      if re.search(rf"\b{re.escape(item.partition('=')[0].strip().rsplit('.', 1)[-1])}\b", str(err))])
         raise ConfigError(f"--set {' '.join(named or overrides)}: {err}") from None
+    _refuse_lora_settings_without_a_rank(recipe, overrides)
+    return recipe
+
+
+def _refuse_lora_settings_without_a_rank(recipe: Recipe, overrides: list[str]) -> None:
+    """`--set lora.targets=...` (alpha, dropout) on a recipe whose lora.rank is 0 trained every weight, the LoRA
+    settings unused, without a word: the rank was forgotten. `--set lora.rank=0` beside them turns LoRA off."""
+    paths = [item.partition("=")[0].strip() for item in overrides]
+    unused = [item for item, path in zip(overrides, paths) if path.startswith("lora.") and path != "lora.rank"]
+    if unused and not recipe.lora.enabled and "lora.rank" not in paths:
+        raise ConfigError(f"--set {' '.join(unused)}: lora.rank is 0, so LoRA is off and this run would train every "
+                          f"weight, the setting unused: set the adapters' rank too (--set lora.rank=16, say)")
 
 
 def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:

@@ -148,7 +148,7 @@ def _same_lora_targets(before: Any, after: Any, new: dict) -> bool:
     try:
         recipe = Recipe.from_dict(new)
         if not recipe.lora.enabled:
-            return False
+            return True   # no adapters either way (a change of lora.rank is refused on its own)
         adapting = lambda targets: dataclasses.replace(  # noqa: E731
             recipe, lora=dataclasses.replace(recipe.lora, targets=tuple(targets))).lora_spec()
         return adapting(before) == adapting(after)
@@ -156,9 +156,14 @@ def _same_lora_targets(before: Any, after: Any, new: dict) -> bool:
         return False
 
 
+def _lora_off(before: Any, after: Any, new: dict) -> bool:
+    """lora.alpha and lora.dropout change nothing with lora.rank 0 (a change of the rank is refused on its own)."""
+    return not ((new.get("lora") or {}).get("rank") or 0)
+
+
 # fields whose saved and new values may differ as text and still mean the same thing
 _EQUIVALENT = {"data.tokenizer": _same_tokenizer_file, "data.mixture": _same_mixture,
-               "lora.targets": _same_lora_targets}
+               "lora.targets": _same_lora_targets, "lora.alpha": _lora_off, "lora.dropout": _lora_off}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -375,3 +375,12 @@ def test_a_lora_runs_header_counts_the_adapters_it_trains():
     share = 100 * expected / lora_recipe().num_params()
     assert f"({share:.2g}% of the model), the base frozen" in line
     assert trained_summary(get_recipe("tiny", SMALL)) == ""
+
+
+def test_lora_settings_without_a_rank_are_refused_not_ignored():
+    """`--set lora.targets=...` without lora.rank trained every weight, the targets unused, without a word."""
+    with pytest.raises(ConfigError, match=r"--set lora.targets=q_proj lora.alpha=16: lora.rank is 0, so LoRA is "
+                                          r"off .*--set lora.rank=16"):
+        get_recipe("tiny", ["lora.targets=q_proj", "lora.alpha=16", "model.num_layers=3"])
+    assert not get_recipe("tiny", ["lora.rank=0", "lora.alpha=16"]).lora.enabled   # turned off on purpose
+    assert get_recipe("tiny", ["lora.rank=4", "lora.alpha=16", "checkpoint.init_from=/x"]).lora.alpha == 16

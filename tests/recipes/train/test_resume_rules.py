@@ -70,10 +70,21 @@ def test_lora_targets_that_name_the_same_adapters_resume():
     with pytest.raises(RecipeMismatchError, match=r'lora.targets was \["q_proj", "v_proj", "down_proj"\] .* '
                                                   r"export it merged, and fine-tune from the export"):
         compare_recipes(saved, tiny(*lora, "lora.targets=q_proj,v_proj"), where="x")
-    with pytest.raises(RecipeMismatchError, match=r"lora.targets .* \(fine-tune from this run with"):
-        compare_recipes(tiny("lora.targets=q_proj"), tiny("lora.targets=k_proj"), where="x")   # no LoRA
+    with pytest.raises(RecipeMismatchError, match=r"model.num_layers .* \(fine-tune from this run with"):
+        compare_recipes(tiny(), tiny("model.num_layers=3"), where="x")   # no LoRA
     with pytest.raises(RecipeMismatchError, match=r"lora.rank was 4 .* export it merged"):   # the saved run's
         compare_recipes(tiny(*lora), tiny(), where="x")
+
+
+def test_lora_settings_of_a_run_without_lora_change_nothing_at_resume():
+    """A run with lora.rank 0 (every weight trained) whose recipe file names other lora.targets, alpha or dropout
+    was refused as a change of the adapters it does not have."""
+    saved, new = tiny(), tiny()
+    new["lora"].update(targets=["k_proj"], alpha=16.0, dropout=0.1)
+    assert set(compare_recipes(saved, new, where="x")) == {"lora.targets", "lora.alpha", "lora.dropout"}
+    lora = ["lora.rank=4", "checkpoint.init_from=/base"]
+    with pytest.raises(RecipeMismatchError, match="lora.alpha was 8.0"):   # with adapters, they are the model
+        compare_recipes(tiny(*lora), tiny(*lora, "lora.alpha=16"), where="x")
 
 
 def test_a_tokenizer_moved_with_its_base_is_the_runs_own_copy(tmp_path):
