@@ -59,6 +59,8 @@ import compile_time_log  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_toolchain: compiles for a GPU without one (CUDA toolkit + plugin)")
     config.addinivalue_line("markers", "needs_torch: its reference is torch + transformers (the `parity` extra)")
+    config.addinivalue_line("markers", "recipe_picks: the planner's pick for a stored GPU recipe (slow; CI runs "
+                                       "them in a step of their own, last: .ci/run)")
     compile_time_log.install(config)
 
 

@@ -56,7 +56,10 @@ def test_ci_script_sets_ci():
     assert "\nrequired test\n" in script            # the README's test command, which must pass
     # every slow test runs somewhere: those with a torch reference in the floor's venv, the others in jax 0.11's
     assert '\nrequired test-slow SLOW_MARKS="slow and needs_torch"\n' in script
-    assert '\nwithin_budget test-jax011 SUITE=test-slow SLOW_MARKS="slow and not needs_torch"\n' in script
+    # ... the planner's picks of the stored GPU recipes (torchless, half of the slow time) in a step of their own, last
+    rest = '\nwithin_budget test-jax011 SUITE=test-slow SLOW_MARKS="slow and not needs_torch and not recipe_picks"\n'
+    picks = 'within_budget test-jax011 SUITE=test-slow SLOW_MARKS="recipe_picks"\n'
+    assert rest in script and script.endswith(rest + picks)
 
 
 def test_only_a_declared_torchless_environment_may_skip_parity_tests_under_ci():

@@ -207,6 +207,7 @@ HOST_RAM_GB = {"qwen3_30b_a3b": 1300, "llama3_8b_sft_l4": 256}
 
 
 @pytest.mark.slow            # 16 deviceless compiles per recipe: minutes for the 8B ones on a busy machine
+@pytest.mark.recipe_picks    # half of the slow tests' time: CI runs them last, after every correctness test
 @pytest.mark.needs_toolchain
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_the_stored_offload_settings_are_the_planners_pick_on_the_named_gpus(name):
