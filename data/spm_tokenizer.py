@@ -39,6 +39,7 @@ class NoTextError(DataError):
 
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SPECIAL_IDS = (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
 MODEL_TYPES = ("bpe", "unigram")
 # Printable ASCII always gets its own piece. Character coverage alone would
 # drop rare ASCII letters (in 8 MB of Python source, "Y" falls in the 0.05%
@@ -355,6 +356,19 @@ def _explain_trainer_error(error: RuntimeError, vocab_size: int, byte_fallback: 
     return DataError(f"sentencepiece training failed (vocab_size={vocab_size}): {' '.join(message.split())}")
 
 
+def _check_room_for_the_fixed_pieces(vocab_size: int, byte_fallback: bool) -> None:
+    """DataError, before the corpus is read, for a vocabulary smaller than the pieces every trained tokenizer
+    holds: sentencepiece stopped on vocab_size 1-3 with "INTERNAL: ... insert_id(...)"; between that and the
+    corpus's own count, its trainer names the count (`_explain_trainer_error`)."""
+    fixed = len(SPECIAL_IDS) + (256 + len(_ASCII_PRINTABLE) if byte_fallback else 1)
+    if vocab_size < fixed:
+        what = (f"{len(SPECIAL_IDS)} special ids, 256 byte pieces for byte_fallback and one per printable ASCII "
+                f"character" if byte_fallback else f"{len(SPECIAL_IDS)} special ids and a character")
+        raise DataError(f"vocab_size={vocab_size} is too small to train a tokenizer: its {what} need at least "
+                        f"{fixed} pieces, and the corpus's other characters more; raise vocab_size, or name a "
+                        f"trained tokenizer (data.tokenizer)")
+
+
 def train_tokenizer(
     documents: Iterable,
     *,
@@ -382,6 +396,7 @@ def train_tokenizer(
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    _check_room_for_the_fixed_pieces(vocab_size, byte_fallback)
     if character_coverage is None:
         character_coverage = 0.9995 if byte_fallback else 1.0
     if max_sentences is None:

@@ -97,8 +97,21 @@ def test_trains_on_a_slice_of_the_stdlib_corpus(tmp_path):
 
 
 def test_vocab_too_small_for_the_characters_is_explained():
-    with pytest.raises(ValueError, match="vocab_size=270 is too small: this corpus needs at least \\d+"):
-        train_tokenizer(make_documents(10), vocab_size=270)
+    with pytest.raises(ValueError, match="vocab_size=20 is too small: this corpus needs at least 45 pieces"):
+        train_tokenizer(make_documents(10), vocab_size=20, byte_fallback=False)
+
+
+@pytest.mark.parametrize("vocab_size", [1, 3, 270, 353])
+def test_vocab_too_small_for_the_fixed_pieces_is_explained_before_the_corpus_is_read(vocab_size):
+    """vocab_size 1-3 stopped in sentencepiece with "INTERNAL: src/trainer_interface.cc(827) [insert_id(...)]"."""
+    def never_read():
+        raise AssertionError("the corpus was read")
+        yield
+
+    with pytest.raises(ValueError, match=rf"vocab_size={vocab_size} is too small to train a tokenizer: its 4 special "
+                                         rf"ids, 256 byte pieces .* need at least 354 pieces"):
+        train_tokenizer(never_read(), vocab_size=vocab_size)
+    assert train_tokenizer(make_documents(10), vocab_size=355).vocab_size == 355
 
 
 def test_vocab_too_large_for_the_corpus_is_explained():
@@ -123,7 +136,7 @@ def test_a_corpus_of_100_lines_or_fewer_trains_when_the_vocabulary_fits():
 
 def test_empty_training_text_is_rejected():
     with pytest.raises(ValueError, match="no non-empty text"):
-        train_tokenizer(["", "   \n\n"], vocab_size=300)
+        train_tokenizer(["", "   \n\n"], vocab_size=400)
 
 
 def test_unknown_model_type_is_rejected():
