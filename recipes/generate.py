@@ -47,7 +47,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     warn = warn or (lambda line: print(line, file=sys.stderr))
     if path.startswith("hf:") and is_hf_checkpoint_folder(Path(path[3:])):   # as train's init_from spells it
         path = path[3:]
-    path = Path(path)
+    path = Path(path).expanduser()   # a quoted `~/run` as export and init_from read it
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist{steps_beside(path)}")
     if is_hf_checkpoint_folder(path):   # an export, or a download: "no finalised step folder" said nothing of it

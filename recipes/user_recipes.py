@@ -41,7 +41,7 @@ def is_recipe_file(spec: str) -> bool:
 def recipe_from_file(spec: str) -> Recipe:
     path = Path(spec).expanduser()
     if not path.is_file():
-        why = "is a folder, not a recipe file" if path.is_dir() else "does not exist"
+        why = "is a folder, not a recipe file" if path.is_dir() else f"does not exist{_step_gone(path)}"
         raise ConfigError(f"recipe file {path} {why}")
     try:
         text = path.read_text(encoding="utf-8-sig")   # a BOM (Notepad saves one) is no JSON error
@@ -97,15 +97,27 @@ def recipe_from_function(spec: str) -> Recipe:
     return recipe
 
 
+def _step_gone(recipe_file: Path) -> str:
+    """For a step's recipe.json that is gone with its step (the run's retention): the steps there now."""
+    from spillway.recipes.train.checkpoint_dirs import steps_beside
+    from spillway.recipes.train.checkpoint_items import RECIPE
+
+    step = recipe_file.parent.parent
+    return steps_beside(step) if recipe_file.parent.name == RECIPE and not step.exists() else ""
+
+
 def _folder_is_no_recipe(spec: str) -> str:
     """What a folder given where a recipe goes is, and what to give instead: a run's folder (`spillway train
     runs/tiny` to go on with it) names the recipe file it trained with; "unknown recipe 'runs/tiny'; did you mean
     'tiny'?" sent users to another run."""
-    from spillway.models.hf import is_hf_checkpoint_folder
+    from spillway.models.hf import is_hf_checkpoint_folder, peft_adapter_base
     from spillway.recipes.train.checkpoint_dirs import CheckpointError, resolve_step_dir, run_dir_of
     from spillway.recipes.train.checkpoint_items import RECIPE, RECIPE_FILENAME
 
     path = Path(spec).expanduser()
+    if (base := peft_adapter_base(path)) is not None:
+        return (f"{spec} is a PEFT adapter (adapter_config.json) of {base}, not a recipe: fine-tune from the run "
+                f"it was exported from, or from its merged export (checkpoint.init_from=hf:FOLDER)")
     if is_hf_checkpoint_folder(path):
         return (f"{spec} is a Hugging Face checkpoint folder, not a recipe: fine-tune from it with a recipe of its "
                 f"family and --set checkpoint.init_from=hf:{spec} (README, \"Fine-tune\")")
@@ -118,8 +130,9 @@ def _folder_is_no_recipe(spec: str) -> str:
                 f"a recipe .json file or 'module:function'")
     run = run_dir_of(step) or path
     what = "a step folder of a spillway run" if Path(step).samefile(path) else "a spillway run's folder"
-    return (f"{spec} is {what}, not a recipe: the recipe it trained with is {recipe_file} (`spillway train` that "
-            f"file with --set checkpoint.dir={run} goes on with the run; generate and export take the run's folder)")
+    return (f"{spec} is {what}, not a recipe: the recipe it trained with is {recipe_file}; to go on with the run, "
+            f"copy it out of the step folder (which the run's retention removes), `cp {recipe_file} recipe.json`, "
+            f"then `spillway train recipe.json --set checkpoint.dir={run}`; generate and export take the run's folder")
 
 
 def load_recipe(spec: str, overrides: list[str] = ()) -> Recipe:

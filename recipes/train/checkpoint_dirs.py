@@ -61,8 +61,12 @@ def steps_beside(missing: str | os.PathLike) -> str:
     folder = checkpoint_dir_of(path.parent)   # `RUN/7` for `RUN/checkpoints/7` too
     if not (steps := _finalised_steps(folder)):
         return ""
+    # a step set aside at a resume (recipes/train/checkpoint.py set_aside) is there, renamed: not the retention's
+    aside = sorted(p.name for p in folder.iterdir() if p.name.startswith(f"{path.name}.") and p.is_dir())
+    why = (f"{', '.join(aside)} is that step, set aside by a resume (renamed, not deleted)" if aside
+           else "a run keeps its checkpoint.keep newest steps")
     return (f"; the steps in {folder}: {', '.join(map(str, steps))} (name one, or the run directory for the "
-            f"newest; a run keeps its checkpoint.keep newest steps)")
+            f"newest; {why})")
 
 
 def checkpoint_dir_of(path: str | os.PathLike) -> epath.Path:

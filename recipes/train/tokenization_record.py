@@ -70,19 +70,39 @@ def lost_tokenizer_error(run_dir: str | os.PathLike) -> RunError:
     """A run folder whose tokenizer copy was removed: which tokenizer to copy back. It was "not inside a spillway
     run directory" or "holds no tokenizer", which sent users looking for another folder."""
     from spillway.data.tokenizer import TOKENIZER_FILES
-    from spillway.recipes.train.checkpoint_dirs import CheckpointError, resolve_step_dir
-    from spillway.recipes.train.checkpoint_items import RECIPE, RECIPE_FILENAME
 
-    named = ""
+    return RunError(f"{run_dir} is a spillway run whose copy of its tokenizer is gone (neither "
+                    f"{' nor '.join(TOKENIZER_FILES)} there, written when it started): {_how_to_restore(run_dir)}")
+
+
+def _how_to_restore(run_dir: str | os.PathLike) -> str:
+    """Where the lost copy came from: the tokenizer the recipe names (unless that is the lost copy itself, as a
+    fine-tune's is), else the one of the checkpoint it started from; a tokenizer it trained is trained again."""
+    from spillway.data import tokenizer_file_in
+    from spillway.recipes.train.checkpoint_dirs import CheckpointError, resolve_step_dir, run_dir_of
+    from spillway.recipes.train.checkpoint_items import RECIPE, RECIPE_FILENAME
+    from spillway.recipes.train.init_weights import hf_checkpoint_dir
+
+    generic = f"copy the tokenizer it trained with back into it, with its {TOKENIZER_CONFIG_FILE} if that is gone too"
     try:
         recipe = json.loads((Path(resolve_step_dir(run_dir)) / RECIPE / RECIPE_FILENAME).read_text())
-        if recipe["data"]["tokenizer"]:   # None: it trained its own on its corpus
-            named = f" (its recipe's data.tokenizer: {recipe['data']['tokenizer']})"
+        named, init_from = recipe["data"]["tokenizer"], recipe["checkpoint"]["init_from"]
+        sources = [Path(named).expanduser()] if named else []
+        if init_from and (folder := hf_checkpoint_dir(init_from)) is not None:
+            sources.append(folder)
+        elif init_from:
+            sources.append(Path(run_dir_of(resolve_step_dir(init_from)) or init_from))
     except (CheckpointError, OSError, ValueError, KeyError, TypeError):
-        pass   # no step, or no recipe to read: the advice without the name
-    return RunError(f"{run_dir} is a spillway run whose copy of its tokenizer is gone (neither "
-                    f"{' nor '.join(TOKENIZER_FILES)} there, written when it started): copy the tokenizer it "
-                    f"trained with back into it{named}, with its {TOKENIZER_CONFIG_FILE} if that is gone too")
+        return generic   # no step, no recipe to read, or its source gone: the advice without a name
+    own = Path(run_dir).expanduser().absolute()
+    for source in sources:
+        found = tokenizer_file_in(source) if source.is_dir() else source if source.is_file() else None
+        if found is not None and own not in found.absolute().parents:
+            return f"copy {found} back into it (the tokenizer it started with), with its {TOKENIZER_CONFIG_FILE}"
+    if not named and not init_from:   # trained on its corpus: the same corpus and settings train the same one
+        return (f"it trained its tokenizer on its corpus, and trains it again, the same, when it resumes "
+                f"(`spillway train` its recipe with --set checkpoint.dir={run_dir})")
+    return generic
 
 
 def run_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:

@@ -27,10 +27,11 @@ from spillway.recipes.train.errors import RunError
 
 
 def fake_run(folder, steps=(2, 4), tokenizer: bool = True, named_tokenizer: str | None = "/data/tok.model",
-             recipe: str = "tiny", overrides=()):
+             recipe: str = "tiny", overrides=(), init_from: str | None = None):
     """A run folder with the step folders `steps` (each with its recipe.json) and, if `tokenizer`, its copy."""
     recipe = get_recipe(recipe, list(overrides)).to_dict()
     recipe["data"]["tokenizer"] = named_tokenizer
+    recipe["checkpoint"]["init_from"] = init_from
     for step in steps:
         (folder / "checkpoints" / str(step) / "params").mkdir(parents=True)
         (folder / "checkpoints" / str(step) / "recipe").mkdir()
@@ -61,6 +62,17 @@ def test_a_step_that_is_not_there_lists_the_steps_that_are(tmp_path, capsys):
     with pytest.raises(FileNotFoundError) as nothing_beside:   # no run there: nothing to list
         generate_from_checkpoint(str(tmp_path / "nowhere" / "3"), "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
     assert "steps in" not in str(nothing_beside.value)
+    (run / "checkpoints" / "3.abandoned" / "params").mkdir(parents=True)   # set aside by a resume, not removed
+    with pytest.raises(FileNotFoundError, match=r"steps in .*: 2, 4 \(.* 3.abandoned is that step, set aside"):
+        generate_from_checkpoint(str(run / "checkpoints" / "3"), "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
+
+
+def test_a_quoted_home_path_is_read_as_the_shell_reads_it(tmp_path, monkeypatch):
+    """`generate '~/run/checkpoints/6'` said step 6 did not exist, then listed it among the steps there."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    fake_run(tmp_path / "run", tokenizer=False)
+    with pytest.raises(RunError, match="copy of its tokenizer is gone"):   # found: past the path checks
+        generate_from_checkpoint("~/run/checkpoints/4", "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
 
 
 @pytest.mark.parametrize("command", ["recipes", "train", "plan", "prepare"])
@@ -74,6 +86,13 @@ def test_a_runs_folder_given_as_a_recipe_names_the_recipe_it_trained_with(tmp_pa
            f"{step / 'recipe' / 'recipe.json'}" in error_of([command, str(step)], capsys)
 
 
+def test_a_steps_recipe_file_gone_with_its_step_lists_the_steps_there(tmp_path, capsys):
+    """The step folder whose recipe.json a user trained from is removed by the run's retention."""
+    run = fake_run(tmp_path / "run")
+    line = error_of(["train", str(run / "checkpoints" / "1" / "recipe" / "recipe.json")], capsys)
+    assert "recipe.json does not exist; the steps in" in line and ": 2, 4 (" in line
+
+
 def test_other_folders_given_as_a_recipe_say_what_they_are(tmp_path, capsys):
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -81,19 +100,39 @@ def test_other_folders_given_as_a_recipe_say_what_they_are(tmp_path, capsys):
     (hf / "model.safetensors").write_bytes(b"")
     assert f"checkpoint.init_from=hf:{hf}" in error_of(["recipes", str(hf)], capsys)
     assert "is a folder, not a recipe: give a registered name" in error_of(["recipes", str(tmp_path)], capsys)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 4}))
+    assert "is a PEFT adapter (adapter_config.json) of org/base, not a recipe" in \
+        error_of(["train", str(adapter)], capsys)
 
 
 def test_a_run_whose_tokenizer_copy_is_gone_says_which_to_put_back_and_exports_nothing(tmp_path, capsys):
     run = fake_run(tmp_path / "run", tokenizer=False)
     with pytest.raises(RunError, match=r"is a spillway run whose copy of its tokenizer is gone .* copy the tokenizer "
-                                       r"it trained with back into it \(its recipe's data.tokenizer: /data/tok.model\)"):
+                                       r"it trained with back into it"):   # /data/tok.model is not there either
         generate_from_checkpoint(str(run), "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
     with pytest.raises(RunError, match="copy of its tokenizer is gone"):
         export_run(str(run), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()   # it wrote the weights, then failed at the generation ids
-    own = fake_run(tmp_path / "own", tokenizer=False, named_tokenizer=None)   # trained its own: no name to give
-    with pytest.raises(RunError, match=r"back into it, with its tokenizer_config.json"):
+    (tmp_path / "tok.model").write_bytes(b"the tokenizer the recipe names")
+    named = fake_run(tmp_path / "named", tokenizer=False, named_tokenizer=str(tmp_path / "tok.model"))
+    with pytest.raises(RunError, match=rf"copy {tmp_path / 'tok.model'} back into it"):
+        generate_from_checkpoint(str(named), "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
+    own = fake_run(tmp_path / "own", tokenizer=False, named_tokenizer=None)   # trained its own: trained again
+    with pytest.raises(RunError, match=r"it trained its tokenizer on its corpus, and trains it again, the same, "
+                                       rf"when it resumes .*checkpoint.dir={own}"):
         generate_from_checkpoint(str(own), "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
+
+
+def test_a_fine_tunes_lost_tokenizer_is_the_one_of_the_run_it_started_from(tmp_path):
+    """A fine-tune's data.tokenizer is its own copy: the advice named the very file that was gone."""
+    base = fake_run(tmp_path / "base")
+    tuned = tmp_path / "tuned"
+    fake_run(tuned, tokenizer=False, named_tokenizer=str(tuned / "tokenizer.model"), init_from=str(base))
+    with pytest.raises(RunError, match=rf"copy {base / 'tokenizer.model'} back into it \(the tokenizer it started "
+                                       rf"with\)"):
+        generate_from_checkpoint(str(tuned), "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
 
 
 def test_a_model_no_config_json_holds_is_refused_before_the_export_writes_anything(tmp_path):
