@@ -365,8 +365,8 @@ def _check_room_for_the_fixed_pieces(vocab_size: int, byte_fallback: bool) -> No
         what = (f"{len(SPECIAL_IDS)} special ids, 256 byte pieces for byte_fallback and one per printable ASCII "
                 f"character" if byte_fallback else f"{len(SPECIAL_IDS)} special ids and a character")
         raise DataError(f"vocab_size={vocab_size} is too small to train a tokenizer: its {what} need at least "
-                        f"{fixed} pieces, and the corpus's other characters more; raise vocab_size, or name a "
-                        f"trained tokenizer (data.tokenizer)")
+                        f"{fixed} pieces, and the corpus's other characters more; raise vocab_size, or use a trained "
+                        f"tokenizer (a recipe's data.tokenizer)")
 
 
 def train_tokenizer(

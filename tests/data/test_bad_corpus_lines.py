@@ -48,7 +48,7 @@ def test_a_stream_names_the_file_and_the_1_based_line_without_log_lines(problem,
 
 def test_the_data_command_names_a_bad_jsonl_line_in_one_line_and_exits_2(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "badline.jsonl", BAD_LINES["not UTF-8 (byte 0xff"])
-    assert data_main(["--source", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "300"]) == 2
+    assert data_main(["--source", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "400"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"python -m spillway.data: error: corpus file {str(corpus)!r}, line 301: not UTF-8 (byte 0xff "
                    f"at column 15); re-encode the file to UTF-8 (for cp1252/Latin-1: iconv -f cp1252 -t utf-8)"]
