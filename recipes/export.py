@@ -175,13 +175,13 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     out = Path(out_dir)
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)
-    if not adapter and run_dir is not None and tokenizer_file_in(run_dir) is None:   # its generation ids read it
-        raise lost_tokenizer_error(run_dir)   # before anything is written: it left a half-written folder
     own = ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS
     writes = _tokenizer_files(run_dir) + ([GENERATION_CONFIG] if not adapter and run_dir is not None else [])
     _check_out_dir(out, own, writes)
     source = _source_of(run_dir, step_dir)
     _check_earlier_export(out, own, source, writes)   # before minutes of reading; again once the folder is held
+    if not adapter and run_dir is not None and tokenizer_file_in(run_dir) is None:   # its generation ids read it
+        raise lost_tokenizer_error(run_dir)   # before anything is written: it left a half-written folder
     read = _read_for_export(path, step_dir, adapter)
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):   # named as the folder, not as the first temporary file refused in it
