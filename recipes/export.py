@@ -158,8 +158,7 @@ def _check_not_a_run(out_dir: Path) -> None:
 def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | None = None, say=print) -> Path:
     """Write the Hugging Face (or, with `adapter`, PEFT) folder of the run or step `path` into `out_dir`."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
-    from spillway.data import tokenizer_file_in
-    from spillway.recipes.train.tokenization_record import lost_tokenizer_error
+    from spillway.recipes.train.tokenization_record import require_tokenizer_copy
 
     step_dir = resolve_step_dir(path)
     recipe = saved_recipe(step_dir)
@@ -170,8 +169,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
         raise ConfigError(f"the run at {path} trains the block {recipe.block}, which no Hugging Face model class "
                           f"computes (transformers would load its weights into {recipe.family}'s own layers, a "
                           f"different model): export writes runs of the zoo's own blocks only")
-    if not adapter:   # a model config.json cannot say (a Gemma 3 with a cap): refused before anything is written
-        _merged_config(recipe)
+    if not adapter:
+        _refuse_a_model_no_config_holds(recipe)
     out = Path(out_dir)
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)
@@ -180,8 +179,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     _check_out_dir(out, own, writes)
     source = _source_of(run_dir, step_dir)
     _check_earlier_export(out, own, source, writes)   # before minutes of reading; again once the folder is held
-    if not adapter and run_dir is not None and tokenizer_file_in(run_dir) is None:   # its generation ids read it
-        raise lost_tokenizer_error(run_dir)   # before anything is written: it left a half-written folder
+    if not adapter and run_dir is not None:   # its generation ids read the tokenizer: checked before any write
+        require_tokenizer_copy(run_dir)   # (it left a half-written folder)
     read = _read_for_export(path, step_dir, adapter)
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):   # named as the folder, not as the first temporary file refused in it
@@ -406,14 +405,15 @@ def merged_state(recipe: Recipe, params):
     return graphdef, nnx.from_flat_state(list(base.items()))
 
 
-def _merged_config(recipe: Recipe) -> dict:
-    """The config.json the merged export writes (models/hf.py to_hf), from the recipe alone: the family's
-    refusal of a model transformers cannot hold comes before any file is."""
+def _refuse_a_model_no_config_holds(recipe: Recipe) -> None:
+    """Builds the config.json the merged export writes (models/hf.py to_hf) from the recipe alone, so that the
+    family's refusal of a model no config.json holds (a Gemma 3 with a cap) comes before any file is written."""
     from spillway.models.registry import family_of_config
 
     model = recipe.without_adapters().model
     family = family_of_config(model)
-    return {} if family.hf is None else family.hf.config_to_hf(model)   # none: to_hf says so, by name
+    if family.hf is not None:   # none: to_hf says so, by name
+        family.hf.config_to_hf(model)
 
 
 def write_merged(recipe: Recipe, params, out: Path, dtype: str | None = None, config_name: str = CONFIG) -> None:

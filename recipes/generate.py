@@ -19,7 +19,6 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from spillway.data import tokenizer_file_in
 from spillway.layers.errors import ConfigError
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
@@ -42,7 +41,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
     from spillway.recipes.train.checkpoint_dirs import steps_beside
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
-    from spillway.recipes.train.tokenization_record import lost_tokenizer_error, run_tokenizer
+    from spillway.recipes.train.tokenization_record import require_tokenizer_copy, run_tokenizer
 
     warn = warn or (lambda line: print(line, file=sys.stderr))
     if path.startswith("hf:") and is_hf_checkpoint_folder(Path(path[3:])):   # as train's init_from spells it
@@ -64,8 +63,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     if run_dir is None:
         raise FileNotFoundError(f"{path} is not inside a spillway run directory (a step folder's parent is a "
                                 f"run's checkpoints/ folder)")
-    if tokenizer_file_in(run_dir) is None:   # before the weights are read
-        raise lost_tokenizer_error(run_dir)
+    require_tokenizer_copy(run_dir)   # before the weights are read
     mesh = make_mesh(MeshConfig(1, -1, 1), devices=jax.devices()[:1])
     built = {}
 

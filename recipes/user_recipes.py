@@ -141,7 +141,7 @@ def load_recipe(spec: str, overrides: list[str] = ()) -> Recipe:
 
     if spec in recipe_names():
         return get_recipe(spec, list(overrides))
-    if Path(spec).expanduser().is_dir() and not spec.lower().rstrip("/").endswith(".json"):
+    if Path(spec).expanduser().is_dir() and not is_recipe_file(spec):   # "dir.json/" is named as a recipe file
         raise ConfigError(_folder_is_no_recipe(spec))
     if is_recipe_file(spec):
         recipe = recipe_from_file(spec)

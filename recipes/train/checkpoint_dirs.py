@@ -53,8 +53,8 @@ def check_not_inside_a_runs_steps(run_dir: str | os.PathLike) -> None:
 
 def steps_beside(missing: str | os.PathLike) -> str:
     """"; the steps in DIR: 2, 4 (...)" where `missing` (a path that does not exist) names a step of a checkpoints
-    folder that has others, or a run's checkpoints folder that is not there; "" otherwise. A step removed by the
-    run's retention (checkpoint.keep) is the usual cause: the user needs the steps that are there."""
+    folder that has others (`RUN/checkpoints/7`, or `RUN/7`); "" otherwise. A step removed by the run's retention
+    (checkpoint.keep) is the usual cause: the user needs the steps that are there."""
     path = _absolute(missing)
     if path.name == CHECKPOINTS_DIRNAME or not path.parent.is_dir():   # `RUN/checkpoints` of a run that wrote none
         return ""

@@ -66,26 +66,29 @@ def kept_tokenizer_file(run_dir: str | os.PathLike, named: str | None) -> Path |
     return own
 
 
-def lost_tokenizer_error(run_dir: str | os.PathLike) -> RunError:
-    """A run folder whose tokenizer copy was removed: which tokenizer to copy back. It was "not inside a spillway
-    run directory" or "holds no tokenizer", which sent users looking for another folder."""
+def require_tokenizer_copy(run_dir: str | os.PathLike) -> None:
+    """RunError where the run folder's tokenizer copy was removed, saying which tokenizer to copy back. It was "not
+    inside a spillway run directory" or "holds no tokenizer", which sent users looking for another folder. Called
+    before anything slow or written (generate reads weights after it, export writes files)."""
+    from spillway.data import tokenizer_file_in
     from spillway.data.tokenizer import TOKENIZER_FILES
 
-    return RunError(f"{run_dir} is a spillway run whose copy of its tokenizer is gone (neither "
-                    f"{' nor '.join(TOKENIZER_FILES)} there, written when it started): {_how_to_restore(run_dir)}")
+    if tokenizer_file_in(run_dir) is not None:
+        return
+    raise RunError(f"{run_dir} is a spillway run whose copy of its tokenizer is gone (neither "
+                   f"{' nor '.join(TOKENIZER_FILES)} there, written when it started): {_how_to_restore(run_dir)}")
 
 
 def _how_to_restore(run_dir: str | os.PathLike) -> str:
     """Where the lost copy came from: the tokenizer the recipe names (unless that is the lost copy itself, as a
     fine-tune's is), else the one of the checkpoint it started from; a tokenizer it trained is trained again."""
     from spillway.data import tokenizer_file_in
-    from spillway.recipes.train.checkpoint_dirs import CheckpointError, resolve_step_dir, run_dir_of
-    from spillway.recipes.train.checkpoint_items import RECIPE, RECIPE_FILENAME
+    from spillway.recipes.train.checkpoint import CheckpointError, read_recipe_json, resolve_step_dir, run_dir_of
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
 
     generic = f"copy the tokenizer it trained with back into it, with its {TOKENIZER_CONFIG_FILE} if that is gone too"
     try:
-        recipe = json.loads((Path(resolve_step_dir(run_dir)) / RECIPE / RECIPE_FILENAME).read_text())
+        recipe = json.loads(read_recipe_json(run_dir))
         named, init_from = recipe["data"]["tokenizer"], recipe["checkpoint"]["init_from"]
         sources = [Path(named).expanduser()] if named else []
         if init_from and (folder := hf_checkpoint_dir(init_from)) is not None:
@@ -108,10 +111,9 @@ def _how_to_restore(run_dir: str | os.PathLike) -> str:
 def run_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:
     """The tokenizer a run trained with: its file in RUN_DIR, with or without a BOS as its documents started
     (a run from before BOS were recorded: as the files say)."""
-    from spillway.data import load_tokenizer, tokenizer_file_in
+    from spillway.data import load_tokenizer
 
-    if tokenizer_file_in(run_dir) is None:
-        raise lost_tokenizer_error(run_dir)
+    require_tokenizer_copy(run_dir)
     tokenizer = load_tokenizer(run_dir)
     kept = recorded_bos(run_dir)
     return tokenizer if kept is None else tokenizer.with_bos(kept)
