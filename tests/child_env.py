@@ -1,13 +1,15 @@
 """The environment of a process a test starts (the `spillway` command, a training child): the CPU backend
-and XLA's LLVM backend at optimisation level 0, as in the suite's own processes (tests/conftest.py: the
-tests' programs are tiny, and LLVM's optimisation of them costs more compile time than it saves). One CPU
+and the suite's own cheap code generation (tests/fast_compile_flags.py: the tests' programs are tiny, and
+XLA's optimisation of their CPU code costs more compile time than it saves). One CPU
 device unless told otherwise: a user's run on a laptop, not the suite's 8 fake devices."""
 
 from __future__ import annotations
 
 import os
 
-CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0"
+from fast_compile_flags import fast_compile_flags
+
+CHILD_XLA_FLAGS = " ".join(fast_compile_flags())
 
 
 def child_env(devices: int | None = None, base: dict | None = None, **extra) -> dict:

@@ -31,6 +31,8 @@ import os
 import shutil
 import tempfile
 
+from fast_compile_flags import with_fast_compile_flags
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A program is written to the cache only if it took this long to compile: below it, writing costs more than a
 # later compile would.
@@ -44,11 +46,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("SPILLWAY_PLAN_CACHE", "0")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# The tests' programs are tiny: LLVM's optimisation of the CPU code costs more than it saves (about 40% of the
-# XLA compile time, measured side by side; README, "Tests and benchmarks"). XLA's HLO passes, which decide
-# what a program computes, where its arrays live and what the planner reads, run as before.
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# The tests' programs are tiny: XLA's CPU code generation is cheapened for them (tests/fast_compile_flags.py says
+# which flags, per jaxlib, and what they save). XLA's HLO passes, which decide what a program computes, where
+# its arrays live and what the planner reads, run as before.
+os.environ["XLA_FLAGS"] = with_fast_compile_flags(os.environ["XLA_FLAGS"])
 
 import pytest  # noqa: E402
 
