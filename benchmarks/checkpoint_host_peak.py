@@ -4,10 +4,11 @@ The GPU suite's checkpoint case (benchmarks/gpu_suite.py runs it at the end with
 setup with its optimizer state in pinned host memory, its state created, then one save (the mode the run
 would pick, recipes/train/host_memory.check_run, or --mode) and one restore as a resume does, each
 measured as the rise of the process's resident high-water mark over what it held before (VmHWM reset
-through /proc/self/clear_refs), beside host_memory's prediction of that phase above the live state.
+through /proc/self/clear_refs; sampled where /proc has no VmHWM: benchmarks/resident_peak.py), beside
+host_memory's prediction of that phase above the live state.
 
     python -m benchmarks.checkpoint_host_peak                                    # the GPU case: Llama 3.2 1B (llama3_1b)
-    python -m benchmarks.checkpoint_host_peak --recipe tiny --set model.d_model=64 --mode pieces   # CPU-sized
+    python -m benchmarks.checkpoint_host_peak --recipe tiny --set model.d_model=96 --mode pieces   # CPU-sized
 """
 
 from __future__ import annotations
@@ -19,21 +20,9 @@ import sys
 import tempfile
 import time
 
+from benchmarks.resident_peak import ResidentPeak
+
 GiB = 2**30
-
-
-def _high_water() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def _reset_high_water() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")   # VmHWM := VmRSS now
-        return True
-    except OSError:
-        return False
 
 
 def measure(recipe_name: str, overrides: list[str], mode: str = "auto") -> dict:
@@ -47,10 +36,14 @@ def measure(recipe_name: str, overrides: list[str], mode: str = "auto") -> dict:
     from spillway.recipes.train.checkpoint import RunCheckpointer
     from spillway.recipes.train.xla_settings import GPU_PLATFORMS
 
+    resident = ResidentPeak()   # started first: where /proc keeps no VmHWM it samples from here on
     recipe = get_recipe(recipe_name, ["offload.optimizer_state=host", *overrides])
     mesh = make_mesh(recipe.mesh)
     s = step_lib.setup(recipe, mesh)
-    params, opt_state = s.params, jax.block_until_ready(s.optimizer.init(s.params))
+    # created as the train loop creates it (recipes/train/run_state.py): one jitted program writing the
+    # state where its shardings place it, not eager ops staging it
+    params = s.params
+    opt_state = jax.block_until_ready(jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(params))
     gpu = jax.default_backend() in GPU_PLATFORMS
     phases = host_memory.phases_of(s, gpu=gpu)
     # auto: what the train loop picks (host_memory.check_run): orbax's whole save where it fits the RAM
@@ -59,21 +52,22 @@ def measure(recipe_name: str, overrides: list[str], mode: str = "auto") -> dict:
     by_phase, live = phases.by_phase(), phases.weights + phases.state + phases.pending
     with tempfile.TemporaryDirectory() as directory:
         ckpt = RunCheckpointer(directory, keep=1, every_steps=1, async_save=True, save_in_pieces=in_pieces)
-        resettable = _reset_high_water()
-        before, t0 = _high_water(), time.perf_counter()
+        resettable = resident.reset()
+        before, t0 = resident.peak(), time.perf_counter()
         ckpt.save(1, params=params, opt_state=opt_state, loader_state={}, meta={"step": 1}, recipe_json="{}",
                   force=True)
         ckpt.wait()
-        save_rise, save_s = _high_water() - before, time.perf_counter() - t0
+        save_rise, save_s = resident.peak() - before, time.perf_counter() - t0
         del opt_state   # a resume holds no state before the restore
-        _reset_high_water()
-        before, t0 = _high_water(), time.perf_counter()
+        resident.reset()
+        before, t0 = resident.peak(), time.perf_counter()
         restored = host_memory.restore_state(ckpt, s, params)
         jax.block_until_ready(restored)
-        restore_rise, restore_s = _high_water() - before, time.perf_counter() - t0
+        restore_rise, restore_s = resident.peak() - before, time.perf_counter() - t0
         ckpt.close()
     return {"recipe": recipe_name, "overrides": overrides, "backend": jax.default_backend(),
             "mode": "pieces" if in_pieces else "whole", "state_bytes": phases.state, "vmhwm_reset": resettable,
+            "resident_source": resident.source,
             "save_rise_bytes": save_rise, "save_predicted_rise_bytes": by_phase["checkpoint save"] - phases.footprint
             - live, "save_s": round(save_s, 2),
             "restore_rise_bytes": restore_rise,

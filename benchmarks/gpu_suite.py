@@ -261,6 +261,9 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
     from spillway.recipes.train.batch import Batch
     from spillway.recipes.train.step import setup
 
+    from benchmarks.resident_peak import ResidentPeak
+
+    resident = ResidentPeak()   # started first: where /proc keeps no VmHWM it samples from here on
     case = case or CASES[name]
     seq_len = case.seq_len
     recipe = get_recipe(case.recipe, case_overrides(case) + list(extra_overrides))
@@ -288,7 +291,7 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
             times.append(time.perf_counter() - start)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
-    host_memory = _host_memory_now(device)
+    host_memory = _host_memory_now(device, resident)
     step_s = statistics.median(times)
     peak, _ = peak_flops_per_device()
     tokens_per_step = batch_size * seq_len
@@ -301,20 +304,16 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
             "loss": float(metrics["loss"]), **host_memory}
 
 
-def _host_memory_now(device) -> dict:
-    """The process's resident high-water mark (VmHWM) and, where the runtime reports it, its pinned host bytes."""
-    resident = None
-    try:
-        with open("/proc/self/status") as f:
-            resident = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        pass
+def _host_memory_now(device, resident) -> dict:
+    """The process's resident high-water mark (benchmarks/resident_peak.py: VmHWM where /proc keeps it) and,
+    where the runtime reports it, its pinned host bytes."""
+    resident = {"host_resident_peak_bytes": resident.peak(), "host_resident_peak_source": resident.source}
     pinned = None
     for memory in getattr(device, "addressable_memories", lambda: [])():
         if memory.kind == "pinned_host" and hasattr(memory, "memory_stats"):
             stats = memory.memory_stats() or {}
             pinned = stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
-    return {"host_resident_peak_bytes": resident, "host_pinned_peak_bytes": pinned}
+    return {**resident, "host_pinned_peak_bytes": pinned}
 
 
 def run_child(name: str, timeout_s: float, module: str = "benchmarks.gpu_suite") -> dict:

@@ -1,7 +1,7 @@
 """Host-resident optimizer state on a real accelerator that has it: one TPU v5e chip (15.7 GiB of HBM), the
 only accelerator lent to some sessions. The same train steps as the GPU suite (benchmarks/gpu_suite.py
 measure_case: the recipe's own jitted step, random tokens, median step time, peak HBM, VmHWM), sized for
-its HBM:
+its HBM, with the process's host peak (benchmarks/resident_peak.py) beside host_memory's prediction:
 
 - Llama 3.2 1B's layers cut to 8 (0.75B parameters): its AdamW state fits HBM, so the state on device,
   in pinned host memory updated after the backward pass, and in host memory updated in the next forward
@@ -54,31 +54,37 @@ def render(rows: list[dict]) -> str:
     """A markdown table; each row's tokens/s also as a ratio of its size's device-state row."""
     device_rate = {row["case"].split("/")[0]: row["tokens_per_s"] for row in rows
                    if "/device/" in row["case"] and "tokens_per_s" in row}
-    lines = ["| case | step s | tokens/s | vs device state | MFU | peak HBM GiB | VmHWM GiB | compile s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| case | step s | tokens/s | vs device state | MFU | peak HBM GiB | host peak GiB | host predicted GiB "
+             "| compile s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['case']} | {row['error']}: {row.get('detail', '')[:120]} | | | | | | |")
+            lines.append(f"| {row['case']} | {row['error']}: {row.get('detail', '')[:120]} | | | | | | | |")
             continue
         base = device_rate.get(row["case"].split("/")[0])
         ratio = f"{row['tokens_per_s'] / base:.3f}" if base else "-"
         mfu = row["tokens_per_s"] * row["flops_per_token"] / V5E_PEAK_BF16_FLOPS
         peak = row["peak_bytes_in_use"] / 2**30 if row.get("peak_bytes_in_use") else float("nan")
-        vmhwm = (row.get("host_resident_peak_bytes") or float("nan")) / 2**30
+        host_peak = (row.get("host_resident_peak_bytes") or float("nan")) / 2**30
+        predicted = row.get("host_predicted_step_bytes", float("nan")) / 2**30
         lines.append(f"| {row['case']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} | {ratio} | {mfu:.1%} | "
-                     f"{peak:.2f} | {vmhwm:.2f} | {row['compile_s']:.0f} |")
+                     f"{peak:.2f} | {host_peak:.2f} | {predicted:.2f} | {row['compile_s']:.0f} |")
     return "\n".join(lines)
 
 
 def measure_child(name: str) -> dict:
+    """measure_case's row, with the FLOPs of a token and host_memory's prediction of the step's host bytes
+    above the process's own (recipes/train/host_memory.phases_of_recipe, from shapes)."""
     from spillway.models.flops import model_flops_per_token
     from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train.host_memory import phases_of_recipe
     from benchmarks.gpu_suite import case_overrides
 
     case = CASES[name]
     row = measure_case(name, case=case)
     recipe = get_recipe(case.recipe, case_overrides(case))
-    return {**row, "flops_per_token": model_flops_per_token(recipe.decoder_spec(), case.seq_len)}
+    phases = phases_of_recipe(recipe)
+    return {**row, "flops_per_token": model_flops_per_token(recipe.decoder_spec(), case.seq_len),
+            "host_predicted_step_bytes": phases.by_phase()["step"] - phases.footprint}
 
 
 def main(argv: list[str] | None = None) -> int:

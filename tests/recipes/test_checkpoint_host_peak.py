@@ -20,3 +20,26 @@ def test_the_checkpoint_case_measures_a_save_in_pieces_and_a_restore_beside_the_
     assert row["save_predicted_rise_bytes"] > 0 and row["restore_predicted_bytes"] >= row["state_bytes"]
     line = checkpoint_host_peak.render(row)
     assert "save VmHWM " in line and "restore VmHWM " in line and "\n" not in line
+
+
+def test_where_proc_has_no_vmhwm_the_peak_is_sampled_and_resets(monkeypatch):
+    """gVisor (the TPU machine's sandbox) has VmRSS but no VmHWM: the sampler sees a short-lived 200 MB
+    allocation after a reset, and a reset forgets it."""
+    import time
+
+    import numpy as np
+
+    from benchmarks import resident_peak
+
+    real = resident_peak._status_bytes
+    monkeypatch.setattr(resident_peak, "_status_bytes", lambda field: None if field == "VmHWM" else real(field))
+    peak = resident_peak.ResidentPeak()
+    assert peak.source == "sampled VmRSS" and peak.reset()
+    before = peak.peak()
+    block = np.ones(200 * 2**20, np.uint8)   # written, so resident
+    time.sleep(0.05)
+    del block
+    time.sleep(0.05)
+    assert peak.peak() - before >= 150 * 2**20
+    peak.reset()
+    assert peak.peak() - before < 100 * 2**20
