@@ -165,12 +165,14 @@ def run_checks(recipe: Recipe, echo, host_ram_gb: float | None):
     if host_ram_gb is not None and not host_ram_gb > 0:
         from spillway.layers.errors import ConfigError
         raise ConfigError(f"--host-ram-gb must be positive, got {host_ram_gb}")
+    # A base (hf: or a run's step) that is not there: one line with every other missing input, before the
+    # model's shapes are traced for the pinned limit below (seconds for a large model, wasted on a typo).
+    check_base_model_first(recipe)
     # Before anything starts the GPU backend: the pinned limit from the run's pinned peak (shapes only).
     gpu_allocators.configure(pinned_need_bytes=host_memory.pinned_need_of_recipe(recipe))
     distributed.maybe_initialize()
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
-    check_base_model_first(recipe)  # an hf: base that is not there: one line with every other missing input
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
     check_hf_tensors(recipe)  # ... and hold its tensors, named and shaped as the model's: before data is prepared
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later
