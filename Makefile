@@ -48,8 +48,8 @@ train: $(STAMP)
 test: $(STAMP) gpu-plugin
 	$(PYTEST) -q -m "not slow" $(ARGS)
 
-# SLOW_MARKS narrows the slow tests: CI runs only `slow and needs_torch` in .venv
-# (the rest of them run in .venv-jax011, see .ci/run).
+# SLOW_MARKS narrows the slow tests: CI runs those with a torch reference and those that compile for the
+# CPU alone in .venv, those that compile for a GPU (needs_toolchain) in .venv-jax011 (see .ci/run).
 SLOW_MARKS ?= slow
 test-slow: $(STAMP) gpu-plugin
 	$(PYTEST) -q -m "$(SLOW_MARKS)" $(ARGS)
