@@ -162,6 +162,15 @@ GEMMA3_12B_HF = {
                     "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
     "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
 }
+# google/gemma-3-4b-pt as published: its text_config leaves the heads (8, and 4 KV heads) to transformers'
+# Gemma3TextConfig defaults, as it leaves the vocabulary.
+GEMMA3_4B_HF = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+}
 GEMMA3_1B_HF = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attn_logit_softcapping": None,
     "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
@@ -173,11 +182,11 @@ GEMMA3_1B_HF = {
 
 
 @pytest.mark.parametrize("hf_config, preset", [(GEMMA2_2B_HF, "gemma2_2b"), (GEMMA3_1B_HF, "gemma3_1b"),
-                                               (GEMMA3_12B_HF, "gemma3_12b")],
-                         ids=["gemma-2-2b", "gemma-3-1b", "gemma-3-12b multimodal"])
+                                               (GEMMA3_4B_HF, "gemma3_4b"), (GEMMA3_12B_HF, "gemma3_12b")],
+                         ids=["gemma-2-2b", "gemma-3-1b", "gemma-3-4b multimodal", "gemma-3-12b multimodal"])
 def test_published_configs_map_to_the_presets(hf_config, preset):
     family, cfg = family_config_from_hf(hf_config)
-    if preset == "gemma3_12b":   # its text_config leaves the vocabulary to transformers' default, 262,208
+    if preset in ("gemma3_4b", "gemma3_12b"):   # their text_config leaves the vocabulary to transformers' default
         assert cfg.vocab_size == 262_208
     assert cfg == _preset(preset)
     assert family.hf.config_from_hf(family.hf.config_to_hf(cfg)) == cfg
