@@ -26,16 +26,7 @@ python=${PYTHON:-python3}
 
 date -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$python" - <<'PY'
-import importlib.metadata as md, platform
-names = ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "einops", "sentencepiece", "numpy", "datasets"]
-def version(name):
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return "absent"
-print("python", platform.python_version(), "|", ", ".join(f"{n} {version(n)}" for n in names))
-PY
+"$python" -m benchmarks.versions jax jaxlib flax optax orbax-checkpoint einops sentencepiece numpy datasets
 timeout 90 "$python" benchmarks/host_update_rate.py --out "$out_dir/host_update_rate.json" \
   || echo "host update rate: failed or timed out (exit $?)"
 # Whether host copies run beside each other and beside compute (the planner's link model; BENCHMARKS.md

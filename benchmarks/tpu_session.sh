@@ -31,16 +31,7 @@ export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 quiet() { grep -v -E "hugepage|warnings.warn"; }
 
 date -u
-"$python" - <<'PY' 2>&1 | quiet
-import importlib.metadata as md, platform
-names = ["jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "einops", "numpy"]
-def version(name):
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return "absent"
-print("python", platform.python_version(), "|", ", ".join(f"{n} {version(n)}" for n in names))
-PY
+"$python" -m benchmarks.versions jax jaxlib libtpu flax optax orbax-checkpoint einops numpy 2>&1 | quiet
 timeout 360 "$python" -m benchmarks.tpu_offload --out "$out_dir/tpu_rows.json" \
   --cases 1b_4layers/device/ga8,1b_4layers/host/ga8,1b_4layers/host_layers_in_fwd_hbm/ga8 2>&1 | quiet
 timeout 150 "$python" -m benchmarks.checkpoint_host_peak --set model.num_layers=4 --mode pieces 2>&1 | quiet \
