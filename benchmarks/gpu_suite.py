@@ -307,13 +307,13 @@ def measure_case(name: str, warmup: int | None = None, timed: int | None = None,
 def _host_memory_now(device, resident) -> dict:
     """The process's resident high-water mark (benchmarks/resident_peak.py: VmHWM where /proc keeps it) and,
     where the runtime reports it, its pinned host bytes."""
-    resident = {"host_resident_peak_bytes": resident.peak(), "host_resident_peak_source": resident.source}
+    resident_row = {"host_resident_peak_bytes": resident.peak(), "host_resident_peak_source": resident.source}
     pinned = None
     for memory in getattr(device, "addressable_memories", lambda: [])():
         if memory.kind == "pinned_host" and hasattr(memory, "memory_stats"):
             stats = memory.memory_stats() or {}
             pinned = stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
-    return {**resident, "host_pinned_peak_bytes": pinned}
+    return {**resident_row, "host_pinned_peak_bytes": pinned}
 
 
 def run_child(name: str, timeout_s: float, module: str = "benchmarks.gpu_suite") -> dict:

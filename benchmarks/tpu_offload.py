@@ -1,13 +1,16 @@
 """Host-resident optimizer state on a real accelerator that has it: one TPU v5e chip (15.7 GiB of HBM), the
 only accelerator lent to some sessions. The same train steps as the GPU suite (benchmarks/gpu_suite.py
-measure_case: the recipe's own jitted step, random tokens, median step time, peak HBM, VmHWM), sized for
+measure_case: the recipe's own jitted step, random tokens, median step time, peak HBM), sized for
 its HBM, with the process's host peak (benchmarks/resident_peak.py) beside host_memory's prediction:
 
-- Llama 3.2 1B's layers cut to 8 (0.75B parameters): its AdamW state fits HBM, so the state on device,
-  in pinned host memory updated after the backward pass, and in host memory updated in the next forward
-  pass are timed side by side at 8 micro-batches (the tokens/s ratio is the cost of host state);
-- the whole Llama 3.2 1B (1.24B): bf16 weights, float32 master and moments are 17.3 GB, over the chip's
-  HBM with the state on device; in host memory it trains.
+- Llama 3.2 1B's layers cut to 4 (506 M parameters): its AdamW state fits HBM, so the state on device,
+  in pinned host memory updated after the backward pass, and the block layers' state in host memory
+  updated in the next forward pass are timed side by side at 8 micro-batches (the tokens/s ratio is the
+  cost of host state);
+- cut to 8 layers (749 M): the device-state step needs more than the chip's HBM (XLA refuses it at
+  compile); with the state in host memory it trains;
+- the whole Llama 3.2 1B (1.24 B): its host-state step ran the machine's 40 GiB of host RAM out
+  (BENCHMARKS.md, "On a TPU"), kept for a machine with more.
 
     python -m benchmarks.tpu_offload [--cases NAME,...] [--out rows.json]
 

@@ -36,12 +36,12 @@ GEMMA3_TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults, for keys a config.json omits (google/gemma-3-4b's
 # text_config omits its heads, 8 and 4: the defaults). The sizes a config.json always states stay required.
-_GEMMA2_DEFAULTS = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192,
-                    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+_GEMMA2_DEFAULTS = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 8192, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                     "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
                     "hidden_activation": "gelu_pytorch_tanh"}
-_GEMMA3_DEFAULTS = {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
-                    "max_position_embeddings": 131072, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                     "sliding_window": 4096, "final_logit_softcapping": None, "attn_logit_softcapping": None,
                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window_pattern": 6}
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")
