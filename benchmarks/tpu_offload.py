@@ -99,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure_child(args.child)), flush=True)
         return 0
+    names = args.cases.split(",")
+    if unknown := [name for name in names if name not in CASES]:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; the cases are: {', '.join(CASES)}")
     rows = []
-    for name in args.cases.split(","):
+    for name in names:
         start = time.perf_counter()
         row = run_child(name, CASE_TIMEOUT_S, module="benchmarks.tpu_offload")
         print(f"{name}: {time.perf_counter() - start:.0f} s, {json.dumps(row)[:600]}", flush=True)
