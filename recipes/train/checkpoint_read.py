@@ -87,6 +87,13 @@ def _in_host_memory(sharding) -> bool:
             and next(iter(sharding.device_set)).platform != "cpu")
 
 
+def _writes_slice_one_axis(sharding) -> bool:
+    """Whether a write into this shard may differ from it in one axis only: a TPU lowers a write into host
+    memory as an async dynamic-update-slice that slices one dimension ("UNIMPLEMENTED: Async slice only
+    supports slicing in 1 dimension", v5e, jax 0.10.2); a GPU writes any region."""
+    return _in_host_memory(sharding) and next(iter(sharding.device_set)).platform == "tpu"
+
+
 @functools.cache
 def _zeros(shape: tuple[int, ...], dtype, sharding):
     """A compiled zeros of one shard, made where it lives (by the host CPU for host memory on a GPU)."""
@@ -114,9 +121,13 @@ def _writer(sizes: tuple[int, ...], sharding):
 
 
 def piece_shape(shard_shape: Sequence[int], chunk: Sequence[int], itemsize: int,
-                limit: int | None = None) -> tuple[int, ...]:
+                limit: int | None = None, one_axis: bool = False) -> tuple[int, ...]:
     """The shape of the pieces a shard is read in: the stored chunk (never less: a compressed chunk is
-    decoded whole), grown along the last axes first while a piece holds at most `limit` bytes."""
+    decoded whole), grown along the last axes first while a piece holds at most `limit` bytes.
+
+    `one_axis`: the pieces may be smaller than the shard in one axis only (`_writes_slice_one_axis`): every
+    axis after the first one a piece splits is then whole, past `limit` where a chunk does not span it
+    (a piece is still whole stored chunks)."""
     limit = PIECE_BYTES if limit is None else limit
     if 0 in shard_shape:   # an empty shard (a part with no rows): nothing to read
         return tuple(shard_shape)
@@ -129,6 +140,9 @@ def piece_shape(shard_shape: Sequence[int], chunk: Sequence[int], itemsize: int,
             continue
         shape[axis] = max(shape[axis], fit // shape[axis] * shape[axis])
         break
+    if one_axis:
+        split = next((axis for axis, (p, n) in enumerate(zip(shape, shard_shape)) if p < n), len(shape))
+        shape[split + 1:] = shard_shape[split + 1:]
     return tuple(shape)
 
 
@@ -156,7 +170,9 @@ async def _read_shard(stored: ts.TensorStore, index, row_offset: int, dtype, tar
     """One shard (the part's region `index`) on each of `targets` (its devices), filled a piece at a time."""
     shard_shape = tuple(b - a for a, b in index)
     chunk = tuple(stored.chunk_layout.read_chunk_template.shape)
-    local_pieces = list(_pieces(shard_shape, piece_shape(shard_shape, chunk, np.dtype(dtype).itemsize)))
+    one_axis = any(_writes_slice_one_axis(t) for t in targets)
+    local_pieces = list(_pieces(shard_shape, piece_shape(shard_shape, chunk, np.dtype(dtype).itemsize,
+                                                         one_axis=one_axis)))
     if len(local_pieces) == 1:   # the shard is one piece: placed as read, nothing to write into
         data = await stored[_region(index, local_pieces[0], row_offset)].read()
         return [jax.device_put(data, t) for t in targets]

@@ -71,6 +71,33 @@ def test_a_restore_reads_each_leaf_into_the_halves_a_piece_at_a_time(tmp_path, s
     assert len(writes) > 6 and all(np.prod(w) * 4 <= 1024 for w in writes), writes
 
 
+def test_where_a_write_may_slice_one_axis_only_each_piece_does_and_the_restore_is_exact(tmp_path, small_pieces,
+                                                                                       monkeypatch):
+    """As into a TPU's host memory (checkpoint_read._writes_slice_one_axis): chunks of 1 KiB that split two
+    axes of a (16, 24) layer are read as whole layers, and every write differs from its half in one axis."""
+    stacked, params = stacked_state()
+    save(tmp_path, params, {"mu": LayerHalves(stacked[:3], stacked[3:])})
+    writes, writer = [], checkpoint_read._writer
+
+    def counted(sizes, sharding):
+        writes.append(sizes)
+        return writer(sizes, sharding)
+    monkeypatch.setattr(checkpoint_read, "_writer", counted)
+    monkeypatch.setattr(checkpoint_read, "_writes_slice_one_axis", lambda sharding: True)
+    target = {"mu": LayerHalves(sds(stacked[:2]), sds(stacked[2:]))}
+    mu = restore(tmp_path, jax.tree.map(sds, params), target)["opt_state"]["mu"]
+    np.testing.assert_array_equal(np.concatenate([mu.first, mu.second]), stacked)
+    assert writes and all(w[1:] == (16, 24) for w in writes), writes
+
+
+def test_piece_shape_for_a_write_of_one_sliced_axis_keeps_every_later_axis_whole():
+    # the TPU's case: a chunk of half a layer, two layers in the shard -> a whole layer a piece
+    assert checkpoint_read.piece_shape((2, 8192, 2048), (1, 4096, 2048), 4, one_axis=True) == (1, 8192, 2048)
+    assert checkpoint_read.piece_shape((2, 8192, 2048), (1, 4096, 2048), 4) == (1, 4096, 2048)
+    assert checkpoint_read.piece_shape((1, 8192, 2048), (1, 4096, 2048), 4, one_axis=True) == (1, 4096, 2048)
+    assert checkpoint_read.piece_shape((16, 64, 64), (1, 64, 64), 4, limit=100, one_axis=True) == (1, 64, 64)
+
+
 def test_a_step_saved_on_one_mesh_restores_exactly_on_another(tmp_path, monkeypatch):
     """Saved split over 8 devices on rows, restored split over a 2 x 4 mesh on both axes, and onto one device;
     2 KiB pieces, so a target shard spans several stored chunks and is read in several pieces."""
