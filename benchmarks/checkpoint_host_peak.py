@@ -58,6 +58,7 @@ def measure(recipe_name: str, overrides: list[str], mode: str = "auto") -> dict:
                   force=True)
         ckpt.wait()
         save_rise, save_s = resident.peak() - before, time.perf_counter() - t0
+        print(f"saved in {save_s:.1f} s; restoring", file=sys.stderr, flush=True)
         del opt_state   # a resume holds no state before the restore
         resident.reset()
         before, t0 = resident.peak(), time.perf_counter()
