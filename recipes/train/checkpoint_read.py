@@ -29,6 +29,9 @@ on its own type-handler interface (checkpoint_io.PieceWiseArrayHandler calls
   `PIECE_BYTES`) restores 32 MiB at a time; an older step, whose chunks orbax
   chose up to 2 GiB (`ts_utils.calculate_chunk_byte_size`), a stored chunk at a
   time: tensorstore decodes a compressed chunk whole, so no read can be smaller.
+  Into a TPU's host memory a piece is whole in every axis after the first one
+  it splits (`_writes_slice_one_axis`): larger than `PIECE_BYTES` where a
+  stored chunk is part of a layer.
 * any target sharding and mesh: a target shard reads its own region of the
   saved array, whatever sharding the save had (tensorstore reads across the
   stored chunks it overlaps), so a step saved on one mesh restores on another.
