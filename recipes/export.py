@@ -59,6 +59,7 @@ from spillway.layers.mesh import MeshConfig
 from spillway.layers.sharding import make_mesh, state_shardings
 from spillway.models.hf import HFCheckpointError, listed, save_safetensors
 from spillway.recipes.train.base_generation import GENERATION_CONFIG, base_generation_config, hf_base_json
+from spillway.recipes.train.run_identity import run_identity
 from spillway.recipes.config import Recipe
 from spillway.recipes.readable_step import restore_readable, saved_recipe
 
@@ -103,9 +104,21 @@ def _source_of(run_dir, step_dir) -> str:
 
 
 def _run_id(source: str) -> str:
-    """What the record keeps of the run's path: a digest, so an export folder published as it is (`hf upload`)
-    does not carry the local paths of the machine it was made on."""
+    """What the record keeps of the run: the id kept in its folder (recipes/train/run_identity.py: it goes with
+    the folder when the run is moved or copied), else a digest of its path (a run from before ids were kept);
+    never the path itself, so an export folder published as it is (`hf upload`) does not carry the local paths
+    of the machine it was made on."""
+    return run_identity(Path(source)) or _path_id(source)
+
+
+def _path_id(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _ids_of(source: str) -> set[str]:
+    """Every id an earlier export of this run may have recorded: its kept id, and its path's digest (an export
+    made where it is before the run kept an id)."""
+    return {_run_id(source), _path_id(source)}
 
 
 def _check_earlier_export(out_dir: Path, own: str, source: str, writes: list[str]) -> str | None:
@@ -126,7 +139,7 @@ def _check_earlier_export(out_dir: Path, own: str, source: str, writes: list[str
         raise HFCheckpointError(f"{out_dir} already holds {listed(present)} that no spillway export recorded "
                                 f"({EXPORT_RECORD} missing or unreadable): export into an empty folder, or delete "
                                 f"those files first") from None
-    if earlier_id != _run_id(source):
+    if earlier_id not in _ids_of(source):
         raise HFCheckpointError(f"{out_dir} holds an export of another run ({earlier_run!r}, not {source}): export "
                                 f"into an empty folder, or delete it first")
     return f"its {'' if record.get('finished', True) else 'unfinished '}export of step {earlier_step}"

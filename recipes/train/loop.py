@@ -51,6 +51,7 @@ from spillway.recipes.train.loop_parts import LossWatch, Profile, Progress, Savi
 from spillway.recipes.train.metrics import METRICS_FILENAME, RunLogger
 from spillway.recipes.train.preemption import GroupStop, StopSignals
 from spillway.recipes.train.run_data import prepare_run_data
+from spillway.recipes.train.run_identity import keep_run_identity
 from spillway.recipes.train.run_lock import RunLock, RunLockedError
 from spillway.recipes.train.run_state import (RunState, StepPrograms, initial_state, step_programs,
                                               weights_from_elsewhere)
@@ -210,6 +211,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     if main:
         save_run_tokenizer(tokenizer, run_dir, recipe)  # `spillway generate RUN_DIR` needs it (and the chat template)
         keep_base_generation(recipe, run_dir, tokenizer.vocab_size)   # the base's stop ids, kept with the run
+        keep_run_identity(run_dir)   # what its exports record of it, wherever the folder goes
     _run_steps(recipe, run_dir, s, state, feed, checkpointer, logger, lock, main=main, say=say, progress=progress,
                stop_after=stop_after)
     checkpointer.wait()

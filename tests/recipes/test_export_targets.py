@@ -212,3 +212,35 @@ def test_an_adapter_of_a_multimodal_gemma3_names_its_text_layers_and_a_dense_mlp
         _refuse_names_peft_reads_as_experts(moe, "model.layers.{i}.mlp.gate_proj")
     _refuse_names_peft_reads_as_experts(moe, "model.layers.{i}.self_attn.q_proj")
     _refuse_names_peft_reads_as_experts(recipe, "model.layers.{i}.mlp.gate_proj")   # no experts: fine
+
+
+def test_a_moved_run_replaces_its_own_earlier_export_and_still_not_another_runs(tmp_path):
+    """The record named the run by its path: a run moved elsewhere (the project tree relocated) was "another
+    run" for its own export folder. The id kept in the run folder goes with it; an export recorded by the
+    run's path before it kept an id is still its own."""
+    from spillway.models.hf import HFCheckpointError
+    from spillway.recipes.export import _check_earlier_export, _source_of, _write_record
+    from spillway.recipes.train.run_identity import keep_run_identity, run_identity
+
+    stub_run(tmp_path / "run")
+    kept = keep_run_identity(tmp_path / "run")
+    assert keep_run_identity(tmp_path / "run") == kept == run_identity(tmp_path / "run")   # written once
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model.safetensors").write_text("{}")
+    _write_record(out, _source_of(tmp_path / "run", None), "3", adapter=False, finished=True)
+    record = (out / "spillway_export.json").read_text()
+    assert kept in record and str(tmp_path) not in record
+    (tmp_path / "run").rename(tmp_path / "moved")
+    assert _check_earlier_export(out, "model.safetensors", _source_of(tmp_path / "moved", None),
+                                 []) == "its export of step 3"
+
+    stub_run(tmp_path / "old")   # an export made before the run kept an id: recorded by its path
+    _write_record(out, _source_of(tmp_path / "old", None), "3", adapter=False, finished=True)
+    keep_run_identity(tmp_path / "old")
+    assert _check_earlier_export(out, "model.safetensors", _source_of(tmp_path / "old", None), []) is not None
+
+    stub_run(tmp_path / "another")
+    keep_run_identity(tmp_path / "another")
+    with pytest.raises(HFCheckpointError, match="holds an export of another run"):
+        _check_earlier_export(out, "model.safetensors", _source_of(tmp_path / "another", None), [])

@@ -12,6 +12,7 @@ from spillway.recipes import cli
 from spillway.recipes.train.checkpoint import RunCheckpointer
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.loop import train
+from spillway.recipes.train.run_identity import run_identity
 from child_env import child_env
 
 
@@ -54,6 +55,7 @@ def test_micro_recipe_trains_and_writes_what_a_person_expects(full_run):
     assert RunCheckpointer(run_dir / "checkpoints", keep=3, every_steps=10).latest_step() == 30
     saved = json.loads(open(run_dir / "checkpoints" / "30" / "recipe" / "recipe.json").read())
     assert saved["train"]["steps"] == 30 and saved["name"] == "tiny"
+    assert run_identity(run_dir) is not None   # what its exports record of it (recipes/train/run_identity.py)
 
 
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
