@@ -129,7 +129,6 @@ def test_gradient_accumulation_matches_one_big_batch(data_cache, tmp_path):
 
 
 def test_sigterm_saves_and_exits_143(data_cache, tmp_path):
-    import os
     import signal
     import subprocess
     import sys
