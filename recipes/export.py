@@ -325,9 +325,10 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe, config_name:
     if past_vocab:   # transformers would warn of them at every load; they can never be generated
         unread += (f" (the base's stop id{'s' if len(past_vocab) > 1 else ''} "
                    f"{', '.join(map(str, past_vocab))} left out: not among the tokenizer's {tokenizer.vocab_size} ids)")
+    # written when None too (null): a key left out is the family's default to transformers (GPT-2's BOS 50256,
+    # Mixtral's 1, Gemma's pad 0), an id of some other token of this run's tokenizer, or of none
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
            "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
-    ids = {name: value for name, value in ids.items() if value is not None}
     config = json.loads((out / config_name).read_text())
     _write_json(out / config_name, {**config, **ids})
     # embedding rows past the tokenizer's ids (Qwen2.5: 151,936 rows, 151,665 ids) are no token: `spillway

@@ -467,3 +467,30 @@ def test_max_tokens_caps_a_fine_tune_and_keys_its_rows(tmp_path, tokenizer_dir):
     whole, capped = prepared(), prepared(max_tokens=3000)
     assert whole.num_documents == 280 and capped.path != whole.path
     assert capped.num_tokens <= 3000 and 0 < capped.num_documents < 280
+
+
+def test_the_export_writes_a_bos_and_pad_the_run_does_not_have_as_null(tmp_path):
+    """A run whose tokenizer puts no BOS (a tokenizer.json without a post-processor, GPT-2's or a ChatML one):
+    the export left bos_token_id out of config.json, and transformers filled in the family's default (GPT-2's
+    50256, past a small vocabulary; Mixtral's 1, another token)."""
+    import tokenizers
+
+    from spillway.data import load_tokenizer
+    from spillway.recipes.export import _write_generation_ids
+    from spillway.recipes.registry import get_recipe
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    out.mkdir()
+    vocab = {"<unk>": 0, "</s>": 1, "a": 2, "b": 3}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.save(str(run / "tokenizer.json"))
+    (run / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert load_tokenizer(run).bos_id is None
+    (out / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    _write_generation_ids(run, out, get_recipe("tiny"))
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((out / name).read_text())
+        assert written["bos_token_id"] is None and written["pad_token_id"] is None, (name, written)
+        assert written["eos_token_id"] == 1
