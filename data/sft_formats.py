@@ -209,10 +209,9 @@ def chat_messages(record: Record) -> list[dict]:
         raise DataError(f"data.format=chat: record {_where_fields(record)} has no \"messages\" (a list of "
                         f"{{\"role\", \"content\"}}) or \"conversations\" (a list of {{\"from\", \"value\"}})"
                         f"{hint}")
-    if not isinstance(raw, list) or not raw:
+    if not isinstance(raw, list):   # an empty list is a conversation with no answer: skipped and counted
         field = "messages" if "messages" in fields else "conversations"
-        held = "an empty list" if isinstance(raw, list) else _json_kind(raw)
-        raise DataError(f"data.format=chat: record {record.where}: \"{field}\" holds {held}, not a non-empty list "
+        raise DataError(f"data.format=chat: record {record.where}: \"{field}\" holds {_json_kind(raw)}, not a list "
                         f"of turns (a JSON string of the list? store the list itself)")
     messages = [_message(record, index, message, role_key, text_key, sharegpt) for index, message in enumerate(raw)]
     return _with_system(record, messages)

@@ -171,6 +171,9 @@ def _tokenized_examples(source: str, tokenizer: Tokenizer, template: ChatTemplat
         if index < skip:
             continue
         conversation = conversation_of(record, options.data_format)
+        if not conversation.messages:   # an empty conversation: nothing to render (a template may index turn 0)
+            yield index, np.zeros(0, np.int64), np.zeros(0, bool), record.where
+            continue
         ids, flags = conversation_tokens(template, tokenizer, conversation.messages, specials, record.where,
                                          options.train_on_prompt, tools=conversation.tools)
         if not options.train_on_prompt and not _answers(conversation.messages):
@@ -308,8 +311,9 @@ def _take(progress: _Progress, splits: dict, index: int, ids: np.ndarray, flags:
     """Record `index` read: its example packed (cut to a row), or skipped and counted; False, the record not
     read, when its example would take the tokens past `options.max_tokens` (whole examples, as they come)."""
     row_len = options.seq_len + 1
-    if not options.train_on_prompt and not flags.any():
-        # no answer (a system prompt or questions alone): rows the loss never sees, counted in the data: line
+    if not len(ids) or (not options.train_on_prompt and not flags.any()):
+        # no answer (no turns, a system prompt or questions alone): rows the loss never sees, counted in the data:
+        # line
         progress.records, progress.no_answer = index + 1, progress.no_answer + 1
         return True
     if len(ids) > row_len and options.overlong == "drop":

@@ -133,9 +133,8 @@ def test_a_chat_message_that_is_not_role_and_content_strings_says_what_it_is(mes
 
 
 @pytest.mark.parametrize("raw, says", [
-    ('[{"role": "user", "content": "hi"}]', r'"messages" holds a string, not a non-empty list of turns \(a JSON '
+    ('[{"role": "user", "content": "hi"}]', r'"messages" holds a string, not a list of turns \(a JSON '
                                             r'string of the list\? store the list itself\)'),
-    ([], r'"messages" holds an empty list, not a non-empty list'),
 ])
 def test_a_conversation_that_is_not_a_list_says_what_the_field_holds(raw, says):
     with pytest.raises(DataError, match=r"record f, line 2: " + says):
@@ -446,3 +445,17 @@ def test_chat_records_in_a_json_array_whose_messages_differ_in_keys_are_read_as_
     (tmp_path / "chat.json").write_text(json.dumps(conversations)[:-5])   # cut short
     with pytest.raises(DataError, match=r"chat.json', line 1, column \d+: not valid JSON"):
         list(iter_records(str(tmp_path / "chat.json")))
+
+
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_an_empty_conversation_is_skipped_and_counted_as_one_without_an_answer(tmp_path, train_on_prompt):
+    """One `{"messages": []}` among the records stopped the whole run, where a record whose answers are all empty
+    is skipped and counted; an empty conversation has nothing to train on either (not even a prompt)."""
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    source = _chat_rows(tmp_path / "d.jsonl", [answered] * 3 + [[]] + [answered])
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    packed = prepare_sft_rows(str(source), CharTokenizer(), template,
+                              SftOptions("chat", seq_len=40, val_fraction=0.0, train_on_prompt=train_on_prompt),
+                              cache_dir=tmp_path / "cache")
+    assert (packed.num_documents, packed.no_answer_examples) == (5, 1)
+    assert chat_messages(Record({"messages": [], "system": "s"}, "f, line 1")) == [{"role": "system", "content": "s"}]
