@@ -281,6 +281,8 @@ class CheckpointConfig:
                                           # command that fetches it, when the folder is missing (nothing else)
     init_from_digest: str | None = None   # a LoRA run's base as its files were when the run started
                                           # (recipes/train/base_digest.py): set by the run, not by a user
+    init_from_relative: str | None = None  # a LoRA run's base seen from its run folder when it started, where
+                                           # generate and export look when the project tree moved: set by the run
 
     def __post_init__(self):
         require_positive("checkpoint", every_steps=self.every_steps, keep=self.keep)

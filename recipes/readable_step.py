@@ -56,13 +56,13 @@ def restore_readable(path, step_dir, target_of, warn=None, with_base: bool = Tru
     `with_base=False`: a LoRA run's base weights are left abstract (lora_state.restore_run_params)."""
     from spillway.recipes.train.checkpoint import (CheckpointError, CorruptCheckpointError, finalised_step_dirs,
                                                    resolve_step_dir)
-    from spillway.recipes.train.lora_state import restore_run_params   # a LoRA run: base + adapters
+    from spillway.recipes.train.lora_state import base_where_the_run_went, restore_run_params   # LoRA: base + adapters
 
     explicit = Path(path).absolute() == Path(step_dir)
     retries = 0
     while True:
         try:
-            recipe = saved_recipe(step_dir)
+            recipe = base_where_the_run_went(saved_recipe(step_dir), step_dir)   # the project tree moved
             return step_dir, recipe, restore_run_params(step_dir, recipe, target_of(recipe), with_base)
         except CheckpointError as error:
             if not Path(step_dir).exists():   # deleted under us: a live run's retention, not damage

@@ -29,6 +29,7 @@ run would have.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -95,8 +96,33 @@ def pin_base(recipe: Recipe) -> Recipe:
         folder = folder.absolute()
         init_from = HF_PREFIX + str(folder)
     digest = base_digest(folder) if folder.exists() else None   # a missing base is named by the preflight
+    relative = os.path.relpath(folder, Path(recipe.run_dir).absolute())
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
-        recipe.checkpoint, init_from=init_from, init_from_digest=digest))
+        recipe.checkpoint, init_from=init_from, init_from_digest=digest, init_from_relative=relative))
+
+
+def base_where_the_run_went(recipe: Recipe, step_dir) -> Recipe:
+    """The recipe of a LoRA run's saved step, its base named where it is now when the project tree moved: the
+    pinned absolute path gone, the base found at the place it had relative to the run folder
+    (`checkpoint.init_from_relative`) holding the same files (its digest). Otherwise `recipe` as it is (a
+    missing base is named by the read)."""
+    from spillway.recipes.train.checkpoint import run_dir_of
+    from spillway.recipes.train.init_weights import HF_PREFIX
+
+    pointer = recipe.checkpoint
+    if (not recipe.lora.enabled or not pointer.init_from or not pointer.init_from_relative
+            or pointer.init_from_digest is None or _base_exists(pointer.init_from)):
+        return recipe
+    run_dir = run_dir_of(Path(step_dir))
+    if run_dir is None:
+        return recipe
+    from spillway.recipes.train.base_digest import base_digest
+
+    found = Path(os.path.normpath(Path(run_dir).absolute() / pointer.init_from_relative))
+    if not found.exists() or base_digest(found) != pointer.init_from_digest:
+        return recipe
+    prefix = HF_PREFIX if pointer.init_from.startswith(HF_PREFIX) else ""
+    return dataclasses.replace(recipe, checkpoint=dataclasses.replace(pointer, init_from=prefix + str(found)))
 
 
 def keep_started_base(recipe: Recipe, named: str | None, saved_recipe_json: str) -> Recipe:

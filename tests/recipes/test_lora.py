@@ -384,3 +384,29 @@ def test_lora_settings_without_a_rank_are_refused_not_ignored():
         get_recipe("tiny", ["lora.targets=q_proj", "lora.alpha=16", "model.num_layers=3"])
     assert not get_recipe("tiny", ["lora.rank=0", "lora.alpha=16"]).lora.enabled   # turned off on purpose
     assert get_recipe("tiny", ["lora.rank=4", "lora.alpha=16", "checkpoint.init_from=/x"]).lora.alpha == 16
+
+
+def test_generate_and_export_find_the_base_where_the_project_tree_moved(tmp_path):
+    """A LoRA run pins its base by an absolute path: with the project folder moved (another disk, a copy on
+    another machine), generate and export found no base. They now look where the base was relative to the run
+    folder, and take it there when it holds the same files."""
+    import shutil
+
+    from spillway.models.hf import to_hf
+    from spillway.recipes.train.lora_state import base_where_the_run_went, pin_base
+
+    project = tmp_path / "project"
+    to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(0)), project / "bases" / "tiny")
+    pinned = pin_base(lora_recipe(f"checkpoint.init_from=hf:{project / 'bases' / 'tiny'}",
+                                  f"checkpoint.dir={project / 'runs' / 'lora'}"))
+    assert pinned.checkpoint.init_from_relative == "../../bases/tiny"
+    step = project / "runs" / "lora" / "checkpoints" / "2"
+    assert base_where_the_run_went(pinned, step) == pinned   # the base where it was pinned: as it is
+    shutil.move(project, tmp_path / "moved")
+    found = base_where_the_run_went(pinned, tmp_path / "moved" / "runs" / "lora" / "checkpoints" / "2")
+    assert found.checkpoint.init_from == f"hf:{tmp_path / 'moved' / 'bases' / 'tiny'}"
+    assert found.checkpoint.init_from_digest == pinned.checkpoint.init_from_digest
+    shutil.rmtree(tmp_path / "moved" / "bases" / "tiny")   # other weights at that place: not taken
+    to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(7)), tmp_path / "moved" / "bases" / "tiny")
+    assert base_where_the_run_went(pinned, tmp_path / "moved" / "runs" / "lora" / "checkpoints" / "2") == pinned
+    assert base_where_the_run_went(pinned, tmp_path / "elsewhere" / "2") == pinned   # a step outside a run

@@ -73,13 +73,14 @@ def test_the_step_folder_holds_what_the_code_before_wrote(layout_of, case):
     # comes from, for the offline message (checkpoint.init_from_origin, None), issue 28; the weights kept
     # across the turn (offload.params_keep, 0 = none), issue 29; where the deferred update's pending gradients
     # wait (offload.pending_gradients, "host" = as before), issue 27; the split a run reads (data.split,
-    # "train" = as before); a LoRA run's base digest (checkpoint.init_from_digest, None = not checked).
+    # "train" = as before); a LoRA run's base digest (checkpoint.init_from_digest, None = not checked) and
+    # where its base was from its run folder (checkpoint.init_from_relative, None = not looked for).
     assert set(after["recipe_fields"]) - set(before["recipe_fields"]) == {
         "sources", "aux_loss.load_balancing", "aux_loss.router_z",
         "data.format", "data.chat_template", "data.train_on_prompt", "data.document_mask", "data.packing",
         "data.overlong", "data.split", "data.add_bos", "lora.rank", "lora.alpha", "lora.dropout", "lora.targets",
         "optimizer.moment_dtype", "checkpoint.init_from_origin", "checkpoint.init_from_digest", "offload.params_keep",
-        "offload.pending_gradients"}
+        "offload.pending_gradients", "checkpoint.init_from_relative"}
     assert set(before["recipe_fields"]) <= set(after["recipe_fields"])
 
 

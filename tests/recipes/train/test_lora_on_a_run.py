@@ -63,6 +63,20 @@ def test_a_lora_run_keeps_its_base_step_and_resumes_by_the_same_command(micro_da
     assert _steps(base) == [5]
 
 
+def test_a_lora_run_generates_and_exports_from_where_the_project_tree_moved(micro_data_cache, tmp_path, capsys):
+    """The base run and the LoRA run moved together (a project folder on another disk): the LoRA run's pinned
+    base path was gone, and generate and export said so. They find it where it was relative to the run."""
+    base, lora = tmp_path / "project" / "base", tmp_path / "project" / "lora"
+    assert _train(micro_data_cache, base, "train.steps=1") == 0
+    assert _train(micro_data_cache, lora, f"checkpoint.init_from={base}", "lora.rank=4", "train.steps=1") == 0
+    shutil.move(tmp_path / "project", tmp_path / "moved")
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "moved" / "lora"), "--prompt", "The", "--tokens", "3"]) == 0, \
+        capsys.readouterr().err
+    assert cli.main(["export", str(tmp_path / "moved" / "lora"), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_a_base_folder_that_cannot_be_written_is_a_warning(tmp_path):
     from spillway.recipes.train.base_pins import pinned_steps, record_pin
 
