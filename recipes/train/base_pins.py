@@ -7,13 +7,16 @@ lora_state.pin_base). That run may train on, and its retention
 resume, sample or export. So the LoRA run records the step it stands on in the
 base run's folder:
 
-    runs/base/pinned_by/<digest of the LoRA run's path>.json   {"step": 30, "run": "/abs/runs/lora"}
+    runs/base/pinned_by/<digest of the LoRA run's path>.json
+        {"step": 30, "run": "/abs/runs/lora", "relative": "../lora"}
 
 and the base run's checkpointer keeps every step a record names, beside its
 newest `checkpoint.keep` (`PinnedSteps`, an orbax preservation policy, read at
 each save, so a record written while the base run trains counts from its next
 save). A record whose LoRA run folder is gone (deleted by its user) pins
 nothing; the step is then deleted at the base run's next save as any other.
+The LoRA run is looked for at its absolute path and at its path relative to
+the base run (`relative`), so a project folder moved whole keeps its pins.
 A base folder the LoRA run cannot write (read-only, another user's) gets a
 warning, not a refusal: nothing there deletes steps unless it trains.
 """
@@ -44,7 +47,8 @@ def record_pin(step_dir, by_run_dir, say=print) -> None:
     if base_run_dir is None or not step_dir.name.isdigit():
         return
     record = _record_path(base_run_dir, by_run_dir)
-    text = json.dumps({"step": int(step_dir.name), "run": str(by_run_dir)}) + "\n"
+    text = json.dumps({"step": int(step_dir.name), "run": str(by_run_dir),
+                       "relative": os.path.relpath(by_run_dir, base_run_dir)}) + "\n"
     try:
         if record.is_file() and record.read_text() == text:
             return
@@ -65,10 +69,12 @@ def pinned_steps(checkpoints_dir) -> set[int]:
     for record in folder.glob("*.json") if folder.is_dir() else ():
         try:
             pin = json.loads(record.read_text())
-            step, by = int(pin["step"]), Path(pin["run"])
-        except (OSError, ValueError, KeyError, TypeError):
+            step, by, relative = int(pin["step"]), Path(pin["run"]), pin.get("relative")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        if by.is_dir():
+        # where it was, or where it is now with this run when both moved together (records before `relative`:
+        # the first alone)
+        if by.is_dir() or (isinstance(relative, str) and (folder.parent / relative).is_dir()):
             steps.add(step)
     return steps
 

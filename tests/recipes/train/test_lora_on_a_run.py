@@ -90,3 +90,18 @@ def test_a_base_folder_that_cannot_be_written_is_a_warning(tmp_path):
     # an hf: folder or a loose step folder is no run that deletes steps: nothing recorded, nothing said
     record_pin(tmp_path / "loose" / "7", tmp_path / "lora", say=said.append)
     assert len(said) == 1 and not (tmp_path / "loose").exists()
+
+
+def test_a_pin_survives_the_base_run_and_the_lora_run_moved_together(tmp_path):
+    """The record named the LoRA run by its absolute path: with the project folder moved, the LoRA run was
+    "gone" and the base run's next save deleted the step its adapters stand on."""
+    from spillway.recipes.train.base_pins import pinned_steps, record_pin
+
+    step = tmp_path / "project" / "base" / "checkpoints" / "7"
+    step.mkdir(parents=True)
+    (tmp_path / "project" / "lora").mkdir()
+    record_pin(step, tmp_path / "project" / "lora")
+    shutil.move(tmp_path / "project", tmp_path / "moved")
+    assert pinned_steps(tmp_path / "moved" / "base" / "checkpoints") == {7}
+    shutil.rmtree(tmp_path / "moved" / "lora")   # the LoRA run deleted: its pin holds nothing
+    assert pinned_steps(tmp_path / "moved" / "base" / "checkpoints") == set()
