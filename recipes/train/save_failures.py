@@ -7,7 +7,12 @@ where RunCheckpointer turns it into one CheckpointError naming the step, the
 cause and what was cleaned up. The log adds nothing to that line, so records
 at ERROR or above that orbax's own source files emit are dropped; everything
 else (warnings, other libraries) passes. `--debug` still shows the chained
-traceback of the error itself.
+traceback of the error itself. Two more echoes of the same failure are dropped:
+the writes orbax abandoned finish after its event loop has closed, and each
+one's completion callback (`call_soon_threadsafe` on that loop) raises
+"Event loop is closed" into `sys.unraisablehook` (about 20 tracebacks for the
+tiny recipe on a full disk); and asyncio logs orbax's abandoned tasks as
+"Task exception was never retrieved" from its own source.
 
 The `<step>.orbax-checkpoint-tmp` folder a failed save leaves is removed at
 once (`remove_unfinished`; on a full disk it holds the space a rerun needs),
@@ -19,8 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
+import traceback
 
 _ORBAX_SOURCES = f"{os.sep}orbax{os.sep}"
 
@@ -30,12 +37,42 @@ class OrbaxErrorLogFilter(logging.Filter):
         return not (record.levelno >= logging.ERROR and _ORBAX_SOURCES in (record.pathname or ""))
 
 
+class OrbaxTaskLogFilter(logging.Filter):
+    """asyncio's "Task exception was never retrieved" for a task running orbax's code."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (record.levelno >= logging.ERROR and message.startswith("Task exception was never retrieved")
+                    and _ORBAX_SOURCES in message)
+
+
+def is_a_closed_loops_callback(unraisable) -> bool:
+    """Whether an unraisable error is a completion callback scheduled on an event loop that has closed."""
+    error = unraisable.exc_value
+    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+            and any(frame.name == "call_soon_threadsafe" for frame in traceback.extract_tb(unraisable.exc_traceback)))
+
+
+class QuietClosedLoopCallbacks:
+    """A `sys.unraisablehook` passing everything to the hook before it but `is_a_closed_loops_callback`."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        if not is_a_closed_loops_callback(unraisable):
+            self.previous(unraisable)
+
+
 def quiet_orbax_error_logs() -> None:
-    """Installs the filter on the loggers orbax writes to (absl's, and orbax's own), once."""
-    for name in ("absl", "orbax"):
+    """Installs the filters on the loggers orbax writes to (absl's, orbax's own, asyncio's for its tasks) and
+    the unraisable hook (module docstring), once."""
+    for name, kind in (("absl", OrbaxErrorLogFilter), ("orbax", OrbaxErrorLogFilter), ("asyncio", OrbaxTaskLogFilter)):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, OrbaxErrorLogFilter) for f in logger.filters):
-            logger.addFilter(OrbaxErrorLogFilter())
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
+    if not isinstance(sys.unraisablehook, QuietClosedLoopCallbacks):
+        sys.unraisablehook = QuietClosedLoopCallbacks(sys.unraisablehook)
 
 
 # the suffix of the folder orbax writes a step into before renaming it `<step>` (atomic finalisation)

@@ -100,3 +100,45 @@ def test_threads_a_failed_save_started_are_joined_before_anything_is_removed(tmp
     assert join_threads_started_since(before, limit_s=0.2) == ["never-ends"]
     assert time.monotonic() - begun < 2.0
     started.set()
+
+
+def test_callbacks_on_orbax_closed_event_loop_and_its_abandoned_tasks_are_not_printed(monkeypatch):
+    """A full disk during an async save: the run's one-line error came with about 20 tracebacks of
+    "Event loop is closed" (the abandoned writes' callbacks, through sys.unraisablehook) and asyncio's "Task
+    exception was never retrieved" for orbax's task. Other unraisable errors and log records still pass."""
+    import asyncio
+    import logging
+    import sys
+    import types
+
+    def unraisable(error):
+        return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=error.__traceback__,
+                                     err_msg=None, object=None)
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as error:
+        closed = unraisable(error)
+    try:
+        raise RuntimeError("Event loop is closed")   # the same words from elsewhere: passed on
+    except RuntimeError as error:
+        elsewhere = unraisable(error)
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    save_failures.quiet_orbax_error_logs()
+    sys.unraisablehook(closed)
+    sys.unraisablehook(elsewhere)
+    assert seen == [elsewhere]
+
+    def record(message):
+        return logging.LogRecord("asyncio", logging.ERROR, "/usr/lib/python3/asyncio/base_events.py", 1, message,
+                                 None, None)
+    orbax_task = record("Task exception was never retrieved\nfuture: <Task finished coro=<async_serialize_from_"
+                        "host() done, defined at /v/lib/orbax/checkpoint/_src/serialization/serialization.py:190>>")
+    other_task = record("Task exception was never retrieved\nfuture: <Task finished coro=<mine() done, defined at "
+                        "/home/me/app.py:3>>")
+    asyncio_filter = save_failures.OrbaxTaskLogFilter()
+    assert not asyncio_filter.filter(orbax_task) and asyncio_filter.filter(other_task)
+    assert any(isinstance(f, save_failures.OrbaxTaskLogFilter) for f in logging.getLogger("asyncio").filters)
