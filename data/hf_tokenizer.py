@@ -129,6 +129,9 @@ class HFTokenizer(Tokenizer):
     def token_text(self, token_id: int) -> str:
         return self.backend.id_to_token(int(token_id))
 
+    def id_of_token(self, text: str) -> int | None:
+        return self.backend.token_to_id(text)
+
     def encode(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
         """Token ids of each text, no special tokens added. `num_threads` is not used: the library runs
         its own thread pool (TOKENIZERS_PARALLELISM=false turns it off)."""

@@ -162,6 +162,10 @@ class SentencePieceTokenizer(Tokenizer):
     def token_text(self, token_id: int) -> str:
         return self.processor.id_to_piece(int(token_id))
 
+    def id_of_token(self, text: str) -> int | None:
+        piece = self.processor.piece_to_id(text)   # the unknown piece's id for a text that is none
+        return piece if self.processor.id_to_piece(piece) == text else None
+
     @property
     def splits_exactly_before_spaces(self) -> bool:
         """True for models like the ones `train_tokenizer` makes: no dummy prefix, whitespace kept as is, pieces

@@ -235,6 +235,10 @@ class Tokenizer(abc.ABC):
     def bos_id(self) -> int | None:
         """The beginning-of-sequence id, or None."""
 
+    @abc.abstractmethod
+    def id_of_token(self, text: str) -> int | None:
+        """The id of the one token whose text is `text` (a special token or an ordinary piece), or None."""
+
     @property
     @abc.abstractmethod
     def family_adds_bos(self) -> bool:

@@ -308,7 +308,6 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe, config_name:
     without them transformers takes the family's default ids, and generate() ran past the end of a turn. An
     hf: base's generation_config.json is kept under them: its sampling defaults, and its stop ids beside the
     run's where the run tokenizes with the base's tokenizer. Returns what the export's line says of it."""
-    from spillway.data.sft_targets import special_token_texts
     from spillway.data.tokenizer import named_special_token
     from spillway.recipes.train.chat_prompt import end_of_turn_in_run
     from spillway.recipes.train.tokenization_record import run_tokenizer
@@ -327,8 +326,9 @@ def _write_generation_ids(run_dir: Path, out: Path, recipe: Recipe, config_name:
                    f"{', '.join(map(str, past_vocab))} left out: not among the tokenizer's {tokenizer.vocab_size} ids)")
     # written when None too (null): a key left out is the family's default to transformers (GPT-2's BOS 50256,
     # Mixtral's 1, Gemma's pad 0), an id of some other token of this run's tokenizer, or of none
+    pad = named_special_token(run_dir, "pad_token")   # a special token, or a piece of a sentencepiece model (<pad>)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0] if len(stops) == 1 else stops,
-           "pad_token_id": special_token_texts(tokenizer).get(named_special_token(run_dir, "pad_token"))}
+           "pad_token_id": None if pad is None else tokenizer.id_of_token(pad)}
     config = json.loads((out / config_name).read_text())
     _write_json(out / config_name, {**config, **ids})
     # embedding rows past the tokenizer's ids (Qwen2.5: 151,936 rows, 151,665 ids) are no token: `spillway

@@ -494,3 +494,27 @@ def test_the_export_writes_a_bos_and_pad_the_run_does_not_have_as_null(tmp_path)
         written = json.loads((out / name).read_text())
         assert written["bos_token_id"] is None and written["pad_token_id"] is None, (name, written)
         assert written["eos_token_id"] == 1
+
+
+def test_the_export_finds_a_pad_token_that_is_an_ordinary_piece_of_a_sentencepiece_model(tokenizer_dir, tmp_path):
+    """Gemma's <pad> (id 0) is a piece of its sentencepiece model, not one of the special tokens a chat template
+    is matched against: the export wrote pad_token_id null over the base's 0."""
+    import shutil
+
+    from spillway.data import load_tokenizer
+    from spillway.recipes.export import _write_generation_ids
+    from spillway.recipes.registry import get_recipe
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(tokenizer_dir, run, ignore=shutil.ignore_patterns("cache"))
+    piece = load_tokenizer(run).token_text(7)
+    config = json.loads((run / "tokenizer_config.json").read_text())
+    (run / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": piece}))
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    _write_generation_ids(run, out, get_recipe("tiny"))
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == 7
+    config["pad_token"] = "<not a piece>"
+    (run / "tokenizer_config.json").write_text(json.dumps(config))
+    _write_generation_ids(run, out, get_recipe("tiny"))
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] is None
