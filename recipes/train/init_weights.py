@@ -289,10 +289,15 @@ def load_init_weights(recipe: Recipe, abstract_params, say=print, *, resuming: b
         params, meta = restore_params_only(init_from, abstract_params)
         say(_fine_tuning_line(f"{init_from} (weights of step {meta.get('step')})", resuming))
         return params
+    from spillway.models.hf import HFCheckpointError
+
     whole = placement.saved_structs(abstract_params)
     shardings = jax.tree.map(lambda leaf: leaf.sharding, whole)
-    params = placement.params_from_saved(
-        load_hf_weights(directory, get_family(recipe.family), recipe.model, whole, shardings), abstract_params)
+    try:
+        loaded = load_hf_weights(directory, get_family(recipe.family), recipe.model, whole, shardings)
+    except HFCheckpointError as error:   # what its tensors' values say (a head said tied that is not): named
+        raise HFCheckpointError(f"checkpoint.init_from=hf:{directory}: {error}") from None
+    params = placement.params_from_saved(loaded, abstract_params)
     say(_fine_tuning_line(f"the Hugging Face checkpoint {directory}", resuming))
     return params
 

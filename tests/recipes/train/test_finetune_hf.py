@@ -197,6 +197,24 @@ def test_a_recipe_whose_model_differs_fails_naming_the_field(hf_checkpoint, data
     assert not (tmp_path / "bad").exists()   # refused before anything was built or written
 
 
+def test_a_head_said_tied_that_the_file_holds_apart_is_one_line_naming_the_checkpoint(hf_checkpoint, data_cache,
+                                                                                        tmp_path, capsys):
+    """config.json says tie_word_embeddings=true, model.safetensors holds its own lm_head.weight: the refusal
+    (read from the values, once the run loads them) lacked the checkpoint.init_from= its other errors carry."""
+    import shutil
+
+    tied = tmp_path / "tied"
+    shutil.copytree(hf_checkpoint, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    sets = overrides(tied, data_cache, tmp_path / "run", "model.tie_embeddings=true")
+    assert cli.main(cli_args(sets)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"spillway train: error: checkpoint.init_from=hf:{tied}: tie_word_embeddings is True but "
+                          f"lm_head.weight differs from"), err
+
+
 def test_max_seq_len_may_differ_and_a_longer_one_is_announced(hf_checkpoint, data_cache, tmp_path):
     said = []
     shorter = resolve_init_from(get_recipe("tiny", overrides(hf_checkpoint, data_cache, tmp_path)), said.append)
