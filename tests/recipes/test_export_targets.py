@@ -244,3 +244,29 @@ def test_a_moved_run_replaces_its_own_earlier_export_and_still_not_another_runs(
     keep_run_identity(tmp_path / "another")
     with pytest.raises(HFCheckpointError, match="holds an export of another run"):
         _check_earlier_export(out, "model.safetensors", _source_of(tmp_path / "another", None), [])
+
+
+def test_a_copied_run_is_another_run_for_the_originals_export(tmp_path):
+    """`cp -r runs/b runs/c` carried run b's id: run c, trained on, replaced b's export without a word."""
+    import shutil
+
+    from spillway.models.hf import HFCheckpointError
+    from spillway.recipes.export import _check_earlier_export, _source_of, _write_record
+    from spillway.recipes.train.run_identity import keep_run_identity, run_identity
+
+    stub_run(tmp_path / "b")
+    original = keep_run_identity(tmp_path / "b")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model.safetensors").write_text("{}")
+    _write_record(out, _source_of(tmp_path / "b", None), "3", adapter=False, finished=True)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    assert run_identity(tmp_path / "c") is None and run_identity(tmp_path / "b") == original
+    with pytest.raises(HFCheckpointError, match="holds an export of another run"):
+        _check_earlier_export(out, "model.safetensors", _source_of(tmp_path / "c", None), [])
+    copied = keep_run_identity(tmp_path / "c")   # the copy trains: an id of its own
+    assert copied != original and run_identity(tmp_path / "c") == copied
+    assert keep_run_identity(tmp_path / "b") == original   # the original keeps its own
+    with pytest.raises(HFCheckpointError, match="holds an export of another run"):
+        _check_earlier_export(out, "model.safetensors", _source_of(tmp_path / "c", None), [])
+    assert _check_earlier_export(out, "model.safetensors", _source_of(tmp_path / "b", None), []) is not None
