@@ -48,7 +48,7 @@ def record_pin(step_dir, by_run_dir, say=print) -> None:
         return
     record = _record_path(base_run_dir, by_run_dir)
     text = json.dumps({"step": int(step_dir.name), "run": str(by_run_dir),
-                       "relative": os.path.relpath(by_run_dir, base_run_dir)}) + "\n"
+                       "relative": os.path.relpath(by_run_dir.resolve(), base_run_dir.resolve())}) + "\n"
     try:
         if record.is_file() and record.read_text() == text:
             return
@@ -74,7 +74,7 @@ def pinned_steps(checkpoints_dir) -> set[int]:
             continue
         # where it was, or where it is now with this run when both moved together (records before `relative`:
         # the first alone)
-        if by.is_dir() or (isinstance(relative, str) and (folder.parent / relative).is_dir()):
+        if by.is_dir() or (isinstance(relative, str) and (folder.parent.resolve() / relative).is_dir()):
             steps.add(step)
     return steps
 

@@ -96,7 +96,8 @@ def pin_base(recipe: Recipe) -> Recipe:
         folder = folder.absolute()
         init_from = HF_PREFIX + str(folder)
     digest = base_digest(folder) if folder.exists() else None   # a missing base is named by the preflight
-    relative = os.path.relpath(folder, Path(recipe.run_dir).absolute())
+    # between real paths: a project folder reached through a symlink names its run by the link, its base resolved
+    relative = os.path.relpath(Path(folder).resolve(), Path(recipe.run_dir).resolve())
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
         recipe.checkpoint, init_from=init_from, init_from_digest=digest, init_from_relative=relative))
 
@@ -118,7 +119,7 @@ def base_where_the_run_went(recipe: Recipe, step_dir) -> Recipe:
         return recipe
     from spillway.recipes.train.base_digest import base_digest
 
-    found = Path(os.path.normpath(Path(run_dir).absolute() / pointer.init_from_relative))
+    found = Path(os.path.normpath(Path(run_dir).resolve() / pointer.init_from_relative))
     if not found.exists() or base_digest(found) != pointer.init_from_digest:
         return recipe
     prefix = HF_PREFIX if pointer.init_from.startswith(HF_PREFIX) else ""

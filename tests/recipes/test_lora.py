@@ -410,3 +410,16 @@ def test_generate_and_export_find_the_base_where_the_project_tree_moved(tmp_path
     to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(7)), tmp_path / "moved" / "bases" / "tiny")
     assert base_where_the_run_went(pinned, tmp_path / "moved" / "runs" / "lora" / "checkpoints" / "2") == pinned
     assert base_where_the_run_went(pinned, tmp_path / "elsewhere" / "2") == pinned   # a step outside a run
+
+
+def test_the_bases_relative_place_is_read_between_real_paths(tmp_path):
+    """A project folder reached through a symlink: the run named by the link, the base resolved, gave a
+    relative path out of the project (../../../real/...), which named nothing once the project moved."""
+    from spillway.models.hf import to_hf
+    from spillway.recipes.train.lora_state import pin_base
+
+    to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(0)), tmp_path / "real" / "bases" / "tiny")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    pinned = pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'real' / 'bases' / 'tiny'}",
+                                  f"checkpoint.dir={tmp_path / 'link' / 'runs' / 'lora'}"))
+    assert pinned.checkpoint.init_from_relative == "../../bases/tiny"

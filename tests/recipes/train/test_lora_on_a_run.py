@@ -105,3 +105,16 @@ def test_a_pin_survives_the_base_run_and_the_lora_run_moved_together(tmp_path):
     assert pinned_steps(tmp_path / "moved" / "base" / "checkpoints") == {7}
     shutil.rmtree(tmp_path / "moved" / "lora")   # the LoRA run deleted: its pin holds nothing
     assert pinned_steps(tmp_path / "moved" / "base" / "checkpoints") == set()
+
+
+def test_a_pin_made_through_a_symlinked_project_folder_names_the_lora_run_within_it(tmp_path):
+    from spillway.recipes.train.base_pins import pinned_steps, record_pin
+
+    step = tmp_path / "real" / "base" / "checkpoints" / "7"
+    step.mkdir(parents=True)
+    (tmp_path / "real" / "lora").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    record_pin(step, tmp_path / "link" / "lora")   # the LoRA run named by the link, its base resolved
+    (tmp_path / "link").unlink()
+    shutil.move(tmp_path / "real", tmp_path / "moved")
+    assert pinned_steps(tmp_path / "moved" / "base" / "checkpoints") == {7}
