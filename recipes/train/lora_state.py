@@ -136,18 +136,23 @@ def keep_started_base(recipe: Recipe, named: str | None, saved_recipe_json: str)
 
     from spillway.recipes.train.checkpoint_dirs import checkpoint_dir_of
 
-    saved = (json.loads(saved_recipe_json).get("checkpoint") or {}).get("init_from")
+    saved_checkpoint = json.loads(saved_recipe_json).get("checkpoint") or {}
+    saved, relative = saved_checkpoint.get("init_from"), saved_checkpoint.get("init_from_relative")
     pinned = recipe.checkpoint.init_from
     if (not recipe.lora.enabled or not named or not saved or saved == pinned or named.startswith("hf:")
             or Path(named).expanduser().absolute() == Path(pinned)):   # named a step folder itself
         return recipe
-    if Path(saved).parent != Path(checkpoint_dir_of(named)):   # a step of another run: check_same_base says so
-        return recipe
+    if not Path(saved).exists() and isinstance(relative, str):   # the project moved: that step at its new place
+        moved = Path(os.path.normpath(Path(recipe.run_dir).resolve() / relative))
+        saved = str(moved) if moved.exists() else saved
+    if Path(saved).parent.resolve() != Path(checkpoint_dir_of(named)).resolve():   # a step of another run:
+        return recipe                                                              # check_same_base says so
     from spillway.recipes.train.base_digest import base_digest
 
     digest = base_digest(Path(saved)) if Path(saved).exists() else None   # a missing base: the load names it
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
-        recipe.checkpoint, init_from=saved, init_from_digest=digest))
+        recipe.checkpoint, init_from=saved, init_from_digest=digest,
+        init_from_relative=os.path.relpath(Path(saved).resolve(), Path(recipe.run_dir).resolve())))
 
 
 def initial_adapters(recipe: Recipe, param_shardings):

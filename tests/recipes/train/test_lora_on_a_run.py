@@ -118,3 +118,24 @@ def test_a_pin_made_through_a_symlinked_project_folder_names_the_lora_run_within
     (tmp_path / "link").unlink()
     shutil.move(tmp_path / "real", tmp_path / "moved")
     assert pinned_steps(tmp_path / "moved" / "base" / "checkpoints") == {7}
+
+
+def test_the_command_that_started_a_lora_run_resumes_it_in_the_moved_project(micro_data_cache, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Named by the base run's folder (the run-folder form of init_from) after the base run trained on and the
+    project moved: the saved step's absolute path was gone, so the base run's newest was taken and refused."""
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    lora_sets = ("checkpoint.init_from=runs/base", "lora.rank=4")
+    assert _train(micro_data_cache, "runs/base", "train.steps=1") == 0
+    assert _train(micro_data_cache, "runs/lora", *lora_sets, "train.steps=1") == 0
+    assert _train(micro_data_cache, "runs/base", "train.steps=2") == 0   # the base's newest is now step 2
+    monkeypatch.chdir(tmp_path)
+    shutil.move(project, tmp_path / "moved")
+    monkeypatch.chdir(tmp_path / "moved")
+    capsys.readouterr()
+    assert _train(micro_data_cache, "runs/lora", *lora_sets, "train.steps=2") == 0, capsys.readouterr().err
+    resumed = json.loads((tmp_path / "moved" / "runs" / "lora" / "checkpoints" / "2" / "recipe" / "recipe.json")
+                         .read_text())["checkpoint"]
+    assert resumed["init_from"] == str(tmp_path / "moved" / "runs" / "base" / "checkpoints" / "1")
