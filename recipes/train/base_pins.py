@@ -8,15 +8,17 @@ resume, sample or export. So the LoRA run records the step it stands on in the
 base run's folder:
 
     runs/base/pinned_by/<digest of the LoRA run's path>.json
-        {"step": 30, "run": "/abs/runs/lora", "relative": "../lora"}
+        {"step": 30, "run": "/abs/runs/lora", "relative": "../lora", "run_id": "<the LoRA run's id>"}
 
 and the base run's checkpointer keeps every step a record names, beside its
 newest `checkpoint.keep` (`PinnedSteps`, an orbax preservation policy, read at
 each save, so a record written while the base run trains counts from its next
 save). A record whose LoRA run folder is gone (deleted by its user) pins
 nothing; the step is then deleted at the base run's next save as any other.
-The LoRA run is looked for at its absolute path and at its path relative to
-the base run (`relative`), so a project folder moved whole keeps its pins.
+The LoRA run is looked for at its absolute path, at its path relative to
+the base run (`relative`: a project folder moved whole), and by its id
+(recipes/train/run_identity.py) among the folders beside either (a LoRA run
+renamed), so a run moved or renamed keeps its pin.
 A base folder the LoRA run cannot write (read-only, another user's) gets a
 warning, not a refusal: nothing there deletes steps unless it trains.
 """
@@ -46,9 +48,12 @@ def record_pin(step_dir, by_run_dir, say=print) -> None:
     base_run_dir = run_dir_of(step_dir)
     if base_run_dir is None or not step_dir.name.isdigit():
         return
+    from spillway.recipes.train.run_identity import run_identity
+
     record = _record_path(base_run_dir, by_run_dir)
     text = json.dumps({"step": int(step_dir.name), "run": str(by_run_dir),
-                       "relative": os.path.relpath(by_run_dir.resolve(), base_run_dir.resolve())}) + "\n"
+                       "relative": os.path.relpath(by_run_dir.resolve(), base_run_dir.resolve()),
+                       "run_id": run_identity(by_run_dir)}) + "\n"
     try:
         if record.is_file() and record.read_text() == text:
             return
@@ -69,14 +74,31 @@ def pinned_steps(checkpoints_dir) -> set[int]:
     for record in folder.glob("*.json") if folder.is_dir() else ():
         try:
             pin = json.loads(record.read_text())
-            step, by, relative = int(pin["step"]), Path(pin["run"]), pin.get("relative")
+            step, by, relative, run_id = int(pin["step"]), Path(pin["run"]), pin.get("relative"), pin.get("run_id")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        # where it was, or where it is now with this run when both moved together (records before `relative`:
-        # the first alone)
-        if by.is_dir() or (isinstance(relative, str) and (folder.parent.resolve() / relative).is_dir()):
+        moved = folder.parent.resolve() / relative if isinstance(relative, str) else None
+        if _still_there(by, moved, run_id):
             steps.add(step)
     return steps
+
+
+def _still_there(by: Path, moved: Path | None, run_id) -> bool:
+    """Whether the LoRA run of a record is still there (module docstring); records written before `relative`
+    and `run_id` are looked for at `by` alone."""
+    if by.is_dir() or (moved is not None and moved.is_dir()):
+        return True
+    if not isinstance(run_id, str):
+        return False
+    from spillway.recipes.train.run_identity import run_identity
+
+    for parent in {by.parent, *((moved.parent,) if moved is not None else ())}:
+        try:
+            if any(run_identity(beside) == run_id for beside in parent.iterdir() if beside.is_dir()):
+                return True
+        except OSError:   # a parent gone too, or unreadable
+            continue
+    return False
 
 
 class PinnedSteps:

@@ -211,7 +211,6 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     if main:
         save_run_tokenizer(tokenizer, run_dir, recipe)  # `spillway generate RUN_DIR` needs it (and the chat template)
         keep_base_generation(recipe, run_dir, tokenizer.vocab_size)   # the base's stop ids, kept with the run
-        keep_run_identity(run_dir)   # what its exports record of it, wherever the folder goes
     _run_steps(recipe, run_dir, s, state, feed, checkpointer, logger, lock, main=main, say=say, progress=progress,
                stop_after=stop_after)
     checkpointer.wait()
@@ -246,6 +245,8 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say, named_base: s
         if saved is not None:
             recipe = lora_state.keep_started_base(recipe, named_base, saved)
             lora_state.check_same_base(recipe, saved, checkpointer.step_dir(candidates[0]))
+    if jax.process_index() == 0:
+        keep_run_identity(run_dir)   # what its exports and its base's pin record of it, wherever the folder goes
     if recipe.lora.enabled and recipe.checkpoint.init_from and jax.process_index() == 0:
         from spillway.recipes.train.base_pins import record_pin
         record_pin(recipe.checkpoint.init_from, run_dir, say)   # the base run's retention keeps that step

@@ -139,3 +139,21 @@ def test_the_command_that_started_a_lora_run_resumes_it_in_the_moved_project(mic
     resumed = json.loads((tmp_path / "moved" / "runs" / "lora" / "checkpoints" / "2" / "recipe" / "recipe.json")
                          .read_text())["checkpoint"]
     assert resumed["init_from"] == str(tmp_path / "moved" / "runs" / "base" / "checkpoints" / "1")
+
+
+def test_a_pin_survives_the_lora_run_renamed(tmp_path):
+    """`mv runs/lora runs/lora2`: the record's absolute and relative paths named nothing, and the base run's next
+    save deleted the step the renamed run's adapters stand on. It is found by its id beside where it was."""
+    from spillway.recipes.train.base_pins import pinned_steps, record_pin
+    from spillway.recipes.train.run_identity import keep_run_identity
+
+    step = tmp_path / "runs" / "base" / "checkpoints" / "7"
+    step.mkdir(parents=True)
+    (tmp_path / "runs" / "lora").mkdir()
+    keep_run_identity(tmp_path / "runs" / "lora")   # as the LoRA run's start keeps it
+    record_pin(step, tmp_path / "runs" / "lora")
+    (tmp_path / "runs" / "lora").rename(tmp_path / "runs" / "lora2")
+    (tmp_path / "runs" / "other").mkdir()   # another folder beside it: no id, not the run
+    assert pinned_steps(tmp_path / "runs" / "base" / "checkpoints") == {7}
+    shutil.rmtree(tmp_path / "runs" / "lora2")
+    assert pinned_steps(tmp_path / "runs" / "base" / "checkpoints") == set()
