@@ -117,10 +117,10 @@ def base_where_the_run_went(recipe: Recipe, step_dir) -> Recipe:
     run_dir = run_dir_of(Path(step_dir))
     if run_dir is None:
         return recipe
-    from spillway.recipes.train.base_digest import base_digest
+    from spillway.recipes.train.base_digest import holds_digest
 
     found = Path(os.path.normpath(Path(run_dir).resolve() / pointer.init_from_relative))
-    if not found.exists() or base_digest(found) != pointer.init_from_digest:
+    if not found.exists() or not holds_digest(found, pointer.init_from_digest):
         return recipe
     prefix = HF_PREFIX if pointer.init_from.startswith(HF_PREFIX) else ""
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(pointer, init_from=prefix + str(found)))
@@ -216,10 +216,10 @@ def check_base_unchanged(recipe: Recipe) -> None:
     expected = recipe.checkpoint.init_from_digest
     if not recipe.lora.enabled or expected is None:
         return
-    from spillway.recipes.train.base_digest import base_digest
+    from spillway.recipes.train.base_digest import holds_digest
 
     folder = _base_folder(recipe.checkpoint.init_from)
-    if folder.exists() and base_digest(folder) != expected:   # a missing one: the load names it
+    if folder.exists() and not holds_digest(folder, expected):   # a missing one: the load names it
         raise _other_base(recipe.checkpoint.init_from)
 
 
@@ -269,20 +269,25 @@ def check_same_base(recipe: Recipe, saved_recipe_json: str, where) -> None:
     import json
 
     from spillway.layers.errors import ConfigError
+    from spillway.recipes.train.base_digest import VERSION, holds_digest
 
     if not recipe.lora.enabled:
         return
     saved_checkpoint = json.loads(saved_recipe_json).get("checkpoint") or {}
     saved = saved_checkpoint.get("init_from")
     digest, now = saved_checkpoint.get("init_from_digest"), recipe.checkpoint.init_from_digest
+    # the base as it is now has the saved digest, taken as that one was (a legacy digest by its own reads)
+    same_files = digest is not None and now is not None and (
+        digest == now or (not digest.startswith(VERSION) and holds_digest(_base_folder(recipe.checkpoint.init_from),
+                                                                         digest)))
     # A base moved (gone from where the run started) and named at its new place: the same files by the digest.
     # Where the old place still holds a base, that one stays the run's: the digest samples files, not every
     # byte, and is no proof that another folder holds the same weights.
-    moved = digest is not None and digest == now and not _base_exists(saved)
+    moved = same_files and not _base_exists(saved)
     if not (_same_base_path(saved, recipe.checkpoint.init_from) or moved):
         raise ConfigError(f"{where}: this LoRA run's adapters were trained on checkpoint.init_from={saved}, but "
                           f"the run now names {recipe.checkpoint.init_from}: resume with the same base (or train "
                           f"into a new checkpoint.dir)")
     # the pinned recipe's digest is the base's files as they are now, read once at this start
-    if digest is not None and now is not None and digest != now:   # None: saved before digests, or base missing
+    if digest is not None and now is not None and not same_files:   # None: saved before digests, or base missing
         raise _other_base(recipe.checkpoint.init_from, f"{where}: ")

@@ -423,3 +423,42 @@ def test_the_bases_relative_place_is_read_between_real_paths(tmp_path):
     pinned = pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'real' / 'bases' / 'tiny'}",
                                   f"checkpoint.dir={tmp_path / 'link' / 'runs' / 'lora'}"))
     assert pinned.checkpoint.init_from_relative == "../../bases/tiny"
+
+
+def test_the_base_digest_reads_every_tensor_of_a_safetensors_base(tmp_path):
+    """Another model at the base's path whose differences lay in none of the three 64 KiB file windows (a
+    fine-tune merged into a few projections) had the same digest: every tensor's data is now read at its start
+    and end. A digest kept before (legacy) is still compared by its own reads."""
+    from safetensors.numpy import save_file
+
+    from spillway.recipes.train.base_digest import _digest, base_digest, holds_digest
+
+    tensors = {f"layer{k}.weight": np.full((512, 512), k, np.float32) for k in range(8)}   # 1 MiB each
+    for name, folder in (("base", tmp_path / "base"), ("other", tmp_path / "other")):
+        folder.mkdir()
+        changed = dict(tensors, **({"layer1.weight": tensors["layer1.weight"] * 1.01} if name == "other" else {}))
+        save_file(changed, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text("{}")
+    legacy = _digest(tmp_path / "base", per_tensor=False)
+    assert legacy == _digest(tmp_path / "other", per_tensor=False)   # what the file windows alone saw
+    assert base_digest(tmp_path / "base") != base_digest(tmp_path / "other")
+    assert holds_digest(tmp_path / "base", base_digest(tmp_path / "base"))
+    assert not holds_digest(tmp_path / "other", base_digest(tmp_path / "base"))
+    assert holds_digest(tmp_path / "base", legacy)   # a run that kept a legacy digest still resumes
+
+
+def test_a_run_that_kept_a_legacy_base_digest_resumes_on_the_same_base_only(tmp_path):
+    from spillway.models.hf import to_hf
+    from spillway.recipes.train.base_digest import _digest
+    from spillway.recipes.train.checkpoint import CheckpointError
+    from spillway.recipes.train.lora_state import check_same_base, pin_base
+
+    to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(0)), tmp_path / "base")
+    recipe = pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'base'}"))
+    saved = json.loads(recipe.to_json())
+    saved["checkpoint"]["init_from_digest"] = _digest(tmp_path / "base", per_tensor=False)   # as kept before
+    check_same_base(recipe, json.dumps(saved), "runs/x/checkpoints/2")
+    to_hf(get_recipe("tiny", SMALL).build_model(nnx.Rngs(7)), tmp_path / "base")   # other weights there
+    with pytest.raises(CheckpointError, match="holds other weights"):
+        check_same_base(pin_base(lora_recipe(f"checkpoint.init_from=hf:{tmp_path / 'base'}")), json.dumps(saved),
+                        "runs/x/checkpoints/2")
