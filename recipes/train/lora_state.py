@@ -107,23 +107,34 @@ def base_where_the_run_went(recipe: Recipe, step_dir) -> Recipe:
     pinned absolute path gone, the base found at the place it had relative to the run folder
     (`checkpoint.init_from_relative`) holding the same files (its digest). Otherwise `recipe` as it is (a
     missing base is named by the read)."""
-    from spillway.recipes.train.checkpoint import run_dir_of
     from spillway.recipes.train.init_weights import HF_PREFIX
 
     pointer = recipe.checkpoint
-    if (not recipe.lora.enabled or not pointer.init_from or not pointer.init_from_relative
-            or pointer.init_from_digest is None or _base_exists(pointer.init_from)):
-        return recipe
-    run_dir = run_dir_of(Path(step_dir))
-    if run_dir is None:
+    found = _at_its_relative_place(recipe, step_dir)
+    if found is None or _base_exists(pointer.init_from):
         return recipe
     from spillway.recipes.train.base_digest import holds_digest
 
-    found = Path(os.path.normpath(Path(run_dir).resolve() / pointer.init_from_relative))
-    if not found.exists() or not holds_digest(found, pointer.init_from_digest):
+    if not holds_digest(found, pointer.init_from_digest):   # other weights there: the read names it
         return recipe
     prefix = HF_PREFIX if pointer.init_from.startswith(HF_PREFIX) else ""
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(pointer, init_from=prefix + str(found)))
+
+
+def _at_its_relative_place(recipe: Recipe, step_dir) -> Path | None:
+    """What is at the place a LoRA run's base had relative to its run folder (`checkpoint.init_from_relative`),
+    seen from the run folder of `step_dir` now, if anything is; None too for a run without that record."""
+    from spillway.recipes.train.checkpoint import run_dir_of
+
+    pointer = recipe.checkpoint
+    if (not recipe.lora.enabled or not pointer.init_from or not pointer.init_from_relative
+            or pointer.init_from_digest is None):
+        return None
+    run_dir = run_dir_of(Path(step_dir))
+    if run_dir is None:
+        return None
+    found = Path(os.path.normpath(Path(run_dir).resolve() / pointer.init_from_relative))
+    return found if found.exists() else None
 
 
 def keep_started_base(recipe: Recipe, named: str | None, saved_recipe_json: str) -> Recipe:
@@ -191,16 +202,19 @@ def restore_run_params(step_dir, recipe: Recipe, abstract_params, with_base: boo
         return restore_params_only(step_dir, abstract_params)[0]
     abstract_adapters, abstract_base = split(abstract_params)
     adapters = restore_params_only(step_dir, abstract_adapters)[0]
-    base = _load_base_weights(recipe, abstract_base) if with_base else abstract_base
+    base = _load_base_weights(recipe, abstract_base, step_dir) if with_base else abstract_base
     return join(adapters, base)
 
 
-def _load_base_weights(recipe: Recipe, abstract_base):
+def _load_base_weights(recipe: Recipe, abstract_base, step_dir):
     from spillway.recipes.train.init_weights import load_init_weights
 
     init_from = recipe.checkpoint.init_from
     if init_from and not _base_folder(init_from).exists():
         from spillway.recipes.train.checkpoint import CheckpointError
+        elsewhere = _at_its_relative_place(recipe, step_dir)
+        if elsewhere is not None:   # (base_where_the_run_went took it if its files were the base's)
+            raise _other_base(f"{init_from} is gone, and {elsewhere} (at its place relative to the run folder)")
         raise CheckpointError(f"the LoRA run's base checkpoint.init_from={init_from} does not exist any more: "
                               f"its adapters need it. Put it back; or, where it moved, train the run on a step "
                               f"naming its new place (--set checkpoint.init_from=... --set train.steps=<one more>: "

@@ -75,6 +75,14 @@ def test_a_lora_run_generates_and_exports_from_where_the_project_tree_moved(micr
         capsys.readouterr().err
     assert cli.main(["export", str(tmp_path / "moved" / "lora"), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # other weights at that place: named as such, not as a base that "does not exist any more"
+    assert _train(micro_data_cache, tmp_path / "other", "train.steps=1", "train.seed=7") == 0
+    shutil.rmtree(tmp_path / "moved" / "base")
+    shutil.move(tmp_path / "other", tmp_path / "moved" / "base")
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "moved" / "lora"), "--prompt", "The", "--tokens", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "is gone, and " in err and "holds other weights than those its adapters were trained on" in err, err
 
 
 def test_a_base_folder_that_cannot_be_written_is_a_warning(tmp_path):
