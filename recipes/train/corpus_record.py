@@ -136,6 +136,8 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
     for name in sorted(set(saved_sources) | set(now_sources)):
         before, after = saved_sources.get(name), now_sources.get(name)
         label = "" if set(now_sources) == {"corpus"} else f"source {name!r}: "
+        if _moved_whole(before, after):   # the same files at another place (the project folder moved)
+            continue
         if before is None or after is None or before.get("source") != after.get("source"):
             phrases.append(f"{label}was {before and before.get('source')!r}, now {after and after.get('source')!r}")
             continue
@@ -153,6 +155,37 @@ def corpus_differences(saved: dict, now: dict) -> list[str]:
             first = next(path for path, was in zip(new_files, old_files) if path != was)
             phrases.append(f"{label}the same files are read in another order now (first moved: {first})")
     return phrases
+
+
+def _below_their_root(files: dict) -> list:
+    """A source's recorded files as [(path below their common folder, [size, mtime])], in the order read."""
+    if not files:
+        return []
+    root = os.path.commonpath(list(files)) if len(files) > 1 else os.path.dirname(next(iter(files)))
+    return [(os.path.relpath(path, root), stat) for path, stat in files.items()]
+
+
+def _moved_whole(before: dict | None, after: dict | None) -> bool:
+    """Whether two records of a local source are the same files in the same order, each of the same size and
+    modification time, below another folder: a project moved with its data (`mv` keeps the times; a copy that
+    does not is a changed corpus, as for any file)."""
+    if not (before and after and before.get("files") and after.get("files")):
+        return False
+    return _below_their_root(before["files"]) == _below_their_root(after["files"])
+
+
+def corpus_moved_with_the_run(recipe: Recipe) -> bool:
+    """Whether the corpus the run recorded when it started is, file for file, the one `recipe` names now below
+    another folder (data.source named at the project's new place): what lets data.source and data.mixture
+    differ on a resume (recipes/train/resume.py). False where the record is missing or unreadable."""
+    try:
+        saved = json.loads((Path(recipe.run_dir) / CORPUS_RECORD_FILENAME).read_text())
+        now = describe_corpus(recipe)
+    except (OSError, ValueError):
+        return False
+    saved_sources, now_sources = saved.get("sources", {}), now.get("sources", {})
+    return (set(saved_sources) == set(now_sources) and not corpus_differences(saved, now)
+            and all(_moved_whole(saved_sources[name], now_sources[name]) for name in now_sources))
 
 
 def record_corpus(run_dir: str | os.PathLike, recipe: Recipe) -> Path:
@@ -187,7 +220,10 @@ def check_corpus(run_dir: str | os.PathLike, recipe: Recipe, *, resuming: bool, 
     except (OSError, json.JSONDecodeError) as e:
         raise CorpusChangedError(f"{path}: unreadable ({e}); delete it to resume on the corpus as it is "
                                  f"now") from e
-    differences = corpus_differences(saved, describe_corpus(recipe))
+    now = describe_corpus(recipe)
+    differences = corpus_differences(saved, now)
+    if not differences and now != saved:   # the same files at another place: the record follows them
+        record_corpus(run_dir, recipe)
     if differences:
         raise CorpusChangedError(
             f"{run_dir}: cannot resume: the corpus changed since this run started ({'; '.join(differences)}). "

@@ -137,6 +137,32 @@ def _same_mixture(before: Any, after: Any, _new: dict) -> bool:
         return False
 
 
+def _same_corpus_moved(before: Any, after: Any, new: dict) -> bool:
+    """A data.source (or a mixture's sources) named at another place holds the same corpus where the run's record
+    of it (corpus.json) matches the files there file for file: the project moved with its data."""
+    from spillway.recipes.train.corpus_record import corpus_moved_with_the_run
+
+    try:
+        return isinstance(before, str) and isinstance(after, str) and corpus_moved_with_the_run(Recipe.from_dict(new))
+    except (ValueError, TypeError):
+        return False
+
+
+def _same_mixture_moved(before: Any, after: Any, new: dict) -> bool:
+    """A mixture of the same names and weights, in the same order, whose sources moved with the project."""
+    from spillway.data import parse_mixture
+
+    def weighted(text):
+        components = parse_mixture(text)
+        total = sum(c.weight for c in components)
+        return [(c.name, c.weight / total) for c in components]
+    try:
+        return (isinstance(before, str) and isinstance(after, str) and weighted(before) == weighted(after)
+                and _same_corpus_moved(before, after, new))
+    except ValueError:
+        return False
+
+
 def _same_lora_targets(before: Any, after: Any, new: dict) -> bool:
     """Two lora.targets name the same adapters where they resolve to the same projections of the run's model:
     another order, a module's whole name for its last part, or GPT-2's c_attn for the default (q_proj, v_proj)
@@ -162,7 +188,8 @@ def _lora_off(before: Any, after: Any, new: dict) -> bool:
 
 
 # fields whose saved and new values may differ as text and still mean the same thing
-_EQUIVALENT = {"data.tokenizer": _same_tokenizer_file, "data.mixture": _same_mixture,
+_EQUIVALENT = {"data.tokenizer": _same_tokenizer_file, "data.source": _same_corpus_moved,
+               "data.mixture": lambda *args: _same_mixture(*args) or _same_mixture_moved(*args),
                "lora.targets": _same_lora_targets, "lora.alpha": _lora_off, "lora.dropout": _lora_off}
 
 

@@ -90,6 +90,21 @@ def test_a_resumed_run_whose_corpus_was_edited_fails_naming_what_changed(cache_d
     assert saved_steps(run_dir) == [2]
 
 
+def test_a_run_moved_with_its_corpus_resumes_naming_the_corpus_at_its_new_place(cache_dir, run_and_corpus,
+                                                                                   tmp_path):
+    """A project folder moved whole (`mv`, which keeps the files' times): data.source named at its new place was
+    "data.source was ... in the saved run", and named relatively, corpus.json's absolute paths made every file
+    "removed" and "added". The same files below another folder are the same corpus; an edited one is not."""
+    corpus, run_dir = run_and_corpus
+    shutil.move(tmp_path, tmp_path.with_name(tmp_path.name + "-moved"))
+    moved = tmp_path.with_name(tmp_path.name + "-moved")
+    assert resume(cache_dir, moved / "run", moved / "corpus").final_step == 3
+    edited = sorted((moved / "corpus").iterdir())[0]
+    edited.write_bytes(edited.read_bytes()[:200])
+    with pytest.raises(CorpusChangedError, match="changed \\(size or modification time\\)"):
+        resume(cache_dir, moved / "run", moved / "corpus", steps=4)
+
+
 @pytest.mark.slow  # four runs of the micro recipe: about a minute on 2 cores
 def test_an_accepted_edited_corpus_keeps_the_run_tokenizer_and_a_new_row_count_says_the_corpus_changed(
         cache_dir, run_and_corpus):
