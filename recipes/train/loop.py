@@ -247,9 +247,9 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say, named_base: s
             lora_state.check_same_base(recipe, saved, checkpointer.step_dir(candidates[0]))
     if jax.process_index() == 0:
         keep_run_identity(run_dir)   # what its exports and its base's pin record of it, wherever the folder goes
-    if recipe.lora.enabled and recipe.checkpoint.init_from and jax.process_index() == 0:
-        from spillway.recipes.train.base_pins import record_pin
-        record_pin(recipe.checkpoint.init_from, run_dir, say)   # the base run's retention keeps that step
+        if recipe.lora.enabled and recipe.checkpoint.init_from:
+            from spillway.recipes.train.base_pins import record_pin
+            record_pin(recipe.checkpoint.init_from, run_dir, say)   # the base run's retention keeps that step
     # an edited corpus fails here too; a resume without a record records it once resumed (True)
     record_corpus_now = check_corpus(run_dir, recipe, resuming=bool(candidates), say=say)
     # A resumed run tokenizes with the tokenizer it trained with, never one retrained (corpus_record.py): its

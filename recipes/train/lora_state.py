@@ -96,10 +96,20 @@ def pin_base(recipe: Recipe) -> Recipe:
         folder = folder.absolute()
         init_from = HF_PREFIX + str(folder)
     digest = base_digest(folder) if folder.exists() else None   # a missing base is named by the preflight
-    # between real paths: a project folder reached through a symlink names its run by the link, its base resolved
-    relative = os.path.relpath(Path(folder).resolve(), Path(recipe.run_dir).resolve())
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
-        recipe.checkpoint, init_from=init_from, init_from_digest=digest, init_from_relative=relative))
+        recipe.checkpoint, init_from=init_from, init_from_digest=digest,
+        init_from_relative=_seen_from(recipe.run_dir, folder)))
+
+
+def _seen_from(run_dir, base) -> str:
+    """`base`'s path relative to `run_dir` (`checkpoint.init_from_relative`), between real paths: a project
+    folder reached through a symlink names its run by the link and its base resolved."""
+    return os.path.relpath(Path(base).resolve(), Path(run_dir).resolve())
+
+
+def _place_from(run_dir, relative: str) -> Path:
+    """The folder at `relative` (a `_seen_from` path) from `run_dir` as it is now."""
+    return Path(os.path.normpath(Path(run_dir).resolve() / relative))
 
 
 def base_where_the_run_went(recipe: Recipe, step_dir) -> Recipe:
@@ -133,7 +143,7 @@ def _at_its_relative_place(recipe: Recipe, step_dir) -> Path | None:
     run_dir = run_dir_of(Path(step_dir))
     if run_dir is None:
         return None
-    found = Path(os.path.normpath(Path(run_dir).resolve() / pointer.init_from_relative))
+    found = _place_from(run_dir, pointer.init_from_relative)
     return found if found.exists() else None
 
 
@@ -154,7 +164,7 @@ def keep_started_base(recipe: Recipe, named: str | None, saved_recipe_json: str)
             or Path(named).expanduser().absolute() == Path(pinned)):   # named a step folder itself
         return recipe
     if not Path(saved).exists() and isinstance(relative, str):   # the project moved: that step at its new place
-        moved = Path(os.path.normpath(Path(recipe.run_dir).resolve() / relative))
+        moved = _place_from(recipe.run_dir, relative)
         saved = str(moved) if moved.exists() else saved
     if Path(saved).parent.resolve() != Path(checkpoint_dir_of(named)).resolve():   # a step of another run:
         return recipe                                                              # check_same_base says so
@@ -163,7 +173,7 @@ def keep_started_base(recipe: Recipe, named: str | None, saved_recipe_json: str)
     digest = base_digest(Path(saved)) if Path(saved).exists() else None   # a missing base: the load names it
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(
         recipe.checkpoint, init_from=saved, init_from_digest=digest,
-        init_from_relative=os.path.relpath(Path(saved).resolve(), Path(recipe.run_dir).resolve())))
+        init_from_relative=_seen_from(recipe.run_dir, saved)))
 
 
 def initial_adapters(recipe: Recipe, param_shardings):

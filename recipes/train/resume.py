@@ -121,18 +121,22 @@ def _same_tokenizer_file(before: Any, after: Any, new: dict) -> bool:
         return False
 
 
+def _normalised_mixture(text: str) -> list[tuple[str, str, float]]:
+    """(name, source, share of the weight) of each source of a data.mixture text, in its order."""
+    from spillway.data import parse_mixture
+
+    components = parse_mixture(text)
+    total = sum(c.weight for c in components)
+    return [(c.name, c.source, c.weight / total) for c in components]
+
+
 def _same_mixture(before: Any, after: Any, _new: dict) -> bool:
     """Two data.mixture texts name the same mixture if they parse to the same sources, names and order, with
     weights equal once normalised (a space added, 7:3 for 0.7:0.3): the loader draws the same batches. The
     order stays part of it (the loader breaks ties between sources in that order)."""
-    from spillway.data import parse_mixture
-
-    def parsed(text):
-        components = parse_mixture(text)
-        total = sum(c.weight for c in components)
-        return [(c.name, c.source, c.weight / total) for c in components]
     try:
-        return isinstance(before, str) and isinstance(after, str) and parsed(before) == parsed(after)
+        return (isinstance(before, str) and isinstance(after, str)
+                and _normalised_mixture(before) == _normalised_mixture(after))
     except ValueError:
         return False
 
@@ -150,12 +154,8 @@ def _same_corpus_moved(before: Any, after: Any, new: dict) -> bool:
 
 def _same_mixture_moved(before: Any, after: Any, new: dict) -> bool:
     """A mixture of the same names and weights, in the same order, whose sources moved with the project."""
-    from spillway.data import parse_mixture
-
     def weighted(text):
-        components = parse_mixture(text)
-        total = sum(c.weight for c in components)
-        return [(c.name, c.weight / total) for c in components]
+        return [(name, share) for name, _, share in _normalised_mixture(text)]
     try:
         return (isinstance(before, str) and isinstance(after, str) and weighted(before) == weighted(after)
                 and _same_corpus_moved(before, after, new))

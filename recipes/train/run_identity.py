@@ -31,11 +31,11 @@ def _kept(run_dir: Path) -> tuple[str, str] | None:
 
 def _a_copy(run_dir: Path, run_id: str, folder: str) -> bool:
     """Whether the run whose id was written in `folder` is still there, so that `run_dir` is a copy of it."""
-    here = Path(run_dir).resolve()
-    if Path(folder) == here:
+    there = Path(folder).resolve()
+    if there == Path(run_dir).resolve():
         return False
-    original = _kept(Path(folder))
-    return original is not None and original[0] == run_id and Path(folder).resolve() != here
+    original = _kept(there)
+    return original is not None and original[0] == run_id
 
 
 def run_identity(run_dir: Path) -> str | None:
