@@ -28,10 +28,10 @@ smallest piece that does, on orbax's own type-handler interface:
   path, the async one with whole staging), and a `restore` that reads every
   leaf in pieces.
 
-A piece is taken from the shard where it lies: a slice made in the shard's
-own memory (the host CPU slices a pinned-host shard, the device a device
-shard; on CPU a plain compiled slice) and copied into NumPy: one piece, never
-the shard (NumPy's view of a whole jax CPU array is a copy of it). The writes run in the caller's thread,
+A piece is taken from the shard where it lies (piece_take.py: a device
+shard sliced by the device, a pinned-host shard read by the device a row
+block at a time; on CPU a plain compiled slice) and copied into NumPy: one
+piece, never the shard. The writes run in the caller's thread,
 before `save` returns (the step after a save donates the state, so nothing may
 read it later), while tensorstore writes the previous pieces.
 """
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -55,6 +54,7 @@ from orbax.checkpoint._src.serialization import type_handler_registry, types
 
 # One zarr chunk, and so one piece in host memory, at most PIECE_BYTES; PIECES_IN_FLIGHT writes at once. What
 # that holds is the planner's too (host_memory.PIECES_STAGING_BYTES), hence the constants live there.
+from spillway.recipes.train import piece_take
 from spillway.recipes.train.checkpoint_read import PiecesRestoreArgs, read_leaves, restore_args_of, saved_struct_of
 from spillway.recipes.train.host_memory import SAVE_PIECE_BYTES as PIECE_BYTES  # noqa: E402
 from spillway.recipes.train.host_memory import SAVE_PIECES_IN_FLIGHT as PIECES_IN_FLIGHT  # noqa: E402
@@ -102,33 +102,9 @@ def joined_structure(tree):
 # -- taking one piece out of a shard -------------------------------------------------------------------
 
 
-@functools.cache
-def _slicer(sizes: tuple[int, ...], on_host: bool):
-    """A compiled slice of `sizes` at dynamic starts, run where the shard lies (one compile per piece shape)."""
-    def take(x, starts):
-        return jax.lax.dynamic_slice(x, tuple(starts[i] for i in range(len(sizes))), sizes)
-    if on_host:
-        from spillway.layers import jax_compat
-        return jax_compat.on_host(take, out_memory_spaces=jax.memory.Space.Host)
-    return jax.jit(take)
-
-
-def _platform(array: jax.Array) -> str:
-    # from the sharding's device set: a shard's own .devices() came back empty for the host part of a
-    # ResidentSplit (offload.optimizer_state=host:N) on jax 0.10.2
-    return next(iter(array.sharding.device_set)).platform
-
-
 def _piece(shard: jax.Array, index: tuple[slice, ...]) -> np.ndarray:
-    """Rows/columns `index` of a single-device array, in NumPy, copying the piece only."""
-    if shard.ndim == 0:
-        return np.asarray(shard)
-    sizes = tuple(s.stop - s.start for s in index)
-    # np.asarray of a jax CPU array copies the whole buffer (jax 0.10.2): slice first, on CPU too, where every
-    # memory kind is this RAM and a plain jit slices any of them
-    on_host = shard.sharding.memory_kind not in (None, "device") and _platform(shard) != "cpu"
-    starts = np.array([s.start for s in index], np.int32)
-    return np.asarray(_slicer(sizes, on_host)(shard, starts))
+    """Rows/columns `index` of a single-device array, in NumPy, copying the piece only (piece_take.py)."""
+    return piece_take.take_piece(shard, index)
 
 
 def _chunk_indices(shard_shape: tuple[int, ...], chunk_shape: tuple[int, ...]):
@@ -208,23 +184,30 @@ class PieceWiseArrayHandler(jax_array_handlers.ArrayHandler):
             await _started(ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context))
         array = await _started(ts.open(ts.Spec(spec.json), open=True, assume_metadata=True,
                                        context=info.ts_context))
+        await self._write_pieces(value, array, chunk_shape)
+        return spec.metadata
+
+    async def _write_pieces(self, value: RowPieces, array, chunk_shape: tuple[int, ...]) -> None:
         in_flight: collections.deque = collections.deque()
         row_offset = 0
         for part in value.parts:
             part_shard = tuple(part.sharding.shard_shape(part.shape)) if value.ndim else ()
             for target, data in _shard_slices(part, row_offset, self._replica_id):
-                for local in _chunk_indices(part_shard, chunk_shape):
-                    piece = _piece(data, local)   # the only copy: one chunk
-                    where = tuple(slice(t.start + c.start, t.start + c.stop) for t, c in zip(target, local))
-                    # the piece is ours or a view of the state, which nothing writes before this save returns: no copy
-                    in_flight.append(_started(array[where].write(piece,
-                                                                   can_reference_source_data_indefinitely=True)))
-                    while len(in_flight) >= PIECES_IN_FLIGHT:
-                        await in_flight.popleft()
+                try:
+                    for local in _chunk_indices(part_shard, chunk_shape):
+                        piece = _piece(data, local)   # the only copy: one chunk
+                        where = tuple(slice(t.start + c.start, t.start + c.stop) for t, c in zip(target, local))
+                        # the piece is ours or a view of the state, which nothing writes before this save
+                        # returns: no copy
+                        in_flight.append(_started(array[where].write(piece,
+                                                                       can_reference_source_data_indefinitely=True)))
+                        while len(in_flight) >= PIECES_IN_FLIGHT:
+                            await in_flight.popleft()
+                finally:
+                    piece_take.release(data)   # no slab of it stays in HBM, written or failed
             row_offset += part.shape[0] if value.ndim else 0
         while in_flight:
             await in_flight.popleft()
-        return spec.metadata
 
     async def _write_shardings(self, values: Sequence[RowPieces], infos: Sequence[types.ParamInfo]):
         """The `_sharding` file orbax writes beside the arrays (what a restore without a target reads)."""
