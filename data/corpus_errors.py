@@ -108,6 +108,9 @@ def first_json_error(path: Path) -> str | None:
     if read_as_lines(path):
         with open_binary(path) as f:
             for number, raw in enumerate(f, start=1):
+                if number > 1 and raw.startswith(UTF8_BOM):   # pyarrow drops only the file's own first one
+                    return (f"line {number}: a UTF-8 byte order mark (BOM) opens it, inside the file (files "
+                            f"joined with cat keep each one's); remove it (sed -i '2,$ s/^\\xEF\\xBB\\xBF//' FILE)")
                 _, problem = parse_jsonl_line(raw.rstrip(b"\r\n"))
                 if problem is not None:
                     advice = _what_to_do(problem, last=not raw.endswith(b"\n"))

@@ -25,6 +25,8 @@ BAD_LINES = {
     "not valid JSON (Unterminated string": b'{"text": "unterminated}\n',
     "not valid JSON (Invalid control character": b'{"text": "a\tb"}\n',
     "a string holds a lone UTF-16 surrogate": b'{"text": "a \\ud800 b"}\n',
+    # a file joined with `cat` from files that each opened with a BOM: pyarrow reads the first one only
+    "a UTF-8 byte order mark (BOM) opens it": b'\xef\xbb\xbf{"text": "joined"}\n',
 }
 
 
