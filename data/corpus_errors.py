@@ -318,6 +318,29 @@ def format_hint(fields) -> str:
     return ""
 
 
+def records_under(document, wanted: Sequence[str]) -> str:
+    """'; its records are in a list under "data" ...' where `document` (a record, or a .json file's one object)
+    holds in a field a list of objects with one of the `wanted` fields: a file written {"data": [...]}, as
+    SQuAD's and many exports are, whose one "record" is the wrapper. Else ""."""
+    if not isinstance(document, dict):
+        return ""
+    name = next((name for name, value in document.items() if isinstance(value, list) and
+                 any(isinstance(item, dict) and not set(wanted).isdisjoint(item) for item in value[:100])), None)
+    return ("" if name is None else f"; its records are in a list under {name!r}: records are read as JSON "
+            f"lines or one JSON array: store that list itself (jq '.{name}' FILE > NEW.json)")
+
+
+def _json_object(path: Path) -> dict | None:
+    """The one object a small `.json` file holds (read only to name what it holds), or None."""
+    if corpus_suffix(path) != ".json" or json_kind(path) == "array" or path.stat().st_size > _FIELDS_READ_MAX_BYTES:
+        return None
+    try:
+        document = json.loads(read_bytes(path).removeprefix(UTF8_BOM).decode("utf-8", errors="replace"))
+    except (OSError, ValueError, DataError):   # unreadable or not JSON: the other checks name it
+        return None
+    return document if isinstance(document, dict) else None
+
+
 def missing_text_field(source: str, text_field: str, files: Sequence[Path]) -> DataError:
     """No record of a source whose schema was unknown until read has `text_field`: named with the fields the
     first file's first record has (the same error a source read whole gets from `select_text_column`)."""
@@ -325,7 +348,8 @@ def missing_text_field(source: str, text_field: str, files: Sequence[Path]) -> D
     held = f"; its records' fields are {list(fields)}" if fields is not None else ""
     return DataError(f"source {source!r} has no text field {text_field!r}{held} (data.text_field names the field "
                      f"holding the text; --text-field for python -m spillway.data){format_hint(fields)}"
-                     f"{normalization_hint(text_field, fields)}")
+                     f"{normalization_hint(text_field, fields)}"
+                     f"{records_under(_json_object(files[0]) if files else None, (text_field,))}")
 
 
 def normalization_hint(text_field: str, fields) -> str:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from spillway.layers.errors import DataError
 
-from .corpus_errors import first_json_error, json_kind, parse_jsonl_line, unreadable_corpus
+from .corpus_errors import first_json_error, json_kind, parse_jsonl_line, records_under, unreadable_corpus
 from .local_files import SAVED, UTF8_BOM, corpus_suffix, open_binary, read_bytes
 from .record_documents import readable_by_field
 from .sources import TEXT_SUFFIXES, load_local_files, parse_hub_spec, parse_local_spec
@@ -205,7 +205,8 @@ def chat_messages(record: Record) -> list[dict]:
         raw, role_key, text_key, sharegpt = fields["conversations"], "from", "value", True
     else:
         hint = ("; a text corpus? set data.format=text" if "text" in fields else
-                "; an instruction record? set data.format=instruct" if "instruction" in fields else "")
+                "; an instruction record? set data.format=instruct" if "instruction" in fields else
+                records_under(fields, ("messages", "conversations")))
         raise DataError(f"data.format=chat: record {_where_fields(record)} has no \"messages\" (a list of "
                         f"{{\"role\", \"content\"}}) or \"conversations\" (a list of {{\"from\", \"value\"}})"
                         f"{hint}")
@@ -247,7 +248,8 @@ def instruct_messages(record: Record) -> list[dict]:
     if missing or not (fields.get("input") is None or _text(fields.get("input"))):
         need = ", ".join(f'"{name}"' for name in missing) or '"input" as a string'
         # a chat file read as instructions
-        hint = "; a chat record? set data.format=chat" if "messages" in fields or "conversations" in fields else ""
+        hint = ("; a chat record? set data.format=chat" if "messages" in fields or "conversations" in fields else
+                records_under(fields, ("instruction", "output")))
         wrong = _not_text(fields, ("instruction", "output")) + (
             _not_text(fields, ("input",)) if fields.get("input") is not None else "")
         raise DataError(f"data.format=instruct: record {_where_fields(record)} needs {need} (\"instruction\" "

@@ -44,7 +44,8 @@ from spillway.layers.errors import DataError
 from .cache import stable_key
 from .corpus import BUILTIN_STDLIB, default_corpus_files
 from .corpus_errors import (ErrorsNamed, fields_differ, first_non_text_record, format_hint, non_text_field,
-                            non_text_in_a_later_file, normalization_hint, quiet_builders, unreadable_corpus)
+                            non_text_in_a_later_file, normalization_hint, quiet_builders, records_under,
+                            unreadable_corpus)
 from .local_files import (BUILDER_BY_SUFFIX, COMPRESSIONS, HIDDEN_FOLDER, JSON_SUFFIXES, PARQUET_SUFFIXES,  # noqa: F401
                           SAVED, TEXT_SUFFIXES, UTF8_BOM, builder_for, check_codec, corpus_suffix, data_splits,
                           documentation_beside_records, empty_parquet, named, read_bytes, saved_dataset_splits,
@@ -273,6 +274,14 @@ def file_stats(files) -> list[tuple[str, int, int]]:
     return [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in files]
 
 
+def _records_under_a_column(dataset, text_field: str) -> str:
+    """corpus_errors.records_under for a dataset whose column holds a list of records ({"data": [...]} read by
+    `datasets` as one row): told by the column's features, without reading it."""
+    features = dataset.features or {}
+    inner = {name: getattr(feature, "feature", None) for name, feature in features.items()}
+    return records_under({name: [item] for name, item in inner.items() if isinstance(item, dict)}, (text_field,))
+
+
 def select_text_column(
     dataset: datasets.Dataset | datasets.IterableDataset, text_field: str, source: str
 ) -> datasets.Dataset | datasets.IterableDataset:
@@ -289,7 +298,7 @@ def select_text_column(
             raise ValueError(
                 f"source {source!r} has no text field {text_field!r}; its columns are {columns} (data.text_field "
                 f"names the field holding the text; --text-field for python -m spillway.data){format_hint(columns)}"
-                f"{normalization_hint(text_field, columns)}"
+                f"{normalization_hint(text_field, columns)}{_records_under_a_column(dataset, text_field)}"
             )
         feature = dataset.features[text_field] if dataset.features else None
         if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):

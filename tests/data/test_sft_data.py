@@ -184,6 +184,18 @@ def test_a_record_of_the_other_format_says_which_format_it_is():
         instruct_messages(Record({"messages": [{"role": "user", "content": "hi"}]}, "f, line 1"))
 
 
+def test_records_wrapped_in_a_data_object_are_named_with_the_list_that_holds_them():
+    """{"data": [...]}: its one "record" is the wrapper, whose fields alone did not say where the records are."""
+    said = r"; its records are in a list under 'data': .*store that list itself \(jq '\.data' FILE > NEW\.json\)$"
+    chat = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    with pytest.raises(DataError, match=r'has no "messages" .*' + said):
+        chat_messages(Record({"version": 1, "data": chat}, "f.json, line 1"))
+    with pytest.raises(DataError, match=r'needs "instruction", "output" .*' + said):
+        instruct_messages(Record({"data": [{"instruction": "q", "output": "a"}]}, "f.json, line 1"))
+    with pytest.raises(DataError, match=r'\(fields found: tools\) has no "messages" .*"value"\}\)$'):   # not records
+        chat_messages(Record({"tools": [{"type": "function"}]}, "f.json, line 1"))
+
+
 def _chat_lines(count, word, bom=False):
     lines = "".join(json.dumps({"messages": [{"role": "user", "content": f"{word} {i}"},
                                              {"role": "assistant", "content": "ok"}]}) + "\n" for i in range(count))

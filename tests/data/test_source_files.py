@@ -155,6 +155,18 @@ def test_a_json_list_without_the_text_field_names_the_fields_it_has(tmp_path):
         read_texts(path)
 
 
+@pytest.mark.parametrize("indent", [None, 1], ids=["one_line", "indented"])
+def test_records_wrapped_in_a_data_object_are_named_with_the_list_that_holds_them(tmp_path, indent):
+    """{"data": [...]} (SQuAD's shape, many exports'): its one "record" is the wrapper; "its fields are ['data']"
+    alone sent a user to data.text_field=data. Read as lines (one line) or through `datasets` (indented)."""
+    path = tmp_path / "wrapped.json"
+    path.write_text(json.dumps({"version": "1", "data": [{"text": f"document {i} " * 5} for i in range(30)]},
+                               indent=indent))
+    with pytest.raises((DataError, ValueError), match=r"has no text field 'text'.*; its records are in a list under "
+                                                      r"'data': .*store that list itself \(jq '\.data' FILE"):
+        read_texts(path)
+
+
 def test_chat_or_instruction_records_read_as_text_point_at_data_format(tmp_path):
     """The text-field advice alone (data.text_field=output) trained on the bare answers."""
     chat = tmp_path / "chat.jsonl"
