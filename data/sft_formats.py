@@ -12,7 +12,8 @@ renders them as is its business), and the record's `tools`.
   accepted too, with LLaMA-Factory's roles (`human` -> user, `gpt` ->
   assistant, `observation` and `function` -> tool, `system` stays;
   `function_call` -> an assistant message whose `tool_calls` are the calls
-  its value holds as JSON, `{"name", "arguments"}` or a list of them).
+  its value holds as JSON, `{"name", "arguments"}` or a list of them). An assistant message with OpenAI's
+  `"weight": 0` stays in the conversation and is not trained (data/sft_targets.py); a weight is 0 or 1.
 * `instruct`: a record holds `instruction`, an optional `input` and `output`;
   it becomes a one-turn chat: the user's message is the instruction, then a
   blank line and the input when there is one; the assistant's is the output.
@@ -176,6 +177,10 @@ def _message(record: Record, index: int, message, role_key: str, text_key: str, 
     content = _joined_parts(record, index, message.get(text_key))
     if not (_text(content) or (content is None and "tool_calls" in extras)):
         raise _bad_message(record, index, message, role_key, text_key)
+    if "weight" in extras and not (isinstance(extras["weight"], (int, float)) and extras["weight"] in (0, 1)):
+        raise DataError(f"data.format=chat: record {record.where}, message {index}: \"weight\" is "
+                        f"{json.dumps(extras['weight'])}; OpenAI's weight of a message is 0 (kept as context, not "
+                        f"trained) or 1 (trained)")
     role = _sharegpt_role(record, index, message[role_key]) if sharegpt else message[role_key]
     return {"role": role, "content": content, **extras}
 

@@ -63,8 +63,9 @@ OVERLONG_POLICIES = ("truncate", "drop")
 # an answer skipped; data.max_tokens. 3: examples whose truncation cut their whole answer skipped (they were kept,
 # rows with nothing to train on), and examples whose answers are all empty (they trained the end of turn alone).
 # 4: a message's reasoning under its dataset names reaches the template, and a record with tools renders with the
-# tokenizer's tool_use template (data/chat_template.py): rows of such records changed
-_SFT_PACKING_VERSION = 4
+# tokenizer's tool_use template (data/chat_template.py): rows of such records changed. 5: assistant messages of
+# OpenAI's "weight": 0 are not trained (they were)
+_SFT_PACKING_VERSION = 5
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096
@@ -184,10 +185,10 @@ def _tokenized_examples(source: str, tokenizer: Tokenizer, template: ChatTemplat
 
 
 def _answers(messages: list[dict]) -> bool:
-    """Whether any assistant message says something: text that is not blank, or a tool call."""
-    return any(message.get("role") == "assistant" and (message.get("tool_calls") or
-                                                        str(message.get("content") or "").strip())
-               for message in messages)
+    """Whether any assistant message trained (not of weight 0) says something: text that is not blank, or a tool
+    call."""
+    return any(message.get("role") == "assistant" and message.get("weight", 1) != 0
+               and (message.get("tool_calls") or str(message.get("content") or "").strip()) for message in messages)
 
 
 @dataclasses.dataclass

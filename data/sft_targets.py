@@ -17,6 +17,10 @@ Where the answers are in the rendered text:
   of its turn. A template that renders earlier turns differently once later
   ones follow cannot be read this way: a DataError asks for generation blocks.
 
+An assistant message with OpenAI's `"weight": 0` is context, not an answer:
+the spans inside its text (from the end of the conversation before it to its
+own end) are dropped, in either way of finding them.
+
 An assistant's tool call that is in no answer (a template that does not
 render `tool_calls`) is a DataError naming the record: its answer would train
 without the call.
@@ -158,9 +162,12 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
     rendered = _render(template, messages, where, tools=tools)
     text = rendered.text
     _check_rendered(template, messages, text, where, tools)
+    untrained = _untrained_regions(template, messages, text, where, tools)
+    trained = [message for message in messages if message.get("weight", 1) != 0]
     if template.has_generation_blocks:
-        _check_calls_trained(template, messages, text, rendered.generation_spans, where)
-        return text, rendered.generation_spans
+        spans = _outside(rendered.generation_spans, untrained)
+        _check_calls_trained(template, trained, text, spans, where)
+        return text, spans
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -179,8 +186,34 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
         # a content the template rewrote (found nowhere) runs, as a turn with tool calls, to its turn's end
         spans.append((len(prompt), _answer_end(text, content_end, len(through), specials,
                                                bool(_call_names(message)) or found < 0)))
-    _check_calls_trained(template, messages, text, spans, where)
+    spans = _outside(spans, untrained)
+    _check_calls_trained(template, trained, text, spans, where)
     return text, spans
+
+
+def _untrained_regions(template: ChatTemplate, messages: list[dict], text: str, where: str,
+                       tools) -> list[tuple[int, int]]:
+    """The text of each assistant message of weight 0 (OpenAI's: kept as context, not trained), from the end of
+    the conversation before it to its own end. Left in the answers, the model learnt the very turns the data
+    says not to (a wrong answer kept to show its correction)."""
+    regions = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or message.get("weight", 1) != 0:
+            continue
+        before = _render(template, messages[:index], where, tools=tools).text
+        through = _render(template, messages[: index + 1], where, tools=tools).text
+        if not (text.startswith(before) and text.startswith(through)):
+            raise ChatTemplateError(f"chat template {template.origin} renders earlier turns differently once later "
+                                    f"ones follow, so the text of assistant message {index}, of \"weight\" 0, "
+                                    f"cannot be told apart (record {where}); leave the message out, or give it "
+                                    f"weight 1")
+        regions.append((len(before), len(through)))
+    return regions
+
+
+def _outside(spans, regions) -> list[tuple[int, int]]:
+    """The answer spans that do not start inside an untrained message's region."""
+    return [span for span in spans if not any(start <= span[0] < end for start, end in regions)]
 
 
 def _answer_opening(template: ChatTemplate, messages: list[dict], index: int, text: str, where: str,

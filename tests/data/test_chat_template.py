@@ -97,6 +97,26 @@ def test_render_ids_and_answer_mask_equal_transformers(transformers, tmp_path, t
     assert end_of_turn_ids(chat, tokenizer, specials) == [reference.convert_tokens_to_ids("<|im_end|>")]
 
 
+@pytest.mark.parametrize("template", [CHATML, CHATML_GENERATION, TOOLS_CHATML, TOOLS_CHATML_GENERATION],
+                         ids=["turn_by_turn", "generation_blocks", "tools_turn_by_turn", "tools_generation_blocks"])
+def test_an_answer_of_openai_weight_0_is_context_not_a_target(transformers, tmp_path, template):
+    """OpenAI's fine-tuning format keeps a turn not to learn (a wrong answer before its correction) with
+    "weight": 0: it was trained like any other answer, unsaid. Its tool call, untrained too, is not refused."""
+    reference = saved_tokenizer(transformers, tmp_path, template)
+    tokenizer = load_tokenizer(tmp_path)
+    chat = resolve_chat_template(None, tmp_path)
+    specials = special_token_texts(tokenizer)
+    weighted = [*CONVERSATION[:2], {**CONVERSATION[2], "weight": 0}, CONVERSATION[3],
+                {**CONVERSATION[4], "weight": 1}]
+    ids, flags = conversation_tokens(chat, tokenizer, weighted, specials, "test")
+    assert ids.tolist() == conversation_tokens(chat, tokenizer, CONVERSATION, specials, "test")[0].tolist()
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == "hello today<|im_end|>"
+    if template in (TOOLS_CHATML, TOOLS_CHATML_GENERATION):
+        called = [*TOOL_CONVERSATION[:1], {**TOOL_CONVERSATION[1], "weight": 0}, *TOOL_CONVERSATION[2:]]
+        ids, flags = conversation_tokens(chat, tokenizer, called, specials, "test", tools=TOOLS)
+        assert reference.decode([i for i, f in zip(ids, flags) if f]) == "It is sunny.<|im_end|>"
+
+
 def test_train_on_prompt_makes_every_token_a_target(tmp_path, transformers):
     saved_tokenizer(transformers, tmp_path, CHATML)
     tokenizer = load_tokenizer(tmp_path)

@@ -412,6 +412,20 @@ def test_an_example_whose_answers_are_all_empty_is_skipped_as_one_without_an_ans
                          SftOptions("chat", seq_len=40, val_fraction=0.0), cache_dir=tmp_path / "cache")
 
 
+def test_an_example_whose_answers_all_have_weight_0_is_skipped_and_a_weight_is_0_or_1(tmp_path):
+    """OpenAI's "weight": 0 answers are context: an example of no other answer has nothing to train on."""
+    template = resolve_chat_template("spillway", None, {"bos_token": "<s>", "eos_token": "</s>"}, bos_first=True)
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 1}]
+    unweighted = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]
+    source = _chat_rows(tmp_path / "d.jsonl", [answered] * 3 + [unweighted] * 2)
+    packed = prepare_sft_rows(str(source), CharTokenizer(), template, SftOptions("chat", seq_len=40, val_fraction=0.0),
+                              cache_dir=tmp_path / "cache")
+    assert (packed.num_documents, packed.no_answer_examples) == (5, 2)
+    with pytest.raises(DataError, match=r'record f, line 2, message 1: "weight" is "0"; OpenAI\'s weight of a '
+                                        r"message is 0 \(kept as context, not trained\) or 1 \(trained\)$"):
+        chat_messages(Record({"messages": [answered[0], {**answered[1], "weight": "0"}]}, "f, line 2"))
+
+
 def test_small_record_problems_say_what_they_are(tmp_path):
     """A history pair of three items said 'item 0 is a list'; a folder as the template 'nor a file that exists';
     a data.max_tokens too small for one example 'use more records'."""
