@@ -71,7 +71,11 @@ CONFIG = "config.json"
 STAGED_CONFIG = "config.json.partial"   # the merged export's config.json until its last field is in
 PEFT_PREFIX = "base_model.model."
 # (and additional_chat_templates/*.jinja, transformers 5's named chat templates: data/chat_template_files.py)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+HF_TOKENIZER_JSON = "tokenizer.json"
+# The tokenizer_class of a tokenizer.json the export makes: transformers' generic fast tokenizer, which reads the
+# file as it is (transformers 5 loads it as TokenizersBackend)
+GENERIC_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+TOKENIZER_FILES = (HF_TOKENIZER_JSON, "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 # Files of a Hugging Face checkpoint that transformers reads beside the weights and an export never writes.
 READ_BESIDE = ("generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
@@ -188,7 +192,7 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     _check_not_a_run(out)
     run_dir = run_dir_of(step_dir)
     own = ADAPTER_WEIGHTS if adapter else MERGED_WEIGHTS
-    writes = _tokenizer_files(run_dir) + ([GENERATION_CONFIG] if not adapter and run_dir is not None else [])
+    writes = _written_tokenizer_files(run_dir) + ([GENERATION_CONFIG] if not adapter and run_dir is not None else [])
     _check_out_dir(out, own, writes)
     source = _source_of(run_dir, step_dir)
     _check_earlier_export(out, own, source, writes)   # before minutes of reading; again once the folder is held
@@ -367,15 +371,56 @@ def _tokenizer_files(run_dir) -> list[str]:
             + [f"{CHAT_TEMPLATE_DIR}/{path.name}" for path in named_template_files(Path(run_dir))])
 
 
+def _written_tokenizer_files(run_dir) -> list[str]:
+    """The tokenizer files the export writes: the run's, and a tokenizer.json made of its sentencepiece model."""
+    return _tokenizer_files(run_dir) + ([HF_TOKENIZER_JSON] if _converts_sentencepiece(run_dir) else [])
+
+
 def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
-    """The run's tokenizer files copied into `out`, each whole (a full disk left a truncated tokenizer.model)."""
+    """The run's tokenizer files copied into `out`, each whole (a full disk left a truncated tokenizer.model),
+    and the tokenizer.json of its sentencepiece model where `_converts_sentencepiece` says so."""
     from spillway.data.cache import atomic_write_bytes
 
     copied = _tokenizer_files(run_dir)
     for name in copied:
         (out / name).parent.mkdir(exist_ok=True)
         atomic_write_bytes(out / name, (run_dir / name).read_bytes())
-    return copied
+    if not _converts_sentencepiece(run_dir):
+        return copied
+    from spillway.data.spm_json import tokenizer_json
+    from spillway.recipes.train.tokenization_record import run_tokenizer
+
+    tokenizer = run_tokenizer(run_dir)
+    bos = (tokenizer.token_text(tokenizer.bos_id), tokenizer.bos_id) if tokenizer.adds_bos else None
+    atomic_write_bytes(out / HF_TOKENIZER_JSON, tokenizer_json(tokenizer.model_proto, bos).encode())
+    # the generic class reads tokenizer.json as it is; the family's class (GPT-2's, Gemma's) rebuilds its own
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    _write_json(out / "tokenizer_config.json", {**config, "tokenizer_class": GENERIC_TOKENIZER_CLASS})
+    return copied + [f"{HF_TOKENIZER_JSON} (its sentencepiece model, as transformers reads it)"]
+
+
+def _converts_sentencepiece(run_dir) -> bool:
+    """Whether the export writes a tokenizer.json of the run's tokenizer.model (data/spm_json.py): for a
+    sentencepiece model whose tokenizer_config.json names no transformers class (one spillway trained, a bare
+    .model), which transformers would rebuild as the model family's class: GPT-2's and Qwen's byte-level BPE
+    misread every text, Gemma's made a unigram model BPE and dropped the model's normalizer. A folder naming its
+    class (a Llama 2 checkpoint's LlamaTokenizer) is read as transformers reads that checkpoint."""
+    if run_dir is None:
+        return False
+    run_dir = Path(run_dir)
+    config_path = run_dir / "tokenizer_config.json"
+    if (run_dir / HF_TOKENIZER_JSON).is_file() or not (run_dir / "tokenizer.model").is_file():
+        return False
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except (OSError, ValueError):
+        return False   # copied as it is; reading the run's tokenizer says what is wrong with it
+    # add_prefix_space: false is a transformers class's setting (the model's dummy prefix dropped): left to it
+    if not isinstance(config, dict) or config.get("tokenizer_class") or config.get("add_prefix_space") is False:
+        return False
+    from spillway.data.spm_json import unsupported_reason
+
+    return unsupported_reason((run_dir / "tokenizer.model").read_bytes()) is None
 
 
 def _adapters(recipe: Recipe, params) -> list[tuple[tuple[tuple, ...], np.ndarray, np.ndarray]]:
