@@ -75,6 +75,9 @@ HF_TOKENIZER_JSON = "tokenizer.json"
 # The tokenizer_class of a tokenizer.json the export makes: transformers' generic fast tokenizer, which reads the
 # file as it is (transformers 5 loads it as TokenizersBackend)
 GENERIC_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# Model types whose tokenizer transformers' AutoTokenizer loads with the family's class, whatever the folder
+# names (`_class_forced_note`)
+CLASS_FORCED_MODEL_TYPES = ("qwen2",)
 TOKENIZER_FILES = (HF_TOKENIZER_JSON, "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 # Files of a Hugging Face checkpoint that transformers reads beside the weights and an export never writes.
@@ -278,6 +281,7 @@ def _write_export(read: _Read, out: Path, source: str, replaced: str | None, *, 
         written = json.loads((out / STAGED_CONFIG).read_text())
         (out / STAGED_CONFIG).replace(out / CONFIG)
         weights = f" ({written.get('dtype')} weights)"
+        stops += _class_forced_note(copied, written.get("model_type"))
     _write_record(out, source, step_dir, adapter, finished=True)
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else weights)
         + (f", replacing {replaced}" if replaced else "")
@@ -397,6 +401,16 @@ def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
     config = json.loads((out / "tokenizer_config.json").read_text())
     _write_json(out / "tokenizer_config.json", {**config, "tokenizer_class": GENERIC_TOKENIZER_CLASS})
     return copied + [f"{HF_TOKENIZER_JSON} (its sentencepiece model, as transformers reads it)"]
+
+
+def _class_forced_note(copied: list[str], model_type) -> str:
+    """What the export's line adds where transformers' AutoTokenizer reads the tokenizer.json made of the run's
+    sentencepiece model with another class whatever tokenizer_config.json names (transformers 5.25 lists the
+    model types whose checkpoints' named class it overrides; of the zoo's, qwen2: Qwen2's byte-level BPE)."""
+    if model_type not in CLASS_FORCED_MODEL_TYPES or not any(name.startswith(HF_TOKENIZER_JSON) for name in copied):
+        return ""
+    return (f"; transformers' AutoTokenizer reads every {model_type} tokenizer as its own byte-level BPE, which "
+            f"misreads this one: load it with PreTrainedTokenizerFast.from_pretrained(DIR)")
 
 
 def _converts_sentencepiece(run_dir) -> bool:

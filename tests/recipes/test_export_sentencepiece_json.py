@@ -109,3 +109,27 @@ def test_a_folder_naming_its_transformers_class_is_copied_as_it_is(tmp_path):
     out.mkdir()
     assert _copy_tokenizer(run, out) == ["tokenizer.model", "tokenizer_config.json"]
     assert not (out / "tokenizer.json").exists()
+
+
+def test_a_qwen2_export_says_how_to_load_its_tokenizer(exported):
+    """transformers 5 loads every qwen2 model's tokenizer as Qwen2Tokenizer (a byte-level BPE), whatever
+    tokenizer_config.json names: a qwen2_tiny export's AutoTokenizer misreads the run's sentencepiece model, so the
+    export's line says to load it with PreTrainedTokenizerFast, which reads the tokenizer.json as it is."""
+    from spillway.recipes.export import _class_forced_note
+
+    proto, out = exported
+    copied = ["tokenizer.model", "tokenizer_config.json", "tokenizer.json (its sentencepiece model, ...)"]
+    assert "PreTrainedTokenizerFast.from_pretrained(DIR)" in _class_forced_note(copied, "qwen2")
+    assert _class_forced_note(copied, "gpt2") == "" and _class_forced_note(copied[:2], "qwen2") == ""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the parity extra)")
+    model = spm.SentencePieceProcessor(model_proto=proto)
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    try:
+        named = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+        auto = transformers.AutoTokenizer.from_pretrained(out)
+    finally:
+        (out / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    expected = [model.encode(text) for text in HARD]
+    assert [named.encode(text, add_special_tokens=False) for text in HARD] == expected
+    # once transformers reads it as named, the note can go
+    assert [auto.encode(text, add_special_tokens=False) for text in HARD] != expected
