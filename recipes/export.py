@@ -398,7 +398,8 @@ def _copy_tokenizer(run_dir: Path, out: Path) -> list[str]:
     bos = (tokenizer.token_text(tokenizer.bos_id), tokenizer.bos_id) if tokenizer.adds_bos else None
     atomic_write_bytes(out / HF_TOKENIZER_JSON, tokenizer_json(tokenizer.model_proto, bos).encode())
     # the generic class reads tokenizer.json as it is; the family's class (GPT-2's, Gemma's) rebuilds its own
-    config = json.loads((out / "tokenizer_config.json").read_text())
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     _write_json(out / "tokenizer_config.json", {**config, "tokenizer_class": GENERIC_TOKENIZER_CLASS})
     return copied + [f"{HF_TOKENIZER_JSON} (its sentencepiece model, as transformers reads it)"]
 

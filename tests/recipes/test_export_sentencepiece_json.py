@@ -133,3 +133,15 @@ def test_a_qwen2_export_says_how_to_load_its_tokenizer(exported):
     assert [named.encode(text, add_special_tokens=False) for text in HARD] == expected
     # once transformers reads it as named, the note can go
     assert [auto.encode(text, add_special_tokens=False) for text in HARD] != expected
+
+
+def test_a_run_without_a_tokenizer_config_still_names_the_generic_class(tmp_path):
+    """A bare tokenizer.model in the run (no tokenizer_config.json beside it): the export writes one naming the
+    class, or transformers would rebuild the model as the family's class again."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tokenizer.model").write_bytes(nfkc_model())
+    out = tmp_path / "out"
+    out.mkdir()
+    _copy_tokenizer(run, out)
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
