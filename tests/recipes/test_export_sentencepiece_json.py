@@ -131,8 +131,9 @@ def test_a_qwen2_export_says_how_to_load_its_tokenizer(exported):
         (out / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     expected = [model.encode(text) for text in HARD]
     assert [named.encode(text, add_special_tokens=False) for text in HARD] == expected
-    # once transformers reads it as named, the note can go
-    assert [auto.encode(text, add_special_tokens=False) for text in HARD] != expected
+    # transformers 5.25's AutoTokenizer misreads it (the reason for the note); not asserted, so that a
+    # transformers that reads it as named does not fail the suite (the note is then merely unneeded)
+    del auto
 
 
 def test_a_run_without_a_tokenizer_config_still_names_the_generic_class(tmp_path):
