@@ -14,6 +14,8 @@ renders them as is its business), and the record's `tools`.
   `function_call` -> an assistant message whose `tool_calls` are the calls
   its value holds as JSON, `{"name", "arguments"}` or a list of them). An assistant message with OpenAI's
   `"weight": 0` stays in the conversation and is not trained (data/sft_targets.py); a weight is 0 or 1.
+  TRL's prompt-completion records are conversations too: `prompt` and `completion` as two lists of
+  messages (joined), or as two strings (the user's message and the assistant's answer).
 * `instruct`: a record holds `instruction`, an optional `input` and `output`;
   it becomes a one-turn chat: the user's message is the instruction, then a
   blank line and the input when there is one; the assistant's is the output.
@@ -208,19 +210,35 @@ def chat_messages(record: Record) -> list[dict]:
         raw, role_key, text_key, sharegpt = fields["messages"], "role", "content", False
     elif "conversations" in fields:
         raw, role_key, text_key, sharegpt = fields["conversations"], "from", "value", True
+    elif "prompt" in fields and "completion" in fields:
+        raw, role_key, text_key, sharegpt = _prompt_completion(record), "role", "content", False
     else:
         hint = ("; a text corpus? set data.format=text" if "text" in fields else
                 "; an instruction record? set data.format=instruct" if "instruction" in fields else
                 records_under(fields, ("messages", "conversations")))
         raise DataError(f"data.format=chat: record {_where_fields(record)} has no \"messages\" (a list of "
-                        f"{{\"role\", \"content\"}}) or \"conversations\" (a list of {{\"from\", \"value\"}})"
-                        f"{hint}")
+                        f"{{\"role\", \"content\"}}), \"conversations\" (a list of {{\"from\", \"value\"}}) or "
+                        f"\"prompt\" and \"completion\"{hint}")
     if not isinstance(raw, list):   # an empty list is a conversation with no answer: skipped and counted
         field = "messages" if "messages" in fields else "conversations"
         raise DataError(f"data.format=chat: record {record.where}: \"{field}\" holds {_json_kind(raw)}, not a list "
                         f"of turns (a JSON string of the list? store the list itself)")
     messages = [_message(record, index, message, role_key, text_key, sharegpt) for index, message in enumerate(raw)]
     return _with_system(record, messages)
+
+
+def _prompt_completion(record: Record) -> list:
+    """TRL's prompt-completion record as one conversation: two lists of messages (its conversational form)
+    joined, or two strings (its standard form) as the user's message and the assistant's answer; either way
+    the completion is what is trained (TRL's completion-only loss), rendered by the chat template."""
+    prompt, completion = record.fields["prompt"], record.fields["completion"]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return [*prompt, *completion]
+    if _text(prompt) and _text(completion):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    raise DataError(f"data.format=chat: record {record.where}: \"prompt\" holds {_json_kind(prompt)} and "
+                    f"\"completion\" {_json_kind(completion)}; a prompt-completion record holds two strings or two "
+                    f"lists of {{\"role\", \"content\"}} messages")
 
 
 def _pair_kind(pair) -> str:

@@ -177,6 +177,20 @@ def test_cached_rows_with_no_answer_to_train_on_are_refused_too(tmp_path, monkey
         prepare_sft_rows(str(source), CharTokenizer(), template, options, cache_dir=tmp_path / "cache")
 
 
+def test_trl_prompt_completion_records_are_conversations_whose_completion_is_the_answer():
+    """TRL's two forms: lists of messages (conversational), joined; strings (standard), one turn."""
+    lists = chat_messages(Record({"prompt": [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "hi"}],
+                                  "completion": [{"role": "assistant", "content": "yo"}]}, "f, line 1"))
+    assert lists == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "yo"}]
+    strings = chat_messages(Record({"prompt": "The sky is", "completion": " blue."}, "f, line 2"))
+    assert strings == [{"role": "user", "content": "The sky is"}, {"role": "assistant", "content": " blue."}]
+    with pytest.raises(DataError, match=r'record f, line 3: "prompt" holds a string and "completion" a list; a '
+                                        r'prompt-completion record holds two strings or two lists'):
+        chat_messages(Record({"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]}, "f, line 3"))
+
+
 def test_a_record_of_the_other_format_says_which_format_it_is():
     with pytest.raises(DataError, match=r'has no "messages" .*; an instruction record\? set data.format=instruct$'):
         chat_messages(Record({"instruction": "q", "output": "a"}, "f, line 1"))
@@ -192,7 +206,7 @@ def test_records_wrapped_in_a_data_object_are_named_with_the_list_that_holds_the
         chat_messages(Record({"version": 1, "data": chat}, "f.json, line 1"))
     with pytest.raises(DataError, match=r'needs "instruction", "output" .*' + said):
         instruct_messages(Record({"data": [{"instruction": "q", "output": "a"}]}, "f.json, line 1"))
-    with pytest.raises(DataError, match=r'\(fields found: tools\) has no "messages" .*"value"\}\)$'):   # not records
+    with pytest.raises(DataError, match=r'\(fields found: tools\) has no "messages" .*"completion"$'):   # not records
         chat_messages(Record({"tools": [{"type": "function"}]}, "f.json, line 1"))
 
 
