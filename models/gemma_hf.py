@@ -131,6 +131,9 @@ def _gemma3_rope(hf_config: Mapping[str, Any]) -> dict[str, float]:
     params = hf_config.get("rope_parameters")
     if isinstance(params, Mapping) and (FULL in params or SLIDING in params):   # transformers >= 5: per layer type
         full, sliding = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
+        # a rope_scaling beside them (added by hand, as for the older files) is laid over the global layers'
+        # parameters, as transformers 5 does: read apart, the scaling it computes was dropped without a word
+        full.update(hf_config.get("rope_scaling") or {})
     else:                                                                      # rope_theta, rope_local_base_freq
         full = dict(hf_config.get("rope_scaling") or {})
         older = full.get("type", "default")

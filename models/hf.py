@@ -569,15 +569,19 @@ def rope_settings(hf_config: Mapping[str, Any]) -> tuple[float, dict | None]:
 
     transformers < 5 writes `rope_theta` and `rope_scaling` at the top level;
     transformers >= 5 writes one `rope_parameters` dict holding both. Older
-    files spell the scaling kind `type` instead of `rope_type`.
+    files spell the scaling kind `type` instead of `rope_type`. A file holding
+    both (a transformers 5 save with a `rope_scaling` added by hand, as model
+    cards say to extend the context) is read as transformers 5 reads it: a
+    non-empty `rope_scaling` replaces `rope_parameters` whole, its base too
+    (its own `rope_theta`, else the top-level one); transformers 4 knew only it.
     """
-    params = hf_config.get("rope_parameters")
+    params = hf_config.get("rope_scaling") or hf_config.get("rope_parameters")
     if params is not None:
         theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
         scaling = params
     else:
         theta = hf_config.get("rope_theta", 10000.0)
-        scaling = hf_config.get("rope_scaling")
+        scaling = None
     if scaling is None:
         return float(theta), None
     kind = scaling.get("rope_type", scaling.get("type"))

@@ -1,0 +1,78 @@
+"""config.json variants that people's checkpoints carry, read as transformers reads them.
+
+* A `rope_scaling` beside transformers 5's `rope_parameters` (a transformers 5
+  save with the scaling a model card says to add for a longer context): transformers
+  reads the `rope_scaling` over `rope_parameters` (its base from itself or the top
+  level, never from `rope_parameters`); spillway read `rope_parameters` alone and
+  loaded the model without its scaling, other logits without a word. A kind
+  spillway has no RoPE for (linear) is now refused by name. Gemma 3 lays it over
+  its global layers' parameters, as transformers does.
+
+The expected values are written out (no torch); one test checks them against
+transformers' own config classes where the parity extra is installed.
+"""
+
+import copy
+
+import pytest
+
+from spillway.layers.rope import RopeScaling
+from spillway.models.hf import HFCheckpointError, family_config_from_hf
+
+LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+         "max_position_embeddings": 64}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+          "query_pre_attn_scalar": 16, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}
+
+# (config.json, the base and scaling transformers computes with)
+BOTH_SPELLINGS = {
+    "scaling-and-top-level-base": (
+        dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_scaling=LLAMA3,
+             rope_theta=500000.0), (500000.0, RopeScaling(8.0, 1.0, 4.0, 16))),
+    # the scaling replaces rope_parameters whole: its base goes with it, for the class default
+    "scaling-without-base": (
+        dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_scaling=LLAMA3),
+        (10000.0, RopeScaling(8.0, 1.0, 4.0, 16))),
+    "null-scaling": (
+        dict(LLAMA, rope_parameters=dict(LLAMA3, rope_theta=20000.0), rope_scaling=None),
+        (20000.0, RopeScaling(8.0, 1.0, 4.0, 16))),
+}
+
+
+@pytest.mark.parametrize("name", BOTH_SPELLINGS)
+def test_a_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(name):
+    hf_config, (theta, scaling) = BOTH_SPELLINGS[name]
+    _, cfg = family_config_from_hf(hf_config)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (theta, scaling)
+
+
+def test_a_linear_rope_scaling_beside_rope_parameters_is_refused_not_dropped():
+    hf_config = dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     rope_scaling={"type": "linear", "factor": 4.0})
+    with pytest.raises(HFCheckpointError, match="unsupported rope_type 'linear'"):
+        family_config_from_hf(hf_config)
+    with pytest.raises(HFCheckpointError, match="rope scaling .*'linear'.* is not supported for Gemma 2"):
+        family_config_from_hf(dict(GEMMA3, model_type="gemma2", rope_parameters=None, rope_theta=10000.0,
+                                   rope_scaling={"rope_type": "linear", "factor": 4.0}))
+
+
+def test_gemma3_lays_a_rope_scaling_over_its_global_layers_parameters():
+    _, cfg = family_config_from_hf(dict(GEMMA3, rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_global_scale) == (5000.0, 500.0, 4.0)
+
+
+def test_the_expected_values_are_transformers_own(transformers):
+    for hf_config, (theta, scaling) in BOTH_SPELLINGS.values():
+        theirs = transformers.LlamaConfig.from_dict(copy.deepcopy(hf_config)).rope_parameters   # it edits them
+        assert theirs["rope_theta"] == theta
+        assert (theirs["rope_type"], theirs["factor"], theirs["original_max_position_embeddings"]) == (
+            "llama3", scaling.factor, scaling.original_max_position)
+    gemma = transformers.Gemma3TextConfig.from_dict(copy.deepcopy(dict(GEMMA3, rope_scaling={"rope_type": "linear", "factor": 4.0})))
+    full = gemma.rope_parameters["full_attention"]
+    assert (full["rope_type"], full["factor"], full["rope_theta"]) == ("linear", 4.0, 5000.0)
