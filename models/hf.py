@@ -582,10 +582,19 @@ def rope_settings(hf_config: Mapping[str, Any]) -> tuple[float, dict | None]:
     else:
         theta = hf_config.get("rope_theta", 10000.0)
         scaling = None
-    if scaling is None:
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
         return float(theta), None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    return float(theta), None if kind in (None, "default") else dict(scaling, rope_type=kind)
+    scaling = dict(scaling, rope_type=kind)
+    top, own = hf_config.get("original_max_position_embeddings"), scaling.get("original_max_position_embeddings")
+    if top is not None and kind in ("llama3", "yarn", "longrope"):
+        # transformers 5 takes a top-level original_max_position_embeddings (Phi-3's place for it) over the
+        # scaling's own, transformers 4 the scaling's alone: the same where they agree, else neither is taken
+        refuse(own is not None and own != top,
+               f"config.json gives original_max_position_embeddings twice, {top} at its top level and {own} in "
+               f"its rope scaling, which transformers 5 and 4 read apart: keep one of them")
+        scaling["original_max_position_embeddings"] = top
+    return float(theta), scaling
 
 
 def require(hf_config: Mapping[str, Any], keys: Sequence[str], family: str) -> None:

@@ -7,6 +7,10 @@
   loaded the model without its scaling, other logits without a word. A kind
   spillway has no RoPE for (linear) is now refused by name. Gemma 3 lays it over
   its global layers' parameters, as transformers does.
+* A top-level `original_max_position_embeddings` (Phi-3's place for it), which
+  transformers 5 takes over the scaling's own: it was not read, so the llama3
+  scaling was computed from another length. Where the two differ, transformers
+  4 reads the other: refused, naming both.
 
 The expected values are written out (no torch); one test checks them against
 transformers' own config classes where the parity extra is installed.
@@ -76,3 +80,12 @@ def test_the_expected_values_are_transformers_own(transformers):
     gemma = transformers.Gemma3TextConfig.from_dict(copy.deepcopy(dict(GEMMA3, rope_scaling={"rope_type": "linear", "factor": 4.0})))
     full = gemma.rope_parameters["full_attention"]
     assert (full["rope_type"], full["factor"], full["rope_theta"]) == ("linear", 4.0, 5000.0)
+
+
+def test_a_top_level_original_max_position_is_read_and_two_of_them_refused():
+    scaled = dict(LLAMA, rope_parameters=dict(LLAMA3, rope_theta=10000.0))
+    del scaled["rope_parameters"]["original_max_position_embeddings"]
+    _, cfg = family_config_from_hf(dict(scaled, original_max_position_embeddings=8))
+    assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8)
+    with pytest.raises(HFCheckpointError, match="original_max_position_embeddings twice, 8 at its top level and 16"):
+        family_config_from_hf(dict(LLAMA, rope_parameters=LLAMA3, original_max_position_embeddings=8))
