@@ -38,7 +38,7 @@ from spillway.layers.block import BlockConfig
 from spillway.layers.errors import ConfigError, require_positive
 from spillway.layers.execution import Execution
 from spillway.layers.layer_pattern import LayerSettings
-from spillway.models import hf
+from spillway.models import hf, hf_rows
 from spillway.models.decoder import DecoderSpec
 from spillway.models.registry import Family, register_family
 
@@ -202,7 +202,7 @@ GEMMA2 = register_family(Family(
     description="Gemma 2: alternating sliding-window and global layers, soft-capped attention and logits",
     hf=hf.HFTable(model_types=("gemma2",), architecture="Gemma2ForCausalLM",
                   config_from_hf=gemma2_config_from_hf, fields_to_hf=gemma_hf.gemma2_fields_to_hf,
-                  weights=gemma_hf.weights),
+                  weights=gemma_hf.weights, base_prefix=hf_rows.BASE_PREFIX),
 ))
 
 GEMMA3 = register_family(Family(
@@ -213,5 +213,5 @@ GEMMA3 = register_family(Family(
     hf=hf.HFTable(model_types=("gemma3_text", "gemma3"), architecture="Gemma3ForCausalLM",
                   config_from_hf=gemma3_config_from_hf, fields_to_hf=gemma_hf.gemma3_fields_to_hf,
                   weights=gemma_hf.weights,
-                  tower_prefixes=gemma_hf.GEMMA3_TEXT_TOWER),
+                  tower_prefixes=gemma_hf.GEMMA3_TEXT_TOWER, base_prefix=hf_rows.BASE_PREFIX),
 ))

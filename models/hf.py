@@ -313,6 +313,14 @@ def _check_names_and_shapes(source, entries: list[_Entry], family, config, *, co
                         and not (tied and n == table.head_name))
     mismatched = [f"{n}: checkpoint {source.shape(n)}, config expects {shape}"
                   for n, shape in expected.items() if n in present and source.shape(n) != shape]
+    if missing == [table.head_name] and not mismatched:
+        # A base model's save (LlamaModel) or another task's (a classifier's score.weight): transformers loads it
+        # as a causal LM with a head of random numbers; "missing tensors" read as a damaged download.
+        raise HFCheckpointError(f"the Hugging Face checkpoint has no output head ({table.head_name}) and its "
+                                f"config.json says tie_word_embeddings=false: it was saved from a model without "
+                                f"one (a base model, or a classifier{': ' + ', '.join(unexpected[:3]) if unexpected else ''}"
+                                f"); spillway reads a causal LM's checkpoint ({table.architecture}), or a base "
+                                f"model's whose head is its tied embedding")
     problems = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {missing[:12]}{' ...' if len(missing) > 12 else ''}")

@@ -13,6 +13,9 @@ from __future__ import annotations
 from spillway.models import hf
 
 LAYER = "model.layers.{i}."      # a decoder layer's prefix; `{i}` is the layer index
+# transformers' base_model_prefix of these decoders: a base model's save (LlamaModel, Qwen3Model) names its
+# tensors without it, and the causal LM transformers loads from it is the same model where its head is tied
+BASE_PREFIX = "model."
 
 
 def embedding() -> list[hf.HFWeight]:

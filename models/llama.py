@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spillway.layers.rope import RopeScaling
-from spillway.models import hf, llama_shaped
+from spillway.models import hf, hf_rows, llama_shaped
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -74,5 +74,6 @@ FAMILY = register_family(Family(
     presets=PRESETS,
     description="Llama 2 / 3 / 3.1 / 3.2: RMSNorm, SwiGLU, RoPE (3.1 scaling), GQA",
     hf=hf.HFTable(model_types=("llama",), architecture="LlamaForCausalLM",
-                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=llama_shaped.weights),
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=llama_shaped.weights,
+                  base_prefix=hf_rows.BASE_PREFIX),
 ))

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from spillway.models import hf, llama_shaped
+from spillway.models import hf, hf_rows, llama_shaped
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -95,5 +95,6 @@ FAMILY = register_family(Family(
     presets=PRESETS,
     description="Mistral 7B v0.1 / v0.3: Llama-shaped, GQA, sliding-window attention (v0.1)",
     hf=hf.HFTable(model_types=("mistral",), architecture="MistralForCausalLM",
-                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=llama_shaped.weights),
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=llama_shaped.weights,
+                  base_prefix=hf_rows.BASE_PREFIX),
 ))

@@ -118,5 +118,6 @@ FAMILY = register_family(Family(
     presets=PRESETS,
     description="Mixtral 8x7B / 8x22B: Mistral with a top-2 of 8 mixture-of-experts MLP in every layer",
     hf=hf.HFTable(model_types=("mixtral",), architecture="MixtralForCausalLM",
-                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=weights, views=fused_views),
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=weights, views=fused_views,
+                  base_prefix=hf_rows.BASE_PREFIX),
 ))

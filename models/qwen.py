@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from spillway.models import hf, llama_shaped
+from spillway.models import hf, hf_rows, llama_shaped
 from spillway.models.llama_shaped import LlamaShapedConfig
 from spillway.models.registry import Family, register_family
 
@@ -159,7 +159,7 @@ QWEN2 = register_family(Family(
     description="Qwen2 / Qwen2.5: Llama-shaped with q/k/v biases, GQA, RoPE theta 1e6",
     hf=hf.HFTable(model_types=("qwen2",), architecture="Qwen2ForCausalLM",
                   config_from_hf=qwen2_config_from_hf, fields_to_hf=qwen2_fields_to_hf,
-                  weights=llama_shaped.weights),
+                  weights=llama_shaped.weights, base_prefix=hf_rows.BASE_PREFIX),
 ))
 
 QWEN3 = register_family(Family(
@@ -169,5 +169,5 @@ QWEN3 = register_family(Family(
     description="Qwen3 dense: Llama-shaped with per-head q/k RMSNorm, head_dim 128, GQA",
     hf=hf.HFTable(model_types=("qwen3",), architecture="Qwen3ForCausalLM",
                   config_from_hf=qwen3_config_from_hf, fields_to_hf=qwen3_fields_to_hf,
-                  weights=llama_shaped.weights),
+                  weights=llama_shaped.weights, base_prefix=hf_rows.BASE_PREFIX),
 ))

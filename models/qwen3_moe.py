@@ -184,5 +184,6 @@ FAMILY = register_family(Family(
     presets=PRESETS,
     description="Qwen3-MoE 30B-A3B / 235B-A22B: Qwen3 with top-8 of 128 experts (dense layers where configured)",
     hf=hf.HFTable(model_types=("qwen3_moe",), architecture="Qwen3MoeForCausalLM",
-                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=weights, views=fused_views),
+                  config_from_hf=config_from_hf, fields_to_hf=fields_to_hf, weights=weights, views=fused_views,
+                  base_prefix=hf_rows.BASE_PREFIX),
 ))

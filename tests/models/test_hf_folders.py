@@ -6,7 +6,11 @@
 * `from_hf` refuses a folder holding two checkpoints, naming both;
 * a truncated .safetensors file is an error naming the file;
 * a NaN inside imported weights is an error naming the tensor (not, later,
-  "lower the learning rate").
+  "lower the learning rate");
+* a base model's save (`LlamaModel.save_pretrained`: no `model.` on its names,
+  no head) loads where its head is the tied embedding, as transformers loads it
+  (it was refused as a list of 20 missing and 20 unexpected tensors); untied, or a
+  classifier's save, it is refused naming the head it lacks.
 """
 
 from __future__ import annotations
@@ -101,6 +105,51 @@ def test_a_nan_in_imported_weights_names_the_tensor(model, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(HFCheckpointError, match=rf"tensor {name!r} holds 1 NaN or infinite values"):
         from_hf(tmp_path)
+
+
+def save_as_the_base_model(model, directory, extra=None):
+    """`model` as a base model's save_pretrained writes it: its tensors without "model.", no lm_head."""
+    from safetensors.numpy import save_file
+
+    to_hf(model, directory)
+    tensors = {n.removeprefix("model."): t for n, t in export_hf_state_dict(model).items() if n != "lm_head.weight"}
+    save_file({**tensors, **(extra or {})}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_a_base_models_save_loads_where_its_head_is_tied_and_is_refused_naming_the_head_where_not(model, tmp_path):
+    tied = DecoderLM(preset_config("llama", "tiny", **SMALL, tie_embeddings=True), Execution(), rngs=nnx.Rngs(2))
+    save_as_the_base_model(tied, tmp_path / "tied")
+    loaded = export_hf_state_dict(from_hf(tmp_path / "tied"))
+    assert all(np.array_equal(loaded[n], t) for n, t in export_hf_state_dict(tied).items())
+    save_as_the_base_model(model, tmp_path / "untied")
+    with pytest.raises(HFCheckpointError, match=r"^the Hugging Face checkpoint has no output head \(lm_head.weight\) "
+                                                r"and its config.json says tie_word_embeddings=false: .*\(a base model, "
+                                                r"or a classifier\); spillway reads a causal LM's checkpoint "
+                                                r"\(LlamaForCausalLM\)[^\n]*$"):
+        from_hf(tmp_path / "untied")
+    from safetensors.numpy import save_file
+    to_hf(model, tmp_path / "classifier")   # LlamaForSequenceClassification: its score.weight for the head
+    classifier = {n: t for n, t in export_hf_state_dict(model).items() if n != "lm_head.weight"}
+    classifier["score.weight"] = np.zeros((3, SMALL["d_model"]), np.float32)
+    save_file(classifier, str(tmp_path / "classifier" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=r"no output head .* or a classifier: score.weight\)"):
+        from_hf(tmp_path / "classifier")
+
+
+def test_a_base_models_save_gives_transformers_logits(transformers, tmp_path):
+    import torch
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.model.save_pretrained(tmp_path)   # LlamaModel: what transformers loads as this causal LM
+    tokens = np.arange(3, 15)[None]
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(tokens)).logits.numpy()
+    ours = from_hf(tmp_path, dtype="float32", param_dtype="float32")(tokens)
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_file_system_that_refuses_modes_still_gets_the_export(tmp_path, monkeypatch):
