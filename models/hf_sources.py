@@ -190,14 +190,19 @@ def safetensors_files(path: Path) -> list[Path]:
         absent = [str(f) for f in files if not f.exists()]
         if absent:
             raise FileNotFoundError(f"{index} lists shards that do not exist: {absent}")
-        strays = sorted(set(path.glob("*.safetensors")) - set(files))
+        strays = sorted(set(path.glob("*.safetensors")) - set(files) - set(_mistral_native(path)))
         if strays:
             # transformers reads model.safetensors where the index's shards are another checkpoint: refuse both
             raise HFCheckpointError(
                 f"{path} holds two checkpoints: the shards {index.name} lists ({listed(files)}) and "
                 f"{listed(strays)}, which it does not list; keep one of them (delete the other) and load again")
         return files
-    files = sorted(path.glob("*.safetensors"))
+    native = _mistral_native(path)
+    files = sorted(set(path.glob("*.safetensors")) - set(native)) or native
+    if files and files == native:
+        raise HFCheckpointError(f"{path} holds only Mistral's own format ({listed(files)}, read with params.json "
+                                f"by mistral-inference), which transformers does not read: fetch the repository's "
+                                f"model-*.safetensors and {SAFETENSORS_INDEX_FILE} beside it")
     if not files:
         others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
         # transformers writes safetensors by default: one save_pretrained where torch is converts a .bin checkpoint
@@ -206,6 +211,12 @@ def safetensors_files(path: Path) -> list[Path]:
                 f"M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\")") if others else ""
         raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
     return files
+
+
+def _mistral_native(path: Path) -> list[Path]:
+    """Mistral's own-format weights (consolidated.safetensors, consolidated-00001-of-00002.safetensors), which its
+    repositories hold beside transformers' shards: the same model under other names, that transformers never reads."""
+    return sorted(path.glob("consolidated*.safetensors"))
 
 
 def indexed_shards(index: Path) -> list[Path]:

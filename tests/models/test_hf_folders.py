@@ -10,7 +10,10 @@
 * a base model's save (`LlamaModel.save_pretrained`: no `model.` on its names,
   no head) loads where its head is the tied embedding, as transformers loads it
   (it was refused as a list of 20 missing and 20 unexpected tensors); untied, or a
-  classifier's save, it is refused naming the head it lacks.
+  classifier's save, it is refused naming the head it lacks;
+* Mistral's repositories (Mistral-7B-v0.3) hold their own format's
+  consolidated.safetensors beside transformers' shards and index: transformers
+  reads the shards, and from_hf refused the folder as holding two checkpoints.
 """
 
 from __future__ import annotations
@@ -150,6 +153,26 @@ def test_a_base_models_save_gives_transformers_logits(transformers, tmp_path):
         expected = reference(torch.from_numpy(tokens)).logits.numpy()
     ours = from_hf(tmp_path, dtype="float32", param_dtype="float32")(tokens)
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mistrals_own_consolidated_file_beside_the_shards_is_left_to_mistral_inference(model, tmp_path):
+    from safetensors.numpy import save_file
+
+    tensors = export_hf_state_dict(model)
+    mistral_names = {n.removeprefix("model.").replace("self_attn.q_proj", "attention.wq"): t for n, t in tensors.items()}
+    sharded, single, alone = tmp_path / "sharded", tmp_path / "single", tmp_path / "alone"
+    for folder in (sharded, single, alone):
+        to_hf(model, folder)
+        save_file(mistral_names, str(folder / "consolidated.safetensors"), metadata={"format": "pt"})
+    (sharded / "model.safetensors").unlink()
+    write_sharded(sharded, tensors)
+    for folder in (sharded, single):   # transformers reads the shards (or model.safetensors), and so does from_hf
+        np.testing.assert_array_equal(embedding(from_hf(folder)), embedding(model))
+    (alone / "model.safetensors").unlink()
+    with pytest.raises(HFCheckpointError, match=r"holds only Mistral's own format \(consolidated.safetensors, read "
+                                                r"with params.json by mistral-inference\), which transformers does "
+                                                r"not read: fetch the repository's model-\*.safetensors"):
+        from_hf(alone)
 
 
 def test_a_file_system_that_refuses_modes_still_gets_the_export(tmp_path, monkeypatch):
