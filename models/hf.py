@@ -55,8 +55,8 @@ from flax import nnx
 
 from spillway.layers.execution import Execution
 from spillway.layers.sharding import state_shardings
-from spillway.models.hf_sources import (SAFETENSORS_INDEX_FILE, HFCheckpointError, in_table_layout, indexed_shards,  # noqa: F401 — re-exported
-                                       listed, open_source, with_base_prefix)
+from spillway.models.hf_sources import (SAFETENSORS_INDEX_FILE, HFCheckpointError, NoOutputHeadError,  # noqa: F401 — re-exported
+                                       in_table_layout, indexed_shards, listed, open_source, with_base_prefix)
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -316,7 +316,7 @@ def _check_names_and_shapes(source, entries: list[_Entry], family, config, *, co
     if missing == [table.head_name] and not mismatched:
         # A base model's save (LlamaModel) or another task's (a classifier's score.weight): transformers loads it
         # as a causal LM with a head of random numbers; "missing tensors" read as a damaged download.
-        raise HFCheckpointError(f"the Hugging Face checkpoint has no output head ({table.head_name}) and its "
+        raise NoOutputHeadError(f"the Hugging Face checkpoint has no output head ({table.head_name}) and its "
                                 f"config.json says tie_word_embeddings=false: it was saved from a model without "
                                 f"one (a base model, or a classifier{': ' + ', '.join(unexpected[:3]) if unexpected else ''}"
                                 f"); spillway reads a causal LM's checkpoint ({table.architecture}), or a base "

@@ -29,6 +29,11 @@ class HFCheckpointError(ValueError):
     """A Hugging Face checkpoint or config that spillway cannot read as asked (the message says why)."""
 
 
+class NoOutputHeadError(HFCheckpointError):
+    """A checkpoint saved from a model without an output head (a base model, a classifier): its weights are not a
+    causal LM's, whatever its config.json says."""
+
+
 class _DictSource:
     def __init__(self, tensors: Mapping[str, Any]):
         self.tensors = tensors

@@ -105,12 +105,14 @@ def _check_weights_agree_with_their_config(recipe: Recipe, directory: Path, fami
                                            where: str) -> None:
     """A checkpoint whose config.json contradicts its own tensors (vocab_size 600, an embedding of 512 rows) is
     named as such: the flags matching its config would only lead to the shape mismatch after them."""
-    from spillway.models.hf import HFCheckpointError, check_checkpoint_tensors
+    from spillway.models.hf import HFCheckpointError, NoOutputHeadError, check_checkpoint_tensors
     from spillway.recipes.train.step import abstract_model
 
     _, abstract_state = abstract_model(dataclasses.replace(recipe.without_adapters(), model=checkpoint_model))
     try:
         check_checkpoint_tensors(directory, family, checkpoint_model, abstract_state)
+    except NoOutputHeadError as error:   # no config.json makes weights without a head a causal LM's
+        raise HFCheckpointError(f"{where}: {error}") from None
     except HFCheckpointError as error:
         raise HFCheckpointError(f"{where}: its config.json does not describe its own weights "
                                 f"({' '.join(str(error).split())}); the "

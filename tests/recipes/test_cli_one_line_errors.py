@@ -156,6 +156,26 @@ def test_a_missing_or_misshapen_hugging_face_tensor_is_found_before_the_data_is_
     assert "data:" not in out and not (tmp_path / "cache").exists()   # nothing was tokenized
 
 
+@pytest.mark.parametrize("recipe_differs", [False, True], ids=["same-config", "recipe-differs"])
+def test_a_base_models_save_without_its_head_is_named_as_such_not_as_a_config_to_fix(hf_folder, tmp_path, capsys,
+                                                                                    recipe_differs):
+    """LlamaModel.save_pretrained of an untied model: no "model." on its names and no lm_head. Where the recipe
+    differs, the check of the checkpoint against its own config.json said to fix that config."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    save_file({n.removeprefix("model."): t for n, t in tensors.items() if n != "lm_head.weight"},
+              str(hf_folder / "model.safetensors"), metadata={"format": "pt"})
+    other = ["model.mlp_hidden=96"] if recipe_differs else []
+    status, err, _ = run_cli("tiny", *micro_set(f"checkpoint.init_from=hf:{hf_folder}",
+                                                f"checkpoint.dir={tmp_path / 'run'}", *other), capsys=capsys)
+    assert status == 2
+    assert err == [f"spillway train: error: checkpoint.init_from=hf:{hf_folder}: the Hugging Face checkpoint has no "
+                   f"output head (lm_head.weight) and its config.json says tie_word_embeddings=false: it was saved "
+                   f"from a model without one (a base model, or a classifier); spillway reads a causal LM's "
+                   f"checkpoint (LlamaForCausalLM), or a base model's whose head is its tied embedding"]
+
+
 @pytest.mark.parametrize("argv, named", [(["export", "runs/tiny", ""], "OUT_DIR"),
                                          (["export", "", "out/tiny"], "CHECKPOINT"),
                                          (["generate", "", "--prompt", "x"], "CHECKPOINT")])
