@@ -583,14 +583,13 @@ def rope_settings(hf_config: Mapping[str, Any]) -> tuple[float, dict | None]:
     non-empty `rope_scaling` replaces `rope_parameters` whole, its base too
     (its own `rope_theta`, else the top-level one); transformers 4 knew only it.
     """
-    params = hf_config.get("rope_scaling") or hf_config.get("rope_parameters")
-    if params is not None:
-        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
-        scaling = params
-    else:
-        theta = hf_config.get("rope_theta", 10000.0)
-        scaling = None
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    for key in ("rope_scaling", "rope_parameters"):   # a hand-edited "rope_scaling": "linear" was an internal error
+        refuse(not isinstance(hf_config.get(key) or {}, Mapping),
+               f"config.json's {key} is {hf_config.get(key)!r}, not a dict of RoPE settings (rope_type, factor, ...)")
+    scaling = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    theta = scaling.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    require({"rope_theta": theta}, ("rope_theta",), "RoPE")
+    kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return float(theta), None
     scaling = dict(scaling, rope_type=kind)

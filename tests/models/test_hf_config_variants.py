@@ -11,12 +11,15 @@
   transformers 5 takes over the scaling's own: it was not read, so the llama3
   scaling was computed from another length. Where the two differ, transformers
   4 reads the other: refused, naming both.
+* RoPE settings of another type (a string, a null base) are one-line errors;
+  they were internal errors (AttributeError, TypeError).
 
 The expected values are written out (no torch); one test checks them against
 transformers' own config classes where the parity extra is installed.
 """
 
 import copy
+import re
 
 import pytest
 
@@ -89,3 +92,15 @@ def test_a_top_level_original_max_position_is_read_and_two_of_them_refused():
     assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8)
     with pytest.raises(HFCheckpointError, match="original_max_position_embeddings twice, 8 at its top level and 16"):
         family_config_from_hf(dict(LLAMA, rope_parameters=LLAMA3, original_max_position_embeddings=8))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": "linear"}, "config.json's rope_scaling is 'linear', not a dict of RoPE settings"),
+    ({"rope_parameters": [10000.0]}, "config.json's rope_parameters is [10000.0], not a dict of RoPE settings"),
+    ({"rope_theta": None}, "the Hugging Face RoPE config lacks ['rope_theta']"),
+    ({"rope_theta": "1e4"}, "the Hugging Face RoPE config's rope_theta='1e4' is not a number"),
+], ids=["scaling-a-string", "parameters-a-list", "null-base", "base-a-string"])
+def test_rope_settings_of_another_type_are_one_line_errors_not_internal_ones(change, message):
+    """A hand-edited config.json; these were an AttributeError, a TypeError and a ValueError of float()."""
+    with pytest.raises(HFCheckpointError, match=re.escape(message)):
+        family_config_from_hf(dict(LLAMA, **change))
