@@ -152,6 +152,7 @@ def is_hf_checkpoint_folder(path: str | os.PathLike) -> bool:
 
 
 PEFT_ADAPTER_CONFIG = "adapter_config.json"
+PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def peft_adapter_base(directory) -> str | None:
@@ -173,7 +174,10 @@ def read_hf_config(source) -> dict:
         raise FileNotFoundError(f"no Hugging Face checkpoint at {directory}: the path does not exist")
     directory = directory.parent if directory.is_file() else directory
     config_file = directory / CONFIG_FILE
-    if not config_file.exists() and (base := peft_adapter_base(directory)):
+    # an adapter's folder with its base's config.json copied beside it (as some trainers leave it) has no model
+    # weights either: its tensors were read as the model's, a list of every tensor missing
+    adapter_only = {p.name for p in directory.glob("*.safetensors")} <= {PEFT_ADAPTER_WEIGHTS}
+    if (not config_file.exists() or adapter_only) and (base := peft_adapter_base(directory)):
         raise HFCheckpointError(f"{directory} is a PEFT adapter ({PEFT_ADAPTER_CONFIG}), not a model: it adapts "
                                 f"{base}. Name that base model's folder, or merge the adapter into it first "
                                 f"(peft: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()"

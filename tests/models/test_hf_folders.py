@@ -13,7 +13,9 @@
   classifier's save, it is refused naming the head it lacks;
 * Mistral's repositories (Mistral-7B-v0.3) hold their own format's
   consolidated.safetensors beside transformers' shards and index: transformers
-  reads the shards, and from_hf refused the folder as holding two checkpoints.
+  reads the shards, and from_hf refused the folder as holding two checkpoints;
+* a PEFT adapter's folder with its base's config.json copied beside it is named
+  as the adapter (its tensors were read as the model's: every tensor missing).
 """
 
 from __future__ import annotations
@@ -173,6 +175,16 @@ def test_mistrals_own_consolidated_file_beside_the_shards_is_left_to_mistral_inf
                                                 r"with params.json by mistral-inference\), which transformers does "
                                                 r"not read: fetch the repository's model-\*.safetensors"):
         from_hf(alone)
+
+
+def test_an_adapters_folder_with_its_bases_config_beside_it_is_named_as_the_adapter(model, tmp_path):
+    to_hf(model, tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "adapter_model.safetensors")   # what PEFT saves
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base",
+                                                              "peft_type": "LORA"}))
+    with pytest.raises(HFCheckpointError, match=rf"^{tmp_path} is a PEFT adapter \(adapter_config.json\), not a "
+                                                r"model: it adapts /models/base\. Name that base model's folder"):
+        from_hf(tmp_path)
 
 
 def test_a_file_system_that_refuses_modes_still_gets_the_export(tmp_path, monkeypatch):
