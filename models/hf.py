@@ -201,6 +201,14 @@ def family_config_from_hf(hf_config: Mapping[str, Any]):
     if not model_type:
         raise HFCheckpointError("the Hugging Face config has no model_type; cannot tell which family it is")
     family = family_of_hf_model_type(model_type)
+    # a GPTQ, AWQ, bitsandbytes or FP8 save: packed integers and scales under other names (a list of every
+    # projection missing, "fix its config.json"), or transformers quantizing on load what the file holds
+    quantized = hf_config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, Mapping) else quantized
+        raise HFCheckpointError(f"the Hugging Face checkpoint is quantized (quantization_config, quant_method "
+                                f"{method!r}): spillway reads unquantized weights (float32, bfloat16 or float16); "
+                                f"take the model's unquantized checkpoint")
     return family, family.hf.config_from_hf(hf_config)
 
 

@@ -13,6 +13,9 @@
   4 reads the other: refused, naming both.
 * RoPE settings of another type (a string, a null base) are one-line errors;
   they were internal errors (AttributeError, TypeError).
+* A quantized checkpoint (GPTQ, AWQ, bitsandbytes, FP8: `quantization_config`)
+  is refused naming its method; its packed weights and scales were a list of
+  every projection missing, which the fine-tune called a config.json to fix.
 
 The expected values are written out (no torch); one test checks them against
 transformers' own config classes where the parity extra is installed.
@@ -104,3 +107,15 @@ def test_rope_settings_of_another_type_are_one_line_errors_not_internal_ones(cha
     """A hand-edited config.json; these were an AttributeError, a TypeError and a ValueError of float()."""
     with pytest.raises(HFCheckpointError, match=re.escape(message)):
         family_config_from_hf(dict(LLAMA, **change))
+
+
+@pytest.mark.parametrize("quantization", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "bitsandbytes",
+                                          "load_in_4bit": True}, {"quant_method": "fp8", "weight_block_size": [128, 128]}],
+                         ids=lambda q: q["quant_method"])
+def test_a_quantized_checkpoint_is_refused_naming_its_method(quantization):
+    with pytest.raises(HFCheckpointError, match=re.escape(
+            f"the Hugging Face checkpoint is quantized (quantization_config, quant_method "
+            f"{quantization['quant_method']!r}): spillway reads unquantized weights")):
+        family_config_from_hf(dict(LLAMA, quantization_config=quantization))
+    _, cfg = family_config_from_hf(dict(LLAMA, quantization_config=None))   # as some unquantized files say
+    assert cfg.d_model == 64
