@@ -143,10 +143,12 @@ def _gemma3_rope(hf_config: Mapping[str, Any]) -> dict[str, float]:
                   f"rope_scaling names its kind with the older key \"type\" ({older!r}), which transformers 5 does "
                   f"not read for Gemma 3 (no scaling) and transformers 4 did: rename it to \"rope_type\" in "
                   f"config.json, as Google's Gemma 3 configs spell it, so that both read the model you mean")
-        full.setdefault("rope_theta", hf_config.get("rope_theta", 1_000_000.0))
-        sliding = {"rope_type": "default", "rope_theta": hf_config.get("rope_local_base_freq", 10_000.0)}
-    out = {"rope_theta": float(full.get("rope_theta", 1_000_000.0)),
-           "rope_local_theta": float(sliding.get("rope_theta", 10_000.0)), "rope_global_scale": 1.0}
+        sliding = {"rope_type": "default"}
+    # a base the per-type parameters omit is the top-level one, as transformers fills it (it was the default)
+    full.setdefault("rope_theta", hf_config.get("rope_theta", 1_000_000.0))
+    sliding.setdefault("rope_theta", hf_config.get("rope_local_base_freq", 10_000.0))
+    out = {"rope_theta": float(full["rope_theta"]), "rope_local_theta": float(sliding["rope_theta"]),
+           "rope_global_scale": 1.0}
     for where, params in (("full_attention", full), ("sliding_attention", sliding)):
         kind = params.get("rope_type", params.get("type", "default"))
         if kind == "linear" and where == "full_attention":

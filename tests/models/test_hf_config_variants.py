@@ -7,6 +7,8 @@
   loaded the model without its scaling, other logits without a word. A kind
   spillway has no RoPE for (linear) is now refused by name. Gemma 3 lays it over
   its global layers' parameters, as transformers does.
+* Gemma 3's per-layer-type parameters without a `rope_theta`: transformers takes
+  the top-level `rope_theta` / `rope_local_base_freq`; spillway took the defaults.
 * A top-level `original_max_position_embeddings` (Phi-3's place for it), which
   transformers 5 takes over the scaling's own: it was not read, so the llama3
   scaling was computed from another length. Where the two differ, transformers
@@ -77,6 +79,15 @@ def test_gemma3_lays_a_rope_scaling_over_its_global_layers_parameters():
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_global_scale) == (5000.0, 500.0, 4.0)
 
 
+NESTED_WITHOUT_BASES = dict(GEMMA3, rope_theta=5000.0, rope_local_base_freq=300.0, rope_parameters={
+    "full_attention": {"rope_type": "linear", "factor": 4.0}, "sliding_attention": {"rope_type": "default"}})
+
+
+def test_gemma3_takes_the_top_level_bases_its_per_type_parameters_omit():
+    _, cfg = family_config_from_hf(NESTED_WITHOUT_BASES)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_global_scale) == (5000.0, 300.0, 4.0)
+
+
 def test_the_expected_values_are_transformers_own(transformers):
     for hf_config, (theta, scaling) in BOTH_SPELLINGS.values():
         theirs = transformers.LlamaConfig.from_dict(copy.deepcopy(hf_config)).rope_parameters   # it edits them
@@ -86,6 +97,8 @@ def test_the_expected_values_are_transformers_own(transformers):
     gemma = transformers.Gemma3TextConfig.from_dict(copy.deepcopy(dict(GEMMA3, rope_scaling={"rope_type": "linear", "factor": 4.0})))
     full = gemma.rope_parameters["full_attention"]
     assert (full["rope_type"], full["factor"], full["rope_theta"]) == ("linear", 4.0, 5000.0)
+    nested = transformers.Gemma3TextConfig.from_dict(copy.deepcopy(NESTED_WITHOUT_BASES)).rope_parameters
+    assert (nested["full_attention"]["rope_theta"], nested["sliding_attention"]["rope_theta"]) == (5000.0, 300.0)
 
 
 def test_a_top_level_original_max_position_is_read_and_two_of_them_refused():
