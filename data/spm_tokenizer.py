@@ -41,6 +41,7 @@ class NoTextError(DataError):
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIAL_IDS = (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
 MODEL_TYPES = ("bpe", "unigram")
+_BPE_MODEL_TYPE = 2   # sentencepiece_model.proto TrainerSpec.ModelType: UNIGRAM = 1, BPE = 2
 # Printable ASCII always gets its own piece. Character coverage alone would
 # drop rare ASCII letters (in 8 MB of Python source, "Y" falls in the 0.05%
 # tail) into byte pieces, a poor trade for code and English text; 94 pieces
@@ -168,11 +169,16 @@ class SentencePieceTokenizer(Tokenizer):
 
     @property
     def splits_exactly_before_spaces(self) -> bool:
-        """True for models like the ones `train_tokenizer` makes: no dummy prefix, whitespace kept as is, pieces
-        never crossing a word start (split_by_whitespace). Then " word" encodes alone as it does after
-        another word, and a text cut just before such a space encodes to the same ids in pieces."""
+        """True for BPE models like the ones `train_tokenizer` makes: no dummy prefix, whitespace kept as is,
+        pieces never crossing a word start (split_by_whitespace). Then " word" encodes alone as it does after
+        another word, and a text cut just before such a space encodes to the same ids in pieces.
+
+        Not for a unigram model: its best path over the whole text breaks ties between equal-score paths (a
+        run of spaces as 16+16+1 or 1+16+16 pieces) by the float32 rounding of the sum so far, which a cut
+        changes (431 of 2.5M ids of Python source cut every few thousand characters differed)."""
         normalizer, trainer = self._model().normalizer_spec, self._model().trainer_spec
-        return (not normalizer.add_dummy_prefix and not normalizer.remove_extra_whitespaces
+        return (trainer.model_type == _BPE_MODEL_TYPE
+                and not normalizer.add_dummy_prefix and not normalizer.remove_extra_whitespaces
                 and trainer.split_by_whitespace and not trainer.treat_whitespace_as_suffix)
 
     def encode(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
