@@ -210,10 +210,12 @@ def safetensors_files(path: Path) -> list[Path]:
                                 f"model-*.safetensors and {SAFETENSORS_INDEX_FILE} beside it")
     if not files:
         others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
-        # transformers writes safetensors by default: one save_pretrained where torch is converts a .bin checkpoint
+        # transformers writes safetensors by default: one save_pretrained where torch is converts a .bin checkpoint;
+        # its tokenizer is saved beside it, or the converted folder has none to train or export with
         hint = (f" (found {others}: only safetensors checkpoints are read; convert it where torch and transformers "
-                f"are installed: python -c \"from transformers import AutoModelForCausalLM as M; "
-                f"M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\")") if others else ""
+                f"are installed: python -c \"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
+                f"old, new = '{path}', '{path}-safetensors'; M.from_pretrained(old).save_pretrained(new); "
+                f"T.from_pretrained(old).save_pretrained(new)\")") if others else ""
         raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
     return files
 

@@ -88,7 +88,9 @@ def test_a_pytorch_bin_checkpoint_is_refused_with_the_conversion_to_run(model, t
     to_hf(model, tmp_path)
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")   # an older checkpoint's only weights
     with pytest.raises(FileNotFoundError, match=r"found \['pytorch_model.bin'\]: only safetensors checkpoints are "
-                                                r"read; convert it .*save_pretrained\("):
+                                                r"read; convert it .*M.from_pretrained\(old\)"
+                                                r"\.save_pretrained\(new\); T.from_pretrained\(old\)\.save_pretrained"
+                                                r"\(new\)"):
         from_hf(tmp_path)
 
 
