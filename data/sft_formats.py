@@ -122,7 +122,9 @@ def _bad_message(record: Record, index: int, message, role_key: str, text_key: s
         found = f"it is {_json_kind(message)}, not an object"
     else:
         found = f"fields found: {', '.join(sorted(message))}{_not_text(message, (role_key, text_key))}"
-    null = (f': a null "{text_key}" is read only beside "tool_calls" (an assistant calling a tool)'
+    calls_empty = isinstance(message, dict) and message.get("tool_calls") == []
+    null = (f': a null "{text_key}" is read only beside a non-empty "tool_calls" (an assistant calling a tool)'
+            + ('; this message\'s "tool_calls" is empty: write "" for an answer with no text' if calls_empty else "")
             if isinstance(message, dict) and text_key in message and message[text_key] is None else
             ': an empty list of parts; write "" for a message with no text'
             if isinstance(message, dict) and message.get(text_key) == [] else "")

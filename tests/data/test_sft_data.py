@@ -122,6 +122,10 @@ def test_an_instruct_field_that_is_there_but_not_a_string_says_what_it_is(fields
 
 @pytest.mark.parametrize("message, says", [
     ({"role": "assistant", "content": None}, r'\(fields found: content, role; "content" is null\)'),
+    # an empty list of calls is no call: the null content's rule names it
+    ({"role": "assistant", "content": None, "tool_calls": []},
+     r'.*is read only beside a non-empty "tool_calls" .*; this message\'s "tool_calls" is empty: write "" for an '
+     r'answer with no text$'),
     ("hello", r"\(it is a string, not an object\)"),
     # lists of parts are read: an empty one is not "a list" as if lists were refused
     ({"role": "assistant", "content": []}, r'\(fields found: content, role; "content" is a list.*\): an empty list '
