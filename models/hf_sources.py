@@ -195,14 +195,14 @@ def safetensors_files(path: Path) -> list[Path]:
         absent = [str(f) for f in files if not f.exists()]
         if absent:
             raise FileNotFoundError(f"{index} lists shards that do not exist: {absent}")
-        strays = sorted(set(path.glob("*.safetensors")) - set(files) - set(_mistral_native(path)))
+        strays = sorted(set(path.glob("*.safetensors")) - set(files) - set(mistral_native_files(path)))
         if strays:
             # transformers reads model.safetensors where the index's shards are another checkpoint: refuse both
             raise HFCheckpointError(
                 f"{path} holds two checkpoints: the shards {index.name} lists ({listed(files)}) and "
                 f"{listed(strays)}, which it does not list; keep one of them (delete the other) and load again")
         return files
-    native = _mistral_native(path)
+    native = mistral_native_files(path)
     files = sorted(set(path.glob("*.safetensors")) - set(native)) or native
     if files and files == native:
         raise HFCheckpointError(f"{path} holds only Mistral's own format ({listed(files)}, read with params.json "
@@ -220,7 +220,7 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _mistral_native(path: Path) -> list[Path]:
+def mistral_native_files(path: Path) -> list[Path]:
     """Mistral's own-format weights (consolidated.safetensors, consolidated-00001-of-00002.safetensors), which its
     repositories hold beside transformers' shards: the same model under other names, that transformers never reads."""
     return sorted(path.glob("consolidated*.safetensors"))

@@ -23,7 +23,11 @@ of the base too, which the three file windows alone missed when none of
 those tensors lay under them), and a spillway save names its data files
 afresh. Digests are "v2:..." since the per-tensor reads; one kept before
 ("v1", 32 hex digits) is compared by the reads it was taken with
-(`holds_digest`), so older runs resume.
+(`holds_digest`), so older runs resume. Since "v3:" a Hugging Face folder's
+Mistral-format files (`consolidated.safetensors` beside transformers' shards,
+which only mistral-inference reads) are left out: deleting that redundant
+copy, or downloading it later, changes no weight the run reads, and was
+refused as another base.
 """
 
 from __future__ import annotations
@@ -33,17 +37,22 @@ import json
 import struct
 from pathlib import Path
 
+from spillway.models.hf_sources import mistral_native_files
 from spillway.recipes.train.checkpoint_items import PARAMS
 
 CHUNK_BYTES = 64 << 10
 TENSOR_EDGE_BYTES = 4 << 10
-VERSION = "v2:"
+VERSION = "v3:"
+PER_TENSOR = "v2:"   # every tensor read, Mistral's own files too
 
 
-def _files_of(base: Path) -> list[Path]:
+def _files_of(base: Path, read_only: bool) -> list[Path]:
+    """The files digested; `read_only`: without the Mistral-format files the load never reads."""
     if (base / PARAMS).is_dir():   # a spillway step: its weights only (not its optimizer state)
         return sorted(path for path in (base / PARAMS).rglob("*") if path.is_file())
-    return sorted([*base.glob("*.safetensors"), *base.glob("*.safetensors.index.json"), base / "config.json"])
+    unread = set(mistral_native_files(base)) if read_only else set()
+    return sorted([*(set(base.glob("*.safetensors")) - unread), *base.glob("*.safetensors.index.json"),
+                   base / "config.json"])
 
 
 def _tensor_spans(file, size: int) -> list[tuple[int, int]]:
@@ -61,9 +70,9 @@ def _tensor_spans(file, size: int) -> list[tuple[int, int]]:
         return []
 
 
-def _digest(base_dir: Path, per_tensor: bool) -> str:
+def _digest(base_dir: Path, per_tensor: bool, read_only: bool = False) -> str:
     digest = hashlib.sha256()
-    for path in _files_of(base_dir):
+    for path in _files_of(base_dir, read_only):
         if not path.is_file():
             continue
         size = path.stat().st_size
@@ -82,7 +91,7 @@ def _digest(base_dir: Path, per_tensor: bool) -> str:
 
 def base_digest(base_dir: str | Path) -> str:
     """The digest of the base weights in `base_dir` (a step folder or a Hugging Face folder): module docstring."""
-    return VERSION + _digest(Path(base_dir).expanduser(), per_tensor=True)
+    return VERSION + _digest(Path(base_dir).expanduser(), per_tensor=True, read_only=True)
 
 
 def holds_digest(base_dir: str | Path, expected: str) -> bool:
@@ -90,4 +99,6 @@ def holds_digest(base_dir: str | Path, expected: str) -> bool:
     before the per-tensor reads is a legacy one: module docstring)."""
     if expected.startswith(VERSION):
         return base_digest(base_dir) == expected
+    if expected.startswith(PER_TENSOR):
+        return PER_TENSOR + _digest(Path(base_dir).expanduser(), per_tensor=True) == expected
     return _digest(Path(base_dir).expanduser(), per_tensor=False) == expected

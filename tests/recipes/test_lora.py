@@ -447,6 +447,28 @@ def test_the_base_digest_reads_every_tensor_of_a_safetensors_base(tmp_path):
     assert holds_digest(tmp_path / "base", legacy)   # a run that kept a legacy digest still resumes
 
 
+def test_the_base_digest_leaves_out_mistrals_own_files_the_load_never_reads(tmp_path):
+    """Mistral's repositories hold consolidated.safetensors beside transformers' shards; the load reads the shards
+    alone, so deleting that copy (or downloading it later) changes nothing the adapters stand on, and was refused
+    as other weights. A digest kept with it before ("v2:") is still compared by its own reads."""
+    from safetensors.numpy import save_file
+
+    from spillway.recipes.train.base_digest import PER_TENSOR, _digest, base_digest, holds_digest
+
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"model.embed_tokens.weight": np.ones((8, 4), np.float32)}, str(base / "model.safetensors"))
+    save_file({"tok_embeddings.weight": np.ones((8, 4), np.float32)}, str(base / "consolidated.safetensors"))
+    (base / "config.json").write_text("{}")
+    kept, kept_before = base_digest(base), PER_TENSOR + _digest(base, per_tensor=True)
+    assert holds_digest(base, kept) and holds_digest(base, kept_before)
+    (base / "consolidated.safetensors").unlink()
+    assert holds_digest(base, kept)
+    save_file({"model.embed_tokens.weight": np.zeros((8, 4), np.float32)}, str(base / "model.safetensors"))
+    assert not holds_digest(base, kept)   # the weights it reads still count
+    assert not holds_digest(base, kept_before)   # compared as taken: with the file it had
+
+
 def test_a_run_that_kept_a_legacy_base_digest_resumes_on_the_same_base_only(tmp_path):
     from spillway.models.hf import to_hf
     from spillway.recipes.train.base_digest import _digest
