@@ -255,7 +255,7 @@ def _read_for_export(path: str, step_dir, adapter: bool) -> _Read:
     # below names the step exported)
     # an adapter export reads the adapters alone: it works where the base has gone since
     step_dir, recipe, params = restore_readable(path, step_dir, target_of, with_base=not adapter)
-    tower = _text_tower(recipe) if adapter else None   # the base's layout, read once: before writing
+    tower = _text_tower(recipe, run_dir_of(step_dir)) if adapter else None   # the base's layout: before writing
     adapter_tensors = peft_tensors(recipe, params, tower) if adapter else None   # what PEFT cannot hold: before too
     return _Read(step_dir, recipe, params, run_dir_of(step_dir), tower, adapter_tensors)
 
@@ -518,22 +518,27 @@ MULTIMODAL_TEXT_TOWER = "model.language_model."
 _TEXT_MODEL = "model."
 
 
-def _text_tower(recipe: Recipe) -> str:
+def _text_tower(recipe: Recipe, run_dir) -> str:
     """The module path of the base's text layers as transformers builds it: `model.`, or for a multimodal Gemma 3
     base `model.language_model.` (an adapter named `model.layers.*` loaded there with no effect, PEFT only
-    warning of missing keys). Read from the hf: base's config.json; ConfigError where it cannot be read."""
+    warning of missing keys). Read from the hf: base's config.json, else from the copy the run kept of it when
+    it started (the base may have gone since: the adapters are all an adapter export reads); ConfigError where
+    neither can be read."""
+    from spillway.recipes.train.base_generation import kept_base_config
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
 
     directory = hf_checkpoint_dir(recipe.checkpoint.init_from)
     if directory is None or recipe.family != "gemma3":   # only Gemma 3 has a multimodal form here
         return _TEXT_MODEL
     try:
-        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as error:
-        raise ConfigError(f"--adapter: the base's {directory / 'config.json'} cannot be read ({error}), and it says "
-                          f"whether the adapters load into a multimodal Gemma 3; put the base back, or export "
-                          f"merged instead") from None
-    return MULTIMODAL_TEXT_TOWER if model_type == "gemma3" else _TEXT_MODEL
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        config = kept_base_config(run_dir) if run_dir is not None else None
+        if config is None:   # a run started before the copy was kept
+            raise ConfigError(f"--adapter: the base's {directory / 'config.json'} cannot be read ({error}), and it "
+                              f"says whether the adapters load into a multimodal Gemma 3; put the base back "
+                              f"there") from None
+    return MULTIMODAL_TEXT_TOWER if isinstance(config, dict) and config.get("model_type") == "gemma3" else _TEXT_MODEL
 
 
 def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str) -> None:

@@ -10,6 +10,8 @@ The base folder is read where the recipe's `checkpoint.init_from` names it when 
 says is kept in `RUN_DIR/base_generation.json` (`keep_base_generation`): a base moved or removed since, a
 relative `hf:` path read from another directory, and a fine-tune of this run (with its tokenizer) still find
 it. A run started before that file read the base folder each time, as it still does where the file is absent.
+The base's config.json is kept the same way (`RUN_DIR/base_config.json`, `keep_base_config`): an adapter export
+reads in it whether a Gemma 3 base is multimodal, and `export --adapter` needs no base folder.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from spillway.recipes.config import Recipe
 GENERATION_CONFIG = "generation_config.json"
 BASE_GENERATION_FILE = "base_generation.json"   # in RUN_DIR: what the base's file said when the run started
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+BASE_CONFIG_FILE = "base_config.json"   # in RUN_DIR: the hf: base's config.json when the run started
 
 
 def hf_base_json(recipe: Recipe, name: str) -> tuple[Path, dict] | None:
@@ -61,6 +64,24 @@ def keep_base_generation(recipe: Recipe, run_dir: Path, vocab_size: int) -> None
     if settings or stops or dropped:
         atomic_write_bytes(run_dir / BASE_GENERATION_FILE, (json.dumps(
             {"settings": settings, "stops": stops, "dropped": dropped}, indent=2) + "\n").encode())
+
+
+def keep_base_config(recipe: Recipe, run_dir: Path) -> None:
+    """RUN_DIR/base_config.json, once, when the run starts: the hf: base's config.json (module docstring)."""
+    from spillway.data.cache import atomic_write_bytes
+
+    found = hf_base_json(recipe, "config.json")
+    if found is not None and not (Path(run_dir) / BASE_CONFIG_FILE).is_file():
+        atomic_write_bytes(Path(run_dir) / BASE_CONFIG_FILE, (json.dumps(found[1], indent=2) + "\n").encode())
+
+
+def kept_base_config(run_dir: Path) -> dict | None:
+    """The base's config.json as `keep_base_config` kept it; None where the run kept none (started before)."""
+    try:
+        kept = json.loads((Path(run_dir) / BASE_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) else None
 
 
 def _kept(run_dir: Path) -> dict | None:

@@ -41,7 +41,7 @@ from spillway.layers.memory import Memory
 from spillway.layers.mesh import replicated_micro_batch
 from spillway.layers.residency import memory_of
 from spillway.layers.sharding import make_mesh
-from spillway.recipes.train.base_generation import base_stop_ids, keep_base_generation
+from spillway.recipes.train.base_generation import base_stop_ids, keep_base_config, keep_base_generation
 from spillway.recipes.config import Recipe
 from spillway.recipes.optim.host_memory import check_host_memory
 from spillway.recipes.sampling import generate
@@ -211,6 +211,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     if main:
         save_run_tokenizer(tokenizer, run_dir, recipe)  # `spillway generate RUN_DIR` needs it (and the chat template)
         keep_base_generation(recipe, run_dir, tokenizer.vocab_size)   # the base's stop ids, kept with the run
+        keep_base_config(recipe, run_dir)   # what an adapter export reads of the base, which may go
     _run_steps(recipe, run_dir, s, state, feed, checkpointer, logger, lock, main=main, say=say, progress=progress,
                stop_after=stop_after)
     checkpointer.wait()

@@ -187,6 +187,22 @@ def test_the_adapters_base_is_named_by_its_hub_repository_or_an_absolute_path(tm
         "meta-llama/Llama-3.2-1B"
 
 
+def test_an_adapter_export_of_a_multimodal_gemma3_needs_no_base_folder(tmp_path):
+    """`export --adapter` reads the adapters alone, and the merged export's error sends a run whose base has gone
+    there; for a Gemma 3 it read the base's config.json (multimodal or not) and refused, sending the user back
+    to the merged export: the config kept in the run folder when the run started answers instead."""
+    from spillway.recipes.export import MULTIMODAL_TEXT_TOWER, _text_tower
+    from spillway.recipes.train.base_generation import keep_base_config
+
+    base, run = tmp_path / "gemma3", tmp_path / "run"
+    base.mkdir(), run.mkdir()
+    recipe = get_recipe("gemma3_tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"])
+    (base / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}}))
+    keep_base_config(recipe, run)
+    (base / "config.json").unlink()
+    assert _text_tower(recipe, run) == MULTIMODAL_TEXT_TOWER
+
+
 def test_an_adapter_of_a_multimodal_gemma3_names_its_text_layers_and_a_dense_mlp_beside_experts_is_refused(tmp_path):
     """PEFT names a multimodal Gemma 3's text layers model.language_model.layers.N: an adapter named
     model.layers.N loaded there with no effect (PEFT only warned of missing keys). A Qwen3-MoE's dense MLP
@@ -198,13 +214,13 @@ def test_an_adapter_of_a_multimodal_gemma3_names_its_text_layers_and_a_dense_mlp
     base.mkdir()
     recipe = get_recipe("gemma3_tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"])
     (base / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}}))
-    assert _text_tower(recipe) == MULTIMODAL_TEXT_TOWER
+    assert _text_tower(recipe, None) == MULTIMODAL_TEXT_TOWER
     (base / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
-    assert _text_tower(recipe) == "model."
+    assert _text_tower(recipe, None) == "model."
     (base / "config.json").unlink()
     with pytest.raises(ConfigError, match=r"--adapter: the base's .*config.json cannot be read .* put the base back"):
-        _text_tower(recipe)
-    assert _text_tower(get_recipe("tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"])) == "model."
+        _text_tower(recipe, tmp_path / "run")
+    assert _text_tower(get_recipe("tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"]), None) == "model."
 
     moe = get_recipe("qwen3_moe_tiny", [f"checkpoint.init_from=hf:{base}", "lora.rank=4"])
     with pytest.raises(ConfigError, match=r"adapts the dense MLP \(model.layers.N.mlp.gate_proj\) of a model with "
