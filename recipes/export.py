@@ -281,7 +281,7 @@ def _write_export(read: _Read, out: Path, source: str, replaced: str | None, *, 
         written = json.loads((out / STAGED_CONFIG).read_text())
         (out / STAGED_CONFIG).replace(out / CONFIG)
         weights = f" ({written.get('dtype')} weights)"
-        stops += _class_forced_note(copied, written.get("model_type"))
+        stops += _class_forced_note(copied, written.get("model_type")) + _text_only_note(recipe, run_dir)
     _write_record(out, source, step_dir, adapter, finished=True)
     say(f"exported {step_dir} to {out}" + (" (PEFT adapter)" if adapter else weights)
         + (f", replacing {replaced}" if replaced else "")
@@ -539,6 +539,17 @@ def _text_tower(recipe: Recipe, run_dir) -> str:
                               f"says whether the adapters load into a multimodal Gemma 3; put the base back "
                               f"there") from None
     return MULTIMODAL_TEXT_TOWER if isinstance(config, dict) and config.get("model_type") == "gemma3" else _TEXT_MODEL
+
+
+def _text_only_note(recipe: Recipe, run_dir) -> str:
+    """A merged export of a run on a multimodal Gemma 3 holds its text model alone (spillway reads and trains the
+    text tower): said, since the base loaded as an image-text model and nothing else in the line tells."""
+    try:
+        multimodal = _text_tower(recipe, run_dir) == MULTIMODAL_TEXT_TOWER
+    except ConfigError:   # the base and the run's copy of its config gone: nothing to say of it
+        return ""
+    return ("; the base's vision tower is not in it (the text tower alone was trained): a Gemma3ForCausalLM that "
+            "AutoModelForCausalLM loads, for text" if multimodal else "")
 
 
 def _refuse_names_peft_reads_as_experts(recipe: Recipe, module: str) -> None:

@@ -203,6 +203,19 @@ def test_an_adapter_export_of_a_multimodal_gemma3_needs_no_base_folder(tmp_path)
     assert _text_tower(recipe, run) == MULTIMODAL_TEXT_TOWER
 
 
+def test_a_merged_export_of_a_multimodal_gemma3_run_says_it_holds_the_text_model_alone(tmp_path):
+    """The base loaded as an image-text model; the export is its text tower, which the export line did not say."""
+    from spillway.recipes.export import _text_only_note
+
+    base = tmp_path / "gemma3"
+    base.mkdir()
+    recipe = get_recipe("gemma3_tiny", [f"checkpoint.init_from=hf:{base}"])
+    (base / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}}))
+    assert "vision tower is not in it" in _text_only_note(recipe, None)
+    (base / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    assert _text_only_note(recipe, None) == ""
+
+
 def test_an_adapter_of_a_multimodal_gemma3_names_its_text_layers_and_a_dense_mlp_beside_experts_is_refused(tmp_path):
     """PEFT names a multimodal Gemma 3's text layers model.language_model.layers.N: an adapter named
     model.layers.N loaded there with no effect (PEFT only warned of missing keys). A Qwen3-MoE's dense MLP
