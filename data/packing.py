@@ -130,7 +130,7 @@ def _split_sizes(
         enough = shards.num_tokens >= 2 * row_len   # long enough, but in too few documents to split in two
         documents = f"{shards.num_documents} document{'' if shards.num_documents == 1 else 's'}"
         counted = f"({train_tokens} tokens train, {val_tokens} validation)"
-        no_validation = " or set val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
+        no_validation = " or set data.val_fraction=0 (no validation set; a run then needs train.eval_every=0)"
         if enough and val_fraction > 0:
             # not short at all: a single file of a million tokens met "too short" and deleted nothing to fix it
             raise ValueError(

@@ -785,6 +785,9 @@ def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
     if key not in fields:
         close = difflib.get_close_matches(key, sorted(fields), n=1)
         guess = f"did you mean {'.'.join(full.split('.')[:-len(keys)] + close)!r}? " if close else ""
+        sections = _sections_holding(key) if cls is Recipe and len(keys) == 1 else []
+        if sections:   # `--set val_fraction=0`, as a message that says the field's name alone suggests it
+            guess = f"did you mean {' or '.join(repr(f'{s}.{key}') for s in sections)}? "
         raise ConfigError(f"unknown field {full!r}: {cls.__name__} has no field {key!r} ({guess}fields: "
                           f"{sorted(fields)})")
     annotation = typing.get_type_hints(cls)[key]
@@ -803,6 +806,13 @@ def _set_path(tree: dict, cls, keys: list[str], raw: str, full: str) -> None:
     if tree.get(key) is None:
         tree[key] = dataclasses.asdict(nested[0]())  # e.g. model.rope_scaling.factor on a model without scaling
     _set_path(tree[key], nested[0], keys[1:], raw, full)
+
+
+def _sections_holding(key: str) -> list[str]:
+    """The recipe sections with a field `key` (`data` for val_fraction): a bare field name meant one of them."""
+    hints = typing.get_type_hints(Recipe)
+    return [field.name for field in dataclasses.fields(Recipe) if dataclasses.is_dataclass(hints[field.name])
+            and key in {f.name for f in dataclasses.fields(hints[field.name])}]
 
 
 def _parse_scalar(raw: str) -> Any:

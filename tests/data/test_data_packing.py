@@ -206,7 +206,7 @@ def test_one_document_cannot_be_split(tokenizer, tmp_path):
     # One long file: plenty of tokens, one document. "Use a larger corpus" sent the user the wrong way.
     with pytest.raises(ValueError, match="short.txt' cannot be split into training and validation rows: its .* "
                                          "tokens are in 1 document.*a .txt file is one document.*split it into "
-                                         "several files, or set val_fraction=0") as refused:
+                                         "several files, or set data.val_fraction=0") as refused:
         prepare_tokens(str(path), tokenizer, seq_len=4, val_fraction=0.1, cache_dir=cache)
     assert "larger corpus" not in str(refused.value) and "too short" not in str(refused.value)
 

@@ -192,6 +192,14 @@ def test_unknown_and_malformed_overrides():
         tiny('model.rope_scaling={"factor": 2}')
 
 
+def test_a_bare_field_name_suggests_the_section_holding_it():
+    # the corpus-split error once said "set val_fraction=0", and `--set val_fraction=0` listed the sections alone
+    with pytest.raises(ConfigError, match=r"unknown field 'val_fraction': .*did you mean 'data.val_fraction'\?"):
+        tiny("val_fraction=0")
+    with pytest.raises(ConfigError, match=r"did you mean 'train.steps'\?"):
+        tiny("steps=3")
+
+
 def test_block_class_is_resolved_when_the_recipe_is_built():
     assert tiny("block=spillway.layers.block:TransformerBlock").block_class().__name__ == "TransformerBlock"
     with pytest.raises(ConfigError, match="block: no module 'no_such_module'"):
