@@ -157,8 +157,10 @@ def _base_model_problem(recipe: Recipe) -> str | None:
                 f"back where it was (or train into another checkpoint.dir to start over)")
     fetch = (f" (it is {origin}: fetch it with `hf download {origin} --exclude 'original/*' --local-dir {folder}`)"
              if origin else "")
-    return (f"checkpoint.init_from {init_from!r} does not exist{fetch}; or point at a local copy with "
-            f"--set checkpoint.init_from=hf:DIR (a Hugging Face model folder: config.json and *.safetensors)")
+    # without a Hub repository to fetch from, "; or point at ..." offered an alternative to nothing
+    return (f"checkpoint.init_from {init_from!r} does not exist{fetch}{'; or point' if origin else ': point'} at a "
+            f"local copy with --set checkpoint.init_from=hf:DIR (a Hugging Face model folder: config.json and "
+            f"*.safetensors)")
 
 
 def _checkpoint_brings_a_tokenizer(recipe: Recipe) -> bool:

@@ -98,3 +98,17 @@ def test_the_plan_check_takes_the_tokenizer_from_a_fetched_base_as_the_run_does(
         check_run_inputs(recipe)
     (base / "tokenizer.json").write_text("{}")
     check_run_inputs(recipe)
+
+
+def test_a_missing_base_without_a_hub_repository_is_told_where_to_point(tmp_path, monkeypatch):
+    """README's `--set checkpoint.init_from=hf:/models/Llama-3.2-1B` offline said "does not exist; or point at
+    ...": an alternative to a fetch command it never gave."""
+    from spillway.recipes.train.preflight import MissingInputError, check_run_inputs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("a few words")
+    recipe = get_recipe("llama3_1b", [f"checkpoint.init_from=hf:{tmp_path / 'gone'}", "data.source=corpus.txt"])
+    with pytest.raises(MissingInputError, match=r"gone' does not exist: point at a local copy with --set "
+                                                r"checkpoint.init_from=hf:DIR") as refused:
+        check_run_inputs(recipe)
+    assert "; or" not in str(refused.value)
