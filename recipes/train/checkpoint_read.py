@@ -84,8 +84,9 @@ def saved_struct_of(target) -> jax.ShapeDtypeStruct:
 # -- writing one piece into a shard where it lies ----------------------------------------------------------
 
 
-def _in_host_memory(sharding) -> bool:
-    # on CPU every memory kind is this RAM and a plain jit reaches all of them
+def in_accelerator_host_memory(sharding) -> bool:
+    """Whether arrays of `sharding` lie in host memory beside an accelerator (the saves' piece taking reads them
+    through the device too, piece_take.py). On CPU every memory kind is this RAM and a plain jit reaches all."""
     return (sharding.memory_kind not in (None, "device")
             and next(iter(sharding.device_set)).platform != "cpu")
 
@@ -94,7 +95,7 @@ def _writes_slice_one_axis(sharding) -> bool:
     """Whether a write into this shard may differ from it in one axis only: a TPU lowers a write into host
     memory as an async dynamic-update-slice that slices one dimension ("UNIMPLEMENTED: Async slice only
     supports slicing in 1 dimension", v5e, jax 0.10.2); a GPU writes any region."""
-    return _in_host_memory(sharding) and next(iter(sharding.device_set)).platform == "tpu"
+    return in_accelerator_host_memory(sharding) and next(iter(sharding.device_set)).platform == "tpu"
 
 
 @functools.cache
@@ -102,7 +103,7 @@ def _zeros(shape: tuple[int, ...], dtype, sharding):
     """A compiled zeros of one shard, made where it lives (by the host CPU for host memory on a GPU)."""
     def make():
         return jnp.zeros(shape, dtype)
-    if _in_host_memory(sharding):
+    if in_accelerator_host_memory(sharding):
         from spillway.layers import jax_compat
         make = jax_compat.on_host(make, out_memory_spaces=jax.memory.Space.Host)
     return jax.jit(make, out_shardings=sharding)
@@ -111,7 +112,7 @@ def _zeros(shape: tuple[int, ...], dtype, sharding):
 @functools.cache
 def _writer(sizes: tuple[int, ...], sharding):
     """A compiled, donated write of a piece of `sizes` at dynamic starts into a shard (one compile a shape)."""
-    to_host = _in_host_memory(sharding)
+    to_host = in_accelerator_host_memory(sharding)
 
     def put(shard, piece, starts):
         if to_host:

@@ -26,6 +26,8 @@ import math
 import jax
 import numpy as np
 
+from spillway.recipes.train.checkpoint_read import in_accelerator_host_memory
+
 # The last slab read of each shard being written, {id(shard): (shard, slab key, slab)}, kept while the next
 # pieces come from it; `release(shard)` drops it when the shard is written (a save writes several leaves at
 # once, its items concurrently: one slab per shard in progress).
@@ -44,7 +46,7 @@ def platform_of(array: jax.Array) -> str:
 
 
 def in_host_memory_of_an_accelerator(shard: jax.Array) -> bool:
-    return shard.sharding.memory_kind not in (None, "device") and platform_of(shard) != "cpu"
+    return in_accelerator_host_memory(shard.sharding)
 
 
 def take_piece(shard: jax.Array, index: tuple[slice, ...]) -> np.ndarray:
