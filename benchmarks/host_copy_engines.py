@@ -33,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.plan.subprocess_runner import served_or_measured  # noqa: E402
 from spillway.recipes.targets import DEFAULT_GPU  # noqa: E402
 
 MiB = 2**20
@@ -127,10 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.json:
-        serve_compile_process(lambda argv: measure(parse_args(argv)))
-    prepare_compile_process()
-    result = measure(args)
+    result = served_or_measured(args, parse_args, measure)
     print(f"{args.layers - 1} iterations, a {args.width}x{args.width} float32 row in and out each; {args.target}, "
           f"jax {result['jax']}, deviceless")
     print(f"{'row offsets (read / write)':32s} {'memcpy MiB':>10s} {'kernel MiB':>10s}")

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.plan.subprocess_runner import served_or_measured  # noqa: E402
 from spillway.recipes.targets import DEFAULT_GPU  # noqa: E402
 
 # (shape, dtype, the chunk a save takes): a stacked MLP weight's state, the four leaf shapes whose merged rows a
@@ -68,10 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.json:
-        serve_compile_process(lambda argv: measure(parse_args(argv)))
-    prepare_compile_process()
-    result = measure(args)
+    result = served_or_measured(args, parse_args, measure)
     print(f"the save's slab reads, compiled for {result['target']} without one (jax {result['jax']})")
     for row in result["rows"]:
         what = row.get("error") or (f"compiled; host argument in place: {row['host_argument']}; "

@@ -72,7 +72,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from spillway.recipes.plan.subprocess_runner import prepare_compile_process, serve_compile_process  # noqa: E402
+from spillway.recipes.plan.subprocess_runner import served_or_measured  # noqa: E402
 from spillway.recipes.targets import DEFAULT_GPU
 
 MiB = 2**20
@@ -425,10 +425,7 @@ def main() -> None:
         for variant, times in result["rows"].items():
             print(f"{variant:20s} " + " ".join(f"{times[name] * 1e3:26.1f}" for name in settings))
         return
-    if args.json:
-        serve_compile_process(lambda argv: measure(parse_args(argv)))
-    prepare_compile_process()
-    result = measure(args)
+    result = served_or_measured(args, parse_args, measure)
     limit = result["options"]["xla_gpu_experimental_parallel_async_compute_limit"]
     print(f"{args.layers} layers of {args.d_model}x{args.d_model}, {args.tokens} tokens, {args.target}, "
           f"jax {result['jax']}, async compute limit {limit}; AdamW state {result['state_bytes'] / MiB:.0f} MiB "

@@ -301,6 +301,15 @@ def prepare_compile_process() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def served_or_measured(args, parse_args: Callable[[list[str]], Any], measure: Callable[[Any], Any]) -> Any:
+    """A compile benchmark's figures: with `args.json` this process serves them as a compile process (parsing
+    its own argv, printing the JSON, exiting); else measured here, the process first made able to compile."""
+    if args.json:
+        serve_compile_process(lambda argv: measure(parse_args(argv)))
+    prepare_compile_process()
+    return measure(args)
+
+
 def serve_compile_process(main: Callable[[list[str]], Any]) -> NoReturn:
     """Entry point of a compile-process module: set up, run ``main(argv)``, print its JSON.
 
