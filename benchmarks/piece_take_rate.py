@@ -1,14 +1,17 @@
 """Where a save in pieces spends its time: taking a piece out of an array in pinned host memory, by each way
 there is, against copying the whole array and against tensorstore's write of the pieces.
 
-A save of host-resident state in pieces (recipes/train/checkpoint_io.py) takes each zarr chunk out of its
-shard with a compiled slice run where the shard lies (the host CPU for a pinned_host shard) and copies it into
-NumPy. On a TPU v5e that save ran at 84 MB/s (BENCHMARKS.md, "On a TPU"). This script times, per piece size,
-on whatever jax finds (run it on the TPU machine, or here on CPU for the same lines):
+A save of host-resident state in pieces (recipes/train/checkpoint_io.py) took each zarr chunk out of its
+shard with a compiled slice run where the shard lies (the host CPU for a pinned_host shard) and copied it into
+NumPy. On a TPU v5e that save ran at 84 MB/s (BENCHMARKS.md, "On a TPU"); it now reads each chunk through the
+device (recipes/train/piece_take.py). This script times, per piece size, on whatever jax finds (run it on the
+TPU machine, or here on CPU for the same lines):
 
-* `host slice`: the save's own way (checkpoint_io._piece): the slice on the host CPU, then NumPy;
-* `host rows` / `device rows`: the piece as a range of rows of the array seen as 2-D (a slice of one axis),
-  sliced by the host CPU or by the device (one host-to-device copy), then NumPy;
+* `host slice`: the slice on the host CPU (piece_take's fallback, the save's way before), then NumPy;
+* `host rows`: the piece as a range of rows of the array seen as 2-D (a slice of one axis), sliced by the host
+  CPU, then NumPy;
+* `device slab`: the save's way now (piece_take.take_piece: the device reads the piece's slab into HBM, a
+  slice of one axis, and the piece is cut there; on CPU a plain slice), then NumPy;
 * `tensorstore`: the pieces written as a zarr3 array on local disk, uncompressed, and compressed as orbax
   writes (zstd level 3) with the save's pieces in flight and with 8;
 * `whole array`: np.asarray of the whole array at once (the rate of one big copy, for scale), last.
@@ -21,6 +24,7 @@ Each line ends with the process's resident size and the machine's available memo
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 
@@ -30,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from benchmarks.tpu_host_buffers import memory_now
-from spillway.recipes.train import checkpoint_io
+from spillway.recipes.train import checkpoint_io, piece_take
 
 MiB = 2**20
 
@@ -61,33 +65,27 @@ def _time_pieces(array, piece_rows: int, take) -> float:
     return time.perf_counter() - start
 
 
-def _rows_take(on_host: bool):
-    """A piece as a range of rows of the array seen as (rows, last axis): a slice of one axis, which a TPU's
-    async slice of host memory allows (slicing two axes does not compile there)."""
-    def take(array, index):
-        rows_per_layer = array.shape[1]
-        first = index[0].start * rows_per_layer + index[1].start
-        count = index[1].stop - index[1].start
-        slicer = _rows_slicer(array.shape, count, on_host)
-        return np.asarray(slicer(array, np.int32(first)))
-    return take
+def _host_slice(array, index):
+    sizes = tuple(s.stop - s.start for s in index)
+    slicer = piece_take._slicer(sizes, piece_take.in_host_memory_of_an_accelerator(array))
+    return np.asarray(slicer(array, np.array([s.start for s in index], np.int32)))
 
 
-_ROW_SLICERS: dict = {}
+def _host_rows(array, index):
+    """A piece as a range of rows of the array seen as (rows, last axis), sliced by the host CPU."""
+    rows_per_layer = array.shape[1]
+    first = index[0].start * rows_per_layer + index[1].start
+    count = index[1].stop - index[1].start
+    return np.asarray(_host_rows_slicer(array.shape, count)(array, np.int32(first)))
 
 
-def _rows_slicer(shape, count: int, on_host: bool):
-    key = (shape, count, on_host)
-    if key not in _ROW_SLICERS:
-        def rows(x, first):
-            return jax.lax.dynamic_slice_in_dim(x.reshape(-1, shape[-1]), first, count, axis=0)
-        if on_host:
-            from spillway.layers import jax_compat
-            _ROW_SLICERS[key] = jax_compat.on_host(rows, out_memory_spaces=jax.memory.Space.Host)
-        else:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-            _ROW_SLICERS[key] = jax.jit(rows, out_shardings=device)
-    return _ROW_SLICERS[key]
+@functools.cache
+def _host_rows_slicer(shape, count: int):
+    from spillway.layers import jax_compat
+
+    def rows(x, first):
+        return jax.lax.dynamic_slice_in_dim(x.reshape(-1, shape[-1]), first, count, axis=0)
+    return jax_compat.on_host(rows, out_memory_spaces=jax.memory.Space.Host)
 
 
 def _tensorstore_write(array_np_piece: np.ndarray, shape, piece_rows: int, zstd: bool = False,
@@ -127,9 +125,8 @@ def main() -> None:
     for piece_mib in (int(p) for p in args.piece_mib.split(",")):
         piece_rows = max(1, piece_mib * MiB // (array.shape[2] * 4))
         label = f"{piece_mib:4d} MiB pieces"
-        seconds = _time_pieces(array, piece_rows, checkpoint_io._piece)
-        print(f"{label}  {'host slice:':13s} {_rate(nbytes, seconds)}", flush=True)
-        for name, take in (("host rows", _rows_take(on_host=True)), ("device rows", _rows_take(on_host=False))):
+        for name, take in (("host slice", _host_slice), ("host rows", _host_rows),
+                           ("device slab", piece_take.take_piece)):
             try:
                 seconds = _time_pieces(array, piece_rows, take)
                 print(f"{label}  {name + ':':13s} {_rate(nbytes, seconds)}", flush=True)
