@@ -31,6 +31,8 @@ import re
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from .spm_tokenizer import parse_model_proto
+
 # sentencepiece's piece types (sentencepiece_model.proto ModelProto.SentencePiece.Type) and model types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 UNIGRAM, BPE = 1, 2
@@ -41,20 +43,12 @@ SPACE = "\u2581"
 _NEVER_MATCHED = -1e6
 
 
-def _parse(model_proto: bytes):
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model_proto)
-    return proto
-
-
 def unsupported_reason(model_proto: bytes) -> str | None:
     """Why the model cannot be written as an exact tokenizer.json (None when it can)."""
     from google.protobuf.message import DecodeError
 
     try:
-        proto = _parse(model_proto)
+        proto = parse_model_proto(model_proto)
     except DecodeError as error:
         return f"it is not a sentencepiece model ({error})"
     if not proto.pieces:
@@ -105,7 +99,7 @@ def tokenizer_json(model_proto: bytes, bos: tuple[str, int] | None = None) -> st
     """The tokenizer.json text of a sentencepiece model (`unsupported_reason` says None of it). `bos`: the
     (token, id) that starts each text encoded with special tokens, where the run put one before each document
     (transformers adds none of its own to a tokenizer.json: add_bos_token does not reach it)."""
-    proto = _parse(model_proto)
+    proto = parse_model_proto(model_proto)
     spec = proto.normalizer_spec
     user_defined = [piece.piece for piece in proto.pieces if piece.type == USER_DEFINED]
     tokenizer = Tokenizer(_model(proto, user_defined))

@@ -56,6 +56,16 @@ DEFAULT_MAX_SENTENCES = {"bpe": 200_000, "unigram": 50_000}
 _TRAINING_RECIPE_VERSION = 1
 
 
+def parse_model_proto(model_proto: bytes):
+    """A serialized sentencepiece model as its ModelProto (pieces, normalizer and trainer settings); protobuf's
+    DecodeError where the bytes are not one."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_proto)
+    return proto
+
+
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece model held as its serialized proto.
 
@@ -252,10 +262,7 @@ class SentencePieceTokenizer(Tokenizer):
     def _model(self):
         """The model proto parsed (its normalizer's and trainer's settings), once."""
         if self._parsed is None:
-            from sentencepiece import sentencepiece_model_pb2
-
-            self._parsed = sentencepiece_model_pb2.ModelProto()
-            self._parsed.ParseFromString(self.model_proto)
+            self._parsed = parse_model_proto(self.model_proto)
         return self._parsed
 
     def encode_with_offsets(self, text: str, *, starts_the_text: bool = True
