@@ -53,8 +53,6 @@ def keep_base_generation(recipe: Recipe, run_dir: Path, vocab_size: int) -> None
     """RUN_DIR/base_generation.json, once, when the run starts (module docstring): from its hf: base folder, or
     from the spillway run it fine-tunes where it tokenizes with that run's tokenizer. Nothing where neither
     says anything."""
-    from spillway.data.cache import atomic_write_bytes
-
     run_dir = Path(run_dir)
     if _kept(run_dir) is not None:
         return
@@ -62,34 +60,41 @@ def keep_base_generation(recipe: Recipe, run_dir: Path, vocab_size: int) -> None
     if not (settings or stops or dropped):
         settings, stops, dropped = _from_source_run(recipe, run_dir)
     if settings or stops or dropped:
-        atomic_write_bytes(run_dir / BASE_GENERATION_FILE, (json.dumps(
-            {"settings": settings, "stops": stops, "dropped": dropped}, indent=2) + "\n").encode())
+        _keep(run_dir, BASE_GENERATION_FILE, {"settings": settings, "stops": stops, "dropped": dropped})
 
 
 def keep_base_config(recipe: Recipe, run_dir: Path) -> None:
     """RUN_DIR/base_config.json, once, when the run starts: the hf: base's config.json (module docstring)."""
-    from spillway.data.cache import atomic_write_bytes
-
+    if (Path(run_dir) / BASE_CONFIG_FILE).is_file():   # kept when the run started: a resume reads no base
+        return
     found = hf_base_json(recipe, "config.json")
-    if found is not None and not (Path(run_dir) / BASE_CONFIG_FILE).is_file():
-        atomic_write_bytes(Path(run_dir) / BASE_CONFIG_FILE, (json.dumps(found[1], indent=2) + "\n").encode())
+    if found is not None:
+        _keep(Path(run_dir), BASE_CONFIG_FILE, found[1])
 
 
 def kept_base_config(run_dir: Path) -> dict | None:
     """The base's config.json as `keep_base_config` kept it; None where the run kept none (started before)."""
+    return _read_kept(Path(run_dir), BASE_CONFIG_FILE)
+
+
+def _keep(run_dir: Path, name: str, document: dict) -> None:
+    from spillway.data.cache import atomic_write_bytes
+
+    atomic_write_bytes(run_dir / name, (json.dumps(document, indent=2) + "\n").encode())
+
+
+def _read_kept(run_dir: Path, name: str) -> dict | None:
+    """A JSON object the run kept (`_keep`); None where it kept none or it cannot be read."""
     try:
-        kept = json.loads((Path(run_dir) / BASE_CONFIG_FILE).read_text())
+        kept = json.loads((run_dir / name).read_text())
     except (OSError, ValueError):
         return None
     return kept if isinstance(kept, dict) else None
 
 
 def _kept(run_dir: Path) -> dict | None:
-    try:
-        kept = json.loads((run_dir / BASE_GENERATION_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(kept, dict) and isinstance(kept.get("settings"), dict)
+    kept = _read_kept(run_dir, BASE_GENERATION_FILE)
+    if not (kept is not None and isinstance(kept.get("settings"), dict)
             and all(isinstance(kept.get(key), list) for key in ("stops", "dropped"))):
         return None
     return kept
