@@ -272,9 +272,9 @@ def instruct_messages(record: Record) -> list[dict]:
     missing = [name for name in ("instruction", "output") if not _text(fields.get(name))]
     if missing or not (fields.get("input") is None or _text(fields.get("input"))):
         need = ", ".join(f'"{name}"' for name in missing) or '"input" as a string'
-        # a chat file read as instructions
-        hint = ("; a chat record? set data.format=chat" if "messages" in fields or "conversations" in fields else
-                records_under(fields, ("instruction", "output")))
+        # a chat file (TRL's prompt-completion records too) read as instructions
+        chat = "messages" in fields or "conversations" in fields or ("prompt" in fields and "completion" in fields)
+        hint = "; a chat record? set data.format=chat" if chat else records_under(fields, ("instruction", "output"))
         wrong = _not_text(fields, ("instruction", "output")) + (
             _not_text(fields, ("input",)) if fields.get("input") is not None else "")
         raise DataError(f"data.format=instruct: record {_where_fields(record)} needs {need} (\"instruction\" "

@@ -200,6 +200,8 @@ def test_a_record_of_the_other_format_says_which_format_it_is():
         chat_messages(Record({"instruction": "q", "output": "a"}, "f, line 1"))
     with pytest.raises(DataError, match=r'needs "instruction", "output" .*\); a chat record\? set data.format=chat$'):
         instruct_messages(Record({"messages": [{"role": "user", "content": "hi"}]}, "f, line 1"))
+    with pytest.raises(DataError, match=r'needs "instruction", "output" .*\); a chat record\? set data.format=chat$'):
+        instruct_messages(Record({"prompt": "What is 2+2?", "completion": " 4"}, "f, line 1"))   # TRL's
 
 
 def test_records_wrapped_in_a_data_object_are_named_with_the_list_that_holds_them():
