@@ -131,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("auto", "pieces", "whole"), default="auto")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--pieces-in-flight", type=int, help="pieces a save writes at once (default: the code's)")
+    ap.add_argument("--restore-pieces-in-flight", type=int,
+                    help="pieces a restore reads at once (default: the code's)")
     args = ap.parse_args(argv)
     if args.pieces_in_flight:
         from spillway.recipes.train import checkpoint_io
         checkpoint_io.PIECES_IN_FLIGHT = args.pieces_in_flight
+    if args.restore_pieces_in_flight:
+        from spillway.recipes.train import checkpoint_read
+        checkpoint_read.PIECES_IN_FLIGHT = args.restore_pieces_in_flight
     row = measure(args.recipe, args.set, args.mode)
     print(json.dumps(row) if args.json else render(row))
     return 0

@@ -72,17 +72,22 @@ ASSUMED_GPU_FOOTPRINT_BYTES = 6 * GiB
 RESTORE_CONCURRENT_GB = 8
 PHASES = ("start-up", "state creation", "step", "checkpoint save", "restore")
 # A save in pieces (recipes/train/checkpoint_io.py): one zarr chunk, the most one piece holds, and the pieces
-# tensorstore writes at once.
+# tensorstore writes (and a restore reads) at once. 4, not 2: tensorstore's zstd encoding is what a save waits
+# for once the device takes the pieces, and it runs a piece to a thread. Measured on a TPU v5e host (13 cores),
+# 5.65 GiB of host state (BENCHMARKS.md, "Pieces in flight"): save 13.4-14.0 s at 2, 9.6-9.9 s at 4, 8.8-9.0 s
+# at 8; restore 20-22 s, 16.8-17.1 s, 16.3-16.5 s; the save's rise +0.48-0.63, +0.58-0.70, +0.83-0.89 GiB.
 SAVE_PIECE_BYTES = 32 * 2**20
-SAVE_PIECES_IN_FLIGHT = 2
+SAVE_PIECES_IN_FLIGHT = 4
 # What a save in pieces holds beside the state, a fixed amount: the pieces in flight and tensorstore's encoded
 # copies of them, the piece being taken out (on a GPU its slice in pinned memory and its NumPy copy), the
-# slice's compile, allocator slack. Measured on CPU, 2 GiB of state in 32 MiB pieces, 2 in flight: the peak
-# rose by 413 MiB (tests/recipes/train/test_checkpoint_pieces.py bounds it by one layer + this).
-PIECES_STAGING_BYTES = 512 * 2**20
+# slice's compile, allocator slack. Measured with 4 in flight: on CPU, 2 GiB of state in 32 MiB pieces, the
+# peak rose by 382 MiB (259 MiB with 2; tests/recipes/train/test_checkpoint_pieces.py bounds it by one layer
+# + this); on the TPU v5e above, by at most 0.70 GiB.
+PIECES_STAGING_BYTES = 768 * 2**20
 # What a restore holds beside the restored arrays: pieces read straight into their targets
 # (recipes/train/checkpoint_read.py), the same pieces in flight as a save's. Measured on CPU, 256 MiB of state
-# in 8 MiB pieces: +115 to 180 MiB beside the state (tests/recipes/train/test_checkpoint_restore.py).
+# in 8 MiB pieces: +115 to 180 MiB beside the state with 2 in flight, +164 MiB with 4
+# (tests/recipes/train/test_checkpoint_restore.py).
 RESTORE_STAGING_BYTES = PIECES_STAGING_BYTES
 
 
