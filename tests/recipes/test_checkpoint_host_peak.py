@@ -8,10 +8,14 @@ TINY = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model
         "model.num_kv_heads=2", "model.mlp_hidden=64", "model.max_seq_len=32", "data.seq_len=16"]
 
 
-@pytest.mark.slow   # state creation and a restore compiled: 80 s on 2 loaded cores
-def test_the_checkpoint_case_measures_a_save_in_pieces_and_a_restore_beside_the_prediction():
-    row = checkpoint_host_peak.measure("tiny", TINY, mode="pieces")
-    assert row["mode"] == "pieces" and row["state_bytes"] > 0
+@pytest.mark.slow   # state creation and a restore compiled: 80 s on 2 loaded cores, each way
+@pytest.mark.parametrize("restore_in", ["same process", "a new process"])
+def test_the_checkpoint_case_measures_a_save_in_pieces_and_a_restore_beside_the_prediction(restore_in):
+    measure = (checkpoint_host_peak.measure if restore_in == "same process"
+               else checkpoint_host_peak.measure_in_new_processes)
+    row = measure("tiny", TINY, mode="pieces")
+    assert row["mode"] == "pieces" and row["state_bytes"] > 0 and row["restored_in"] == restore_in
+    assert row["restored_sums_equal"] is True
     # A rise is a difference of two readings of the kernel's resident-set counters, which lag by a few
     # pages (they are batched per thread): a restore that allocates next to nothing new can read -4 KiB
     # (CI, 2026-12-04). A page-sized wobble is noise; a negative MiB would be a broken measurement.
