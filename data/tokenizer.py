@@ -85,8 +85,9 @@ class SpecialTokens:
     legacy: bool | None = None
     add_prefix_space: bool | None = None
     # the other special tokens tokenizer_config.json names (added_tokens_decoder's special entries,
-    # additional_special_tokens: Gemma's <start_of_turn>/<end_of_turn>), which a sentencepiece model holds as
-    # pieces of its own: a chat template's end of turn is found among them (data/sft_targets.py)
+    # additional_special_tokens or transformers 5's extra_special_tokens: Gemma's <start_of_turn>/<end_of_turn>),
+    # which a sentencepiece model holds as pieces of its own: a chat template's end of turn is found among them
+    # (data/sft_targets.py)
     other_specials: tuple[str, ...] = ()
     # (text, lstrip, rstrip) of the special tokens whose added_tokens_decoder entry absorbs the whitespace beside
     # them, as transformers matches them in text
@@ -153,10 +154,14 @@ def added_token_ids(directory: str | os.PathLike) -> dict[str, int]:
 
 
 def _other_specials(config: dict) -> tuple[str, ...]:
-    """The texts of the special tokens a tokenizer_config.json names beyond BOS/EOS, in its order."""
+    """The texts of the special tokens a tokenizer_config.json names beyond BOS/EOS, in its order: transformers 5
+    writes the additional ones as `extra_special_tokens` (a list, or a dict of named ones: Gemma 3's image
+    markers), earlier versions as `additional_special_tokens`; it reads both."""
     entries = [entry for entry in _added_tokens(config) if entry.get("special")]
-    extra = config.get("additional_special_tokens")
-    texts = [_token_text(entry) for entry in [*entries, *(extra if isinstance(extra, list) else [])]]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(key)
+        entries += extra if isinstance(extra, list) else list(extra.values()) if isinstance(extra, dict) else []
+    texts = [_token_text(entry) for entry in entries]
     return tuple(dict.fromkeys(text for text in texts if text))
 
 

@@ -90,3 +90,33 @@ def test_gemmas_end_of_turn_is_trained_and_stops_generation(gemma_like_spm, tmp_
     ids, flags = conversation_tokens(template, tokenizer, messages, specials, "t")
     targets = ids[flags].tolist()
     assert targets[-1] == 5 and tokenizer.decode(targets[:-1]).strip() == "naïve cafés"
+
+
+@pytest.mark.parametrize("extra", [["<start_of_turn>", "<end_of_turn>"],
+                                   {"sot_token": "<start_of_turn>", "eot_token": "<end_of_turn>"}],
+                         ids=["list", "named"])
+def test_the_special_tokens_transformers_5_names_extra_are_read_beside_a_sentencepiece_model(gemma_like_spm, tmp_path,
+                                                                                              extra):
+    """A new user's finding: transformers 5 writes the additional special tokens as `extra_special_tokens` (and
+    reads them so); beside a `tokenizer.model` they were no special tokens to spillway, so a chat template's
+    markers were encoded as text (Mistral's [INST] in four pieces, not transformers' one id) and Gemma's
+    <end_of_turn> was neither trained after an answer nor a stop."""
+    import json
+    import shutil
+
+    from spillway.data.chat_template import resolve_chat_template
+    from spillway.data.sft_targets import conversation_tokens, end_of_turn_ids, special_token_texts
+
+    folder = tmp_path / "gemma"
+    shutil.copytree(gemma_like_spm, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": GEMMA_TEMPLATE,
+        "extra_special_tokens": extra}))
+    tokenizer = load_tokenizer(folder)
+    specials = special_token_texts(tokenizer)
+    assert specials["<end_of_turn>"] == 5 and specials["<start_of_turn>"] == 4
+    template = resolve_chat_template(None, folder)
+    assert 5 in end_of_turn_ids(template, tokenizer, specials)
+    messages = [{"role": "user", "content": "Gemma reads"}, {"role": "assistant", "content": "naïve cafés"}]
+    ids, flags = conversation_tokens(template, tokenizer, messages, specials, "t")
+    assert ids.tolist().count(4) == 2 and ids[flags].tolist()[-1] == 5
