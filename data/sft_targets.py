@@ -122,11 +122,33 @@ def _check_rendered(template: ChatTemplate, messages: list[dict], text: str, whe
             probe = [*messages[:index], {**message, "content": _PROBE}, *messages[index + 1:]]
             if _PROBE in _render(template, probe, where, tools=tools).text:
                 continue
+            shorter = _shorter_conversation_writing(template, messages, index, tools)
+            if shorter is not None:
+                raise DataError(f"record {where}: the chat template {template.origin} leaves message {index} (role "
+                                f"{message['role']!r}) out of this conversation, though it writes it in the "
+                                f"conversation's first {shorter} messages: it writes such a message only in some "
+                                f"places (Mistral v0.3's writes the system message into the last user turn alone, "
+                                f"so never in a conversation that ends with an answer); put its text into a user "
+                                f"message, or give data.chat_template a template that writes it")
             said = "an empty template" if not text.strip() else (
                 "a role the template does not know, or a misspelled variable, which Jinja writes as nothing "
                 "(message.contnt)")
             raise DataError(f"record {where}: the chat template {template.origin} does not render role "
                             f"{message['role']!r} (its message is missing from the text): {said}")
+
+
+def _shorter_conversation_writing(template: ChatTemplate, messages: list[dict], index: int, tools) -> int | None:
+    """The length of the shortest start of the conversation whose rendering writes message `index`, None if none
+    does: a template that knows the role and writes the message only where the conversation stops (Mistral
+    v0.3's system message, written into a last user turn) is told apart from one that never writes it."""
+    content = messages[index]["content"].strip()
+    for length in range(index + 1, len(messages)):
+        try:
+            if content in template.render(messages[:length], tools=tools).text:
+                return length
+        except ChatTemplateError:   # a start the template refuses (its roles must alternate, say)
+            continue
+    return None
 
 
 def _check_calls_trained(template: ChatTemplate, messages: list[dict], text: str, spans, where: str) -> None:

@@ -321,3 +321,25 @@ def test_a_misspelled_variable_or_an_empty_template_is_not_called_an_unknown_rol
     empty.write_text("")
     with pytest.raises(DataError, match=r"does not render role 'user' .*: an empty template"):
         answer_spans(resolve_chat_template(str(empty), None, {"eos_token": "</s>"}), messages, {"</s>": 2}, "f:1")
+
+
+def test_a_message_the_template_writes_only_in_a_shorter_conversation_is_not_called_an_unknown_role(tmp_path):
+    """A new user's finding: Mistral v0.3's template writes the system message into the last user turn alone, so a
+    conversation ending with an answer renders without it. It was refused as a role the template does not know or
+    a misspelled variable, though the template reads `system`: the line now says what the template does."""
+    from spillway.data.sft_targets import answer_spans
+
+    mistral = tmp_path / "mistral.jinja"   # its system-message placement, as Mistral-7B-Instruct-v0.3 publishes it
+    mistral.write_text(
+        "{% if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set turns = messages[1:] %}"
+        "{% else %}{% set turns = messages %}{% endif %}{{ bos_token }}{% for m in turns %}{% if m.role == 'user' %}"
+        "{% if loop.last and system is defined %}{{ '[INST] ' + system + '\n\n' + m.content + '[/INST]' }}"
+        "{% else %}{{ '[INST] ' + m.content + '[/INST]' }}{% endif %}{% else %}{{ ' ' + m.content + eos_token }}"
+        "{% endif %}{% endfor %}")
+    chat = resolve_chat_template(str(mistral), None, {"bos_token": "<s>", "eos_token": "</s>"})
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"}]
+    with pytest.raises(DataError, match=r"^record f:1: the chat template .*mistral.jinja leaves message 0 \(role "
+                                        r"'system'\) out of this conversation, though it writes it in the "
+                                        r"conversation's first 2 messages: .*put its text into a user message"):
+        answer_spans(chat, messages, {"</s>": 2}, "f:1")
