@@ -7,7 +7,8 @@ export keep them. A message's reasoning under a dataset's name for it reaches a
 template reading `reasoning_content`. A template that rewrites the assistant's
 content (DeepSeek-R1's drops the reasoning before "</think>") trains the answer
 it writes. A template error that has nothing to do with a null tool-call content
-is not given that hint.
+is not given that hint. Qwen3's, which writes an answer otherwise once a user turn
+follows it, trains multi-turn records only through a copy with generation blocks.
 """
 
 import json
@@ -252,3 +253,44 @@ def test_named_templates_key_the_rows_and_a_runs_record_of_them_keeps_old_runs_r
     assert len(said) == 1 and "holds a tool_use template, which this run (started before" in said[0]
     assert corpus_differences({"chat_template": before_named}, {"chat_template": {**record, "named": ["rag"]}}) == []
 
+
+
+# Qwen3's rule, as its published template has it: an answer after the last user message is written with its
+# <think> block (empty when it has no reasoning) where it is the last message or has reasoning; earlier answers
+# without it. `{GEN}`/`{END}`: where a copy puts its generation block.
+_QWEN3_LIKE = (
+    "{% set ns = namespace(last_query=messages|length - 1, found=false) %}"
+    "{% for m in messages[::-1] %}{% if not ns.found and m.role == 'user' %}{% set ns.found = true %}"
+    "{% set ns.last_query = messages|length - 1 - loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' }}{% if m.role == 'assistant' %}{GEN}"
+    "{% if loop.index0 > ns.last_query and (loop.last or m.reasoning_content) %}"
+    "{{ '<think>\n' + (m.reasoning_content or '') + '\n</think>\n\n' }}{% endif %}{{ m.content + '<|im_end|>' }}"
+    "{END}{% else %}{{ m.content + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+QWEN3_LIKE = _QWEN3_LIKE.replace("{GEN}", "").replace("{END}", "")
+QWEN3_LIKE_GENERATION = _QWEN3_LIKE.replace("{GEN}", "{% generation %}").replace("{END}", "{% endgeneration %}")
+
+
+def test_qwen3s_earlier_turns_are_refused_turn_by_turn_and_trained_as_rendered_with_generation_blocks(
+        transformers, tmp_path):
+    """As the README says: Qwen3's template writes an answer otherwise once a user turn follows it, so its
+    multi-turn records cannot be read turn by turn and stop the run naming the record (a one-answer record
+    trains); its copy with generation blocks trains every answer as the whole conversation renders it, the
+    tokens transformers' assistant mask marks (the earlier answer's reasoning left out, as the template does)."""
+    messages = [{"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "forty two", "reasoning_content": "the answer is"},
+                {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "hello today"}]
+    reference = saved_tokenizer(transformers, tmp_path / "plain", QWEN3_LIKE)
+    with pytest.raises(ChatTemplateError, match=r"renders earlier turns differently once later ones follow, .*"
+                                                r"\(record r\); use a template with \{% generation %\} blocks"):
+        _ids(tmp_path / "plain", messages)
+    ids, flags = _ids(tmp_path / "plain", messages[:2])
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
+        "<think>\nthe answer is\n</think>\n\nforty two<|im_end|>"
+    reference = saved_tokenizer(transformers, tmp_path / "generation", QWEN3_LIKE_GENERATION)
+    ids, flags = _ids(tmp_path / "generation", messages)
+    expected = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)
+    assert ids == list(expected["input_ids"]) and flags.astype(int).tolist() == list(expected["assistant_masks"])
+    assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
+        "forty two<|im_end|><think>\n\n</think>\n\nhello today<|im_end|>"
