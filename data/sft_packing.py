@@ -64,8 +64,10 @@ OVERLONG_POLICIES = ("truncate", "drop")
 # rows with nothing to train on), and examples whose answers are all empty (they trained the end of turn alone).
 # 4: a message's reasoning under its dataset names reaches the template, and a record with tools renders with the
 # tokenizer's tool_use template (data/chat_template.py): rows of such records changed. 5: assistant messages of
-# OpenAI's "weight": 0 are not trained (they were)
-_SFT_PACKING_VERSION = 5
+# OpenAI's "weight": 0 are not trained (they were). 6: an empty answer after a block the template writes (Qwen3's
+# empty <think> block) trains through its end of turn (it trained nothing), and an answer whose text its reasoning
+# says first trains to its end (it stopped inside the reasoning)
+_SFT_PACKING_VERSION = 6
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096

@@ -14,8 +14,10 @@ Where the answers are in the rendered text:
   that follow it (`<|eot_id|>`, `<|im_end|>`, `</s>`: whitespace before them
   allowed, as Llama 2 writes " </s>"); a turn with tool calls, written after
   its content in the template's own markers, runs to the last special token
-  of its turn. A template that renders earlier turns differently once later
-  ones follow cannot be read this way: a DataError asks for generation blocks.
+  of its turn, and so does an empty content (Qwen3's template writes an empty
+  `<think>` block before it). A template that renders earlier turns
+  differently once later ones follow cannot be read this way: a DataError asks
+  for generation blocks.
 
 An assistant message with OpenAI's `"weight": 0` is context, not an answer:
 the spans inside its text (from the end of the conversation before it to its
@@ -202,15 +204,30 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
                                     f"{where}); use a template with {{% generation %}} blocks (data.chat_template)")
         if not text.startswith(prompt):
             prompt = _answer_opening(template, messages, index, text, where, tools)
-        content = (message.get("content") or "").strip()
-        found = text.find(content, len(prompt), len(through)) if content else len(prompt)
-        content_end = (found + len(content)) if found >= 0 else len(prompt)
-        # a content the template rewrote (found nowhere) runs, as a turn with tool calls, to its turn's end
-        spans.append((len(prompt), _answer_end(text, content_end, len(through), specials,
-                                               bool(_call_names(message)) or found < 0)))
+        content_end = _turn_content_end(template, messages, index, text, (len(prompt), len(through)), where, tools)
+        # a content the template rewrote (found nowhere) runs, as a turn with tool calls, to its turn's end; so does
+        # an empty one, which a template may write after a block of its own (Qwen3's "<think>\n\n</think>\n\n")
+        to_turn_end = bool(_call_names(message)) or content_end is None or not (message.get("content") or "").strip()
+        spans.append((len(prompt), _answer_end(text, len(prompt) if content_end is None else content_end,
+                                               len(through), specials, to_turn_end)))
     spans = _outside(spans, untrained)
     _check_calls_trained(template, trained, text, spans, where)
     return text, spans
+
+
+def _turn_content_end(template: ChatTemplate, messages: list[dict], index: int, text: str, turn: tuple[int, int],
+                      where: str, tools) -> int | None:
+    """Where the content of assistant message `index` ends in its turn, text[turn[0]:turn[1]] (the conversation
+    through it being the text's start); None where the template rewrote it (found nowhere). A content written
+    twice there (a reasoning that says the answer before the answer) is told by probes in its place."""
+    start, end = turn
+    content = (messages[index].get("content") or "").strip()
+    found = text.find(content, start, end) if content else start
+    if not content or found < 0 or text.find(content, found + 1, end) < 0:
+        return None if found < 0 else found + len(content)
+    probed = _render(template, [*messages[:index], _probed(messages[index], _EDGED_PROBE)], where, tools=tools).text
+    region = _changed(text[:end], probed)
+    return found + len(content) if region is None else region[1]
 
 
 def _untrained_regions(template: ChatTemplate, messages: list[dict], text: str, where: str,
@@ -255,6 +272,48 @@ def _answer_opening(template: ChatTemplate, messages: list[dict], index: int, te
                                 f"turn by turn (record {where}); use a template with {{% generation %}} blocks "
                                 f"(data.chat_template)")
     return opening
+
+
+# The probe that finds where a message is written, as what changes with it: its edges are characters no content
+# starts or ends with (one that did would be read as the text around it, the message one character shorter).
+_EDGED_PROBE = f"\x00{_PROBE}\x00"
+
+
+def _probed(message: dict, probe: str) -> dict:
+    """The message with `probe` for its content and for the names of its tool calls (a template that writes the
+    calls without the content, as Mistral v0.3's, still shows where the turn is)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return {**message, "content": probe}
+    named = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            call = {**call, "function": {**function, "name": probe}}
+        elif isinstance(call, dict) and isinstance(call.get("name"), str):
+            call = {**call, "name": probe}
+        named.append(call)
+    return {**message, "content": probe, "tool_calls": named}
+
+
+def _common_start(a: str, b: str) -> int:
+    """The length of the longest start a and b share (by halving: each step one comparison of slices)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle - 1)
+    return low
+
+
+def _changed(text: str, probed: str) -> tuple[int, int] | None:
+    """(start, end) of what differs between `text` and its rendering with one message probed: where the template
+    writes that message (its content, as rewritten, and its calls' names); None where the probe changes nothing
+    (the message is written nowhere)."""
+    if probed == text:
+        return None
+    head = _common_start(text, probed)
+    tail = min(_common_start(text[::-1], probed[::-1]), min(len(text), len(probed)) - head)
+    return head, len(text) - tail
 
 
 def _flags_from_offsets(offsets, spans) -> np.ndarray:
