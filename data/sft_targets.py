@@ -15,13 +15,23 @@ Where the answers are in the rendered text:
   allowed, as Llama 2 writes " </s>"); a turn with tool calls, written after
   its content in the template's own markers, runs to the last special token
   of its turn, and so does an empty content (Qwen3's template writes an empty
-  `<think>` block before it). A template that renders earlier turns
-  differently once later ones follow cannot be read this way: a DataError asks
-  for generation blocks.
+  `<think>` block before it);
+* a template that renders an earlier turn differently once later ones follow
+  (Qwen3's writes its `<think>` block into the answers after the last user
+  message alone; Mistral v0.3's writes the tools before the last user message)
+  is read from the whole rendering instead, as a copy of it with generation
+  blocks marks the answers (`_WholeReading`): an assistant message is where the
+  text changes with a probe in its place; its answer starts after the last
+  generation prompt before it (what the template writes between them, a
+  `<think>` block, is the answer's) or, where the prompt adds nothing
+  (Mistral's), where the text before its content is what a conversation that
+  ends with it writes there; it ends as it does there. An answer it cannot
+  place so is a DataError asking for generation blocks.
 
 An assistant message with OpenAI's `"weight": 0` is context, not an answer:
 the spans inside its text (from the end of the conversation before it to its
-own end) are dropped, in either way of finding them.
+own end; read from the whole rendering, from the end of the message before it
+to the end of its turn) are dropped, in any way of finding them.
 
 An assistant's tool call that is in no answer (a template that does not
 render `tool_calls`) is a DataError naming the record: its answer would train
@@ -40,6 +50,7 @@ No BOS is added here: the template writes it when the model wants one.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -186,12 +197,25 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
     rendered = _render(template, messages, where, tools=tools)
     text = rendered.text
     _check_rendered(template, messages, text, where, tools)
-    untrained = _untrained_regions(template, messages, text, where, tools)
+    whole = _WholeReading(template, messages, text, where, tools)
+    untrained = _untrained_regions(template, messages, text, where, tools, whole)
     trained = [message for message in messages if message.get("weight", 1) != 0]
     if template.has_generation_blocks:
-        spans = _outside(rendered.generation_spans, untrained)
-        _check_calls_trained(template, trained, text, spans, where)
-        return text, spans
+        spans = rendered.generation_spans
+    else:
+        spans = _turn_by_turn_spans(template, messages, text, specials, where, tools)
+        if spans is None:   # an earlier turn written otherwise once later ones follow: read from the whole text
+            spans = whole.spans(specials)
+    spans = _outside(spans, untrained)
+    _check_calls_trained(template, trained, text, spans, where)
+    return text, spans
+
+
+def _turn_by_turn_spans(template: ChatTemplate, messages: list[dict], text: str, specials: dict[str, int],
+                        where: str, tools) -> list[tuple[int, int]] | None:
+    """The answers found turn by turn (module docstring); None where the template renders an earlier turn
+    differently once later ones follow (the conversation through an answer is not the start of the text, or
+    the one before it does not start it as the turn's opening does)."""
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -199,20 +223,18 @@ def answer_spans(template: ChatTemplate, messages: list[dict], specials: dict[st
         prompt = _render(template, messages[:index], where, add_generation_prompt=True, tools=tools).text
         through = _render(template, messages[: index + 1], where, tools=tools).text
         if not text.startswith(through):
-            raise ChatTemplateError(f"chat template {template.origin} renders earlier turns differently once "
-                                    f"later ones follow, so its answers cannot be found turn by turn (record "
-                                    f"{where}); use a template with {{% generation %}} blocks (data.chat_template)")
+            return None
         if not text.startswith(prompt):
             prompt = _answer_opening(template, messages, index, text, where, tools)
+            if prompt is None:
+                return None
         content_end = _turn_content_end(template, messages, index, text, (len(prompt), len(through)), where, tools)
         # a content the template rewrote (found nowhere) runs, as a turn with tool calls, to its turn's end; so does
         # an empty one, which a template may write after a block of its own (Qwen3's "<think>\n\n</think>\n\n")
         to_turn_end = bool(_call_names(message)) or content_end is None or not (message.get("content") or "").strip()
         spans.append((len(prompt), _answer_end(text, len(prompt) if content_end is None else content_end,
                                                len(through), specials, to_turn_end)))
-    spans = _outside(spans, untrained)
-    _check_calls_trained(template, trained, text, spans, where)
-    return text, spans
+    return spans
 
 
 def _turn_content_end(template: ChatTemplate, messages: list[dict], index: int, text: str, turn: tuple[int, int],
@@ -230,23 +252,22 @@ def _turn_content_end(template: ChatTemplate, messages: list[dict], index: int, 
     return found + len(content) if region is None else region[1]
 
 
-def _untrained_regions(template: ChatTemplate, messages: list[dict], text: str, where: str,
-                       tools) -> list[tuple[int, int]]:
+def _untrained_regions(template: ChatTemplate, messages: list[dict], text: str, where: str, tools,
+                       whole: _WholeReading) -> list[tuple[int, int]]:
     """The text of each assistant message of weight 0 (OpenAI's: kept as context, not trained), from the end of
-    the conversation before it to its own end. Left in the answers, the model learnt the very turns the data
-    says not to (a wrong answer kept to show its correction)."""
+    the conversation before it to its own end (a template that renders it otherwise once later turns follow:
+    from the end of the message before it to the end of its turn, in the whole text). Left in the answers, the
+    model learnt the very turns the data says not to (a wrong answer kept to show its correction)."""
     regions = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or message.get("weight", 1) != 0:
             continue
         before = _render(template, messages[:index], where, tools=tools).text
         through = _render(template, messages[: index + 1], where, tools=tools).text
-        if not (text.startswith(before) and text.startswith(through)):
-            raise ChatTemplateError(f"chat template {template.origin} renders earlier turns differently once later "
-                                    f"ones follow, so the text of assistant message {index}, of \"weight\" 0, "
-                                    f"cannot be told apart (record {where}); leave the message out, or give it "
-                                    f"weight 1")
-        regions.append((len(before), len(through)))
+        if text.startswith(before) and text.startswith(through):
+            regions.append((len(before), len(through)))
+        elif (turn := whole.turn(index)) is not None:   # (None: a message written nowhere, no answer to drop)
+            regions.append((turn.floor, turn.limit))
     return regions
 
 
@@ -256,22 +277,17 @@ def _outside(spans, regions) -> list[tuple[int, int]]:
 
 
 def _answer_opening(template: ChatTemplate, messages: list[dict], index: int, text: str, where: str,
-                    tools) -> str:
+                    tools) -> str | None:
     """The text before assistant message `index` where the generation prompt writes the turn's opening otherwise
     than the conversation does (DeepSeek-R1's prompt ends with "<think>\n", which its conversations do not
     write; a prompt that adds a system line or prefills the answer): the turns before it, and the opening the
-    template writes before the message's content, found by rendering a probe in its place. ChatTemplateError
-    where the conversation does not start so."""
+    template writes before the message's content, found by rendering a probe in its place. None where the
+    conversation does not start so (the whole rendering is read instead)."""
     before = _render(template, messages[:index], where, tools=tools).text
     probe = _render(template, [*messages[:index], {**messages[index], "content": _PROBE}], where, tools=tools).text
     at = probe.find(_PROBE, len(before))
     opening = before + probe[len(before):at] if at >= 0 and probe.startswith(before) else None
-    if opening is None or not text.startswith(opening):
-        raise ChatTemplateError(f"chat template {template.origin} writes the conversation before assistant message "
-                                f"{index} otherwise than its generation prompt does, so its answers cannot be found "
-                                f"turn by turn (record {where}); use a template with {{% generation %}} blocks "
-                                f"(data.chat_template)")
-    return opening
+    return opening if opening is not None and text.startswith(opening) else None
 
 
 # The probe that finds where a message is written, as what changes with it: its edges are characters no content
@@ -314,6 +330,119 @@ def _changed(text: str, probed: str) -> tuple[int, int] | None:
     head = _common_start(text, probed)
     tail = min(_common_start(text[::-1], probed[::-1]), min(len(text), len(probed)) - head)
     return head, len(text) - tail
+
+
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+    """Where an assistant message is in the whole text."""
+
+    floor: int         # the end of the message written before it
+    start: int         # where its answer starts: after its turn's opening
+    content_end: int   # where its content (its calls) ends
+    limit: int         # where its turn ends, as in a conversation that ends with it
+
+
+class _WholeReading:
+    """The answers of a template that renders an earlier turn differently once later ones follow (Qwen3's writes
+    its <think> block into the answers after the last user message alone; Mistral v0.3's its tools before the
+    last user message), read from the whole rendering, as a copy of the template with generation blocks marks
+    them. Each assistant message is found by rendering a probe in its place: the text that changes is its
+    content. Its answer starts after the last generation prompt (`<|im_start|>assistant\n`) before that (what
+    the template writes between them, a <think> block, is the answer's), or, for a template whose generation
+    prompt adds nothing (Mistral's), where the text before its content (" ", "[TOOL_CALLS] [...") is what a
+    conversation that ends with it writes there (`_answer_start`); it ends as there, with the end-of-turn
+    tokens that follow its content. ChatTemplateError where either is not so."""
+
+    def __init__(self, template: ChatTemplate, messages: list[dict], text: str, where: str, tools):
+        self.template, self.messages, self.text, self.where, self.tools = template, messages, text, where, tools
+        self._regions: dict[int, tuple[int, int] | None] = {}
+        self._turns: dict[int, _Turn | None] = {}
+
+    def _render(self, messages: list[dict], **options) -> str:
+        return _render(self.template, messages, self.where, tools=self.tools, **options).text
+
+    def _probed_rendering(self, messages: list[dict], index: int) -> str:
+        return self._render([*messages[:index], _probed(messages[index], _EDGED_PROBE), *messages[index + 1:]])
+
+    def region(self, index: int) -> tuple[int, int] | None:
+        """Where message `index` is written in the whole text (None: nowhere)."""
+        if index not in self._regions:
+            self._regions[index] = _changed(self.text, self._probed_rendering(self.messages, index))
+        return self._regions[index]
+
+    def turn(self, index: int) -> _Turn | None:
+        """Where assistant message `index` and its answer are; None for one written nowhere (no answer)."""
+        if index not in self._turns:
+            self._turns[index] = self._read_turn(index)
+        return self._turns[index]
+
+    def spans(self, specials: dict[str, int]) -> list[tuple[int, int]]:
+        spans = []
+        for index, message in enumerate(self.messages):
+            if message["role"] != "assistant" or (turn := self.turn(index)) is None:
+                continue
+            end = _answer_end(self.text, turn.content_end, turn.limit, specials, bool(_call_names(message)))
+            if end > turn.start:   # (an empty answer the template leaves out: none)
+                spans.append((turn.start, end))
+        return spans
+
+    def _read_turn(self, index: int) -> _Turn | None:
+        region = self.region(index)
+        if region is None:
+            return None
+        content_start, content_end = region
+        floor = self._floor(index, content_start)
+        generation_prompt, opening, ending = self._as_last(index)
+        if not self.text.startswith(ending, content_end):
+            raise self._refused(index, "end")
+        return _Turn(floor, self._answer_start(index, floor, content_start, generation_prompt, opening), content_end,
+                     content_end + len(ending))
+
+    def _answer_start(self, index: int, floor: int, content_start: int, generation_prompt: str, opening: str) -> int:
+        """After the last generation prompt between the message before and the content; else where the text
+        before the content is the opening a conversation ending with it writes (Mistral's prompt adds nothing);
+        else after the longest start of the generation prompt written there (Qwen3-Thinking's prompt ends with
+        "<think>\n", which an earlier answer, its reasoning left out, does not write)."""
+        at = self.text.rfind(generation_prompt, floor, content_start) if generation_prompt else -1
+        if at >= 0:
+            return at + len(generation_prompt)
+        if content_start - len(opening) >= floor and self.text.startswith(opening, content_start - len(opening)):
+            return content_start - len(opening)
+        for length in range(len(generation_prompt) - 1, 0, -1):
+            at = self.text.rfind(generation_prompt[:length], floor, content_start)
+            if at >= 0:
+                return at + length
+        raise self._refused(index, "start")
+
+    def _floor(self, index: int, position: int) -> int:
+        """The end of the nearest message before message `index` that is written before `position` (Mistral
+        v0.3's writes the system message into the last user turn, after the answers); 0 where none is."""
+        for previous in range(index - 1, -1, -1):
+            region = self.region(previous)
+            if region is not None and region[1] <= position:
+                return region[1]
+        return 0
+
+    def _as_last(self, index: int) -> tuple[str, str, str]:
+        """In the conversation that ends with assistant message `index`: what the generation prompt adds to the
+        conversation before it, the text between that prompt and its content, and the text after its content."""
+        messages = self.messages[: index + 1]
+        before = self._render(messages[:-1])
+        prompt = self._render(messages[:-1], add_generation_prompt=True)
+        through = self._render(messages)
+        region = _changed(through, self._probed_rendering(messages, index))
+        if region is None:
+            raise self._refused(index, "text")
+        generation_prompt = prompt[len(before):] if prompt.startswith(before) else ""
+        # a prompt the conversation does not continue (DeepSeek-R1's "<think>\n"): the answer starts at its content
+        opening = through[len(prompt):region[0]] if through.startswith(prompt) and len(prompt) <= region[0] else ""
+        return generation_prompt, opening, through[region[1]:]
+
+    def _refused(self, index: int, what: str) -> ChatTemplateError:
+        return ChatTemplateError(f"chat template {self.template.origin} writes assistant message {index} otherwise "
+                                 f"in the whole conversation than in one that ends with it, so the {what} of its "
+                                 f"answer cannot be found (record {self.where}); use a template with "
+                                 f"{{% generation %}} blocks (data.chat_template)")
 
 
 def _flags_from_offsets(offsets, spans) -> np.ndarray:

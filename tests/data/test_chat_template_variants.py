@@ -8,7 +8,8 @@ template reading `reasoning_content`. A template that rewrites the assistant's
 content (DeepSeek-R1's drops the reasoning before "</think>") trains the answer
 it writes. A template error that has nothing to do with a null tool-call content
 is not given that hint. Qwen3's, which writes an answer otherwise once a user turn
-follows it, trains multi-turn records only through a copy with generation blocks.
+follows it, trains its multi-turn records as its copy with generation blocks does
+(tests/data/test_chat_template_whole.py holds the published templates).
 """
 
 import json
@@ -271,26 +272,24 @@ QWEN3_LIKE = _QWEN3_LIKE.replace("{GEN}", "").replace("{END}", "")
 QWEN3_LIKE_GENERATION = _QWEN3_LIKE.replace("{GEN}", "{% generation %}").replace("{END}", "{% endgeneration %}")
 
 
-def test_qwen3s_earlier_turns_are_refused_turn_by_turn_and_trained_as_rendered_with_generation_blocks(
-        transformers, tmp_path):
-    """As the README says: Qwen3's template writes an answer otherwise once a user turn follows it, so its
-    multi-turn records cannot be read turn by turn and stop the run naming the record (a one-answer record
-    trains); its copy with generation blocks trains every answer as the whole conversation renders it, the
-    tokens transformers' assistant mask marks (the earlier answer's reasoning left out, as the template does)."""
+def test_qwen3s_earlier_turns_are_trained_as_rendered_with_or_without_generation_blocks(transformers, tmp_path):
+    """Qwen3's template writes an answer otherwise once a user turn follows it, so its multi-turn records were
+    refused turn by turn ('renders earlier turns differently once later ones follow ... use a template with
+    {% generation %} blocks'); they are read from the whole rendering: the tokens transformers' assistant mask
+    marks on its copy with generation blocks (the earlier answer's reasoning left out, as the template does),
+    which trains the same."""
     messages = [{"role": "user", "content": "hello world"},
                 {"role": "assistant", "content": "forty two", "reasoning_content": "the answer is"},
                 {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "hello today"}]
-    reference = saved_tokenizer(transformers, tmp_path / "plain", QWEN3_LIKE)
-    with pytest.raises(ChatTemplateError, match=r"renders earlier turns differently once later ones follow, .*"
-                                                r"\(record r\); use a template with \{% generation %\} blocks"):
-        _ids(tmp_path / "plain", messages)
-    ids, flags = _ids(tmp_path / "plain", messages[:2])
-    assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
-        "<think>\nthe answer is\n</think>\n\nforty two<|im_end|>"
     reference = saved_tokenizer(transformers, tmp_path / "generation", QWEN3_LIKE_GENERATION)
-    ids, flags = _ids(tmp_path / "generation", messages)
     expected = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
                                              return_assistant_tokens_mask=True)
-    assert ids == list(expected["input_ids"]) and flags.astype(int).tolist() == list(expected["assistant_masks"])
+    saved_tokenizer(transformers, tmp_path / "plain", QWEN3_LIKE)
+    for folder in ("plain", "generation"):
+        ids, flags = _ids(tmp_path / folder, messages)
+        assert ids == list(expected["input_ids"]) and flags.astype(int).tolist() == list(expected["assistant_masks"])
+        assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
+            "forty two<|im_end|><think>\n\n</think>\n\nhello today<|im_end|>"
+    ids, flags = _ids(tmp_path / "plain", messages[:2])   # one answer: read turn by turn, as before
     assert reference.decode([i for i, f in zip(ids, flags) if f]) == \
-        "forty two<|im_end|><think>\n\n</think>\n\nhello today<|im_end|>"
+        "<think>\nthe answer is\n</think>\n\nforty two<|im_end|>"
