@@ -154,6 +154,7 @@ class RunCheckpointer:
         self._remove_unfinished_saves()
         self._manager = self._open_manager()
         self._step_in_flight: int | None = None
+        self._failure_reported = False
         self._closed = False
 
     def _open_manager(self) -> ocp.CheckpointManager:
@@ -334,6 +335,7 @@ class RunCheckpointer:
         self.wait()
 
     def _failed_save_error(self, step: int | None, e: BaseException, what: str = "the async save") -> CheckpointError:
+        self._failure_reported = True
         where = self.step_dir(step) if step is not None else self.directory
         previous = self.latest_step()  # orbax has dropped the failed step by now
         if previous == step:
@@ -408,7 +410,14 @@ class RunCheckpointer:
         try:
             self.wait()
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            except Exception as e:
+                # orbax raises a failed save once more from close() when its failure reached the manager before
+                # the commit thread's (a full disk fails both): the run already stopped on it, in one line, and
+                # that line, naming the intact step, is the error to see, not orbax's repeat of it
+                if not self._failure_reported:
+                    raise self._failed_save_error(None, e) from e
 
     def __enter__(self) -> RunCheckpointer:
         return self

@@ -404,6 +404,33 @@ def test_a_failed_async_save_is_reported_by_polling_without_waiting(tmp_path, mo
         assert reopened.all_steps() == [1]
 
 
+def test_a_save_failed_twice_over_is_not_raised_again_by_close(tmp_path, monkeypatch):
+    """A full disk fails the step's metadata write and its commit alike: orbax's manager reports the first, and
+    its async checkpointer kept the second and raised it from close(), in the train loop's `finally`, where it
+    replaced the run's one line naming the intact step with orbax's own error."""
+    from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
+
+    params, opt_state = make_state(mesh_of((2, 4)))
+    ckpt = RunCheckpointer(tmp_path, keep=3, every_steps=1)
+    save_step(ckpt, 1, params, opt_state)
+    ckpt.wait()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    write_metadata = orbax_metadata._MetadataStoreImpl.write
+    monkeypatch.setattr(checkpoint_items, "_write_text", disk_full)
+    monkeypatch.setattr(orbax_metadata._MetadataStoreImpl, "write", lambda self, path, metadata: (
+        disk_full() if "/2." in str(path) else write_metadata(self, path, metadata)))
+    save_step(ckpt, 2, params, opt_state)
+    with pytest.raises(CheckpointError, match=r"/2: the async save failed .*\(step 1 is intact\).*No space left"):
+        ckpt.wait()
+    ckpt.close()   # the failure was reported above
+    monkeypatch.undo()
+    with RunCheckpointer(tmp_path, keep=3, every_steps=1) as reopened:
+        assert reopened.all_steps() == [1]
+
+
 def test_a_corrupt_newest_step_read_through_its_directory_names_the_older_steps(saved_run):
     run_dir, params, opt_state = saved_run
     with RunCheckpointer(run_dir, keep=3, every_steps=10) as ckpt:
