@@ -37,7 +37,7 @@ DISK_FULL_ADVICE = ("free space on that disk, or write to another (the data cach
 
 
 @contextlib.contextmanager
-def _disk_full_named(final: Path, size: int) -> Iterator[None]:
+def disk_full_named(final: Path, size: int) -> Iterator[None]:
     """A write of `size` bytes that fails for want of space is a DataError naming `final` and what is free: the
     OS says "No space left on device" without a path, NumPy "100037 requested and 26560 written"."""
     try:
@@ -63,7 +63,7 @@ def atomic_write_bytes(final: Path, data: bytes) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     temporary = _temporary_sibling(final)
     try:
-        with _disk_full_named(final, len(data)):
+        with disk_full_named(final, len(data)):
             temporary.write_bytes(data)
         os.replace(temporary, final)
     finally:
@@ -79,7 +79,7 @@ def atomic_write_array(final: Path, array: np.ndarray) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     temporary = _temporary_sibling(final)
     try:
-        with _disk_full_named(final, array.nbytes), open(temporary, "wb") as file:
+        with disk_full_named(final, array.nbytes), open(temporary, "wb") as file:
             np.save(file, array)  # a file object: np.save would append ".npy" to a path
             file.flush()
             os.fsync(file.fileno())

@@ -29,7 +29,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .cache import atomic_directory, load_cached_array, stable_key
+from .cache import atomic_directory, disk_full_named, load_cached_array, stable_key
 from .holdout import Holdout, choose_holdout
 from .npy_stream import NpyStreamWriter
 from .shards import DEFAULT_SHARD_TOKENS, SHARD_FORMAT_VERSION, TokenShards, prepare_token_shards
@@ -257,7 +257,9 @@ def prepare_tokens(
         "records_empty": shards.records_empty,
         "key": key,
     }
-    with atomic_directory(final) as partial:
+    # a full disk names the rows' folder and what it needs (the OS's error from a buffered write names no file)
+    with disk_full_named(final, (train_rows + val_rows) * row_len * shards.dtype.itemsize), \
+            atomic_directory(final) as partial:
         with (
             NpyStreamWriter(partial / "train.npy", (train_rows, row_len), shards.dtype) as train,
             NpyStreamWriter(partial / "val.npy", (val_rows, row_len), shards.dtype) as val,

@@ -67,3 +67,22 @@ def test_a_full_disk_names_the_file_and_what_is_free(tmp_path, monkeypatch):
     monkeypatch.setattr(cache.np, "save", lambda file, array: (_ for _ in ()).throw(OSError(5, "I/O error")))
     with pytest.raises(OSError, match="I/O error"):
         cache.atomic_write_array(final, np.zeros(4, np.int32))
+
+
+def test_a_full_disk_while_packing_rows_names_the_rows_folder(text_folder, tokenizer, tmp_path, monkeypatch):
+    """The rows are written through buffered file writes, whose ENOSPC (raised at a write or at close) names no
+    file: the run said "No space left on device; free space on that disk" without saying which disk."""
+    import errno
+
+    from spillway.data import npy_stream
+
+    def full(self, values):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(npy_stream.NpyStreamWriter, "append", full)
+    with pytest.raises(DataError, match=rf"cannot write {tmp_path / 'packed'}/\S+ \(.* MiB\): no space left on its "
+                                        rf"disk \(.* MiB free\); free space on that disk.*data.cache_dir"):
+        packed(text_folder, tokenizer, tmp_path)
+    assert list((tmp_path / "packed").iterdir()) == []   # nothing half-written left
+    monkeypatch.undo()
+    assert packed(text_folder, tokenizer, tmp_path).path.parent == tmp_path / "packed"   # the rerun completes
