@@ -14,8 +14,10 @@ Two cached stages, each named by a key of everything its output depends on:
 
 Packing reads the shards memory-mapped, one at a time, and writes rows with
 plain file writes, so neither stage holds more than a shard in memory. The
-packed folder is written under a temporary name and renamed when complete;
-the arrays are opened memory-mapped, so a loader reads only the rows it serves.
+packed folder is written under a temporary name and renamed when complete, by
+one packer at a time (a lock beside it), which first removes the temporary
+folders of a killed one; the arrays are opened memory-mapped, so a loader reads
+only the rows it serves.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import numpy as np
 
-from .cache import atomic_directory, disk_full_named, load_cached_array, stable_key
+from .cache import atomic_directory, disk_full_named, exclusive_lock, load_cached_array, stable_key
 from .holdout import Holdout, choose_holdout
 from .npy_stream import NpyStreamWriter
 from .shards import DEFAULT_SHARD_TOKENS, SHARD_FORMAT_VERSION, TokenShards, prepare_token_shards
@@ -257,14 +260,21 @@ def prepare_tokens(
         "records_empty": shards.records_empty,
         "key": key,
     }
-    # a full disk names the rows' folder and what it needs (the OS's error from a buffered write names no file)
-    with disk_full_named(final, (train_rows + val_rows) * row_len * shards.dtype.itemsize), \
-            atomic_directory(final) as partial:
-        with (
-            NpyStreamWriter(partial / "train.npy", (train_rows, row_len), shards.dtype) as train,
-            NpyStreamWriter(partial / "val.npy", (val_rows, row_len), shards.dtype) as val,
-        ):
-            _write_rows(shards, holdout, seed, train, val)
-        # meta.json last: its presence is what marks a folder complete.
-        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+    # One packer at a time: under the lock no live writer has a temporary folder, so those a killed packer left
+    # (the whole rows, as large as the corpus's tokens, under a hidden name) are removed, not kept for good.
+    with exclusive_lock(final.with_name(f".{final.name}.lock")):
+        if (final / "meta.json").is_file():   # another job packed it while this one waited
+            return PackedData.load(final, from_cache=True)
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        # a full disk names the rows' folder and what it needs (the OS's error from a buffered write names no file)
+        with disk_full_named(final, (train_rows + val_rows) * row_len * shards.dtype.itemsize), \
+                atomic_directory(final) as partial:
+            with (
+                NpyStreamWriter(partial / "train.npy", (train_rows, row_len), shards.dtype) as train,
+                NpyStreamWriter(partial / "val.npy", (val_rows, row_len), shards.dtype) as val,
+            ):
+                _write_rows(shards, holdout, seed, train, val)
+            # meta.json last: its presence is what marks a folder complete.
+            (partial / "meta.json").write_text(json.dumps(meta, indent=2))
     return PackedData.load(final, from_cache=False)

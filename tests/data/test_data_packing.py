@@ -170,13 +170,36 @@ def test_interrupted_packing_leaves_no_packed_folder(text_folder, tokenizer, tmp
     monkeypatch.setattr(packing_module, "_write_rows", write_then_fail)
     with pytest.raises(type(interruption)):
         prepare_tokens(str(text_folder), tokenizer, seq_len=16, val_fraction=0.2, cache_dir=cache)
-    assert list((cache / "packed").iterdir()) == []
+    assert [p.name for p in (cache / "packed").iterdir() if not p.name.endswith(".lock")] == []
 
     monkeypatch.setattr(packing_module, "_write_rows", real_write_rows)
     packed = prepare_tokens(str(text_folder), tokenizer, seq_len=16, val_fraction=0.2, cache_dir=cache)
     assert not packed.from_cache
     assert json.loads((packed.path / "meta.json").read_text())["val_rows"] == len(packed.val)
     assert PackedData.load(packed.path).train.shape == packed.train.shape
+
+
+def test_a_killed_packers_temporary_folder_is_removed_by_the_next_packing(text_folder, tokenizer, tmp_path,
+                                                                          monkeypatch):
+    """A packer killed while it wrote (SIGKILL, the OOM killer: no clean-up runs) left its temporary folder, the
+    whole rows under a hidden name, in the cache for good; every such kill left another."""
+    import shutil
+
+    cache = tmp_path / "cache"
+
+    def killed(shards, threshold, seed, train, val):
+        train.append(shards.tokens(shards.shards[0])[:10])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packing_module, "_write_rows", killed)
+    monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: None)   # a killed process removes nothing
+    with pytest.raises(KeyboardInterrupt):
+        prepare_tokens(str(text_folder), tokenizer, seq_len=16, val_fraction=0.2, cache_dir=cache)
+    assert list((cache / "packed").glob(".*.tmp-*"))
+    monkeypatch.undo()
+    packed = prepare_tokens(str(text_folder), tokenizer, seq_len=16, val_fraction=0.2, cache_dir=cache)
+    assert list((cache / "packed").glob(".*.tmp-*")) == []
+    assert [p.name for p in (cache / "packed").iterdir() if not p.name.startswith(".")] == [packed.path.name]
 
 
 def test_too_short_for_a_training_row(tokenizer, tmp_path):
