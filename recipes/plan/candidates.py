@@ -25,6 +25,7 @@ import jax
 from spillway.layers import names
 from spillway.layers.memory import EXPERTS, MEMORIES, Memory
 from spillway.layers.offload import MOE_PRESETS, PRESETS, RematPlan
+from spillway.layers.residency import memory_of
 from spillway.recipes.config import (AFTER_BACKWARD, NEXT_FORWARD, PENDING_DEVICE, PENDING_HOST, PENDING_PLACES,
                                      OffloadConfig, Recipe)
 
@@ -56,7 +57,8 @@ class Candidate:
     update_on_host: bool = False   # optimizer.update_on_host: the host CPU updates the host state
 
     def __post_init__(self):
-        if self.update_on_host and self.offload.optimizer_state != Memory.HOST:
+        # on host whole or split (host:N: the host CPU updates the last N layers, the GPU the others)
+        if self.update_on_host and memory_of(self.offload.optimizer_state) != Memory.HOST:
             raise ValueError("a plan whose host CPU runs the update needs its optimizer state on host")
 
     @classmethod
@@ -144,8 +146,9 @@ class Candidate:
     def of_recipe(cls, recipe: Recipe) -> Candidate:
         """The candidate a recipe's own settings stand for."""
         offload = recipe.offload
+        on_host = memory_of(offload.optimizer_state) == Memory.HOST   # whole, or a split (host:N)
         return cls.of(offload.activations, offload.optimizer_state, offload.params, offload.update,
-                      update_on_host=recipe.optimizer.update_on_host and offload.optimizer_state == Memory.HOST,
+                      update_on_host=recipe.optimizer.update_on_host and on_host,
                       params_keep=offload.params_keep, pending_gradients=offload.pending_gradients)
 
     def applied_to(self, recipe: Recipe) -> Recipe:

@@ -51,7 +51,7 @@ from spillway.models import flops as flop_count
 from spillway.models import lora_flops
 from spillway.recipes.config import NEXT_FORWARD, Recipe
 from spillway.recipes.optim.layouts import keeps_master_copy
-from spillway.layers.residency import host_layers, is_param_split
+from spillway.layers.residency import host_layers, is_param_split, is_split
 from spillway.recipes.optim.param_placement import param_memories
 from spillway.recipes.plan import compute_model, hlo
 from spillway.recipes.plan.candidates import Candidate
@@ -216,9 +216,16 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
     host_grads = sum(grad_bytes(leaf) for leaf in trained_on_host)
     # The zeroed sums: one buffer per distinct shape (recipes/train/step.py), a GPU's shard of it.
     zeros = sum(4 * leaf.elements for leaf in {leaf.shape: leaf for leaf in trained_on_host}.values()) if summed else 0
+    if host_cpu and is_split(candidate.optimizer_state):
+        # The host CPU updates the last layers' rows (host_cpu_rows); those whose weights are in HBM cross.
+        in_hbm = host_cpu_rows(candidate, recipe, mesh)
+        on_host_too = trained_on_host   # weights split at the same layer: on host already
+    else:
+        on_host_too = []
     if host_cpu:
-        update_out = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in in_hbm)
-        update_in = sum(leaf.nbytes for leaf in in_hbm)
+        update_out = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in in_hbm) - sum(
+            grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in on_host_too)
+        update_in = sum(leaf.nbytes for leaf in in_hbm) - sum(leaf.nbytes for leaf in on_host_too)
     else:
         update_in = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in trained_on_host)
         update_out = sum(leaf.nbytes for leaf in trained_on_host)
@@ -230,6 +237,13 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
         gradients_out=accum * host_grads, sums_in=accum * host_grads if summed else 0,
         update_in=update_in, update_out=update_out + zeros, kept_weights=kept,
         kept_fraction=candidate.params_keep / streamed if streamed else 0.0)
+
+
+def host_cpu_rows(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) -> list[_Leaf]:
+    """With the optimizer state split (host:N) and updated by the host CPU: the shards of the last N block
+    layers' rows, the only ones it updates (the first layers' and the leaves outside the stack have their state
+    in HBM, where the GPU updates them)."""
+    return [leaf for leaf in parameter_shards(recipe, mesh, candidate.optimizer_state) if leaf.on_host and leaf.trained]
 
 
 def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: dict[str, int],
@@ -302,7 +316,9 @@ def plan_row(candidate: Candidate, result: dict, recipe: Recipe, target, mesh: d
                          link_seconds(backward_out, backward_in, by_pass.get("backward", 0), link))
     if host_cpu:
         # Per leaf the copies and the host CPU's update follow one another: added.
-        row.update_s = (update_in + update_out) / link + params_per_gpu(recipe, mesh) / host_update_params_per_s
+        updated = (sum(leaf.elements for leaf in host_cpu_rows(candidate, recipe, mesh))
+                   if is_split(candidate.optimizer_state) else params_per_gpu(recipe, mesh))
+        row.update_s = (update_in + update_out) / link + updated / host_update_params_per_s
     else:
         row.update_s = link_seconds(update_out, update_in, by_pass.get("other", 0), link)
     return row

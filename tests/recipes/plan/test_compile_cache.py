@@ -232,6 +232,31 @@ def test_the_command_says_what_each_compile_gave_on_stderr_when_it_is_not_a_term
     assert "from the compile cache" not in capsys.readouterr().err
 
 
+def test_a_split_state_updated_by_the_host_cpu_is_priced_as_set(fake, capsys):
+    """A new user's finding: `spillway plan --set offload.optimizer_state=host:2 --set
+    optimizer.update_on_host=true`, which trains (the host CPU updating the last 2 layers), was compiled and
+    priced with the update streamed through HBM instead, its row saying update_on_host false. Its row is the
+    host CPU's update now, of the 2 host layers alone: their float32 gradients and weights out (no master
+    copy), their new weights back, and their parameters at the host CPU's rate."""
+    from spillway.recipes import cli
+    from spillway.recipes.targets import get_target
+    from spillway.recipes.train.step import abstract_model
+
+    own = ["offload.optimizer_state=host:2", "optimizer.update_on_host=true"]
+    assert cli.main(["plan", "tiny", *[f"--set={s}" for s in [*SMALL, *own]], "--gpu", "h100", "--json",
+                     "--host-update-rate", "1e6", "--host-cores", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)["plans"]
+    (mine,) = [row for row in rows if row["optimizer_state"] == "host:2"]
+    assert mine["update_on_host"] is True
+    assert any(c.optimizer_state == "host:2" and c.update_on_host for c in fake.compiled)
+    _, state = abstract_model(get_recipe("tiny", SMALL))
+    stacked = sum(v.get_value().size for v in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "get_value"))
+                  if v.get_value().shape[:1] == (4,))
+    host_layer_params = stacked // 2
+    link = get_target("h100").host_link_bytes_per_s
+    assert mine["update_s"] == pytest.approx(3 * 4 * host_layer_params / link + host_layer_params / 1e6)
+
+
 def test_a_placement_the_user_sets_is_priced_though_no_candidate_and_beaten(fake, capsys):
     """A new user's finding: `spillway plan --set offload.optimizer_state=host:2` was validated, then replaced by
     the candidates without a word (no host:2 among them; the pruning would skip it beside a plan that fits)."""
