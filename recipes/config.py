@@ -417,10 +417,21 @@ class Recipe:
         check_split_fits(self.offload.params, "offload.params", self.model.num_layers,
                          len(self.decoder_spec().stack_runs()))
         self._check_params_keep()
+        self._check_next_forward_stack()
         self._check_next_forward_split()
         if self.block is not None:
             resolve_block_class(self.block)   # a typo fails here, not after the data is prepared
         self.decoder_spec()   # the model with this execution (a layer pattern under cuDNN) fails here, by name
+
+    def _check_next_forward_stack(self) -> None:
+        """offload.update=next_forward runs each layer's update in the forward scan, just before the layer: one
+        scan over one stack. A model whose blocks are runs of several structures (Qwen3-MoE's mlp_only_layers)
+        failed at its first step, after the data was prepared, naming its stacked leaves' layer counts."""
+        runs = len(self.decoder_spec().stack_runs())
+        if self.offload.update == NEXT_FORWARD and runs != 1:
+            raise ConfigError(f"offload.update=next_forward needs the block layers in one stack (each layer's "
+                              f"update runs in the forward pass, just before the layer); this model has {runs} "
+                              f"runs of layers: use offload.update={AFTER_BACKWARD}")
 
     def _check_next_forward_split(self) -> None:
         """offload.update=next_forward with a split state that keeps block layers resident: their update runs in

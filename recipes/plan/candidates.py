@@ -251,10 +251,10 @@ def every_layer_on_host(recipe: Recipe) -> str:
 def deferred_state_placements(recipe: Recipe) -> tuple[str, ...]:
     """The optimizer state placements the update in the next forward pass is tried with: host:L first (the
     non-stacked leaves' state stays in HBM, so their update before the forward pass moves nothing over the
-    link: never slower, and pruning skips `host` where it fits), then host (less HBM). host:L needs the
-    blocks in one stack, as any split does."""
+    link: never slower, and pruning skips `host` where it fits), then host (less HBM). None for blocks in
+    several stacks: the update in the next forward pass runs in one scan over one stack (recipes/config.py)."""
     if len(recipe.decoder_spec().stack_runs()) != 1:
-        return (Memory.HOST.value,)
+        return ()
     return (every_layer_on_host(recipe), Memory.HOST.value)
 
 

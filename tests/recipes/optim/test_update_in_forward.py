@@ -205,6 +205,20 @@ def test_what_next_forward_cannot_do_is_one_config_error(settings, message):
     assert "\n" not in str(raised.value)
 
 
+def test_next_forward_on_blocks_in_several_stacks_is_one_config_error_and_no_plan_candidate():
+    """A new user's finding: Qwen3-MoE with a dense layer among its sparse ones (three runs of layers) with
+    offload.update=next_forward prepared the data, made the run folder and failed at the first step naming its
+    stacked leaves' layer counts; `spillway plan` compiled every next_forward candidate of it to that failure."""
+    from spillway.recipes.plan.candidates import candidates
+    from spillway.recipes.registry import get_recipe
+
+    with pytest.raises(ConfigError, match=r"offload.update=next_forward needs the block layers in one stack .*; "
+                                          r"this model has 3 runs of layers: use offload.update=after_backward"):
+        get_recipe("qwen3_moe_tiny", ["offload.optimizer_state=host", IN_FORWARD])
+    assert not [c for c in candidates(get_recipe("qwen3_moe_tiny")) if c.update == "next_forward"]
+    assert [c for c in candidates(get_recipe("mixtral_tiny")) if c.update == "next_forward"]   # one stack
+
+
 @pytest.mark.slow  # in `make test-slow` (CI runs it): a minute on 2 cores
 def test_a_run_stopped_and_resumed_equals_the_uninterrupted_run(data_cache, tmp_path):
     """Checkpoints and validation settle the pending update first, so what is saved and evaluated is
