@@ -52,12 +52,14 @@ SAME_FAILURE_ROWS = 4
 
 def _refuse_a_shape_no_plan_compiles(rows: list[PlanRow]) -> None:
     """ValueError when every compile so far (at least SAME_FAILURE_ROWS, the first stage) failed with one error,
-    the digits of its instruction names aside: the compiler rejects the model's shape (XLA's "Couldn't find
-    output tile sizes" for a d_model of 72), which no offload plan changes; the stages after it would fail
-    alike for minutes, then say only that nothing fits. Called between stages, when no compile runs."""
+    the digits of its instruction names and its metadata aside (the op name says "checkpoint" under a remat
+    plan and not under save_all): the compiler rejects the model's shape (XLA's "Couldn't find output tile
+    sizes" for a d_model of 72), which no offload plan changes; the stages after it would fail alike for
+    minutes, then say only that nothing fits. Called between stages, when no compile runs."""
     if len(rows) < SAME_FAILURE_ROWS or any(row.error is None for row in rows):
         return
-    firsts = {re.sub(r"\d+", "#", row.error.strip().splitlines()[0] if row.error.strip() else "") for row in rows}
+    firsts = {re.sub(r"\d+", "#", re.sub(r", metadata=\{[^}]*\}", "", row.error.strip().splitlines()[0]
+                                          if row.error.strip() else "")) for row in rows}
     if len(firsts) == 1:
         shown = " ".join(rows[0].error.split())[:300]
         raise ValueError(f"every plan compiled ({len(rows)}) failed with the same compiler error, which no offload "

@@ -195,6 +195,31 @@ def test_a_shape_the_compiler_rejects_in_every_plan_stops_the_plan_in_one_line()
     _refuse_a_shape_no_plan_compiles([failed(1), failed(2), failed(3), SimpleNamespace(error="out of memory")])
 
 
+def test_the_same_compiler_error_under_other_op_names_stops_the_plan_too():
+    """A new user's finding: qwen3_moe_tiny on an A100 failed every compile with one "Couldn't find output tile
+    sizes" (its [2048, 192] f32 dot), 50 candidates and eight minutes on: the op name in the error's metadata
+    says "checkpoint" under a remat plan and not under save_all, so no two stages' errors looked the same."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from spillway.recipes.plan.planner import _refuse_a_shape_no_plan_compiles
+
+    def failed(n, scope):
+        return SimpleNamespace(error=f"JaxRuntimeError: INTERNAL: Couldn't find output tile sizes that satisfy hlo: "
+                                     f"%dot.{n} = f32[2048,192]{{1,0}} dot(%bitcast.{n}, %parameter_1.13), "
+                                     f"lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}, metadata={{op_name="
+                                     f"\"jit(train_step)/transpose(jvp())/while/body/closed_call/{scope}btd,dnh->btnh/"
+                                     f"dot_general\" stack_frame_id={n}}}, backend_config={{\"sizes\":[\"{n}\"]}}\n"
+                                     f"more lines")
+    with pytest.raises(ValueError, match=r"every plan compiled \(4\) failed with the same compiler error.*tile sizes"):
+        _refuse_a_shape_no_plan_compiles([failed(334, ""), failed(365, "checkpoint/"), failed(369, "checkpoint/"),
+                                          failed(329, "checkpoint/")])
+    other = SimpleNamespace(error="JaxRuntimeError: INTERNAL: Couldn't find output tile sizes that satisfy hlo: "
+                                  "%dot.1 = f32[2048,72]{1,0} dot(%a, %b)")   # another instruction: not the same
+    _refuse_a_shape_no_plan_compiles([failed(334, ""), failed(365, "checkpoint/"), failed(369, ""), other])
+
+
 def test_a_refusal_before_compiling_tells_its_two_sizes_apart():
     """A new user's finding: --hbm-budget 0.01 on the tiny recipe said "in HBM alone are 0.0 GiB > 0.0 GiB"."""
     from spillway.recipes.plan.pruning import refusal_before_compile
