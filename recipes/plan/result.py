@@ -270,8 +270,16 @@ def nothing_fits_numbers(p: Plan) -> str:
         return (f"{len(in_hbm)} plan(s) fit HBM, but none the host's RAM: the least host memory is "
                 f"{peak / GiB:.2f} GiB at {phase} ({least.candidate.label}) against {p.host_ram_bytes / GiB:.2f} GiB "
                 f"of host RAM{' (--host-ram-gb)' if p.host_ram_given else ''}; {advice}")
+    # Plans refused before compiling for the host's RAM (pruning.refusal_before_compile) may need far less HBM
+    # than the smallest compiled: without them the line blamed HBM alone, and a smaller batch helps neither.
+    over_ram = [entry for entry in refused if "in HBM alone" not in entry["because"]]
+    ram_note = "" if not over_ram else (
+        f"; {len(over_ram)} other plan(s) were not compiled, as the host's RAM cannot hold them (e.g. "
+        f"{over_ram[0]['label']}: "
+        f"{over_ram[0]['because'].removeprefix('cannot fit: ').removesuffix(', whatever the step holds')})")
     return (f"the smallest HBM is {smallest.report['hbm_bytes'] / GiB:.2f} GiB ({smallest.candidate.label}, "
             f"host {smallest.report['host_bytes'] * p.devices / GiB:.2f} GiB) against a limit of "
             f"{p.hbm_limit_bytes / GiB:.2f} GiB HBM per GPU ({hbm_limit_words(p)}, "
-            f"{p.target.display_name}) and {p.host_ram_bytes / GiB:.2f} GiB host RAM; reduce data.seq_len or "
-            f"train.global_batch (or raise train.grad_accum), or use more GPUs")
+            f"{p.target.display_name}) and {p.host_ram_bytes / GiB:.2f} GiB host RAM{ram_note}; reduce data.seq_len "
+            f"or train.global_batch (or raise train.grad_accum), or use more GPUs"
+            + (", or plan for a host with more RAM" if over_ram else ""))

@@ -156,6 +156,36 @@ def test_nothing_fits_exits_2_after_the_table_and_names_the_hosts_ram_where_hbm_
     assert over(2**20, 1000) == "1.00 > 0.00 MiB"
 
 
+def test_no_plan_fits_names_the_plans_the_hosts_ram_refused_before_compiling():
+    """A new user's finding: llama3_1b (2 layers) on an L4 under --hbm-budget 5 --host-ram-gb 10 said only "the
+    smallest HBM is 5.57 GiB (...host:2 / update=next_forward...); reduce data.seq_len or train.global_batch":
+    the plans with the whole state on host, 2.67 GiB of HBM, had been refused before compiling for the host's
+    RAM (10.8 GiB at a checkpoint save), which no smaller batch helps."""
+    from types import SimpleNamespace
+
+    from spillway.recipes.plan.result import nothing_fits_numbers
+
+    def refusal(label, because):
+        return {"label": label, "because": f"cannot fit: {because}", "cannot_fit": True}
+    hbm = refusal("save_all / optimizer_state=device", "its weights and optimizer state in HBM alone are 5.01 GiB > "
+                                                       "5.00 GiB")
+    ram = refusal("save_all / optimizer_state=host", "host 10.8 GiB at checkpoint save > 9.3 GiB, whatever the step "
+                                                     "holds")
+    compiled = SimpleNamespace(report={"hbm_bytes": 5.57 * GiB, "host_bytes": 1.59 * GiB},
+                               candidate=SimpleNamespace(label="recompute_all / optimizer_state=host:2"))
+    fake = SimpleNamespace(rows=[compiled], skipped=[hbm, ram], hbm_limit_bytes=5 * GiB, devices=1,
+                           host_ram_bytes=9.3 * GiB, host_ram_given=True, headroom=0.9, hbm_budget_bytes=5 * GiB,
+                           target=get_target("l4"))
+    said = nothing_fits_numbers(fake)
+    assert said.startswith("the smallest HBM is 5.57 GiB (recompute_all / optimizer_state=host:2, host 1.59 GiB)")
+    assert ("; 1 other plan(s) were not compiled, as the host's RAM cannot hold them (e.g. save_all / "
+            "optimizer_state=host: host 10.8 GiB at checkpoint save > 9.3 GiB); reduce data.seq_len") in said
+    assert said.endswith("or use more GPUs, or plan for a host with more RAM")
+    fake.skipped = [hbm]   # refused for HBM alone: the line as it was
+    assert "not compiled" not in nothing_fits_numbers(fake)
+    assert nothing_fits_numbers(fake).endswith("or use more GPUs")
+
+
 def test_the_search_table_says_which_plans_had_their_offload_dropped():
     """A new user's finding: `--search seq_len` listed a plan the table above refused (its offload dropped by
     XLA) as fitting at the cap, 1.0x the best without offload, with no word of it."""
