@@ -28,7 +28,7 @@ from typing import Any
 
 from spillway.layers.errors import ConfigError, require_non_negative, require_positive
 from spillway.layers.execution import Execution
-from spillway.layers.memory import MEMORIES, PARAM_PLACEMENTS, Memory
+from spillway.layers.memory import EXPERTS, MEMORIES, PARAM_PLACEMENTS, Memory
 from spillway.layers.mesh import MeshConfig
 from spillway.layers.offload import RematPlan
 from spillway.layers.residency import (check_split_fits, host_layers, is_param_split, is_split,
@@ -407,6 +407,14 @@ class Recipe:
                 and not is_param_split(self.offload.params) and not self.lora.enabled:
             # Host weights with device state would bring the whole gradient and weights into HBM for the
             # update: the saving gone. Only host state is supported (frozen LoRA base weights need neither).
+            if is_split(self.offload.optimizer_state):   # the state is not on device: the split is the mismatch
+                on_host = host_layers(self.offload.optimizer_state, self.model.num_layers)
+                what = "routed experts" if self.offload.params == EXPERTS else "weights"
+                raise ConfigError(f"offload.params={self.offload.params} puts every block layer's {what} on host, but "
+                                  f"offload.optimizer_state={self.offload.optimizer_state} is a split; a layer's "
+                                  f"weights are updated where its state is: split them at the same layer "
+                                  f"(offload.params={self.offload.params}:{on_host}), or set "
+                                  f"offload.optimizer_state=host")
             raise ConfigError(f"offload.params={self.offload.params} needs offload.optimizer_state=host (the "
                               "update of host weights reads host gradients; with the state on device it would "
                               "need them all in HBM)")

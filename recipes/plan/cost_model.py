@@ -216,16 +216,16 @@ def param_traffic(candidate: Candidate, recipe: Recipe, mesh: dict[str, int]) ->
     host_grads = sum(grad_bytes(leaf) for leaf in trained_on_host)
     # The zeroed sums: one buffer per distinct shape (recipes/train/step.py), a GPU's shard of it.
     zeros = sum(4 * leaf.elements for leaf in {leaf.shape: leaf for leaf in trained_on_host}.values()) if summed else 0
-    if host_cpu and is_split(candidate.optimizer_state):
-        # The host CPU updates the last layers' rows (host_cpu_rows); those whose weights are in HBM cross.
-        in_hbm = host_cpu_rows(candidate, recipe, mesh)
-        on_host_too = trained_on_host   # weights split at the same layer: on host already
-    else:
-        on_host_too = []
+    def sent(leaves: list[_Leaf]) -> int:   # to the update: the gradients, and weights without a master copy
+        return sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in leaves)
+
     if host_cpu:
-        update_out = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in in_hbm) - sum(
-            grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in on_host_too)
-        update_in = sum(leaf.nbytes for leaf in in_hbm) - sum(leaf.nbytes for leaf in on_host_too)
+        # The leaves the host CPU updates whose weights are in HBM cross: all of those in HBM, or with the state
+        # split (host:N) the last N layers' rows (host_cpu_rows) less those whose weights are split there too.
+        updated, already_on_host = ((in_hbm, []) if not is_split(candidate.optimizer_state)
+                                    else (host_cpu_rows(candidate, recipe, mesh), trained_on_host))
+        update_out = sent(updated) - sent(already_on_host)
+        update_in = sum(leaf.nbytes for leaf in updated) - sum(leaf.nbytes for leaf in already_on_host)
     else:
         update_in = sum(grad_bytes(leaf) + (0 if leaf.master else leaf.nbytes) for leaf in trained_on_host)
         update_out = sum(leaf.nbytes for leaf in trained_on_host)

@@ -255,6 +255,11 @@ def test_a_split_state_updated_by_the_host_cpu_is_priced_as_set(fake, capsys):
     host_layer_params = stacked // 2
     link = get_target("h100").host_link_bytes_per_s
     assert mine["update_s"] == pytest.approx(3 * 4 * host_layer_params / link + host_layer_params / 1e6)
+    # with the weights split at the same layer the host CPU updates them where they are: nothing crosses
+    from spillway.recipes.plan import cost_model
+    both = Candidate.of("save_all", "host:2", "host:2", update_on_host=True)
+    traffic = cost_model.param_traffic(both, get_recipe("tiny", SMALL), {"data": 1, "fsdp": 1, "tensor": 1})
+    assert traffic.update_in == traffic.update_out == 0
 
 
 def test_a_placement_the_user_sets_is_priced_though_no_candidate_and_beaten(fake, capsys):

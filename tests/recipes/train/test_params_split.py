@@ -102,6 +102,10 @@ def test_twenty_steps_with_split_weights_equal_everything_on_device_bit_for_bit(
       "train.grad_accum=1"), "offload.update=next_forward .* needs offload.optimizer_state=host "
                              "\\(or a split host:N with N >= 1\\) and offload.params=device \\(got optimizer_state=host:1, "
                              "params=host:1\\)"),
+    # a new user's finding: this said "with the state on device it would need them all in HBM"
+    (("offload.params=host", "offload.optimizer_state=host:1"),
+     "offload.params=host puts every block layer's weights on host, but offload.optimizer_state=host:1 is a "
+     "split; .* split them at the same layer \\(offload.params=host:1\\), or set offload.optimizer_state=host"),
 ])
 def test_a_split_of_the_weights_the_run_cannot_take_is_one_config_error(settings, message):
     with pytest.raises(ConfigError, match=message):
