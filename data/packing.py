@@ -238,7 +238,6 @@ def prepare_tokens(
     holdout, train_rows, val_rows, train_documents, val_documents = _split_sizes(
         shards, seq_len, val_fraction, seed, description
     )
-    row_len = seq_len + 1
     meta = {
         "seq_len": seq_len,
         "vocab_size": tokenizer.vocab_size,
@@ -260,6 +259,12 @@ def prepare_tokens(
         "records_empty": shards.records_empty,
         "key": key,
     }
+    return _write_packed(final, shards, holdout, seed, meta)
+
+
+def _write_packed(final: Path, shards: TokenShards, holdout: Holdout, seed: int, meta: dict) -> PackedData:
+    """The rows written into `final` under a temporary name, renamed when complete, and opened."""
+    row_len = meta["seq_len"] + 1
     # One packer at a time: under the lock no live writer has a temporary folder, so those a killed packer left
     # (the whole rows, as large as the corpus's tokens, under a hidden name) are removed, not kept for good.
     with exclusive_lock(final.with_name(f".{final.name}.lock")):
@@ -267,6 +272,7 @@ def prepare_tokens(
             return PackedData.load(final, from_cache=True)
         for stale in final.parent.glob(f".{final.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        train_rows, val_rows = meta["train_rows"], meta["val_rows"]
         # a full disk names the rows' folder and what it needs (the OS's error from a buffered write names no file)
         with disk_full_named(final, (train_rows + val_rows) * row_len * shards.dtype.itemsize), \
                 atomic_directory(final) as partial:
