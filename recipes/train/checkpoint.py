@@ -75,6 +75,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -110,6 +111,8 @@ def _json_text(value, what: str) -> str:
 
 
 # -- the run's checkpointer ---------------------------------------------------------------------
+
+_SAVE_POLL_S = 0.02   # how often `wait` looks whether the save in flight has finished
 
 
 class RunCheckpointer:
@@ -356,6 +359,12 @@ class RunCheckpointer:
         step = self._step_in_flight
         self._step_in_flight = None
         try:
+            # Polled before orbax joins its thread: a Ctrl-C that interrupts Thread.join (Python 3.11, 3.12) marks
+            # the thread finished while it still commits, and close() then waited for nothing and the command left
+            # mid-save (the step it deleted half deleted, the step it saved never finalised). In a sleep it does not.
+            # (Only for a save this object started: orbax leaves the flag set after a synchronous save that failed.)
+            while step is not None and self._manager.is_saving_in_progress():
+                time.sleep(_SAVE_POLL_S)
             self._manager.wait_until_finished()
         except Exception as e:
             raise self._failed_save_error(step, e) from e

@@ -431,6 +431,36 @@ def test_a_save_failed_twice_over_is_not_raised_again_by_close(tmp_path, monkeyp
         assert reopened.all_steps() == [1]
 
 
+def test_a_ctrl_c_while_waiting_for_a_save_leaves_close_waiting_for_it(tmp_path, monkeypatch):
+    """A Ctrl-C that interrupts Thread.join (Python 3.11, 3.12) marks the joined thread as finished while it still
+    runs: a Ctrl-C while the run waited for its last async save left orbax's finalize thread looking done, close()
+    returned at once and the command left mid-save (the old step it was deleting half deleted, or the new one
+    never finalised). The wait is polled, so close() waits for the save."""
+    import orbax.checkpoint as ocp
+
+    finalize = ocp.CheckpointManager._finalize_checkpoint
+
+    def slow_finalize(self, *args, **kwargs):
+        time.sleep(1.5)   # a large save's commit: long enough for the Ctrl-C below to land while it runs
+        return finalize(self, *args, **kwargs)
+
+    params, opt_state = make_state(mesh_of((2, 4)))
+    ckpt = RunCheckpointer(tmp_path, keep=1, every_steps=1)
+    save_step(ckpt, 1, params, opt_state)
+    ckpt.wait()
+    monkeypatch.setattr(ocp.CheckpointManager, "_finalize_checkpoint", slow_finalize)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        save_step(ckpt, 2, params, opt_state)   # keep=1: step 1 is deleted once step 2 is finalised
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ckpt.close()   # what the train loop's `finally` does before the command leaves
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["2"]
+
+
 def test_a_corrupt_newest_step_read_through_its_directory_names_the_older_steps(saved_run):
     run_dir, params, opt_state = saved_run
     with RunCheckpointer(run_dir, keep=3, every_steps=10) as ckpt:
