@@ -37,18 +37,21 @@ DISK_FULL_ADVICE = ("free space on that disk, or write to another (the data cach
 
 
 @contextlib.contextmanager
-def disk_full_named(final: Path, size: int) -> Iterator[None]:
-    """A write of `size` bytes that fails for want of space is a DataError naming `final` and what is free: the
-    OS says "No space left on device" without a path, NumPy "100037 requested and 26560 written"."""
+def disk_full_named(final: Path, size: int | None) -> Iterator[None]:
+    """A write of `size` bytes (None: not known ahead) that fails for want of space is a DataError naming `final`
+    and what is free: the OS says "No space left on device" without a path, NumPy "100037 requested and 26560
+    written"."""
     try:
         yield
     except OSError as error:
         free = shutil.disk_usage(final.parent).free if final.parent.is_dir() else None
-        if not (error.errno == errno.ENOSPC or (error.errno is None and free is not None and free < size)):
+        short = error.errno is None and free is not None and size is not None and free < size
+        if not (error.errno == errno.ENOSPC or short):
             raise
         from spillway.layers.errors import DataError
 
-        raise DataError(f"cannot write {final} ({size / 2**20:.1f} MiB): no space left on its disk "
+        needs = f" ({size / 2**20:.1f} MiB)" if size is not None else ""
+        raise DataError(f"cannot write {final}{needs}: no space left on its disk "
                         f"({(free or 0) / 2**20:.1f} MiB free); {DISK_FULL_ADVICE}") from None
 
 

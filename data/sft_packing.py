@@ -47,9 +47,10 @@ import numpy as np
 
 from spillway.layers.errors import DataError
 
-from .cache import atomic_write_array, atomic_write_bytes, exclusive_lock, stable_key
+from .cache import atomic_write_array, atomic_write_bytes, disk_full_named, exclusive_lock, stable_key
 from .chat_template import ChatTemplate
 from .holdout import document_scores
+from .npy_stream import NpyStreamWriter
 from .packing import PackedData, _readable
 from .sft_formats import conversation_of, iter_records
 from .sft_targets import conversation_tokens, special_token_texts
@@ -71,6 +72,8 @@ _SFT_PACKING_VERSION = 6
 PROGRESS = "progress.json"
 # Examples between two progress saves: a kill loses at most this many examples' tokenizing (seconds).
 PROGRESS_EVERY = 4096
+# Rows laid out in memory before each write of the rows' file (4 MiB at seq_len 1024).
+ROWS_A_WRITE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,21 +150,25 @@ def row_layout(lengths: list[int], row_len: int, packing: str) -> list[list[int]
 
 def _write_rows(writer: _SplitWriter, path: Path, row_len: int, packing: str) -> int:
     layout = row_layout(writer.lengths, row_len, packing)
-    rows = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(len(layout), 3, row_len))
     total = sum(writer.lengths)
     tokens = np.memmap(writer.folder / f"{writer.name}.tokens", np.int32, "r", shape=(total,)) if total else None
     flags = np.memmap(writer.folder / f"{writer.name}.flags", np.uint8, "r", shape=(total,)) if total else None
     starts = np.concatenate([[0], np.cumsum(writer.lengths)]).astype(np.int64)
-    for row, examples in enumerate(layout):
-        column = 0
-        for segment, example in enumerate(examples, start=1):
-            a, b = starts[example], starts[example + 1]
-            rows[row, TOKENS, column: column + b - a] = tokens[a:b]
-            rows[row, TARGETS, column: column + b - a] = flags[a:b]
-            rows[row, SEGMENTS, column: column + b - a] = segment
-            column += b - a
-    rows.flush()
-    del rows, tokens, flags
+    # Written with plain writes, a block of rows at a time, not through a writable memory map: on a full disk a
+    # write through a map is a SIGBUS that ends the process without a word, a plain write an error naming it.
+    with NpyStreamWriter(path, (len(layout), 3, row_len), np.int32) as rows:
+        for first in range(0, len(layout), ROWS_A_WRITE):
+            block = np.zeros((min(ROWS_A_WRITE, len(layout) - first), 3, row_len), np.int32)   # 0: padding
+            for row, examples in enumerate(layout[first:first + ROWS_A_WRITE]):
+                column = 0
+                for segment, example in enumerate(examples, start=1):
+                    a, b = starts[example], starts[example + 1]
+                    block[row, TOKENS, column: column + b - a] = tokens[a:b]
+                    block[row, TARGETS, column: column + b - a] = flags[a:b]
+                    block[row, SEGMENTS, column: column + b - a] = segment
+                    column += b - a
+            rows.append(block)
+    del tokens, flags
     return len(layout)
 
 
@@ -256,11 +263,13 @@ def prepare_sft_rows(source: str, tokenizer: Tokenizer, template: ChatTemplate, 
     with exclusive_lock(final.with_name(f".{final.name}.lock")):
         if not (final / "meta.json").is_file():
             partial.mkdir(parents=True, exist_ok=True)
-            try:
-                _prepare_into(partial, source, tokenizer, template, options, key, Path(cache_dir) / "datasets")
-            except DataError:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise
+            # a full disk names the folder (outside the `except` below: what was prepared is kept for the rerun)
+            with disk_full_named(final, None):
+                try:
+                    _prepare_into(partial, source, tokenizer, template, options, key, Path(cache_dir) / "datasets")
+                except DataError:
+                    shutil.rmtree(partial, ignore_errors=True)
+                    raise
             os.rename(partial, final)
             return PackedData.load(final, from_cache=False)
     packed = PackedData.load(final, from_cache=True)

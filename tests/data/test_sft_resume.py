@@ -68,3 +68,31 @@ def test_a_bad_record_leaves_no_partial_folder(tmp_path):
     with pytest.raises(DataError):
         prepare_sft_rows(str(source), CharTokenizer(), _template(), OPTIONS, cache_dir=tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache" / "sft").iterdir() if p.is_dir()]
+
+
+def test_a_full_disk_while_the_rows_are_laid_out_names_the_folder_and_keeps_the_progress(tmp_path, monkeypatch):
+    """The rows were written through a writable memory map, which a full disk answers with SIGBUS: the process
+    died without a word ("Bus error"). Written with plain writes, the full disk is one error naming the folder, and
+    the examples tokenized so far are kept for the rerun."""
+    import errno
+
+    from spillway.data import npy_stream
+
+    source = write_instruct(tmp_path / "d.jsonl", [f"answer {i} " + "z" * (i % 7) for i in range(20)])
+    whole = prepare_sft_rows(str(source), CharTokenizer(), _template(), OPTIONS, cache_dir=tmp_path / "whole")
+
+    def full(self, values):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(npy_stream.NpyStreamWriter, "append", full)
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match=rf"cannot write {cache / 'sft'}/\S+: no space left on its disk \(.* MiB "
+                                        rf"free\); free space on that disk"):
+        prepare_sft_rows(str(source), CharTokenizer(), _template(), OPTIONS, cache_dir=cache)
+    (partial,) = (cache / "sft").glob(".*.partial")
+    assert (partial / sft_packing.PROGRESS).is_file()   # every example counted: the rerun only lays out the rows
+    monkeypatch.undo()
+    calls = _counting(monkeypatch)
+    resumed = prepare_sft_rows(str(source), CharTokenizer(), _template(), OPTIONS, cache_dir=cache)
+    assert not calls
+    assert np.array_equal(resumed.train, whole.train) and np.array_equal(resumed.val, whole.val)
