@@ -37,6 +37,8 @@ from spillway.recipes.train import aux_terms
 from spillway.recipes.train.errors import RunError
 
 METRICS_FILENAME = "metrics.jsonl"   # in the run directory: one JSON line per logged step
+TENSORBOARD_FLUSH_S = 1   # how long a TensorBoard event waits in memory before it is written
+
 
 def measure_cpu_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a float32 size^3 matmul on the default device (best of `repeats`)."""
@@ -152,7 +154,10 @@ class RunLogger:
         self._jsonl = open(self.metrics_path, "a", buffering=1)
         if self._tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._start_step + 1)
+            # flushed every second, not tensorboardX's two minutes: a run killed (the OOM killer) lost the events
+            # its writer still held, of steps already saved, which the resumed run never logs again
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._start_step + 1,
+                                     flush_secs=TENSORBOARD_FLUSH_S)
 
     @property
     def wrote_rows(self) -> bool:

@@ -109,3 +109,32 @@ def test_a_run_that_fails_before_training_leaves_no_run_folder_it_made(tmp_path,
     with pytest.raises(ValueError, match="is too short|cannot be split into training and validation"):
         train(micro(micro_data_cache, tmp_path / "mine", *too_short), progress=False)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
+
+
+def test_tensorboard_events_reach_the_disk_while_the_run_goes_on(tmp_path):
+    """tensorboardX flushed its events every two minutes: a run killed (the OOM killer, SIGKILL) lost the scalars
+    of up to two minutes of steps, saved ones too, which the resumed run never logs again (a gap for good). The
+    logger stays open here, as a killed run's does."""
+    import time
+
+    from tensorboardX.proto import event_pb2
+
+    def logged_steps(folder):
+        steps = set()
+        for events in folder.glob("events.out.tfevents.*"):
+            data, at = events.read_bytes(), 0
+            while at + 12 <= len(data):   # TFRecord: length (8 bytes), its CRC (4), the event, its CRC (4)
+                length = int.from_bytes(data[at:at + 8], "little")
+                event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+                at += 12 + length + 4
+                steps |= {event.step for value in event.summary.value if value.tag == "loss"}
+        return steps
+
+    logger = RunLogger(tmp_path / "run", start_step=0)
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": 3.0 - step / 10})
+    deadline = time.monotonic() + 10
+    while logged_steps(tmp_path / "run" / "tb") != {1, 2, 3} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert logged_steps(tmp_path / "run" / "tb") == {1, 2, 3}
+    logger.close()
