@@ -136,7 +136,7 @@ RESUME_PEAK = textwrap.dedent("""
         state = jax.jit(s.optimizer.init, out_shardings=s.opt_state_shardings)(s.params)
         ckpt.save(1, params=lora_state.checkpointed(recipe, s.params), opt_state=state, loader_state={},
                   meta={"step": 1}, recipe_json="{}", force=True)
-        print(0, 0)
+        print(0, 0, 0)
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")                                    # VmHWM := VmRSS now
@@ -144,7 +144,8 @@ RESUME_PEAK = textwrap.dedent("""
         # "targets": as a resume now does; "built": the weights initialised first, then the restore
         s = step_lib.setup(recipe, mesh, initialise=role == "built")
         restored = jax.block_until_ready(restore_state(ckpt, s, s.params))
-        print(high_water() - before, sum(leaf.nbytes for leaf in jax.tree.leaves(restored)))
+        print(high_water() - before, sum(leaf.nbytes for leaf in jax.tree.leaves(restored)),
+              sum(leaf.nbytes for leaf in jax.tree.leaves(restored[0])))
     ckpt.close()
 """)
 # 85M float32 parameters (324 MiB: a 32768-token vocabulary of 1024 wide, two layers), the moments in bfloat16
@@ -154,12 +155,13 @@ RESUME_SETTINGS = ["model.vocab_size=32768", "model.d_model=1024", "model.num_la
                    *split_settings(1)]
 
 
-def resume_peak(role: str, directory) -> tuple[int, int]:
+def resume_peak(role: str, directory) -> tuple[int, int, int]:
+    """(the rise of the process's peak, the bytes restored, of which the weights) of a fresh process."""
     done = subprocess.run([sys.executable, "-c", RESUME_PEAK, role, str(directory), json.dumps(RESUME_SETTINGS)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    rise, restored = map(int, done.stdout.split()[-2:])
-    return rise, restored
+    rise, restored, weights = map(int, done.stdout.split()[-3:])
+    return rise, restored, weights
 
 
 @pytest.mark.slow   # three fresh processes, 648 MiB written and read twice: about a minute on 2 loaded cores
@@ -167,16 +169,21 @@ def resume_peak(role: str, directory) -> tuple[int, int]:
 def test_a_resume_holds_the_weights_once(tmp_path):
     """A resume's setup and restore raise the process's peak by the restored weights and state plus what the
     planner counts beside them (host_memory.RESTORE_STAGING_BYTES: the pieces in flight, the reads' compiles,
-    allocator slack); building the weights first, as a resume did before, holds them twice and fails the same
-    bound. Measured (2 loaded cores, jax 0.10.2): 648 MiB restored, into targets +892 MiB, built first +1318 MiB."""
+    allocator slack); building the weights first, as a resume did before, holds them twice, a rise above that
+    by most of the weights. Measured (2 loaded cores, jax 0.10.2): 648 MiB restored (324 MiB of weights), into targets
+    +892-934 MiB, built first +1318-1381 MiB: the weights held twice, 426-447 MiB more.
+
+    The contrast is drawn against the measured rise, not the planner's bound: that bound grew with the pieces
+    in flight (768 MiB beside 648 MiB) past what a second copy of the weights adds."""
     from spillway.recipes.train.host_memory import RESTORE_STAGING_BYTES
     resume_peak("save", tmp_path)
-    rise, restored = resume_peak("targets", tmp_path)
-    built_rise, _ = resume_peak("built", tmp_path)
-    print(f"restored {restored / 2**20:.0f} MiB: into targets +{rise / 2**20:.0f} MiB, "
-          f"built first +{built_rise / 2**20:.0f} MiB")
+    rise, restored, weights = resume_peak("targets", tmp_path)
+    built_rise, _, _ = resume_peak("built", tmp_path)
+    print(f"restored {restored / 2**20:.0f} MiB ({weights / 2**20:.0f} MiB of weights): into targets "
+          f"+{rise / 2**20:.0f} MiB, built first +{built_rise / 2**20:.0f} MiB")
     assert rise <= restored + RESTORE_STAGING_BYTES, (rise - restored) / 2**20
-    assert built_rise > restored + RESTORE_STAGING_BYTES, (built_rise - restored) / 2**20
+    # a second copy of the weights, less a quarter for the allocator's reuse between the two runs' setups
+    assert built_rise - rise > 0.75 * weights, (built_rise - rise) / 2**20
 
 
 @pytest.mark.slow   # two compiles of the model's initialisation: 5 s on 2 loaded cores
