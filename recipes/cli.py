@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         kept = {"prepare": " (what it finished is kept: the same command goes on from there)",
                 # an export stopped midway has no config.json (recipes/export.py): nothing loads it as done
                 "export": " (the same command writes the export; a folder it had begun to write holds no "
-                          "config.json until then)"}.get(args.command, "")
+                          f"{'adapter_config.json' if getattr(args, 'adapter', False) else 'config.json'} "
+                          "until then)"}.get(args.command, "")
         print(f"spillway {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}{kept}",
               file=sys.stderr)
         status = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED

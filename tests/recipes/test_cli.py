@@ -118,6 +118,14 @@ def test_interrupt_is_one_line(monkeypatch, capsys):
     assert cli.main(["prepare", "tiny"]) == 130
     assert capsys.readouterr().err.splitlines() == [
         "spillway prepare: interrupted (what it finished is kept: the same command goes on from there)"]
+    # export names the file that marks its folder done: adapter_config.json for --adapter, else config.json
+    from spillway.recipes import export
+    monkeypatch.setattr(export, "export_run", lambda *args, **kwargs: interrupted(None))
+    for flags, marker in (([], "config.json"), (["--adapter"], "adapter_config.json")):
+        assert cli.main(["export", "runs/x", "out/x", *flags]) == 130
+        assert capsys.readouterr().err.splitlines() == [
+            f"spillway export: interrupted (the same command writes the export; a folder it had begun to write "
+            f"holds no {marker} until then)"]
 
 
 def test_sigterm_before_the_first_step_cleans_up_as_ctrl_c_does_and_says_so(monkeypatch, capsys, tmp_path):
