@@ -182,6 +182,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _amount_in(unit: str):
+    """An argparse type: a plain number of `unit`. '80GB' is refused naming the unit the flag already means
+    (argparse's own "invalid float value" left the user guessing whether a unit may be written)."""
+    def amount(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number: write the amount in {unit} without a "
+                                             f"unit (e.g. 80)") from None
+    return amount
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spillway", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)
@@ -203,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None,
                    help=f"target GPU for --plan auto (default: the recipe's offload.target_gpu, else {DEFAULT_GPU})")
     p.add_argument("--devices", type=int, default=None, help="GPUs for --plan auto (default: the mesh's)")
-    p.add_argument("--host-ram-gb", type=float, default=None,
+    p.add_argument("--host-ram-gb", type=_amount_in("GB"), default=None,
                    help="host RAM to check the run's host memory peak against, in GB (10^9 bytes; "
                         "the plan shows GiB) (default: this machine's)")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
@@ -253,10 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None,
                    help="GPUs on one host (default: the recipe's offload.target_devices, else 1)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="override a recipe field")
-    p.add_argument("--host-ram-gb", type=float, default=None,
+    p.add_argument("--host-ram-gb", type=_amount_in("GB"), default=None,
                    help="host RAM available for pinned memory, in GB (10^9 bytes; the plan shows GiB)")
     p.add_argument("--headroom", type=float, default=HBM_HEADROOM, help="fraction of HBM a plan may use")
-    p.add_argument("--hbm-budget", type=float, default=None, metavar="GIB",
+    p.add_argument("--hbm-budget", type=_amount_in("GiB"), default=None, metavar="GIB",
                    help="HBM per GPU a plan may use, in GiB (with the headroom, the lower limit wins); "
                         "picks the fastest plan under it, or fails naming the smallest plan")
     p.add_argument("--host-update-rate", type=float, default=None, metavar="PARAMS_PER_S",

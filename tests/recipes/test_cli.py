@@ -166,3 +166,15 @@ def test_an_interrupted_command_line_leaves_past_the_interpreters_teardown(monke
     cli.main()
     assert left == [130]
     assert capsys.readouterr().err.splitlines() == ["spillway train: interrupted"]
+
+
+def test_an_amount_with_a_unit_is_refused_naming_the_unit_the_flag_means(capsys):
+    """`--hbm-budget 80GB` was argparse's "invalid float value: '80GB'": now the line says the flag's unit."""
+    for argv, unit in ((["plan", "tiny", "--hbm-budget", "80GB"], "GiB"),
+                       (["plan", "tiny", "--host-ram-gb", "64G"], "GB"),
+                       (["train", "tiny", "--host-ram-gb", "64 GB"], "GB")):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is not a number: write the amount in {unit} without a unit" in err[0], err
