@@ -46,6 +46,7 @@ from pathlib import Path
 from spillway.recipes.train.errors import RunError
 
 LOCK_FILENAME = "run.lock"
+DESCRIBED_COMMAND_CHARS = 300   # of another run's command in an error line; run.lock holds all of it
 _NO_FLOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _ATTEMPTS = 5  # a releasing owner unlinks the file between our open and our flock: try again
 WATCH_SECONDS = 1.0  # how often the holder looks at its lock file
@@ -97,7 +98,7 @@ class LockOwner:
     def this_process(cls) -> LockOwner:
         return cls(pid=os.getpid(), host=socket.gethostname(),
                    started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   command=" ".join(sys.argv)[:300], process_start_ticks=_process_start_ticks(os.getpid()))
+                   command=" ".join(sys.argv), process_start_ticks=_process_start_ticks(os.getpid()))
 
     @classmethod
     def parse(cls, text: str) -> LockOwner | None:
@@ -114,7 +115,11 @@ class LockOwner:
         return json.dumps(dataclasses.asdict(self)) + "\n"
 
     def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host}, started {self.started} ({self.command or 'unknown command'})"
+        command = self.command or "unknown command"
+        if len(command) > DESCRIBED_COMMAND_CHARS:   # an error line stays readable; the record keeps it whole
+            command = (f"{command[:DESCRIBED_COMMAND_CHARS]}... and {len(command) - DESCRIBED_COMMAND_CHARS} "
+                       f"characters more, in full in {LOCK_FILENAME}")
+        return f"pid {self.pid} on host {self.host}, started {self.started} ({command})"
 
     def is_gone(self) -> bool:
         """Whether this owner certainly no longer runs: on this host, its pid is gone or now another process."""

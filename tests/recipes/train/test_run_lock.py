@@ -151,3 +151,17 @@ def test_without_flock_a_live_or_unknowable_owner_is_refused(no_flock, tmp_path,
         write_owner(tmp_path, pid=dead_pid(), host="some-other-host")  # a pid here says nothing about there
     with pytest.raises(RunLockedError, match=rf"if that run is no longer running, delete {tmp_path}/run.lock"):
         RunLock(tmp_path).acquire()
+
+
+def test_a_long_command_is_kept_whole_and_its_cut_in_an_error_line_is_said(tmp_path, monkeypatch):
+    """The record cut another run's command at 300 characters without a word: a recipe's many --set flags
+    were lost past it. The record keeps it whole; the error line cuts it and says where the rest is."""
+    long_argv = ["spillway", "train", "tiny", *(f"--set=train.option_{i}={i}" for i in range(40))]
+    monkeypatch.setattr(sys, "argv", long_argv)
+    with RunLock(tmp_path):
+        record = LockOwner.parse((tmp_path / run_lock.LOCK_FILENAME).read_text())
+        assert record.command == " ".join(long_argv)
+        described = record.describe()
+    assert " ".join(long_argv)[:run_lock.DESCRIBED_COMMAND_CHARS] in described
+    assert f"... and {len(' '.join(long_argv)) - run_lock.DESCRIBED_COMMAND_CHARS} characters more" in described
+    assert described.endswith(f"in full in {run_lock.LOCK_FILENAME})")
