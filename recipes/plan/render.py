@@ -146,7 +146,11 @@ def render_search(p: Plan) -> list[str]:
     unit = "tokens" if axis == "seq_len" else "sequences"
     lines = [f"  search: largest {axis} that fits, per plan (multiples of {search['step']} {unit}, "
              f"cap {search['cap']})"]
-    header = f"  {'plan':36s} {'settings':44s} {axis:>10s}  {'compiles':>8s} {'seconds':>8s}  notes"
+    # columns as wide as their longest entry: a recipe's activation plan or split placement outgrew fixed widths
+    plan_width = max([len("plan"), *(len(r["activations"]) for r in search["results"])])
+    settings_width = max([len("settings"), *(len(Candidate.from_dict(r).placement_label) for r in search["results"])])
+    header = (f"  {'plan':{plan_width}s} {'settings':{settings_width}s} {axis:>10s}  {'compiles':>8s} "
+              f"{'seconds':>8s}  notes")
     lines += [header, "  " + "-" * (len(header) - 2)]
     best_baseline = max((r["best"] or 0 for r in search["results"]
                          if Candidate.from_dict(r).no_offload), default=0)
@@ -166,7 +170,7 @@ def render_search(p: Plan) -> list[str]:
             notes.append("no offload")
         elif best_baseline and r["best"]:
             notes.append(f"{r['best'] / best_baseline:.1f}x the best without offload")
-        lines.append(f"  {r['activations']:36s} {Candidate.from_dict(r).placement_label:44s} "
+        lines.append(f"  {r['activations']:{plan_width}s} {Candidate.from_dict(r).placement_label:{settings_width}s} "
                      f"{'none' if r['best'] is None else r['best']:>10} {r['compiles']:8d} {r['seconds']:8.1f}  "
                      + "; ".join(notes))
     return lines

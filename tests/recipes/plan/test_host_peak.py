@@ -206,6 +206,28 @@ def test_the_search_table_says_which_plans_had_their_offload_dropped():
     assert not any("offload dropped" in line for line in lines if line.lstrip().startswith("recompute_all"))
 
 
+def test_the_search_tables_columns_line_up_whatever_the_labels_length():
+    """A new user's finding: the --search table's columns were 36 and 44 characters wide, so a longer activation
+    plan or split placement pushed that row's figures out from under their header."""
+    from types import SimpleNamespace
+
+    from spillway.recipes.plan.render import render_search
+
+    short = Candidate.of("recompute_all", "device")
+    long = Candidate.of("save_qkv_offload_mlp:12,offload_dots:20,recompute_all", "host:7",
+                        params="host:3", params_keep=2)
+    results = [{**c.to_dict(), "best": best, "at_cap": False, "resolved": True, "errors": [], "compiles": 3,
+                "seconds": 1.5} for c, best in ((short, 2048), (long, 16384))]
+    lines = render_search(SimpleNamespace(rows=[], search={"axis": "seq_len", "step": 64, "cap": 32768,
+                                                           "results": results}))
+    header = next(line for line in lines if "settings" in line)
+    figures_end = header.index("seq_len") + len("seq_len")
+    rows = [line for line in lines if "recompute_all" in line]
+    assert len(rows) == 2
+    for line, best in zip(rows, ("2048", "16384")):
+        assert line[:figures_end].endswith(best), (header, line)
+
+
 def test_a_shape_the_compiler_rejects_in_every_plan_stops_the_plan_in_one_line():
     """A new user's finding: d_model 72 made every compile fail with XLA's "Couldn't find output tile sizes",
     42 candidates and five minutes on, then "no plan fits". The same error in a whole stage stops it."""
