@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from spillway.layers.residency import host_layers, is_param_split
 from spillway.recipes.config import DataConfig, Recipe
 
 
@@ -19,6 +20,14 @@ def _chat_settings_unread(data: DataConfig) -> list[str]:
             if getattr(data, name) != getattr(defaults, name)]
 
 
+def placement_said(setting: str, num_layers: int) -> str:
+    """An offload placement as the run's first line says it: a split with the layers it comes to, since a
+    fraction rounds (host:0.01 of 32 layers is one layer, 3%, not 1%)."""
+    if not is_param_split(setting):
+        return setting
+    return f"{setting} (the last {host_layers(setting, num_layers)} of {num_layers} block layers)"
+
+
 def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
     from spillway.data import load_tokenizer
@@ -28,7 +37,10 @@ def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
 
     block = f", block {recipe.block}" if recipe.block else ""   # a user's block, named where the run starts
     say(f"recipe {recipe.name} ({recipe.family}{block}): {recipe.num_params() / 1e6:.2f}M parameters, "
-        f"activations: {recipe.offload.activations}, optimizer state: {recipe.offload.optimizer_state}")
+        f"activations: {recipe.offload.activations}, "
+        f"optimizer state: {placement_said(recipe.offload.optimizer_state, recipe.model.num_layers)}"
+        + ("" if recipe.offload.params == "device" else
+           f", weights: {placement_said(recipe.offload.params, recipe.model.num_layers)}"))
     if recipe.lora.enabled:
         say(lora_state.trained_summary(recipe))
     if (unread_source := mixture_replaces(recipe)) is not None:

@@ -157,3 +157,28 @@ def test_the_pinned_bytes_and_the_byte_model_count_only_the_host_layers():
     assert counted["host:1"] * LAYERS == counted[f"host:{LAYERS}"] and counted["host:2"] == 2 * counted["host:1"]
     half = small_recipe("offload.optimizer_state=host:1", "optimizer.moment_dtype=bfloat16")
     assert 2 * step_lib.pinned_host_bytes(half, one_device()).optimizer_state == counted["host:1"]
+
+
+def test_the_runs_first_line_says_how_many_layers_a_split_comes_to():
+    """A new user's finding: `host:0.01` put one layer of the tiny recipe's two (half the state) on host, and
+    the run's first line said only "optimizer state: host:0.01". A split now names its layers; the weights'
+    placement is said where it is not the device."""
+    from spillway.recipes.train.run_data import prepare_run_data
+
+    said = []
+
+    class Stop(Exception):
+        pass
+
+    def say(line):
+        said.append(line)
+        raise Stop   # the first line is all this test reads; nothing is prepared
+    for settings, expected in (
+            (["offload.optimizer_state=host:0.01"], "optimizer state: host:0.01 (the last 1 of 2 block layers)"),
+            (["offload.optimizer_state=host:2", "offload.params=host:2"],
+             "optimizer state: host:2 (the last 2 of 2 block layers), weights: host:2 (the last 2 of 2 block layers)"),
+            (["offload.optimizer_state=host"], "optimizer state: host")):
+        recipe = get_recipe("tiny", ["model.num_layers=2", *settings])
+        with pytest.raises(Stop):
+            prepare_run_data(recipe, None, None, say)
+        assert said.pop().endswith(expected)
