@@ -522,6 +522,22 @@ def to_hf(model, directory: str | os.PathLike, dtype: Any = None, *, config_name
     return directory
 
 
+def config_refusal(model_config) -> str | None:
+    """Why no config.json holds a model of `model_config` (its family's config_to_hf refuses it: a Gemma 3
+    with a cap, a non-integer query_pre_attn_scalar), or None. A family with no Hugging Face table: None, as
+    to_hf names that itself. Asked before the weights are written, and where a run starts."""
+    from spillway.models.registry import family_of_config
+
+    family = family_of_config(model_config)
+    if family.hf is None:
+        return None
+    try:
+        family.hf.config_to_hf(model_config)
+    except HFCheckpointError as refusal:
+        return str(refusal)
+    return None
+
+
 def _check_the_familys_own_blocks(model, family) -> None:
     """HFCheckpointError for a model built with a block class of its own (a user's block): the weights would
     load into the family's own layers in transformers, a different network. A block with no parameters of its

@@ -482,12 +482,11 @@ def merged_state(recipe: Recipe, params):
 def _refuse_a_model_no_config_holds(recipe: Recipe) -> None:
     """Builds the config.json the merged export writes (models/hf.py to_hf) from the recipe alone, so that the
     family's refusal of a model no config.json holds (a Gemma 3 with a cap) comes before any file is written."""
-    from spillway.models.registry import family_of_config
+    from spillway.models.hf import HFCheckpointError, config_refusal
 
-    model = recipe.without_adapters().model
-    family = family_of_config(model)
-    if family.hf is not None:   # none: to_hf says so, by name
-        family.hf.config_to_hf(model)
+    refusal = config_refusal(recipe.without_adapters().model)
+    if refusal is not None:
+        raise HFCheckpointError(refusal)
 
 
 def write_merged(recipe: Recipe, params, out: Path, dtype: str | None = None, config_name: str = CONFIG) -> None:

@@ -31,6 +31,7 @@ def placement_said(setting: str, num_layers: int) -> str:
 def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
     """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
     from spillway.data import load_tokenizer
+    from spillway.models.hf import config_refusal
     from spillway.recipes.train import lora_state
     from spillway.recipes.train.data_pipeline import end_of_turn_warning, prepare, source_notes_of
     from spillway.recipes.train.tokenization_record import describe_kept_bos
@@ -43,6 +44,9 @@ def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
            f", weights: {placement_said(recipe.offload.params, recipe.model.num_layers)}"))
     if recipe.lora.enabled:
         say(lora_state.trained_summary(recipe))
+    if (refusal := config_refusal(recipe.without_adapters().model)) is not None:
+        say(f"warning: spillway export will refuse this model, so the run cannot become a Hugging Face folder: "
+            f"{refusal.rstrip('.')}. Its checkpoints, resume and spillway generate are unaffected")
     if (unread_source := mixture_replaces(recipe)) is not None:
         say(f"warning: data.mixture is set, so data.source={unread_source} is not read (a mixture replaces "
             f"it; list that source in the mixture to train on it)")

@@ -182,3 +182,28 @@ def test_the_runs_first_line_says_how_many_layers_a_split_comes_to():
         with pytest.raises(Stop):
             prepare_run_data(recipe, None, None, say)
         assert said.pop().endswith(expected)
+
+
+def test_a_model_export_would_refuse_is_said_where_the_run_starts():
+    """A Gemma 2 trained with a query_pre_attn_scalar of 12.5 was refused by `spillway export` only after the
+    training (transformers' config holds an int); the run's first lines now say so, and a model export takes
+    says nothing."""
+    from spillway.recipes.train.run_data import prepare_run_data
+
+    class Stop(Exception):
+        pass
+
+    def said_before_data(settings):
+        said = []
+
+        def say(line):
+            if line.startswith("data:"):
+                raise Stop   # the lines before the data are all this test reads
+            said.append(line)
+        with pytest.raises(Stop):
+            prepare_run_data(get_recipe("gemma2_tiny", settings), None, None, say)
+        return said
+    (warning,) = [line for line in said_before_data(["model.query_pre_attn_scalar=12.5"]) if "warning" in line]
+    assert warning.startswith("warning: spillway export will refuse this model")
+    assert "model.query_pre_attn_scalar=12.5 is not a whole number" in warning
+    assert not any("warning" in line for line in said_before_data(["model.query_pre_attn_scalar=12"]))
