@@ -330,7 +330,8 @@ def _run_steps(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, fe
             if validation.after_step(state, metrics):
                 progress_log.restart_window()
             stopping.after_step(state.step)
-            saving.after_step(state, metrics, stopping=stopping.requested)
+            if saving.after_step(state, metrics, stopping=stopping.requested):
+                stopping.after_save(state.step)
             bar.update(1)
             if stopping.leave(state.step, checkpointer, write):
                 break

@@ -183,6 +183,12 @@ class Stopping:
         self.leave_early = (self._stop_after is not None and step - self._first_step >= self._stop_after
                             and step < self._last_step)
 
+    def after_save(self, step: int) -> None:
+        """A signal that came during the save of `step` stops the run there (the save holds it), rather than
+        after one more step and another save; not at the last step, which the run finishes as it is."""
+        if not self.requested and step < self._last_step:
+            self.status = self._group_stop.poll_now()
+
     @property
     def requested(self) -> bool:
         return bool(self.status) or self.leave_early
@@ -220,10 +226,13 @@ class Saving:
     def due(self, step: int, *, stopping: bool) -> bool:
         return step % self._recipe.checkpoint.every_steps == 0 or step == self._recipe.train.steps or stopping
 
-    def after_step(self, state: RunState, metrics: dict, *, stopping: bool) -> None:
-        if self.due(state.step, stopping=stopping):
-            state.settle()
-            self.save(state, metrics)
+    def after_step(self, state: RunState, metrics: dict, *, stopping: bool) -> bool:
+        """Saves the step if one is due; whether it did."""
+        if not self.due(state.step, stopping=stopping):
+            return False
+        state.settle()
+        self.save(state, metrics)
+        return True
 
     def save(self, state: RunState, metrics: dict | None) -> None:
         """Saves `state` unless its weights are diverged: then NonFiniteLossError, nothing saved."""

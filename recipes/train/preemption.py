@@ -87,3 +87,14 @@ class GroupStop:
         agreed = int(self._cast) if self._cast is not None else 0
         self._cast = self._vote.cast(self._signals.exit_status)
         return agreed
+
+    def poll_now(self) -> int:
+        """As poll(), but answering for a signal that came up to now, not a step earlier: every process waits
+        for the vote (and the one still pending). Called where all processes already wait together, after a
+        save's blocking part: a signal during that save stops the run at the step just saved, where poll()
+        would train one more step and save again."""
+        if self._vote is None:
+            return self._signals.exit_status
+        pending = int(self._cast) if self._cast is not None else 0
+        self._cast = None
+        return max(pending, int(self._vote.cast(self._signals.exit_status)))

@@ -91,6 +91,28 @@ def test_stop_after_saves_the_step_it_stops_at_and_the_next_call_resumes(data_ca
     assert metric_steps(run_dir) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_sigterm_during_a_save_stops_the_run_at_the_step_saved(data_cache, tmp_path, monkeypatch):
+    """A scheduler's SIGTERM that came while step 2 was being saved trained step 3 and saved it too before
+    leaving: one step and one save more inside the grace period. The run now leaves at the step it saved."""
+    import os
+    import signal
+
+    from spillway.recipes.train.checkpoint import RunCheckpointer
+
+    saving = RunCheckpointer.save
+
+    def save_then_terminated(self, step, **items):
+        saving(self, step, **items)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)   # delivered before the save returns to the loop
+    monkeypatch.setattr(RunCheckpointer, "save", save_then_terminated)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        stub_train(micro(data_cache, run_dir, "train.steps=6", "checkpoint.every_steps=2"))
+    assert stop.value.code == 143
+    assert saved_steps(run_dir) == [2] and metric_steps(run_dir) == [1, 2]
+
+
 def test_a_failed_async_save_stops_the_run_at_that_save(data_cache, tmp_path, monkeypatch):
     def disk_full(path, text):
         raise OSError(28, "No space left on device")

@@ -97,3 +97,16 @@ def test_the_stop_vote_is_the_largest_value_replicated(shape):
     result = vote.cast(SIGINT_EXIT_STATUS)
     assert int(result) == SIGINT_EXIT_STATUS and result.sharding.is_fully_replicated
     assert np.asarray(result).shape == ()
+
+
+def test_a_vote_taken_now_answers_for_a_signal_poll_would_answer_a_step_later():
+    """Several processes: poll() reads the vote cast a step earlier; poll_now(), called after a save where the
+    processes wait together anyway, answers for a signal that came during it."""
+    from types import SimpleNamespace
+
+    signals = SimpleNamespace(exit_status=0)
+    group = GroupStop(signals, make_mesh(MeshConfig(1, 8, 1)))
+    group._vote = StopVote(make_mesh(MeshConfig(1, 8, 1)))   # as with jax.process_count() > 1
+    assert group.poll() == 0
+    signals.exit_status = SIGTERM_EXIT_STATUS   # during the save that follows the step
+    assert group.poll_now() == SIGTERM_EXIT_STATUS
