@@ -184,7 +184,10 @@ class RunLogger:
             return
         if self._jsonl is None:
             self._open()
-        self._jsonl.write(_metrics_line(row))
+        try:
+            self._jsonl.write(_metrics_line(row))
+        except OSError as error:   # a full disk: the file's own write names no file; the saved steps are intact
+            raise OSError(error.errno, error.strerror, str(self.metrics_path)) from None
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, float) and math.isfinite(value):

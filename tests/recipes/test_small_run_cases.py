@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import warnings
 
@@ -70,6 +71,21 @@ def test_metrics_jsonl_is_strict_json_and_reads_a_value_that_was_not_finite_back
     resumed.log(2, {"loss": 2.0})
     resumed.close()
     assert (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0] == line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_under_metrics_jsonl_is_one_line_naming_the_file(tmp_path):
+    """A disk that filled while a row was written was "No space left on device" naming no file (a text
+    file's write has none): the run's line now names metrics.jsonl."""
+    logger = RunLogger(tmp_path / "run", start_step=0, tensorboard=False)
+    logger.log(1, {"loss": 2.5})
+    logger._jsonl.close()
+    logger._jsonl = open("/dev/full", "a", buffering=1)   # every write: ENOSPC, as a full disk answers
+    with pytest.raises(OSError) as full:
+        logger.log(2, {"loss": 2.0})
+    message, status = cli.describe_error(full.value)
+    assert status == cli.EXIT_USER_ERROR and "\n" not in message
+    assert message.startswith(f"{tmp_path / 'run' / 'metrics.jsonl'}: No space left on device")
 
 
 def test_rows_after_the_resumed_step_are_dropped_only_once_a_step_replaces_them(tmp_path):
