@@ -31,15 +31,17 @@ data/local_files.py names a folder's splits): local `.jsonl` files (also
 compressed) line by line (so a bad record is named by file and line),
 `.parquet` files row by row and `.json` files (JSON lines, or one array) record
 by record, each file by itself (a shard may have columns the others lack);
-everything else (`save_to_disk` folders, a `.json` of another shape, Hub
-datasets) through a `datasets` stream (named by record number). Nothing is
-held beyond the record being converted (a `.json` array is read whole).
+`save_to_disk` folders batch by batch from their Arrow table (these two with
+their objects as written, `_as_written`); everything else (a `.json` of
+another shape, Hub datasets) through a `datasets` stream (named by record
+number). Nothing is held beyond the record being converted (a `.json` array
+is read whole).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,14 +335,64 @@ def _parquet_records(path: Path) -> Iterator[Record]:
     try:
         parquet = pq.ParquetFile(path)
         number = 0
-        for batch in parquet.iter_batches():
-            for fields in batch.to_pylist():
-                number += 1
-                yield Record(fields, f"{path}, row {number}")
+        for fields in _arrow_rows(parquet.iter_batches()):
+            number += 1
+            yield Record(fields, f"{path}, row {number}")
     except DataError:
         raise
     except Exception as error:   # not parquet, cut short: pyarrow's error, with the file named
         raise unreadable_corpus("parquet", [path], error) from None
+
+
+def _arrow_rows(batches) -> Iterator[dict]:
+    """The rows of Arrow record batches (a parquet file's, a `save_to_disk` folder's) as the JSON records they
+    were written from, as far as their column types can tell (`_as_written`)."""
+    for batch in batches:
+        readers = [_as_written(field.type) for field in batch.schema]
+        for row in batch.to_pylist():
+            yield {name: read(value) for (name, value), read in zip(row.items(), readers)}
+
+
+def _as_it_is(value):
+    return value
+
+
+def _as_written(arrow_type) -> Callable:
+    """What gives a value of an Arrow column (as pyarrow's `to_pylist` gives it) as the JSON it was written from.
+
+    A struct column has a field for every key any record's object had (pyarrow and `datasets` union them when
+    the file is written), null in each object that lacked it: tool calls whose arguments differ from record to
+    record came back with every argument of every call, and tools with every parameter of every tool, which the
+    template wrote into the trained text. A key a record wrote as JSON null is null in the same way, so no reader
+    of the file can tell the two apart; a struct's null fields are left out, as most are keys the object never
+    had (a null argument is rare: an argument not given is left out, not written as null). Their order is the
+    column's too, which no reader can undo. `datasets`' own answer is its Json feature (`on_mixed_types=
+    "use_json"`, as its json builder reads objects whose keys differ), which keeps each object as its JSON text,
+    in the `arrow.json` extension type: that is read back as the JSON it holds, its nulls and order included
+    (pyarrow gives its text). A map's keys are those the record had, nulls kept. Made once for a batch's schema;
+    a column with no struct, map or JSON inside is taken as it is."""
+    import pyarrow as pa
+
+    if isinstance(arrow_type, pa.JsonType):
+        return lambda value: None if value is None else json.loads(value)
+    if isinstance(arrow_type, pa.ExtensionType):
+        return _as_written(arrow_type.storage_type)
+    if pa.types.is_struct(arrow_type):
+        fields = [(field.name, _as_written(field.type)) for field in arrow_type]
+        return lambda value: None if value is None else {name: read(value[name]) for name, read in fields
+                                                         if value[name] is not None}
+    if pa.types.is_map(arrow_type):   # pyarrow gives its (key, value) pairs
+        read = _as_written(arrow_type.item_type)
+        return lambda value: None if value is None else {key: read(item) for key, item in value}
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list, pa.types.is_list_view,
+             pa.types.is_large_list_view)
+    if any(is_list(arrow_type) for is_list in lists):
+        read = _as_written(arrow_type.value_type)
+        return _as_it_is if read is _as_it_is else (
+            lambda value: None if value is None else [read(item) for item in value])
+    if hasattr(arrow_type, "value_type"):   # a dictionary's (or run-end encoding's) values, each one itself
+        return _as_written(arrow_type.value_type)
+    return _as_it_is
 
 
 def check_not_text_corpus(source: str, data_format: str, split: str = "train") -> None:
@@ -366,8 +418,11 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
             for path in local.files:
                 yield from _file_records(path)
             return
-        # the reader of a text corpus's files: a file that fails is named (its line, its fields)
-        stream = load_local_files(local, True, None if cache_dir is None else str(cache_dir))
+        cache = None if cache_dir is None else str(cache_dir)
+        if local.builder == SAVED:   # its Arrow table read as a parquet file's (_as_written)
+            stream = _arrow_rows(load_local_files(local, False, cache).with_format("arrow").iter(batch_size=1024))
+        else:   # the reader of a text corpus's files: a file that fails is named (its line, its fields)
+            stream = load_local_files(local, True, cache)
     else:
         stream = _hub_records(source, hub, split, cache_dir)
     records = enumerate(stream, start=1)

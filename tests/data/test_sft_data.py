@@ -505,3 +505,40 @@ def test_an_empty_conversation_is_skipped_and_counted_as_one_without_an_answer(t
                               cache_dir=tmp_path / "cache")
     assert (packed.num_documents, packed.no_answer_examples) == (5, 1)
     assert chat_messages(Record({"messages": [], "system": "s"}, "f, line 1")) == [{"role": "system", "content": "s"}]
+
+
+def _tool_calling_records():
+    """Conversations whose calls and tools name different arguments, as every real tool-calling set's do."""
+    def record(name, arguments, properties):
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object",
+                                                                              "properties": properties}}}
+        return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+                                                                 "tool_calls": [call]},
+                             {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}],
+                "tools": [tool]}
+    return [record("get_weather", {"city": "Paris"}, {"city": {"type": "string"}}),
+            record("search", {"query": "x", "limit": 3}, {"query": {"type": "string"}, "limit": {"type": "integer"}}),
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+
+
+def test_tool_calls_read_from_parquet_or_save_to_disk_hold_their_own_arguments_alone(tmp_path):
+    """A new user's finding: written by `datasets` (to_parquet, save_to_disk), objects are Arrow structs of every
+    key any record's had, null where a record had none, so each call came back with every call's arguments
+    (`{"city": "Paris", "query": null, "limit": null}`) and each tool with every parameter, trained as text. And a
+    column `datasets` keeps as JSON text (its Json feature, as its json builder reads objects whose keys differ)
+    was refused as strings. From every form a conversation is what its JSON record gives the template."""
+    import datasets
+
+    originals = _tool_calling_records()
+    expected = [conversation_of(Record(fields, "json"), "chat") for fields in originals]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(fields) + "\n" for fields in originals))
+    structs = datasets.Dataset.from_list(originals)
+    as_json_text = datasets.load_dataset("json", data_files=str(tmp_path / "d.jsonl"), split="train")
+    assert isinstance(as_json_text.features["messages"].feature, datasets.Json)
+    for name, dataset in (("structs", structs), ("json_text", as_json_text)):
+        dataset.to_parquet(str(tmp_path / f"{name}.parquet"))
+        dataset.save_to_disk(str(tmp_path / f"{name}_saved"))
+        for source in (f"{name}.parquet", f"{name}_saved"):
+            assert [conversation_of(record, "chat") for record in iter_records(str(tmp_path / source))] == \
+                expected, source
