@@ -31,11 +31,11 @@ data/local_files.py names a folder's splits): local `.jsonl` files (also
 compressed) line by line (so a bad record is named by file and line),
 `.parquet` files row by row and `.json` files (JSON lines, or one array) record
 by record, each file by itself (a shard may have columns the others lack);
-`save_to_disk` folders batch by batch from their Arrow table (these two with
-their objects as written, `_as_written`); everything else (a `.json` of
-another shape, Hub datasets) through a `datasets` stream (named by record
-number). Nothing is held beyond the record being converted (a `.json` array
-is read whole).
+`save_to_disk` folders and Hub datasets (a `datasets` stream) batch by batch
+from their Arrow tables (these with their objects as written, `_as_written`);
+a `.json` of another shape through a `datasets` stream. The last three are
+named by record number. Nothing is held beyond the record being converted
+and its batch (a `.json` array is read whole).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ SFT_FORMATS = ("chat", "instruct")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "function_call": "assistant", "observation": "tool", "tool": "tool",
                    "function": "tool"}
+# Rows of a `save_to_disk` folder or a Hub dataset read at a time (_arrow_rows): a few MB of conversations.
+ARROW_BATCH_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -420,7 +422,8 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
             return
         cache = None if cache_dir is None else str(cache_dir)
         if local.builder == SAVED:   # its Arrow table read as a parquet file's (_as_written)
-            stream = _arrow_rows(load_local_files(local, False, cache).with_format("arrow").iter(batch_size=1024))
+            stream = _arrow_rows(load_local_files(local, False, cache).with_format("arrow").iter(
+                batch_size=ARROW_BATCH_ROWS))
         else:   # the reader of a text corpus's files: a file that fails is named (its line, its fields)
             stream = load_local_files(local, True, cache)
     else:
@@ -440,14 +443,17 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
 
 
 def _hub_records(source: str, hub, split: str, cache_dir):
-    """A `datasets` stream of a Hub dataset's whole records (every column) of `split`."""
+    """A `datasets` stream of a Hub dataset's whole records (every column) of `split`, read from its Arrow
+    batches as a parquet file's rows are (`_as_written`): a Hub dataset is parquet files, whose rows `datasets`
+    gives with every key of the column's structs."""
     import datasets
 
     try:
-        return datasets.load_dataset(**hub.load_dataset_kwargs(split=split, streaming=True),
-                                     cache_dir=None if cache_dir is None else str(cache_dir))
+        dataset = datasets.load_dataset(**hub.load_dataset_kwargs(split=split, streaming=True),
+                                        cache_dir=None if cache_dir is None else str(cache_dir))
     except Exception as error:
         raise _unreadable_records(source, error) from error
+    return _arrow_rows(dataset.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS))
 
 
 def _unreadable_records(source: str, error: BaseException) -> DataError:

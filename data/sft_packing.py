@@ -67,7 +67,7 @@ OVERLONG_POLICIES = ("truncate", "drop")
 # tokenizer's tool_use template (data/chat_template.py): rows of such records changed. 5: assistant messages of
 # OpenAI's "weight": 0 are not trained (they were). 6: an empty answer after a block the template writes (Qwen3's
 # empty <think> block) trains through its end of turn (it trained nothing), and an answer whose text its reasoning
-# says first trains to its end (it stopped inside the reasoning). 7: objects of Parquet and save_to_disk sources
+# says first trains to its end (it stopped inside the reasoning). 7: objects of Parquet, save_to_disk and Hub sources
 # leave out the null keys Arrow's struct columns gave them (every tool call held every record's arguments), and
 # datasets' Json columns are read as their JSON (they were refused as strings, or written into a tool as one)
 _SFT_PACKING_VERSION = 7

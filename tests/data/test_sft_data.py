@@ -268,13 +268,21 @@ def test_chat_records_with_a_bom_compressed_or_saved_to_disk_are_read(tmp_path):
     assert len(list(iter_records(str(tmp_path / "saved"), split="test_sft"))) == 1
 
 
-def test_a_hub_source_is_read_at_the_split_asked_for(monkeypatch):
+def test_a_hub_source_is_read_at_the_split_asked_for_with_its_tool_calls_as_written(monkeypatch, tmp_path):
+    """A Hub dataset is parquet files, streamed by `datasets` with every key of the column's structs: its tool
+    calls came with every record's arguments, as a local parquet file's did (the test below)."""
     import datasets
 
+    originals = _tool_calling_records()
+    datasets.Dataset.from_list(originals).to_parquet(str(tmp_path / "hub.parquet"))
+    stream = datasets.load_dataset("parquet", data_files=str(tmp_path / "hub.parquet"), split="train", streaming=True)
     asked = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda **kwargs: asked.append(kwargs) or [])
-    assert list(iter_records("hf:owner/chats", split="train_sft")) == []
+    monkeypatch.setattr(datasets, "load_dataset", lambda **kwargs: asked.append(kwargs) or stream)
+    records = list(iter_records("hf:owner/chats", split="train_sft"))
     assert asked[0]["split"] == "train_sft" and asked[0]["path"] == "owner/chats"
+    assert [conversation_of(record, "chat") for record in records] == \
+        [conversation_of(Record(fields, "json"), "chat") for fields in originals]
+    assert records[-1].where == "hf:owner/chats, record 3"
 
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
