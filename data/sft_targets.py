@@ -135,6 +135,12 @@ def _check_rendered(template: ChatTemplate, messages: list[dict], text: str, whe
             probe = [*messages[:index], {**message, "content": _PROBE}, *messages[index + 1:]]
             if _PROBE in _render(template, probe, where, tools=tools).text:
                 continue
+            calls = _call_names(message) if message["role"] == "assistant" else []
+            if calls and all(name in text for name in calls):   # the turn is written: its call, not its text
+                raise DataError(f"record {where}: the chat template {template.origin} writes message {index}'s tool "
+                                f"call but not the text beside it (it writes a tool-calling turn as the call alone, "
+                                f"as Llama 3.1's does), so that text would not be trained; leave it out of the "
+                                f"record's tool-calling turns, or give data.chat_template a template that writes it")
             shorter = _shorter_conversation_writing(template, messages, index, tools)
             if shorter is not None:
                 raise DataError(f"record {where}: the chat template {template.origin} leaves message {index} (role "

@@ -323,6 +323,23 @@ def test_a_misspelled_variable_or_an_empty_template_is_not_called_an_unknown_rol
         answer_spans(resolve_chat_template(str(empty), None, {"eos_token": "</s>"}), messages, {"</s>": 2}, "f:1")
 
 
+def test_a_tool_calling_turn_whose_text_the_template_leaves_out_is_not_called_an_unknown_role(tmp_path):
+    """A new user's finding: Llama 3.1's template writes an assistant turn that has tool_calls as its call alone, so
+    a record with text beside the call ("Let me look that up.") was refused as a role the template does not know
+    or a misspelled variable, though the template writes the turn: the line now says what the template does."""
+    from spillway.data.sft_targets import answer_spans
+
+    llama31 = tmp_path / "llama31.jinja"   # its rule for an assistant turn, as Llama-3.1-Instruct publishes it
+    llama31.write_text("{% for m in messages %}{% if 'tool_calls' in m %}{{ '{\"name\": \"' + "
+                       "m.tool_calls[0].function.name + '\"}' }}{% else %}{{ m.content }}{% endif %}</s>{% endfor %}")
+    messages = [dict(message) for message in TOOL_CONVERSATION]
+    messages[1]["content"] = "Let me look that up."
+    with pytest.raises(DataError, match=r"^record f:1: the chat template .*llama31.jinja writes message 1's tool "
+                                        r"call but not the text beside it .*; leave it out of the record's "
+                                        r"tool-calling turns, or give data.chat_template a template that writes it$"):
+        answer_spans(resolve_chat_template(str(llama31), None, {"eos_token": "</s>"}), messages, {"</s>": 2}, "f:1")
+
+
 def test_a_message_the_template_writes_only_in_a_shorter_conversation_is_not_called_an_unknown_role(tmp_path):
     """A new user's finding: Mistral v0.3's template writes the system message into the last user turn alone, so a
     conversation ending with an answer renders without it. It was refused as a role the template does not know or
