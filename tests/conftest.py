@@ -19,6 +19,8 @@ The planner's compile cache (recipes/plan/compile_cache.py) is off for the sessi
 (SPILLWAY_PLAN_CACHE=0): tests count their compiles, and must not read or fill
 the user's ~/.cache/spillway; the cache's own tests turn it on in a tmp folder.
 
+SIGINT ignored by the shell that started the suite is made Ctrl-C again (below).
+
 SPILLWAY_TEST_COMPILE_LOG=<prefix> logs each test's wall time beside its JAX tracing, lowering and
 XLA compiling (tests/compile_time_log.py), to find where the suite's time goes.
 
@@ -29,11 +31,18 @@ the Python 3.11 environment, and CI selects them there by this marker.
 
 import os
 import shutil
+import signal
 import tempfile
 
 from fast_compile_flags import with_fast_compile_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Ctrl-C as a terminal gives it, however the suite was started: a suite started in the background by a shell
+# without job control (`nohup make test &`, a script's `&`) inherits SIGINT ignored, and its processes, as the
+# runs they start, rightly keep it ignored (recipes/train/preemption.py), so a test that sends a child Ctrl-C
+# waited for an answer that never came (a run of the default suite hung there for good).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # A program is written to the cache only if it took this long to compile: below it, writing costs more than a
 # later compile would.
 _COMPILE_CACHE_FROM_S = "0.2"
