@@ -327,6 +327,12 @@ class Tokenizer(abc.ABC):
             kept.update({f"{CHAT_TEMPLATE_DIR}/{path.name}": path.read_bytes()
                          for path in named_template_files(beside)})
         path = self.save(directory / self.file_name)
+        # A tokenizer file of another kind left there (a run folder's earlier attempt, killed before its first
+        # step, with data.tokenizer a tokenizer.json) is the one tokenizer_file_in reads first: a resume then
+        # tokenized with it, or failed on this tokenizer's EOS. The folder holds this tokenizer alone.
+        for name in TOKENIZER_FILES:
+            if name != self.file_name and (directory / name).is_file():
+                (directory / name).unlink()
         for name, data in kept.items():
             (directory / name).parent.mkdir(exist_ok=True)
             atomic_write_bytes(directory / name, data)

@@ -184,3 +184,13 @@ def test_a_saved_copy_keeps_what_transformers_reads_beside_the_tokenizer(bpe, tm
     assert saved["add_bos_token"] is False   # this tokenizer's own choice still wins
     for name in ("special_tokens_map.json", "chat_template.jinja"):   # whichever transformers wrote
         assert (tmp_path / "run" / name).is_file() == (source / name).is_file()
+
+
+def test_a_tokenizer_saved_over_one_of_another_kind_is_the_one_read_back(hf_dir, tokenizer, tmp_path):
+    # A run folder whose first attempt (data.tokenizer a tokenizer.json) was killed before its first step, then
+    # trained with a sentencepiece model: the resume read the stale tokenizer.json, which a directory offers first.
+    run = tmp_path / "run"
+    load_tokenizer(hf_dir).save_to_directory(run)
+    tokenizer.save_to_directory(run)
+    assert not (run / "tokenizer.json").exists()
+    assert load_tokenizer(run).fingerprint == tokenizer.fingerprint
