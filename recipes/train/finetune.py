@@ -49,6 +49,31 @@ def check_not_its_own_source(recipe: Recipe) -> None:
                           f"fine-tune from it, set checkpoint.dir to a new folder")
 
 
+def keep_started_source(recipe: Recipe, saved_recipe_json: str) -> Recipe:
+    """A fine-tune resumed without naming checkpoint.init_from again (its steps hold the whole model, so the
+    source may be gone) keeps the source and the tokenizer its saved recipe names: without them, data.tokenizer
+    (its copy of the source's tokenizer) was unset and the resume refused as a change of tokenizer, advising to
+    fine-tune with checkpoint.init_from. A recipe that names a source, or a run that started without one, is
+    returned as it is."""
+    import json
+
+    if recipe.checkpoint.init_from:
+        return recipe
+    try:
+        saved = json.loads(saved_recipe_json)
+    except json.JSONDecodeError:
+        return recipe   # the restore says the step is corrupt
+    checkpoint = (saved.get("checkpoint") or {}) if isinstance(saved, dict) else {}
+    source, tokenizer = checkpoint.get("init_from"), (saved.get("data") or {}).get("tokenizer")
+    if not isinstance(source, str):
+        return recipe
+    data = recipe.data
+    if data.tokenizer is None and isinstance(tokenizer, str):
+        data = dataclasses.replace(data, tokenizer=tokenizer)
+    return dataclasses.replace(recipe, data=data, checkpoint=dataclasses.replace(
+        recipe.checkpoint, init_from=source, init_from_origin=checkpoint.get("init_from_origin")))
+
+
 def source_tokenizer_path(init_from: str) -> Path | None:
     """The tokenizer file (tokenizer.json or tokenizer.model) of the spillway run a checkpoint is in, else None."""
     source_run = run_dir_of(resolve_step_dir(init_from))

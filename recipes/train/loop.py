@@ -229,14 +229,19 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say, named_base: s
     from spillway.recipes.train import lora_state
     from spillway.recipes.train.checkpoint import CorruptCheckpointError
     from spillway.recipes.train.corpus_record import check_corpus
-    from spillway.recipes.train.finetune import with_source_tokenizer
+    from spillway.recipes.train.finetune import keep_started_source, with_source_tokenizer
     from spillway.recipes.train.init_weights import hf_checkpoint_dir
     from spillway.recipes.train.resume import steps_to_try
     from spillway.recipes.train.tokenization_record import kept_tokenizer_file, recorded_bos
 
+    resuming = recipe.train.resume and bool(checkpointer.all_steps())
+    if resuming and not recipe.checkpoint.init_from:   # a fine-tune resumed without naming its source again
+        try:
+            recipe = keep_started_source(recipe, checkpointer.read_recipe_json(checkpointer.all_steps()[-1]))
+        except CorruptCheckpointError:
+            pass   # a step without its recipe: the restore sets it aside and tries the one before
     if recipe.checkpoint.init_from and hf_checkpoint_dir(recipe.checkpoint.init_from) is None:
-        recipe = with_source_tokenizer(recipe, run_dir, resuming=recipe.train.resume and bool(checkpointer.all_steps()),
-                                       say=say)
+        recipe = with_source_tokenizer(recipe, run_dir, resuming=resuming, say=say)
     candidates = steps_to_try(checkpointer, recipe)  # a recipe that cannot resume fails here, before data
     if candidates and recipe.lora.enabled:   # a LoRA run's adapters resume only on their own base
         try:

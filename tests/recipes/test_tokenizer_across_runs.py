@@ -56,6 +56,29 @@ def test_finetune_keeps_a_tokenizer_json_and_its_special_tokens(cache_dir, tmp_p
     assert result.final_step == 3 and result.tokenizer.fingerprint == tuned.fingerprint
 
 
+def test_a_fine_tune_resumed_without_naming_its_source_again_keeps_it(tmp_path):
+    """A fine-tune's recipe names its copy of the source's tokenizer; resumed without checkpoint.init_from (its
+    steps hold the whole model), data.tokenizer was unset and the resume refused as a change of tokenizer, with
+    advice to fine-tune with checkpoint.init_from. The run's folder is laid out by hand here: no training."""
+    import jax.numpy as jnp
+
+    from spillway.recipes.train.loop import _before_data
+
+    tuned = tmp_path / "tuned"
+    write_hf_tokenizer(tuned)   # its copy of the source's tokenizer
+    started = micro(tmp_path / "cache", tuned, f"checkpoint.init_from={tmp_path / 'source'}",
+                    f"data.tokenizer={tuned / 'tokenizer.json'}")
+    with RunCheckpointer(tuned / "checkpoints", keep=1, every_steps=1, async_save=False) as checkpointer:
+        checkpointer.save(2, params={"w": jnp.zeros(2)}, opt_state={"m": jnp.zeros(2)}, loader_state={},
+                          meta={"step": 2}, recipe_json=started.to_json(), force=True)
+        said = []
+        recipe, candidates, own_tokenizer, _, _ = _before_data(micro(tmp_path / "cache", tuned), tuned,
+                                                               checkpointer, said.append)
+    assert candidates == [2] and own_tokenizer == tuned / "tokenizer.json"
+    assert recipe.checkpoint.init_from == str(tmp_path / "source")   # kept: its next steps name it too
+    assert recipe.data.tokenizer == str(tuned / "tokenizer.json")
+
+
 # -- a resumed run and its corpus ---------------------------------------------------------------------
 
 
