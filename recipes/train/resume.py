@@ -215,6 +215,7 @@ def compare_recipes(saved: dict, new: dict, *, where: str) -> dict[str, list]:
     field (in recipe order) that must match; `where` (the step folder) leads the
     message.
     """
+    _check_init_from_not_added(saved, new, where)
     saved_flat = _flatten(_as_json_values(saved))
     new_flat = _flatten(_as_json_values(new))
     missing = object()
@@ -239,6 +240,17 @@ def compare_recipes(saved: dict, new: dict, *, where: str) -> dict[str, list]:
             f"order (train.seed), global batch and optimizer state layout; to change them, train into another "
             f"checkpoint.dir ({_fine_tune_from_it(saved)}).")
     return changed
+
+
+def _check_init_from_not_added(saved: dict, new: dict, where: str) -> None:
+    """checkpoint.init_from named on a run that started without one: its steps are resumed and init_from never read.
+    It was refused as a change of data.tokenizer (the fine-tune's tokenizer copy), which the user had not set."""
+    named = (new.get("checkpoint") or {}).get("init_from")
+    if named and not (saved.get("checkpoint") or {}).get("init_from"):
+        raise RecipeMismatchError(
+            f"{where}: cannot resume: checkpoint.init_from is {named!r}, but this run started without it and a rerun "
+            f"resumes its own steps, never reading init_from; leave checkpoint.init_from unset to continue this run, "
+            f"or train into another checkpoint.dir to fine-tune from {named}")
 
 
 def _fine_tune_from_it(saved: dict) -> str:

@@ -159,3 +159,17 @@ def test_a_mixture_written_another_way_resumes_a_reordered_or_reweighted_one_doe
     for other in ("code=0.3:/data/code,web=0.7:/data/web", "web=0.6:/data/web,code=0.4:/data/code"):
         with pytest.raises(RecipeMismatchError, match="data.mixture"):
             compare_recipes(saved, recipe(other), where="s")
+
+
+def test_init_from_named_on_a_run_that_started_without_it_is_refused_naming_it():
+    """A run trained from scratch, rerun with checkpoint.init_from: it resumes its own steps and never reads
+    init_from, and it was refused naming data.tokenizer (the fine-tune's tokenizer copy), which the user never set."""
+    with pytest.raises(RecipeMismatchError) as excinfo:
+        compare_recipes(tiny(), tiny("checkpoint.init_from=/runs/other"), where="x")
+    message = str(excinfo.value)
+    assert message.startswith("x: cannot resume: checkpoint.init_from is '/runs/other', but this run started "
+                              "without it")
+    assert "another checkpoint.dir to fine-tune from /runs/other" in message and "\n" not in message
+    # a fine-tune's source named at another place is a change, as before
+    assert compare_recipes(tiny("checkpoint.init_from=/a"), tiny("checkpoint.init_from=/b"), where="x") == {
+        "checkpoint.init_from": ["/a", "/b"]}
