@@ -9,7 +9,9 @@ spillway runs, models/hf.py `load_hf_weights` for Hugging Face), so no host
 ever holds a whole replicated copy.
 
 A spillway run of another family is refused in one line naming both families
-(its saved recipe says which), before anything is built. A Hugging Face
+(its saved recipe says which), before anything is built; one of another
+model, every model field that differs, as a Hugging Face checkpoint's
+config.json is held against the recipe below. A Hugging Face
 checkpoint is checked against the recipe before anything is built
 (`resolve_init_from`; its tensors' names and shapes by `check_hf_tensors`,
 from the safetensors headers, no data read): its config.json is read as a family config
@@ -85,20 +87,32 @@ def check_model_matches(recipe: Recipe, directory: Path):
         raise FileNotFoundError(f"{where}: {error}") from None
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
-    may_differ = () if recipe.decoder_spec().learned_positions else POSITION_RANGE_FIELDS
-    differing = [field.name for field in dataclasses.fields(recipe.model) if field.name not in may_differ
-                 and getattr(recipe.model, field.name) != getattr(checkpoint_model, field.name)
-                 and _effective(recipe.model, field.name) != _effective(checkpoint_model, field.name)]
+    differing = _differing_model_fields(recipe, checkpoint_model)
     if differing:
         _check_weights_agree_with_their_config(recipe, directory, family, checkpoint_model, where)
-        # Every field at once, with the flags that match it: one at a time took a user four runs.
-        what = ", ".join(f"model.{name} (recipe {_effective(recipe.model, name)!r}, checkpoint "
-                         f"{_effective(checkpoint_model, name)!r})" for name in differing)
-        flags = " ".join(flag for name in differing for flag in _set_flags(f"model.{name}",
-                                                                          _effective(checkpoint_model, name)))
+        what, flags = _model_differences(recipe, checkpoint_model, differing, "checkpoint")
         raise ValueError(f"{where}: recipe {recipe.name!r} differs from the checkpoint's config.json in {what}; "
                          f"match it with {flags}, or pick the recipe of this checkpoint")
     return checkpoint_model
+
+
+def _differing_model_fields(recipe: Recipe, source_model) -> list[str]:
+    """The model fields in which the recipe's model and the one the weights were trained as differ, but for those
+    that only bound the positions a run feeds (the module docstring)."""
+    may_differ = () if recipe.decoder_spec().learned_positions else POSITION_RANGE_FIELDS
+    return [field.name for field in dataclasses.fields(recipe.model) if field.name not in may_differ
+            and getattr(recipe.model, field.name) != getattr(source_model, field.name)
+            and _effective(recipe.model, field.name) != _effective(source_model, field.name)]
+
+
+def _model_differences(recipe: Recipe, source_model, differing: list[str], source: str) -> tuple[str, str]:
+    """(the differing fields with both values, the --set flags that match the source): every field at once, with
+    the flags that match it: one at a time took a user four runs."""
+    what = ", ".join(f"model.{name} (recipe {_effective(recipe.model, name)!r}, {source} "
+                     f"{_effective(source_model, name)!r})" for name in differing)
+    flags = " ".join(flag for name in differing for flag in _set_flags(f"model.{name}",
+                                                                      _effective(source_model, name)))
+    return what, flags
 
 
 def _check_weights_agree_with_their_config(recipe: Recipe, directory: Path, family, checkpoint_model,
@@ -170,6 +184,20 @@ def check_source_run_family(recipe: Recipe, init_from: str) -> None:
                          f"the adapters alone (its base is {(saved.get('checkpoint') or {}).get('init_from')}): "
                          f"export it merged (spillway export {init_from} DIR) and fine-tune from "
                          f"checkpoint.init_from=hf:DIR")
+    # Another shape (or another function of the same weights): the restore named every misshapen array after the
+    # data was prepared, and nothing of which setting to change. As for an hf: checkpoint, every field is named.
+    if not isinstance(saved, dict):
+        return
+    try:
+        source_model = Recipe.from_dict(saved).model
+    except (ValueError, TypeError):
+        return   # a recipe this version cannot read: the restore says what does not match
+    differing = _differing_model_fields(recipe, source_model)
+    if differing:
+        what, flags = _model_differences(recipe, source_model, differing, "that run")
+        raise ValueError(f"checkpoint.init_from={init_from}: recipe {recipe.name!r} differs from the model that run "
+                         f"trained in {what}; a fine-tune starts from its weights as they are: match it with "
+                         f"{flags}, or train without checkpoint.init_from")
 
 
 def check_hf_tensors(recipe: Recipe) -> None:

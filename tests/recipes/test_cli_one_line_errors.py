@@ -103,6 +103,21 @@ def test_finetuning_a_run_of_a_users_block_with_the_block_unset_is_refused(tmp_p
     assert "data:" not in out
 
 
+def test_finetuning_a_run_of_another_shape_names_the_model_fields_before_the_data(tmp_path, capsys):
+    """A fine-tune of a tiny run with model.num_layers=2 prepared the data, then failed restoring, naming each of
+    nine misshapen arrays and no setting to change."""
+    source = tmp_path / "runs" / "tiny"
+    saved_source_run(source, get_recipe("tiny").to_json())
+    status, err, out = run_cli("tiny", "--set", f"checkpoint.init_from={source}", "--set", "model.num_layers=2",
+                               "--set", "model.max_seq_len=256",   # bounds the positions alone: may differ
+                               "--set", f"checkpoint.dir={tmp_path / 'runs' / 'ft'}", capsys=capsys)
+    assert status == 2
+    assert err == [f"spillway train: error: checkpoint.init_from={source}: recipe 'tiny' differs from the model that "
+                   f"run trained in model.num_layers (recipe 2, that run 4); a fine-tune starts from its weights as "
+                   f"they are: match it with --set model.num_layers=4, or train without checkpoint.init_from"]
+    assert "data:" not in out
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The micro recipe's model exported as a Hugging Face folder, with a tokenizer.json."""
