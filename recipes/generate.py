@@ -27,7 +27,7 @@ from spillway.recipes.train.base_generation import base_stop_ids
 from spillway.recipes.config import Recipe
 from spillway.recipes.readable_step import restore_readable
 from spillway.recipes.sampling import generate
-from spillway.recipes.train.chat_prompt import chat_prompt
+from spillway.recipes.train.chat_prompt import chat_prompt, text_prompt
 
 def _tokens(count: int) -> str:
     return f"{count} token" if count == 1 else f"{count} tokens"
@@ -81,8 +81,7 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     if chat is not None:   # the chat template writes the BOS itself where the tokenizer starts documents with one
         prompt_ids, stop_ids = chat_prompt(run_dir, recipe, tokenizer, chat)
     else:   # a prompt starts as the documents the model trained on did: with the BOS, if they had one
-        prefix = tokenizer.document_prefix()
-        prompt_ids = prefix + tokenizer.encode([prompt])[0] or [tokenizer.eos_id]
+        prefix, prompt_ids = text_prompt(tokenizer, prompt)
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:
         raise ValueError(f"the prompt is {_tokens(len(prompt_ids))}; the model's max_seq_len is "

@@ -1,8 +1,10 @@
-"""The prompt of one user message under a run's chat template, and the tokens that end the answer.
+"""The prompt of one user message under a run's chat template, and the tokens that end the answer; the prompt
+of a text to continue.
 
 `spillway generate --chat` (recipes/generate.py) and a chat or instruct run's closing sample
 (recipes/train/loop.py) render the message the same way: the template saved in the run directory (its
-tokenizer_config.json or chat_template.jinja), else the recipe's data.chat_template.
+tokenizer_config.json or chat_template.jinja), else the recipe's data.chat_template. `spillway generate
+--prompt` and a text run's closing sample start a text as `text_prompt` says.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple
     messages = [{"role": "user", "content": message}]
     return (prompt_tokens(template, tokenizer, messages, special_token_texts(tokenizer)),
             _end_of_turn(template, tokenizer))
+
+
+def text_prompt(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """(the ids put before the text, which the printed sample leaves out; the prompt ids) of a text to continue:
+    it starts as the run's documents did, with the BOS if they had one. An empty text (or one of no tokens)
+    without a BOS starts after an EOS, as every document after the first did; that EOS is put before the text
+    too, so it is not printed as text (a tokenizer.json's, GPT-2's and Qwen's, printed '<|endoftext|>')."""
+    prefix, text_ids = tokenizer.document_prefix(), tokenizer.encode([text])[0]
+    if not prefix and not text_ids:
+        prefix = [tokenizer.eos_id]
+    return prefix, prefix + text_ids
 
 
 def end_of_turn_in_run(run_dir: Path, tokenizer) -> list[int]:

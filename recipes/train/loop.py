@@ -380,14 +380,13 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
         say(f"sample: none in a run of {jax.process_count()} processes; one process samples the saved step: "
             f"spillway generate {run_dir}")
     elif main and cfg.sample_tokens > 0:
+        from spillway.recipes.train.chat_prompt import chat_prompt, text_prompt
         chat = recipe.data.format != "text"
         if chat:   # a chat/instruct run answers train.sample_prompt as a user's message
-            from spillway.recipes.train.chat_prompt import chat_prompt
             prefix, (prompt_ids, stop_ids) = [], chat_prompt(run_dir, recipe, tokenizer, cfg.sample_prompt)
             heading = f"sample (the answer to {cfg.sample_prompt!r}, through the chat template):"
         else:   # a prompt starts as the documents the model trained on did: with the BOS, if they had one
-            prefix, stop_ids, heading = tokenizer.document_prefix(), (), "sample:"
-            prompt_ids = prefix + tokenizer.encode([cfg.sample_prompt])[0] or [tokenizer.eos_id]
+            (prefix, prompt_ids), stop_ids, heading = text_prompt(tokenizer, cfg.sample_prompt), (), "sample:"
         room = recipe.model.max_seq_len - len(prompt_ids)
         if room <= 0:
             say(f"sample: none, train.sample_prompt is {len(prompt_ids)} tokens and model.max_seq_len "
