@@ -76,12 +76,11 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     ckpt, recipe, params = restore_readable(path, ckpt, target_of, warn)
     model = nnx.merge(built["graphdef"], params)
     tokenizer = run_tokenizer(run_dir)   # a prompt starts as the run's documents did
-    stop_ids = ()
     prefix: list[int] = []
     if chat is not None:   # the chat template writes the BOS itself where the tokenizer starts documents with one
         prompt_ids, stop_ids = chat_prompt(run_dir, recipe, tokenizer, chat)
     else:   # a prompt starts as the documents the model trained on did: with the BOS, if they had one
-        prefix, prompt_ids = text_prompt(tokenizer, prompt)
+        prefix, prompt_ids, stop_ids = text_prompt(run_dir, tokenizer, prompt)
     room = recipe.model.max_seq_len - len(prompt_ids)
     if room <= 0:
         raise ValueError(f"the prompt is {_tokens(len(prompt_ids))}; the model's max_seq_len is "

@@ -35,15 +35,22 @@ def chat_prompt(run_dir: Path, recipe: Recipe, tokenizer, message: str) -> tuple
             _end_of_turn(template, tokenizer))
 
 
-def text_prompt(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """(the ids put before the text, which the printed sample leaves out; the prompt ids) of a text to continue:
-    it starts as the run's documents did, with the BOS if they had one. An empty text (or one of no tokens)
-    without a BOS starts after an EOS, as every document after the first did; that EOS is put before the text
-    too, so it is not printed as text (a tokenizer.json's, GPT-2's and Qwen's, printed '<|endoftext|>')."""
+def text_prompt(run_dir: Path, tokenizer, text: str) -> tuple[list[int], list[int], list[int]]:
+    """(the ids put before the text, which the printed sample leaves out; the prompt ids; the ids it stops at) of
+    a text to continue. It starts as the run's documents did, with the BOS if they had one. An empty text (or
+    one of no tokens) without a BOS starts after an EOS, as every document after the first did; that EOS is put
+    before the text too, so it is not printed as text (a tokenizer.json's, GPT-2's and Qwen's, printed
+    '<|endoftext|>'). It stops where the run's export stops (its generation_config.json lists the end of turn
+    of the chat template saved in the run): transformers' generate() on the export stopped at a chat run's
+    <|im_end|> and this ran on past it."""
     prefix, text_ids = tokenizer.document_prefix(), tokenizer.encode([text])[0]
     if not prefix and not text_ids:
         prefix = [tokenizer.eos_id]
-    return prefix, prefix + text_ids
+    try:
+        stop_ids = end_of_turn_in_run(run_dir, tokenizer)
+    except Exception:   # noqa: BLE001 - as the export leaves it out: a template kept from a base, never rendered
+        stop_ids = [tokenizer.eos_id]
+    return prefix, prefix + text_ids, stop_ids
 
 
 def end_of_turn_in_run(run_dir: Path, tokenizer) -> list[int]:

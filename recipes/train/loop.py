@@ -386,7 +386,7 @@ def _finish(recipe: Recipe, run_dir: Path, s: TrainSetup, state: RunState, logge
             prefix, (prompt_ids, stop_ids) = [], chat_prompt(run_dir, recipe, tokenizer, cfg.sample_prompt)
             heading = f"sample (the answer to {cfg.sample_prompt!r}, through the chat template):"
         else:   # a prompt starts as the documents the model trained on did: with the BOS, if they had one
-            (prefix, prompt_ids), stop_ids, heading = text_prompt(tokenizer, cfg.sample_prompt), (), "sample:"
+            (prefix, prompt_ids, stop_ids), heading = text_prompt(run_dir, tokenizer, cfg.sample_prompt), "sample:"
         room = recipe.model.max_seq_len - len(prompt_ids)
         if room <= 0:
             say(f"sample: none, train.sample_prompt is {len(prompt_ids)} tokens and model.max_seq_len "

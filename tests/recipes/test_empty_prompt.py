@@ -15,12 +15,13 @@ from spillway.recipes.train.loop import train
 
 
 def test_an_empty_text_starts_after_an_eos_kept_out_of_the_text(tmp_path):
-    tokenizer = load_tokenizer(write_hf_tokenizer(tmp_path / "tokenizer"))   # no BOS put first
+    folder = write_hf_tokenizer(tmp_path / "tokenizer")
+    tokenizer = load_tokenizer(folder)   # no BOS put first
     eos = tokenizer.eos_id
-    assert text_prompt(tokenizer, "") == ([eos], [eos])
-    assert text_prompt(tokenizer, "def ") == ([], tokenizer.encode(["def "])[0])
+    assert text_prompt(folder, tokenizer, "") == ([eos], [eos], [eos])
+    assert text_prompt(folder, tokenizer, "def ") == ([], tokenizer.encode(["def "])[0], [eos])
     with_bos = tokenizer.with_bos(True)
-    assert text_prompt(with_bos, "") == ([with_bos.bos_id], [with_bos.bos_id])
+    assert text_prompt(folder, with_bos, "")[:2] == ([with_bos.bos_id], [with_bos.bos_id])
 
 
 @pytest.mark.slow  # one micro run: about 30 s on 2 busy cores

@@ -24,15 +24,16 @@ def copy_stdlib_corpus(folder: Path, max_bytes: int = 400_000) -> Path:
     return folder
 
 
-def write_hf_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
-    """A byte-level BPE tokenizer.json (trained here) and the tokenizer_config.json naming its EOS and BOS."""
+def write_hf_tokenizer(directory: Path, vocab_size: int = 300, other_specials: tuple[str, ...] = ()) -> Path:
+    """A byte-level BPE tokenizer.json (trained here) and the tokenizer_config.json naming its EOS and BOS;
+    `other_specials` are special tokens after them (a chat template's markers)."""
     from spillway.data import default_corpus_files
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, BOS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, BOS, *other_specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     texts = [path.read_text(encoding="utf-8", errors="replace") for path in default_corpus_files(100_000)]
     tokenizer.train_from_iterator(texts, trainer)
