@@ -44,8 +44,8 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     from spillway.recipes.train.tokenization_record import require_tokenizer_copy, run_tokenizer
 
     warn = warn or (lambda line: print(line, file=sys.stderr))
-    if path.startswith("hf:") and is_hf_checkpoint_folder(Path(path[3:])):   # as train's init_from spells it
-        path = path[3:]
+    if path.startswith("hf:") and not Path(path).exists() and Path(path[3:]).expanduser().exists():
+        path = path[3:]   # as train's init_from spells a folder: said "hf:DIR does not exist" of a run's DIR
     path = Path(path).expanduser()   # a quoted `~/run` as export and init_from read it
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist{steps_beside(path)}")

@@ -1,7 +1,8 @@
 """A run's folder met where something else was expected, or missing a part: what a new user is told.
 
 * a step that is not there (removed by the run's retention, or a typo) lists the steps that are, for
-  `generate`, `export` and a fine-tune's `checkpoint.init_from`;
+  `generate`, `export` and a fine-tune's `checkpoint.init_from`; a run named as `hf:` names a folder
+  (`generate hf:runs/tiny`) is found, where "hf:runs/tiny does not exist" was said of it;
 * a run's folder (or a Hugging Face folder) given where a recipe goes (`spillway train runs/tiny`) was
   "unknown recipe 'runs/tiny'; did you mean 'tiny'?", which sent users to another run: it names the recipe file
   the run trained with;
@@ -73,6 +74,14 @@ def test_a_quoted_home_path_is_read_as_the_shell_reads_it(tmp_path, monkeypatch)
     fake_run(tmp_path / "run", tokenizer=False)
     with pytest.raises(RunError, match="copy of its tokenizer is gone"):   # found: past the path checks
         generate_from_checkpoint("~/run/checkpoints/4", "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
+
+
+def test_a_run_named_as_hf_names_a_folder_is_found(tmp_path, monkeypatch):
+    fake_run(tmp_path / "run", tokenizer=False)
+    monkeypatch.chdir(tmp_path)
+    for named in (f"hf:{tmp_path / 'run'}", "hf:run", "hf:run/checkpoints/4"):
+        with pytest.raises(RunError, match="copy of its tokenizer is gone"):   # found: past the path checks
+            generate_from_checkpoint(named, "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
 
 
 @pytest.mark.parametrize("command", ["recipes", "train", "plan", "prepare"])
