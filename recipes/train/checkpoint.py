@@ -9,6 +9,7 @@ A checkpoint directory (`<run>/checkpoints` in a training run, written here as
     <ckpt>/<step>/meta/metadata         JSON: step, seed, tokens seen, ...
     <ckpt>/<step>/recipe/recipe.json    the resolved recipe, verbatim: `cat` it
     <ckpt>/<step>.<reason>/             a step set aside (corrupt, diverged, abandoned): orbax ignores it
+    <ckpt>/.deleting/<step>/            an old step retention is removing (recipes/train/deleted_steps.py)
 
 Orbax does the hard parts and this file leans on them:
 
@@ -90,6 +91,7 @@ from spillway.recipes.train.checkpoint_items import (CHECKPOINTS_DIRNAME, LOADER
                                                      CheckpointMismatchError, CorruptCheckpointError,
                                                      _cause, _item_handlers, _TextFileHandler, _TextRestore,
                                                      _TextSave)
+from spillway.recipes.train.deleted_steps import DELETING_DIRNAME, Reclaimer, remove_now
 from spillway.recipes.train.row_pieces import from_pieces
 from spillway.recipes.train.checkpoint_restore import (_as_restore_target, _restore_step_dir,
                                                        read_recipe_json, restore_params_only)
@@ -155,6 +157,7 @@ class RunCheckpointer:
         self._async_save = async_save
         self._save_in_pieces = save_in_pieces
         self._remove_unfinished_saves()
+        self._reclaimer = Reclaimer(self.directory)
         self._manager = self._open_manager()
         self._step_in_flight: int | None = None
         self._failure_reported = False
@@ -177,6 +180,9 @@ class RunCheckpointer:
             # save_in_pieces switch, a look at latest_step) left it running, deleting in this directory beside
             # the next manager's saves
             cleanup_tmp_directories=False,
+            # an old step is renamed aside in one step and removed by deleted_steps.py: deleted in place, a kill
+            # meanwhile left it half deleted under its step's name
+            todelete_subdir=DELETING_DIRNAME,
             create=True,
         )
         try:
@@ -195,6 +201,7 @@ class RunCheckpointer:
                     shutil.rmtree(folder)
                 except OSError as e:
                     raise CheckpointError(f"{folder}: cannot remove this unfinished save: {_cause(e)}") from e
+            remove_now(self.directory)   # old steps a kill stopped removing (deleted_steps.py)
         _sync_processes("spillway-remove-unfinished-saves")
 
     @property
@@ -368,6 +375,7 @@ class RunCheckpointer:
             self._manager.wait_until_finished()
         except Exception as e:
             raise self._failed_save_error(step, e) from e
+        self._reclaimer.start()   # the steps that save's retention moved aside
 
     # -- restore
 
@@ -418,6 +426,8 @@ class RunCheckpointer:
         self._closed = True
         try:
             self.wait()
+            self._reclaimer.join()
+            remove_now(self.directory)   # no save runs now: what is left, and the folder, go
         finally:
             try:
                 self._manager.close()

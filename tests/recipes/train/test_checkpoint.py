@@ -158,6 +158,27 @@ def test_keep_removes_older_steps(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["15", "20"]
 
 
+def test_retention_moves_a_step_aside_whole_and_what_a_kill_left_there_goes_at_the_next_open(tmp_path, monkeypatch):
+    """Orbax deleted an old step in place: a SIGKILL meanwhile left `<step>` half deleted under its step's name.
+    Now it is renamed into .deleting in one step and removed there; a kill before that removal (emulated: the
+    removal does nothing) leaves it only there, never listed as a step, and the next open removes it."""
+    from spillway.recipes.train import deleted_steps
+
+    params, opt_state = make_state(mesh_of((2, 4)))
+    monkeypatch.setattr(deleted_steps, "_remove", lambda steps: None)
+    with RunCheckpointer(tmp_path, keep=1, every_steps=5) as ckpt:
+        for step in (5, 10, 15):
+            save_step(ckpt, step, params, opt_state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [15]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".deleting", "15"]
+    assert sorted(p.name for p in (tmp_path / ".deleting").iterdir()) == ["10", "5"]
+    monkeypatch.undo()
+    with RunCheckpointer(tmp_path, keep=1, every_steps=5) as ckpt:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["15"]
+        assert ckpt.all_steps() == [15] and ckpt.latest_step() == 15
+
+
 def test_save_policy_every_steps_force_and_repeats(tmp_path):
     params, opt_state = make_state(mesh_of((2, 4)))
     with RunCheckpointer(tmp_path, keep=5, every_steps=10, async_save=False) as ckpt:
