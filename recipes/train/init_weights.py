@@ -48,7 +48,8 @@ from spillway.data import tokenizer_file_in
 from spillway.models.hf import family_config_from_hf, is_hf_checkpoint_folder, load_hf_weights, read_hf_config
 from spillway.models.registry import get_family
 from spillway.recipes.config import Recipe
-from spillway.recipes.train.checkpoint import CheckpointError, read_recipe_json, restore_params_only
+from spillway.recipes.train.checkpoint import (CheckpointError, read_recipe_json, resolve_step_dir,
+                                               restore_params_only)
 from spillway.recipes.train.resume import resumes_from_own_step
 
 HF_PREFIX = "hf:"
@@ -239,6 +240,10 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
         if init_from:
             check_source_run_family(recipe, init_from)
         return recipe
+    if _is_spillway_run(directory):   # read as a Hugging Face folder, it was "no config.json ... copy it there"
+        raise ValueError(f"checkpoint.init_from={init_from!r} names a spillway run, not a Hugging Face checkpoint "
+                         f"(hf: is for a folder of config.json and *.safetensors): write "
+                         f"checkpoint.init_from={init_from[len(HF_PREFIX):].strip()}")
     if not directory.exists() and resumes_from_own_step(recipe) and tokenizer_file_in(recipe.run_dir):
         say(f"note: checkpoint.init_from=hf:{directory} is not there; this run resumes from a step of its own, "
             f"which holds the whole model, with the tokenizer copy in its run folder")
@@ -261,6 +266,17 @@ def resolve_init_from(recipe: Recipe, say=print) -> Recipe:
         instead = "" if named is None else f", instead of data.tokenizer {named!r}, which does not exist"
         say(f"tokenizer: {found} (the checkpoint's{instead})")
     return _named_checkpoint_tokenizer(recipe, directory)
+
+
+def _is_spillway_run(directory: Path) -> bool:
+    """Whether `directory` is a spillway run, its checkpoints folder or a step folder, and no Hugging Face one."""
+    if not directory.is_dir() or is_hf_checkpoint_folder(directory):
+        return False
+    try:
+        resolve_step_dir(directory)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _warn_if_not_the_checkpoints_tokenizer(named: str, directory: Path, say) -> None:
