@@ -180,6 +180,8 @@ def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | N
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
     from spillway.recipes.train.tokenization_record import require_tokenizer_copy
 
+    if path.startswith("hf:") and not Path(path).exists() and Path(path[3:]).expanduser().exists():
+        path = path[3:]   # as train's init_from spells a folder: said "hf:DIR: no such checkpoint directory"
     step_dir = resolve_step_dir(path)
     recipe = saved_recipe(step_dir)
     if adapter and not recipe.lora.enabled:

@@ -2,7 +2,7 @@
 
 * a step that is not there (removed by the run's retention, or a typo) lists the steps that are, for
   `generate`, `export` and a fine-tune's `checkpoint.init_from`; a run named as `hf:` names a folder
-  (`generate hf:runs/tiny`) is found, where "hf:runs/tiny does not exist" was said of it,
+  (`generate hf:runs/tiny`, `export hf:runs/tiny`) is found, where "hf:runs/tiny does not exist" was said of it,
   and `checkpoint.init_from=hf:runs/tiny` says to drop the prefix, where it asked for the run's config.json;
 * a run's folder (or a Hugging Face folder) given where a recipe goes (`spillway train runs/tiny`) was
   "unknown recipe 'runs/tiny'; did you mean 'tiny'?", which sent users to another run: it names the recipe file
@@ -83,6 +83,9 @@ def test_a_run_named_as_hf_names_a_folder_is_found(tmp_path, monkeypatch):
     for named in (f"hf:{tmp_path / 'run'}", "hf:run", "hf:run/checkpoints/4"):
         with pytest.raises(RunError, match="copy of its tokenizer is gone"):   # found: past the path checks
             generate_from_checkpoint(named, "x", max_new_tokens=1, temperature=0.0, top_p=1.0)
+        with pytest.raises(RunError, match="copy of its tokenizer is gone"):   # export: "hf:run: no such directory"
+            export_run(named, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_fine_tune_from_a_run_named_as_hf_says_to_drop_the_prefix(tmp_path, capsys, monkeypatch):
