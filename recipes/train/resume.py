@@ -17,6 +17,8 @@ with the step it resumes from, field by field:
   logging, evaluation, sampling, checkpoint cadence, the mesh and the offload
   plan (they change where numbers live, not the numbers), the attention kernel,
   the auxiliary-loss coefficients (`aux_loss`). Each change is returned, and the train loop records it in history.jsonl.
+  One that moves the learning rate at the resumed step (a longer train.steps stretches the schedule) is said
+  with that rate before and after (`learning_rate_change`).
 
 Fields are matched by their dotted path, most specific rule first; a field no
 rule names (one added to the recipe later) must match until someone decides
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +47,7 @@ from typing import Any
 
 from spillway.data.loader import DamagedLoaderState
 from spillway.recipes.config import Recipe
+from spillway.recipes.optim.schedule import make_schedule
 from spillway.recipes.train import distributed
 from spillway.recipes.train.checkpoint import CheckpointError, CorruptCheckpointError, RunCheckpointer
 from spillway.recipes.train.checkpoint_dirs import finalised_step_dirs
@@ -53,6 +57,9 @@ from spillway.recipes.train.errors import RunError
 from spillway.recipes.train.metrics import NonFiniteLossError
 
 HISTORY_FILENAME = "history.jsonl"
+
+# The fields the learning-rate schedule is made of (recipes/optim/schedule.py; its length is train.steps).
+_SCHEDULE_FIELDS = ("optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.min_lr_ratio", "train.steps")
 
 MUST_MATCH = "must match"
 MAY_CHANGE = "may change"
@@ -259,6 +266,26 @@ def _fine_tune_from_it(saved: dict) -> str:
         return "a LoRA run's steps hold its adapters alone: export it merged, and fine-tune from the export with " \
                "checkpoint.init_from=hf:DIR"
     return "fine-tune from this run with checkpoint.init_from"
+
+
+def learning_rate_change(recipe: Recipe, changed: dict[str, list], step: int) -> str:
+    """'; learning rate at step N: BEFORE -> AFTER (...)' where the settings changed since the saved step move the
+    schedule at the step the run resumes from; "" where they leave it as it was, but for rounding. The schedule
+    runs over train.steps, so raising it on a finished run stretches the cosine decay, and the learning rate
+    jumps back up: "train.steps: 20 -> 40" alone did not say so."""
+    if not any(field in changed for field in _SCHEDULE_FIELDS):
+        return ""
+    saved_optimizer = dataclasses.replace(recipe.optimizer, **{field.removeprefix("optimizer."): changed[field][0]
+                                                               for field in _SCHEDULE_FIELDS if field in changed
+                                                               and field.startswith("optimizer.")})
+    saved_train = dataclasses.replace(recipe.train, steps=changed.get("train.steps", [recipe.train.steps])[0])
+    saved = dataclasses.replace(recipe, optimizer=saved_optimizer, train=saved_train)
+    before = float(make_schedule(saved.optimizer, saved.schedule_steps)(step))
+    after = float(make_schedule(recipe.optimizer, recipe.schedule_steps)(step))
+    if math.isclose(before, after, rel_tol=1e-3):
+        return ""
+    return (f"; learning rate at step {step}: {before:.3g} -> {after:.3g} (warmup, then cosine decay to "
+            f"the end of train.steps)")
 
 
 def record_history(run_dir: str | os.PathLike, event: str, *, step: int, changed: dict | None = None,

@@ -94,7 +94,7 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
     the adapters (recipes/train/lora_state.py)."""
     from spillway.recipes.train import lora_state
     from spillway.recipes.train.init_weights import load_init_weights
-    from spillway.recipes.train.resume import record_history, restore_for_resume
+    from spillway.recipes.train.resume import learning_rate_change, record_history, restore_for_resume
 
     recipe = s.recipe
     # A run whose weights come from elsewhere builds none (loop.py: setup(initialise=False)): its params are
@@ -141,6 +141,7 @@ def initial_state(s: TrainSetup, programs: StepPrograms, feed: BatchFeed, checkp
     opt_state = resumed.opt_state
     feed.restore(resumed.loader_state)
     changes = "".join(f"; {field}: {before} -> {after}" for field, (before, after) in resumed.changed.items())
+    changes += learning_rate_change(recipe, resumed.changed, step)   # a longer train.steps moves it
     say(f"resumed from {checkpointer.step_dir(resumed.step)} at step {step}{changes}")
     if main:
         record_history(run_dir, "resume", step=step, changed=resumed.changed, set_aside=resumed.set_aside)

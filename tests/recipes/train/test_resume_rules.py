@@ -9,7 +9,7 @@ import pytest
 from spillway.recipes.config import Recipe
 from spillway.recipes.registry import get_recipe
 from spillway.recipes.train.resume import (MAY_CHANGE, MUST_MATCH, RecipeMismatchError, compare_recipes,
-                                           read_history, record_history, resume_rule)
+                                           learning_rate_change, read_history, record_history, resume_rule)
 
 
 def tiny(*overrides) -> dict:
@@ -173,3 +173,19 @@ def test_init_from_named_on_a_run_that_started_without_it_is_refused_naming_it()
     # a fine-tune's source named at another place is a change, as before
     assert compare_recipes(tiny("checkpoint.init_from=/a"), tiny("checkpoint.init_from=/b"), where="x") == {
         "checkpoint.init_from": ["/a", "/b"]}
+
+
+def test_a_resume_that_moves_the_learning_rate_says_from_what_to_what():
+    """20 -> 40 steps on a finished run stretches the cosine decay: its learning rate jumps from the end value
+    (10% of the peak) back up, where the resume line said only "train.steps: 20 -> 40"."""
+    recipe = get_recipe("tiny", ["optimizer.warmup_steps=5", "train.steps=40"])
+    line = learning_rate_change(recipe, {"train.steps": [20, 40]}, step=20)
+    assert line.startswith("; learning rate at step 20: 0.0003 -> 0.00195 (")
+    longer_peak = get_recipe("tiny", ["optimizer.warmup_steps=5", "optimizer.learning_rate=6e-3"])
+    assert "0.0003 -> 0.0006" in learning_rate_change(longer_peak, {"optimizer.learning_rate": [3e-3, 6e-3]}, 500)
+
+
+def test_a_resume_that_leaves_the_learning_rate_where_it_was_says_nothing_of_it():
+    assert learning_rate_change(get_recipe("tiny"), {"train.log_every": [10, 1]}, step=20) == ""
+    within_warmup = get_recipe("tiny", ["optimizer.warmup_steps=5", "train.steps=400"])   # the same ramp
+    assert learning_rate_change(within_warmup, {"train.steps": [200, 400]}, step=3) == ""
