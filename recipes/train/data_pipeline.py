@@ -197,25 +197,30 @@ def save_run_tokenizer(tokenizer: Tokenizer, run_dir: Path, recipe: Recipe) -> N
         write_templates(Path(run_dir), template.all_named, template.special_tokens)
 
 
-def _check_validation_rows(recipe: Recipe, data: TrainingData) -> None:
-    """A validation set smaller than one global batch would give no evaluation at all: say so before training."""
+def _check_validation_rows(recipe: Recipe, data: TrainingData, resuming: bool = False) -> None:
+    """A validation set smaller than one global batch would give no evaluation at all: say so before training.
+    A resume refuses another data.val_fraction or global batch, so there only train.eval_every=0 is advised."""
     if not recipe.train.eval_every:
         return
     for name, rows in data.validation_sets().items():
         if len(rows) < recipe.train.global_batch:
             where = f"data.mixture source {name!r}" if data.is_mixture else f"data.source {recipe.data.source!r}"
+            fix = (f"a resume keeps data.val_fraction ({recipe.data.val_fraction}) and the global batch, so set "
+                   f"train.eval_every=0 (or train into another checkpoint.dir with a larger data.val_fraction)"
+                   if resuming else f"raise data.val_fraction (now {recipe.data.val_fraction}) or set "
+                   f"train.eval_every=0")
             raise DataError(f"{where}: {len(rows)} validation rows, fewer than one global batch "
-                            f"({recipe.train.global_batch} rows), so it cannot be evaluated: raise data.val_fraction "
-                            f"(now {recipe.data.val_fraction}) or set train.eval_every=0")
+                            f"({recipe.train.global_batch} rows), so it cannot be evaluated: {fix}")
 
 
 def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
-            bos: bool | None = None) -> tuple[Tokenizer, TrainingData]:
+            bos: bool | None = None, resuming: bool = False) -> tuple[Tokenizer, TrainingData]:
     """Tokenizer and packed rows for the recipe, computed once per cache key.
 
     `tokenizer`: the one a resumed run trained with (its RUN_DIR copy), used instead of `data.tokenizer` or
     training one. `bos`: whether a BOS starts each document, as a resumed run started (else `data.add_bos`,
-    else as the tokenizer's family does: data/tokenizer.py)."""
+    else as the tokenizer's family does: data/tokenizer.py). `resuming`: the run resumes a step of its own, which
+    keeps its data settings."""
     given = tokenizer
     cfg = recipe.data
     components = parse_mixture(cfg.mixture) if cfg.mixture else None
@@ -249,7 +254,7 @@ def prepare(recipe: Recipe, tokenizer: Tokenizer | None = None,
             data = TrainingData(_each_source(components, cfg.format,
                                              lambda source: prepare_tokens(source, tokenizer, **options)),
                                 {c.name: c.weight / total for c in components})
-        _check_validation_rows(recipe, data)
+        _check_validation_rows(recipe, data, resuming)
         return tokenizer, data
 
     if distributed.is_main_process():

@@ -196,7 +196,7 @@ def _train_owned(recipe: Recipe, run_dir: Path, checkpointer, lock: RunLock, pro
     recipe, candidates, own_tokenizer, kept_bos, record_corpus_now = _before_data(recipe, run_dir, checkpointer,
                                                                                   say, named_base)
     mesh = _host_checks(recipe, checkpointer, host_ram_gb, say)
-    tokenizer, data = prepare_run_data(recipe, own_tokenizer, kept_bos, say)
+    tokenizer, data = prepare_run_data(recipe, own_tokenizer, kept_bos, say, resuming=bool(candidates))
     s = _build_setup(recipe, mesh, say, initialise=not weights_from_elsewhere(recipe, candidates))
     # Loss masks, example ids and positions of fine-tuning rows (or of text with data.document_mask).
     as_batch = functools.partial(batch_from_rows, document_mask=recipe.data.uses_document_mask,

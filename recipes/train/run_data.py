@@ -28,8 +28,9 @@ def placement_said(setting: str, num_layers: int) -> str:
     return f"{setting} (the last {host_layers(setting, num_layers)} of {num_layers} block layers)"
 
 
-def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
-    """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them."""
+def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say, resuming: bool = False):
+    """(tokenizer, data_pipeline.TrainingData), with what the run is saying about them; `resuming`: the run
+    resumes a step of its own."""
     from spillway.data import load_tokenizer
     from spillway.models.hf import config_refusal
     from spillway.recipes.train import lora_state
@@ -62,7 +63,7 @@ def prepare_run_data(recipe: Recipe, own_tokenizer, kept_bos, say):
         say(line)
     t0 = time.perf_counter()
     tokenizer, data = prepare(recipe, load_tokenizer(own_tokenizer) if own_tokenizer is not None else None,
-                              bos=kept_bos)
+                              bos=kept_bos, resuming=resuming)
     if kept_bos is not None and (line := describe_kept_bos(tokenizer, kept_bos, recipe.data.add_bos)):
         say(line)
     if recipe.data.format != "text" and (line := end_of_turn_warning(recipe, tokenizer)):

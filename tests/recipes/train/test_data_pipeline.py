@@ -54,6 +54,17 @@ def test_a_source_too_small_to_validate_is_one_error_naming_it(prose, tmp_path):
         prepare(recipe)
 
 
+def test_a_resume_too_small_to_validate_is_told_what_a_resume_accepts(tmp_path):
+    """A resume (its corpus edited since, or train.eval_every raised) was told to raise data.val_fraction, which
+    the resume then refused: it keeps the validation split and the global batch."""
+    recipe = small(tmp_path, "data.source=builtin:stdlib:200000", "data.val_fraction=0.01", "train.global_batch=64")
+    with pytest.raises(DataError, match=r"fewer than one global batch \(64 rows\), so it cannot be evaluated: a "
+                                        r"resume keeps data.val_fraction \(0.01\) and the global batch, so set "
+                                        r"train.eval_every=0 \(or train into another checkpoint.dir") as refused:
+        prepare(recipe, resuming=True)
+    assert "raise data.val_fraction" not in str(refused.value)
+
+
 def test_a_mixture_source_that_cannot_be_read_is_named_with_the_format_every_source_shares():
     """A chat source beside text ones was told 'set data.format=text', which the chat source then failed."""
     import pytest
