@@ -68,6 +68,7 @@ class Record:
 
     fields: dict
     where: str   # "FILE, line N" or "SOURCE, record N"
+    from_arrow: bool = False   # read from Arrow columns (`_as_written`), which leave an object's null fields out
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,10 @@ def chat_messages(record: Record) -> list[dict]:
         field = "messages" if "messages" in fields else "conversations"
         raise DataError(f"data.format=chat: record {record.where}: \"{field}\" holds {_json_kind(raw)}, not a list "
                         f"of turns (a JSON string of the list? store the list itself)")
+    if record.from_arrow and any(isinstance(message, dict) and text_key in message for message in raw):
+        # the messages' column holds the text field, so a message without it wrote null there (_as_written left
+        # it out): put back, a null content is named as one, not as "fields found: role"
+        raw = [{text_key: None, **message} if isinstance(message, dict) else message for message in raw]
     messages = [_message(record, index, message, role_key, text_key, sharegpt) for index, message in enumerate(raw)]
     return _with_system(record, messages)
 
@@ -339,7 +344,7 @@ def _parquet_records(path: Path) -> Iterator[Record]:
         number = 0
         for fields in _arrow_rows(parquet.iter_batches()):
             number += 1
-            yield Record(fields, f"{path}, row {number}")
+            yield Record(fields, f"{path}, row {number}", from_arrow=True)
     except DataError:
         raise
     except Exception as error:   # not parquet, cut short: pyarrow's error, with the file named
@@ -439,7 +444,7 @@ def iter_records(source: str, *, split: str = "train", cache_dir: str | Path | N
         except Exception as error:   # a stream fails as it is read
             raise (_unreadable_records(source, error) if hub is not None else
                    unreadable_corpus(local.builder, local.files, error)) from error
-        yield Record(dict(fields), f"{source}, record {number}")
+        yield Record(dict(fields), f"{source}, record {number}", from_arrow=hub is not None or local.builder == SAVED)
 
 
 def _hub_records(source: str, hub, split: str, cache_dir):

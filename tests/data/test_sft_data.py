@@ -136,6 +136,25 @@ def test_a_chat_message_that_is_not_role_and_content_strings_says_what_it_is(mes
         chat_messages(Record({"messages": [{"role": "user", "content": "hi"}, message]}, "f, line 2"))
 
 
+def test_a_null_content_read_from_parquet_is_named_as_in_json_lines(tmp_path):
+    """Reading Arrow leaves a struct's null fields out (`_as_written`), so a Parquet record's null content said
+    "fields found: role", where the same record in JSON lines says which null is read where."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    pq.write_table(pa.Table.from_pylist([{"messages": conversation}]), tmp_path / "chat.parquet")
+    [record] = iter_records(str(tmp_path / "chat.parquet"))
+    with pytest.raises(DataError, match=r'message 1: needs string "role" and "content" \(fields found: content, '
+                                        r'role; "content" is null\): a null "content" is read only beside a '
+                                        r'non-empty "tool_calls"'):
+        chat_messages(record)
+    called = {**conversation[1], "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    pq.write_table(pa.Table.from_pylist([{"messages": [conversation[0], called]}]), tmp_path / "call.parquet")
+    [record] = iter_records(str(tmp_path / "call.parquet"))
+    assert chat_messages(record)[1] == {"role": "assistant", "content": None, "tool_calls": called["tool_calls"]}
+
+
 @pytest.mark.parametrize("raw, says", [
     ('[{"role": "user", "content": "hi"}]', r'"messages" holds a string, not a list of turns \(a JSON '
                                             r'string of the list\? store the list itself\)'),
