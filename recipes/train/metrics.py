@@ -8,7 +8,11 @@ writes; other processes log nothing.
 A run that resumes from step K (after a kill, possibly during a save, so K can
 be older than the last step logged) first drops the rows after K from
 metrics.jsonl and asks TensorBoard to purge its events after K: the steps it
-trains again replace those rows instead of repeating them. `read_metrics`
+trains again replace those rows instead of repeating them. A run that starts with
+no step of its own (a retry after an attempt killed before its first save)
+removes the earlier attempts' event files from tb/ instead: TensorBoard's data
+server purges a tag only where that tag is logged again, so their validation
+points at steps the retry never validates at stayed on its curve. `read_metrics`
 reads files written before that rule (rows repeated after a restart) the same
 way: a step going backwards starts a new segment that replaces what came
 after it. A value that is not finite (a diverged loss, the MFU of a GPU
@@ -154,6 +158,9 @@ class RunLogger:
         self._jsonl = open(self.metrics_path, "a", buffering=1)
         if self._tensorboard:
             from tensorboardX import SummaryWriter
+            if self._start_step == 0:   # every event there is of an attempt this run replaces (module docstring)
+                for events in (self.run_dir / "tb").glob("events.out.tfevents.*"):
+                    events.unlink(missing_ok=True)
             # flushed every second, not tensorboardX's two minutes: a run killed (the OOM killer) lost the events
             # its writer still held, of steps already saved, which the resumed run never logs again
             self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._start_step + 1,

@@ -105,6 +105,31 @@ def test_rows_after_the_resumed_step_are_dropped_only_once_a_step_replaces_them(
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_a_retry_with_no_step_replaces_the_earlier_attempts_tensorboard_events(tmp_path):
+    """An attempt killed before its first save, retried from step 0 with another train.eval_every: TensorBoard's
+    data server (its default loader) kept the earlier attempt's val_loss at steps the retry never validates at,
+    on the retry's curve, since it purges a tag only where the same tag is logged again."""
+    import time
+
+    attempt = RunLogger(tmp_path, start_step=0)
+    for step in (1, 2, 3, 4):
+        attempt.log(step, {"loss": 5.0, **({"val_loss": 6.0} if step % 2 == 0 else {})})
+    attempt.close()
+    earlier = set((tmp_path / "tb").iterdir())
+    RunLogger(tmp_path, start_step=0).close()   # stopped before its first step: nothing removed
+    assert set((tmp_path / "tb").iterdir()) == earlier
+    time.sleep(1.1)   # an event file is named by the second its writer opened it
+    resumed = RunLogger(tmp_path, start_step=2)   # a resume keeps the events of the steps it resumes after
+    resumed.log(3, {"loss": 4.0})
+    resumed.close()
+    assert earlier < set((tmp_path / "tb").iterdir())
+    time.sleep(1.1)
+    retry = RunLogger(tmp_path, start_step=0)
+    retry.log(1, {"loss": 4.0})
+    retry.close()
+    assert len(list((tmp_path / "tb").iterdir())) == 1 and not earlier & set((tmp_path / "tb").iterdir())
+
+
 def test_parameter_counts_are_computed_not_written_in_descriptions(capsys):
     for name in recipe_names():
         assert not re.search(r"\d[\d.]*\s*[MB] param", get_recipe(name).description), name
