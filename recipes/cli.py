@@ -315,6 +315,8 @@ def describe_error(err: BaseException) -> tuple[str, int]:
         return (f"{where}: {reason}" if where else reason), EXIT_USER_ERROR
     if isinstance(err, MemoryError):
         return f"out of host memory ({_one_line(str(err)) or 'MemoryError'})", EXIT_USER_ERROR
+    if (lost := _lost_another_process(err)) is not None:
+        return lost, EXIT_USER_ERROR
     if "RESOURCE_EXHAUSTED" in str(err):   # XLA could not allocate: the settings asked too much, not a bug
         return (f"out of memory ({_one_line(str(err))[:_MAX_INTERNAL_MESSAGE]}); `spillway plan` prices a "
                 f"recipe's memory before running it"), EXIT_USER_ERROR
@@ -323,6 +325,14 @@ def describe_error(err: BaseException) -> tuple[str, int]:
         message = message[:_MAX_INTERNAL_MESSAGE] + " ..."
     return (f"internal error, please report it: {message} (rerun with --debug for the traceback)",
             EXIT_INTERNAL_ERROR)
+
+
+def _lost_another_process(err: BaseException) -> str | None:
+    """The line for a step of a multi-process run that failed because another process went away, else None."""
+    if "spillway.recipes.train.distributed" not in sys.modules:   # no run of several processes started here
+        return None
+    from spillway.recipes.train.distributed import lost_another_process
+    return lost_another_process(err)
 
 
 def _leave_without_teardown(status: int) -> None:
@@ -362,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:   # noqa: BLE001 - every failure becomes one line; --debug shows the traceback
         message, status = describe_error(err)
         print(f"spillway {args.command}: error: {message}", file=sys.stderr)
+        if argv is None and _lost_another_process(err) is not None:
+            # jax.distributed's shutdown at exit waits for the lost process (its 100 s heartbeat), then aborts
+            # with pages of C++ log; the run let go of what it held on the way here
+            _leave_without_teardown(status)
         return status
 
 

@@ -97,6 +97,23 @@ def _check_port_free(coordinator: str, port: int) -> None:
                              f"({error.strerror}): pick a free port for every process") from None
 
 
+# What a CPU collective (gloo) says when the process across the connection is gone: killed, crashed, its host
+# lost. It says so at once; the step fails on every process still there.
+_PEER_GONE = ("by peer", "Broken pipe")
+
+
+def lost_another_process(error: BaseException) -> str | None:
+    """The line for a collective that failed because another process of the run went away, else None.
+
+    The failure is not this process's own, and nothing of it is lost: the run's checkpoints stay as saved."""
+    text = " ".join(str(error).split())
+    gloo = text.find("Gloo ")
+    if gloo < 0 or not any(sign in text for sign in _PEER_GONE):
+        return None
+    return (f"another process of this run stopped (killed, crashed or its host lost: {text[gloo:]}); "
+            f"the saved checkpoints are kept: start every process again to resume")
+
+
 def is_main_process() -> bool:
     return jax.process_index() == 0
 

@@ -110,6 +110,62 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     assert f"SIGTERM: saved step {steps[0]}" in outputs[0][0] + outputs[0][1]
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
+def test_a_killed_process_ends_the_other_at_once_in_one_line(tmp_path):
+    """The survivor's step failed at once (gloo: connection reset by peer), but it said "internal error, please
+    report it", then waited out jax.distributed's shutdown for the dead process (its 100 s heartbeat) and
+    aborted with pages of C++ log and a stack trace."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    command = _command(run_dir, tmp_path / "cache") + ["--set", "train.steps=100000",
+                                                       "--set", "checkpoint.every_steps=100000"]
+    port = _free_port()
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
+                                       SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
+             for i in range(2)]
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 400
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        _, err = procs[0].communicate(timeout=300)
+        took = time.time() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    lines = [line for line in err.replace("\r", "\n").splitlines() if "spillway train:" in line or " F1" in line
+             or "Check failure" in line]
+    assert procs[0].returncode == 2 and took < 60, (procs[0].returncode, took, err[-3000:])
+    assert lines == ["spillway train: error: another process of this run stopped (killed, crashed or its host "
+                     "lost: " + lines[0].split("its host lost: ", 1)[1]], err[-3000:]
+    assert "start every process again to resume" in lines[0]
+
+
+def test_a_collective_a_lost_process_broke_is_named_as_such():
+    """What gloo raises on the processes left when one dies: not "internal error, please report it"."""
+    from jax.errors import JaxRuntimeError
+
+    from spillway.recipes import cli
+    from spillway.recipes.train import distributed  # noqa: F401 - loaded by every `spillway train`
+
+    reset = JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+                            "Read error [127.0.0.1]:27027: Connection reset by peer")
+    assert cli.describe_error(reset) == (
+        "another process of this run stopped (killed, crashed or its host lost: Gloo all-reduce failed: "
+        "[external/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:27027: Connection reset by peer); "
+        "the saved checkpoints are kept: start every process again to resume", cli.EXIT_USER_ERROR)
+    other = JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: some other reason")
+    assert cli.describe_error(other)[0].startswith("internal error, please report it")
+
+
 @pytest.mark.parametrize("env, says", [
     ({"SPILLWAY_NUM_PROCESSES": "two"}, r"SPILLWAY_NUM_PROCESSES='two': a whole number from 1 is needed"),
     ({"SPILLWAY_NUM_PROCESSES": "0"}, r"SPILLWAY_NUM_PROCESSES='0': a whole number from 1"),
