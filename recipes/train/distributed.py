@@ -14,6 +14,7 @@ to stop, read one step late so it never stalls the device pipeline).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -95,6 +96,39 @@ def _check_port_free(coordinator: str, port: int) -> None:
         except OSError as error:
             raise ValueError(f"SPILLWAY_COORDINATOR={coordinator}: port {port} on process 0's host is in use "
                              f"({error.strerror}): pick a free port for every process") from None
+
+
+def check_same_recipe(recipe: dict) -> None:
+    """Every process runs the recipe process 0 runs (`Recipe.to_dict()`), else a ValueError naming the fields
+    that differ, on every process alike. Another checkpoint.dir trained one step apart and then hung every
+    process at the first save; another model would compile collectives that never meet."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+    mine = np.frombuffer(json.dumps(recipe, sort_keys=True).encode(), np.uint8)
+    longest = int(np.max(multihost_utils.process_allgather(np.int32(mine.size))))
+    padded = np.zeros(longest, np.uint8)
+    padded[:mine.size] = mine
+    every = [json.loads(bytes(row).rstrip(b"\0")) for row in multihost_utils.process_allgather(padded)]
+    first = _flat(every[0])
+    for index, other in enumerate(map(_flat, every)):
+        differing = [f"{name}={first.get(name)!r} vs {other.get(name)!r}"
+                     for name in sorted(set(first) | set(other)) if first.get(name) != other.get(name)]
+        if differing:
+            shown = "; ".join(differing[:4]) + (f"; {len(differing) - 4} more" if len(differing) > 4 else "")
+            raise ValueError(f"process {index} was given another recipe than process 0 ({shown}; process 0's "
+                             f"first): run the same command, with the same --set, on every process")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"train.steps": 6, ...} from the nested recipe dict."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 # What a CPU collective (gloo) says when the process across the connection is gone: killed, crashed, its host

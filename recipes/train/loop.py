@@ -174,6 +174,7 @@ def run_checks(recipe: Recipe, echo, host_ram_gb: float | None):
     distributed.maybe_initialize()
     main = distributed.is_main_process()
     say = echo if main else (lambda *a, **k: None)
+    distributed.check_same_recipe(recipe.to_dict())  # all processes train one run, or none does
     recipe = resolve_init_from(recipe, say)  # an hf: checkpoint must be this model (it brings its tokenizer)
     check_hf_tensors(recipe)  # ... and hold its tensors, named and shaped as the model's: before data is prepared
     check_not_its_own_source(recipe)  # init_from == checkpoint.dir: say so, not a tokenizer mismatch later

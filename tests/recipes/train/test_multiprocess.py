@@ -166,6 +166,56 @@ def test_a_collective_a_lost_process_broke_is_named_as_such():
     assert cli.describe_error(other)[0].startswith("internal error, please report it")
 
 
+@pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
+def test_processes_given_different_recipes_are_refused_in_one_line(tmp_path):
+    """Another checkpoint.dir on process 1 trained apart from process 0 and then hung both at the first save."""
+    port = _free_port()
+    procs = [subprocess.Popen(_command(tmp_path / f"run{i}", tmp_path / "cache"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
+                                       SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
+             for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    says = (f"spillway train: error: process 1 was given another recipe than process 0 (checkpoint.dir="
+            f"'{tmp_path / 'run0'}' vs '{tmp_path / 'run1'}'; process 0's first): run the same command, with the "
+            f"same --set, on every process")
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 2 and err.splitlines()[-1] == says, err[-3000:]
+    assert not (tmp_path / "run0").exists() and not (tmp_path / "run1").exists()
+
+
+def test_the_fields_two_processes_differ_in_are_named(monkeypatch):
+    """Each field with process 0's value and the other's: a user sees which --set went astray."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from spillway.recipes.registry import get_recipe
+    from spillway.recipes.train import distributed
+
+    mine = get_recipe("tiny").to_dict()
+    theirs = {**mine, "model": {**mine["model"], "d_model": 1}, "train": {**mine["train"], "steps": 7}}
+
+    def allgather(value):   # what the two processes give, each with its own recipe
+        if np.ndim(value) == 0:   # the lengths
+            return np.array([len(json.dumps(r, sort_keys=True)) for r in (mine, theirs)], np.int32)
+        longest = value.size
+        rows = [json.dumps(r, sort_keys=True).encode().ljust(longest, b"\0") for r in (mine, theirs)]
+        return np.stack([np.frombuffer(row, np.uint8) for row in rows])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    with pytest.raises(ValueError, match=rf"process 1 was given another recipe than process 0 \(model.d_model="
+                                         rf"{mine['model']['d_model']} vs 1; train.steps={mine['train']['steps']} "
+                                         rf"vs 7; process 0's first\)"):
+        distributed.check_same_recipe(mine)
+
+
 @pytest.mark.parametrize("env, says", [
     ({"SPILLWAY_NUM_PROCESSES": "two"}, r"SPILLWAY_NUM_PROCESSES='two': a whole number from 1 is needed"),
     ({"SPILLWAY_NUM_PROCESSES": "0"}, r"SPILLWAY_NUM_PROCESSES='0': a whole number from 1"),
