@@ -98,9 +98,14 @@ def _check_port_free(coordinator: str, port: int) -> None:
                              f"({error.strerror}): pick a free port for every process") from None
 
 
+# Recipe fields that are each host's own: a token cache on the host's local disk, the host's cores for
+# tokenizing. The rows they make are the same wherever they are made.
+MAY_DIFFER_PER_PROCESS = frozenset({"data.cache_dir", "data.num_proc"})
+
+
 def check_same_recipe(recipe: dict) -> None:
-    """Every process runs the recipe process 0 runs (`Recipe.to_dict()`), else a ValueError naming the fields
-    that differ, on every process alike. Another checkpoint.dir trained one step apart and then hung every
+    """Every process runs the recipe process 0 runs (`Recipe.to_dict()`; but MAY_DIFFER_PER_PROCESS), else a
+    ValueError naming the fields that differ, on every process alike. Another checkpoint.dir trained one step apart and then hung every
     process at the first save; another model would compile collectives that never meet."""
     if jax.process_count() == 1:
         return
@@ -113,7 +118,8 @@ def check_same_recipe(recipe: dict) -> None:
     first = _flat(every[0])
     for index, other in enumerate(map(_flat, every)):
         differing = [f"{name}={first.get(name)!r} vs {other.get(name)!r}"
-                     for name in sorted(set(first) | set(other)) if first.get(name) != other.get(name)]
+                     for name in sorted(set(first) | set(other))
+                     if name not in MAY_DIFFER_PER_PROCESS and first.get(name) != other.get(name)]
         if differing:
             shown = "; ".join(differing[:4]) + (f"; {len(differing) - 4} more" if len(differing) > 4 else "")
             raise ValueError(f"process {index} was given another recipe than process 0 ({shown}; process 0's "
