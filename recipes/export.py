@@ -178,11 +178,10 @@ def _check_not_a_run(out_dir: Path) -> None:
 def export_run(path: str, out_dir: str, *, adapter: bool = False, dtype: str | None = None, say=print) -> Path:
     """Write the Hugging Face (or, with `adapter`, PEFT) folder of the run or step `path` into `out_dir`."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
+    from spillway.recipes.train.checkpoint_dirs import without_hf_prefix
     from spillway.recipes.train.tokenization_record import require_tokenizer_copy
 
-    if path.startswith("hf:") and not Path(path).exists() and Path(path[3:]).expanduser().exists():
-        path = path[3:]   # as train's init_from spells a folder: said "hf:DIR: no such checkpoint directory"
-    step_dir = resolve_step_dir(path)
+    step_dir = resolve_step_dir(without_hf_prefix(path))
     recipe = saved_recipe(step_dir)
     if adapter and not recipe.lora.enabled:
         raise ConfigError(f"--adapter: the run at {path} has no LoRA adapters (lora.rank is 0, every weight "

@@ -39,14 +39,12 @@ def generate_from_checkpoint(path: str, prompt: str | None, *, max_new_tokens: i
     chat template (the one it trained with, kept in RUN_DIR/tokenizer_config.json), sampled until the
     end-of-turn token, and only the answer returned."""
     from spillway.recipes.train.checkpoint import resolve_step_dir, run_dir_of
-    from spillway.recipes.train.checkpoint_dirs import steps_beside
+    from spillway.recipes.train.checkpoint_dirs import steps_beside, without_hf_prefix
     from spillway.recipes.train.step import abstract_model, abstract_with_shardings
     from spillway.recipes.train.tokenization_record import require_tokenizer_copy, run_tokenizer
 
     warn = warn or (lambda line: print(line, file=sys.stderr))
-    if path.startswith("hf:") and not Path(path).exists() and Path(path[3:]).expanduser().exists():
-        path = path[3:]   # as train's init_from spells a folder: said "hf:DIR does not exist" of a run's DIR
-    path = Path(path).expanduser()   # a quoted `~/run` as export and init_from read it
+    path = Path(without_hf_prefix(path)).expanduser()   # a quoted `~/run` as export and init_from read it
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist{steps_beside(path)}")
     if is_hf_checkpoint_folder(path):   # an export, or a download: "no finalised step folder" said nothing of it

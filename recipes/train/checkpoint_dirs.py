@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
@@ -74,6 +75,15 @@ def checkpoint_dir_of(path: str | os.PathLike) -> epath.Path:
     path = _absolute(path)
     if not _is_step_dir(path) and (path / CHECKPOINTS_DIRNAME).is_dir():
         return path / CHECKPOINTS_DIRNAME
+    return path
+
+
+def without_hf_prefix(path: str) -> str:
+    """`path` as a folder: train's `hf:` spelling (checkpoint.init_from=hf:DIR) dropped where DIR exists and
+    `hf:DIR` itself does not, so that `generate` and `export` find a run or a Hugging Face folder named so (they
+    said "hf:DIR does not exist" of a DIR that is there)."""
+    if path.startswith("hf:") and not Path(path).exists() and Path(path[3:]).expanduser().exists():
+        return path[3:]
     return path
 
 
