@@ -146,19 +146,20 @@ def render_search(p: Plan) -> list[str]:
     unit = "tokens" if axis == "seq_len" else "sequences"
     lines = [f"  search: largest {axis} that fits, per plan (multiples of {search['step']} {unit}, "
              f"cap {search['cap']})"]
+    results = search["results"]
+    candidates = [Candidate.from_dict(r) for r in results]   # each row's, read once
     # columns as wide as their longest entry: a recipe's activation plan or split placement outgrew fixed widths
-    plan_width = max([len("plan"), *(len(r["activations"]) for r in search["results"])])
-    settings_width = max([len("settings"), *(len(Candidate.from_dict(r).placement_label) for r in search["results"])])
+    plan_width = max([len("plan"), *(len(r["activations"]) for r in results)])
+    settings_width = max([len("settings"), *(len(c.placement_label) for c in candidates)])
     header = (f"  {'plan':{plan_width}s} {'settings':{settings_width}s} {axis:>10s}  {'compiles':>8s} "
               f"{'seconds':>8s}  notes")
     lines += [header, "  " + "-" * (len(header) - 2)]
-    best_baseline = max((r["best"] or 0 for r in search["results"]
-                         if Candidate.from_dict(r).no_offload), default=0)
+    best_baseline = max((r["best"] or 0 for r, c in zip(results, candidates) if c.no_offload), default=0)
     # a plan whose offload XLA dropped (the table above) offloads nothing at any length: said beside its figure
     dropped = {row.candidate.label for row in p.rows if dropped_offload(row.candidate, row.report)}
-    for r in search["results"]:
+    for r, candidate in zip(results, candidates):
         notes = []
-        if Candidate.from_dict(r).label in dropped:
+        if candidate.label in dropped:
             notes.append("offload dropped in the compiled step (table above): not a plan to take")
         if r["at_cap"]:
             notes.append("fits at the cap")
@@ -166,11 +167,11 @@ def render_search(p: Plan) -> list[str]:
             notes.append(f"unresolved between {r['best']} and {r['first_fail']}")
         if r["errors"]:
             notes.append(r["errors"][0].splitlines()[0][:120])
-        if Candidate.from_dict(r).no_offload:
+        if candidate.no_offload:
             notes.append("no offload")
         elif best_baseline and r["best"]:
             notes.append(f"{r['best'] / best_baseline:.1f}x the best without offload")
-        lines.append(f"  {r['activations']:{plan_width}s} {Candidate.from_dict(r).placement_label:{settings_width}s} "
+        lines.append(f"  {r['activations']:{plan_width}s} {candidate.placement_label:{settings_width}s} "
                      f"{'none' if r['best'] is None else r['best']:>10} {r['compiles']:8d} {r['seconds']:8.1f}  "
                      + "; ".join(notes))
     return lines
