@@ -235,10 +235,11 @@ def _before_data(recipe: Recipe, run_dir: Path, checkpointer, say, named_base: s
     from spillway.recipes.train.resume import steps_to_try
     from spillway.recipes.train.tokenization_record import kept_tokenizer_file, recorded_bos
 
-    resuming = recipe.train.resume and bool(checkpointer.all_steps())
+    steps = checkpointer.all_steps() if recipe.train.resume else []
+    resuming = bool(steps)
     if resuming and not recipe.checkpoint.init_from:   # a fine-tune resumed without naming its source again
         try:
-            recipe = keep_started_source(recipe, checkpointer.read_recipe_json(checkpointer.all_steps()[-1]))
+            recipe = keep_started_source(recipe, checkpointer.read_recipe_json(steps[-1]))
         except CorruptCheckpointError:
             pass   # a step without its recipe: the restore sets it aside and tries the one before
     if recipe.checkpoint.init_from and hf_checkpoint_dir(recipe.checkpoint.init_from) is None:
