@@ -42,6 +42,24 @@ def _losses(run_dir):
     return [r["loss"] for r in rows if "loss" in r]
 
 
+def _two_processes(command_of, port: int) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of one run (2 devices each, process 0 at `port`), process i running `command_of(i)`."""
+    return [subprocess.Popen(command_of(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
+                                      SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
+            for i in range(2)]
+
+
+def _until_logged(procs, metrics, rows: int) -> None:
+    """Waits (400 s at most) until `metrics` holds `rows` rows, every process still running."""
+    import time
+
+    deadline = time.time() + 400
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= rows):
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        time.sleep(0.5)
+
+
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_two_processes_match_one(tmp_path):
     cache = tmp_path / "cache"
@@ -49,15 +67,11 @@ def test_two_processes_match_one(tmp_path):
                             timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
 
-    port = _free_port()
     # with the closing sample asked for (the default): process 0 sampled alone from weights sharded over both
     # processes and waited forever, the other at the end barrier; it says how to sample instead now
     multi_command = _command(tmp_path / "multi", cache) + ["--set", "train.sample_tokens=8"]
-    procs = [subprocess.Popen(multi_command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True,
-                              env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
-                                       SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
-             for i in range(2)]
+    port = _free_port()
+    procs = _two_processes(lambda i: multi_command, port)
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
@@ -76,24 +90,16 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     """Preemption notices may reach only some hosts: a save only some processes enter would hang. Both
     processes must agree on the step (recipes/train/preemption.py), save it together and exit 143."""
     import signal
-    import time
 
     from spillway.recipes.train.checkpoint import RunCheckpointer
 
     run_dir = tmp_path / "run"
     command = _command(run_dir, tmp_path / "cache") + ["--set", "train.steps=100000",
                                                        "--set", "checkpoint.every_steps=100000"]
-    port = _free_port()
-    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
-                                       SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
-             for i in range(2)]
+    procs = _two_processes(lambda i: command, _free_port())
+    metrics = run_dir / "metrics.jsonl"
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.time() + 400
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            time.sleep(0.5)
+        _until_logged(procs, metrics, 3)
         procs[1].send_signal(signal.SIGTERM)  # process 1 only
         outputs = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -121,19 +127,11 @@ def test_a_killed_process_ends_the_other_at_once_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     command = _command(run_dir, tmp_path / "cache") + ["--set", "train.steps=100000",
                                                        "--set", "checkpoint.every_steps=100000"]
-    port = _free_port()
-    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
-                                       SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
-             for i in range(2)]
+    procs = _two_processes(lambda i: command, _free_port())
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.time() + 400
         # in steady training: a kill in the first steps can find the other inside jax's C++, setting up a
         # collective's first use, where only jax's heartbeat (100 s, then an abort) ends it
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 10):
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            time.sleep(0.5)
+        _until_logged(procs, run_dir / "metrics.jsonl", 10)
         procs[1].send_signal(signal.SIGKILL)
         killed_at = time.time()
         _, err = procs[0].communicate(timeout=300)
@@ -171,12 +169,7 @@ def test_a_collective_a_lost_process_broke_is_named_as_such():
 @pytest.mark.slow  # in `make test-slow` (CI runs it): minutes on 2 cores
 def test_processes_given_different_recipes_are_refused_in_one_line(tmp_path):
     """Another checkpoint.dir on process 1 trained apart from process 0 and then hung both at the first save."""
-    port = _free_port()
-    procs = [subprocess.Popen(_command(tmp_path / f"run{i}", tmp_path / "cache"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=_env(2, SPILLWAY_NUM_PROCESSES="2", SPILLWAY_PROCESS_ID=str(i),
-                                       SPILLWAY_COORDINATOR=f"127.0.0.1:{port}"))
-             for i in range(2)]
+    procs = _two_processes(lambda i: _command(tmp_path / f"run{i}", tmp_path / "cache"), _free_port())
     try:
         outputs = [p.communicate(timeout=240) for p in procs]
     finally:
