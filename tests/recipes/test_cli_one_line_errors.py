@@ -73,16 +73,23 @@ def saved_source_run(source, recipe_json: str):
                           meta={"step": 1}, recipe_json=recipe_json, force=True)
 
 
+def refused_fine_tune(recipe: str, source, out_dir, capsys, *sets: str) -> list[str]:
+    """The error lines of `spillway train RECIPE` fine-tuning from `source` into `out_dir`, refused before any
+    data is prepared."""
+    status, err, out = run_cli(recipe, "--set", f"checkpoint.init_from={source}", *sets,
+                               "--set", f"checkpoint.dir={out_dir}", capsys=capsys)
+    assert status == 2
+    assert "data:" not in out
+    return err
+
+
 def test_finetuning_from_a_run_of_another_family_names_both_families(tmp_path, capsys):
     source = tmp_path / "runs" / "tiny"   # a llama run's checkpoint: its saved recipe says the family
     saved_source_run(source, get_recipe("tiny").to_json())
-    status, err, out = run_cli("gemma2_tiny", "--set", f"checkpoint.init_from={source}",
-                               "--set", f"checkpoint.dir={tmp_path / 'runs' / 'gemma'}", capsys=capsys)
-    assert status == 2
+    err = refused_fine_tune("gemma2_tiny", source, tmp_path / "runs" / "gemma", capsys)
     assert err == [f"spillway train: error: checkpoint.init_from={source}: that run trained a llama model (recipe "
                    f"'tiny'), but recipe 'gemma2_tiny' builds a gemma2 model; fine-tune it with a llama recipe, or "
                    f"start from a gemma2 run"]
-    assert "data:" not in out
 
 
 def test_finetuning_a_run_of_a_users_block_with_the_block_unset_is_refused(tmp_path, capsys):
@@ -94,13 +101,10 @@ def test_finetuning_a_run_of_a_users_block_with_the_block_unset_is_refused(tmp_p
     saved["block"] = "my_blocks:ParallelBlock"
     source = tmp_path / "runs" / "par"
     saved_source_run(source, json.dumps(saved))
-    status, err, out = run_cli("tiny", "--set", f"checkpoint.init_from={source}",
-                               "--set", f"checkpoint.dir={tmp_path / 'runs' / 'ft'}", capsys=capsys)
-    assert status == 2
+    err = refused_fine_tune("tiny", source, tmp_path / "runs" / "ft", capsys)
     assert err == [f"spillway train: error: checkpoint.init_from={source}: that run trained the block "
                    f"my_blocks:ParallelBlock, and this recipe builds llama's own: set block=my_blocks:ParallelBlock "
                    f"to fine-tune it (or a block of your choice, set on purpose)"]
-    assert "data:" not in out
 
 
 def test_finetuning_a_run_of_another_shape_names_the_model_fields_before_the_data(tmp_path, capsys):
@@ -108,14 +112,11 @@ def test_finetuning_a_run_of_another_shape_names_the_model_fields_before_the_dat
     nine misshapen arrays and no setting to change."""
     source = tmp_path / "runs" / "tiny"
     saved_source_run(source, get_recipe("tiny").to_json())
-    status, err, out = run_cli("tiny", "--set", f"checkpoint.init_from={source}", "--set", "model.num_layers=2",
-                               "--set", "model.max_seq_len=256",   # bounds the positions alone: may differ
-                               "--set", f"checkpoint.dir={tmp_path / 'runs' / 'ft'}", capsys=capsys)
-    assert status == 2
+    err = refused_fine_tune("tiny", source, tmp_path / "runs" / "ft", capsys, "--set", "model.num_layers=2",
+                            "--set", "model.max_seq_len=256")   # max_seq_len bounds the positions alone: may differ
     assert err == [f"spillway train: error: checkpoint.init_from={source}: recipe 'tiny' differs from the model that "
                    f"run trained in model.num_layers (recipe 2, that run 4); a fine-tune starts from its weights as "
                    f"they are: match it with --set model.num_layers=4, or train without checkpoint.init_from"]
-    assert "data:" not in out
 
 
 @pytest.fixture(scope="module")
